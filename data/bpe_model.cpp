@@ -1,0 +1,214 @@
+#include "data/bpe_model.h"
+
+#include <algorithm>
+#include <climits>
+#include <functional>
+#include <mutex>
+#include <queue>
+
+#include "data/utf8.h"
+#include "kernels/error.h"
+
+namespace qtrain::data {
+
+namespace {
+
+// A merge line: "left right" (older files) or ["left", "right"].
+std::pair<std::string, std::string> merge_parts(const JsonNode& entry) {
+  if (entry.value().is_string()) {
+    const std::string line = entry.as_string();
+    const size_t space = line.find(' ');
+    if (space == std::string::npos || line.find(' ', space + 1) != std::string::npos) {
+      entry.fail("must be two tokens separated by one space, got '" + line + "'");
+    }
+    return {line.substr(0, space), line.substr(space + 1)};
+  }
+  if (entry.value().is_array() && entry.size() == 2) return {entry.at(0).as_string(), entry.at(1).as_string()};
+  entry.fail("must be \"left right\" or a list of two strings");
+}
+
+}  // namespace
+
+BpeModel::BpeModel(const JsonNode& config) {
+  const JsonNode type = config.at("type");
+  if (type.as_string() != "BPE") {
+    type.fail("'" + type.as_string() + "' is not supported (expected 'BPE': qtrain reads byte-level BPE tokenizers)");
+  }
+  if (config.bool_or("byte_fallback", false)) {
+    config.at("byte_fallback").fail("true is not supported yet: sentencepiece-style BPE with byte fallback "
+                                    "(Llama 2, Mistral) is not implemented; byte-level BPE (Llama 3, GPT-2, Qwen) is");
+  }
+  if (auto dropout = config.find("dropout"); dropout && dropout->as_number() != 0.0) {
+    dropout->fail("is not supported (BPE dropout randomises tokenization; set it to null)");
+  }
+  for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"}) {
+    if (auto affix = config.find(key); affix && !affix->as_string().empty()) {
+      affix->fail("'" + affix->as_string() + "' is not supported (byte-level BPE tokenizers leave it null)");
+    }
+  }
+  ignore_merges_ = config.bool_or("ignore_merges", false);
+  fuse_unknown_ = config.bool_or("fuse_unk", false);
+
+  const JsonNode vocab = config.at("vocab");
+  if (!vocab.value().is_object()) vocab.fail("must be an object of token: id");
+  int64_t largest_id = -1;
+  for (const auto& [token, id_value] : vocab.value().items()) {
+    const int64_t id = JsonNode(id_value, vocab.file(), vocab.path() + "[\"" + token + "\"]").as_integer();
+    if (id < 0 || id > INT32_MAX) vocab.fail("has the id " + std::to_string(id) + " for '" + token + "' (ids must be 0..2^31)");
+    vocab_[token] = static_cast<int32_t>(id);
+    largest_id = std::max(largest_id, id);
+  }
+  tokens_.assign(static_cast<size_t>(largest_id + 1), std::string());
+  id_in_vocab_.assign(tokens_.size(), false);
+  single_character_id_.fill(-1);
+  for (const auto& [token, id] : vocab_) {
+    tokens_[id] = token;
+    id_in_vocab_[id] = true;
+    const utf8::Character first = utf8::character_at(token, 0);
+    if (!token.empty() && first.length == token.size() && first.code_point < single_character_id_.size()) {
+      single_character_id_[first.code_point] = id;
+    }
+  }
+
+  if (auto unknown = config.find("unk_token")) {
+    const std::string token = unknown->as_string();
+    auto found = vocab_.find(token);
+    if (found == vocab_.end()) unknown->fail("'" + token + "' is not in model.vocab");
+    unknown_id_ = found->second;
+  }
+  read_merges(config.at("merges"));
+}
+
+void BpeModel::read_merges(const JsonNode& merges) {
+  const size_t count = merges.size();
+  merges_.reserve(count);
+  for (size_t rank = 0; rank < count; ++rank) {
+    const JsonNode entry = merges.at(rank);
+    const auto [left, right] = merge_parts(entry);
+    const auto left_id = token_to_id(left);
+    const auto right_id = token_to_id(right);
+    const auto merged_id = token_to_id(left + right);
+    if (!left_id || !right_id || !merged_id) {
+      const std::string& missing = !left_id ? left : !right_id ? right : left + right;
+      entry.fail("merges '" + left + "' and '" + right + "', but '" + missing + "' is not in model.vocab");
+    }
+    // A repeated pair keeps its last rank, as tokenizers' HashMap collect does.
+    merges_[pair_key(static_cast<int32_t>(*left_id), static_cast<int32_t>(*right_id))] =
+        Merge{static_cast<int32_t>(rank), static_cast<int32_t>(*merged_id)};
+  }
+}
+
+std::optional<int64_t> BpeModel::token_to_id(const std::string& token) const {
+  auto found = vocab_.find(token);
+  if (found == vocab_.end()) return std::nullopt;
+  return found->second;
+}
+
+const std::string* BpeModel::id_to_token(int64_t id) const {
+  if (id < 0 || id >= id_limit() || !id_in_vocab_[id]) return nullptr;
+  return &tokens_[id];
+}
+
+std::vector<int32_t> BpeModel::merge_word(const std::string& piece) const {
+  // The word as a doubly linked list of symbols; merged-away symbols get length 0.
+  struct Symbol {
+    int32_t id;
+    int32_t previous;
+    int32_t next;
+    bool removed;
+  };
+  std::vector<Symbol> symbols;
+  symbols.reserve(piece.size());
+  bool previous_was_unknown = false;
+  for (size_t position = 0; position < piece.size();) {
+    const utf8::Character character = utf8::character_at(piece, position);
+    int32_t id = character.code_point < single_character_id_.size() ? single_character_id_[character.code_point] : -1;
+    if (id < 0 && character.code_point >= single_character_id_.size()) {
+      auto found = vocab_.find(piece.substr(position, character.length));
+      if (found != vocab_.end()) id = found->second;
+    }
+    position += character.length;
+    if (id < 0) {
+      // Without unk_token an unknown character is dropped, as in tokenizers.
+      if (!unknown_id_) continue;
+      if (fuse_unknown_ && previous_was_unknown) continue;
+      id = *unknown_id_;
+      previous_was_unknown = true;
+    } else {
+      previous_was_unknown = false;
+    }
+    const auto index = static_cast<int32_t>(symbols.size());
+    symbols.push_back({id, index - 1, index + 1, false});
+  }
+  if (symbols.empty()) return {};
+  symbols.back().next = -1;
+
+  struct Candidate {
+    int32_t rank;
+    int32_t position;
+    int32_t merged_id;
+    bool operator>(const Candidate& other) const {
+      return rank != other.rank ? rank > other.rank : position > other.position;
+    }
+  };
+  std::priority_queue<Candidate, std::vector<Candidate>, std::greater<Candidate>> queue;
+  auto find_merge = [&](int32_t left, int32_t right) -> const Merge* {
+    auto found = merges_.find(pair_key(symbols[left].id, symbols[right].id));
+    return found == merges_.end() ? nullptr : &found->second;
+  };
+  for (int32_t i = 0; i + 1 < static_cast<int32_t>(symbols.size()); ++i) {
+    if (const Merge* merge = find_merge(i, i + 1)) queue.push({merge->rank, i, merge->merged_id});
+  }
+  while (!queue.empty()) {
+    const Candidate top = queue.top();
+    queue.pop();
+    Symbol& left = symbols[top.position];
+    if (left.removed || left.next < 0) continue;
+    // Skip entries made stale by an earlier merge of either side.
+    const Merge* current = find_merge(top.position, left.next);
+    if (current == nullptr || current->merged_id != top.merged_id) continue;
+    Symbol& right = symbols[left.next];
+    left.id = top.merged_id;
+    right.removed = true;
+    left.next = right.next;
+    if (left.next >= 0) symbols[left.next].previous = top.position;
+    if (left.previous >= 0) {
+      if (const Merge* merge = find_merge(left.previous, top.position)) {
+        queue.push({merge->rank, left.previous, merge->merged_id});
+      }
+    }
+    if (left.next >= 0) {
+      if (const Merge* merge = find_merge(top.position, left.next)) queue.push({merge->rank, top.position, merge->merged_id});
+    }
+  }
+  std::vector<int32_t> ids;
+  for (int32_t i = 0; i >= 0; i = symbols[i].next) ids.push_back(symbols[i].id);
+  return ids;
+}
+
+void BpeModel::encode(const std::string& piece, std::vector<int64_t>& ids) const {
+  if (piece.empty()) return;
+  if (ignore_merges_) {
+    // A pre-token that is itself a token is taken whole, without merging (Llama 3).
+    if (auto found = vocab_.find(piece); found != vocab_.end()) {
+      ids.push_back(found->second);
+      return;
+    }
+  }
+  const bool cacheable = piece.size() <= kCacheMaxWordBytes;
+  if (cacheable) {
+    std::shared_lock lock(cache_mutex_);
+    if (auto hit = cache_.find(piece); hit != cache_.end()) {
+      ids.insert(ids.end(), hit->second.begin(), hit->second.end());
+      return;
+    }
+  }
+  std::vector<int32_t> word = merge_word(piece);
+  ids.insert(ids.end(), word.begin(), word.end());
+  if (cacheable) {
+    std::unique_lock lock(cache_mutex_);
+    if (cache_.size() < kCacheCapacity) cache_.emplace(piece, std::move(word));
+  }
+}
+
+}  // namespace qtrain::data

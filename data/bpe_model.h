@@ -1,0 +1,64 @@
+#pragma once
+// The BPE model of an HF tokenizer.json ("model": {"type": "BPE", ...}): a vocabulary of
+// token strings and a ranked list of merges. A pre-token is split into characters, each
+// looked up in the vocabulary, then the adjacent pair of lowest merge rank is merged, again
+// and again, as tokenizers' Word::merge_all does (leftmost first among equal ranks).
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <shared_mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "data/json_node.h"
+
+namespace qtrain::data {
+
+class BpeModel {
+ public:
+  // The "model" value of tokenizer.json. Error naming the key for a model type other than
+  // BPE or an option we do not implement (byte_fallback, dropout, subword prefixes).
+  explicit BpeModel(const JsonNode& config);
+  BpeModel(const BpeModel&) = delete;
+  BpeModel& operator=(const BpeModel&) = delete;
+
+  // Appends the ids of one pre-token. Thread-safe (it caches results behind a lock).
+  void encode(const std::string& piece, std::vector<int64_t>& ids) const;
+
+  std::optional<int64_t> token_to_id(const std::string& token) const;
+  // The token string of an id, or nullptr when the vocabulary has no such id.
+  const std::string* id_to_token(int64_t id) const;
+  // Number of tokens in the vocabulary (tokenizers' get_vocab_size).
+  size_t vocab_count() const { return vocab_.size(); }
+  // One past the largest id in the vocabulary.
+  int64_t id_limit() const { return static_cast<int64_t>(tokens_.size()); }
+
+ private:
+  struct Merge {
+    int32_t rank;
+    int32_t merged_id;
+  };
+  static uint64_t pair_key(int32_t left, int32_t right) {
+    return (static_cast<uint64_t>(static_cast<uint32_t>(left)) << 32) | static_cast<uint32_t>(right);
+  }
+  void read_merges(const JsonNode& merges);
+  std::vector<int32_t> merge_word(const std::string& piece) const;
+
+  std::unordered_map<std::string, int32_t> vocab_;
+  std::vector<std::string> tokens_;   // by id
+  std::vector<bool> id_in_vocab_;     // false for holes in the id range
+  std::array<int32_t, 512> single_character_id_;  // id of each one-character token below U+0200, else -1
+  std::unordered_map<uint64_t, Merge> merges_;     // (left id, right id) -> rank and merged id
+  bool ignore_merges_ = false;
+  std::optional<int32_t> unknown_id_;
+  bool fuse_unknown_ = false;
+
+  // Pre-tokens repeat a lot in natural text; their ids are kept (up to kCacheCapacity words).
+  static constexpr size_t kCacheCapacity = 100000;
+  static constexpr size_t kCacheMaxWordBytes = 256;
+  mutable std::shared_mutex cache_mutex_;
+  mutable std::unordered_map<std::string, std::vector<int32_t>> cache_;
+};
+
+}  // namespace qtrain::data

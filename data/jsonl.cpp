@@ -1,0 +1,44 @@
+#include "data/jsonl.h"
+
+#include <fstream>
+
+#include "kernels/error.h"
+
+namespace qtrain::data {
+
+void JsonlRecord::fail(const std::string& what) const {
+  throw Error(source + ":" + std::to_string(line) + ": " + what);
+}
+
+std::string JsonlRecord::string_field(const std::string& key) const {
+  auto found = value.find(key);
+  if (found == value.end()) fail("missing the field \"" + key + "\"");
+  if (!found->is_string()) fail("field \"" + key + "\" must be a string");
+  return found->get<std::string>();
+}
+
+void for_each_jsonl_record(std::istream& input, const std::string& source,
+                           const std::function<void(const JsonlRecord&)>& visit) {
+  std::string text;
+  int64_t line = 0;
+  while (std::getline(input, text)) {
+    ++line;
+    if (text.find_first_not_of(" \t\r") == std::string::npos) continue;
+    auto value = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+    if (value.is_discarded()) throw Error(source + ":" + std::to_string(line) + ": not valid JSON");
+    if (!value.is_object()) {
+      throw Error(source + ":" + std::to_string(line) + ": expected a JSON object per line, got " +
+                  std::string(value.type_name()));
+    }
+    visit(JsonlRecord{source, line, value});
+  }
+  if (input.bad()) throw Error(source + ": read error after line " + std::to_string(line));
+}
+
+void for_each_jsonl_record(const std::string& path, const std::function<void(const JsonlRecord&)>& visit) {
+  std::ifstream input(path);
+  if (!input) throw Error(path + ": cannot open (expected a JSONL file)");
+  for_each_jsonl_record(input, path, visit);
+}
+
+}  // namespace qtrain::data

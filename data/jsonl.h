@@ -1,0 +1,24 @@
+#pragma once
+// JSON Lines: one JSON object per line; blank lines are skipped. Errors name the file and line.
+#include <functional>
+#include <istream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+namespace qtrain::data {
+
+struct JsonlRecord {
+  const std::string& source;  // file name (or "<stdin>") for messages
+  int64_t line = 0;           // 1-based
+  const nlohmann::json& value;  // always an object
+
+  [[noreturn]] void fail(const std::string& what) const;
+  // The string field `key`; Error naming source:line when absent or not a string.
+  std::string string_field(const std::string& key) const;
+};
+
+void for_each_jsonl_record(std::istream& input, const std::string& source,
+                           const std::function<void(const JsonlRecord&)>& visit);
+void for_each_jsonl_record(const std::string& path, const std::function<void(const JsonlRecord&)>& visit);
+
+}  // namespace qtrain::data

@@ -1,0 +1,51 @@
+#pragma once
+// An HF fast tokenizer (tokenizer.json) with byte-level BPE, giving the ids that the
+// tokenizers library gives: Llama 3, GPT-2 and Qwen-style files. Pipeline, as in tokenizers:
+//   added tokens found in the raw text -> normalizer (none, or NFC) -> pre-tokenizer (regex
+//   split, byte-level mapping) -> BPE per pre-token -> post-processor (e.g. BOS first) when
+//   add_special_tokens.
+// Decoding maps byte-level characters back to bytes (invalid UTF-8 becomes U+FFFD).
+// A Tokenizer is cheap to copy (copies share one immutable model) and safe to use from
+// several threads at once.
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace qtrain::data {
+
+class Tokenizer {
+ public:
+  // Reads DIR/tokenizer.json, and DIR/tokenizer_config.json when present (bos_token,
+  // eos_token, pad_token names).
+  static Tokenizer from_model_dir(const std::string& model_dir);
+  // Reads one tokenizer.json; bos/eos/pad ids stay unset (no tokenizer_config.json).
+  static Tokenizer from_file(const std::string& tokenizer_json_path);
+
+  // add_special_tokens is transformers' flag: apply the post-processor template (e.g. BOS).
+  // Special-token text in `text` ("<|eot_id|>") is recognised either way.
+  std::vector<int64_t> encode(const std::string& text, bool add_special_tokens = true) const;
+  // Ids the tokenizer does not know are left out, as tokenizers does.
+  std::string decode(const std::vector<int64_t>& ids, bool skip_special_tokens = false) const;
+
+  // One past the largest id, added tokens included (transformers' len(tokenizer)).
+  int64_t vocab_size() const;
+  std::optional<int64_t> token_to_id(const std::string& token) const;
+  std::optional<std::string> id_to_token(int64_t id) const;
+  bool is_special(int64_t id) const;
+
+  std::optional<int64_t> bos_id() const;
+  std::optional<int64_t> eos_id() const;
+  std::optional<int64_t> pad_id() const;
+  // The token strings named by tokenizer_config.json (chat templates render bos_token).
+  std::optional<std::string> bos_token() const;
+  std::optional<std::string> eos_token() const;
+
+ private:
+  struct Impl;
+  explicit Tokenizer(std::shared_ptr<const Impl> impl) : impl_(std::move(impl)) {}
+  std::shared_ptr<const Impl> impl_;
+};
+
+}  // namespace qtrain::data

@@ -1,0 +1,21 @@
+#include "qat/linear.h"
+
+namespace qtrain::qat {
+
+DenseLinear::DenseLinear(const DenseLinearOptions& options) {
+  auto tensor_options = torch::TensorOptions().dtype(options.dtype);
+  weight_ = register_parameter("weight",
+                               torch::empty({options.out_features, options.in_features}, tensor_options));
+  // Same initialisation as torch.nn.Linear, for models built without a checkpoint.
+  torch::nn::init::kaiming_uniform_(weight_, std::sqrt(5.0));
+  if (options.bias) {
+    const double bound = 1.0 / std::sqrt(static_cast<double>(options.in_features));
+    bias_ = register_parameter("bias", torch::empty({options.out_features}, tensor_options).uniform_(-bound, bound));
+  }
+}
+
+torch::Tensor DenseLinear::forward(const torch::Tensor& input) {
+  return torch::nn::functional::linear(input, weight_, bias_);
+}
+
+}  // namespace qtrain::qat

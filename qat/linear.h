@@ -1,0 +1,45 @@
+#pragma once
+// The linear layers a model is built from. Every projection of the Llama model is a
+// `LinearLayer`, so QLoRA, LLM.int8 and QAT swap in their own kind (a frozen 4-bit base, an
+// adapter around it) without the model knowing which one it holds.
+#include <torch/torch.h>
+
+namespace qtrain::qat {
+
+class LinearLayer : public torch::nn::Module {
+ public:
+  // input [..., in_features] -> [..., out_features], in the input's dtype
+  virtual torch::Tensor forward(const torch::Tensor& input) = 0;
+  virtual int64_t in_features() const = 0;
+  virtual int64_t out_features() const = 0;
+  // The weight as a dense [out_features, in_features] tensor in `dtype` (what a merge or an
+  // export needs); quantized layers dequantize.
+  virtual torch::Tensor dense_weight(torch::ScalarType dtype) const = 0;
+  virtual torch::Tensor bias() const = 0;  // undefined tensor when the layer has none
+};
+
+struct DenseLinearOptions {
+  int64_t in_features = 0;
+  int64_t out_features = 0;
+  bool bias = false;
+  torch::ScalarType dtype = torch::kFloat32;
+};
+
+// y = x W^T + b with W [out, in]: torch::nn::Linear's math, registered under the names
+// Hugging Face uses (`weight`, `bias`).
+class DenseLinear : public LinearLayer {
+ public:
+  explicit DenseLinear(const DenseLinearOptions& options);
+  torch::Tensor forward(const torch::Tensor& input) override;
+  int64_t in_features() const override { return weight_.size(1); }
+  int64_t out_features() const override { return weight_.size(0); }
+  torch::Tensor dense_weight(torch::ScalarType dtype) const override { return weight_.to(dtype); }
+  torch::Tensor bias() const override { return bias_; }
+  const torch::Tensor& weight() const { return weight_; }
+
+ private:
+  torch::Tensor weight_;
+  torch::Tensor bias_;
+};
+
+}  // namespace qtrain::qat

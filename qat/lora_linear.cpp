@@ -1,0 +1,183 @@
+#include "qat/lora_linear.h"
+
+#include <cmath>
+#include <map>
+#include <regex>
+
+#include "kernels/error.h"
+
+namespace qtrain::qat {
+
+namespace F = torch::nn::functional;
+
+double LoraOptions::scale() const {
+  if (rank <= 0) throw Error("LoRA rank must be positive, got " + std::to_string(rank));
+  return rslora ? alpha / std::sqrt(static_cast<double>(rank)) : alpha / static_cast<double>(rank);
+}
+
+namespace {
+
+// The device the base layer's weights live on (a quantized base may hold only buffers).
+torch::Device device_of(const torch::nn::Module& module) {
+  for (const auto& parameter : module.parameters()) return parameter.device();
+  for (const auto& buffer : module.buffers()) return buffer.device();
+  return torch::kCPU;
+}
+
+}  // namespace
+
+LoraLinear::LoraLinear(std::shared_ptr<LinearLayer> base, const LoraOptions& options)
+    : base_(std::move(base)), options_(options), scale_(options.scale()) {
+  if (!base_) throw Error("LoraLinear needs a base layer, got none");
+  if (options_.dropout < 0.0 || options_.dropout >= 1.0) {
+    throw Error("LoRA dropout must be in [0, 1), got " + std::to_string(options_.dropout));
+  }
+  register_module("base_layer", base_);
+  for (auto& parameter : base_->parameters()) parameter.requires_grad_(false);
+
+  const auto device = device_of(*base_);
+  lora_A_ = register_module("lora_A", torch::nn::Linear(torch::nn::LinearOptions(in_features(), options_.rank).bias(false)));
+  lora_B_ = register_module("lora_B", torch::nn::Linear(torch::nn::LinearOptions(options_.rank, out_features()).bias(false)));
+  lora_A_->to(device, torch::kFloat32);
+  lora_B_->to(device, torch::kFloat32);
+  reset();
+}
+
+void LoraLinear::reset() {
+  torch::NoGradGuard no_grad;
+  torch::nn::init::kaiming_uniform_(lora_A_->weight, /*a=*/std::sqrt(5.0));
+  lora_B_->weight.zero_();
+}
+
+torch::Tensor LoraLinear::forward(const torch::Tensor& input) {
+  const auto dtype = input.scalar_type();
+  auto lora_input = options_.dropout > 0.0 ? F::dropout(input, F::DropoutFuncOptions().p(options_.dropout).training(is_training()))
+                                           : input;
+  // [..., in] -> [..., rank] -> [..., out], the order peft multiplies in: lora_B(lora_A(x)) * scale.
+  auto update = F::linear(F::linear(lora_input, lora_A_->weight.to(dtype)), lora_B_->weight.to(dtype));
+  return base_->forward(input) + update * scale_;
+}
+
+torch::Tensor LoraLinear::dense_weight(torch::ScalarType dtype) const {
+  auto merged = base_->dense_weight(torch::kFloat32) + scale_ * torch::matmul(lora_B_->weight, lora_A_->weight);
+  return merged.to(dtype);
+}
+
+void LoraLinear::pretty_print(std::ostream& stream) const {
+  stream << "qtrain::qat::LoraLinear(in_features=" << in_features() << ", out_features=" << out_features()
+         << ", rank=" << options_.rank << ", alpha=" << options_.alpha << ", scale=" << scale_
+         << ", dropout=" << options_.dropout << (options_.rslora ? ", rslora" : "") << ")";
+}
+
+namespace {
+
+bool has_regex_characters(const std::string& pattern) {
+  return pattern.find_first_of("*+?()[]{}|^$\\") != std::string::npos;
+}
+
+bool full_regex_match(const std::string& pattern, const std::string& text) {
+  try {
+    return std::regex_match(text, std::regex(pattern, std::regex::ECMAScript));
+  } catch (const std::regex_error& error) {
+    throw Error("target module pattern '" + pattern + "' is not a valid regular expression (" + error.what() + ")");
+  }
+}
+
+bool ends_with_component(const std::string& name, const std::string& suffix) {
+  if (name == suffix) return true;
+  return name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0 &&
+         name[name.size() - suffix.size() - 1] == '.';
+}
+
+// peft's "all-linear": every linear layer but the output projection.
+constexpr const char* kAllLinear = "all-linear";
+bool is_output_layer(const std::string& name) { return name == "lm_head"; }
+
+}  // namespace
+
+bool ModuleSelector::is_extended_entry(const std::string& entry) {
+  return entry == kAllLinear || has_regex_characters(entry);
+}
+
+bool ModuleSelector::matches(const std::string& module_name) const {
+  if (regex) {
+    if (*regex == kAllLinear) return !is_output_layer(module_name);
+    return full_regex_match(*regex, module_name);
+  }
+  for (const auto& entry : names) {
+    if (entry == kAllLinear) {
+      if (!is_output_layer(module_name)) return true;
+    } else if (has_regex_characters(entry) ? full_regex_match(entry, module_name)
+                                           : ends_with_component(module_name, entry)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+std::string ModuleSelector::describe() const {
+  if (regex) return "'" + *regex + "'";
+  std::string text = "[";
+  for (size_t index = 0; index < names.size(); ++index) text += (index ? ", \"" : "\"") + names[index] + "\"";
+  return text + "]";
+}
+
+bool LoraTargets::matches(const std::string& module_name) const {
+  return include.matches(module_name) && !exclude.matches(module_name);
+}
+
+std::vector<LoraTarget> find_lora_targets(const torch::nn::Module& root, const LoraTargets& targets) {
+  std::vector<LoraTarget> found;
+  std::vector<std::string> wrapped_prefixes;  // "<name>." of every LoraLinear: its insides are no targets
+  for (const auto& item : root.named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
+    const std::string& name = item.key();
+    bool inside_adapter = false;
+    for (const auto& prefix : wrapped_prefixes) inside_adapter |= name.compare(0, prefix.size(), prefix) == 0;
+    if (inside_adapter) continue;
+    if (std::dynamic_pointer_cast<LoraLinear>(item.value())) {
+      wrapped_prefixes.push_back(name + ".");
+      continue;
+    }
+    auto layer = std::dynamic_pointer_cast<LinearLayer>(item.value());
+    if (layer && targets.matches(name)) found.push_back({name, layer});
+  }
+  return found;
+}
+
+void replace_linear_layer(torch::nn::Module& parent, const std::string& child_name,
+                          std::shared_ptr<LinearLayer> layer) {
+  if (auto* owner = dynamic_cast<LinearLayerOwner*>(&parent)) {
+    owner->replace_linear(child_name, std::move(layer));
+  } else {
+    parent.replace_module(child_name, std::move(layer));
+  }
+}
+
+std::vector<std::string> apply_lora(torch::nn::Module& root, const LoraTargets& targets,
+                                    const LoraOptionsForModule& options_for) {
+  const auto found = find_lora_targets(root, targets);
+  if (found.empty()) {
+    throw Error("no linear layer matches the LoRA target modules " + targets.include.describe() +
+                " (module names look like 'model.layers.0.self_attn.q_proj')");
+  }
+  std::map<std::string, std::shared_ptr<torch::nn::Module>> modules;
+  for (const auto& item : root.named_modules("", /*include_self=*/false)) modules[item.key()] = item.value();
+
+  std::vector<std::string> wrapped;
+  for (const auto& target : found) {
+    const auto dot = target.name.rfind('.');
+    torch::nn::Module& parent = dot == std::string::npos ? root : *modules.at(target.name.substr(0, dot));
+    const std::string child_name = dot == std::string::npos ? target.name : target.name.substr(dot + 1);
+    auto lora = std::make_shared<LoraLinear>(target.layer, options_for(target.name));
+    lora->train(target.layer->is_training());  // a model in eval mode stays there: no dropout
+    replace_linear_layer(parent, child_name, lora);
+    wrapped.push_back(target.name);
+  }
+  return wrapped;
+}
+
+std::vector<std::string> apply_lora(torch::nn::Module& root, const LoraTargets& targets, const LoraOptions& options) {
+  return apply_lora(root, targets, [&](const std::string&) { return options; });
+}
+
+}  // namespace qtrain::qat

@@ -1,0 +1,143 @@
+// The qtrain executable as a user runs it: subcommands, --help, results and error messages.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "support.h"
+#include "trainer/safetensors.h"
+
+namespace qtrain {
+namespace {
+
+using testing::CommandResult;
+using testing::fixture;
+using testing::run_command;
+
+CommandResult qtrain(const std::string& arguments) {
+  return run_command(testing::qtrain_binary() + " " + arguments + " 2>&1");
+}
+
+std::string last_line(const std::string& output) {
+  auto end = output.find_last_not_of('\n');
+  if (end == std::string::npos) return "";
+  auto begin = output.rfind('\n', end);
+  return output.substr(begin == std::string::npos ? 0 : begin + 1, end - (begin == std::string::npos ? 0 : begin + 1) + 1);
+}
+
+// A user-facing error: exit status 2, a single line that says qtrain and error, never an abort.
+void expect_user_error(const CommandResult& result, const std::string& mentions) {
+  EXPECT_EQ(result.status, 2) << result.output;
+  EXPECT_NE(result.output.find(mentions), std::string::npos) << result.output;
+  EXPECT_EQ(result.output.find("terminate called"), std::string::npos) << result.output;
+  EXPECT_EQ(std::count(result.output.begin(), result.output.end(), '\n'), 1) << result.output;
+}
+
+TEST(Cli, HelpListsTheCommands) {
+  auto result = qtrain("--help");
+  EXPECT_EQ(result.status, 0);
+  for (const char* command : {"train", "eval", "tokenize", "inspect"}) {
+    EXPECT_NE(result.output.find(command), std::string::npos) << command;
+  }
+}
+
+TEST(Cli, SubcommandHelpListsEveryOptionWithItsDefault) {
+  auto result = qtrain("eval --help");
+  EXPECT_EQ(result.status, 0);
+  for (const char* option : {"--model", "--data", "--adapter", "--max-seq-len arg (=2048)", "--batch-size arg (=8)",
+                             "--dtype arg (=fp32)", "--device arg (=auto)", "--json"}) {
+    EXPECT_NE(result.output.find(option), std::string::npos) << option << "\n" << result.output;
+  }
+  for (const char* command : {"train --help", "tokenize --help", "inspect --help"}) {
+    EXPECT_EQ(qtrain(command).status, 0) << command;
+  }
+}
+
+TEST(Cli, EvalLossOnTokenIdsEqualsTransformers) {
+  auto reference = trainer::SafetensorsFile::open(fixture("tiny-llama-reference.safetensors"));
+  auto input_ids = reference.tensor("base.input_ids");
+  testing::TempDir directory;
+  {
+    std::ofstream data(directory.file("ids.jsonl"));
+    for (int64_t row = 0; row < input_ids.size(0); ++row) {
+      auto ids = input_ids[row];
+      std::vector<int64_t> values(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + ids.numel());
+      data << nlohmann::json{{"input_ids", values}}.dump() << "\n";
+    }
+  }
+  auto result = qtrain("eval --model " + fixture("tiny-llama") + " --data " + directory.file("ids.jsonl") +
+                       " --device cpu --batch-size 1 --json");
+  ASSERT_EQ(result.status, 0) << result.output;
+  auto summary = nlohmann::json::parse(last_line(result.output));
+  const double expected = reference.tensor("base.loss").item<double>();
+  EXPECT_NEAR(summary["loss"].get<double>(), expected, 1e-6 * expected);
+  EXPECT_EQ(summary["tokens"].get<int64_t>(), 2 * 47);
+  EXPECT_NEAR(summary["perplexity"].get<double>(), std::exp(expected), 1e-4);
+}
+
+TEST(Cli, TokenizeGivesTheTokenizersLibrarysIds) {
+  std::ifstream file(fixture("tokenizer-reference.json"));
+  const auto cases = nlohmann::json::parse(file);
+  testing::TempDir directory;
+  {
+    std::ofstream input(directory.file("texts.jsonl"));
+    for (const auto& item : cases) input << nlohmann::json{{"text", item["text"]}}.dump() << "\n";
+  }
+  for (const bool special : {true, false}) {
+    auto result = run_command(testing::qtrain_binary() + " tokenize --model " + fixture("tiny-llama") +
+                              (special ? "" : " --no-special") + " < " + directory.file("texts.jsonl"));
+    ASSERT_EQ(result.status, 0) << result.output;
+    std::istringstream lines(result.output);
+    std::string line;
+    for (const auto& item : cases) {
+      ASSERT_TRUE(std::getline(lines, line));
+      EXPECT_EQ(nlohmann::json::parse(line)["ids"], item[special ? "ids" : "ids_no_special"]) << item["text"];
+    }
+  }
+}
+
+TEST(Cli, DecodeInvertsTokenize) {
+  testing::TempDir directory;
+  std::ofstream(directory.file("in.jsonl")) << "{\"text\": \"The jury said, in 1961: \\\"fine\\\".\"}\n";
+  const auto model = " --model " + fixture("tiny-llama");
+  auto result = run_command(testing::qtrain_binary() + " tokenize --no-special" + model + " < " +
+                            directory.file("in.jsonl") + " | " + testing::qtrain_binary() + " tokenize --decode" + model);
+  ASSERT_EQ(result.status, 0) << result.output;
+  EXPECT_EQ(nlohmann::json::parse(result.output)["text"], "The jury said, in 1961: \"fine\".");
+}
+
+TEST(Cli, InspectDescribesTheModel) {
+  auto result = qtrain("inspect --model " + fixture("tiny-llama"));
+  ASSERT_EQ(result.status, 0) << result.output;
+  for (const char* fact : {"LlamaForCausalLM", "layers       4", "8 heads, 2 KV heads (GQA)", "head_dim 32",
+                           "theta 500000", "qlora", "lora", "full", "BF16"}) {
+    EXPECT_NE(result.output.find(fact), std::string::npos) << fact << "\n" << result.output;
+  }
+}
+
+TEST(Cli, PrintRecipeParsesBackToTheSameRecipe) {
+  auto first = qtrain("--recipe " + testing::source_dir() + "/recipes/demo_tiny.yaml --set optim.lr=0.001 --print-recipe");
+  ASSERT_EQ(first.status, 0) << first.output;
+  testing::TempDir directory;
+  std::ofstream(directory.file("resolved.yaml")) << first.output;
+  auto second = qtrain("train --recipe " + directory.file("resolved.yaml") + " --print-recipe");
+  ASSERT_EQ(second.status, 0) << second.output;
+  EXPECT_EQ(first.output, second.output);
+}
+
+TEST(Cli, BadInputIsOneLineAndExitStatus2) {
+  testing::TempDir directory;
+  expect_user_error(qtrain("eval --model " + directory.path() + " --data x.jsonl --device cpu"), directory.path());
+  expect_user_error(qtrain("inspect --model /nonexistent/model"), "/nonexistent/model");
+  std::ofstream(directory.file("bad.jsonl")) << "{\"text\": \"fine\"}\n[1, 2]\n";
+  expect_user_error(qtrain("eval --model " + fixture("tiny-llama") + " --data " + directory.file("bad.jsonl")),
+                    "bad.jsonl:2:");
+  std::ofstream(directory.file("typo.yaml")) << "lora:\n  rnak: 8\n";
+  expect_user_error(qtrain("--recipe " + directory.file("typo.yaml") + " --print-recipe"), "did you mean 'lora.rank'");
+  expect_user_error(qtrain("eval --modle x"), "--help");
+  expect_user_error(qtrain("evaluate --model x"), "unknown command 'evaluate'");
+  expect_user_error(qtrain("eval --model " + fixture("tiny-llama") + " --data x.jsonl --dtype fp8"), "fp8");
+}
+
+}  // namespace
+}  // namespace qtrain

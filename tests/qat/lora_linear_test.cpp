@@ -1,0 +1,300 @@
+// LoraLinear against peft's definition, computed independently in float64:
+//   y = x W^T + b + scale * (x A^T) B^T,  scale = alpha / r (rsLoRA: alpha / sqrt(r)).
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+
+#include "kernels/error.h"
+#include "qat/lora_linear.h"
+
+namespace qtrain::qat {
+namespace {
+
+std::shared_ptr<DenseLinear> dense(int64_t in, int64_t out, bool bias = true,
+                                   torch::ScalarType dtype = torch::kFloat32) {
+  DenseLinearOptions options;
+  options.in_features = in;
+  options.out_features = out;
+  options.bias = bias;
+  options.dtype = dtype;
+  return std::make_shared<DenseLinear>(options);
+}
+
+LoraOptions lora_options(int64_t rank, double alpha, double dropout = 0.0, bool rslora = false) {
+  LoraOptions options;
+  options.rank = rank;
+  options.alpha = alpha;
+  options.dropout = dropout;
+  options.rslora = rslora;
+  return options;
+}
+
+// B is zero after peft's initialisation; tests of the update need a non-zero one.
+void randomise_B(LoraLinear& lora) {
+  torch::NoGradGuard no_grad;
+  lora.lora_B().normal_(0.0, 0.5);
+}
+
+// x W^T + b + scale * x A^T B^T in float64, from the layer's own tensors.
+torch::Tensor reference_forward(const LoraLinear& lora, const DenseLinear& base, const torch::Tensor& x) {
+  auto x64 = x.to(torch::kFloat64);
+  auto result = torch::matmul(x64, base.weight().to(torch::kFloat64).t());
+  if (base.bias().defined()) result = result + base.bias().to(torch::kFloat64);
+  auto update = torch::matmul(torch::matmul(x64, lora.lora_A().to(torch::kFloat64).t()), lora.lora_B().to(torch::kFloat64).t());
+  return result + lora.scale() * update;
+}
+
+double max_relative_error(const torch::Tensor& actual, const torch::Tensor& expected) {
+  auto expected64 = expected.to(torch::kFloat64);
+  return ((actual.to(torch::kFloat64) - expected64).abs().max() / expected64.abs().max()).item<double>();
+}
+
+TEST(LoraLinear, FreshAdapterLeavesTheBaseOutputUnchanged) {
+  torch::manual_seed(1);
+  auto base = dense(64, 48);
+  LoraLinear lora(base, lora_options(8, 16));
+  EXPECT_TRUE(torch::equal(lora.lora_B(), torch::zeros({48, 8})));
+  auto x = torch::randn({3, 5, 64});
+  EXPECT_TRUE(torch::equal(lora.forward(x), base->forward(x)));
+}
+
+TEST(LoraLinear, AIsKaimingUniformWithBoundOneOverSqrtInLikePeft) {
+  // kaiming_uniform(a = sqrt(5)): gain sqrt(2 / (1 + 5)), bound = gain * sqrt(3 / fan_in) = 1 / sqrt(in).
+  torch::manual_seed(2);
+  const int64_t in = 512, rank = 64;
+  LoraLinear lora(dense(in, 32), lora_options(rank, 16));
+  const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+  const auto A = lora.lora_A();
+  ASSERT_EQ(A.sizes(), (std::vector<int64_t>{rank, in}));
+  EXPECT_EQ(A.scalar_type(), torch::kFloat32);
+  EXPECT_LE(A.abs().max().item<double>(), bound);
+  EXPECT_GT(A.abs().max().item<double>(), 0.99 * bound);  // 32768 draws reach the bound
+  // Uniform(-bound, bound) has variance bound^2 / 3; 32768 draws give it to ~1%.
+  EXPECT_NEAR(A.to(torch::kFloat64).var().item<double>(), bound * bound / 3.0, 0.03 * bound * bound / 3.0);
+  EXPECT_NEAR(A.mean().item<double>(), 0.0, 0.02 * bound);
+}
+
+TEST(LoraLinear, ForwardEqualsFloat64Reference) {
+  torch::manual_seed(3);
+  auto base = dense(96, 80);
+  LoraLinear lora(base, lora_options(8, 16));
+  randomise_B(lora);
+  auto x = torch::randn({4, 7, 96});
+  // fp32 accumulation over 96 inputs: a few ulps of the largest output.
+  const double error = max_relative_error(lora.forward(x), reference_forward(lora, *base, x));
+  EXPECT_LT(error, 1e-6) << "max error relative to the largest output";
+  EXPECT_DOUBLE_EQ(lora.scale(), 2.0);
+}
+
+TEST(LoraLinear, RsloraScalesByAlphaOverSqrtRank) {
+  torch::manual_seed(4);
+  auto base = dense(64, 64, /*bias=*/false);
+  LoraLinear lora(base, lora_options(16, 8, 0.0, /*rslora=*/true));
+  EXPECT_DOUBLE_EQ(lora.scale(), 8.0 / 4.0);
+  randomise_B(lora);
+  auto x = torch::randn({10, 64});
+  EXPECT_LT(max_relative_error(lora.forward(x), reference_forward(lora, *base, x)), 1e-6);
+}
+
+TEST(LoraLinear, GradientsReachAAndBOnly) {
+  torch::manual_seed(5);
+  auto base = dense(32, 24);
+  LoraLinear lora(base, lora_options(4, 8));
+  randomise_B(lora);
+  EXPECT_FALSE(base->weight().requires_grad());
+  EXPECT_FALSE(base->bias().requires_grad());
+  std::vector<std::string> trainable;
+  for (const auto& item : lora.named_parameters()) {
+    if (item.value().requires_grad()) trainable.push_back(item.key());
+  }
+  EXPECT_EQ(trainable, (std::vector<std::string>{"lora_A.weight", "lora_B.weight"}));
+
+  auto x = torch::randn({6, 32});
+  lora.forward(x).pow(2).sum().backward();
+  EXPECT_FALSE(base->weight().grad().defined());
+  ASSERT_TRUE(lora.lora_A().grad().defined());
+  ASSERT_TRUE(lora.lora_B().grad().defined());
+  EXPECT_GT(lora.lora_A().grad().abs().sum().item<double>(), 0.0);
+  EXPECT_GT(lora.lora_B().grad().abs().sum().item<double>(), 0.0);
+
+  // dL/dB = scale * dY^T (x A^T) with dY = 2 y, in float64.
+  auto y64 = reference_forward(lora, *base, x);
+  auto expected_grad_B = lora.scale() * torch::matmul((2 * y64).t(), torch::matmul(x.to(torch::kFloat64), lora.lora_A().to(torch::kFloat64).t()));
+  EXPECT_LT(max_relative_error(lora.lora_B().grad(), expected_grad_B), 1e-5);
+}
+
+TEST(LoraLinear, MergedWeightEqualsBasePlusScaledBA) {
+  torch::manual_seed(6);
+  auto base = dense(40, 56);
+  LoraLinear lora(base, lora_options(8, 32));
+  randomise_B(lora);
+  auto expected = base->weight().to(torch::kFloat64) +
+                  lora.scale() * torch::matmul(lora.lora_B().to(torch::kFloat64), lora.lora_A().to(torch::kFloat64));
+  auto merged = lora.dense_weight(torch::kFloat32);
+  EXPECT_EQ(merged.scalar_type(), torch::kFloat32);
+  EXPECT_LT(max_relative_error(merged, expected), 1e-6);
+  EXPECT_EQ(lora.dense_weight(torch::kBFloat16).scalar_type(), torch::kBFloat16);
+  EXPECT_TRUE(torch::equal(lora.bias(), base->bias()));
+  // The merged layer computes what the adapter does.
+  auto x = torch::randn({5, 40});
+  EXPECT_LT(max_relative_error(torch::nn::functional::linear(x, merged, lora.bias()), lora.forward(x)), 1e-5);
+}
+
+TEST(LoraLinear, DropoutActsOnTheLoraBranchInTrainingOnly) {
+  torch::manual_seed(7);
+  auto base = dense(64, 32);
+  LoraLinear lora(base, lora_options(8, 16, /*dropout=*/0.5));
+  randomise_B(lora);
+  auto x = torch::randn({16, 64});
+  lora.eval();
+  EXPECT_LT(max_relative_error(lora.forward(x), reference_forward(lora, *base, x)), 1e-6);
+  lora.train();
+  auto first = lora.forward(x);
+  auto second = lora.forward(x);
+  EXPECT_FALSE(torch::allclose(first, second));
+  EXPECT_FALSE(torch::allclose(first, reference_forward(lora, *base, x).to(torch::kFloat32)));
+  // With B zero the branch contributes nothing: dropout never touches the base path.
+  {
+    torch::NoGradGuard no_grad;
+    lora.lora_B().zero_();
+  }
+  EXPECT_TRUE(torch::equal(lora.forward(x), base->forward(x)));
+}
+
+TEST(LoraLinear, BranchRunsInTheInputDtypeWithFp32MasterWeights) {
+  torch::manual_seed(8);
+  auto base = dense(64, 64, /*bias=*/false, torch::kBFloat16);
+  LoraLinear lora(base, lora_options(8, 16));
+  randomise_B(lora);
+  auto x = torch::randn({4, 64}).to(torch::kBFloat16);
+  auto y = lora.forward(x);
+  EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
+  EXPECT_EQ(lora.lora_A().scalar_type(), torch::kFloat32);
+  // bf16 has 8 bits of mantissa: a few 2^-8 of the largest output.
+  EXPECT_LT(max_relative_error(y, reference_forward(lora, *base, x)), 2e-2);
+  y.to(torch::kFloat32).sum().backward();
+  EXPECT_EQ(lora.lora_A().grad().scalar_type(), torch::kFloat32);
+  EXPECT_EQ(lora.lora_B().grad().scalar_type(), torch::kFloat32);
+}
+
+TEST(LoraLinear, RejectsANonPositiveRank) {
+  EXPECT_THROW(LoraLinear(dense(8, 8), lora_options(0, 16)), Error);
+}
+
+// A toy model: a block that keeps typed pointers to its projections (like the Llama attention
+// block), a plain module that only registers them, and an output layer.
+class Block : public torch::nn::Module, public LinearLayerOwner {
+ public:
+  Block() {
+    q_proj = register_module("q_proj", dense(16, 16));
+    v_proj = register_module("v_proj", dense(16, 8));
+  }
+  void replace_linear(const std::string& child_name, std::shared_ptr<LinearLayer> layer) override {
+    if (child_name == "q_proj") q_proj = replace_module(child_name, layer);
+    else if (child_name == "v_proj") v_proj = replace_module(child_name, layer);
+    else throw Error("Block has no linear child '" + child_name + "'");
+  }
+  std::shared_ptr<LinearLayer> q_proj, v_proj;
+};
+
+class ToyModel : public torch::nn::Module {
+ public:
+  ToyModel() {
+    block = register_module("block", std::make_shared<Block>());
+    auto plain = register_module("plain", std::make_shared<torch::nn::Module>());
+    plain->register_module("q_proj", dense(16, 16));
+    lm_head = register_module("lm_head", dense(16, 32, /*bias=*/false));
+  }
+  std::shared_ptr<Block> block;
+  std::shared_ptr<LinearLayer> lm_head;
+};
+
+std::vector<std::string> names_of(const std::vector<LoraTarget>& targets) {
+  std::vector<std::string> names;
+  for (const auto& target : targets) names.push_back(target.name);
+  return names;
+}
+
+LoraTargets targets_of(std::vector<std::string> names) {
+  LoraTargets targets;
+  targets.include.names = std::move(names);
+  return targets;
+}
+
+TEST(ApplyLora, ListEntriesMatchTheNameOrADottedSuffix) {
+  ToyModel model;
+  EXPECT_EQ(names_of(find_lora_targets(model, targets_of({"q_proj"}))),
+            (std::vector<std::string>{"block.q_proj", "plain.q_proj"}));
+  EXPECT_EQ(names_of(find_lora_targets(model, targets_of({"block.q_proj", "lm_head"}))),
+            (std::vector<std::string>{"block.q_proj", "lm_head"}));
+  EXPECT_TRUE(find_lora_targets(model, targets_of({"proj"})).empty());  // no partial components
+}
+
+TEST(ApplyLora, ARegexStringMustMatchTheWholeName) {
+  ToyModel model;
+  LoraTargets targets;
+  targets.include.regex = "block\\..*_proj";
+  EXPECT_EQ(names_of(find_lora_targets(model, targets)), (std::vector<std::string>{"block.q_proj", "block.v_proj"}));
+  targets.include.regex = "q_proj";  // peft: re.fullmatch, so a bare name matches nothing nested
+  EXPECT_TRUE(find_lora_targets(model, targets).empty());
+  // A list entry with regex characters is a full-name regex too.
+  EXPECT_EQ(names_of(find_lora_targets(model, targets_of({".*\\.v_proj"}))), (std::vector<std::string>{"block.v_proj"}));
+}
+
+TEST(ApplyLora, AllLinearSkipsTheOutputLayerAndExcludeModulesApply) {
+  ToyModel model;
+  auto targets = targets_of({"all-linear"});
+  EXPECT_EQ(names_of(find_lora_targets(model, targets)),
+            (std::vector<std::string>{"block.q_proj", "block.v_proj", "plain.q_proj"}));
+  targets.exclude.names = {"plain.q_proj"};
+  EXPECT_EQ(names_of(find_lora_targets(model, targets)), (std::vector<std::string>{"block.q_proj", "block.v_proj"}));
+}
+
+TEST(ApplyLora, WrapsTargetsAndKeepsOwnersPointersInStep) {
+  torch::manual_seed(9);
+  ToyModel model;
+  model.eval();
+  auto original_q = model.block->q_proj;
+  const auto wrapped = apply_lora(model, targets_of({"q_proj", "v_proj"}), lora_options(4, 8));
+  EXPECT_EQ(wrapped, (std::vector<std::string>{"block.q_proj", "block.v_proj", "plain.q_proj"}));
+  auto lora_q = std::dynamic_pointer_cast<LoraLinear>(model.block->q_proj);
+  ASSERT_TRUE(lora_q) << "the block's own pointer must point at the adapter";
+  EXPECT_EQ(lora_q->base_layer(), original_q);
+  EXPECT_FALSE(lora_q->is_training()) << "a model in eval mode stays in eval mode";
+  EXPECT_TRUE(std::dynamic_pointer_cast<LoraLinear>(model.block->v_proj));
+
+  std::vector<std::string> trainable;
+  for (const auto& item : model.named_parameters()) {
+    if (item.value().requires_grad()) trainable.push_back(item.key());
+  }
+  EXPECT_EQ(trainable, (std::vector<std::string>{"block.q_proj.lora_A.weight", "block.q_proj.lora_B.weight",
+                                                 "block.v_proj.lora_A.weight", "block.v_proj.lora_B.weight",
+                                                 "plain.q_proj.lora_A.weight", "plain.q_proj.lora_B.weight",
+                                                 "lm_head.weight"}));
+  EXPECT_TRUE(model.named_parameters().contains("block.q_proj.base_layer.weight"));
+  // Applying again finds nothing new to wrap (the wrapped bases are not targets).
+  EXPECT_THROW(apply_lora(model, targets_of({"q_proj", "v_proj"}), lora_options(4, 8)), Error);
+}
+
+TEST(ApplyLora, PerModuleOptions) {
+  ToyModel model;
+  apply_lora(model, targets_of({"q_proj", "v_proj"}), [](const std::string& name) {
+    return lora_options(name == "block.v_proj" ? 2 : 4, 8);
+  });
+  EXPECT_EQ(std::dynamic_pointer_cast<LoraLinear>(model.block->v_proj)->lora_A().size(0), 2);
+  EXPECT_EQ(std::dynamic_pointer_cast<LoraLinear>(model.block->q_proj)->lora_A().size(0), 4);
+}
+
+TEST(ApplyLora, NoMatchingModuleIsAnErrorNamingTheTargets) {
+  ToyModel model;
+  try {
+    apply_lora(model, targets_of({"gate_proj"}), lora_options(4, 8));
+    FAIL() << "expected an Error";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("\"gate_proj\""), std::string::npos) << error.what();
+  }
+}
+
+}  // namespace
+}  // namespace qtrain::qat

@@ -1,0 +1,79 @@
+#pragma once
+// What every test suite needs: where ../shared/fixtures, the sources, the qtrain binary and the
+// interop Python are, temporary directories, and running a command.
+#include <array>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <random>
+#include <string>
+
+namespace qtrain::testing {
+
+inline std::string fixtures_dir() {
+  if (const char* overridden = std::getenv("QTRAIN_FIXTURES")) return overridden;
+  return QTRAIN_FIXTURES_DIR;
+}
+
+inline std::string fixture(const std::string& relative) { return fixtures_dir() + "/" + relative; }
+
+inline std::string source_dir() { return QTRAIN_SOURCE_DIR; }
+
+inline std::string qtrain_binary() { return QTRAIN_BINARY; }
+
+inline std::string python() {
+  if (const char* overridden = std::getenv("QTRAIN_PYTHON")) return overridden;
+  return QTRAIN_PYTHON;
+}
+
+struct CommandResult {
+  int status = -1;     // exit status, or -1 when the command did not exit normally
+  std::string output;  // stdout (and stderr when the command redirects it)
+};
+
+inline CommandResult run_command(const std::string& command) {
+  CommandResult result;
+  FILE* pipe = popen(command.c_str(), "r");
+  if (!pipe) return result;
+  std::array<char, 4096> buffer{};
+  size_t count = 0;
+  while ((count = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) result.output.append(buffer.data(), count);
+  const int status = pclose(pipe);
+  if (WIFEXITED(status)) result.status = WEXITSTATUS(status);
+  return result;
+}
+
+// True when the interop Python imports every module in `modules` (space separated).
+inline bool python_has(const std::string& modules) {
+  std::string imports;
+  for (size_t begin = 0; begin < modules.size();) {
+    size_t end = modules.find(' ', begin);
+    if (end == std::string::npos) end = modules.size();
+    imports += "import " + modules.substr(begin, end - begin) + ";";
+    begin = end + 1;
+  }
+  return run_command(python() + " -c '" + imports + "' >/dev/null 2>&1").status == 0;
+}
+
+// A fresh directory under the system's temp dir, removed when the object goes.
+class TempDir {
+ public:
+  TempDir() {
+    std::random_device seed;
+    path_ = std::filesystem::temp_directory_path() / ("qtrain-test-" + std::to_string(seed()) + std::to_string(seed()));
+    std::filesystem::create_directories(path_);
+  }
+  ~TempDir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  std::string path() const { return path_.string(); }
+  std::string file(const std::string& name) const { return (path_ / name).string(); }
+
+ private:
+  std::filesystem::path path_;
+};
+
+}  // namespace qtrain::testing

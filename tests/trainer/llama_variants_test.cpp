@@ -1,0 +1,49 @@
+// Config variants (GQA/MQA, biases, tied embeddings, rope default/linear/dynamic/llama3,
+// fp32/bf16/fp16 storage, sharded safetensors, transformers 4.x and 5.x config keys) against
+// transformers itself: tests/interop/llama_variants.py builds each model and its fp32 logits.
+#include <gtest/gtest.h>
+
+#include "support.h"
+#include "trainer/hf_checkpoint.h"
+#include "trainer/safetensors.h"
+
+namespace qtrain::trainer {
+namespace {
+
+class LlamaVariants : public ::testing::TestWithParam<std::string> {
+ protected:
+  static void SetUpTestSuite() {
+    if (!testing::python_has("torch transformers safetensors")) return;
+    directory_ = new testing::TempDir();
+    const auto result = testing::run_command(testing::python() + " " + testing::source_dir() +
+                                             "/tests/interop/llama_variants.py " + directory_->path() + " 2>&1");
+    ASSERT_EQ(result.status, 0) << result.output;
+  }
+  static void TearDownTestSuite() {
+    delete directory_;
+    directory_ = nullptr;
+  }
+  static testing::TempDir* directory_;
+};
+
+testing::TempDir* LlamaVariants::directory_ = nullptr;
+
+TEST_P(LlamaVariants, LogitsEqualTransformersInFp32) {
+  if (!directory_) GTEST_SKIP() << testing::python() << " lacks torch/transformers/safetensors (run tools/setup.sh)";
+  const auto model_dir = directory_->file(GetParam());
+  auto loaded = load_llama(model_dir);
+  auto reference = SafetensorsFile::open(model_dir + "/reference.safetensors");
+  torch::NoGradGuard no_grad;
+  auto logits = loaded.model->forward({reference.tensor("input_ids"), {}, {}});
+  auto expected = reference.tensor("logits");
+  ASSERT_EQ(logits.sizes(), expected.sizes());
+  const double error = (logits - expected).abs().max().item<double>() / expected.abs().max().item<double>();
+  EXPECT_LE(error, 1e-5) << GetParam();
+}
+
+INSTANTIATE_TEST_SUITE_P(Transformers, LlamaVariants,
+                         ::testing::Values("gqa_bias_tied_v4", "mqa_llama3_sharded", "linear_rope_fp16_v4",
+                                           "dynamic_rope"));
+
+}  // namespace
+}  // namespace qtrain::trainer

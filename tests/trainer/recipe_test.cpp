@@ -1,0 +1,449 @@
+// Recipes: YAML in, typed structs out, errors a user can act on.
+#include "trainer/recipe.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <random>
+#include <set>
+
+#include "kernels/error.h"
+#include "support.h"
+#include "trainer/recipe_schema.h"
+
+namespace qtrain::trainer {
+
+// gtest prints a Recipe as the YAML a user would see.
+void PrintTo(const Recipe& recipe, std::ostream* out) { *out << "\n" << recipe_to_yaml(recipe); }
+
+namespace {
+
+namespace fs = std::filesystem;
+
+const char* const kShippedRecipes[] = {"demo_tiny.yaml", "qlora_llama.yaml", "lora_llama.yaml",
+                                       "qat_llama.yaml", "qat_llama_q4_0.yaml"};
+
+std::string shipped(const std::string& name) {
+  return qtrain::testing::source_dir() + "/recipes/" + name;
+}
+
+class TempDir {
+ public:
+  TempDir() {
+    std::string pattern = (fs::temp_directory_path() / "qtrain_recipe_XXXXXX").string();
+    path_ = mkdtemp(pattern.data());
+  }
+  ~TempDir() {
+    std::error_code ignored;
+    fs::remove_all(path_, ignored);
+  }
+  // Writes `text` to `relative` (creating folders) and returns the file's path.
+  std::string write(const std::string& relative, const std::string& text) const {
+    const fs::path file = path_ / relative;
+    fs::create_directories(file.parent_path());
+    std::ofstream(file, std::ios::binary) << text;
+    return file.string();
+  }
+  const fs::path& path() const { return path_; }
+
+ private:
+  fs::path path_;
+};
+
+// The qtrain::Error message `action` throws; any other exception fails the test.
+std::string error_of(const std::function<void()>& action) {
+  try {
+    action();
+  } catch (const qtrain::Error& error) {
+    return error.what();
+  }
+  return "(no error)";
+}
+
+std::string load_error(const std::string& path, const std::vector<std::string>& overrides = {}) {
+  return error_of([&] { load_recipe(path, overrides); });
+}
+
+const std::vector<std::string> kLlamaProjections = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
+                                                    "gate_proj", "up_proj", "down_proj"};
+
+TEST(RecipeDefaults, AreWhatTorchtuneAndAxolotlUsersExpect) {
+  const Recipe recipe = default_recipe();
+  EXPECT_EQ(recipe.quant, "qlora");
+  EXPECT_EQ(recipe.model.dtype, "bf16");
+  EXPECT_EQ(recipe.qlora.quant_type, "nf4");
+  EXPECT_EQ(recipe.qlora.blocksize, 64);
+  EXPECT_TRUE(recipe.qlora.double_quant);
+  EXPECT_EQ(recipe.qlora.skip_modules, std::vector<std::string>{"lm_head"});
+  EXPECT_EQ(recipe.lora.rank, 16);
+  EXPECT_EQ(recipe.lora.alpha, 32.0);
+  EXPECT_EQ(recipe.lora.dropout, 0.05);
+  EXPECT_EQ(recipe.lora.target_modules, kLlamaProjections);
+  EXPECT_EQ(recipe.lora.init_from, "");
+  EXPECT_EQ(recipe.qat.weights.bits, 4);
+  EXPECT_EQ(recipe.qat.activations.bits, 0);
+  EXPECT_EQ(recipe.qat.target_modules, kLlamaProjections);
+  EXPECT_EQ(recipe.data.max_seq_len, 2048);
+  EXPECT_EQ(recipe.optim.name, "adamw");
+  EXPECT_EQ(recipe.optim.lr, 2e-4);
+  EXPECT_EQ(recipe.optim.weight_decay, 0.0);
+  EXPECT_EQ(recipe.optim.betas, (std::vector<double>{0.9, 0.999}));
+  EXPECT_EQ(recipe.optim.eps, 1e-8);
+  EXPECT_EQ(recipe.schedule.name, "cosine");
+  EXPECT_EQ(recipe.schedule.warmup_steps, 100);
+  EXPECT_EQ(recipe.train.micro_batch_size, 1);
+  EXPECT_EQ(recipe.train.grad_accum_steps, 1);
+  EXPECT_EQ(recipe.train.dtype, "bf16");
+  EXPECT_EQ(recipe.train.seed, 42);
+  EXPECT_EQ(recipe.train.max_grad_norm, 1.0);
+  EXPECT_EQ(recipe.train.output_dir, (fs::current_path() / "runs/qtrain").string());
+  EXPECT_EQ(recipe.checkpoint.every, 500);
+  EXPECT_EQ(recipe.checkpoint.keep_last, 3);
+  EXPECT_EQ(recipe.log.every, 10);
+  EXPECT_EQ(recipe.dist.bucket_mb, 25);
+  EXPECT_EQ(recipe.export_.formats, std::vector<std::string>{"peft"});
+}
+
+TEST(RecipeDefaults, LoadingNoFileGivesTheDefaults) {
+  EXPECT_EQ(load_recipe("", {}), default_recipe());
+}
+
+TEST(RecipeSchema, EveryKeyHasItsOwnField) {
+  Recipe recipe;
+  std::set<const void*> fields;
+  std::set<std::string> names;
+  for (const auto& key : recipe_keys()) {
+    const void* field =
+        std::visit([](auto* pointer) -> const void* { return pointer; }, key.field(recipe));
+    EXPECT_TRUE(fields.insert(field).second) << key.name << " shares a field with another key";
+    EXPECT_TRUE(names.insert(key.name).second) << key.name << " is listed twice";
+  }
+}
+
+TEST(ShippedRecipes, EveryOneParses) {
+  for (const char* name : kShippedRecipes) {
+    EXPECT_NO_THROW(load_recipe(shipped(name), {})) << name << ": " << load_error(shipped(name));
+  }
+}
+
+TEST(ShippedRecipes, SayWhatTheirNamesPromise) {
+  const Recipe demo = load_recipe(shipped("demo_tiny.yaml"), {});
+  EXPECT_EQ(demo.quant, "qlora");
+  EXPECT_EQ(demo.qlora.quant_type, "nf4");
+  EXPECT_EQ(demo.lora.rank, 8);
+  EXPECT_EQ(demo.data.max_seq_len, 256);
+  EXPECT_EQ(demo.train.device, "cpu");
+  EXPECT_EQ(demo.model.path, qtrain::testing::source_dir() + "/recipes/demo/tiny-llama");
+  EXPECT_EQ(demo.data.train, qtrain::testing::source_dir() + "/recipes/demo/brown-train.jsonl");
+  EXPECT_EQ(demo.train.output_dir, qtrain::testing::source_dir() + "/runs/demo_tiny");
+
+  EXPECT_EQ(load_recipe(shipped("qlora_llama.yaml"), {}).quant, "qlora");
+
+  const Recipe lora = load_recipe(shipped("lora_llama.yaml"), {});
+  EXPECT_EQ(lora.quant, "none");
+  EXPECT_EQ(lora.model.dtype, "bf16");
+
+  const Recipe qat = load_recipe(shipped("qat_llama.yaml"), {});
+  EXPECT_EQ(qat.quant, "qat");
+  EXPECT_EQ(qat.qat.weights.bits, 4);
+  EXPECT_TRUE(qat.qat.weights.symmetric);
+  EXPECT_EQ(qat.qat.weights.granularity, "per_group");
+  EXPECT_EQ(qat.qat.weights.group_size, 32);
+  EXPECT_EQ(qat.qat.activations.bits, 8);
+  EXPECT_EQ(qat.qat.activations.granularity, "per_token");
+  EXPECT_EQ(qat.qat.activations.observer, "dynamic");
+
+  const Recipe q4_0 = load_recipe(shipped("qat_llama_q4_0.yaml"), {});
+  EXPECT_EQ(q4_0.qat.weights.bits, 4);
+  EXPECT_TRUE(q4_0.qat.weights.symmetric);
+  EXPECT_EQ(q4_0.qat.weights.group_size, 32);
+  EXPECT_EQ(q4_0.export_.formats, std::vector<std::string>{"gguf"});
+}
+
+TEST(RecipeYaml, PrintedRecipeParsesBackToTheSameRecipe) {
+  TempDir dir;
+  std::vector<Recipe> recipes = {default_recipe()};
+  for (const char* name : kShippedRecipes) recipes.push_back(load_recipe(shipped(name), {}));
+  recipes.push_back(
+      load_recipe("", {"model.path='/tmp/we ird: \"dir\" #1/\xc3\xbc\\x'",
+                       "lora.target_modules=['*proj', 'true', '12', 'a b', '-x']", "optim.lr=0.1",
+                       "optim.betas=[0.3, 0.123456789012345]", "data.eval=", "export.formats=[]"}));
+  for (const Recipe& recipe : recipes) {
+    const std::string path = dir.write("printed/recipe.yaml", recipe_to_yaml(recipe));
+    EXPECT_EQ(load_recipe(path, {}), recipe) << recipe_to_yaml(recipe);
+  }
+}
+
+TEST(RecipeYaml, PrintedRecipeShowsEveryKeyWithItsDoc) {
+  const std::string text = recipe_to_yaml(default_recipe());
+  EXPECT_NE(text.find("lora:\n  rank: 16"), std::string::npos) << text;
+  EXPECT_NE(text.find("qat:\n  weights:\n    format: int"), std::string::npos) << text;
+  EXPECT_NE(text.find("[nf4 | fp4 | int8]"), std::string::npos) << text;
+  EXPECT_NE(text.find("\nexport:\n  formats: [peft]"), std::string::npos) << text;
+}
+
+TEST(RecipeErrors, UnknownKeyNamesFileLineAndTheKeyMeant) {
+  TempDir dir;
+  const std::string path = dir.write("x.yaml", "model:\n  dtype: bf16\nlora:\n  rnak: 8\n");
+  EXPECT_EQ(load_error(path), path + ":4: unknown key 'lora.rnak' (did you mean 'lora.rank'?)");
+
+  const std::string section = dir.write("section.yaml", "lroa:\n  rank: 8\n");
+  EXPECT_EQ(load_error(section), section + ":1: unknown key 'lroa' (did you mean 'lora'?)");
+
+  const std::string wrong_section = dir.write("wrong_section.yaml", "train:\n  lr: 1e-4\n");
+  EXPECT_EQ(load_error(wrong_section),
+            wrong_section + ":2: unknown key 'train.lr' (did you mean 'optim.lr'?)");
+
+  const std::string familiar = dir.write("familiar.yaml", "learning_rate: 1e-4\n");
+  EXPECT_EQ(load_error(familiar),
+            familiar + ":1: unknown key 'learning_rate' (did you mean 'optim.lr'?)");
+
+  const std::string far = dir.write("far.yaml", "zzzzzzzz: 1\n");
+  EXPECT_EQ(load_error(far), far + ":1: unknown key 'zzzzzzzz'");
+}
+
+TEST(RecipeErrors, WrongTypeNamesFileLineAndExpectedType) {
+  TempDir dir;
+  const auto error_for = [&](const std::string& text) {
+    return load_error(dir.write("x.yaml", text));
+  };
+  const std::string path = (dir.path() / "x.yaml").string();
+  EXPECT_EQ(error_for("optim:\n  name: adamw\n  lr: fast\n"),
+            path + ":3: 'optim.lr' expects a number, got 'fast'");
+  EXPECT_EQ(error_for("lora:\n  rank: 2.5\n"),
+            path + ":2: 'lora.rank' expects an integer, got '2.5'");
+  EXPECT_EQ(error_for("lora:\n  rank: abc\n"),
+            path + ":2: 'lora.rank' expects an integer, got 'abc'");
+  EXPECT_EQ(error_for("data:\n  pack: maybe\n"),
+            path + ":2: 'data.pack' expects true or false, got 'maybe'");
+  EXPECT_EQ(error_for("optim:\n  lr: [1, 2]\n"),
+            path + ":2: 'optim.lr' expects a number, got a list");
+  EXPECT_EQ(error_for("model:\n  path: {a: 1}\n"),
+            path + ":2: 'model.path' expects text, got a map");
+  EXPECT_EQ(
+      error_for("lora:\n  target_modules: q_proj\n"),
+      path +
+          ":2: 'lora.target_modules' expects a list of names, e.g. [q_proj, k_proj], got 'q_proj'");
+  EXPECT_EQ(error_for("optim:\n  betas: [0.9]\n"),
+            path + ":2: 'optim.betas' expects 2 numbers, e.g. [0.9, 0.999], got 1");
+  EXPECT_EQ(error_for("lora: 5\n"),
+            path +
+                ":1: 'lora' is a map of keys (rank, alpha, dropout, rslora, target_modules, "
+                "init_from), got '5'");
+  EXPECT_EQ(error_for("lora:\n  rank:\n"),
+            path + ":2: 'lora.rank' expects an integer, got nothing");
+}
+
+TEST(RecipeErrors, OutOfRangeValueSaysTheRange) {
+  TempDir dir;
+  const std::string path = dir.write("x.yaml", "lora:\n  dropout: 1.5\n");
+  EXPECT_EQ(load_error(path), path + ":2: 'lora.dropout' must be in [0, 1), got 1.5");
+  const std::string steps = dir.write("steps.yaml", "train:\n  micro_batch_size: 0\n");
+  EXPECT_EQ(load_error(steps), steps + ":2: 'train.micro_batch_size' must be >= 1, got 0");
+}
+
+TEST(RecipeErrors, BadChoiceListsAllowedValues) {
+  TempDir dir;
+  const std::string path = dir.write("x.yaml", "model:\n  path: m\nquant: qlroa\n");
+  EXPECT_EQ(
+      load_error(path),
+      path + ":3: 'quant' must be one of qlora, qat, none, got 'qlroa' (did you mean 'qlora'?)");
+  const std::string blocksize = dir.write("blocksize.yaml", "qlora:\n  blocksize: 100\n");
+  EXPECT_EQ(load_error(blocksize),
+            blocksize +
+                ":2: 'qlora.blocksize' must be one of 64, 128, 256, 512, 1024, 2048, 4096, "
+                "got '100'");
+  const std::string formats =
+      dir.write("formats.yaml", "export:\n  formats:\n    - peft\n    - ggfu\n");
+  EXPECT_EQ(load_error(formats),
+            formats +
+                ":4: 'export.formats' entries must be one of peft, merged, gguf, "
+                "safetensors-int, got 'ggfu' (did you mean 'gguf'?)");
+}
+
+TEST(RecipeErrors, KeySetTwiceNamesBothLines) {
+  TempDir dir;
+  const std::string path = dir.write("x.yaml", "lora:\n  rank: 8\n  alpha: 16\n  rank: 4\n");
+  EXPECT_EQ(load_error(path), path + ":4: 'lora.rank' is set twice (first on line 2)");
+}
+
+TEST(RecipeErrors, KeysThatDisagreeNameWhereTheyWereSet) {
+  TempDir dir;
+  const std::string path = dir.write("x.yaml", "quant: qlora\nlora:\n  rank: 0\n");
+  EXPECT_EQ(load_error(path).rfind(path + ":3: quant: qlora trains adapters", 0), 0u)
+      << load_error(path);
+  const std::string per_token =
+      dir.write("per_token.yaml", "qat:\n  activations:\n    bits: 8\n    observer: minmax\n");
+  EXPECT_EQ(
+      load_error(per_token).rfind(per_token + ":4: 'qat.activations.granularity: per_token' needs "
+                                              "'qat.activations.observer: dynamic'",
+                                  0),
+      0u)
+      << load_error(per_token);
+}
+
+TEST(RecipeErrors, MalformedYamlNamesFileAndLine) {
+  TempDir dir;
+  const std::string path =
+      dir.write("x.yaml", "lora:\n  rank: 8\n  target_modules: [q_proj, v_proj\nquant: qat\n");
+  const std::string error = load_error(path);
+  EXPECT_EQ(error.rfind(path + ":4: ", 0), 0u) << error;
+  const std::string tab = dir.write("tab.yaml", "lora:\n\trank: 8\n");
+  EXPECT_EQ(load_error(tab).rfind(tab + ":2: ", 0), 0u) << load_error(tab);
+  const std::string two = dir.write("two.yaml", "lora:\n  rank: 8\n---\nlora:\n  rank: 4\n");
+  EXPECT_EQ(load_error(two),
+            two + ":3: a recipe is one YAML document, this is a second one (after '---')");
+  const std::string stray = dir.write("stray.yaml", ",cz]9");
+  EXPECT_EQ(load_error(stray), stray + ":1: not valid YAML");
+}
+
+TEST(RecipeErrors, MissingRecipeFileIsNamed) {
+  EXPECT_EQ(load_error("/nonexistent/qtrain/x.yaml"),
+            "recipe '/nonexistent/qtrain/x.yaml' not found");
+  TempDir dir;
+  EXPECT_EQ(load_error(dir.path().string()),
+            "recipe '" + dir.path().string() + "' is a directory, not a YAML file");
+}
+
+TEST(RecipeErrors, NoInputCrashes) {
+  TempDir dir;
+  const char* const documents[] = {"",
+                                   "# only a comment\n",
+                                   "- 1\n- 2\n",
+                                   "42\n",
+                                   "~\n",
+                                   "lora: [1, 2]\n",
+                                   "lora:\n  - rank\n",
+                                   "? [a, b]\n: 1\n",
+                                   "lora:\n  ? {a: 1}\n  : 2\n",
+                                   "optim:\n  betas: [[1], {a: 2}]\n",
+                                   "optim:\n  betas: 0.9\n",
+                                   "lora:\n  target_modules: [[q], ~]\n",
+                                   "a: &x 1\nb: *x\n",
+                                   "lora: &s {rank: 4}\nqat: *s\n",
+                                   "optim:\n  lr: 1e999\n",
+                                   "optim:\n  lr: .nan\n",
+                                   "lora:\n  rank: 99999999999999999999999\n",
+                                   "quant: ~\n",
+                                   "model: {path: ~}\n",
+                                   "\xff\xfe\x00\x01",
+                                   "lora: {rank: !!int 4}\n",
+                                   "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[\n",
+                                   "lora:\n  rank: 8\n---\nlora: 2\n",
+                                   "\"unterminated\n"};
+  for (const char* document : documents) {
+    const std::string path = dir.write("x.yaml", document);
+    error_of([&] { load_recipe(path, {}); });  // an Error or a recipe; anything else fails
+  }
+  std::mt19937 random(7);
+  const std::string alphabet = "abcdeilmnoprstuqz.:-[]{},#&*!|>'\"\n\t 0123456789";
+  for (int trial = 0; trial < 300; ++trial) {
+    std::string text;
+    const int length = static_cast<int>(random() % 80);
+    for (int i = 0; i < length; ++i) text += alphabet[random() % alphabet.size()];
+    const std::string path = dir.write("fuzz.yaml", text);
+    error_of([&] { load_recipe(path, {}); });
+    error_of([&] { load_recipe("", {"lora." + text}); });
+    error_of([&] { load_recipe("", {"lora.target_modules=" + text}); });
+  }
+}
+
+TEST(RecipeOverrides, SetReplacesValuesFromTheFile) {
+  TempDir dir;
+  const std::string path = dir.write("x.yaml", "lora:\n  rank: 8\noptim:\n  lr: 1e-3\n");
+  const Recipe recipe = load_recipe(
+      path, {"lora.rank=4", "lora.target_modules=[q_proj,v_proj]", "optim.betas=[0.8, 0.95]",
+             "qat.weights={bits: 8, group_size: 64}", "data.pack=true", "quant=none"});
+  EXPECT_EQ(recipe.lora.rank, 4);
+  EXPECT_EQ(recipe.optim.lr, 1e-3);
+  EXPECT_EQ(recipe.lora.target_modules, (std::vector<std::string>{"q_proj", "v_proj"}));
+  EXPECT_EQ(recipe.optim.betas, (std::vector<double>{0.8, 0.95}));
+  EXPECT_EQ(recipe.qat.weights.bits, 8);
+  EXPECT_EQ(recipe.qat.weights.group_size, 64);
+  EXPECT_TRUE(recipe.data.pack);
+  EXPECT_EQ(recipe.quant, "none");
+  EXPECT_EQ(apply_override(default_recipe(), "train.steps=7").train.steps, 7);
+}
+
+TEST(RecipeOverrides, LaterSetWinsAndKeysMayDisagreeUntilTheLast) {
+  const Recipe recipe =
+      load_recipe("", {"lora.rank=0", "quant=none", "lora.rank=2", "lora.rank=0"});
+  EXPECT_EQ(recipe.lora.rank, 0);
+  EXPECT_EQ(recipe.quant, "none");
+}
+
+TEST(RecipeOverrides, ErrorsNameTheSetArgument) {
+  EXPECT_EQ(load_error("", {"optim.lrr=1"}),
+            "--set optim.lrr=1: unknown key 'optim.lrr' (did you mean 'optim.lr'?)");
+  EXPECT_EQ(load_error("", {"lora.rank=abc"}),
+            "--set lora.rank=abc: 'lora.rank' expects an integer, got 'abc'");
+  EXPECT_EQ(load_error("", {"lora.rank"}),
+            "--set lora.rank: expected key=value, e.g. --set optim.lr=1e-4");
+  EXPECT_EQ(load_error("", {"=3"}), "--set =3: expected key=value, e.g. --set optim.lr=1e-4");
+  EXPECT_EQ(
+      load_error("", {"quant=qlora", "lora.rank=0"}).rfind("--set lora.rank=0: quant: qlora", 0),
+      0u);
+  EXPECT_EQ(load_error("", {"lora.target_modules=[q_proj"})
+                .rfind("--set lora.target_modules=[q_proj: ", 0),
+            0u);
+}
+
+TEST(RecipePaths, RecipePathsStartAtTheRecipeAndSetPathsAtTheCurrentDirectory) {
+  TempDir dir;
+  const std::string path = dir.write("recipes/x.yaml",
+                                     "model:\n  path: ../models/./tiny\ndata:\n  train: "
+                                     "data/train.jsonl\n  eval: /abs/eval.jsonl\n"
+                                     "train:\n  output_dir: ../runs/x/\n");
+  const Recipe recipe = load_recipe(path, {"lora.init_from=adapters/a"});
+  EXPECT_EQ(recipe.model.path, (dir.path() / "models/tiny").string());
+  EXPECT_EQ(recipe.data.train, (dir.path() / "recipes/data/train.jsonl").string());
+  EXPECT_EQ(recipe.data.eval, "/abs/eval.jsonl");
+  EXPECT_EQ(recipe.train.output_dir, (dir.path() / "runs/x").string());
+  EXPECT_EQ(recipe.lora.init_from, (fs::current_path() / "adapters/a").string());
+  EXPECT_EQ(recipe.export_.out, "");
+}
+
+TEST(RecipeQat, NestedWeightAndActivationKeysReachTheirFields) {
+  TempDir dir;
+  const std::string path = dir.write(
+      "x.yaml",
+      "quant: qat\nqat:\n  weights:\n    bits: 3\n    symmetric: false\n    granularity: "
+      "per_channel\n"
+      "    observer: moving_average\n    learned_scale: true\n  activations:\n    format: "
+      "fp8_e4m3\n"
+      "    bits: 8\n    granularity: per_group\n    group_size: 128\n    observer: minmax\n"
+      "  start_step: 50\n  target_modules: [q_proj]\n");
+  const Recipe recipe = load_recipe(path, {});
+  EXPECT_EQ(recipe.qat.weights.bits, 3);
+  EXPECT_FALSE(recipe.qat.weights.symmetric);
+  EXPECT_EQ(recipe.qat.weights.granularity, "per_channel");
+  EXPECT_EQ(recipe.qat.weights.observer, "moving_average");
+  EXPECT_TRUE(recipe.qat.weights.learned_scale);
+  EXPECT_EQ(recipe.qat.weights.group_size, 32);
+  EXPECT_EQ(recipe.qat.activations.format, "fp8_e4m3");
+  EXPECT_EQ(recipe.qat.activations.bits, 8);
+  EXPECT_EQ(recipe.qat.activations.granularity, "per_group");
+  EXPECT_EQ(recipe.qat.activations.group_size, 128);
+  EXPECT_EQ(recipe.qat.activations.observer, "minmax");
+  EXPECT_EQ(recipe.qat.start_step, 50);
+  EXPECT_EQ(recipe.qat.target_modules, std::vector<std::string>{"q_proj"});
+
+  const std::string section = dir.write("section.yaml", "qat:\n  weigths:\n    bits: 4\n");
+  EXPECT_EQ(load_error(section),
+            section + ":2: unknown key 'qat.weigths' (did you mean 'qat.weights'?)");
+  const std::string typo = dir.write("typo.yaml", "qat:\n  weights:\n    bitz: 4\n");
+  EXPECT_EQ(load_error(typo),
+            typo + ":3: unknown key 'qat.weights.bitz' (did you mean 'qat.weights.bits'?)");
+  const std::string per_token =
+      dir.write("per_token.yaml", "qat:\n  weights:\n    granularity: per_token\n");
+  EXPECT_EQ(load_error(per_token),
+            per_token +
+                ":3: 'qat.weights.granularity' must be one of per_tensor, per_channel, "
+                "per_group, got 'per_token'");
+}
+
+}  // namespace
+}  // namespace qtrain::trainer

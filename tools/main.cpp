@@ -1,0 +1,95 @@
+// qtrain: quantization-aware training and QLoRA fine-tuning of Llama models.
+//   qtrain [train] --recipe FILE [--set key=value ...] [--print-recipe]
+//   qtrain eval | tokenize | inspect ... (qtrain SUBCOMMAND --help)
+#include <c10/util/Exception.h>
+
+#include <iostream>
+#include <map>
+
+#include "kernels/error.h"
+#include "tools/commands.h"
+
+namespace po = boost::program_options;
+
+namespace qtrain::tools {
+
+bool parse_command_line(const std::string& usage, const po::options_description& options, const Arguments& arguments,
+                        po::variables_map& values, const po::positional_options_description* positional) {
+  po::options_description with_help(options);
+  with_help.add_options()("help,h", "show this help");
+  po::command_line_parser parser(arguments);
+  parser.options(with_help);
+  if (positional) parser.positional(*positional);
+  po::store(parser.run(), values);
+  if (values.count("help")) {
+    std::cout << usage << "\n\n" << with_help << "\n";
+    return false;
+  }
+  po::notify(values);
+  return true;
+}
+
+namespace {
+
+struct Command {
+  int (*run)(const Arguments&);
+  const char* summary;
+};
+
+const std::map<std::string, Command>& commands() {
+  static const std::map<std::string, Command> table = {
+      {"train", {run_train, "train from a recipe (the default command)"}},
+      {"eval", {run_eval, "loss and perplexity of a model (and adapter) on JSONL data"}},
+      {"tokenize", {run_tokenize, "JSONL text on stdin -> token ids on stdout (or --decode)"}},
+      {"inspect", {run_inspect, "architecture, sizes and memory needs of a Hugging Face model"}},
+  };
+  return table;
+}
+
+void print_overview() {
+  std::cout << "qtrain: QLoRA and quantization-aware training for Llama models\n\n"
+               "usage: qtrain [train] --recipe FILE [--set key=value ...] [--print-recipe]\n"
+               "       qtrain COMMAND [options]     (qtrain COMMAND --help lists its options)\n\ncommands:\n";
+  for (const auto& [name, command] : commands()) {
+    std::cout << "  " << name << std::string(10 - name.size(), ' ') << command.summary << "\n";
+  }
+}
+
+// c10 errors carry a C++ backtrace; a user needs the first line.
+std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
+
+}  // namespace
+}  // namespace qtrain::tools
+
+int main(int argc, char** argv) {
+  using namespace qtrain::tools;
+  Arguments arguments(argv + 1, argv + argc);
+  std::string name = "train";
+  if (arguments.empty() || arguments[0] == "--help" || arguments[0] == "-h") {
+    print_overview();
+    return arguments.empty() ? 2 : 0;
+  }
+  if (arguments[0].rfind("-", 0) != 0) {
+    name = arguments[0];
+    arguments.erase(arguments.begin());
+  }
+  const auto found = commands().find(name);
+  if (found == commands().end()) {
+    std::cerr << "qtrain: unknown command '" << name << "' (commands: train, eval, tokenize, inspect; see qtrain --help)\n";
+    return 2;
+  }
+  try {
+    return found->second.run(arguments);
+  } catch (const qtrain::Error& error) {
+    std::cerr << "qtrain " << name << ": error: " << error.what() << "\n";
+  } catch (const po::error& error) {
+    std::cerr << "qtrain " << name << ": " << error.what() << " (see qtrain " << name << " --help)\n";
+  } catch (const c10::Error& error) {
+    std::cerr << "qtrain " << name << ": error: " << first_line(error.what_without_backtrace()) << "\n";
+    return 1;
+  } catch (const std::exception& error) {
+    std::cerr << "qtrain " << name << ": error: " << first_line(error.what()) << "\n";
+    return 1;
+  }
+  return 2;
+}

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Installs what is missing and builds qtrain into build/.
+#
+#   tools/setup.sh            Debian packages, the pinned Python environment, Release build
+#   QTRAIN_OFFLINE=1 ...      install nothing; use the torch that `python3` imports (GPU machine)
+#
+# Idempotent: every step checks first and skips what is already there. The Python environment
+# (torch wheel ~4.7 GB with its CUDA libraries) lives outside the clone, keyed by the pinned
+# versions, so fresh clones and CI reuse it.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+TORCH_VERSION=2.11.0
+PYTHON_PINS=(
+  "torch==${TORCH_VERSION}"
+  "transformers==5.17.0"
+  "peft==0.21.0"
+  "tokenizers==0.23.2"
+  "safetensors==0.8.0"
+  "gguf==0.19.0"
+)
+DEBIAN_PACKAGES=(
+  build-essential cmake ninja-build ccache git python3 python3-venv python3-pip
+  libboost-program-options-dev libyaml-cpp-dev nlohmann-json3-dev libpcre2-dev libgtest-dev
+)
+
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+pin_key() { printf '%s\n' "${PYTHON_PINS[@]}" | sha256sum | cut -c1-12; }
+VENV_DIR=${QTRAIN_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/qtrain/venv-torch${TORCH_VERSION}-$(pin_key)}
+
+install_debian_packages() {
+  local missing=()
+  for package in "${DEBIAN_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q 'install ok installed' \
+      || missing+=("$package")
+  done
+  [ ${#missing[@]} -eq 0 ] && { log "Debian packages: all present"; return; }
+  log "Debian packages: installing ${missing[*]}"
+  local sudo=""
+  [ "$(id -u)" -ne 0 ] && sudo=sudo
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+}
+
+install_python_environment() {
+  if [ -f "$VENV_DIR/.complete" ]; then
+    log "Python environment: $VENV_DIR (present)"
+    return
+  fi
+  log "Python environment: creating $VENV_DIR (torch wheel is large; this happens once)"
+  rm -rf "$VENV_DIR"
+  python3 -m venv "$VENV_DIR"
+  "$VENV_DIR/bin/pip" install -q --upgrade pip
+  "$VENV_DIR/bin/pip" install -q "${PYTHON_PINS[@]}"
+  touch "$VENV_DIR/.complete"
+}
+
+if [ "${QTRAIN_OFFLINE:-0}" = 1 ]; then
+  log "QTRAIN_OFFLINE=1: installing nothing, using $(command -v python3)"
+  PYTHON=python3
+else
+  install_debian_packages
+  install_python_environment
+  PYTHON="$VENV_DIR/bin/python"
+fi
+
+TORCH_PREFIX=$("$PYTHON" -c 'import torch; print(torch.utils.cmake_prefix_path)')
+# LibTorch's CMake ignores CMAKE_CUDA_ARCHITECTURES and otherwise builds for 11 architectures.
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
+
+cmake_args=(
+  -S "$ROOT" -B "$ROOT/build" -G Ninja
+  -DCMAKE_BUILD_TYPE=Release
+  "-DCMAKE_PREFIX_PATH=${TORCH_PREFIX}${CMAKE_PREFIX_PATH:+;${CMAKE_PREFIX_PATH//:/;}}"
+  "-DQTRAIN_PYTHON=$PYTHON"
+)
+[ -n "${CMAKE_CUDA_ARCHITECTURES:-}" ] && cmake_args+=("-DCMAKE_CUDA_ARCHITECTURES=$CMAKE_CUDA_ARCHITECTURES")
+
+log "configuring build/"
+cmake "${cmake_args[@]}" >"$ROOT/build-configure.log" 2>&1 \
+  || { cat "$ROOT/build-configure.log" >&2; exit 1; }
+log "building (Release, $(nproc) jobs)"
+cmake --build "$ROOT/build" -j "$(nproc)"
+log "done: $ROOT/build/qtrain"

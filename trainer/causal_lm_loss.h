@@ -1,0 +1,20 @@
+#pragma once
+// Next-token cross-entropy with transformers' shift (the logits at t predict the label at t+1),
+// in fp32, computed over chunks of tokens so the [tokens, vocab] fp32 logits never exist whole.
+#include "trainer/llama.h"
+
+namespace qtrain::trainer {
+
+constexpr int64_t kIgnoreLabel = -100;
+
+struct TokenLoss {
+  torch::Tensor loss_sum;  // scalar fp32: sum of the per-token losses
+  torch::Tensor tokens;    // scalar int64: how many labels took part
+};
+
+// hidden [batch, seq, hidden] (the model's final normed states); labels [batch, seq] int64 with
+// kIgnoreLabel where no loss is taken. chunk_tokens <= 0 projects every token at once.
+TokenLoss causal_lm_loss(LlamaForCausalLMImpl& model, const torch::Tensor& hidden, const torch::Tensor& labels,
+                         int64_t chunk_tokens);
+
+}  // namespace qtrain::trainer

@@ -1,0 +1,30 @@
+#pragma once
+// Loading a Hugging Face Llama directory (config.json + safetensors) into LlamaForCausalLM.
+#include <string>
+
+#include "trainer/hf_config.h"
+#include "trainer/llama.h"
+
+namespace qtrain::trainer {
+
+class SafetensorsCheckpoint;
+
+struct ModelLoadOptions {
+  torch::ScalarType dtype = torch::kFloat32;  // of the loaded (unquantized) weights and compute
+  torch::Device device = torch::kCPU;
+  LinearFactory make_linear = dense_linear_factory();
+};
+
+struct LoadedModel {
+  HfModelConfig config;
+  LlamaForCausalLM model{nullptr};
+};
+
+LoadedModel load_llama(const std::string& model_dir, const ModelLoadOptions& options = {});
+
+// Copies every parameter and buffer of `model` from `weights` by its Hugging Face name,
+// checking shapes; a missing or unexpected tensor is an Error naming it and `source`.
+void load_state(torch::nn::Module& model, const SafetensorsCheckpoint& weights, const std::string& source,
+                bool tie_word_embeddings);
+
+}  // namespace qtrain::trainer

@@ -1,0 +1,30 @@
+#pragma once
+// Hugging Face `config.json` (transformers 4.x and 5.x keys) turned into LlamaOptions.
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "trainer/llama.h"
+
+namespace qtrain::trainer {
+
+struct HfModelConfig {
+  std::string path;          // the config.json read
+  std::string architecture;  // e.g. LlamaForCausalLM
+  LlamaOptions llama;
+  torch::ScalarType stored_dtype = torch::kFloat32;  // `dtype` (5.x) or `torch_dtype` (4.x)
+  std::optional<int64_t> bos_token_id;
+  std::vector<int64_t> eos_token_ids;                // a single id or a list in config.json
+  std::optional<int64_t> pad_token_id;
+  std::string rope_type_name;                        // as written: default, linear, dynamic, llama3
+  bool has_quantization_config = false;
+  std::string json;                                  // the file's text, for exports that rewrite it
+};
+
+HfModelConfig read_hf_config(const std::string& model_dir);
+
+// "bf16"/"bfloat16", "fp16"/"float16", "fp32"/"float32" -> scalar type; Error naming `what`.
+torch::ScalarType parse_dtype_name(const std::string& name, const std::string& what);
+std::string dtype_short_name(torch::ScalarType dtype);
+
+}  // namespace qtrain::trainer

@@ -1,0 +1,162 @@
+#pragma once
+// A Llama decoder (LlamaForCausalLM) as LibTorch modules. Parameter names are Hugging Face's
+// (`model.layers.3.self_attn.q_proj.weight`), so checkpoints and peft adapters map by name.
+// The numerics follow transformers: RMSNorm and rotary tables in fp32, the residual stream in
+// the compute dtype, attention through scaled_dot_product_attention.
+#include <torch/torch.h>
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "qat/linear.h"
+#include "qat/lora_linear.h"  // qat::LinearLayerOwner
+
+namespace qtrain::trainer {
+
+enum class RopeType { kDefault, kLinear, kDynamic, kLlama3 };
+
+struct RopeOptions {
+  RopeType type = RopeType::kDefault;
+  double theta = 10000.0;
+  double factor = 1.0;                   // linear, dynamic, llama3
+  double low_freq_factor = 1.0;          // llama3
+  double high_freq_factor = 4.0;         // llama3
+  int64_t original_max_position_embeddings = 0;  // llama3, dynamic (0 = max_position_embeddings)
+};
+
+struct LlamaOptions {
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;
+  int64_t num_hidden_layers = 0;
+  int64_t num_attention_heads = 0;
+  int64_t num_key_value_heads = 0;
+  int64_t head_dim = 0;
+  int64_t max_position_embeddings = 2048;
+  double rms_norm_eps = 1e-6;
+  bool attention_bias = false;
+  bool mlp_bias = false;
+  bool tie_word_embeddings = false;
+  RopeOptions rope;
+};
+
+// Builds the projection a model position needs (`name` like "model.layers.0.self_attn.q_proj").
+// The default makes dense layers; QLoRA / QAT pass factories that make their own kinds.
+using LinearFactory = std::function<std::shared_ptr<qat::LinearLayer>(const std::string& name,
+                                                                      const qat::DenseLinearOptions&)>;
+LinearFactory dense_linear_factory();
+
+class RMSNormImpl : public torch::nn::Module {
+ public:
+  RMSNormImpl(int64_t hidden_size, double eps, torch::ScalarType dtype);
+  // x [..., hidden] in any dtype; normalised in fp32, scaled in x's dtype.
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor weight;
+
+ private:
+  double eps_;
+};
+TORCH_MODULE(RMSNorm);
+
+// cos and sin tables for rotary embeddings, computed in fp32 as transformers does.
+class RotaryEmbedding {
+ public:
+  RotaryEmbedding(const LlamaOptions& options);
+  // position_ids [batch, seq] -> (cos, sin) [batch, seq, head_dim] in `dtype`.
+  std::pair<torch::Tensor, torch::Tensor> tables(const torch::Tensor& position_ids, torch::ScalarType dtype) const;
+
+ private:
+  torch::Tensor inverse_frequencies(int64_t sequence_length, const torch::Device& device) const;
+  LlamaOptions options_;
+  torch::Tensor inverse_frequencies_;  // [head_dim / 2], fp32
+  double attention_scaling_ = 1.0;
+};
+
+// The blocks holding projections implement qat::LinearLayerOwner, so that swapping one (LoRA,
+// QAT) updates the pointer forward() calls as well as the registered child.
+class LlamaAttentionImpl : public torch::nn::Module, public qat::LinearLayerOwner {
+ public:
+  LlamaAttentionImpl(const LlamaOptions& options, const std::string& prefix, const LinearFactory& make_linear,
+                     torch::ScalarType dtype);
+  // hidden [batch, seq, hidden]; attention_mask: undefined (causal) or a boolean/additive
+  // mask broadcastable to [batch, heads, seq, seq].
+  torch::Tensor forward(const torch::Tensor& hidden, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const torch::Tensor& attention_mask);
+  void replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) override;
+  std::shared_ptr<qat::LinearLayer> q_proj, k_proj, v_proj, o_proj;
+
+ private:
+  int64_t num_heads_, num_key_value_heads_, head_dim_;
+};
+TORCH_MODULE(LlamaAttention);
+
+class LlamaMlpImpl : public torch::nn::Module, public qat::LinearLayerOwner {
+ public:
+  LlamaMlpImpl(const LlamaOptions& options, const std::string& prefix, const LinearFactory& make_linear,
+               torch::ScalarType dtype);
+  torch::Tensor forward(const torch::Tensor& hidden);
+  void replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) override;
+  std::shared_ptr<qat::LinearLayer> gate_proj, up_proj, down_proj;
+};
+TORCH_MODULE(LlamaMlp);
+
+class LlamaDecoderLayerImpl : public torch::nn::Module {
+ public:
+  LlamaDecoderLayerImpl(const LlamaOptions& options, const std::string& prefix, const LinearFactory& make_linear,
+                        torch::ScalarType dtype);
+  torch::Tensor forward(const torch::Tensor& hidden, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const torch::Tensor& attention_mask);
+  RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
+  LlamaAttention self_attn{nullptr};
+  LlamaMlp mlp{nullptr};
+};
+TORCH_MODULE(LlamaDecoderLayer);
+
+// The `model.` part of LlamaForCausalLM: embeddings, decoder layers, final norm.
+class LlamaBackboneImpl : public torch::nn::Module {
+ public:
+  LlamaBackboneImpl(const LlamaOptions& options, const LinearFactory& make_linear, torch::ScalarType dtype);
+  // input_ids [batch, seq] int64 -> hidden [batch, seq, hidden] in the model dtype
+  torch::Tensor forward(const torch::Tensor& input_ids, const torch::Tensor& position_ids,
+                        const torch::Tensor& attention_mask);
+  torch::nn::Embedding embed_tokens{nullptr};
+  torch::nn::ModuleList layers{nullptr};
+  RMSNorm norm{nullptr};
+
+ private:
+  RotaryEmbedding rotary_;
+};
+TORCH_MODULE(LlamaBackbone);
+
+struct LlamaInputs {
+  torch::Tensor input_ids;       // [batch, seq] int64
+  torch::Tensor position_ids;    // [batch, seq] int64; undefined = 0..seq-1 for every row
+  torch::Tensor attention_mask;  // undefined = causal
+};
+
+class LlamaForCausalLMImpl : public torch::nn::Module, public qat::LinearLayerOwner {
+ public:
+  LlamaForCausalLMImpl(const LlamaOptions& options, torch::ScalarType dtype,
+                       const LinearFactory& make_linear = dense_linear_factory());
+  // [batch, seq, hidden]: the final normed hidden states (the loss projects them in chunks).
+  torch::Tensor hidden_states(const LlamaInputs& inputs);
+  // [batch, seq, vocab] in the model dtype.
+  torch::Tensor forward(const LlamaInputs& inputs);
+  torch::Tensor logits(const torch::Tensor& hidden);
+  void replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) override;
+  const LlamaOptions& options() const { return options_; }
+  torch::ScalarType dtype() const { return dtype_; }
+
+  LlamaBackbone model{nullptr};
+  std::shared_ptr<qat::LinearLayer> lm_head;  // null when tied to model.embed_tokens
+
+ private:
+  LlamaOptions options_;
+  torch::ScalarType dtype_;
+};
+TORCH_MODULE(LlamaForCausalLM);
+
+}  // namespace qtrain::trainer

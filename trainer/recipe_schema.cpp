@@ -1,0 +1,296 @@
+// Every recipe key, its default and what it allows: the one place defaults live.
+#include "trainer/recipe_schema.h"
+
+namespace qtrain::trainer {
+namespace {
+
+RecipeKey key(std::string name, std::string default_yaml, RecipeField (*field)(Recipe&),
+              std::string doc) {
+  RecipeKey entry;
+  entry.name = std::move(name);
+  entry.default_yaml = std::move(default_yaml);
+  entry.field = field;
+  entry.doc = std::move(doc);
+  return entry;
+}
+
+// The Recipe field of a key, as a function pointer the table can hold.
+#define QTRAIN_FIELD(member) [](Recipe& recipe) -> RecipeField { return &recipe.member; }
+
+const char* const kLlamaProjections =
+    "[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]";
+const std::vector<std::string> kDtypes = {"bf16", "fp16", "fp32"};
+const std::vector<std::string> kQuantizerFormats = {"int", "fp8_e4m3", "fp8_e5m2", "fp4", "nf4"};
+const std::vector<std::string> kWeightBits = {"2", "3", "4", "5", "6", "7", "8"};
+const std::vector<std::string> kActivationBits = {"0", "2", "3", "4", "5", "6", "7", "8"};
+
+std::vector<RecipeKey> make_recipe_keys() {
+  return {
+      key("model.path", "\"\"", QTRAIN_FIELD(model.path),
+          "Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)")
+          .path(),
+      key("model.dtype", "bf16", QTRAIN_FIELD(model.dtype),
+          "dtype of the weights kept unquantized (all of them with quant: none)")
+          .one_of(kDtypes),
+
+      key("quant", "qlora", QTRAIN_FIELD(quant),
+          "qlora: frozen 4-bit/8-bit base + LoRA; qat: fake-quantized training; none: plain")
+          .one_of({"qlora", "qat", "none"}),
+
+      key("qlora.quant_type", "nf4", QTRAIN_FIELD(qlora.quant_type),
+          "base format: bitsandbytes NF4 or FP4, or int8 (LLM.int8 rows)")
+          .one_of({"nf4", "fp4", "int8"}),
+      key("qlora.blocksize", "64", QTRAIN_FIELD(qlora.blocksize),
+          "weights sharing one absmax (4-bit formats)")
+          .one_of({"64", "128", "256", "512", "1024", "2048", "4096"}),
+      key("qlora.double_quant", "true", QTRAIN_FIELD(qlora.double_quant),
+          "quantize the absmax too (8-bit, blocks of 256), as bnb_4bit_use_double_quant"),
+      key("qlora.llm_int8_threshold", "6.0", QTRAIN_FIELD(qlora.llm_int8_threshold),
+          "int8: input features above this magnitude run in 16-bit")
+          .at_least(0),
+      key("qlora.skip_modules", "[lm_head]", QTRAIN_FIELD(qlora.skip_modules),
+          "modules kept unquantized, by name pattern"),
+
+      key("lora.rank", "16", QTRAIN_FIELD(lora.rank),
+          "adapter rank r; 0 trains the full weights instead (not with quant: qlora)")
+          .at_least(0),
+      key("lora.alpha", "32", QTRAIN_FIELD(lora.alpha),
+          "scaling numerator: alpha / r, or alpha / sqrt(r) with rslora")
+          .above(0),
+      key("lora.dropout", "0.05", QTRAIN_FIELD(lora.dropout), "dropout on the adapter input")
+          .at_least(0)
+          .below(1),
+      key("lora.rslora", "false", QTRAIN_FIELD(lora.rslora), "rank-stabilized scaling"),
+      key("lora.target_modules", kLlamaProjections, QTRAIN_FIELD(lora.target_modules),
+          "modules that get adapters, by name pattern"),
+      key("lora.init_from", "\"\"", QTRAIN_FIELD(lora.init_from),
+          "PEFT adapter directory to start from; empty: fresh adapters")
+          .path(),
+
+      key("qat.weights.format", "int", QTRAIN_FIELD(qat.weights.format), "weight grid")
+          .one_of(kQuantizerFormats),
+      key("qat.weights.bits", "4", QTRAIN_FIELD(qat.weights.bits), "integer width (format int)")
+          .one_of(kWeightBits),
+      key("qat.weights.symmetric", "true", QTRAIN_FIELD(qat.weights.symmetric),
+          "no zero point (symmetric int4 groups of 32 are GGUF Q4_0)"),
+      key("qat.weights.granularity", "per_group", QTRAIN_FIELD(qat.weights.granularity),
+          "weights sharing one scale")
+          .one_of({"per_tensor", "per_channel", "per_group"}),
+      key("qat.weights.group_size", "32", QTRAIN_FIELD(qat.weights.group_size),
+          "input features per group (per_group)")
+          .at_least(1),
+      key("qat.weights.observer", "minmax", QTRAIN_FIELD(qat.weights.observer),
+          "how the scale follows the weights")
+          .one_of({"minmax", "moving_average"}),
+      key("qat.weights.learned_scale", "false", QTRAIN_FIELD(qat.weights.learned_scale),
+          "train the scale (LSQ), starting from the observer's"),
+      key("qat.activations.format", "int", QTRAIN_FIELD(qat.activations.format), "activation grid")
+          .one_of(kQuantizerFormats),
+      key("qat.activations.bits", "0", QTRAIN_FIELD(qat.activations.bits),
+          "integer width (format int); 0: activations stay unquantized")
+          .one_of(kActivationBits),
+      key("qat.activations.symmetric", "false", QTRAIN_FIELD(qat.activations.symmetric),
+          "no zero point"),
+      key("qat.activations.granularity", "per_token", QTRAIN_FIELD(qat.activations.granularity),
+          "activations sharing one scale")
+          .one_of({"per_tensor", "per_token", "per_group"}),
+      key("qat.activations.group_size", "32", QTRAIN_FIELD(qat.activations.group_size),
+          "features per group (per_group)")
+          .at_least(1),
+      key("qat.activations.observer", "dynamic", QTRAIN_FIELD(qat.activations.observer),
+          "dynamic: scale from each batch; minmax, moving_average: calibrated, then fixed")
+          .one_of({"minmax", "moving_average", "dynamic"}),
+      key("qat.activations.learned_scale", "false", QTRAIN_FIELD(qat.activations.learned_scale),
+          "train the scale (LSQ), starting from the observer's"),
+      key("qat.start_step", "0", QTRAIN_FIELD(qat.start_step),
+          "optimizer step at which fake quantization turns on")
+          .at_least(0),
+      key("qat.target_modules", kLlamaProjections, QTRAIN_FIELD(qat.target_modules),
+          "modules that get fake quantization, by name pattern"),
+
+      key("data.train", "\"\"", QTRAIN_FIELD(data.train),
+          "training data: JSONL records, or a token file (format: tokens)")
+          .path(),
+      key("data.eval", "\"\"", QTRAIN_FIELD(data.eval),
+          "held-out data in the same format; empty: no evaluation")
+          .path(),
+      key("data.format", "text", QTRAIN_FIELD(data.format),
+          "text: {\"text\"}; instruct: alpaca fields, loss on the response; chat: {\"messages\"}; "
+          "tokens: llm.c .bin")
+          .one_of({"text", "instruct", "chat", "tokens"}),
+      key("data.max_seq_len", "2048", QTRAIN_FIELD(data.max_seq_len), "tokens per sequence")
+          .at_least(2),
+      key("data.pack", "false", QTRAIN_FIELD(data.pack), "concatenate records into full sequences"),
+      key("data.shuffle", "true", QTRAIN_FIELD(data.shuffle),
+          "seeded shuffle of the records each epoch"),
+
+      key("optim.name", "adamw", QTRAIN_FIELD(optim.name),
+          "adamw: fp32 states; adamw8bit: blockwise 8-bit states")
+          .one_of({"adamw", "adamw8bit", "sgd"}),
+      key("optim.lr", "2e-4", QTRAIN_FIELD(optim.lr), "peak learning rate").above(0),
+      key("optim.weight_decay", "0.0", QTRAIN_FIELD(optim.weight_decay), "decoupled weight decay")
+          .at_least(0),
+      key("optim.betas", "[0.9, 0.999]", QTRAIN_FIELD(optim.betas), "Adam's beta1, beta2")
+          .at_least(0)
+          .below(1)
+          .of_length(2),
+      key("optim.eps", "1e-8", QTRAIN_FIELD(optim.eps), "Adam's epsilon").above(0),
+
+      key("schedule.name", "cosine", QTRAIN_FIELD(schedule.name), "learning rate after warmup")
+          .one_of({"cosine", "linear", "constant"}),
+      key("schedule.warmup_steps", "100", QTRAIN_FIELD(schedule.warmup_steps),
+          "linear warmup from 0")
+          .at_least(0),
+      key("schedule.min_lr_ratio", "0.0", QTRAIN_FIELD(schedule.min_lr_ratio),
+          "final learning rate as a fraction of optim.lr")
+          .at_least(0)
+          .at_most(1),
+
+      key("train.steps", "0", QTRAIN_FIELD(train.steps),
+          "optimizer steps to run; 0: train.epochs passes over the data")
+          .at_least(0),
+      key("train.epochs", "1", QTRAIN_FIELD(train.epochs),
+          "passes over the data (when train.steps is 0)")
+          .at_least(0),
+      key("train.micro_batch_size", "1", QTRAIN_FIELD(train.micro_batch_size),
+          "sequences per forward pass, per rank")
+          .at_least(1),
+      key("train.grad_accum_steps", "1", QTRAIN_FIELD(train.grad_accum_steps),
+          "micro-batches per optimizer step")
+          .at_least(1),
+      key("train.dtype", "bf16", QTRAIN_FIELD(train.dtype),
+          "compute dtype; fp16 scales the loss dynamically")
+          .one_of(kDtypes),
+      key("train.device", "auto", QTRAIN_FIELD(train.device), "auto: cuda when there is one")
+          .one_of({"auto", "cpu", "cuda"}),
+      key("train.seed", "42", QTRAIN_FIELD(train.seed),
+          "seeds initialisation, dropout and shuffling")
+          .at_least(0),
+      key("train.max_grad_norm", "1.0", QTRAIN_FIELD(train.max_grad_norm),
+          "clip the global gradient norm to this; 0: no clipping")
+          .at_least(0),
+      key("train.gradient_checkpointing", "false", QTRAIN_FIELD(train.gradient_checkpointing),
+          "recompute each decoder layer in backward to save memory"),
+      key("train.empty_cache_steps", "0", QTRAIN_FIELD(train.empty_cache_steps),
+          "release the CUDA cache every N steps; 0: never")
+          .at_least(0),
+      key("train.output_dir", "runs/qtrain", QTRAIN_FIELD(train.output_dir),
+          "run directory: checkpoints, metrics.jsonl, exports")
+          .path(),
+
+      key("checkpoint.every", "500", QTRAIN_FIELD(checkpoint.every),
+          "save every N steps; 0: only at the end")
+          .at_least(0),
+      key("checkpoint.keep_last", "3", QTRAIN_FIELD(checkpoint.keep_last),
+          "checkpoints kept; 0: all")
+          .at_least(0),
+
+      key("eval.every", "500", QTRAIN_FIELD(eval.every),
+          "evaluate every N steps; 0: only at the end (needs data.eval)")
+          .at_least(0),
+      key("eval.max_batches", "0", QTRAIN_FIELD(eval.max_batches),
+          "eval batches per evaluation; 0: the whole eval split")
+          .at_least(0),
+
+      key("log.every", "10", QTRAIN_FIELD(log.every), "progress line and metrics every N steps")
+          .at_least(1),
+
+      key("dist.backend", "auto", QTRAIN_FIELD(dist.backend), "auto: nccl on GPUs, gloo on CPUs")
+          .one_of({"auto", "nccl", "gloo"}),
+      key("dist.timeout_s", "600", QTRAIN_FIELD(dist.timeout_s),
+          "seconds a collective may wait before the run fails")
+          .at_least(1),
+      key("dist.bucket_mb", "25", QTRAIN_FIELD(dist.bucket_mb),
+          "gradient all-reduce bucket size in MiB")
+          .at_least(1),
+
+      key("export.formats", "[peft]", QTRAIN_FIELD(export_.formats),
+          "written at the end of training and by `qtrain export`")
+          .one_of({"peft", "merged", "gguf", "safetensors-int"}),
+      key("export.out", "\"\"", QTRAIN_FIELD(export_.out),
+          "export directory; empty: <train.output_dir>/export")
+          .path(),
+  };
+}
+
+#undef QTRAIN_FIELD
+
+}  // namespace
+
+const std::vector<RecipeKey>& recipe_keys() {
+  static const std::vector<RecipeKey> keys = make_recipe_keys();
+  return keys;
+}
+
+std::optional<RecipeConflict> find_conflict(const Recipe& recipe) {
+  if (recipe.quant == "qlora" && recipe.lora.rank == 0) {
+    return RecipeConflict{"lora.rank",
+                          "quant: qlora trains adapters on a frozen base, so lora.rank must be at "
+                          "least 1 (quant: none or qat train the full weights with rank 0)"};
+  }
+  if (recipe.train.steps == 0 && recipe.train.epochs == 0) {
+    return RecipeConflict{"train.epochs",
+                          "train.steps and train.epochs are both 0: set how long to train"};
+  }
+  const std::pair<const char*, const QuantizerRecipe*> quantizers[] = {
+      {"qat.weights", &recipe.qat.weights}, {"qat.activations", &recipe.qat.activations}};
+  for (const auto& [section, quantizer] : quantizers) {
+    const std::string prefix = section;
+    if (quantizer->granularity == "per_token" && quantizer->observer != "dynamic") {
+      return RecipeConflict{prefix + ".observer",
+                            "'" + prefix + ".granularity: per_token' needs '" + prefix +
+                                ".observer: dynamic' (each token's scale comes from that token), "
+                                "got '" +
+                                quantizer->observer + "'"};
+    }
+    if (quantizer->learned_scale && quantizer->observer == "dynamic") {
+      return RecipeConflict{prefix + ".learned_scale",
+                            "'" + prefix +
+                                ".learned_scale: true' needs a fixed scale to learn: "
+                                "set '" +
+                                prefix + ".observer' to minmax or moving_average"};
+    }
+  }
+  return std::nullopt;
+}
+
+const std::vector<std::pair<std::string, std::string>>& familiar_key_names() {
+  static const std::vector<std::pair<std::string, std::string>> names = {
+      {"base_model", "model.path"},
+      {"model_name_or_path", "model.path"},
+      {"torch_dtype", "model.dtype"},
+      {"r", "lora.rank"},
+      {"lora_r", "lora.rank"},
+      {"lora_alpha", "lora.alpha"},
+      {"lora_dropout", "lora.dropout"},
+      {"use_rslora", "lora.rslora"},
+      {"lora_target_modules", "lora.target_modules"},
+      {"bnb_4bit_quant_type", "qlora.quant_type"},
+      {"bnb_4bit_use_double_quant", "qlora.double_quant"},
+      {"llm_int8_skip_modules", "qlora.skip_modules"},
+      {"sequence_len", "data.max_seq_len"},
+      {"max_length", "data.max_seq_len"},
+      {"sample_packing", "data.pack"},
+      {"packed", "data.pack"},
+      {"learning_rate", "optim.lr"},
+      {"optimizer", "optim.name"},
+      {"lr_scheduler", "schedule.name"},
+      {"lr_scheduler_type", "schedule.name"},
+      {"num_warmup_steps", "schedule.warmup_steps"},
+      {"max_steps", "train.steps"},
+      {"num_epochs", "train.epochs"},
+      {"num_train_epochs", "train.epochs"},
+      {"batch_size", "train.micro_batch_size"},
+      {"per_device_train_batch_size", "train.micro_batch_size"},
+      {"gradient_accumulation_steps", "train.grad_accum_steps"},
+      {"max_grad_norm", "train.max_grad_norm"},
+      {"enable_activation_checkpointing", "train.gradient_checkpointing"},
+      {"save_steps", "checkpoint.every"},
+      {"save_total_limit", "checkpoint.keep_last"},
+      {"eval_steps", "eval.every"},
+      {"logging_steps", "log.every"},
+  };
+  return names;
+}
+
+}  // namespace qtrain::trainer
