@@ -18,4 +18,13 @@ torch::Tensor DenseLinear::forward(const torch::Tensor& input) {
   return torch::nn::functional::linear(input, weight_, bias_);
 }
 
+void replace_linear_layer(torch::nn::Module& parent, const std::string& child_name,
+                          std::shared_ptr<LinearLayer> layer) {
+  if (auto* owner = dynamic_cast<LinearLayerOwner*>(&parent)) {
+    owner->replace_linear(child_name, std::move(layer));
+  } else {
+    parent.replace_module(child_name, std::move(layer));
+  }
+}
+
 }  // namespace qtrain::qat

@@ -4,6 +4,9 @@
 // adapter around it) without the model knowing which one it holds.
 #include <torch/torch.h>
 
+#include <memory>
+#include <string>
+
 namespace qtrain::qat {
 
 class LinearLayer : public torch::nn::Module {
@@ -41,5 +44,19 @@ class DenseLinear : public LinearLayer {
   torch::Tensor weight_;
   torch::Tensor bias_;
 };
+
+// A module that keeps its own typed pointer to a linear child (as the Llama attention and MLP
+// blocks do, to call `q_proj->forward`) implements this, so that a swap updates the pointer
+// together with the registered child. LibTorch's replace_module alone only changes the latter.
+class LinearLayerOwner {
+ public:
+  virtual ~LinearLayerOwner() = default;
+  virtual void replace_linear(const std::string& child_name, std::shared_ptr<LinearLayer> layer) = 0;
+};
+
+// Replaces the direct child `child_name` of `parent`: through LinearLayerOwner when the parent
+// implements it, else with replace_module.
+void replace_linear_layer(torch::nn::Module& parent, const std::string& child_name,
+                          std::shared_ptr<LinearLayer> layer);
 
 }  // namespace qtrain::qat

@@ -144,15 +144,6 @@ std::vector<LoraTarget> find_lora_targets(const torch::nn::Module& root, const L
   return found;
 }
 
-void replace_linear_layer(torch::nn::Module& parent, const std::string& child_name,
-                          std::shared_ptr<LinearLayer> layer) {
-  if (auto* owner = dynamic_cast<LinearLayerOwner*>(&parent)) {
-    owner->replace_linear(child_name, std::move(layer));
-  } else {
-    parent.replace_module(child_name, std::move(layer));
-  }
-}
-
 std::vector<std::string> apply_lora(torch::nn::Module& root, const LoraTargets& targets,
                                     const LoraOptionsForModule& options_for) {
   const auto found = find_lora_targets(root, targets);

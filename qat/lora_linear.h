@@ -105,18 +105,4 @@ std::vector<std::string> apply_lora(torch::nn::Module& root, const LoraTargets& 
                                     const LoraOptionsForModule& options_for);
 std::vector<std::string> apply_lora(torch::nn::Module& root, const LoraTargets& targets, const LoraOptions& options);
 
-// A module that keeps its own typed pointer to a linear child (as the Llama attention and MLP
-// blocks do, to call `q_proj->forward`) implements this, so that a swap updates the pointer
-// together with the registered child. LibTorch's replace_module alone only changes the latter.
-class LinearLayerOwner {
- public:
-  virtual ~LinearLayerOwner() = default;
-  virtual void replace_linear(const std::string& child_name, std::shared_ptr<LinearLayer> layer) = 0;
-};
-
-// Replaces the direct child `child_name` of `parent`: through LinearLayerOwner when the parent
-// implements it, else with replace_module.
-void replace_linear_layer(torch::nn::Module& parent, const std::string& child_name,
-                          std::shared_ptr<LinearLayer> layer);
-
 }  // namespace qtrain::qat

@@ -5,8 +5,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <random>
 #include <string>
+
+#include "trainer/file_system.h"
 
 namespace qtrain::testing {
 
@@ -63,14 +66,18 @@ class TempDir {
     path_ = std::filesystem::temp_directory_path() / ("qtrain-test-" + std::to_string(seed()) + std::to_string(seed()));
     std::filesystem::create_directories(path_);
   }
-  ~TempDir() {
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
-  }
+  ~TempDir() { trainer::remove_tree(path_.string()); }
   TempDir(const TempDir&) = delete;
   TempDir& operator=(const TempDir&) = delete;
   std::string path() const { return path_.string(); }
   std::string file(const std::string& name) const { return (path_ / name).string(); }
+  // Writes `text` to `relative` (creating folders) and returns the file's path.
+  std::string write(const std::string& relative, const std::string& text) const {
+    const auto file = path_ / relative;
+    std::filesystem::create_directories(file.parent_path());
+    std::ofstream(file, std::ios::binary) << text;
+    return file.string();
+  }
 
  private:
   std::filesystem::path path_;

@@ -12,7 +12,6 @@
 #include <vector>
 
 #include "qat/linear.h"
-#include "qat/lora_linear.h"  // qat::LinearLayerOwner
 
 namespace qtrain::trainer {
 

@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "kernels/error.h"
+#include "trainer/file_system.h"
 #include "trainer/safetensors.h"
 
 namespace qtrain::trainer {
@@ -122,8 +123,6 @@ class ConfigReader {
   [[noreturn]] void fail(const std::string& key, const std::string& problem) const {
     throw Error(path_ + ": '" + key + "' " + problem);
   }
-
-  const std::string& path() const { return path_; }
 
  private:
   std::string path_;
@@ -406,7 +405,7 @@ void write_peft_adapter(const LlamaForCausalLMImpl& model, const PeftAdapterConf
   const fs::path staging = parent / ("." + out.filename().string() + ".tmp-" + std::to_string(::getpid()));
   try {
     fs::create_directories(parent);
-    fs::remove_all(staging);
+    remove_tree(staging.string());
     fs::create_directory(staging);
     {
       std::ofstream stream(staging / kConfigFile);
@@ -417,12 +416,10 @@ void write_peft_adapter(const LlamaForCausalLMImpl& model, const PeftAdapterConf
     write_safetensors((staging / kWeightsFile).string(), tensors, {{"format", "pt"}});
     fs::rename(staging, out);
   } catch (const fs::filesystem_error& error) {
-    std::error_code ignored;
-    fs::remove_all(staging, ignored);
+    remove_tree(staging.string());
     throw Error(out.string() + ": could not write the adapter (" + error.what() + ")");
   } catch (...) {
-    std::error_code ignored;
-    fs::remove_all(staging, ignored);
+    remove_tree(staging.string());
     throw;
   }
 }

@@ -32,10 +32,6 @@ const nlohmann::json& reference() {
   return value;
 }
 
-void write_file(const qtrain::testing::TempDir& dir, const std::string& name, const std::string& contents) {
-  std::ofstream(dir.file(name), std::ios::binary) << contents;
-}
-
 const std::string kChatmlTemplate =
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + "
     "'\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
@@ -85,7 +81,7 @@ TEST(ChatTemplate, ChatmlRenderEqualsTransformers) {
 
 TEST(ChatTemplate, ChatmlDefaultSystemPromptEqualsTransformers) {
   qtrain::testing::TempDir model_dir;
-  write_file(model_dir, "tokenizer_config.json", nlohmann::json{{"chat_template", kQwen2Template}}.dump());
+  model_dir.write("tokenizer_config.json", nlohmann::json{{"chat_template", kQwen2Template}}.dump());
   const ChatTemplate chat_template = ChatTemplate::from_model_dir(model_dir.path());
   EXPECT_EQ(chat_template.render({kConversation[1], kConversation[2]}, false),
             "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n Name a colour. "
@@ -117,7 +113,7 @@ TEST(ChatTemplate, OnlyAssistantContentAndEndOfTurnAreTrainable) {
 
 TEST(ChatTemplate, UnknownTemplateIsAnErrorNamingFileAndFamilies) {
   qtrain::testing::TempDir model_dir;
-  write_file(model_dir, "chat_template.jinja",
+  model_dir.write("chat_template.jinja",
              "{{ bos_token }}{% for message in messages %}[INST] {{ message['content'] }} [/INST]{% endfor %}");
   try {
     ChatTemplate::from_model_dir(model_dir.path());

@@ -33,12 +33,6 @@ const nlohmann::json& reference() {
   return cases;
 }
 
-// Writes `contents` to DIR/name and gives the file's path.
-std::string write_file(const qtrain::testing::TempDir& dir, const std::string& name, const std::string& contents) {
-  std::ofstream(dir.file(name), std::ios::binary) << contents;
-  return dir.file(name);
-}
-
 nlohmann::json tiny_llama_tokenizer_json() { return read_json(qtrain::testing::fixture("tiny-llama/tokenizer.json")); }
 
 // The message of the qtrain::Error that loading `path` throws ("" when it loads).
@@ -120,7 +114,7 @@ TEST(Tokenizer, MergesWrittenAsStringsGiveTheSameIds) {
   auto document = tiny_llama_tokenizer_json();
   for (auto& merge : document["model"]["merges"]) merge = merge[0].get<std::string>() + " " + merge[1].get<std::string>();
   qtrain::testing::TempDir scratch;
-  const Tokenizer tokenizer = Tokenizer::from_file(write_file(scratch, "tokenizer.json", document.dump()));
+  const Tokenizer tokenizer = Tokenizer::from_file(scratch.write("tokenizer.json", document.dump()));
   for (const auto& example : reference()) {
     EXPECT_EQ(tokenizer.encode(example["text"], /*add_special_tokens=*/false), example["ids_no_special"].get<Ids>());
   }
@@ -134,7 +128,7 @@ TEST(Tokenizer, Gpt2StylePreTokenizerEqualsHuggingFaceTokenizers) {
   document["model"]["ignore_merges"] = false;
   document["post_processor"] = {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", false}, {"use_regex", true}};
   qtrain::testing::TempDir scratch;
-  const Tokenizer tokenizer = Tokenizer::from_file(write_file(scratch, "tokenizer.json", document.dump()));
+  const Tokenizer tokenizer = Tokenizer::from_file(scratch.write("tokenizer.json", document.dump()));
   const Ids expected = {7102, 84, 878, 17, 347, 371, 226, 2100, 4040, 6, 204, 204, 7895, 226, 1354, 493, 1683, 203, 1120};
   EXPECT_EQ(tokenizer.encode("Hello world, it's 2024!\n\nNew  paragraph\there"), expected);
 }
@@ -158,7 +152,7 @@ TEST(Tokenizer, TemplateWithBosAndEosEqualsHuggingFaceTokenizers) {
       {"processors", {{{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", true}},
                       template_processing}}};
   qtrain::testing::TempDir scratch;
-  const Tokenizer tokenizer = Tokenizer::from_file(write_file(scratch, "tokenizer.json", document.dump()));
+  const Tokenizer tokenizer = Tokenizer::from_file(scratch.write("tokenizer.json", document.dump()));
   const Ids expected = {0, 45, 605, 84, 878, 17, 347, 371, 226, 2100, 4040, 6, 204, 204, 7895, 226, 1354, 493, 1683, 203, 1120, 4};
   EXPECT_EQ(tokenizer.encode("Hello world, it's 2024!\n\nNew  paragraph\there"), expected);
   EXPECT_EQ(tokenizer.encode("Hello", /*add_special_tokens=*/false), Ids({45, 605, 84}));
@@ -175,7 +169,7 @@ TEST(Tokenizer, NfcNormalizerEqualsHuggingFaceTokenizers) {
   document["model"]["ignore_merges"] = false;
   document["post_processor"] = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", false}};
   qtrain::testing::TempDir scratch;
-  const Tokenizer tokenizer = Tokenizer::from_file(write_file(scratch, "tokenizer.json", document.dump()));
+  const Tokenizer tokenizer = Tokenizer::from_file(scratch.write("tokenizer.json", document.dump()));
   const Ids expected = {72, 3742, 133, 108, 303, 70, 133, 113, 314, 226, 172, 114, 229,
                         226, 133, 233, 226, 22, 23, 24, 25, 26, 552, 12, 56};
   EXPECT_EQ(tokenizer.encode("cafe\u0301 na\u00efve \u1100\u1161\u11a8 \u212b 12345 It'S"), expected);
@@ -197,7 +191,7 @@ TEST(Tokenizer, AddedTokenOptionsEqualHuggingFaceTokenizers) {
   added.push_back(token(8193, "<|", false, false, true, true));
   added.push_back(token(8194, "ing", false, true, false, false));
   qtrain::testing::TempDir scratch;
-  const Tokenizer tokenizer = Tokenizer::from_file(write_file(scratch, "tokenizer.json", document.dump()));
+  const Tokenizer tokenizer = Tokenizer::from_file(scratch.write("tokenizer.json", document.dump()));
   const Ids expected = {0, 70, 4, 71, 8192, 85, 316, 97, 35, 72, 226, 2089, 554, 17, 226, 8192, 2089, 94, 269, 290, 226, 5, 226, 93};
   EXPECT_EQ(tokenizer.encode("a <|eot_id|>  b<|pad|>c the other, <|\n\nthey sing <|pad|> x"), expected);
   EXPECT_EQ(tokenizer.vocab_size(), 8193);
@@ -208,15 +202,15 @@ TEST(Tokenizer, MalformedFilesAreErrorsNamingTheFile) {
   auto with = [&](const std::string& name, const std::function<void(nlohmann::json&)>& change) {
     auto document = tiny_llama_tokenizer_json();
     change(document);
-    return write_file(scratch, name, document.dump());
+    return scratch.write(name, document.dump());
   };
   struct Case {
     std::string path;
     std::string expected_in_message;
   };
   const std::vector<Case> cases = {
-      {write_file(scratch, "truncated.json", tiny_llama_tokenizer_json().dump().substr(0, 1000)), "not valid JSON"},
-      {write_file(scratch, "array.json", "[1, 2]"), "must be a JSON object"},
+      {scratch.write("truncated.json", tiny_llama_tokenizer_json().dump().substr(0, 1000)), "not valid JSON"},
+      {scratch.write("array.json", "[1, 2]"), "must be a JSON object"},
       {with("unigram.json", [](auto& d) { d["model"]["type"] = "Unigram"; }), "model.type 'Unigram' is not supported"},
       {with("no_model.json", [](auto& d) { d.erase("model"); }), "'model'"},
       {with("vocab_list.json", [](auto& d) { d["model"]["vocab"] = nlohmann::json::array(); }), "model.vocab"},

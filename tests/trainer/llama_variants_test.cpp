@@ -1,6 +1,7 @@
 // Config variants (GQA/MQA, biases, tied embeddings, rope default/linear/dynamic/llama3,
 // fp32/bf16/fp16 storage, sharded safetensors, transformers 4.x and 5.x config keys) against
 // transformers itself: tests/interop/llama_variants.py builds each model and its fp32 logits.
+// One test for all of them: building the references costs one Python start.
 #include <gtest/gtest.h>
 
 #include "support.h"
@@ -10,40 +11,27 @@
 namespace qtrain::trainer {
 namespace {
 
-class LlamaVariants : public ::testing::TestWithParam<std::string> {
- protected:
-  static void SetUpTestSuite() {
-    if (!testing::python_has("torch transformers safetensors")) return;
-    directory_ = new testing::TempDir();
-    const auto result = testing::run_command(testing::python() + " " + testing::source_dir() +
-                                             "/tests/interop/llama_variants.py " + directory_->path() + " 2>&1");
-    ASSERT_EQ(result.status, 0) << result.output;
+TEST(LlamaVariants, LogitsEqualTransformersInFp32) {
+  if (!testing::python_has("torch transformers safetensors")) {
+    GTEST_SKIP() << testing::python() << " lacks torch/transformers/safetensors (run tools/setup.sh)";
   }
-  static void TearDownTestSuite() {
-    delete directory_;
-    directory_ = nullptr;
+  testing::TempDir directory;
+  const auto built = testing::run_command(testing::python() + " " + testing::source_dir() +
+                                          "/tests/interop/llama_variants.py " + directory.path() + " 2>&1");
+  ASSERT_EQ(built.status, 0) << built.output;
+  for (const char* variant : {"gqa_bias_tied_v4", "mqa_llama3_sharded", "linear_rope_fp16_v4", "dynamic_rope"}) {
+    SCOPED_TRACE(variant);
+    const auto model_dir = directory.file(variant);
+    auto loaded = load_llama(model_dir);
+    auto reference = SafetensorsFile::open(model_dir + "/reference.safetensors");
+    torch::NoGradGuard no_grad;
+    auto logits = loaded.model->forward({reference.tensor("input_ids"), {}, {}});
+    auto expected = reference.tensor("logits");
+    ASSERT_EQ(logits.sizes(), expected.sizes());
+    const double error = (logits - expected).abs().max().item<double>() / expected.abs().max().item<double>();
+    EXPECT_LE(error, 1e-5);
   }
-  static testing::TempDir* directory_;
-};
-
-testing::TempDir* LlamaVariants::directory_ = nullptr;
-
-TEST_P(LlamaVariants, LogitsEqualTransformersInFp32) {
-  if (!directory_) GTEST_SKIP() << testing::python() << " lacks torch/transformers/safetensors (run tools/setup.sh)";
-  const auto model_dir = directory_->file(GetParam());
-  auto loaded = load_llama(model_dir);
-  auto reference = SafetensorsFile::open(model_dir + "/reference.safetensors");
-  torch::NoGradGuard no_grad;
-  auto logits = loaded.model->forward({reference.tensor("input_ids"), {}, {}});
-  auto expected = reference.tensor("logits");
-  ASSERT_EQ(logits.sizes(), expected.sizes());
-  const double error = (logits - expected).abs().max().item<double>() / expected.abs().max().item<double>();
-  EXPECT_LE(error, 1e-5) << GetParam();
 }
-
-INSTANTIATE_TEST_SUITE_P(Transformers, LlamaVariants,
-                         ::testing::Values("gqa_bias_tied_v4", "mqa_llama3_sharded", "linear_rope_fp16_v4",
-                                           "dynamic_rope"));
 
 }  // namespace
 }  // namespace qtrain::trainer

@@ -217,7 +217,8 @@ TEST(PeftAdapter, RecipeConveniencesAreWrittenAsExplicitModuleNames) {
   config.lora.rank = 4;
   config.lora.alpha = 8;
   config.lora.rslora = true;
-  config.targets.include.names = {"layers\\.[01]\\.self_attn\\.(q|v)_proj"};  // regex: peft's list would read it literally
+  // A regex entry (the whole name must match), which peft's list form would read literally.
+  config.targets.include.names = {"model\\.layers\\.[01]\\.self_attn\\.(q|v)_proj"};
   qat::apply_lora(*model, config.targets, config.lora);
   write_peft_adapter(*model, config, temp.file("adapter"), "tiny-llama");
   std::ifstream in(temp.file("adapter/adapter_config.json"));
@@ -229,6 +230,9 @@ TEST(PeftAdapter, RecipeConveniencesAreWrittenAsExplicitModuleNames) {
   const auto read = read_peft_adapter_config(temp.file("adapter"));
   EXPECT_TRUE(read.lora.rslora);
   EXPECT_EQ(read.lora.rank, 4);
+  auto reloaded = load_base();
+  apply_peft_adapter(*reloaded, temp.file("adapter"));
+  EXPECT_EQ(lora_layers_of(*reloaded).size(), 4u);
 }
 
 TEST(PeftAdapter, WriteRefusesAnExistingDirectoryAndAMismatchedConfig) {

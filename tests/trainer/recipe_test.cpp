@@ -30,28 +30,7 @@ std::string shipped(const std::string& name) {
   return qtrain::testing::source_dir() + "/recipes/" + name;
 }
 
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern = (fs::temp_directory_path() / "qtrain_recipe_XXXXXX").string();
-    path_ = mkdtemp(pattern.data());
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  // Writes `text` to `relative` (creating folders) and returns the file's path.
-  std::string write(const std::string& relative, const std::string& text) const {
-    const fs::path file = path_ / relative;
-    fs::create_directories(file.parent_path());
-    std::ofstream(file, std::ios::binary) << text;
-    return file.string();
-  }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
+using qtrain::testing::TempDir;
 
 // The qtrain::Error message `action` throws; any other exception fails the test.
 std::string error_of(const std::function<void()>& action) {
@@ -210,7 +189,7 @@ TEST(RecipeErrors, WrongTypeNamesFileLineAndExpectedType) {
   const auto error_for = [&](const std::string& text) {
     return load_error(dir.write("x.yaml", text));
   };
-  const std::string path = (dir.path() / "x.yaml").string();
+  const std::string path = dir.file("x.yaml");
   EXPECT_EQ(error_for("optim:\n  name: adamw\n  lr: fast\n"),
             path + ":3: 'optim.lr' expects a number, got 'fast'");
   EXPECT_EQ(error_for("lora:\n  rank: 2.5\n"),
@@ -304,8 +283,8 @@ TEST(RecipeErrors, MissingRecipeFileIsNamed) {
   EXPECT_EQ(load_error("/nonexistent/qtrain/x.yaml"),
             "recipe '/nonexistent/qtrain/x.yaml' not found");
   TempDir dir;
-  EXPECT_EQ(load_error(dir.path().string()),
-            "recipe '" + dir.path().string() + "' is a directory, not a YAML file");
+  EXPECT_EQ(load_error(dir.path()),
+            "recipe '" + dir.path() + "' is a directory, not a YAML file");
 }
 
 TEST(RecipeErrors, NoInputCrashes) {
@@ -398,10 +377,10 @@ TEST(RecipePaths, RecipePathsStartAtTheRecipeAndSetPathsAtTheCurrentDirectory) {
                                      "data/train.jsonl\n  eval: /abs/eval.jsonl\n"
                                      "train:\n  output_dir: ../runs/x/\n");
   const Recipe recipe = load_recipe(path, {"lora.init_from=adapters/a"});
-  EXPECT_EQ(recipe.model.path, (dir.path() / "models/tiny").string());
-  EXPECT_EQ(recipe.data.train, (dir.path() / "recipes/data/train.jsonl").string());
+  EXPECT_EQ(recipe.model.path, dir.file("models/tiny"));
+  EXPECT_EQ(recipe.data.train, dir.file("recipes/data/train.jsonl"));
   EXPECT_EQ(recipe.data.eval, "/abs/eval.jsonl");
-  EXPECT_EQ(recipe.train.output_dir, (dir.path() / "runs/x").string());
+  EXPECT_EQ(recipe.train.output_dir, dir.file("runs/x"));
   EXPECT_EQ(recipe.lora.init_from, (fs::current_path() / "adapters/a").string());
   EXPECT_EQ(recipe.export_.out, "");
 }
