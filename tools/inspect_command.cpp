@@ -4,6 +4,7 @@
 
 #include "tools/commands.h"
 #include "trainer/hf_config.h"
+#include "trainer/memory_stats.h"
 #include "trainer/model_memory.h"
 #include "trainer/safetensors.h"
 
@@ -11,19 +12,6 @@ namespace po = boost::program_options;
 
 namespace qtrain::tools {
 
-namespace {
-
-std::string human_bytes(double bytes) {
-  char text[32];
-  if (bytes >= 1024.0 * 1024.0 * 1024.0) {
-    std::snprintf(text, sizeof text, "%.2f GiB", bytes / (1024.0 * 1024.0 * 1024.0));
-  } else {
-    std::snprintf(text, sizeof text, "%.1f MiB", bytes / (1024.0 * 1024.0));
-  }
-  return text;
-}
-
-}  // namespace
 
 int run_inspect(const Arguments& arguments) {
   std::string model_dir;
@@ -69,8 +57,8 @@ int run_inspect(const Arguments& arguments) {
   std::printf("\n\nmemory for weights and trainable state (activations not included):\n");
   for (const auto& estimate : trainer::training_memory_estimates(sizes)) {
     std::printf("  %-6s frozen %-11s trainable %8.3fM params, with grads + AdamW %-11s total %s\n",
-                estimate.mode.c_str(), human_bytes(estimate.frozen_bytes).c_str(), estimate.trainable_parameters / 1e6,
-                human_bytes(estimate.trainable_bytes).c_str(), human_bytes(estimate.frozen_bytes + estimate.trainable_bytes).c_str());
+                estimate.mode.c_str(), trainer::format_bytes(estimate.frozen_bytes).c_str(), estimate.trainable_parameters / 1e6,
+                trainer::format_bytes(estimate.trainable_bytes).c_str(), trainer::format_bytes(estimate.frozen_bytes + estimate.trainable_bytes).c_str());
   }
   return 0;
 }

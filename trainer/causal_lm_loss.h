@@ -1,11 +1,12 @@
 #pragma once
 // Next-token cross-entropy with transformers' shift (the logits at t predict the label at t+1),
 // in fp32, computed over chunks of tokens so the [tokens, vocab] fp32 logits never exist whole.
+#include "data/batching.h"
 #include "trainer/llama.h"
 
 namespace qtrain::trainer {
 
-constexpr int64_t kIgnoreLabel = -100;
+using data::kIgnoreLabel;
 
 struct TokenLoss {
   torch::Tensor loss_sum;  // scalar fp32: sum of the per-token losses

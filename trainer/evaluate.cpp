@@ -25,21 +25,10 @@ EvalResult evaluate(LlamaForCausalLMImpl& model, const std::vector<std::vector<i
   for (size_t first = 0; first < sequences.size(); first += static_cast<size_t>(options.batch_size)) {
     if (options.max_batches > 0 && batches == options.max_batches) break;
     const size_t last = std::min(sequences.size(), first + static_cast<size_t>(options.batch_size));
-    size_t longest = 0;
-    for (size_t index = first; index < last; ++index) longest = std::max(longest, sequences[index].size());
-    const auto rows = static_cast<int64_t>(last - first);
-    auto input_ids = torch::zeros({rows, static_cast<int64_t>(longest)}, torch::kInt64);
-    auto labels = torch::full({rows, static_cast<int64_t>(longest)}, kIgnoreLabel, torch::kInt64);
-    for (size_t index = first; index < last; ++index) {
-      const auto& sequence = sequences[index];
-      auto row = torch::tensor(sequence, torch::kInt64);
-      const auto length = static_cast<int64_t>(sequence.size());
-      input_ids[index - first].slice(0, 0, length).copy_(row);
-      labels[index - first].slice(0, 0, length).copy_(row);
-      input_tokens += length;
-    }
-    input_ids = input_ids.to(device);
-    labels = labels.to(device);
+    auto batch = data::collate(sequences, first, last);
+    input_tokens += batch.input_tokens;
+    auto input_ids = batch.input_ids.to(device);
+    auto labels = batch.labels.to(device);
     // Right padding after a causal mask never reaches the real tokens before it.
     auto hidden = model.hidden_states(LlamaInputs{input_ids, {}, {}});
     auto loss = causal_lm_loss(model, hidden, labels, options.loss_chunk_tokens);

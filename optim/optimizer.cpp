@@ -1,0 +1,168 @@
+#include "optim/optimizer.h"
+
+#include <algorithm>
+#include <sstream>
+
+#include "kernels/error.h"
+#include "optim/adamw.h"
+#include "optim/sgd.h"
+
+namespace qtrain::optim {
+namespace {
+
+std::string shape_text(torch::IntArrayRef sizes) {
+  std::ostringstream text;
+  text << sizes;
+  return text.str();
+}
+
+// "12.exp_avg" -> {12, "exp_avg"}; throws for anything else.
+std::pair<size_t, std::string> split_state_name(const std::string& name, const std::string& optimizer,
+                                                size_t parameter_count) {
+  const size_t dot = name.find('.');
+  const std::string index_text = name.substr(0, dot);
+  const bool numeric = !index_text.empty() && index_text.find_first_not_of("0123456789") == std::string::npos;
+  if (dot == std::string::npos || !numeric || dot + 1 == name.size()) {
+    throw Error(optimizer + " optimizer state: entry '" + name +
+                "' is not named '<parameter index>.<field>'; the checkpoint was not written by this optimizer");
+  }
+  const size_t index = std::stoul(index_text);
+  if (index >= parameter_count) {
+    throw Error(optimizer + " optimizer state: entry '" + name + "' is for parameter " + index_text + ", but only " +
+                std::to_string(parameter_count) +
+                " parameters are trained; the checkpoint comes from a run with other trainable parameters");
+  }
+  return {index, name.substr(dot + 1)};
+}
+
+}  // namespace
+
+Optimizer::Optimizer(std::vector<torch::Tensor> parameters, double learning_rate, const std::string& name)
+    : parameters_(std::move(parameters)), parameter_state_(parameters_.size()), name_(name) {
+  for (size_t index = 0; index < parameters_.size(); ++index) {
+    const auto& parameter = parameters_[index];
+    if (!parameter.defined()) throw Error(name_ + " optimizer: parameter " + std::to_string(index) + " is undefined");
+    if (!parameter.is_floating_point()) {
+      throw Error(name_ + " optimizer: parameter " + std::to_string(index) + " has dtype " +
+                  std::string(c10::toString(parameter.scalar_type())) +
+                  "; only floating-point tensors (fp32, fp64, bf16, fp16) can be trained");
+    }
+  }
+  set_learning_rate(learning_rate);
+}
+
+void Optimizer::zero_grad() {
+  for (auto& parameter : parameters_) {
+    if (parameter.grad().defined()) parameter.mutable_grad().reset();
+  }
+}
+
+void Optimizer::set_learning_rate(double lr) {
+  if (!(lr >= 0.0)) throw Error("optim.lr must be >= 0, got " + std::to_string(lr));
+  learning_rate_ = lr;
+}
+
+bool Optimizer::needs_master(const torch::Tensor& parameter) {
+  return parameter.scalar_type() == torch::kBFloat16 || parameter.scalar_type() == torch::kHalf;
+}
+
+torch::Tensor& Optimizer::update_target(size_t index) {
+  auto& parameter = parameters_[index];
+  if (!needs_master(parameter)) return parameter;
+  auto& master = parameter_state_[index]["master"];
+  if (!master.defined()) master = parameter.detach().to(torch::kFloat, /*non_blocking=*/false, /*copy=*/true);
+  return master;
+}
+
+void Optimizer::write_back_master(size_t index) {
+  if (!needs_master(parameters_[index])) return;
+  torch::NoGradGuard no_grad;
+  parameters_[index].copy_(parameter_state_[index].at("master"));
+}
+
+torch::Tensor Optimizer::gradient_for_update(size_t index) const {
+  const auto& parameter = parameters_[index];
+  const auto& grad = parameter.grad();
+  if (grad.is_sparse()) {
+    throw Error(name_ + " optimizer: parameter " + std::to_string(index) + " has a sparse gradient, which is not supported");
+  }
+  return needs_master(parameter) ? grad.to(torch::kFloat) : grad;
+}
+
+NamedTensors Optimizer::state() const {
+  NamedTensors named;
+  for (size_t index = 0; index < parameters_.size(); ++index) {
+    const auto& fields = parameter_state_[index];
+    if (fields.empty()) continue;
+    for (const auto& field : state_fields(index)) {
+      named.emplace_back(std::to_string(index) + "." + field, fields.at(field));
+    }
+  }
+  return named;
+}
+
+void Optimizer::load_state(const NamedTensors& state) {
+  std::vector<std::map<std::string, torch::Tensor>> loaded(parameters_.size());
+  for (const auto& [name, tensor] : state) {
+    const auto [index, field] = split_state_name(name, name_, parameters_.size());
+    const auto expected = state_fields(index);
+    if (std::find(expected.begin(), expected.end(), field) == expected.end()) {
+      throw Error(name_ + " optimizer state: entry '" + name + "' has unknown field '" + field +
+                  "'; the checkpoint was written by another optimizer or for a parameter of another dtype");
+    }
+    const auto& parameter = parameters_[index];
+    const bool scalar = field == "step";
+    if (!tensor.defined() || (scalar ? tensor.numel() != 1 : tensor.sizes() != parameter.sizes())) {
+      throw Error(name_ + " optimizer state: entry '" + name + "' has shape " +
+                  (tensor.defined() ? shape_text(tensor.sizes()) : std::string("(undefined)")) + ", expected " +
+                  (scalar ? std::string("one value") : shape_text(parameter.sizes()) + " like parameter " +
+                                                            std::to_string(index)));
+    }
+    // Step counters and master copies are fp32; moments follow the update target's dtype.
+    const auto dtype = scalar || needs_master(parameter) ? torch::kFloat : parameter.scalar_type();
+    auto copy = tensor.detach().to(parameter.device(), dtype, /*non_blocking=*/false, /*copy=*/true);
+    loaded[index][field] = scalar ? copy.reshape({}) : copy;
+  }
+  for (size_t index = 0; index < parameters_.size(); ++index) {
+    if (loaded[index].empty()) continue;
+    for (const auto& field : state_fields(index)) {
+      if (!loaded[index].count(field)) {
+        throw Error(name_ + " optimizer state: parameter " + std::to_string(index) + " has some state but no '" +
+                    std::to_string(index) + "." + field + "' entry; the checkpoint is incomplete");
+      }
+    }
+  }
+  parameter_state_ = std::move(loaded);
+  for (size_t index = 0; index < parameters_.size(); ++index) {
+    if (!parameter_state_[index].empty()) write_back_master(index);
+  }
+}
+
+std::unique_ptr<Optimizer> make_optimizer(const std::string& name, std::vector<torch::Tensor> parameters, double lr,
+                                          double weight_decay, const std::vector<double>& betas, double eps,
+                                          double momentum) {
+  if (name == "adamw") {
+    if (betas.size() != 2) {
+      throw Error("optim.betas must be a list of two numbers [beta1, beta2], got " + std::to_string(betas.size()) +
+                  " numbers");
+    }
+    AdamWOptions options;
+    options.lr = lr;
+    options.beta1 = betas[0];
+    options.beta2 = betas[1];
+    options.eps = eps;
+    options.weight_decay = weight_decay;
+    return std::make_unique<AdamW>(std::move(parameters), options);
+  }
+  if (name == "sgd") {
+    SgdOptions options;
+    options.lr = lr;
+    options.momentum = momentum;
+    options.weight_decay = weight_decay;
+    return std::make_unique<Sgd>(std::move(parameters), options);
+  }
+  if (name == "adamw8bit") throw Error("optim.name 'adamw8bit' is not available yet; use adamw");
+  throw Error("optim.name '" + name + "' is unknown; use adamw or sgd");
+}
+
+}  // namespace qtrain::optim

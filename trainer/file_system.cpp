@@ -1,0 +1,66 @@
+#include "trainer/file_system.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "kernels/error.h"
+
+namespace qtrain::trainer {
+
+namespace {
+
+std::string parent_directory(const std::string& path) {
+  const auto slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : path.substr(0, slash);
+}
+
+void fsync_directory(const std::string& directory) {
+  const int descriptor = ::open(directory.c_str(), O_RDONLY | O_DIRECTORY);
+  if (descriptor < 0) return;
+  ::fsync(descriptor);
+  ::close(descriptor);
+}
+
+[[noreturn]] void fail(const std::string& path, const std::string& what) {
+  throw Error(path + ": " + what + " (" + std::strerror(errno) + ")");
+}
+
+}  // namespace
+
+void write_file_atomically(const std::string& path, const std::string& text) {
+  const std::string temporary = path + ".tmp";
+  const int descriptor = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (descriptor < 0) fail(temporary, "cannot create");
+  size_t written = 0;
+  while (written < text.size()) {
+    const ssize_t count = ::write(descriptor, text.data() + written, text.size() - written);
+    if (count < 0 && errno == EINTR) continue;
+    if (count <= 0) {
+      ::close(descriptor);
+      ::unlink(temporary.c_str());
+      fail(temporary, "cannot write (is the disk full?)");
+    }
+    written += static_cast<size_t>(count);
+  }
+  if (::fsync(descriptor) != 0 || ::close(descriptor) != 0) {
+    ::unlink(temporary.c_str());
+    fail(temporary, "cannot flush to disk");
+  }
+  if (::rename(temporary.c_str(), path.c_str()) != 0) {
+    ::unlink(temporary.c_str());
+    fail(path, "cannot rename the finished file into place");
+  }
+  fsync_directory(parent_directory(path));
+}
+
+void replace_directory(const std::string& staged, const std::string& target) {
+  if (!remove_tree(target)) fail(target, "cannot remove the previous version");
+  if (::rename(staged.c_str(), target.c_str()) != 0) fail(target, "cannot rename the finished directory into place");
+  fsync_directory(parent_directory(target));
+}
+
+}  // namespace qtrain::trainer

@@ -1,0 +1,19 @@
+#pragma once
+// Memory in use, for progress lines and metrics: the CUDA caching allocator's allocated bytes
+// on a GPU, the process's resident set on the CPU.
+#include <torch/torch.h>
+
+#include <string>
+
+namespace qtrain::trainer {
+
+struct MemoryUsage {
+  double current_bytes = 0;
+  double peak_bytes = 0;  // since the start, or the last reset_peak_memory
+};
+
+MemoryUsage memory_usage(const torch::Device& device);
+void reset_peak_memory(const torch::Device& device);
+std::string format_bytes(double bytes);  // "312.4 MiB", "13.20 GiB"
+
+}  // namespace qtrain::trainer
