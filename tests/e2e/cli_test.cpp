@@ -125,6 +125,19 @@ TEST(Cli, PrintRecipeParsesBackToTheSameRecipe) {
   EXPECT_EQ(first.output, second.output);
 }
 
+TEST(Cli, TrainWritesTheRunDirectoryAndAnAdapterThatEvalApplies) {
+  testing::TempDir run;
+  auto trained = qtrain("--recipe " + testing::source_dir() +
+                        "/recipes/demo_tiny.yaml --set train.steps=2 --set data.max_seq_len=64 --set eval.max_batches=1"
+                        " --set log.every=1 --set train.output_dir=" + run.path());
+  ASSERT_EQ(trained.status, 0) << trained.output;
+  EXPECT_NE(trained.output.find("step 2/2 | loss "), std::string::npos) << trained.output;
+  auto evaluated = qtrain("eval --model " + testing::source_dir() + "/recipes/demo/tiny-llama --data " +
+                          testing::source_dir() + "/recipes/demo/brown-val.jsonl --max-batches 1 --device cpu --adapter " +
+                          run.file("adapter"));
+  EXPECT_EQ(evaluated.status, 0) << evaluated.output;
+}
+
 TEST(Cli, BadInputIsOneLineAndExitStatus2) {
   testing::TempDir directory;
   expect_user_error(qtrain("eval --model " + directory.path() + " --data x.jsonl --device cpu"), directory.path());

@@ -113,7 +113,6 @@ TEST(ShippedRecipes, SayWhatTheirNamesPromise) {
   EXPECT_EQ(demo.quant, "qlora");
   EXPECT_EQ(demo.qlora.quant_type, "nf4");
   EXPECT_EQ(demo.lora.rank, 8);
-  EXPECT_EQ(demo.data.max_seq_len, 256);
   EXPECT_EQ(demo.train.device, "cpu");
   EXPECT_EQ(demo.model.path, qtrain::testing::source_dir() + "/recipes/demo/tiny-llama");
   EXPECT_EQ(demo.data.train, qtrain::testing::source_dir() + "/recipes/demo/brown-train.jsonl");

@@ -1,0 +1,235 @@
+#include "qat/four_bit_codec.h"
+
+#include <ATen/Parallel.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <sstream>
+
+#include "kernels/error.h"
+
+namespace qtrain::qat {
+
+namespace {
+
+std::string shape_text(at::IntArrayRef shape) {
+  std::ostringstream text;
+  text << shape;
+  return text.str();
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Blocks are independent: parallel over blocks, each reading fp32 input.
+template <typename BlockFunction>
+void for_each_block(int64_t n, int64_t blocksize, const BlockFunction& function) {
+  const int64_t blocks = ceil_div(n, blocksize);
+  at::parallel_for(0, blocks, std::max<int64_t>(1, 16384 / blocksize), [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block) {
+      const int64_t first = block * blocksize;
+      function(block, first, std::min(n, first + blocksize));
+    }
+  });
+}
+
+// max |x| over [first, last), as the kernels reduce it (fmaxf from -FLT_MAX; the zero padding
+// of a partial block cannot raise it).
+float block_absmax(const float* values, int64_t first, int64_t last) {
+  float absmax = -FLT_MAX;
+  for (int64_t i = first; i < last; ++i) absmax = std::fmax(absmax, std::fabs(values[i]));
+  return std::fmax(absmax, 0.0f);
+}
+
+// bitsandbytes' nearest-code search in a sorted 256-entry map (dQuantize, deterministic): seven
+// halving steps from index 127 track the last codes below (lower) and at-or-above (upper) x, then x
+// goes to the final pivot or the neighbour on its side, whichever is nearer by an fp32 midpoint
+// test (a tie goes to the pivot). The bracket starts as [-1, 1], bnb's signed-map assumption.
+uint8_t dynamic_map_code(const float* code, float x) {
+  int pivot = 127, lower_index = 0, upper_index = 255;
+  float lower = -1.0f, upper = 1.0f;
+  float value = code[pivot];
+  for (int step = 64; step > 0; step /= 2) {
+    if (x > value) {
+      lower_index = pivot;
+      lower = value;
+      pivot += step;
+    } else {
+      upper_index = pivot;
+      upper = value;
+      pivot -= step;
+    }
+    value = code[pivot];
+  }
+  if (upper_index == 255) upper = code[255];
+  if (lower_index == 0) lower = code[0];
+  if (x > value) {
+    const float midpoint = (upper + value) * 0.5f;
+    return static_cast<uint8_t>(x > midpoint ? upper_index : pivot);
+  }
+  const float midpoint = (lower + value) * 0.5f;
+  return static_cast<uint8_t>(x < midpoint ? lower_index : pivot);
+}
+
+torch::Tensor contiguous_fp32_cpu(const torch::Tensor& input) {
+  return input.detach().to(torch::kCPU, torch::kFloat32).contiguous().view(-1);
+}
+
+}  // namespace
+
+void check_four_bit_blocksize(int64_t blocksize) {
+  for (int64_t allowed = 64; allowed <= 4096; allowed *= 2) {
+    if (blocksize == allowed) return;
+  }
+  throw Error("4-bit blocksize " + std::to_string(blocksize) +
+              " is not supported (bitsandbytes' blocksizes: 64, 128, 256, 512, 1024, 2048, 4096)");
+}
+
+int64_t FourBitQuantState::numel() const {
+  int64_t count = 1;
+  for (const int64_t size : shape) count *= size;
+  return count;
+}
+
+int64_t FourBitQuantState::blocks() const { return ceil_div(numel(), blocksize); }
+
+void FourBitQuantState::check(const torch::Tensor& packed, const std::string& what) const {
+  check_four_bit_blocksize(blocksize);
+  auto fail = [&](const std::string& problem) { throw Error(what + ": inconsistent 4-bit quant state: " + problem); };
+  for (const int64_t size : shape) {
+    if (size < 0) fail("negative size in shape " + shape_text(shape));
+  }
+  if (!packed.defined() || packed.scalar_type() != torch::kUInt8) fail("the packed weight must be uint8");
+  const int64_t packed_bytes = ceil_div(numel(), 2);
+  if (packed.numel() != packed_bytes) {
+    fail("the packed weight has " + std::to_string(packed.numel()) + " bytes, shape " + shape_text(shape) +
+         " needs " + std::to_string(packed_bytes));
+  }
+  if (!code.defined() || code.numel() != 16 || code.scalar_type() != torch::kFloat32) {
+    fail("the quant_map must be 16 fp32 values");
+  }
+  if (!absmax.defined() || absmax.numel() != blocks()) {
+    fail("absmax has " + std::to_string(absmax.defined() ? absmax.numel() : 0) + " values, " +
+         std::to_string(numel()) + " weights in blocks of " + std::to_string(blocksize) + " need " +
+         std::to_string(blocks()));
+  }
+  if (double_quant()) {
+    if (absmax.scalar_type() != torch::kUInt8) fail("a double-quantized absmax must be uint8");
+    const int64_t nested_blocks = ceil_div(blocks(), kNestedBlocksize);
+    if (nested_absmax.numel() != nested_blocks || nested_absmax.scalar_type() != torch::kFloat32) {
+      fail("nested_absmax has " + std::to_string(nested_absmax.numel()) + " values, expected " +
+           std::to_string(nested_blocks) + " fp32 (one per 256 absmax values)");
+    }
+    if (!nested_code.defined() || nested_code.numel() != 256 || nested_code.scalar_type() != torch::kFloat32) {
+      fail("the nested_quant_map must be 256 fp32 values");
+    }
+  } else if (absmax.scalar_type() != torch::kFloat32) {
+    fail("absmax must be fp32 (or uint8 with nested_absmax for double quantization)");
+  }
+}
+
+BlockwiseQuantized quantize_blockwise_8bit(const torch::Tensor& input, const torch::Tensor& code, int64_t blocksize) {
+  if (code.numel() != 256) throw Error("8-bit blockwise quantization needs a 256-entry code");
+  const auto values = contiguous_fp32_cpu(input);
+  const auto code_values = code.to(torch::kCPU, torch::kFloat32).contiguous();
+  const int64_t n = values.numel();
+  auto codes = torch::empty({n}, torch::kUInt8);
+  auto absmax = torch::empty({ceil_div(n, blocksize)}, torch::kFloat32);
+  const float* x = values.data_ptr<float>();
+  const float* table = code_values.data_ptr<float>();
+  uint8_t* out = codes.data_ptr<uint8_t>();
+  float* absmax_out = absmax.data_ptr<float>();
+  for_each_block(n, blocksize, [&](int64_t block, int64_t first, int64_t last) {
+    const float block_max = block_absmax(x, first, last);
+    absmax_out[block] = block_max;
+    const float inverse = 1.0f / block_max;
+    for (int64_t i = first; i < last; ++i) out[i] = dynamic_map_code(table, x[i] * inverse);
+  });
+  return {codes.view(input.sizes()).to(input.device()), absmax.to(input.device())};
+}
+
+torch::Tensor dequantize_blockwise_8bit(const torch::Tensor& codes, const torch::Tensor& absmax,
+                                        const torch::Tensor& code, int64_t blocksize) {
+  const int64_t n = codes.numel();
+  const int64_t blocks = ceil_div(n, blocksize);
+  auto values = code.to(codes.device(), torch::kFloat32).index_select(0, codes.reshape({-1}).to(torch::kLong));
+  values = torch::constant_pad_nd(values, {0, blocks * blocksize - n}).view({blocks, blocksize});
+  values = values * absmax.to(torch::kFloat32).view({blocks, 1});
+  return values.view({-1}).narrow(0, 0, n).view(codes.sizes());
+}
+
+FourBitTensor quantize_4bit(const torch::Tensor& input, FourBitType quant_type, int64_t blocksize,
+                            bool double_quant) {
+  check_four_bit_blocksize(blocksize);
+  if (!input.is_floating_point()) {
+    throw Error("quantize_4bit: expected a floating-point tensor, got " +
+                std::string(c10::toString(input.scalar_type())));
+  }
+  const auto& format = four_bit_format(quant_type);
+  const auto values = contiguous_fp32_cpu(input);
+  const int64_t n = values.numel();
+  const int64_t blocks = ceil_div(n, blocksize);
+  auto packed = torch::zeros({ceil_div(n, 2), 1}, torch::kUInt8);
+  auto absmax = torch::empty({blocks}, torch::kFloat32);
+  const float* x = values.data_ptr<float>();
+  uint8_t* bytes = packed.data_ptr<uint8_t>();
+  float* absmax_out = absmax.data_ptr<float>();
+  const uint8_t padding_code = format.quantize(0.0f);
+  // Blocksizes are even, so a byte never straddles two blocks.
+  for_each_block(n, blocksize, [&](int64_t block, int64_t first, int64_t last) {
+    const float block_max = block_absmax(x, first, last);
+    absmax_out[block] = block_max;
+    const float inverse = 1.0f / block_max;
+    for (int64_t i = first; i < last; i += 2) {
+      const uint8_t high = format.quantize(x[i] * inverse);
+      const uint8_t low = i + 1 < last ? format.quantize(x[i + 1] * inverse) : padding_code;
+      bytes[i / 2] = static_cast<uint8_t>((high << 4) | low);
+    }
+  });
+
+  FourBitTensor result;
+  result.state.quant_type = quant_type;
+  result.state.blocksize = blocksize;
+  result.state.shape = input.sizes().vec();
+  result.state.dtype = input.scalar_type();
+  result.state.code = four_bit_code_tensor(quant_type).to(input.device());
+  if (double_quant) {
+    // torch.mean on CUDA, as bnb takes it: the sum times the fp32 reciprocal of the count (not a
+    // division). The sum is taken in float64 and rounded, which the fixtures' offsets all equal.
+    const float sum = static_cast<float>(absmax.sum(torch::kDouble).item<double>());
+    const float offset = sum * (1.0f / static_cast<float>(blocks));
+    auto nested = quantize_blockwise_8bit(absmax - offset, signed_dynamic_map(), kNestedBlocksize);
+    result.state.offset = offset;
+    result.state.absmax = nested.codes.to(input.device());
+    result.state.nested_absmax = nested.absmax.to(input.device());
+    result.state.nested_code = signed_dynamic_map().to(input.device());
+  } else {
+    result.state.absmax = absmax.to(input.device());
+  }
+  result.packed = packed.to(input.device());
+  return result;
+}
+
+torch::Tensor dequantize_absmax(const FourBitQuantState& state) {
+  if (!state.double_quant()) return state.absmax.to(torch::kFloat32);
+  return dequantize_blockwise_8bit(state.absmax, state.nested_absmax, state.nested_code, kNestedBlocksize) +
+         state.offset;
+}
+
+torch::Tensor dequantize_4bit(const torch::Tensor& packed, const FourBitQuantState& state, torch::ScalarType dtype) {
+  const int64_t n = state.numel();
+  const int64_t blocks = state.blocks();
+  // Like bnb's kernels, decode with the format's own table (state.code is only carried along).
+  const auto code = four_bit_decode_tensor(state.quant_type).to(packed.device());
+  // [256, 2]: the two values a byte holds, high nibble first.
+  const auto byte_values = torch::arange(256, torch::TensorOptions().dtype(torch::kLong).device(packed.device()));
+  const auto pair_table = torch::stack({code.index_select(0, torch::bitwise_right_shift(byte_values, 4)),
+                                       code.index_select(0, torch::bitwise_and(byte_values, 15))}, 1);
+  auto values = pair_table.index_select(0, packed.reshape({-1}).to(torch::kLong)).view({-1}).narrow(0, 0, n);
+  values = torch::constant_pad_nd(values, {0, blocks * state.blocksize - n}).view({blocks, state.blocksize});
+  values = values * dequantize_absmax(state).to(packed.device()).view({blocks, 1});
+  return values.view({-1}).narrow(0, 0, n).to(dtype).view(state.shape);
+}
+
+}  // namespace qtrain::qat

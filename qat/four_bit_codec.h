@@ -1,0 +1,79 @@
+#pragma once
+// bitsandbytes' blockwise 4-bit quantization (functional.quantize_4bit / dequantize_4bit), bit for
+// bit, and the 8-bit blockwise quantization with the dynamic map that its double quantization
+// uses (quantize_blockwise / dequantize_blockwise).
+//
+// quantize_4bit(W), W of any shape, read as its n = W.numel() elements in row-major order:
+//   blocks of `blocksize` elements (the last one partial when blocksize does not divide n);
+//   absmax[b] = max |W| over block b, fp32;
+//   code[i]   = the 4-bit format's choice (FourBitFormat::quantize) for W[i] * (1 / absmax[b]),
+//               both factors fp32, the reciprocal rounded first (as the CUDA kernel does; bnb's
+//               CUDA build rounds that reciprocal approximately, within one fp32 step, so where
+//               the product lands next to a pivot its code can differ from ours: a few codes in
+//               ten thousand in the fixtures, FP4 only);
+//   packed    = uint8 [ceil(n / 2), 1], element 2k in the HIGH nibble of byte k, 2k+1 in the low;
+//               an odd n pads the last low nibble with the code of 0.0.
+// Double quantization (bnb's compress_statistics) replaces absmax by
+//   offset = mean(absmax)  (fp32, as CUDA's torch.mean: sum * (1 / count)),
+//   absmax_q, nested_absmax = quantize_blockwise(absmax - offset, signed dynamic map, 256).
+// dequantize: value[i] = code_table[code[i]] * absmax[b] in fp32, then cast to the asked dtype,
+// where a double-quantized absmax is first rebuilt as nested_code[absmax_q] * nested_absmax + offset.
+#include <torch/types.h>
+
+#include <string>
+#include <vector>
+
+#include "qat/four_bit_format.h"
+
+namespace qtrain::qat {
+
+// bitsandbytes' 4-bit blocksizes: 64, 128, ..., 4096. Anything else is an Error naming it.
+void check_four_bit_blocksize(int64_t blocksize);
+
+constexpr int64_t kNestedBlocksize = 256;  // bnb's blocksize for the absmax of double quantization
+
+// bnb's QuantState for a 4-bit tensor.
+struct FourBitQuantState {
+  FourBitType quant_type = FourBitType::kNf4;
+  int64_t blocksize = 64;
+  std::vector<int64_t> shape;                  // of the tensor before quantization
+  torch::ScalarType dtype = torch::kBFloat16;  // of the tensor before quantization
+  torch::Tensor code;    // fp32 [16], the format's table (bnb's `quant_map`)
+  torch::Tensor absmax;  // fp32 [blocks]; uint8 [blocks] (codes of the dynamic map) when double quantized
+  // Double quantization only (undefined otherwise):
+  torch::Tensor nested_absmax;  // fp32 [ceil(blocks / 256)]
+  torch::Tensor nested_code;    // fp32 [256], the signed dynamic map (`nested_quant_map`)
+  float offset = 0.0f;          // the mean added back to the dequantized absmax (`nested_offset`)
+
+  bool double_quant() const { return nested_absmax.defined(); }
+  int64_t numel() const;
+  int64_t blocks() const;  // ceil(numel / blocksize)
+  // Shapes and dtypes agree with each other and with `packed`; an Error naming `what` otherwise.
+  void check(const torch::Tensor& packed, const std::string& what) const;
+};
+
+struct FourBitTensor {
+  torch::Tensor packed;  // uint8 [ceil(n / 2), 1]
+  FourBitQuantState state;
+};
+
+// `input`: a floating-point tensor on any device (quantized on the CPU, results on its device).
+FourBitTensor quantize_4bit(const torch::Tensor& input, FourBitType quant_type, int64_t blocksize,
+                            bool double_quant);
+// The tensor in state.shape and `dtype`, on packed's device.
+torch::Tensor dequantize_4bit(const torch::Tensor& packed, const FourBitQuantState& state, torch::ScalarType dtype);
+// The per-block absmax as fp32 [blocks] (rebuilt when double quantized).
+torch::Tensor dequantize_absmax(const FourBitQuantState& state);
+
+struct BlockwiseQuantized {
+  torch::Tensor codes;   // uint8, input's shape
+  torch::Tensor absmax;  // fp32 [ceil(n / blocksize)]
+};
+// bnb's 8-bit quantize_blockwise: per block absmax, then for x * (1 / absmax) the code of `code`
+// (fp32 [256], sorted) that bnb's binary search picks (nearest, with its tie rules).
+BlockwiseQuantized quantize_blockwise_8bit(const torch::Tensor& input, const torch::Tensor& code, int64_t blocksize);
+// code[codes] * absmax[block] in fp32, in codes' shape.
+torch::Tensor dequantize_blockwise_8bit(const torch::Tensor& codes, const torch::Tensor& absmax,
+                                        const torch::Tensor& code, int64_t blocksize);
+
+}  // namespace qtrain::qat

@@ -1,0 +1,106 @@
+#include "qat/four_bit_linear.h"
+
+#include "kernels/error.h"
+
+namespace qtrain::qat {
+
+FourBitLinear::FourBitLinear(FourBitTensor weight, const torch::Tensor& bias, torch::ScalarType compute_dtype) {
+  if (weight.state.shape.size() != 2) {
+    throw Error("FourBitLinear: the quantized weight must be 2-d [out, in], got " +
+                std::to_string(weight.state.shape.size()) + " dimensions");
+  }
+  weight.state.check(weight.packed, "FourBitLinear");
+  state_ = std::move(weight.state);
+  packed_ = register_buffer("weight", weight.packed);
+  state_.absmax = register_buffer("absmax", state_.absmax);
+  state_.code = register_buffer("quant_map", state_.code);
+  if (state_.double_quant()) {
+    state_.nested_absmax = register_buffer("nested_absmax", state_.nested_absmax);
+    state_.nested_code = register_buffer("nested_quant_map", state_.nested_code);
+  }
+  if (bias.defined()) {
+    if (bias.numel() != out_features()) {
+      throw Error("FourBitLinear: bias has " + std::to_string(bias.numel()) + " values, the weight has " +
+                  std::to_string(out_features()) + " rows");
+    }
+    bias_ = register_buffer("bias", bias.detach().to(packed_.device(), compute_dtype).clone());
+  }
+}
+
+std::shared_ptr<FourBitLinear> FourBitLinear::from_dense(const torch::Tensor& weight, const torch::Tensor& bias,
+                                                         const FourBitOptions& options) {
+  if (weight.dim() != 2) throw Error("FourBitLinear::from_dense: the weight must be 2-d [out, in]");
+  const auto type = parse_four_bit_type(options.quant_type, "qlora.quant_type");
+  return std::make_shared<FourBitLinear>(quantize_4bit(weight, type, options.blocksize, options.double_quant), bias,
+                                         options.compute_dtype);
+}
+
+torch::Tensor FourBitLinear::forward(const torch::Tensor& input) {
+  const auto weight = dequantize_4bit(packed_, state_, input.scalar_type());
+  return torch::nn::functional::linear(input, weight, bias_.defined() ? bias_.to(input.scalar_type()) : bias_);
+}
+
+torch::Tensor FourBitLinear::dense_weight(torch::ScalarType dtype) const {
+  return dequantize_4bit(packed_, state_, dtype);
+}
+
+void FourBitLinear::pretty_print(std::ostream& stream) const {
+  stream << "qtrain::FourBitLinear(in_features=" << in_features() << ", out_features=" << out_features()
+         << ", quant_type=" << four_bit_type_name(state_.quant_type) << ", blocksize=" << state_.blocksize
+         << ", double_quant=" << (state_.double_quant() ? "true" : "false") << ", bias=" << (bias_.defined() ? "true" : "false")
+         << ")";
+}
+
+// Buffers share their tensors with the members and the quant state, and Module::to changes them
+// in place (set_data), so a device move needs no bookkeeping here.
+void FourBitLinear::to(torch::Dtype dtype, bool non_blocking) {
+  if (bias_.defined()) bias_.set_data(bias_.to(dtype, non_blocking));
+}
+
+void FourBitLinear::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
+  torch::nn::Module::to(device, non_blocking);
+  to(dtype, non_blocking);
+}
+
+bool module_name_matches(const std::string& name, const std::vector<std::string>& entries) {
+  for (const auto& entry : entries) {
+    if (name == entry) return true;
+    if (name.size() > entry.size() && name.compare(name.size() - entry.size(), entry.size(), entry) == 0 &&
+        name[name.size() - entry.size() - 1] == '.') {
+      return true;
+    }
+  }
+  return false;
+}
+
+std::vector<std::string> quantize_linear_layers(torch::nn::Module& root, const FourBitOptions& options,
+                                                const std::vector<std::string>& skip_modules) {
+  parse_four_bit_type(options.quant_type, "qlora.quant_type");
+  check_four_bit_blocksize(options.blocksize);
+  struct Target {
+    std::string name;
+    std::shared_ptr<DenseLinear> layer;
+  };
+  std::vector<Target> targets;
+  for (const auto& item : root.named_modules()) {
+    auto dense = std::dynamic_pointer_cast<DenseLinear>(item.value());
+    if (dense && !item.key().empty() && !module_name_matches(item.key(), skip_modules)) {
+      targets.push_back({item.key(), dense});
+    }
+  }
+  const auto modules = root.named_modules();
+  std::vector<std::string> replaced;
+  torch::NoGradGuard no_grad;
+  for (const auto& target : targets) {
+    const auto dot = target.name.rfind('.');
+    const std::string parent_name = dot == std::string::npos ? "" : target.name.substr(0, dot);
+    const std::string child_name = dot == std::string::npos ? target.name : target.name.substr(dot + 1);
+    torch::nn::Module& parent = parent_name.empty() ? root : *modules[parent_name];
+    replace_linear_layer(parent, child_name,
+                         FourBitLinear::from_dense(target.layer->weight(), target.layer->bias(), options));
+    replaced.push_back(target.name);
+  }
+  return replaced;
+}
+
+}  // namespace qtrain::qat

@@ -1,0 +1,225 @@
+#include "trainer/bnb_checkpoint.h"
+
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+
+#include "kernels/error.h"
+#include "qat/four_bit_linear.h"
+#include "trainer/safetensors.h"
+
+namespace qtrain::trainer {
+
+namespace {
+
+using nlohmann::json;
+
+const std::string kQuantStateKey = ".weight.quant_state.bitsandbytes__";
+
+std::string shape_text(at::IntArrayRef shape) {
+  std::ostringstream text;
+  text << shape;
+  return text.str();
+}
+
+json quantization_config_json(const HfModelConfig& config) {
+  json object;
+  try {
+    object = json::parse(config.json);
+  } catch (const json::exception& error) {
+    throw Error(config.path + ": not valid JSON (" + error.what() + ")");
+  }
+  if (!object.contains("quantization_config") || !object.at("quantization_config").is_object()) return json();
+  return object.at("quantization_config");
+}
+
+// The quant-state JSON stored as a uint8 tensor, whichever 4-bit type its key names.
+std::string quant_state_key(const SafetensorsCheckpoint& weights, const std::string& module_name) {
+  for (const char* type : {"nf4", "fp4"}) {
+    const std::string key = module_name + kQuantStateKey + type;
+    if (weights.contains(key)) return key;
+  }
+  return "";
+}
+
+}  // namespace
+
+std::optional<BnbQuantizationConfig> read_bnb_quantization_config(const HfModelConfig& config) {
+  if (!config.has_quantization_config) return std::nullopt;
+  const json object = quantization_config_json(config);
+  if (object.is_null() || object.value("quant_method", std::string()) != "bitsandbytes") return std::nullopt;
+  const std::string where = config.path + ": quantization_config.";
+  auto flag = [&](const std::string& key) {
+    if (!object.contains(key) || object.at(key).is_null()) return false;
+    if (!object.at(key).is_boolean()) throw Error(where + key + " must be true or false, got " + object.at(key).dump());
+    return object.at(key).get<bool>();
+  };
+  auto text = [&](const std::string& key, const std::string& fallback) {
+    if (!object.contains(key) || object.at(key).is_null()) return fallback;
+    if (!object.at(key).is_string()) throw Error(where + key + " must be a string, got " + object.at(key).dump());
+    return object.at(key).get<std::string>();
+  };
+  BnbQuantizationConfig result;
+  result.load_in_4bit = flag("load_in_4bit") || flag("_load_in_4bit");
+  result.load_in_8bit = flag("load_in_8bit") || flag("_load_in_8bit");
+  result.quant_type = text("bnb_4bit_quant_type", "fp4");
+  result.double_quant = flag("bnb_4bit_use_double_quant");
+  result.compute_dtype = parse_dtype_name(text("bnb_4bit_compute_dtype", "float32"), where + "bnb_4bit_compute_dtype");
+  const std::string storage = text("bnb_4bit_quant_storage", "uint8");
+  if (result.load_in_4bit && storage != "uint8") {
+    throw Error(where + "bnb_4bit_quant_storage '" + storage + "' is not supported (only uint8)");
+  }
+  if (result.load_in_4bit) qat::parse_four_bit_type(result.quant_type, where + "bnb_4bit_quant_type");
+  if (object.contains("llm_int8_skip_modules") && !object.at("llm_int8_skip_modules").is_null()) {
+    const auto& skip = object.at("llm_int8_skip_modules");
+    if (!skip.is_array()) throw Error(where + "llm_int8_skip_modules must be a list of module names");
+    for (const auto& name : skip) {
+      if (!name.is_string()) throw Error(where + "llm_int8_skip_modules must be a list of module names");
+      result.skip_modules.push_back(name.get<std::string>());
+    }
+  }
+  return result;
+}
+
+bool is_bnb_4bit_checkpoint(const HfModelConfig& config) {
+  const auto bnb = read_bnb_quantization_config(config);
+  return bnb && bnb->load_in_4bit;
+}
+
+bool is_bnb_8bit_checkpoint(const HfModelConfig& config) {
+  const auto bnb = read_bnb_quantization_config(config);
+  return bnb && bnb->load_in_8bit;
+}
+
+qat::FourBitTensor read_bnb_4bit_weight(const SafetensorsCheckpoint& weights, const std::string& module_name,
+                                        const std::string& source) {
+  const std::string weight_name = module_name + ".weight";
+  const std::string state_key = quant_state_key(weights, module_name);
+  if (state_key.empty()) {
+    throw Error(source + ": tensor '" + weight_name + ".quant_state.bitsandbytes__nf4' (or __fp4) is missing");
+  }
+  const auto state_bytes = weights.tensor(state_key).contiguous();
+  if (state_bytes.scalar_type() != torch::kUInt8) throw Error(source + ": tensor '" + state_key + "' must be uint8");
+  const std::string state_text(reinterpret_cast<const char*>(state_bytes.data_ptr<uint8_t>()), state_bytes.numel());
+  json state_json;
+  try {
+    state_json = json::parse(state_text);
+  } catch (const json::exception& error) {
+    throw Error(source + ": tensor '" + state_key + "' is not the JSON of a bitsandbytes quant state (" +
+                error.what() + ")");
+  }
+  const std::string where = source + ": " + state_key;
+  auto required = [&](const std::string& key) -> const json& {
+    if (!state_json.contains(key)) throw Error(where + ": the quant state has no '" + key + "'");
+    return state_json.at(key);
+  };
+  auto tensor = [&](const std::string& name) {
+    if (!weights.contains(name)) throw Error(source + ": tensor '" + name + "' is missing");
+    return weights.tensor(name);
+  };
+
+  qat::FourBitTensor result;
+  auto& state = result.state;
+  try {
+    state.quant_type = qat::parse_four_bit_type(required("quant_type").get<std::string>(), where);
+    state.blocksize = required("blocksize").get<int64_t>();
+    state.shape = required("shape").get<std::vector<int64_t>>();
+    state.dtype = parse_dtype_name(required("dtype").get<std::string>(), where + ": dtype");
+  } catch (const json::exception& error) {
+    throw Error(where + ": malformed quant state (" + error.what() + ")");
+  }
+  if (state.shape.size() != 2) throw Error(where + ": expected a 2-d weight shape, got " + shape_text(state.shape));
+  result.packed = tensor(weight_name);
+  state.code = tensor(weight_name + ".quant_map").to(torch::kFloat32);
+  state.absmax = tensor(weight_name + ".absmax");
+  if (weights.contains(weight_name + ".nested_absmax")) {
+    state.nested_absmax = tensor(weight_name + ".nested_absmax");
+    state.nested_code = tensor(weight_name + ".nested_quant_map");
+    const int64_t nested_blocksize = state_json.value("nested_blocksize", qat::kNestedBlocksize);
+    if (nested_blocksize != qat::kNestedBlocksize) {
+      throw Error(where + ": nested_blocksize " + std::to_string(nested_blocksize) + " is not supported (only 256)");
+    }
+    if (!state_json.contains("nested_offset")) throw Error(where + ": the quant state has no 'nested_offset'");
+    state.offset = state_json.at("nested_offset").get<float>();
+  }
+  state.check(result.packed, source + ": " + weight_name);
+  const auto expected_code = qat::four_bit_code_tensor(state.quant_type);
+  if (!torch::equal(state.code, expected_code)) {
+    throw Error(source + ": tensor '" + weight_name + ".quant_map' is not bitsandbytes' " +
+                qat::four_bit_type_name(state.quant_type) + " table");
+  }
+  return result;
+}
+
+LoadedModel load_bnb_4bit_llama(const std::string& model_dir, const HfModelConfig& config,
+                                const ModelLoadOptions& options) {
+  const auto bnb = read_bnb_quantization_config(config);
+  if (!bnb || !bnb->load_in_4bit) throw Error(config.path + ": not a bitsandbytes 4-bit checkpoint");
+  auto weights = SafetensorsCheckpoint::open(model_dir);
+  std::set<std::string> used;
+  // Projections with a stored quant state become FourBitLinear holding the stored bytes; the
+  // others (skip modules) stay dense and load below with the rest.
+  LinearFactory make_linear = [&](const std::string& name,
+                                  const qat::DenseLinearOptions& dense) -> std::shared_ptr<qat::LinearLayer> {
+    const std::string state_key = quant_state_key(weights, name);
+    if (state_key.empty()) return std::make_shared<qat::DenseLinear>(dense);
+    auto quantized = read_bnb_4bit_weight(weights, name, model_dir);
+    if (quantized.state.shape != std::vector<int64_t>{dense.out_features, dense.in_features}) {
+      throw Error(model_dir + ": tensor '" + name + ".weight' has shape " + shape_text(quantized.state.shape) +
+                  ", config.json expects " + shape_text({dense.out_features, dense.in_features}));
+    }
+    torch::Tensor bias;
+    if (dense.bias) {
+      if (!weights.contains(name + ".bias")) throw Error(model_dir + ": tensor '" + name + ".bias' is missing");
+      bias = weights.tensor(name + ".bias");
+      used.insert(name + ".bias");
+    }
+    for (const char* suffix : {".weight", ".weight.absmax", ".weight.quant_map", ".weight.nested_absmax",
+                               ".weight.nested_quant_map"}) {
+      used.insert(name + suffix);
+    }
+    used.insert(state_key);
+    return std::make_shared<qat::FourBitLinear>(std::move(quantized), bias, options.dtype);
+  };
+
+  LoadedModel loaded;
+  loaded.config = config;
+  loaded.model = LlamaForCausalLM(config.llama, options.dtype, make_linear);
+  torch::NoGradGuard no_grad;
+  std::set<std::string> quantized_buffers;
+  for (const auto& item : loaded.model->named_modules()) {
+    if (!std::dynamic_pointer_cast<qat::FourBitLinear>(item.value())) continue;
+    for (const auto& buffer : item.value()->named_buffers()) quantized_buffers.insert(item.key() + "." + buffer.key());
+  }
+  auto load_dense = [&](const std::string& name, torch::Tensor& target) {
+    if (quantized_buffers.count(name)) return;
+    if (!weights.contains(name)) {
+      throw Error(model_dir + ": tensor '" + name + "' is missing (the model expects shape " +
+                  shape_text(target.sizes()) + ")");
+    }
+    const auto stored = weights.tensor(name);
+    if (stored.sizes() != target.sizes()) {
+      throw Error(model_dir + ": tensor '" + name + "' has shape " + shape_text(stored.sizes()) +
+                  ", config.json expects " + shape_text(target.sizes()));
+    }
+    if (!stored.is_floating_point()) {
+      throw Error(model_dir + ": tensor '" + name + "' is " + std::string(c10::toString(stored.scalar_type())) +
+                  " but has no bitsandbytes quant state; expected floating point weights");
+    }
+    target.copy_(stored);
+    used.insert(name);
+  };
+  for (auto& item : loaded.model->named_parameters()) load_dense(item.key(), item.value());
+  for (auto& item : loaded.model->named_buffers()) load_dense(item.key(), item.value());
+  for (const auto& name : weights.names()) {
+    const bool tied_head = config.llama.tie_word_embeddings && name == "lm_head.weight";
+    if (!used.count(name) && !tied_head) {
+      throw Error(model_dir + ": tensor '" + name + "' is not part of the Llama model (is this a LlamaForCausalLM checkpoint?)");
+    }
+  }
+  loaded.model->to(options.device);
+  loaded.model->eval();
+  return loaded;
+}
+
+}  // namespace qtrain::trainer

@@ -1,0 +1,52 @@
+#pragma once
+// Pre-quantized bitsandbytes 4-bit checkpoints (what `from_pretrained(quantization_config=
+// BitsAndBytesConfig(load_in_4bit=True, ...)).save_pretrained` writes; hub "bnb-4bit" models),
+// loaded directly as a frozen QLoRA base: each quantized projection becomes a qat::FourBitLinear
+// holding the stored bytes, everything else (embeddings, norms, lm_head and the modules in
+// llm_int8_skip_modules) loads dense in the requested dtype.
+//
+// config.json: "quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": true,
+//   "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": true,
+//   "bnb_4bit_compute_dtype": "bfloat16", "bnb_4bit_quant_storage": "uint8",
+//   "llm_int8_skip_modules": null | [names]}
+// Weights of a quantized module `<m>`:
+//   <m>.weight                                 uint8 [n/2, 1]   packed codes
+//   <m>.weight.absmax                          fp32, or uint8 with double quant
+//   <m>.weight.quant_map                       fp32 [16]
+//   <m>.weight.nested_absmax / .nested_quant_map   fp32, double quant only
+//   <m>.weight.quant_state.bitsandbytes__<nf4|fp4>  uint8: the JSON {"quant_type", "blocksize",
+//       "dtype", "shape", "nested_blocksize", "nested_dtype", "nested_offset"}
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "qat/four_bit_codec.h"
+#include "trainer/hf_checkpoint.h"
+
+namespace qtrain::trainer {
+
+struct BnbQuantizationConfig {
+  bool load_in_4bit = false;
+  bool load_in_8bit = false;
+  std::string quant_type = "fp4";  // bnb_4bit_quant_type (transformers' default)
+  bool double_quant = false;       // bnb_4bit_use_double_quant
+  torch::ScalarType compute_dtype = torch::kFloat32;  // bnb_4bit_compute_dtype
+  std::vector<std::string> skip_modules;              // llm_int8_skip_modules
+};
+
+// The quantization_config of config.json when its quant_method is bitsandbytes, else nullopt.
+std::optional<BnbQuantizationConfig> read_bnb_quantization_config(const HfModelConfig& config);
+bool is_bnb_4bit_checkpoint(const HfModelConfig& config);
+bool is_bnb_8bit_checkpoint(const HfModelConfig& config);
+
+// The quantized weight `<module>.weight` and its quant state, checked for consistency (an Error
+// naming `source` and the tensor otherwise).
+qat::FourBitTensor read_bnb_4bit_weight(const SafetensorsCheckpoint& weights, const std::string& module_name,
+                                        const std::string& source);
+
+// Loads a bitsandbytes 4-bit Llama directory; options.dtype is the dtype of the dense parts
+// (and of compute), options.make_linear is not used (the checkpoint decides each layer's kind).
+LoadedModel load_bnb_4bit_llama(const std::string& model_dir, const HfModelConfig& config,
+                                const ModelLoadOptions& options);
+
+}  // namespace qtrain::trainer
