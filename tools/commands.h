@@ -13,6 +13,7 @@ int run_train(const Arguments& arguments);
 int run_eval(const Arguments& arguments);
 int run_tokenize(const Arguments& arguments);
 int run_inspect(const Arguments& arguments);
+int run_export(const Arguments& arguments);
 
 // Parses `arguments` against `options`; `--help` prints usage and the options with their
 // defaults. Returns false when help was printed (the command should exit 0).

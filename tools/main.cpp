@@ -1,6 +1,6 @@
 // qtrain: quantization-aware training and QLoRA fine-tuning of Llama models.
 //   qtrain [train] --recipe FILE [--set key=value ...] [--print-recipe]
-//   qtrain eval | tokenize | inspect ... (qtrain SUBCOMMAND --help)
+//   qtrain eval | tokenize | inspect | export ... (qtrain SUBCOMMAND --help)
 #include <c10/util/Exception.h>
 
 #include <iostream>
@@ -42,6 +42,7 @@ const std::map<std::string, Command>& commands() {
       {"eval", {run_eval, "loss and perplexity of a model (and adapter) on JSONL data"}},
       {"tokenize", {run_tokenize, "JSONL text on stdin -> token ids on stdout (or --decode)"}},
       {"inspect", {run_inspect, "architecture, sizes and memory needs of a Hugging Face model"}},
+      {"export", {run_export, "a run's PEFT adapter, checked against its base, into a new directory"}},
   };
   return table;
 }
@@ -75,7 +76,7 @@ int main(int argc, char** argv) {
   }
   const auto found = commands().find(name);
   if (found == commands().end()) {
-    std::cerr << "qtrain: unknown command '" << name << "' (commands: train, eval, tokenize, inspect; see qtrain --help)\n";
+    std::cerr << "qtrain: unknown command '" << name << "' (commands: train, eval, tokenize, inspect, export; see qtrain --help)\n";
     return 2;
   }
   try {

@@ -36,7 +36,7 @@ void expect_user_error(const CommandResult& result, const std::string& mentions)
 TEST(Cli, HelpListsTheCommands) {
   auto result = qtrain("--help");
   EXPECT_EQ(result.status, 0);
-  for (const char* command : {"train", "eval", "tokenize", "inspect"}) {
+  for (const char* command : {"train", "eval", "tokenize", "inspect", "export"}) {
     EXPECT_NE(result.output.find(command), std::string::npos) << command;
   }
 }
@@ -48,7 +48,7 @@ TEST(Cli, SubcommandHelpListsEveryOptionWithItsDefault) {
                              "--dtype arg (=fp32)", "--device arg (=auto)", "--json"}) {
     EXPECT_NE(result.output.find(option), std::string::npos) << option << "\n" << result.output;
   }
-  for (const char* command : {"train --help", "tokenize --help", "inspect --help"}) {
+  for (const char* command : {"train --help", "tokenize --help", "inspect --help", "export --help"}) {
     EXPECT_EQ(qtrain(command).status, 0) << command;
   }
 }
@@ -136,6 +136,15 @@ TEST(Cli, TrainWritesTheRunDirectoryAndAnAdapterThatEvalApplies) {
                           testing::source_dir() + "/recipes/demo/brown-val.jsonl --max-batches 1 --device cpu --adapter " +
                           run.file("adapter"));
   EXPECT_EQ(evaluated.status, 0) << evaluated.output;
+
+  auto exported = qtrain("export --run " + run.path() + " --format peft --out " + run.file("exported"));
+  ASSERT_EQ(exported.status, 0) << exported.output;
+  EXPECT_TRUE(std::ifstream(run.file("exported/adapter_model.safetensors")).good());
+  expect_user_error(qtrain("export --run " + run.path() + " --format peft --out " + run.file("exported")),
+                    "already exists");
+  EXPECT_EQ(qtrain("export --run " + run.path() + " --out " + run.file("exported") + " --force").status, 0);
+  expect_user_error(qtrain("export --run " + run.path() + " --format merged --out " + run.file("merged")),
+                    "not available yet");
 }
 
 TEST(Cli, BadInputIsOneLineAndExitStatus2) {
