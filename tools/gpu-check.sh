@@ -13,4 +13,4 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 "$ROOT/tools/setup.sh"
 cd "$ROOT/build"
-ctest --output-on-failure --timeout 600 -j 8 "$@"
+OMP_NUM_THREADS=2 ctest --output-on-failure --timeout 600 -j 8 "$@"

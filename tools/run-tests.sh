@@ -5,4 +5,5 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 "$ROOT/tools/setup.sh"
 cd "$ROOT/build"
-ctest --output-on-failure --timeout 600 -j "$(nproc)" "$@"
+# One thread per test process: the suites run side by side on every core.
+OMP_NUM_THREADS=1 ctest --output-on-failure --timeout 600 -j "$(nproc)" "$@"
