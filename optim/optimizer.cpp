@@ -10,12 +10,6 @@
 namespace qtrain::optim {
 namespace {
 
-std::string shape_text(torch::IntArrayRef sizes) {
-  std::ostringstream text;
-  text << sizes;
-  return text.str();
-}
-
 // "12.exp_avg" -> {12, "exp_avg"}; throws for anything else.
 std::pair<size_t, std::string> split_state_name(const std::string& name, const std::string& optimizer,
                                                 size_t parameter_count) {

@@ -14,12 +14,6 @@ namespace qtrain::qat {
 
 namespace {
 
-std::string shape_text(at::IntArrayRef shape) {
-  std::ostringstream text;
-  text << shape;
-  return text.str();
-}
-
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Blocks are independent: parallel over blocks, each reading fp32 input.

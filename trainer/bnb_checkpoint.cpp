@@ -16,12 +16,6 @@ using nlohmann::json;
 
 const std::string kQuantStateKey = ".weight.quant_state.bitsandbytes__";
 
-std::string shape_text(at::IntArrayRef shape) {
-  std::ostringstream text;
-  text << shape;
-  return text.str();
-}
-
 json quantization_config_json(const HfModelConfig& config) {
   json object;
   try {
@@ -185,38 +179,12 @@ LoadedModel load_bnb_4bit_llama(const std::string& model_dir, const HfModelConfi
   LoadedModel loaded;
   loaded.config = config;
   loaded.model = LlamaForCausalLM(config.llama, options.dtype, make_linear);
-  torch::NoGradGuard no_grad;
-  std::set<std::string> quantized_buffers;
+  // The quantized layers hold what the factory read; everything else loads by name.
   for (const auto& item : loaded.model->named_modules()) {
     if (!std::dynamic_pointer_cast<qat::FourBitLinear>(item.value())) continue;
-    for (const auto& buffer : item.value()->named_buffers()) quantized_buffers.insert(item.key() + "." + buffer.key());
+    for (const auto& buffer : item.value()->named_buffers()) used.insert(item.key() + "." + buffer.key());
   }
-  auto load_dense = [&](const std::string& name, torch::Tensor& target) {
-    if (quantized_buffers.count(name)) return;
-    if (!weights.contains(name)) {
-      throw Error(model_dir + ": tensor '" + name + "' is missing (the model expects shape " +
-                  shape_text(target.sizes()) + ")");
-    }
-    const auto stored = weights.tensor(name);
-    if (stored.sizes() != target.sizes()) {
-      throw Error(model_dir + ": tensor '" + name + "' has shape " + shape_text(stored.sizes()) +
-                  ", config.json expects " + shape_text(target.sizes()));
-    }
-    if (!stored.is_floating_point()) {
-      throw Error(model_dir + ": tensor '" + name + "' is " + std::string(c10::toString(stored.scalar_type())) +
-                  " but has no bitsandbytes quant state; expected floating point weights");
-    }
-    target.copy_(stored);
-    used.insert(name);
-  };
-  for (auto& item : loaded.model->named_parameters()) load_dense(item.key(), item.value());
-  for (auto& item : loaded.model->named_buffers()) load_dense(item.key(), item.value());
-  for (const auto& name : weights.names()) {
-    const bool tied_head = config.llama.tie_word_embeddings && name == "lm_head.weight";
-    if (!used.count(name) && !tied_head) {
-      throw Error(model_dir + ": tensor '" + name + "' is not part of the Llama model (is this a LlamaForCausalLM checkpoint?)");
-    }
-  }
+  load_state(*loaded.model, weights, model_dir, config.llama.tie_word_embeddings, used);
   loaded.model->to(options.device);
   loaded.model->eval();
   return loaded;

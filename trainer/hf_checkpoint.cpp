@@ -11,12 +11,6 @@ namespace qtrain::trainer {
 
 namespace {
 
-std::string shape_text(at::IntArrayRef shape) {
-  std::ostringstream text;
-  text << shape;
-  return text.str();
-}
-
 // Tensors a checkpoint may hold that the model recomputes instead of loading.
 bool is_derived_tensor(const std::string& name, bool tie_word_embeddings) {
   const std::string rotary_suffix = "rotary_emb.inv_freq";
@@ -30,10 +24,11 @@ bool is_derived_tensor(const std::string& name, bool tie_word_embeddings) {
 }  // namespace
 
 void load_state(torch::nn::Module& model, const SafetensorsCheckpoint& weights, const std::string& source,
-                bool tie_word_embeddings) {
+                bool tie_word_embeddings, const std::set<std::string>& loaded_elsewhere) {
   torch::NoGradGuard no_grad;
-  std::set<std::string> used;
+  std::set<std::string> used = loaded_elsewhere;
   auto load_into = [&](const std::string& name, torch::Tensor& target) {
+    if (loaded_elsewhere.count(name)) return;
     if (!weights.contains(name)) {
       throw Error(source + ": tensor '" + name + "' is missing (the model expects shape " +
                   shape_text(target.sizes()) + ")");

@@ -1,5 +1,6 @@
 #pragma once
 // Loading a Hugging Face Llama directory (config.json + safetensors) into LlamaForCausalLM.
+#include <set>
 #include <string>
 
 #include "trainer/hf_config.h"
@@ -24,7 +25,9 @@ LoadedModel load_llama(const std::string& model_dir, const ModelLoadOptions& opt
 
 // Copies every parameter and buffer of `model` from `weights` by its Hugging Face name,
 // checking shapes; a missing or unexpected tensor is an Error naming it and `source`.
+// `loaded_elsewhere` names model tensors already filled (skipped) and checkpoint tensors
+// already consumed (not unexpected), e.g. by a quantized layer built from its stored state.
 void load_state(torch::nn::Module& model, const SafetensorsCheckpoint& weights, const std::string& source,
-                bool tie_word_embeddings);
+                bool tie_word_embeddings, const std::set<std::string>& loaded_elsewhere = {});
 
 }  // namespace qtrain::trainer

@@ -26,12 +26,6 @@ constexpr const char* kWeightsFile = "adapter_model.safetensors";
 // peft saves the state dict of PeftModel -> LoraModel (`base_model`) -> the transformers model (`model`).
 constexpr const char* kPeftPrefix = "base_model.model.";
 
-std::string shape_text(at::IntArrayRef shape) {
-  std::ostringstream text;
-  text << shape;
-  return text.str();
-}
-
 std::string lora_A_name(const std::string& module_name) { return kPeftPrefix + module_name + ".lora_A.weight"; }
 std::string lora_B_name(const std::string& module_name) { return kPeftPrefix + module_name + ".lora_B.weight"; }
 
