@@ -235,7 +235,6 @@ TrainSummary Finetune::train() {
     int64_t tokens = 0;
     const double loss = train_step(step, grad_norm, tokens);
     window_tokens += tokens;
-    summary.final_loss = loss;
     const int64_t done = step + 1;
     if (done % recipe_.log.every == 0 || done == total_steps_) {
       const double window_seconds = seconds_since(window_start);

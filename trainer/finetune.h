@@ -22,7 +22,6 @@ namespace qtrain::trainer {
 
 struct TrainSummary {
   int64_t steps = 0;
-  double final_loss = 0;
   double first_eval_loss = 0;  // before the first step (NaN when there is no eval data)
   double last_eval_loss = 0;
   double seconds = 0;
