@@ -95,7 +95,8 @@ int64_t AddedVocabulary::Matcher::longest_at(std::string_view text, size_t posit
   return longest;
 }
 
-AddedVocabulary AddedVocabulary::from_json(const std::optional<JsonNode>& added_tokens, const BpeModel& model) {
+AddedVocabulary AddedVocabulary::from_json(const std::optional<JsonNode>& added_tokens, const BpeModel& model,
+                                           const Normalizer& normalizer) {
   AddedVocabulary vocabulary;
   if (!added_tokens) return vocabulary;
   const auto model_vocab_size = static_cast<int64_t>(model.vocab_count());
@@ -110,6 +111,7 @@ AddedVocabulary AddedVocabulary::from_json(const std::optional<JsonNode>& added_
     token.lstrip = entry.bool_or("lstrip", false);
     token.rstrip = entry.bool_or("rstrip", false);
     token.normalized = entry.bool_or("normalized", !token.special);
+    token.normalized_content = token.normalized ? normalizer.normalize(token.content) : token.content;
 
     if (auto existing = vocabulary.token_to_id(token.content)) {
       token.id = *existing;
@@ -123,7 +125,12 @@ AddedVocabulary AddedVocabulary::from_json(const std::optional<JsonNode>& added_
     const size_t index = vocabulary.tokens_.size();
     vocabulary.index_of_id_[token.id] = index;
     vocabulary.index_of_content_[token.content] = index;
-    (token.normalized ? vocabulary.normalized_matcher_ : vocabulary.raw_matcher_).add(token.content, index);
+    if (token.special) vocabulary.special_contents_.insert(token.content);
+    if (token.normalized) {
+      vocabulary.normalized_matcher_.add(token.normalized_content, index);
+    } else {
+      vocabulary.raw_matcher_.add(token.content, index);
+    }
     vocabulary.tokens_.push_back(std::move(token));
   }
   return vocabulary;
@@ -146,7 +153,7 @@ std::vector<TextPiece> AddedVocabulary::split(std::string_view text, Pass pass) 
     }
     const AddedToken& token = tokens_[index];
     size_t start = position;
-    size_t stop = position + token.content.size();
+    size_t stop = position + (pass == Pass::kRawText ? token.content : token.normalized_content).size();
     if (token.single_word) {
       const bool word_before = start > 0 && is_word_character(last_character(text.substr(0, start)));
       const bool word_after = stop < text.size() && is_word_character(first_character(text.substr(stop)));

@@ -8,10 +8,12 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "data/bpe_model.h"
 #include "data/json_node.h"
+#include "data/normalizer.h"
 
 namespace qtrain::data {
 
@@ -23,6 +25,9 @@ struct AddedToken {
   bool lstrip = false;       // swallows the whitespace before it
   bool rstrip = false;       // swallows the whitespace after it
   bool normalized = false;   // matched in normalized text (a second pass)
+  // What is matched and what decode shows: the content, run through the tokenizer's
+  // normalizer when normalized is true (Llama 2's Prepend makes "hello" "▁hello").
+  std::string normalized_content;
 };
 
 // A stretch of input: either one added token (id set) or plain text to pre-tokenize.
@@ -38,7 +43,8 @@ class AddedVocabulary {
   // tokenizers assigns them, not read from the file: a content already in the model's vocab
   // keeps that id, a new one gets the next id after the vocab and the added tokens so far
   // (in a consistent file these are the ids written there).
-  static AddedVocabulary from_json(const std::optional<JsonNode>& added_tokens, const BpeModel& model);
+  static AddedVocabulary from_json(const std::optional<JsonNode>& added_tokens, const BpeModel& model,
+                                   const Normalizer& normalizer);
 
   // As tokenizers does, added tokens are found in two passes: tokens with normalized=false
   // in the raw text, then, after the normalizer has run on the plain stretches between
@@ -49,6 +55,9 @@ class AddedVocabulary {
 
   const AddedToken* find(int64_t id) const;
   std::optional<int64_t> token_to_id(const std::string& content) const;
+  // Whether `token` is the content of a special token: decode with skip_special_tokens drops
+  // a token string by this test, as tokenizers does.
+  bool is_special_content(const std::string& token) const { return special_contents_.count(token) > 0; }
   int64_t id_limit() const { return id_limit_; }  // one past the largest added id, 0 when none
 
  private:
@@ -69,10 +78,10 @@ class AddedVocabulary {
     bool first_bytes_[256] = {};
   };
 
-
   std::vector<AddedToken> tokens_;
   std::unordered_map<int64_t, size_t> index_of_id_;
   std::unordered_map<std::string, size_t> index_of_content_;
+  std::unordered_set<std::string> special_contents_;
   int64_t id_limit_ = 0;
   Matcher raw_matcher_;
   Matcher normalized_matcher_;

@@ -32,22 +32,20 @@ std::pair<std::string, std::string> merge_parts(const JsonNode& entry) {
 BpeModel::BpeModel(const JsonNode& config) {
   const JsonNode type = config.at("type");
   if (type.as_string() != "BPE") {
-    type.fail("'" + type.as_string() + "' is not supported (expected 'BPE': qtrain reads byte-level BPE tokenizers)");
-  }
-  if (config.bool_or("byte_fallback", false)) {
-    config.at("byte_fallback").fail("true is not supported yet: sentencepiece-style BPE with byte fallback "
-                                    "(Llama 2, Mistral) is not implemented; byte-level BPE (Llama 3, GPT-2, Qwen) is");
+    type.fail("'" + type.as_string() + "' is not supported (expected 'BPE': qtrain reads BPE tokenizers, byte-level "
+              "as Llama 3's or sentencepiece-style as Llama 2's; Unigram and WordPiece models are not implemented)");
   }
   if (auto dropout = config.find("dropout"); dropout && dropout->as_number() != 0.0) {
     dropout->fail("is not supported (BPE dropout randomises tokenization; set it to null)");
   }
   for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"}) {
     if (auto affix = config.find(key); affix && !affix->as_string().empty()) {
-      affix->fail("'" + affix->as_string() + "' is not supported (byte-level BPE tokenizers leave it null)");
+      affix->fail("'" + affix->as_string() + "' is not supported (Llama-family BPE tokenizers leave it null)");
     }
   }
   ignore_merges_ = config.bool_or("ignore_merges", false);
   fuse_unknown_ = config.bool_or("fuse_unk", false);
+  byte_fallback_ = config.bool_or("byte_fallback", false);
 
   const JsonNode vocab = config.at("vocab");
   if (!vocab.value().is_object()) vocab.fail("must be an object of token: id");
@@ -68,6 +66,13 @@ BpeModel::BpeModel(const JsonNode& config) {
     if (!token.empty() && first.length == token.size() && first.code_point < single_character_id_.size()) {
       single_character_id_[first.code_point] = id;
     }
+  }
+
+  static const char* const kHexDigits = "0123456789ABCDEF";
+  for (int byte = 0; byte < 256; ++byte) {
+    const std::string token = std::string("<0x") + kHexDigits[byte >> 4] + kHexDigits[byte & 15] + ">";
+    auto found = vocab_.find(token);
+    byte_token_id_[byte] = found == vocab_.end() ? -1 : found->second;
   }
 
   if (auto unknown = config.find("unk_token")) {
@@ -119,7 +124,13 @@ std::vector<int32_t> BpeModel::merge_word(const std::string& piece) const {
   };
   std::vector<Symbol> symbols;
   symbols.reserve(piece.size());
-  bool previous_was_unknown = false;
+  auto add_symbol = [&](int32_t id) {
+    const auto index = static_cast<int32_t>(symbols.size());
+    symbols.push_back({id, index - 1, index + 1, false});
+  };
+  // tokenizers' merge_word holds an unknown character back until the next known one (or the
+  // end), so that fuse_unk can extend it; byte-fallback tokens do not release it.
+  bool unknown_pending = false;
   for (size_t position = 0; position < piece.size();) {
     const utf8::Character character = utf8::character_at(piece, position);
     int32_t id = character.code_point < single_character_id_.size() ? single_character_id_[character.code_point] : -1;
@@ -127,19 +138,25 @@ std::vector<int32_t> BpeModel::merge_word(const std::string& piece) const {
       auto found = vocab_.find(piece.substr(position, character.length));
       if (found != vocab_.end()) id = found->second;
     }
+    const std::string_view bytes(piece.data() + position, character.length);
     position += character.length;
-    if (id < 0) {
-      // Without unk_token an unknown character is dropped, as in tokenizers.
-      if (!unknown_id_) continue;
-      if (fuse_unknown_ && previous_was_unknown) continue;
-      id = *unknown_id_;
-      previous_was_unknown = true;
-    } else {
-      previous_was_unknown = false;
+    if (id >= 0) {
+      if (unknown_pending) add_symbol(*unknown_id_);
+      unknown_pending = false;
+      add_symbol(id);
+      continue;
     }
-    const auto index = static_cast<int32_t>(symbols.size());
-    symbols.push_back({id, index - 1, index + 1, false});
+    if (byte_fallback_ && std::all_of(bytes.begin(), bytes.end(),
+                                      [&](char byte) { return byte_token_id_[static_cast<uint8_t>(byte)] >= 0; })) {
+      for (const char byte : bytes) add_symbol(byte_token_id_[static_cast<uint8_t>(byte)]);
+      continue;
+    }
+    // Without unk_token an unknown character is dropped, as in tokenizers.
+    if (!unknown_id_) continue;
+    if (unknown_pending && !fuse_unknown_) add_symbol(*unknown_id_);
+    unknown_pending = true;
   }
+  if (unknown_pending) add_symbol(*unknown_id_);
   if (symbols.empty()) return {};
   symbols.back().next = -1;
 

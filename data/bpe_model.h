@@ -3,6 +3,9 @@
 // token strings and a ranked list of merges. A pre-token is split into characters, each
 // looked up in the vocabulary, then the adjacent pair of lowest merge rank is merged, again
 // and again, as tokenizers' Word::merge_all does (leftmost first among equal ranks).
+// A character not in the vocabulary becomes, in this order of preference, its UTF-8 bytes as
+// the tokens <0xXX> (byte_fallback: sentencepiece-style files such as Llama 2's), unk_token
+// (one per character, or one per run with fuse_unk), or nothing.
 #include <array>
 #include <cstdint>
 #include <optional>
@@ -18,7 +21,7 @@ namespace qtrain::data {
 class BpeModel {
  public:
   // The "model" value of tokenizer.json. Error naming the key for a model type other than
-  // BPE or an option we do not implement (byte_fallback, dropout, subword prefixes).
+  // BPE or an option we do not implement (dropout, subword prefixes).
   explicit BpeModel(const JsonNode& config);
   BpeModel(const BpeModel&) = delete;
   BpeModel& operator=(const BpeModel&) = delete;
@@ -53,6 +56,8 @@ class BpeModel {
   bool ignore_merges_ = false;
   std::optional<int32_t> unknown_id_;
   bool fuse_unknown_ = false;
+  bool byte_fallback_ = false;
+  std::array<int32_t, 256> byte_token_id_;  // id of "<0xXX>" for each byte, -1 when not in the vocab
 
   // Pre-tokens repeat a lot in natural text; their ids are kept (up to kCacheCapacity words).
   static constexpr size_t kCacheCapacity = 100000;

@@ -1,9 +1,8 @@
 #include "data/chat_template.h"
 
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 
+#include "data/text_file.h"
 #include "data/tokenizer_config.h"
 #include "data/utf8.h"
 #include "kernels/error.h"
@@ -15,14 +14,6 @@ namespace {
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
 std::string supported_list() { return "llama3, chatml"; }
-
-std::string read_text_file(const std::string& path) {
-  std::ifstream input(path, std::ios::binary);
-  if (!input) throw Error(path + ": cannot open");
-  std::stringstream contents;
-  contents << input.rdbuf();
-  return contents.str();
-}
 
 // A newline inside a Jinja string literal is written either as itself or as "\n".
 size_t skip_newline(const std::string& text, size_t position) {
@@ -121,7 +112,7 @@ ChatTemplate ChatTemplate::from_model_dir(const std::string& model_dir, const st
   const std::string bos_token = config.bos_token.value_or("");
   if (!forced_family.empty()) return named(forced_family, bos_token);
   const std::string jinja_path = model_dir + "/chat_template.jinja";
-  if (std::filesystem::exists(jinja_path)) return from_template_text(read_text_file(jinja_path), jinja_path, bos_token);
+  if (std::filesystem::exists(jinja_path)) return from_template_text(read_text_file(jinja_path, "a Jinja chat template"), jinja_path, bos_token);
   if (config.chat_template) {
     return from_template_text(*config.chat_template, model_dir + "/tokenizer_config.json: chat_template", bos_token);
   }

@@ -1,18 +1,12 @@
 #include "data/json_node.h"
 
-#include <fstream>
-#include <sstream>
-
+#include "data/text_file.h"
 #include "kernels/error.h"
 
 namespace qtrain::data {
 
 nlohmann::json JsonNode::parse_file(const std::string& file) {
-  std::ifstream input(file, std::ios::binary);
-  if (!input) throw Error(file + ": cannot open (expected a JSON file)");
-  std::stringstream contents;
-  contents << input.rdbuf();
-  auto value = nlohmann::json::parse(contents.str(), nullptr, /*allow_exceptions=*/false);
+  auto value = nlohmann::json::parse(read_text_file(file, "a JSON file"), nullptr, /*allow_exceptions=*/false);
   if (value.is_discarded()) throw Error(file + ": not valid JSON (is the file complete?)");
   return value;
 }

@@ -17,8 +17,13 @@ struct JsonlRecord {
   std::string string_field(const std::string& key) const;
 };
 
+// A line that is not a JSON object throws Error naming source:line, or, when on_bad_line is
+// given, is passed to it (with that message) and skipped.
+using BadLineHandler = std::function<void(const std::string& message)>;
 void for_each_jsonl_record(std::istream& input, const std::string& source,
-                           const std::function<void(const JsonlRecord&)>& visit);
-void for_each_jsonl_record(const std::string& path, const std::function<void(const JsonlRecord&)>& visit);
+                           const std::function<void(const JsonlRecord&)>& visit,
+                           const BadLineHandler& on_bad_line = nullptr);
+void for_each_jsonl_record(const std::string& path, const std::function<void(const JsonlRecord&)>& visit,
+                           const BadLineHandler& on_bad_line = nullptr);
 
 }  // namespace qtrain::data

@@ -3,7 +3,9 @@
 #include <algorithm>
 
 #include "data/byte_level.h"
+#include "data/text_pattern.h"
 #include "data/unicode_regex.h"
+#include "data/utf8.h"
 
 namespace qtrain::data {
 
@@ -93,57 +95,52 @@ std::vector<TextSpan> apply_behavior(const std::vector<Segment>& segments, Behav
   return spans;
 }
 
-// Calls split_one on every piece and gathers the non-empty results in order.
+// Replaces every piece by what split_one(piece, starts_input, out) appends to out (non-empty
+// pieces); split_one returns whether the first piece it appended begins where its piece began.
 template <typename SplitOne>
-void split_each(std::vector<std::string>& pieces, const SplitOne& split_one) {
+void split_each(PreTokenizedText& text, const SplitOne& split_one) {
   std::vector<std::string> result;
-  result.reserve(pieces.size());
-  for (const std::string& piece : pieces) split_one(piece, result);
-  pieces = std::move(result);
+  result.reserve(text.pieces.size());
+  bool first_piece_starts_input = false;
+  for (size_t i = 0; i < text.pieces.size(); ++i) {
+    const bool starts_input = i == 0 && text.first_piece_starts_input;
+    const bool first_kept_at_start = split_one(text.pieces[i], starts_input, result);
+    if (i == 0) first_piece_starts_input = starts_input && first_kept_at_start && !result.empty();
+  }
+  text.pieces = std::move(result);
+  text.first_piece_starts_input = first_piece_starts_input;
 }
 
-void append_spans(const std::string& piece, const std::vector<TextSpan>& spans, std::vector<std::string>& out) {
+// Appends the non-empty spans of piece; whether the first of them begins at 0.
+bool append_spans(std::string_view piece, const std::vector<TextSpan>& spans, std::vector<std::string>& out) {
+  bool first_at_start = false;
+  bool first = true;
   for (const TextSpan& span : spans) {
-    if (span.end > span.begin) out.emplace_back(piece, span.begin, span.end - span.begin);
+    if (span.end <= span.begin) continue;
+    if (first) first_at_start = span.begin == 0;
+    first = false;
+    out.emplace_back(piece.substr(span.begin, span.end - span.begin));
   }
-}
-
-std::vector<TextSpan> literal_matches(std::string_view text, const std::string& literal) {
-  std::vector<TextSpan> matches;
-  if (literal.empty()) return matches;
-  for (size_t found = text.find(literal); found != std::string_view::npos;
-       found = text.find(literal, found + literal.size())) {
-    matches.push_back({found, found + literal.size()});
-  }
-  return matches;
+  return first_at_start;
 }
 
 class SplitStep : public PreTokenizerStep {
  public:
-  explicit SplitStep(const JsonNode& config) : behavior_(parse_behavior(config.at("behavior"))) {
-    invert_ = config.bool_or("invert", false);
-    const JsonNode pattern = config.at("pattern");
-    if (auto regex = pattern.find("Regex")) {
-      regex_ = std::make_shared<UnicodeRegex>(regex->as_string(), pattern.file() + ": " + regex->path());
-    } else if (auto literal = pattern.find("String")) {
-      literal_ = literal->as_string();
-    } else {
-      pattern.fail("must hold a \"Regex\" or a \"String\"");
-    }
-  }
+  explicit SplitStep(const JsonNode& config)
+      : behavior_(parse_behavior(config.at("behavior"))),
+        pattern_(config.at("pattern")),
+        invert_(config.bool_or("invert", false)) {}
 
-  void apply(std::vector<std::string>& pieces) const override {
-    split_each(pieces, [&](const std::string& piece, std::vector<std::string>& out) {
-      const auto matches = regex_ ? regex_->find_all(piece) : literal_matches(piece, literal_);
-      append_spans(piece, apply_behavior(segments_of(piece, matches, invert_), behavior_), out);
+  void apply(PreTokenizedText& text) const override {
+    split_each(text, [&](const std::string& piece, bool, std::vector<std::string>& out) {
+      return append_spans(piece, apply_behavior(segments_of(piece, pattern_.find_all(piece), invert_), behavior_), out);
     });
   }
 
  private:
   Behavior behavior_;
-  bool invert_ = false;
-  std::shared_ptr<const UnicodeRegex> regex_;
-  std::string literal_;
+  TextPattern pattern_;
+  bool invert_;
 };
 
 // Maps every byte to GPT-2's byte-level alphabet, after an optional leading space and an
@@ -157,17 +154,19 @@ class ByteLevelStep : public PreTokenizerStep {
     }
   }
 
-  void apply(std::vector<std::string>& pieces) const override {
-    split_each(pieces, [&](const std::string& piece, std::vector<std::string>& out) {
-      const std::string text = add_prefix_space_ && piece[0] != ' ' ? " " + piece : piece;
+  void apply(PreTokenizedText& text) const override {
+    split_each(text, [&](const std::string& piece, bool, std::vector<std::string>& out) {
+      const std::string prefixed = add_prefix_space_ && piece[0] != ' ' ? " " + piece : piece;
       if (!regex_) {
-        out.push_back(byte_level::encode(text));
-        return;
+        out.push_back(byte_level::encode(prefixed));
+        return true;
       }
-      const std::string_view view(text);
+      // Isolated keeps every segment, so the first piece begins at the start.
+      const std::string_view view(prefixed);
       for (const TextSpan& span : apply_behavior(segments_of(view, regex_->find_all(view), false), Behavior::kIsolated)) {
         out.push_back(byte_level::encode(view.substr(span.begin, span.end - span.begin)));
       }
+      return true;
     });
   }
 
@@ -183,15 +182,48 @@ class DigitsStep : public PreTokenizerStep {
       : regex_(config.bool_or("individual_digits", false) ? R"(\p{N})" : R"(\p{N}+)",
                config.file() + ": " + config.path()) {}
 
-  void apply(std::vector<std::string>& pieces) const override {
-    split_each(pieces, [&](const std::string& piece, std::vector<std::string>& out) {
-      append_spans(piece, apply_behavior(segments_of(piece, regex_.find_all(piece), false), Behavior::kIsolated),
-                   out);
+  void apply(PreTokenizedText& text) const override {
+    split_each(text, [&](const std::string& piece, bool, std::vector<std::string>& out) {
+      return append_spans(piece, apply_behavior(segments_of(piece, regex_.find_all(piece), false), Behavior::kIsolated),
+                          out);
     });
   }
 
  private:
   UnicodeRegex regex_;
+};
+
+// Sentencepiece's view of whitespace: every space becomes the replacement character "▁", a
+// "▁" goes in front as the prepend scheme says, and with split each "▁" begins a new piece.
+class MetaspaceStep : public PreTokenizerStep {
+ public:
+  explicit MetaspaceStep(const JsonNode& config)
+      : options_(MetaspaceOptions::from_json(config)),
+        space_(TextPattern::literal(" ")),
+        replacement_(TextPattern::literal(options_.replacement)) {}
+
+  void apply(PreTokenizedText& text) const override {
+    split_each(text, [&](const std::string& piece, bool starts_input, std::vector<std::string>& out) {
+      std::string replaced = replace_all(piece, space_, options_.replacement);
+      const bool prepend = options_.prepend_scheme == PrependScheme::kAlways ||
+                           (options_.prepend_scheme == PrependScheme::kFirst && starts_input);
+      if (prepend && replaced.compare(0, options_.replacement.size(), options_.replacement) != 0) {
+        replaced.insert(0, options_.replacement);
+      }
+      if (!options_.split) {
+        out.push_back(std::move(replaced));
+        return true;
+      }
+      const auto matches = replacement_.find_all(replaced);
+      return append_spans(replaced, apply_behavior(segments_of(replaced, matches, false), Behavior::kMergedWithNext),
+                          out);
+    });
+  }
+
+ private:
+  MetaspaceOptions options_;
+  TextPattern space_;
+  TextPattern replacement_;
 };
 
 void add_steps(const JsonNode& config, std::vector<std::shared_ptr<const PreTokenizerStep>>& steps) {
@@ -207,14 +239,44 @@ void add_steps(const JsonNode& config, std::vector<std::shared_ptr<const PreToke
   } else if (type == "Digits") {
     steps.push_back(std::make_shared<DigitsStep>(config));
   } else if (type == "Metaspace") {
-    type_node.fail("'Metaspace' is not supported yet: sentencepiece-style tokenizers (Llama 2, Mistral) are not "
-                   "implemented; byte-level BPE tokenizers (Llama 3, GPT-2, Qwen) are");
+    steps.push_back(std::make_shared<MetaspaceStep>(config));
   } else {
-    type_node.fail("'" + type + "' is not supported (supported pre-tokenizers: Sequence, Split, ByteLevel, Digits)");
+    type_node.fail("'" + type +
+                   "' is not supported (supported pre-tokenizers: Sequence, Split, ByteLevel, Digits, Metaspace)");
   }
 }
 
 }  // namespace
+
+MetaspaceOptions MetaspaceOptions::from_json(const JsonNode& config) {
+  MetaspaceOptions options;
+  const JsonNode replacement = config.at("replacement");
+  options.replacement = replacement.as_string();
+  if (options.replacement.empty() || utf8::character_at(options.replacement, 0).length != options.replacement.size()) {
+    replacement.fail("must be one character, got '" + options.replacement + "'");
+  }
+  if (auto scheme = config.find("prepend_scheme")) {
+    const std::string name = scheme->as_string();
+    if (name == "always") {
+      options.prepend_scheme = PrependScheme::kAlways;
+    } else if (name == "first") {
+      options.prepend_scheme = PrependScheme::kFirst;
+    } else if (name == "never") {
+      options.prepend_scheme = PrependScheme::kNever;
+    } else {
+      scheme->fail("'" + name + "' is not a prepend scheme (expected always, first or never)");
+    }
+  }
+  // Files written before prepend_scheme existed say add_prefix_space instead.
+  if (auto add_prefix_space = config.find("add_prefix_space"); add_prefix_space && !add_prefix_space->as_bool()) {
+    if (options.prepend_scheme != PrependScheme::kNever) {
+      add_prefix_space->fail("false contradicts prepend_scheme (tokenizers refuses this file too; set prepend_scheme "
+                             "to \"never\")");
+    }
+  }
+  options.split = config.bool_or("split", true);
+  return options;
+}
 
 PreTokenizer PreTokenizer::from_json(const std::optional<JsonNode>& config) {
   PreTokenizer pre_tokenizer;
@@ -222,12 +284,13 @@ PreTokenizer PreTokenizer::from_json(const std::optional<JsonNode>& config) {
   return pre_tokenizer;
 }
 
-std::vector<std::string> PreTokenizer::split(std::string_view text) const {
-  std::vector<std::string> pieces;
-  if (text.empty()) return pieces;
-  pieces.emplace_back(text);
-  for (const auto& step : steps_) step->apply(pieces);
-  return pieces;
+std::vector<std::string> PreTokenizer::split(std::string_view text, bool starts_input) const {
+  PreTokenizedText pre_tokenized;
+  if (text.empty()) return pre_tokenized.pieces;
+  pre_tokenized.pieces.emplace_back(text);
+  pre_tokenized.first_piece_starts_input = starts_input;
+  for (const auto& step : steps_) step->apply(pre_tokenized);
+  return std::move(pre_tokenized.pieces);
 }
 
 }  // namespace qtrain::data

@@ -5,12 +5,11 @@
 
 #include "data/added_vocabulary.h"
 #include "data/bpe_model.h"
-#include "data/byte_level.h"
+#include "data/decoder.h"
 #include "data/json_node.h"
+#include "data/normalizer.h"
 #include "data/pre_tokenizer.h"
 #include "data/tokenizer_config.h"
-#include "data/unicode_normalization.h"
-#include "data/utf8.h"
 #include "kernels/error.h"
 
 namespace qtrain::data {
@@ -76,72 +75,15 @@ void apply_post_processor(const JsonNode& config, SpecialTokenFrame& frame) {
   }
 }
 
-enum class DecoderKind { kByteLevel, kJoinWithSpaces };
-
-DecoderKind parse_decoder(const std::optional<JsonNode>& config) {
-  // Without a decoder tokenizers joins the token strings with spaces.
-  if (!config) return DecoderKind::kJoinWithSpaces;
-  const JsonNode type_node = config->at("type");
-  const std::string type = type_node.as_string();
-  if (type == "ByteLevel") return DecoderKind::kByteLevel;
-  if (type == "Sequence") {
-    const JsonNode decoders = config->at("decoders");
-    for (size_t i = 0; i < decoders.size(); ++i) parse_decoder(decoders.at(i));
-    if (decoders.size() != 1) decoders.fail("must hold exactly one decoder (ByteLevel)");
-    return parse_decoder(decoders.at(0));
-  }
-  if (type == "Metaspace" || type == "ByteFallback" || type == "Replace" || type == "Fuse" || type == "Strip") {
-    type_node.fail("'" + type + "' is not supported yet: sentencepiece-style decoding (Llama 2, Mistral) is not "
-                   "implemented; byte-level BPE tokenizers (decoder ByteLevel) are");
-  }
-  type_node.fail("'" + type + "' is not supported (supported decoders: ByteLevel, or null)");
-}
-
-// Whether the "normalizer" asks for NFC; the only normalizer byte-level tokenizers use
-// (Qwen). Error for any other.
-bool parse_normalizer(const std::optional<JsonNode>& config) {
-  if (!config) return false;
-  const JsonNode type_node = config->at("type");
-  const std::string type = type_node.as_string();
-  if (type == "NFC") return true;
-  if (type == "Sequence") {
-    bool nfc = false;
-    const JsonNode normalizers = config->at("normalizers");
-    for (size_t i = 0; i < normalizers.size(); ++i) nfc = parse_normalizer(normalizers.at(i)) || nfc;
-    return nfc;
-  }
-  type_node.fail("'" + type + "' is not supported (supported normalizers: NFC, a Sequence of it, or null)");
-}
-
-std::string join_with_spaces(const std::vector<std::string_view>& tokens) {
-  std::string text;
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    if (i > 0) text += ' ';
-    text += tokens[i];
-  }
-  return text;
-}
-
-// tokenizers' ByteLevel decoder: each token's characters back to bytes (a token with a
-// character outside the alphabet, e.g. an added token, keeps its own bytes), then the
-// bytes read as UTF-8 with invalid sequences replaced.
-std::string decode_byte_level(const std::vector<std::string_view>& tokens) {
-  std::string bytes;
-  for (const std::string_view token : tokens) {
-    if (!byte_level::decode(token, bytes)) bytes += token;
-  }
-  return utf8::replace_invalid(bytes);
-}
-
 }  // namespace
 
 struct Tokenizer::Impl {
   AddedVocabulary added_vocabulary;
+  Normalizer normalizer;
   PreTokenizer pre_tokenizer;
   std::unique_ptr<BpeModel> model;
   SpecialTokenFrame special_token_frame;
-  DecoderKind decoder = DecoderKind::kByteLevel;
-  bool nfc_normalizer = false;  // "normalizer": NFC (Qwen)
+  Decoder decoder;
   std::optional<std::string> bos_token, eos_token, pad_token;
   std::optional<int64_t> bos_id, eos_id, pad_id;
 
@@ -166,9 +108,9 @@ struct Tokenizer::Impl {
     if (!document.is_object()) root.fail("must be a JSON object");
     auto impl = std::make_shared<Impl>();
     try {
-      impl->nfc_normalizer = parse_normalizer(root.find("normalizer"));
+      impl->normalizer = Normalizer::from_json(root.find("normalizer"));
       impl->model = std::make_unique<BpeModel>(root.at("model"));
-      impl->added_vocabulary = AddedVocabulary::from_json(root.find("added_tokens"), *impl->model);
+      impl->added_vocabulary = AddedVocabulary::from_json(root.find("added_tokens"), *impl->model, impl->normalizer);
       impl->pre_tokenizer = PreTokenizer::from_json(root.find("pre_tokenizer"));
       if (auto post_processor = root.find("post_processor")) {
         apply_post_processor(*post_processor, impl->special_token_frame);
@@ -178,7 +120,7 @@ struct Tokenizer::Impl {
           }
         }
       }
-      impl->decoder = parse_decoder(root.find("decoder"));
+      impl->decoder = Decoder::from_json(root.find("decoder"));
     } catch (const nlohmann::json::exception& error) {
       throw Error(path + ": malformed tokenizer file (" + error.what() + ")");
     }
@@ -227,13 +169,17 @@ std::vector<int64_t> Tokenizer::encode(const std::string& text, bool add_special
     }
     std::string normalized_storage;
     std::string_view normalized = raw_piece.text;
-    if (impl_->nfc_normalizer) normalized = normalized_storage = normalize_nfc(raw_piece.text);
+    if (!impl_->normalizer.changes_nothing()) normalized = normalized_storage = impl_->normalizer.normalize(raw_piece.text);
     for (const TextPiece& piece : added.split(normalized, AddedVocabulary::Pass::kNormalizedText)) {
       if (piece.added_token_id) {
         ids.push_back(*piece.added_token_id);
         continue;
       }
-      for (const std::string& pre_token : impl_->pre_tokenizer.split(piece.text)) impl_->model->encode(pre_token, ids);
+      // Metaspace's prepend_scheme "first" needs to know whether this stretch opens the input.
+      const bool starts_input = raw_piece.text.data() == text.data() && piece.text.data() == normalized.data();
+      for (const std::string& pre_token : impl_->pre_tokenizer.split(piece.text, starts_input)) {
+        impl_->model->encode(pre_token, ids);
+      }
     }
   }
   if (add_special_tokens) {
@@ -243,16 +189,22 @@ std::vector<int64_t> Tokenizer::encode(const std::string& text, bool add_special
 }
 
 std::string Tokenizer::decode(const std::vector<int64_t>& ids, bool skip_special_tokens) const {
-  std::vector<std::string_view> tokens;
+  const AddedVocabulary& added_vocabulary = impl_->added_vocabulary;
+  std::vector<std::string> tokens;
   tokens.reserve(ids.size());
   for (const int64_t id : ids) {
-    if (const AddedToken* added = impl_->added_vocabulary.find(id)) {
-      if (!(skip_special_tokens && added->special)) tokens.push_back(added->content);
-    } else if (const std::string* token = impl_->model->id_to_token(id)) {
+    const std::string* token = nullptr;
+    if (const AddedToken* added = added_vocabulary.find(id)) {
+      token = &added->normalized_content;
+    } else {
+      token = impl_->model->id_to_token(id);
+    }
+    // As tokenizers, skip_special_tokens drops a token by its string, not its id.
+    if (token != nullptr && !(skip_special_tokens && added_vocabulary.is_special_content(*token))) {
       tokens.push_back(*token);
     }
   }
-  return impl_->decoder == DecoderKind::kByteLevel ? decode_byte_level(tokens) : join_with_spaces(tokens);
+  return impl_->decoder.decode(std::move(tokens));
 }
 
 int64_t Tokenizer::vocab_size() const {

@@ -1,10 +1,12 @@
 #pragma once
-// An HF fast tokenizer (tokenizer.json) with byte-level BPE, giving the ids that the
-// tokenizers library gives: Llama 3, GPT-2 and Qwen-style files. Pipeline, as in tokenizers:
-//   added tokens found in the raw text -> normalizer (none, or NFC) -> pre-tokenizer (regex
-//   split, byte-level mapping) -> BPE per pre-token -> post-processor (e.g. BOS first) when
-//   add_special_tokens.
-// Decoding maps byte-level characters back to bytes (invalid UTF-8 becomes U+FFFD).
+// An HF fast tokenizer (tokenizer.json) with a BPE model, giving the ids that the tokenizers
+// library gives: byte-level files (Llama 3, GPT-2, Qwen) and sentencepiece-style ones with
+// "▁" for spaces and <0xXX> byte fallback (Llama 2, Mistral, TinyLlama). Pipeline, as in
+// tokenizers:
+//   added tokens found in the raw text -> normalizer (normalizer.h) on each stretch between
+//   them -> pre-tokenizer (pre_tokenizer.h) -> BPE per pre-token (bpe_model.h) ->
+//   post-processor (e.g. BOS first) when add_special_tokens.
+// Decoding runs the file's decoder (decoder.h) on the token strings.
 // A Tokenizer is cheap to copy (copies share one immutable model) and safe to use from
 // several threads at once.
 #include <cstdint>

@@ -91,6 +91,15 @@ std::string replace_invalid(std::string_view bytes) {
   return out;
 }
 
+bool is_valid(std::string_view bytes) {
+  for (size_t position = 0; position < bytes.size();) {
+    const Scan result = scan(bytes, position);
+    if (!result.valid) return false;
+    position += result.length;
+  }
+  return true;
+}
+
 bool is_whitespace(char32_t c) {
   return (c >= 0x09 && c <= 0x0D) || c == 0x20 || c == 0x85 || c == 0xA0 || c == 0x1680 ||
          (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F ||

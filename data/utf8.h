@@ -24,6 +24,8 @@ void append(std::string& out, char32_t code_point);
 
 // Rust's String::from_utf8_lossy: each maximal invalid subsequence becomes U+FFFD.
 std::string replace_invalid(std::string_view bytes);
+// Rust's String::from_utf8 succeeds: well-formed UTF-8 throughout.
+bool is_valid(std::string_view bytes);
 
 // Unicode White_Space (Rust's char::is_whitespace).
 bool is_whitespace(char32_t code_point);

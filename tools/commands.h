@@ -12,6 +12,7 @@ using Arguments = std::vector<std::string>;
 int run_train(const Arguments& arguments);
 int run_eval(const Arguments& arguments);
 int run_tokenize(const Arguments& arguments);
+int run_data(const Arguments& arguments);
 int run_inspect(const Arguments& arguments);
 int run_export(const Arguments& arguments);
 

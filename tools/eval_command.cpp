@@ -3,7 +3,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
-#include "data/token_sequences.h"
+#include "data/dataset.h"
 #include "data/tokenizer.h"
 #include "kernels/error.h"
 #include "trainer/device.h"
@@ -17,21 +17,23 @@ namespace po = boost::program_options;
 namespace qtrain::tools {
 
 int run_eval(const Arguments& arguments) {
-  std::string model_dir, data_path, adapter_dir, dtype_name, device_name;
+  std::string model_dir, data_path, adapter_dir, dtype_name, device_name, format, chat_template;
   int64_t max_seq_len = 0, batch_size = 0, max_batches = 0;
   po::options_description options("eval options");
   options.add_options()
       ("model", po::value(&model_dir)->required(), "Hugging Face model directory (config.json, safetensors, tokenizer.json)")
-      ("data", po::value(&data_path)->required(), "JSONL: {\"text\": ...} (tokenised with BOS, cut into windows) or {\"input_ids\": [...]}")
+      ("data", po::value(&data_path)->required(), "data file or directory of shards, in --format")
+      ("format", po::value(&format)->default_value("text"), "text (cut into windows), instruct, chat (loss on the responses) or tokens")
+      ("chat-template", po::value(&chat_template)->default_value(""), "chat: llama3 or chatml instead of the model's")
       ("adapter", po::value(&adapter_dir)->default_value(""), "PEFT LoRA adapter directory to apply")
-      ("max-seq-len", po::value(&max_seq_len)->default_value(2048), "window length for text records")
+      ("max-seq-len", po::value(&max_seq_len)->default_value(2048), "tokens per sequence (longer chats are truncated)")
       ("batch-size", po::value(&batch_size)->default_value(8), "sequences per forward pass")
       ("max-batches", po::value(&max_batches)->default_value(0), "stop after this many batches (0 = all)")
       ("dtype", po::value(&dtype_name)->default_value("fp32"), "compute dtype: fp32, bf16 or fp16")
       ("device", po::value(&device_name)->default_value("auto"), "cpu, cuda, cuda:N or auto")
       ("json", po::bool_switch(), "print the result as one JSON object on the last line");
   po::variables_map values;
-  if (!parse_command_line("usage: qtrain eval --model DIR --data FILE.jsonl [options]", options, arguments, values)) {
+  if (!parse_command_line("usage: qtrain eval --model DIR --data PATH [--format F] [options]", options, arguments, values)) {
     return 0;
   }
 
@@ -42,14 +44,18 @@ int run_eval(const Arguments& arguments) {
     throw Error("--dtype fp16 is not supported on the CPU; use bf16 or fp32");
   }
   auto tokenizer = data::Tokenizer::from_model_dir(model_dir);
-  auto sequences = data::read_token_sequences(data_path, tokenizer, max_seq_len);
+  data::DataOptions data_options;
+  data_options.records.format = format;
+  data_options.records.chat_template = chat_template;
+  data_options.max_seq_len = max_seq_len;
+  const auto dataset = data::load_dataset({data_path}, data_options, tokenizer, model_dir);
   auto loaded = trainer::load_llama(model_dir, load);
   if (!adapter_dir.empty()) trainer::apply_peft_adapter(*loaded.model, adapter_dir);
 
   trainer::EvalOptions eval_options;
   eval_options.batch_size = batch_size;
   eval_options.max_batches = max_batches;
-  const auto result = trainer::evaluate(*loaded.model, sequences, eval_options);
+  const auto result = trainer::evaluate(*loaded.model, dataset.examples, eval_options);
   std::printf("eval: loss %.6f  perplexity %.4f  tokens %lld  (%.0f tokens/s on %s, %.1f s)\n", result.loss,
               result.perplexity, static_cast<long long>(result.tokens), result.tokens_per_second,
               load.device.str().c_str(), result.seconds);

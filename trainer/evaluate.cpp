@@ -4,13 +4,14 @@
 #include <cmath>
 
 #include "kernels/error.h"
+#include "trainer/batch_inputs.h"
 #include "trainer/causal_lm_loss.h"
 
 namespace qtrain::trainer {
 
-EvalResult evaluate(LlamaForCausalLMImpl& model, const std::vector<std::vector<int64_t>>& sequences,
+EvalResult evaluate(LlamaForCausalLMImpl& model, const std::vector<data::Example>& examples,
                     const EvalOptions& options) {
-  if (sequences.empty()) throw Error("evaluation data holds no sequence of two or more tokens");
+  if (examples.empty()) throw Error("evaluation data holds no example with a token to predict");
   if (options.batch_size < 1) throw Error("batch size must be at least 1");
   torch::NoGradGuard no_grad;
   const bool was_training = model.is_training();
@@ -22,15 +23,16 @@ EvalResult evaluate(LlamaForCausalLMImpl& model, const std::vector<std::vector<i
   int64_t predicted_tokens = 0;
   int64_t input_tokens = 0;
   int64_t batches = 0;
-  for (size_t first = 0; first < sequences.size(); first += static_cast<size_t>(options.batch_size)) {
+  for (size_t first = 0; first < examples.size(); first += static_cast<size_t>(options.batch_size)) {
     if (options.max_batches > 0 && batches == options.max_batches) break;
-    const size_t last = std::min(sequences.size(), first + static_cast<size_t>(options.batch_size));
-    auto batch = data::collate(sequences, first, last);
+    const size_t last = std::min(examples.size(), first + static_cast<size_t>(options.batch_size));
+    std::vector<const data::Example*> rows;
+    for (size_t index = first; index < last; ++index) rows.push_back(&examples[index]);
+    const auto batch = data::collate(rows);
     input_tokens += batch.input_tokens;
-    auto input_ids = batch.input_ids.to(device);
     auto labels = batch.labels.to(device);
     // Right padding after a causal mask never reaches the real tokens before it.
-    auto hidden = model.hidden_states(LlamaInputs{input_ids, {}, {}});
+    auto hidden = model.hidden_states(model_inputs(batch, device));
     auto loss = causal_lm_loss(model, hidden, labels, options.loss_chunk_tokens);
     loss_sum += loss.loss_sum.item<double>();
     predicted_tokens += loss.tokens.item<int64_t>();

@@ -1,14 +1,15 @@
 #pragma once
-// Held-out loss and perplexity of a causal LM over token sequences.
+// Held-out loss and perplexity of a causal LM over examples.
 #include <vector>
 
+#include "data/example.h"
 #include "trainer/llama.h"
 
 namespace qtrain::trainer {
 
 struct EvalOptions {
   int64_t batch_size = 8;
-  int64_t max_batches = 0;           // 0 = every sequence
+  int64_t max_batches = 0;           // 0 = every example
   int64_t loss_chunk_tokens = 4096;  // tokens projected to the vocabulary at once
 };
 
@@ -20,8 +21,9 @@ struct EvalResult {
   double tokens_per_second = 0;  // input tokens through the model per second
 };
 
-// Sequences are right-padded within a batch; padding takes no part in the loss.
-EvalResult evaluate(LlamaForCausalLMImpl& model, const std::vector<std::vector<int64_t>>& sequences,
+// Examples are right-padded within a batch, in order; padding and masked labels take no part
+// in the loss.
+EvalResult evaluate(LlamaForCausalLMImpl& model, const std::vector<data::Example>& examples,
                     const EvalOptions& options);
 
 }  // namespace qtrain::trainer

@@ -7,15 +7,16 @@
 #include <fstream>
 #include <limits>
 
-#include "data/token_sequences.h"
 #include "kernels/error.h"
 #include "qat/four_bit_linear.h"
 #include "optim/grad_clip.h"
+#include "trainer/batch_inputs.h"
 #include "trainer/causal_lm_loss.h"
 #include "trainer/device.h"
 #include "trainer/evaluate.h"
 #include "trainer/file_system.h"
 #include "trainer/memory_stats.h"
+#include "trainer/recipe_data.h"
 
 namespace qtrain::trainer {
 
@@ -50,12 +51,11 @@ Finetune::Finetune(Recipe recipe) : recipe_(std::move(recipe)) {}
 
 void Finetune::setup() {
   if (recipe_.model.path.empty()) throw Error("model.path is not set: point it at a Hugging Face model directory");
-  if (recipe_.data.train.empty()) throw Error("data.train is not set: point it at a JSONL file of {\"text\": ...}");
-  if (recipe_.quant == "qat") throw Error("quant: qat is not available yet (it arrives with QAT 6/11); use qlora or none");
-  if (recipe_.data.format != "text") {
-    throw Error("data.format '" + recipe_.data.format + "' is not available yet (it arrives with Data 3/11); use text");
+  if (recipe_.data.train.empty()) {
+    throw Error("data.train is not set: point it at a data file or a directory of shards (data.format " +
+                recipe_.data.format + ")");
   }
-  if (recipe_.data.pack) throw Error("data.pack: true is not available yet (it arrives with Data 3/11); set it to false");
+  if (recipe_.quant == "qat") throw Error("quant: qat is not available yet (it arrives with QAT 6/11); use qlora or none");
   if (recipe_.train.gradient_checkpointing) {
     std::printf("note: train.gradient_checkpointing arrives with Precision and memory 4/11; this run keeps "
                 "activations (same results, more memory)\n");
@@ -133,16 +133,14 @@ void Finetune::setup_optimizer() {
 
 void Finetune::setup_data() {
   const auto tokenizer = data::Tokenizer::from_model_dir(recipe_.model.path);
-  auto sequences = data::read_token_sequences(recipe_.data.train, tokenizer, recipe_.data.max_seq_len);
-  data::BatchStreamOptions options;
-  options.batch_size = recipe_.train.micro_batch_size;
-  options.shuffle = recipe_.data.shuffle;
-  options.seed = static_cast<uint64_t>(recipe_.train.seed);
-  options.pad_id = tokenizer.pad_id().value_or(0);
-  train_batches_ = std::make_unique<data::BatchStream>(std::move(sequences), options);
-  if (!recipe_.data.eval.empty()) {
-    eval_sequences_ = data::read_token_sequences(recipe_.data.eval, tokenizer, recipe_.data.max_seq_len);
-  }
+  auto train = load_training_examples(recipe_, tokenizer);
+  std::printf("data: train %s\n", data::describe(train.stats).c_str());
+  for (const auto& message : train.stats.bad_record_messages) std::printf("  skipped: %s\n", message.c_str());
+  auto eval = load_eval_examples(recipe_, tokenizer);
+  eval_examples_ = std::move(eval.examples);
+  if (!eval_examples_.empty()) std::printf("data: eval %s\n", data::describe(eval.stats).c_str());
+  data::BatchStream stream(std::move(train.examples), batch_stream_options(recipe_, tokenizer));
+  train_batches_ = std::make_unique<data::DataLoader>(std::move(stream), recipe_.data.prefetch_batches);
   total_steps_ = recipe_.train.steps > 0
                      ? recipe_.train.steps
                      : std::max<int64_t>(1, recipe_.train.epochs * train_batches_->batches_per_epoch() /
@@ -152,13 +150,10 @@ void Finetune::setup_data() {
   schedule_.warmup_steps = recipe_.schedule.warmup_steps;
   schedule_.total_steps = total_steps_;
   schedule_.min_lr_ratio = recipe_.schedule.min_lr_ratio;
-  std::printf("data: %lld training windows of up to %lld tokens (%lld batches of %lld per epoch), %zu eval windows; "
-              "%lld steps\n",
-              static_cast<long long>(train_batches_->batches_per_epoch() * recipe_.train.micro_batch_size),
-              static_cast<long long>(recipe_.data.max_seq_len),
+  std::printf("data: %lld batches of %lld per epoch; %lld steps of %lld micro-batches\n",
               static_cast<long long>(train_batches_->batches_per_epoch()),
-              static_cast<long long>(recipe_.train.micro_batch_size), eval_sequences_.size(),
-              static_cast<long long>(total_steps_));
+              static_cast<long long>(recipe_.train.micro_batch_size), static_cast<long long>(total_steps_),
+              static_cast<long long>(recipe_.train.grad_accum_steps));
 }
 
 double Finetune::train_step(int64_t step, double& grad_norm, int64_t& tokens) {
@@ -174,9 +169,8 @@ double Finetune::train_step(int64_t step, double& grad_norm, int64_t& tokens) {
   // The loss is token-weighted over the whole accumulation window, as if it were one batch.
   double loss_sum = 0;
   for (auto& batch : micro_batches) {
-    auto input_ids = batch.input_ids.to(device_);
     auto labels = batch.labels.to(device_);
-    auto hidden = model.hidden_states({input_ids, {}, {}});
+    auto hidden = model.hidden_states(model_inputs(batch, device_));
     auto loss = causal_lm_loss(model, hidden, labels, /*chunk_tokens=*/0);
     (loss.loss_sum / static_cast<double>(std::max<int64_t>(predicted_tokens, 1))).backward();
     loss_sum += loss.loss_sum.item<double>();
@@ -193,11 +187,11 @@ double Finetune::train_step(int64_t step, double& grad_norm, int64_t& tokens) {
 }
 
 double Finetune::evaluate_and_log(int64_t step) {
-  if (eval_sequences_.empty()) return std::numeric_limits<double>::quiet_NaN();
+  if (eval_examples_.empty()) return std::numeric_limits<double>::quiet_NaN();
   EvalOptions options;
   options.batch_size = recipe_.train.micro_batch_size;
   options.max_batches = recipe_.eval.max_batches;
-  const auto result = evaluate(*loaded_.model, eval_sequences_, options);
+  const auto result = evaluate(*loaded_.model, eval_examples_, options);
   std::printf("eval  step %lld/%lld | eval_loss %.4f | perplexity %.2f | %lld tokens\n", static_cast<long long>(step),
               static_cast<long long>(total_steps_), result.loss, result.perplexity,
               static_cast<long long>(result.tokens));

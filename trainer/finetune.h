@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "data/batching.h"
-#include "data/tokenizer.h"
+#include "data/example.h"
+#include "data/loader.h"
 #include "optim/lr_schedule.h"
 #include "optim/optimizer.h"
 #include "trainer/hf_checkpoint.h"
@@ -53,8 +53,8 @@ class Finetune {
   std::vector<torch::Tensor> trainable_;
   std::unique_ptr<optim::Optimizer> optimizer_;
   optim::LrScheduleOptions schedule_;
-  std::unique_ptr<data::BatchStream> train_batches_;
-  std::vector<data::TokenSequence> eval_sequences_;
+  std::unique_ptr<data::DataLoader> train_batches_;
+  std::vector<data::Example> eval_examples_;
   int64_t total_steps_ = 0;
   std::string run_dir_;
 };

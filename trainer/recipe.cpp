@@ -331,14 +331,19 @@ void assign(const RecipeKey& spec, const YAML::Node& value, const Source& source
           check_choice(spec, text, where);
           *field = spec.is_path ? resolve_path(text, source.base_dir) : text;
         } else if constexpr (std::is_same_v<Field, std::vector<std::string>>) {
+          if (spec.is_path && (value.IsNull() || value.IsScalar())) {  // `data.train: file.jsonl`: a list of one
+            *field = {};
+            if (value.IsScalar() && !value.Scalar().empty()) field->push_back(resolve_path(value.Scalar(), source.base_dir));
+            return;
+          }
           std::vector<std::string> names;
-          for (const auto& entry : list_entries(spec, value, "a list of names", where)) {
+          for (const auto& entry : list_entries(spec, value, spec.is_path ? "a path or a list of paths" : "a list of names", where)) {
             const std::string entry_where = location(source, line_of(entry, key_line));
             if (!entry.IsScalar() || entry.Scalar().empty()) {
               fail(entry_where, "'" + spec.name + "' entries are names, got " + describe(entry));
             }
             check_choice(spec, entry.Scalar(), entry_where, " entries");
-            names.push_back(entry.Scalar());
+            names.push_back(spec.is_path ? resolve_path(entry.Scalar(), source.base_dir) : entry.Scalar());
           }
           *field = std::move(names);
         } else {
@@ -580,8 +585,13 @@ Recipe default_recipe() {
   const fs::path here = current_directory();
   for (const auto& spec : recipe_keys()) {
     if (!spec.is_path) continue;
-    std::string& path = *std::get<std::string*>(spec.field(recipe));
-    path = resolve_path(path, here);
+    const RecipeField field = spec.field(recipe);
+    if (auto* paths = std::get_if<std::vector<std::string>*>(&field)) {
+      for (auto& path : **paths) path = resolve_path(path, here);
+    } else {
+      std::string& path = *std::get<std::string*>(field);
+      path = resolve_path(path, here);
+    }
   }
   return recipe;
 }

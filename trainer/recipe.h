@@ -7,7 +7,8 @@
 // The structs carry no defaults of their own: start from default_recipe() or load_recipe().
 //
 // Paths (model.path, data.train, data.eval, lora.init_from, export.out, train.output_dir)
-// are stored absolute and lexically normal: a path written in a recipe file is relative to
+// are stored absolute and lexically normal (data.train is a list of them; a single path
+// written for it is a list of one): a path written in a recipe file is relative to
 // that file's directory, one given with --set (or a default) to the current directory.
 // An empty path means "not set".
 #include <cstdint>
@@ -58,12 +59,20 @@ struct QatRecipe {
 };
 
 struct DataRecipe {
-  std::string train;
+  std::vector<std::string> train;  // files or directories of shards
+  std::vector<double> weights;     // one per train source; empty: every sample once
   std::string eval;
   std::string format;  // text | instruct | chat | tokens
+  std::string text_field;
+  std::string prompt_template;  // instruct: a named template or a template text
+  bool train_on_inputs{};
+  std::string chat_template;  // chat: empty = the model's; llama3 | chatml
   int64_t max_seq_len{};
+  std::string overlong;  // truncate | drop
   bool pack{};
   bool shuffle{};
+  bool skip_bad_records{};
+  int64_t prefetch_batches{};
 };
 
 struct OptimRecipe {

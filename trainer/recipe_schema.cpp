@@ -108,9 +108,12 @@ std::vector<RecipeKey> make_recipe_keys() {
       key("qat.target_modules", kLlamaProjections, QTRAIN_FIELD(qat.target_modules),
           "modules that get fake quantization, by name pattern"),
 
-      key("data.train", "\"\"", QTRAIN_FIELD(data.train),
-          "training data: JSONL records, or a token file (format: tokens)")
+      key("data.train", "[]", QTRAIN_FIELD(data.train),
+          "training data: files or directories of shards (JSONL, .txt, or llm.c .bin for tokens)")
           .path(),
+      key("data.weights", "[]", QTRAIN_FIELD(data.weights),
+          "share of each data.train source in the mixture; []: every sample once")
+          .at_least(0),
       key("data.eval", "\"\"", QTRAIN_FIELD(data.eval),
           "held-out data in the same format; empty: no evaluation")
           .path(),
@@ -118,11 +121,27 @@ std::vector<RecipeKey> make_recipe_keys() {
           "text: {\"text\"}; instruct: alpaca fields, loss on the response; chat: {\"messages\"}; "
           "tokens: llm.c .bin")
           .one_of({"text", "instruct", "chat", "tokens"}),
+      key("data.text_field", "text", QTRAIN_FIELD(data.text_field), "the JSONL field holding the text (format text)"),
+      key("data.prompt_template", "alpaca", QTRAIN_FIELD(data.prompt_template),
+          "instruct: a named template, or a template text with {instruction} and {input}"),
+      key("data.train_on_inputs", "false", QTRAIN_FIELD(data.train_on_inputs),
+          "instruct and chat: learn the prompt and every turn too, not only the responses"),
+      key("data.chat_template", "\"\"", QTRAIN_FIELD(data.chat_template),
+          "chat: the model's template when empty; llama3 or chatml forces one"),
       key("data.max_seq_len", "2048", QTRAIN_FIELD(data.max_seq_len), "tokens per sequence")
           .at_least(2),
-      key("data.pack", "false", QTRAIN_FIELD(data.pack), "concatenate records into full sequences"),
+      key("data.overlong", "truncate", QTRAIN_FIELD(data.overlong),
+          "instruct and chat samples over max_seq_len (text is cut into windows)")
+          .one_of({"truncate", "drop"}),
+      key("data.pack", "false", QTRAIN_FIELD(data.pack),
+          "concatenate samples into full sequences; attention stays within each sample"),
       key("data.shuffle", "true", QTRAIN_FIELD(data.shuffle),
-          "seeded shuffle of the records each epoch"),
+          "seeded shuffle of the examples each epoch"),
+      key("data.skip_bad_records", "false", QTRAIN_FIELD(data.skip_bad_records),
+          "skip (and count) malformed records instead of stopping"),
+      key("data.prefetch_batches", "2", QTRAIN_FIELD(data.prefetch_batches),
+          "batches prepared ahead on a background thread; 0: none")
+          .at_least(0),
 
       key("optim.name", "adamw", QTRAIN_FIELD(optim.name),
           "adamw: fp32 states; adamw8bit: blockwise 8-bit states")
@@ -271,6 +290,10 @@ const std::vector<std::pair<std::string, std::string>>& familiar_key_names() {
       {"sequence_len", "data.max_seq_len"},
       {"max_length", "data.max_seq_len"},
       {"sample_packing", "data.pack"},
+      {"datasets", "data.train"},
+      {"dataset", "data.train"},
+      {"train_on_input", "data.train_on_inputs"},
+      {"chat_template", "data.chat_template"},
       {"packed", "data.pack"},
       {"learning_rate", "optim.lr"},
       {"optimizer", "optim.name"},

@@ -1,7 +1,9 @@
 // The qtrain executable as a user runs it: subcommands, --help, results and error messages.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <fstream>
+#include <sstream>
 #include <nlohmann/json.hpp>
 
 #include "support.h"
@@ -23,6 +25,13 @@ std::string last_line(const std::string& output) {
   if (end == std::string::npos) return "";
   auto begin = output.rfind('\n', end);
   return output.substr(begin == std::string::npos ? 0 : begin + 1, end - (begin == std::string::npos ? 0 : begin + 1) + 1);
+}
+
+// Two training steps of a shipped recipe, written to run_dir.
+CommandResult train_two_steps(const std::string& recipe, const std::string& run_dir, const std::string& extra = "") {
+  return qtrain("--recipe " + testing::source_dir() + "/recipes/" + recipe +
+                " --set train.steps=2 --set eval.max_batches=1 --set log.every=1 --set train.output_dir=" + run_dir +
+                extra);
 }
 
 // A user-facing error: exit status 2, a single line that says qtrain and error, never an abort.
@@ -127,9 +136,7 @@ TEST(Cli, PrintRecipeParsesBackToTheSameRecipe) {
 
 TEST(Cli, TrainWritesTheRunDirectoryAndAnAdapterThatEvalApplies) {
   testing::TempDir run;
-  auto trained = qtrain("--recipe " + testing::source_dir() +
-                        "/recipes/demo_tiny.yaml --set train.steps=2 --set data.max_seq_len=64 --set eval.max_batches=1"
-                        " --set log.every=1 --set train.output_dir=" + run.path());
+  auto trained = train_two_steps("demo_tiny.yaml", run.path(), " --set data.max_seq_len=64");
   ASSERT_EQ(trained.status, 0) << trained.output;
   EXPECT_NE(trained.output.find("step 2/2 | loss "), std::string::npos) << trained.output;
   auto evaluated = qtrain("eval --model " + testing::source_dir() + "/recipes/demo/tiny-llama --data " +
@@ -145,6 +152,57 @@ TEST(Cli, TrainWritesTheRunDirectoryAndAnAdapterThatEvalApplies) {
   EXPECT_EQ(qtrain("export --run " + run.path() + " --out " + run.file("exported") + " --force").status, 0);
   expect_user_error(qtrain("export --run " + run.path() + " --format merged --out " + run.file("merged")),
                     "not available yet");
+}
+
+TEST(Cli, DataShowsWhatTheLossSeesAsTextAndAsJson) {
+  const std::string recipe = " --recipe " + testing::source_dir() + "/recipes/demo_chat.yaml";
+  auto text = qtrain("data" + recipe + " -n 1");
+  ASSERT_EQ(text.status, 0) << text.output;
+  EXPECT_NE(text.output.find("[[<|begin_of_text|><|start_header_id|>system"), std::string::npos) << text.output;
+  EXPECT_NE(text.output.find("packed into"), std::string::npos) << text.output;
+
+  auto json = run_command(testing::qtrain_binary() + " data" + recipe + " -n 2 --json 2>/dev/null");
+  ASSERT_EQ(json.status, 0) << json.output;
+  std::istringstream lines(json.output);
+  std::string line;
+  int examples = 0;
+  for (; std::getline(lines, line); ++examples) {
+    const auto example = nlohmann::json::parse(line);
+    const auto labels = example["labels"].get<std::vector<int64_t>>();
+    ASSERT_EQ(labels.size(), example["input_ids"].size());
+    EXPECT_GT(std::count(labels.begin(), labels.end(), -100), 0);
+    EXPECT_LT(std::count(labels.begin(), labels.end(), -100), static_cast<long>(labels.size()));
+    EXPECT_TRUE(example.contains("sample_lengths"));
+  }
+  EXPECT_EQ(examples, 2);
+}
+
+TEST(Cli, TokenizeWritesATokenFileThatTrainingReads) {
+  testing::TempDir directory;
+  const std::string model = testing::source_dir() + "/recipes/demo/tiny-llama";
+  auto tokenized = qtrain("tokenize --model " + model + " --data " + testing::source_dir() +
+                          "/recipes/demo/brown-val.jsonl --out " + directory.file("val.bin"));
+  ASSERT_EQ(tokenized.status, 0) << tokenized.output;
+  EXPECT_NE(tokenized.output.find("12 samples from 12 records"), std::string::npos) << tokenized.output;
+  auto shown = qtrain("data --recipe " + testing::source_dir() + "/recipes/demo_tiny.yaml --set data.format=tokens" +
+                      " --set data.train=" + directory.file("val.bin") + " -n 1");
+  ASSERT_EQ(shown.status, 0) << shown.output;
+  EXPECT_NE(shown.output.find("from 12 records in 1 file"), std::string::npos) << shown.output;
+  auto trained = qtrain("--recipe " + testing::source_dir() + "/recipes/demo_tiny.yaml --set data.format=tokens" +
+                        " --set data.train=" + directory.file("val.bin") + " --set data.eval= --set train.steps=1" +
+                        " --set train.output_dir=" + directory.file("run"));
+  EXPECT_EQ(trained.status, 0) << trained.output;
+  std::ofstream(directory.file("bad.bin")) << "not a token file";
+  expect_user_error(qtrain("data --recipe " + testing::source_dir() + "/recipes/demo_tiny.yaml --set data.format=tokens" +
+                           " --set data.train=" + directory.file("bad.bin")),
+                    "bad.bin");
+}
+
+TEST(Cli, ChatDataTrainsPacked) {
+  testing::TempDir run;
+  auto trained = train_two_steps("demo_chat.yaml", run.path());
+  ASSERT_EQ(trained.status, 0) << trained.output;
+  EXPECT_NE(trained.output.find("step 2/2 | loss "), std::string::npos) << trained.output;
 }
 
 TEST(Cli, BadInputIsOneLineAndExitStatus2) {

@@ -56,6 +56,28 @@ TEST(Finetune, SameRecipeAndSeedGiveBitwiseEqualLosses) {
   EXPECT_NE(first, logged_losses(other_seed.path()));
 }
 
+// The loss of an accumulation window is the mean over all its learned tokens, as if it were
+// one batch, not the mean of per-micro-batch means: 2 micro-batches of 2 equal 1 batch of 4.
+TEST(Finetune, GradientAccumulationAveragesOverTheWholeWindow) {
+  const std::string chats = testing::source_dir() + "/recipes/demo/chat-val.jsonl";
+  std::vector<std::vector<double>> losses;
+  for (const auto& batching : {std::vector<std::string>{"train.micro_batch_size=2", "train.grad_accum_steps=2"},
+                               std::vector<std::string>{"train.micro_batch_size=4", "train.grad_accum_steps=1"}}) {
+    testing::TempDir run;
+    auto overrides = batching;
+    for (const char* key : {"data.format=chat", "data.eval=", "lora.dropout=0", "train.steps=2", "data.max_seq_len=128"}) {
+      overrides.push_back(key);
+    }
+    overrides.push_back("data.train=" + chats);
+    Finetune finetune(small_recipe(run, overrides));
+    finetune.setup();
+    finetune.train();
+    losses.push_back(logged_losses(run.path()));
+  }
+  ASSERT_EQ(losses[0].size(), 2u);
+  for (size_t step = 0; step < 2; ++step) EXPECT_NEAR(losses[0][step], losses[1][step], 1e-5) << "step " << step + 1;
+}
+
 TEST(Finetune, TrainingLowersTheEvalLossAndWritesTheRunDirectory) {
   testing::TempDir run;
   Finetune finetune(small_recipe(run, {"train.steps=12", "lora.dropout=0"}));

@@ -115,7 +115,7 @@ TEST(ShippedRecipes, SayWhatTheirNamesPromise) {
   EXPECT_EQ(demo.lora.rank, 8);
   EXPECT_EQ(demo.train.device, "cpu");
   EXPECT_EQ(demo.model.path, qtrain::testing::source_dir() + "/recipes/demo/tiny-llama");
-  EXPECT_EQ(demo.data.train, qtrain::testing::source_dir() + "/recipes/demo/brown-train.jsonl");
+  EXPECT_EQ(demo.data.train, std::vector<std::string>{qtrain::testing::source_dir() + "/recipes/demo/brown-train.jsonl"});
   EXPECT_EQ(demo.train.output_dir, qtrain::testing::source_dir() + "/runs/demo_tiny");
 
   EXPECT_EQ(load_recipe(shipped("qlora_llama.yaml"), {}).quant, "qlora");
@@ -377,11 +377,21 @@ TEST(RecipePaths, RecipePathsStartAtTheRecipeAndSetPathsAtTheCurrentDirectory) {
                                      "train:\n  output_dir: ../runs/x/\n");
   const Recipe recipe = load_recipe(path, {"lora.init_from=adapters/a"});
   EXPECT_EQ(recipe.model.path, dir.file("models/tiny"));
-  EXPECT_EQ(recipe.data.train, dir.file("recipes/data/train.jsonl"));
+  EXPECT_EQ(recipe.data.train, std::vector<std::string>{dir.file("recipes/data/train.jsonl")});
   EXPECT_EQ(recipe.data.eval, "/abs/eval.jsonl");
   EXPECT_EQ(recipe.train.output_dir, dir.file("runs/x"));
   EXPECT_EQ(recipe.lora.init_from, (fs::current_path() / "adapters/a").string());
   EXPECT_EQ(recipe.export_.out, "");
+}
+
+TEST(RecipePaths, DataTrainTakesAListOfSourcesEachResolved) {
+  TempDir dir;
+  const std::string path = dir.write("recipes/x.yaml", "data:\n  train: [a.jsonl, shards/]\n  weights: [1, 3]\n");
+  const Recipe recipe = load_recipe(path, {});
+  EXPECT_EQ(recipe.data.train, (std::vector<std::string>{dir.file("recipes/a.jsonl"), dir.file("recipes/shards")}));
+  EXPECT_EQ(recipe.data.weights, (std::vector<double>{1, 3}));
+  EXPECT_TRUE(load_recipe(path, {"data.train="}).data.train.empty());
+  EXPECT_EQ(load_recipe("", {"data.train=/x/b.jsonl"}).data.train, std::vector<std::string>{"/x/b.jsonl"});
 }
 
 TEST(RecipeQat, NestedWeightAndActivationKeysReachTheirFields) {

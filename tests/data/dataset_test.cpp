@@ -1,0 +1,187 @@
+// A data section into examples: sources (files, directories of shards, .txt, token files),
+// cutting to max_seq_len, mixing by weight, packing, and the handling of bad records.
+#include "data/dataset.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "data/token_file.h"
+#include "kernels/error.h"
+#include "support.h"
+
+namespace qtrain::data {
+namespace {
+
+using qtrain::testing::TempDir;
+
+std::string model_dir() { return qtrain::testing::fixture("tiny-llama"); }
+
+const Tokenizer& tokenizer() {
+  static const Tokenizer value = Tokenizer::from_model_dir(model_dir());
+  return value;
+}
+
+std::string text_lines(const std::vector<std::string>& texts) {
+  std::string lines;
+  for (const auto& text : texts) lines += nlohmann::json{{"text", text}}.dump() + "\n";
+  return lines;
+}
+
+DataOptions options_for(const std::string& format, int64_t max_seq_len = 2048) {
+  DataOptions options;
+  options.records.format = format;
+  options.max_seq_len = max_seq_len;
+  return options;
+}
+
+Dataset load(const std::vector<std::string>& sources, const DataOptions& options) {
+  return load_dataset(sources, options, tokenizer(), model_dir());
+}
+
+std::string error_of(const std::vector<std::string>& sources, const DataOptions& options) {
+  try {
+    load(sources, options);
+  } catch (const Error& error) {
+    return error.what();
+  }
+  ADD_FAILURE() << "expected an error";
+  return "";
+}
+
+TEST(Dataset, DirectoriesOfShardsAreReadInNameOrderWithTxtFiles) {
+  TempDir dir;
+  dir.write("shards/b.jsonl", text_lines({"second"}));
+  dir.write("shards/a.jsonl", text_lines({"first"}));
+  dir.write("shards/nested/c.txt", "third, a whole file");
+  dir.write("shards/.hidden.jsonl", text_lines({"never"}));
+  dir.write("shards/notes.md", "not data");
+  const auto dataset = load({dir.file("shards")}, options_for("text"));
+  ASSERT_EQ(dataset.examples.size(), 3u);
+  EXPECT_EQ(dataset.stats.files, 3);
+  EXPECT_EQ(tokenizer().decode(dataset.examples[0].input_ids), "<|begin_of_text|>first<|eot_id|>");
+  EXPECT_EQ(tokenizer().decode(dataset.examples[2].input_ids), "<|begin_of_text|>third, a whole file<|eot_id|>");
+}
+
+TEST(Dataset, TextDocumentsAreCutIntoWindowsAndInstructSamplesTruncatedOrDropped) {
+  TempDir dir;
+  std::string long_text;
+  for (int i = 0; i < 40; ++i) long_text += "The jury praised the city. ";
+  const auto text = load({dir.write("t.jsonl", text_lines({long_text}))}, options_for("text", 64));
+  int64_t tokens = 0;
+  for (const auto& example : text.examples) {
+    EXPECT_LE(example.size(), 64);
+    tokens += example.size();
+  }
+  EXPECT_EQ(tokens, static_cast<int64_t>(tokenizer().encode(long_text).size()) + 1);  // every token, plus EOS
+  EXPECT_EQ(text.stats.split_documents, 1);
+
+  const std::string record =
+      nlohmann::json{{"instruction", long_text}, {"output", "Yes."}}.dump() + "\n" +
+      nlohmann::json{{"instruction", "Short?"}, {"output", long_text}}.dump() + "\n";
+  const auto path = dir.write("i.jsonl", record);
+  auto options = options_for("instruct", 64);
+  const auto truncated = load({path}, options);
+  // The first loses its response to truncation, so nothing in it would be learned: dropped.
+  EXPECT_EQ(truncated.examples.size(), 1u);
+  EXPECT_EQ(truncated.stats.truncated, 2);
+  EXPECT_EQ(truncated.stats.dropped, 1);
+  EXPECT_EQ(truncated.examples[0].size(), 64);
+  options.overlong = "drop";
+  EXPECT_NE(error_of({path}, options).find("no usable samples"), std::string::npos);
+}
+
+TEST(Dataset, MalformedRecordsStopWithFileAndLineUnlessSkipped) {
+  TempDir dir;
+  const auto path = dir.write("bad.jsonl", text_lines({"good"}) + "{not json\n" + "{\"title\": \"x\"}\n" +
+                                               text_lines({"also good"}));
+  const std::string message = error_of({path}, options_for("text"));
+  EXPECT_NE(message.find(path + ":2"), std::string::npos) << message;
+  auto options = options_for("text");
+  options.skip_bad_records = true;
+  const auto dataset = load({path}, options);
+  EXPECT_EQ(dataset.examples.size(), 2u);
+  EXPECT_EQ(dataset.stats.bad_records, 2);
+  ASSERT_EQ(dataset.stats.bad_record_messages.size(), 2u);
+  EXPECT_NE(dataset.stats.bad_record_messages[1].find(path + ":3"), std::string::npos);
+}
+
+TEST(Dataset, EmptyAndMissingSourcesAreClearErrors) {
+  TempDir dir;
+  EXPECT_NE(error_of({dir.write("empty.jsonl", "\n")}, options_for("text")).find("no usable samples"),
+            std::string::npos);
+  EXPECT_NE(error_of({dir.file("missing.jsonl")}, options_for("text")).find("no such file"), std::string::npos);
+  dir.write("only-md/readme.md", "x");
+  EXPECT_NE(error_of({dir.file("only-md")}, options_for("chat")).find("*.jsonl"), std::string::npos);
+}
+
+TEST(Dataset, WeightsSetEachSourcesShareOfTheMixture) {
+  TempDir dir;
+  std::vector<std::string> a, b;
+  for (int i = 0; i < 30; ++i) a.push_back("a" + std::to_string(i));
+  for (int i = 0; i < 10; ++i) b.push_back("b" + std::to_string(i));
+  auto options = options_for("text");
+  options.weights = {1, 3};
+  const auto dataset = load({dir.write("a.jsonl", text_lines(a)), dir.write("b.jsonl", text_lines(b))}, options);
+  ASSERT_EQ(dataset.examples.size(), 40u);  // 10 from a, 30 from b: b's 10 samples three times each
+  std::map<std::string, int> seen;
+  for (const auto& example : dataset.examples) ++seen[tokenizer().decode(example.input_ids)];
+  int from_a = 0;
+  for (const auto& [text, count] : seen) {
+    if (text.find(">a") != std::string::npos) {
+      ++from_a;
+      EXPECT_EQ(count, 1) << text;
+    } else {
+      EXPECT_EQ(count, 3) << text;
+    }
+  }
+  EXPECT_EQ(from_a, 10);
+  options.weights = {1};
+  EXPECT_NE(error_of({dir.file("a.jsonl"), dir.file("b.jsonl")}, options).find("data.weights"), std::string::npos);
+}
+
+TEST(Dataset, PackingFillsWindowsAndKeepsSampleBoundaries) {
+  TempDir dir;
+  std::vector<std::string> texts;
+  for (int i = 0; i < 20; ++i) texts.push_back(std::string(static_cast<size_t>(i % 5 + 1), 'x') + " the jury");
+  const auto path = dir.write("t.jsonl", text_lines(texts));
+  auto options = options_for("text", 32);
+  const auto plain = load({path}, options);
+  options.pack = true;
+  const auto packed = load({path}, options);
+  EXPECT_LT(packed.examples.size(), plain.examples.size());
+  EXPECT_EQ(packed.stats.samples, 20);
+  size_t sample = 0;
+  for (const auto& window : packed.examples) {
+    EXPECT_LE(window.size(), 32);
+    int64_t start = 0;
+    for (const int64_t length : window.sample_lengths) {
+      const auto& original = plain.examples[sample++];
+      ASSERT_EQ(length, original.size());
+      EXPECT_TRUE(std::equal(original.input_ids.begin(), original.input_ids.end(), window.input_ids.begin() + start));
+      EXPECT_EQ(window.labels[start], kIgnoreLabel);  // never predicted from the sample before
+      start += length;
+    }
+    EXPECT_EQ(start, window.size());
+  }
+  EXPECT_EQ(sample, plain.examples.size());
+}
+
+TEST(Dataset, TokenFilesAreCutIntoDocumentsAtBos) {
+  TempDir dir;
+  const auto first = tokenizer().encode("One document.");
+  const auto second = tokenizer().encode("And another one.");
+  std::vector<int64_t> stream = first;
+  stream.insert(stream.end(), second.begin(), second.end());
+  const auto path = dir.write("tokens/part-0.bin", encode_token_file(stream, tokenizer().vocab_size()));
+  const auto dataset = load({dir.file("tokens")}, options_for("tokens"));
+  ASSERT_EQ(dataset.examples.size(), 2u);
+  EXPECT_EQ(dataset.examples[0].input_ids, first);
+  EXPECT_EQ(dataset.examples[1].labels, second);
+  EXPECT_EQ(dataset.stats.records, 2);
+  EXPECT_EQ(path, dir.file("tokens/part-0.bin"));
+}
+
+}  // namespace
+}  // namespace qtrain::data

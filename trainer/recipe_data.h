@@ -1,0 +1,23 @@
+#pragma once
+// The recipe's `data` section as the data library's options: one translation that training,
+// `qtrain data` and `qtrain tokenize --recipe` share, so they all see the same examples.
+#include "data/batching.h"
+#include "data/dataset.h"
+#include "data/tokenizer.h"
+#include "trainer/recipe.h"
+
+namespace qtrain::trainer {
+
+data::DataOptions data_options(const Recipe& recipe);
+
+// The training order: micro-batches of train.micro_batch_size, shuffled by train.seed.
+data::BatchStreamOptions batch_stream_options(const Recipe& recipe, const data::Tokenizer& tokenizer,
+                                              int64_t rank = 0, int64_t world_size = 1);
+
+// data.train's examples (Error when data.train is empty).
+data::Dataset load_training_examples(const Recipe& recipe, const data::Tokenizer& tokenizer);
+
+// data.eval's examples, never packed and never mixed; empty when data.eval is not set.
+data::Dataset load_eval_examples(const Recipe& recipe, const data::Tokenizer& tokenizer);
+
+}  // namespace qtrain::trainer
