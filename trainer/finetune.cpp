@@ -150,7 +150,7 @@ void Finetune::setup_data() {
   schedule_.warmup_steps = recipe_.schedule.warmup_steps;
   schedule_.total_steps = total_steps_;
   schedule_.min_lr_ratio = recipe_.schedule.min_lr_ratio;
-  std::printf("data: %lld batches of %lld per epoch; %lld steps of %lld micro-batches\n",
+  std::printf("data: %lld batches of %lld per epoch; %lld steps, %lld micro-batches each\n",
               static_cast<long long>(train_batches_->batches_per_epoch()),
               static_cast<long long>(recipe_.train.micro_batch_size), static_cast<long long>(total_steps_),
               static_cast<long long>(recipe_.train.grad_accum_steps));
