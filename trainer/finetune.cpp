@@ -15,6 +15,7 @@
 #include "trainer/device.h"
 #include "trainer/evaluate.h"
 #include "trainer/file_system.h"
+#include "trainer/loss_scaler.h"
 #include "trainer/memory_stats.h"
 #include "trainer/recipe_data.h"
 
@@ -56,10 +57,6 @@ void Finetune::setup() {
                 recipe_.data.format + ")");
   }
   if (recipe_.quant == "qat") throw Error("quant: qat is not available yet (it arrives with QAT 6/11); use qlora or none");
-  if (recipe_.train.gradient_checkpointing) {
-    std::printf("note: train.gradient_checkpointing arrives with Precision and memory 4/11; this run keeps "
-                "activations (same results, more memory)\n");
-  }
   if (recipe_.checkpoint.every > 0) {
     std::printf("note: checkpoint.every is set, but training-state checkpoints arrive with Checkpoints 5/11; "
                 "this run writes its adapter at the end only\n");
@@ -69,6 +66,7 @@ void Finetune::setup() {
   if (compute_dtype_ == torch::kFloat16 && device_.is_cpu()) {
     throw Error("train.dtype fp16 is not supported on the CPU; use bf16 or fp32");
   }
+  scaler_ = LossScaler(/*enabled=*/compute_dtype_ == torch::kFloat16);
   torch::manual_seed(static_cast<uint64_t>(recipe_.train.seed));
   run_dir_ = recipe_.train.output_dir;
   std::filesystem::create_directories(run_dir_);
@@ -93,6 +91,10 @@ void Finetune::setup_model() {
     qat::quantize_linear_layers(*loaded_.model, four_bit, recipe_.qlora.skip_modules);
   }
   loaded_.model->to(device_);
+  loaded_.model->model->set_gradient_checkpointing(
+      recipe_.train.gradient_checkpointing ? recipe_.train.gradient_checkpointing_every : 0);
+  loss_chunk_tokens_ = recipe_.train.loss_chunk_tokens > 0 ? recipe_.train.loss_chunk_tokens
+                                                           : auto_loss_chunk_tokens(loaded_.config.llama.vocab_size);
 }
 
 void Finetune::setup_adapters() {
@@ -156,34 +158,78 @@ void Finetune::setup_data() {
               static_cast<long long>(recipe_.train.grad_accum_steps));
 }
 
-double Finetune::train_step(int64_t step, double& grad_norm, int64_t& tokens) {
+StepResult Finetune::train_step(int64_t step) {
   auto& model = *loaded_.model;
-  optimizer_->set_learning_rate(optim::learning_rate_at(schedule_, step));
+  StepResult result;
+  const auto position = train_batches_->state();
+  result.epoch = position.epoch;
+  result.batch_in_epoch = position.batch_in_epoch;
+  // The schedule follows optimizer steps taken: a skipped step does not advance it.
+  optimizer_->set_learning_rate(optim::learning_rate_at(schedule_, optimizer_steps_));
   std::vector<data::Batch> micro_batches;
   int64_t predicted_tokens = 0;
   for (int64_t index = 0; index < recipe_.train.grad_accum_steps; ++index) {
     micro_batches.push_back(train_batches_->next());
     predicted_tokens += micro_batches.back().predicted_tokens;
-    tokens += micro_batches.back().input_tokens;
+    result.tokens += micro_batches.back().input_tokens;
   }
-  // The loss is token-weighted over the whole accumulation window, as if it were one batch.
+  // The loss is token-weighted over the whole accumulation window, as if it were one batch;
+  // fp16 scales it so that small gradients survive.
+  const double loss_weight = scaler_.scale() / static_cast<double>(std::max<int64_t>(predicted_tokens, 1));
   double loss_sum = 0;
   for (auto& batch : micro_batches) {
     auto labels = batch.labels.to(device_);
     auto hidden = model.hidden_states(model_inputs(batch, device_));
-    auto loss = causal_lm_loss(model, hidden, labels, /*chunk_tokens=*/0);
-    (loss.loss_sum / static_cast<double>(std::max<int64_t>(predicted_tokens, 1))).backward();
+    auto loss = causal_lm_loss(model, hidden, labels, loss_chunk_tokens_);
+    (loss.loss_sum * loss_weight).backward();
     loss_sum += loss.loss_sum.item<double>();
   }
-  const double mean_loss = loss_sum / static_cast<double>(std::max<int64_t>(predicted_tokens, 1));
-  if (!std::isfinite(mean_loss)) {
-    throw Error("step " + std::to_string(step + 1) + ": the loss is " + std::to_string(mean_loss) +
-                "; lower optim.lr, check the data, or use train.dtype fp32 (the run directory keeps its metrics)");
+  result.loss = loss_sum / static_cast<double>(std::max<int64_t>(predicted_tokens, 1));
+  if (after_backward_) after_backward_(step, trainable_);
+
+  const bool loss_finite = std::isfinite(result.loss);
+  const bool gradients_finite = scaler_.unscale_and_check(trainable_);
+  if (!loss_finite || !gradients_finite) {
+    optimizer_->zero_grad();
+    scaler_.update(/*skipped=*/true);
+    result.skipped = true;
+    result.skip_reason = !loss_finite ? "the loss is " + std::to_string(result.loss) : "a gradient is inf or NaN";
+    handle_skipped_step(step, result, /*scale_overflow=*/loss_finite && scaler_.enabled());
+    return result;
   }
-  grad_norm = optim::clip_grad_norm(trainable_, recipe_.train.max_grad_norm);
+  consecutive_skips_ = 0;
+  result.grad_norm = optim::clip_grad_norm(trainable_, recipe_.train.max_grad_norm);
   optimizer_->step();
   optimizer_->zero_grad();
-  return mean_loss;
+  scaler_.update(/*skipped=*/false);
+  ++optimizer_steps_;
+  return result;
+}
+
+void Finetune::handle_skipped_step(int64_t step, const StepResult& result, bool scale_overflow) {
+  ++skipped_steps_;
+  // fp16 overflow is how the scaler finds its scale: it only counts once the scale is below 1,
+  // where no overflow explains it any more.
+  if (!scale_overflow || scaler_.scale() < 1.0) ++consecutive_skips_;
+  const std::string where = "step " + std::to_string(step + 1) + " (data epoch " + std::to_string(result.epoch) +
+                            ", batch " + std::to_string(result.batch_in_epoch) + ")";
+  std::printf("%s: skipped, %s%s\n", where.c_str(), result.skip_reason.c_str(),
+              scaler_.enabled() ? ("; loss scale now " + std::to_string(scaler_.scale())).c_str() : "");
+  log_metrics({{"step", step + 1},
+               {"skipped", true},
+               {"reason", result.skip_reason},
+               {"loss_scale", scaler_.scale()},
+               {"epoch", result.epoch},
+               {"batch_in_epoch", result.batch_in_epoch}});
+  const std::string advice = "lower optim.lr, use train.dtype bf16 or fp32, or check the data there";
+  if (recipe_.train.nonfinite == "abort") {
+    throw Error(where + ": " + result.skip_reason + " and train.nonfinite is abort; " + advice);
+  }
+  if (consecutive_skips_ >= recipe_.train.max_skipped_steps) {
+    throw Error(where + ": " + std::to_string(consecutive_skips_) +
+                " steps in a row skipped for non-finite losses or gradients (train.max_skipped_steps); " + advice +
+                ". The weights were never updated with a non-finite value.");
+  }
 }
 
 double Finetune::evaluate_and_log(int64_t step) {
@@ -225,30 +271,42 @@ TrainSummary Finetune::train() {
   int64_t window_tokens = 0;
   double train_seconds = 0;
   for (int64_t step = 0; step < total_steps_; ++step) {
-    double grad_norm = 0;
-    int64_t tokens = 0;
-    const double loss = train_step(step, grad_norm, tokens);
-    window_tokens += tokens;
+    const StepResult result = train_step(step);
+    window_tokens += result.tokens;
     const int64_t done = step + 1;
+    if (recipe_.train.empty_cache_steps > 0 && done % recipe_.train.empty_cache_steps == 0) {
+      release_cached_memory(device_);
+    }
     if (done % recipe_.log.every == 0 || done == total_steps_) {
       const double window_seconds = seconds_since(window_start);
       train_seconds += window_seconds;
       const double tokens_per_second = window_tokens / std::max(window_seconds, 1e-9);
       const auto memory = memory_usage(device_);
       const double eta = train_seconds / static_cast<double>(done) * static_cast<double>(total_steps_ - done);
-      std::printf("step %lld/%lld | loss %.4f | lr %.2e | grad_norm %.3f | %.0f tokens/s | memory %s (peak %s) | eta %s\n",
-                  static_cast<long long>(done), static_cast<long long>(total_steps_), loss,
-                  optimizer_->learning_rate(), grad_norm, tokens_per_second, format_bytes(memory.current_bytes).c_str(),
-                  format_bytes(memory.peak_bytes).c_str(), format_duration(eta).c_str());
+      std::string extras;
+      if (memory.reserved_bytes > 0) extras += ", reserved " + format_bytes(memory.reserved_bytes);
+      std::string precision;
+      if (scaler_.enabled()) precision += " | scale " + std::to_string(static_cast<int64_t>(scaler_.scale()));
+      if (skipped_steps_ > 0) precision += " | skipped " + std::to_string(skipped_steps_);
+      std::printf("step %lld/%lld | loss %.4f | lr %.2e | grad_norm %.3f | %.0f tokens/s | memory %s (peak %s%s)%s | eta %s\n",
+                  static_cast<long long>(done), static_cast<long long>(total_steps_), result.loss,
+                  optimizer_->learning_rate(), result.grad_norm, tokens_per_second,
+                  format_bytes(memory.current_bytes).c_str(), format_bytes(memory.peak_bytes).c_str(), extras.c_str(),
+                  precision.c_str(), format_duration(eta).c_str());
       std::fflush(stdout);
-      log_metrics({{"step", done},
-                   {"loss", loss},
-                   {"lr", optimizer_->learning_rate()},
-                   {"grad_norm", grad_norm},
-                   {"tokens_per_second", tokens_per_second},
-                   {"memory", memory.current_bytes},
-                   {"peak_memory", memory.peak_bytes},
-                   {"epoch", train_batches_->epoch()}});
+      nlohmann::json line = {{"step", done},
+                             {"loss", result.loss},
+                             {"lr", optimizer_->learning_rate()},
+                             {"grad_norm", result.grad_norm},
+                             {"tokens_per_second", tokens_per_second},
+                             {"memory", memory.current_bytes},
+                             {"peak_memory", memory.peak_bytes},
+                             {"epoch", result.epoch},
+                             {"skipped_steps", skipped_steps_}};
+      if (memory.reserved_bytes > 0) line["reserved_memory"] = memory.reserved_bytes;
+      if (scaler_.enabled()) line["loss_scale"] = scaler_.scale();
+      log_metrics(line);
+      reset_peak_memory(device_);  // the next line's peak is that of its own window
       window_start = Clock::now();
       window_tokens = 0;
     }

@@ -5,6 +5,7 @@
 //   RUN/recipe.yaml     the resolved recipe
 //   RUN/metrics.jsonl   one JSON object per logged step (and per evaluation)
 //   RUN/adapter/        the final PEFT adapter
+#include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -15,6 +16,7 @@
 #include "optim/lr_schedule.h"
 #include "optim/optimizer.h"
 #include "trainer/hf_checkpoint.h"
+#include "trainer/loss_scaler.h"
 #include "trainer/peft_adapter.h"
 #include "trainer/recipe.h"
 
@@ -28,19 +30,37 @@ struct TrainSummary {
   std::string adapter_dir;
 };
 
+// What one optimizer step did.
+struct StepResult {
+  double loss = 0;  // mean over the learned tokens of the accumulation window
+  double grad_norm = 0;
+  int64_t tokens = 0;
+  bool skipped = false;  // a non-finite loss or gradient: no update
+  std::string skip_reason;
+  int64_t epoch = 0;  // where in the data the step's batches began
+  int64_t batch_in_epoch = 0;
+};
+
 class Finetune {
  public:
   explicit Finetune(Recipe recipe);
   void setup();
   TrainSummary train();
 
+  // Called after each step's backward, before the gradients are checked and applied: a seam
+  // for tests (inject a NaN) and for tools that look at gradients.
+  using AfterBackward = std::function<void(int64_t step, const std::vector<torch::Tensor>& trainable)>;
+  void set_after_backward(AfterBackward hook) { after_backward_ = std::move(hook); }
+
  private:
   void setup_model();
   void setup_adapters();
   void setup_optimizer();
   void setup_data();
-  // One optimiser step over grad_accum_steps micro-batches; returns the mean token loss.
-  double train_step(int64_t step, double& grad_norm, int64_t& tokens);
+  // One optimiser step over grad_accum_steps micro-batches: forward, loss, scaled backward,
+  // unscale and check, clip, step (or skip).
+  StepResult train_step(int64_t step);
+  void handle_skipped_step(int64_t step, const StepResult& result, bool scale_overflow);
   double evaluate_and_log(int64_t step);
   void log_metrics(const nlohmann::json& line);
   std::string save_adapter() const;
@@ -56,6 +76,12 @@ class Finetune {
   std::unique_ptr<data::DataLoader> train_batches_;
   std::vector<data::Example> eval_examples_;
   int64_t total_steps_ = 0;
+  LossScaler scaler_{false};
+  int64_t loss_chunk_tokens_ = 0;
+  int64_t optimizer_steps_ = 0;  // steps applied (skipped ones are not)
+  int64_t skipped_steps_ = 0;
+  int64_t consecutive_skips_ = 0;
+  AfterBackward after_backward_;
   std::string run_dir_;
 };
 

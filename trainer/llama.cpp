@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "kernels/error.h"
+#include "trainer/activation_checkpoint.h"
 
 namespace qtrain::trainer {
 
@@ -223,8 +224,18 @@ torch::Tensor LlamaBackboneImpl::forward(const torch::Tensor& input_ids, const t
                                          const torch::Tensor& attention_mask) {
   auto hidden = embed_tokens->forward(input_ids);
   auto [cos, sin] = rotary_.tables(position_ids, hidden.scalar_type());
-  for (const auto& layer : *layers) {
-    hidden = layer->as<LlamaDecoderLayer>()->forward(hidden, cos, sin, attention_mask);
+  const bool checkpointing = checkpoint_every_ > 0 && is_training() && torch::GradMode::is_enabled();
+  for (size_t index = 0; index < layers->size(); ++index) {
+    auto* layer = layers[index]->as<LlamaDecoderLayer>();
+    if (checkpointing && static_cast<int64_t>(index) % checkpoint_every_ == 0) {
+      hidden = checkpoint(
+          [layer, cos = cos, sin = sin, attention_mask](const std::vector<torch::Tensor>& inputs) {
+            return layer->forward(inputs[0], cos, sin, attention_mask);
+          },
+          {hidden}, layer->parameters());
+    } else {
+      hidden = layer->forward(hidden, cos, sin, attention_mask);
+    }
   }
   return norm->forward(hidden);
 }

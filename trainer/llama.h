@@ -121,12 +121,16 @@ class LlamaBackboneImpl : public torch::nn::Module {
   // input_ids [batch, seq] int64 -> hidden [batch, seq, hidden] in the model dtype
   torch::Tensor forward(const torch::Tensor& input_ids, const torch::Tensor& position_ids,
                         const torch::Tensor& attention_mask);
+  // Recompute every k-th decoder layer in backward instead of keeping its activations
+  // (trainer/activation_checkpoint.h); 0 turns it off. Only while training with grad enabled.
+  void set_gradient_checkpointing(int64_t every_k_layers) { checkpoint_every_ = every_k_layers; }
   torch::nn::Embedding embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};
   RMSNorm norm{nullptr};
 
  private:
   RotaryEmbedding rotary_;
+  int64_t checkpoint_every_ = 0;
 };
 TORCH_MODULE(LlamaBackbone);
 

@@ -37,6 +37,8 @@ MemoryUsage memory_usage(const torch::Device& device) {
     const auto& allocated = stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)];
     usage.current_bytes = static_cast<double>(allocated.current);
     usage.peak_bytes = static_cast<double>(allocated.peak);
+    const auto& reserved = stats.reserved_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)];
+    usage.reserved_bytes = static_cast<double>(reserved.current);
     return usage;
   }
 #endif
@@ -48,6 +50,14 @@ MemoryUsage memory_usage(const torch::Device& device) {
 void reset_peak_memory(const torch::Device& device) {
 #ifdef QTRAIN_WITH_CUDA
   if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+#else
+  (void)device;
+#endif
+}
+
+void release_cached_memory(const torch::Device& device) {
+#ifdef QTRAIN_WITH_CUDA
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
 #else
   (void)device;
 #endif

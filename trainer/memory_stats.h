@@ -8,12 +8,16 @@
 namespace qtrain::trainer {
 
 struct MemoryUsage {
-  double current_bytes = 0;
-  double peak_bytes = 0;  // since the start, or the last reset_peak_memory
+  double current_bytes = 0;   // CUDA: allocated by tensors; CPU: resident set
+  double peak_bytes = 0;      // since the start, or the last reset_peak_memory
+  double reserved_bytes = 0;  // CUDA: held by the caching allocator (allocated + cached); CPU: 0
 };
 
 MemoryUsage memory_usage(const torch::Device& device);
 void reset_peak_memory(const torch::Device& device);
+// Gives the caching allocator's unused blocks back to the driver (transformers'
+// torch_empty_cache_steps); nothing on a CPU.
+void release_cached_memory(const torch::Device& device);
 std::string format_bytes(double bytes);  // "312.4 MiB", "13.20 GiB"
 
 }  // namespace qtrain::trainer

@@ -99,7 +99,11 @@ struct TrainRecipe {
   int64_t seed{};
   double max_grad_norm{};  // 0: no clipping
   bool gradient_checkpointing{};
-  int64_t empty_cache_steps{};  // 0: never
+  int64_t gradient_checkpointing_every{};  // checkpoint every k-th decoder layer
+  int64_t loss_chunk_tokens{};             // 0: sized from the vocabulary
+  std::string nonfinite;                   // skip | abort
+  int64_t max_skipped_steps{};             // consecutive skipped steps before the run stops
+  int64_t empty_cache_steps{};             // 0: never
   std::string output_dir;       // the run directory
 };
 

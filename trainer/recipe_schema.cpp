@@ -189,7 +189,19 @@ std::vector<RecipeKey> make_recipe_keys() {
           "clip the global gradient norm to this; 0: no clipping")
           .at_least(0),
       key("train.gradient_checkpointing", "false", QTRAIN_FIELD(train.gradient_checkpointing),
-          "recompute each decoder layer in backward to save memory"),
+          "recompute decoder layers in backward instead of keeping their activations"),
+      key("train.gradient_checkpointing_every", "1", QTRAIN_FIELD(train.gradient_checkpointing_every),
+          "checkpoint every k-th decoder layer (1: all of them)")
+          .at_least(1),
+      key("train.loss_chunk_tokens", "0", QTRAIN_FIELD(train.loss_chunk_tokens),
+          "tokens whose fp32 logits exist at once in the loss; 0: sized from the vocabulary")
+          .at_least(0),
+      key("train.nonfinite", "skip", QTRAIN_FIELD(train.nonfinite),
+          "a NaN/inf loss or gradient: skip the step, or abort the run")
+          .one_of({"skip", "abort"}),
+      key("train.max_skipped_steps", "10", QTRAIN_FIELD(train.max_skipped_steps),
+          "skipped steps in a row after which the run stops (fp16 loss-scale backoffs count only below scale 1)")
+          .at_least(1),
       key("train.empty_cache_steps", "0", QTRAIN_FIELD(train.empty_cache_steps),
           "release the CUDA cache every N steps; 0: never")
           .at_least(0),

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 
 #include "kernels/error.h"
@@ -76,6 +77,58 @@ TEST(Finetune, GradientAccumulationAveragesOverTheWholeWindow) {
   }
   ASSERT_EQ(losses[0].size(), 2u);
   for (size_t step = 0; step < 2; ++step) EXPECT_NEAR(losses[0][step], losses[1][step], 1e-5) << "step " << step + 1;
+}
+
+// A NaN in one step's gradients skips that step: no weight ever holds a non-finite value, the
+// schedule does not advance, the metrics record the skip, and training goes on.
+TEST(Finetune, ANonFiniteGradientSkipsTheStepAndTrainingGoesOn) {
+  testing::TempDir run;
+  Finetune finetune(small_recipe(run, {"train.steps=5"}));
+  finetune.setup();
+  std::vector<torch::Tensor> weights;
+  finetune.set_after_backward([&weights](int64_t step, const std::vector<torch::Tensor>& trainable) {
+    if (step == 2) trainable.front().mutable_grad().view(-1)[0] = std::numeric_limits<float>::quiet_NaN();
+    weights = trainable;
+  });
+  finetune.train();
+  for (const auto& weight : weights) EXPECT_TRUE(torch::isfinite(weight).all().item<bool>());
+  std::ifstream metrics(run.path() + "/metrics.jsonl");
+  std::vector<int64_t> skipped;
+  std::string line;
+  double lr_step3 = -1, lr_step4 = -1;
+  while (std::getline(metrics, line)) {
+    const auto value = nlohmann::json::parse(line);
+    if (value.value("skipped", false)) skipped.push_back(value["step"].get<int64_t>());
+    if (value.contains("lr") && value["step"] == 3) lr_step3 = value["lr"].get<double>();
+    if (value.contains("lr") && value["step"] == 4) lr_step4 = value["lr"].get<double>();
+  }
+  EXPECT_EQ(skipped, std::vector<int64_t>{3});
+  EXPECT_EQ(lr_step3, lr_step4);  // the skipped step 3 did not advance the schedule
+  EXPECT_EQ(logged_losses(run.path()).size(), 5u);
+}
+
+TEST(Finetune, NonFiniteStepsStopTheRunWhenAbortOrTooManyInARow) {
+  const auto poison = [](int64_t, const std::vector<torch::Tensor>& trainable) {
+    trainable.front().mutable_grad().view(-1)[0] = std::numeric_limits<float>::infinity();
+  };
+  for (const std::vector<std::string>& policy : {std::vector<std::string>{"train.nonfinite=abort"},
+                                                std::vector<std::string>{"train.max_skipped_steps=3"}}) {
+    testing::TempDir run;
+    auto overrides = policy;
+    overrides.push_back("train.steps=6");
+    Finetune finetune(small_recipe(run, overrides));
+    finetune.setup();
+    finetune.set_after_backward(poison);
+    try {
+      finetune.train();
+      FAIL() << "expected the run to stop with " << policy[0];
+    } catch (const Error& error) {
+      const std::string message = error.what();
+      EXPECT_NE(message.find(policy[0] == "train.nonfinite=abort" ? "step 1 " : "step 3 "), std::string::npos)
+          << message;
+      EXPECT_NE(message.find("lower optim.lr"), std::string::npos) << message;
+    }
+  }
 }
 
 TEST(Finetune, TrainingLowersTheEvalLossAndWritesTheRunDirectory) {
