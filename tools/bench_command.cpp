@@ -1,0 +1,184 @@
+// qtrain bench: training throughput and peak memory of a Llama-shaped model with random
+// weights, built directly on the device (no checkpoint on disk): QLoRA (NF4 double-quant base)
+// or LoRA (16-bit base), LoRA on all 7 projections, AdamW, random tokens.
+//
+// Model FLOPs per token (what MFU counts; recomputation under checkpointing is not counted):
+//   matmuls: forward 2 N, backward 2 N (gradients to the inputs only: the base is frozen and
+//   the LoRA weights' gradients are negligible), N = projection and lm_head parameters;
+//   attention: 4 L S d forward (QK^T and PV over the full S x S square, PaLM's convention,
+//   d = heads x head_dim) and twice that backward.
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#ifdef QTRAIN_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#endif
+
+#include "kernels/error.h"
+#include "optim/grad_clip.h"
+#include "optim/optimizer.h"
+#include "qat/four_bit_linear.h"
+#include "qat/lora_linear.h"
+#include "tools/commands.h"
+#include "trainer/causal_lm_loss.h"
+#include "trainer/device.h"
+#include "trainer/hf_config.h"
+#include "trainer/llama.h"
+#include "trainer/llama_shapes.h"
+#include "trainer/memory_stats.h"
+
+namespace po = boost::program_options;
+
+namespace qtrain::tools {
+
+namespace {
+
+// The bf16 dense peak of the GPU, for MFU; 0 when unknown.
+double peak_flops(const torch::Device& device) {
+#ifdef QTRAIN_WITH_CUDA
+  if (device.is_cuda()) {
+    const std::string name = at::cuda::getDeviceProperties(device.index())->name;
+    if (name.find("H100") != std::string::npos || name.find("H200") != std::string::npos) return 989e12;
+    if (name.find("A100") != std::string::npos) return 312e12;
+  }
+#endif
+  (void)device;
+  return 0;
+}
+
+void synchronize(const torch::Device& device) {
+#ifdef QTRAIN_WITH_CUDA
+  if (device.is_cuda()) at::cuda::getCurrentCUDAStream(device.index()).synchronize();
+#endif
+  (void)device;
+}
+
+}  // namespace
+
+int run_bench(const Arguments& arguments) {
+  std::string shape, quant, dtype_name, device_name;
+  int64_t micro_batch = 0, sequence = 0, steps = 0, warmup = 0, lora_rank = 0, loss_chunk = 0;
+  po::options_description options("bench options");
+  options.add_options()
+      ("shape", po::value(&shape)->default_value("llama3-8b"), "llama3-8b, llama3-1b or tiny (random weights)")
+      ("quant", po::value(&quant)->default_value("qlora"), "qlora (NF4 double-quant base) or none (16-bit base)")
+      ("micro-batch", po::value(&micro_batch)->default_value(1), "sequences per step")
+      ("seq", po::value(&sequence)->default_value(2048), "tokens per sequence")
+      ("checkpointing", po::bool_switch(), "recompute every decoder layer in backward")
+      ("loss-chunk", po::value(&loss_chunk)->default_value(0), "loss chunk tokens; 0 automatic, -1 unchunked")
+      ("dtype", po::value(&dtype_name)->default_value("bf16"), "compute dtype: bf16, fp16 or fp32")
+      ("device", po::value(&device_name)->default_value("auto"), "cuda, cpu or auto")
+      ("lora-rank", po::value(&lora_rank)->default_value(16), "LoRA rank (alpha = 2 rank)")
+      ("steps", po::value(&steps)->default_value(5), "timed steps (the median is reported)")
+      ("warmup", po::value(&warmup)->default_value(2), "untimed steps first")
+      ("json", po::bool_switch(), "end with one JSON object");
+  po::variables_map values;
+  if (!parse_command_line("usage: qtrain bench [--shape S] [--quant Q] [--micro-batch B] [--seq T] [--checkpointing]",
+                          options, arguments, values)) {
+    return 0;
+  }
+  if (quant != "qlora" && quant != "none") throw Error("--quant must be qlora or none, got '" + quant + "'");
+  if (steps < 1 || micro_batch < 1 || sequence < 2) throw Error("--steps, --micro-batch must be >= 1 and --seq >= 2");
+  const auto device = trainer::resolve_device(device_name);
+  const auto dtype = trainer::parse_dtype_name(dtype_name, "--dtype");
+  const bool checkpointing = values["checkpointing"].as<bool>();
+  const auto llama = trainer::llama_shape(shape);
+
+  torch::manual_seed(0);
+  qat::FourBitOptions four_bit;
+  four_bit.compute_dtype = dtype;
+  // Projections are made on the device and quantized there, one at a time: the 16-bit model
+  // never exists whole.
+  const trainer::LinearFactory make_linear = [&](const std::string& name, const qat::DenseLinearOptions& linear)
+      -> std::shared_ptr<qat::LinearLayer> {
+    if (quant == "qlora" && name != "lm_head") {
+      auto weight = torch::randn({linear.out_features, linear.in_features},
+                                 torch::TensorOptions().dtype(dtype).device(device)) * 0.02;
+      return qat::FourBitLinear::from_dense(weight, {}, four_bit);
+    }
+    return std::make_shared<qat::DenseLinear>(linear);
+  };
+  trainer::LlamaForCausalLM model(llama, dtype, make_linear);
+  model->to(device);
+  qat::LoraOptions lora;
+  lora.rank = lora_rank;
+  lora.alpha = 2.0 * static_cast<double>(lora_rank);
+  lora.dropout = 0.0;
+  qat::LoraTargets targets;
+  targets.include.names = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+  qat::apply_lora(*model, targets, lora);
+  std::vector<torch::Tensor> trainable;
+  for (auto& item : model->named_parameters()) {
+    const bool trains = item.key().find(".lora_") != std::string::npos;
+    item.value().set_requires_grad(trains);
+    if (trains) trainable.push_back(item.value());
+  }
+  model->train();
+  model->model->set_gradient_checkpointing(checkpointing ? 1 : 0);
+  auto optimizer = optim::make_optimizer("adamw", trainable, 1e-4, 0.0, {0.9, 0.999}, 1e-8);
+  const int64_t chunk = loss_chunk == 0 ? trainer::auto_loss_chunk_tokens(llama.vocab_size) : loss_chunk;
+
+  const auto input_ids = torch::randint(llama.vocab_size, {micro_batch, sequence},
+                                        torch::TensorOptions().dtype(torch::kInt64).device(device));
+  std::vector<double> step_seconds;
+  trainer::reset_peak_memory(device);
+  for (int64_t step = 0; step < warmup + steps; ++step) {
+    if (step == warmup) trainer::reset_peak_memory(device);
+    synchronize(device);
+    const auto start = std::chrono::steady_clock::now();
+    auto hidden = model->hidden_states({input_ids, {}, {}});
+    auto loss = trainer::causal_lm_loss(*model, hidden, input_ids, chunk);
+    (loss.loss_sum / static_cast<double>(micro_batch * (sequence - 1))).backward();
+    optim::clip_grad_norm(trainable, 1.0);
+    optimizer->step();
+    optimizer->zero_grad();
+    synchronize(device);
+    if (step >= warmup) {
+      step_seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
+  }
+  std::sort(step_seconds.begin(), step_seconds.end());
+  const double median = step_seconds[step_seconds.size() / 2];
+  const double tokens_per_second = static_cast<double>(micro_batch * sequence) / median;
+  const auto memory = trainer::memory_usage(device);
+
+  const double matmul_parameters =
+      static_cast<double>(llama.num_hidden_layers) *
+          (2.0 * llama.hidden_size * llama.num_attention_heads * llama.head_dim +
+           2.0 * llama.hidden_size * llama.num_key_value_heads * llama.head_dim +
+           3.0 * llama.hidden_size * llama.intermediate_size) +
+      static_cast<double>(llama.hidden_size) * llama.vocab_size;
+  const double attention = 4.0 * llama.num_hidden_layers * sequence * llama.num_attention_heads * llama.head_dim;
+  const double flops_per_token = 4.0 * matmul_parameters + 3.0 * attention;
+  const double peak = peak_flops(device);
+  const double mfu = peak > 0 ? tokens_per_second * flops_per_token / peak : 0.0;
+
+  std::printf("bench: %s %s, %s compute on %s, micro-batch %lld x %lld, checkpointing %s, loss chunk %lld\n",
+              shape.c_str(), quant.c_str(), dtype_name.c_str(), device.str().c_str(), static_cast<long long>(micro_batch),
+              static_cast<long long>(sequence), checkpointing ? "on" : "off", static_cast<long long>(chunk));
+  std::printf("  %.0f tokens/s (median of %lld steps, %.3f s each), MFU %.1f%%, peak memory %s\n", tokens_per_second,
+              static_cast<long long>(steps), median, 100.0 * mfu, trainer::format_bytes(memory.peak_bytes).c_str());
+  if (values["json"].as<bool>()) {
+    std::cout << nlohmann::json{{"shape", shape},
+                                {"quant", quant},
+                                {"dtype", dtype_name},
+                                {"micro_batch", micro_batch},
+                                {"seq", sequence},
+                                {"checkpointing", checkpointing},
+                                {"loss_chunk_tokens", chunk},
+                                {"tokens_per_second", tokens_per_second},
+                                {"mfu", mfu},
+                                {"peak_memory_bytes", memory.peak_bytes},
+                                {"step_seconds", median}}
+                     .dump()
+              << std::endl;
+  }
+  return 0;
+}
+
+}  // namespace qtrain::tools
