@@ -51,6 +51,26 @@ double peak_flops(const torch::Device& device) {
   return 0;
 }
 
+// A random NF4 double-quantized weight [out, in] made directly on the device, with the code
+// tables of a real quantization (`tables`). Quantizing 8B random weights would run bnb's exact
+// codec on the CPU for minutes and measure nothing a training step does.
+qat::FourBitTensor random_four_bit(int64_t out, int64_t in, const qat::FourBitTensor& tables,
+                                   const torch::Device& device, torch::ScalarType dtype) {
+  qat::FourBitTensor weight;
+  weight.state = tables.state;
+  weight.state.shape = {out, in};
+  weight.state.dtype = dtype;
+  const auto bytes = torch::TensorOptions().dtype(torch::kUInt8).device(device);
+  weight.packed = torch::randint(256, {(out * in + 1) / 2, 1}, bytes);
+  const int64_t blocks = weight.state.blocks();
+  weight.state.absmax = torch::randint(256, {blocks}, bytes);
+  weight.state.nested_absmax = torch::full({(blocks + qat::kNestedBlocksize - 1) / qat::kNestedBlocksize}, 0.01,
+                                           torch::TensorOptions().dtype(torch::kFloat32).device(device));
+  weight.state.code = tables.state.code.to(device);
+  weight.state.nested_code = tables.state.nested_code.to(device);
+  return weight;
+}
+
 void synchronize(const torch::Device& device) {
 #ifdef QTRAIN_WITH_CUDA
   if (device.is_cuda()) at::cuda::getCurrentCUDAStream(device.index()).synchronize();
@@ -90,16 +110,15 @@ int run_bench(const Arguments& arguments) {
   const auto llama = trainer::llama_shape(shape);
 
   torch::manual_seed(0);
-  qat::FourBitOptions four_bit;
-  four_bit.compute_dtype = dtype;
-  // Projections are made on the device and quantized there, one at a time: the 16-bit model
-  // never exists whole.
+  const auto tables = qat::quantize_4bit(torch::randn({4096}) * 0.02, qat::FourBitType::kNf4, 64,
+                                         /*double_quant=*/true);
+  const auto build_start = std::chrono::steady_clock::now();
+  // QLoRA projections are made on the device, one at a time: the 16-bit model never exists.
   const trainer::LinearFactory make_linear = [&](const std::string& name, const qat::DenseLinearOptions& linear)
       -> std::shared_ptr<qat::LinearLayer> {
     if (quant == "qlora" && name != "lm_head") {
-      auto weight = torch::randn({linear.out_features, linear.in_features},
-                                 torch::TensorOptions().dtype(dtype).device(device)) * 0.02;
-      return qat::FourBitLinear::from_dense(weight, {}, four_bit);
+      return std::make_shared<qat::FourBitLinear>(
+          random_four_bit(linear.out_features, linear.in_features, tables, device, dtype), torch::Tensor(), dtype);
     }
     return std::make_shared<qat::DenseLinear>(linear);
   };
@@ -121,6 +140,10 @@ int run_bench(const Arguments& arguments) {
   model->train();
   model->model->set_gradient_checkpointing(checkpointing ? 1 : 0);
   auto optimizer = optim::make_optimizer("adamw", trainable, 1e-4, 0.0, {0.9, 0.999}, 1e-8);
+  synchronize(device);
+  std::printf("bench: model built in %.1f s\n",
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - build_start).count());
+  std::fflush(stdout);
   const int64_t chunk = loss_chunk == 0 ? trainer::auto_loss_chunk_tokens(llama.vocab_size) : loss_chunk;
 
   const auto input_ids = torch::randint(llama.vocab_size, {micro_batch, sequence},
