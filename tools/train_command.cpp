@@ -11,15 +11,17 @@ namespace po = boost::program_options;
 namespace qtrain::tools {
 
 int run_train(const Arguments& arguments) {
-  std::string recipe_path;
+  std::string recipe_path, resume;
   std::vector<std::string> overrides;
   po::options_description options("train options");
   options.add_options()
       ("recipe", po::value(&recipe_path)->required(), "YAML recipe (see recipes/)")
       ("set", po::value(&overrides)->composing(), "override a recipe key: --set optim.lr=2e-4 (repeatable)")
+      ("resume", po::value(&resume)->default_value(""),
+       "auto: continue from the newest valid checkpoint of train.output_dir (fresh if none); or a checkpoint directory")
       ("print-recipe", po::bool_switch(), "print the resolved recipe (every key) as YAML and exit");
   po::variables_map values;
-  if (!parse_command_line("usage: qtrain [train] --recipe FILE [--set key=value ...] [--print-recipe]", options,
+  if (!parse_command_line("usage: qtrain [train] --recipe FILE [--set key=value ...] [--resume auto|DIR] [--print-recipe]", options,
                           arguments, values)) {
     return 0;
   }
@@ -28,7 +30,7 @@ int run_train(const Arguments& arguments) {
     std::cout << trainer::recipe_to_yaml(recipe);
     return 0;
   }
-  trainer::Finetune finetune(recipe);
+  trainer::Finetune finetune(recipe, resume);
   finetune.setup();
   const auto summary = finetune.train();
   std::printf("done: %lld steps in %.1f s; eval loss %.4f -> %.4f; adapter in %s\n",

@@ -1,11 +1,9 @@
 #include "trainer/activation_checkpoint.h"
 
-#include <ATen/Context.h>
 #include <torch/csrc/autograd/function.h>
 
-#include <mutex>
-
 #include "kernels/error.h"
+#include "trainer/random_state.h"
 
 namespace qtrain::trainer {
 
@@ -13,37 +11,6 @@ namespace {
 
 using torch::autograd::Edge;
 using torch::autograd::variable_list;
-
-// The default generators a forward may draw from: the CPU's and, on a GPU, that device's.
-struct RandomState {
-  torch::Tensor cpu;
-  torch::Tensor device;
-  torch::Device device_id = torch::kCPU;
-
-  static RandomState capture(const torch::Device& device) {
-    RandomState state;
-    state.device_id = device;
-    state.cpu = generator_state(torch::kCPU);
-    if (!device.is_cpu()) state.device = generator_state(device);
-    return state;
-  }
-  void restore() const {
-    set_generator_state(torch::kCPU, cpu);
-    if (device.defined()) set_generator_state(device_id, device);
-  }
-
- private:
-  static torch::Tensor generator_state(const torch::Device& device) {
-    auto generator = at::globalContext().defaultGenerator(device);
-    std::lock_guard<std::mutex> lock(generator.mutex());
-    return generator.get_state();
-  }
-  static void set_generator_state(const torch::Device& device, const torch::Tensor& state) {
-    auto generator = at::globalContext().defaultGenerator(device);
-    std::lock_guard<std::mutex> lock(generator.mutex());
-    generator.set_state(state);
-  }
-};
 
 // The backward of one checkpointed piece: rerun it with grad enabled and differentiate that.
 class CheckpointBackward : public torch::autograd::Node {

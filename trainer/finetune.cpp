@@ -1,6 +1,7 @@
 #include "trainer/finetune.h"
 
 #include <chrono>
+#include <cstdlib>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -17,7 +18,9 @@
 #include "trainer/file_system.h"
 #include "trainer/loss_scaler.h"
 #include "trainer/memory_stats.h"
+#include "trainer/random_state.h"
 #include "trainer/recipe_data.h"
+#include "trainer/training_checkpoint.h"
 
 namespace qtrain::trainer {
 
@@ -48,7 +51,11 @@ bool is_lora_parameter(const std::string& name) {
 
 }  // namespace
 
-Finetune::Finetune(Recipe recipe) : recipe_(std::move(recipe)) {}
+Finetune::Finetune(Recipe recipe, std::string resume) : recipe_(std::move(recipe)), resume_(std::move(resume)) {
+  // torchrun restarts a failed run with the same command: it must continue, not start over.
+  const char* restarts = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  if (resume_.empty() && restarts != nullptr && std::atoi(restarts) > 0) resume_ = "auto";
+}
 
 void Finetune::setup() {
   if (recipe_.model.path.empty()) throw Error("model.path is not set: point it at a Hugging Face model directory");
@@ -57,10 +64,6 @@ void Finetune::setup() {
                 recipe_.data.format + ")");
   }
   if (recipe_.quant == "qat") throw Error("quant: qat is not available yet (it arrives with QAT 6/11); use qlora or none");
-  if (recipe_.checkpoint.every > 0) {
-    std::printf("note: checkpoint.every is set, but training-state checkpoints arrive with Checkpoints 5/11; "
-                "this run writes its adapter at the end only\n");
-  }
   device_ = resolve_device(recipe_.train.device);
   compute_dtype_ = parse_dtype_name(recipe_.train.dtype, "train.dtype");
   if (compute_dtype_ == torch::kFloat16 && device_.is_cpu()) {
@@ -71,11 +74,12 @@ void Finetune::setup() {
   run_dir_ = recipe_.train.output_dir;
   std::filesystem::create_directories(run_dir_);
   write_file_atomically(run_dir_ + "/recipe.yaml", recipe_to_yaml(recipe_));
-  std::ofstream(run_dir_ + "/metrics.jsonl", std::ios::trunc);
   setup_model();
   setup_adapters();
   setup_optimizer();
   setup_data();
+  // A resumed run appends to the metrics of the steps it continues.
+  if (!resume_if_asked()) std::ofstream(run_dir_ + "/metrics.jsonl", std::ios::trunc);
 }
 
 void Finetune::setup_model() {
@@ -119,6 +123,7 @@ void Finetune::setup_adapters() {
     item.value().set_requires_grad(trains);
     if (trains) {
       trainable_.push_back(item.value());
+      trainable_names_.push_back(item.key());
       trainable_count += item.value().numel();
     }
   }
@@ -261,16 +266,89 @@ std::string Finetune::save_adapter() const {
   return target;
 }
 
+void Finetune::save_checkpoint(int64_t steps_done) {
+  const auto start = Clock::now();
+  TrainingCheckpoint checkpoint;
+  for (size_t index = 0; index < trainable_.size(); ++index) {
+    checkpoint.trainable.emplace_back(trainable_names_[index], trainable_[index]);
+  }
+  checkpoint.optimizer = optimizer_->state();
+  checkpoint.random_states = RandomState::capture(device_).named();
+  checkpoint.state = {{"step", steps_done},
+                      {"optimizer_steps", optimizer_steps_},
+                      {"skipped_steps", skipped_steps_},
+                      {"consecutive_skips", consecutive_skips_},
+                      {"loader", train_batches_->state().to_json()},
+                      {"loss_scaler", scaler_.state()}};
+  checkpoint.recipe_yaml = recipe_to_yaml(recipe_);
+  const std::string path = write_training_checkpoint(run_dir_, steps_done, checkpoint);
+  prune_training_checkpoints(run_dir_, recipe_.checkpoint.keep_last);
+  std::printf("checkpoint: %s (%.2f s)\n", path.c_str(), seconds_since(start));
+  std::fflush(stdout);
+}
+
+bool Finetune::resume_if_asked() {
+  if (resume_.empty()) return false;
+  std::string path = resume_;
+  if (resume_ == "auto") {
+    const auto newest = newest_valid_checkpoint(run_dir_);
+    if (!newest) {
+      std::printf("resume: no checkpoint in %s/checkpoints; starting fresh\n", run_dir_.c_str());
+      return false;
+    }
+    path = *newest;
+  }
+  const auto checkpoint = read_training_checkpoint(path);
+  if (checkpoint.recipe_yaml != recipe_to_yaml(recipe_)) {
+    std::printf("resume: the recipe differs from the checkpoint's (differences are allowed where the data, "
+                "model and adapters still fit it)\n");
+  }
+  // The trainable weights, by name and shape.
+  if (checkpoint.trainable.size() != trainable_.size()) {
+    throw Error(path + ": holds " + std::to_string(checkpoint.trainable.size()) + " trainable tensors, this run has " +
+                std::to_string(trainable_.size()) + " (other lora.rank or lora.target_modules?)");
+  }
+  {
+    torch::NoGradGuard no_grad;
+    for (size_t index = 0; index < trainable_.size(); ++index) {
+      const auto& [name, tensor] = checkpoint.trainable[index];
+      if (name != trainable_names_[index] || tensor.sizes() != trainable_[index].sizes()) {
+        throw Error(path + ": trainable tensor '" + name + "' " + shape_text(tensor.sizes()) + " does not fit '" +
+                    trainable_names_[index] + "' " + shape_text(trainable_[index].sizes()) +
+                    " of this run (other model or LoRA shape?)");
+      }
+      trainable_[index].copy_(tensor);
+    }
+  }
+  optimizer_->load_state(checkpoint.optimizer);
+  const auto& state = checkpoint.state;
+  scaler_.load_state(state.at("loss_scaler"), path + "/state.json");
+  train_batches_->restore(data::LoaderState::from_json(state.at("loader"), path + "/state.json"));
+  RandomState::from_named(checkpoint.random_states, device_).restore();
+  first_step_ = state.at("step").get<int64_t>();
+  optimizer_steps_ = state.at("optimizer_steps").get<int64_t>();
+  skipped_steps_ = state.at("skipped_steps").get<int64_t>();
+  consecutive_skips_ = state.at("consecutive_skips").get<int64_t>();
+  if (first_step_ > total_steps_) {
+    throw Error(path + ": the checkpoint is at step " + std::to_string(first_step_) + ", past this run's " +
+                std::to_string(total_steps_) + " steps (raise train.steps to continue)");
+  }
+  std::printf("resume: continuing from %s at step %lld of %lld\n", path.c_str(), static_cast<long long>(first_step_),
+              static_cast<long long>(total_steps_));
+  return true;
+}
+
 TrainSummary Finetune::train() {
   TrainSummary summary;
   const auto start = Clock::now();
-  summary.first_eval_loss = evaluate_and_log(0);
+  summary.first_eval_loss =
+      first_step_ == 0 ? evaluate_and_log(0) : std::numeric_limits<double>::quiet_NaN();
   summary.last_eval_loss = summary.first_eval_loss;
   reset_peak_memory(device_);
   auto window_start = Clock::now();
   int64_t window_tokens = 0;
   double train_seconds = 0;
-  for (int64_t step = 0; step < total_steps_; ++step) {
+  for (int64_t step = first_step_; step < total_steps_; ++step) {
     const StepResult result = train_step(step);
     window_tokens += result.tokens;
     const int64_t done = step + 1;
@@ -282,7 +360,7 @@ TrainSummary Finetune::train() {
       train_seconds += window_seconds;
       const double tokens_per_second = window_tokens / std::max(window_seconds, 1e-9);
       const auto memory = memory_usage(device_);
-      const double eta = train_seconds / static_cast<double>(done) * static_cast<double>(total_steps_ - done);
+      const double eta = train_seconds / static_cast<double>(done - first_step_) * static_cast<double>(total_steps_ - done);
       std::string extras;
       if (memory.reserved_bytes > 0) extras += ", reserved " + format_bytes(memory.reserved_bytes);
       std::string precision;
@@ -310,12 +388,17 @@ TrainSummary Finetune::train() {
       window_start = Clock::now();
       window_tokens = 0;
     }
+    if (recipe_.checkpoint.every > 0 && done % recipe_.checkpoint.every == 0 && done != total_steps_) {
+      save_checkpoint(done);
+      window_start = Clock::now();
+    }
     if (recipe_.eval.every > 0 && done % recipe_.eval.every == 0 && done != total_steps_) {
       summary.last_eval_loss = evaluate_and_log(done);
       window_start = Clock::now();
     }
   }
   summary.steps = total_steps_;
+  if (first_step_ < total_steps_) save_checkpoint(total_steps_);
   summary.last_eval_loss = evaluate_and_log(total_steps_);
   summary.adapter_dir = save_adapter();
   summary.seconds = seconds_since(start);

@@ -5,6 +5,7 @@
 //   RUN/recipe.yaml     the resolved recipe
 //   RUN/metrics.jsonl   one JSON object per logged step (and per evaluation)
 //   RUN/adapter/        the final PEFT adapter
+//   RUN/checkpoints/    training-state checkpoints (trainer/training_checkpoint.h)
 #include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -43,7 +44,9 @@ struct StepResult {
 
 class Finetune {
  public:
-  explicit Finetune(Recipe recipe);
+  // resume: "" starts fresh; "auto" continues from the newest valid checkpoint of the run
+  // directory (fresh when there is none, and says so); a path continues from that checkpoint.
+  explicit Finetune(Recipe recipe, std::string resume = "");
   void setup();
   TrainSummary train();
 
@@ -64,6 +67,9 @@ class Finetune {
   double evaluate_and_log(int64_t step);
   void log_metrics(const nlohmann::json& line);
   std::string save_adapter() const;
+  void save_checkpoint(int64_t steps_done);
+  // Loads the checkpoint `resume_` names, if any; returns whether the run continues one.
+  bool resume_if_asked();
 
   Recipe recipe_;
   torch::Device device_{torch::kCPU};
@@ -71,6 +77,7 @@ class Finetune {
   LoadedModel loaded_;
   PeftAdapterConfig adapter_config_;
   std::vector<torch::Tensor> trainable_;
+  std::vector<std::string> trainable_names_;
   std::unique_ptr<optim::Optimizer> optimizer_;
   optim::LrScheduleOptions schedule_;
   std::unique_ptr<data::DataLoader> train_batches_;
@@ -82,6 +89,8 @@ class Finetune {
   int64_t skipped_steps_ = 0;
   int64_t consecutive_skips_ = 0;
   AfterBackward after_backward_;
+  std::string resume_;
+  int64_t first_step_ = 0;  // steps already done by the checkpoint resumed from
   std::string run_dir_;
 };
 

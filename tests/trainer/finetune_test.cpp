@@ -2,6 +2,7 @@
 // exported as a PEFT adapter.
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -128,6 +129,61 @@ TEST(Finetune, NonFiniteStepsStopTheRunWhenAbortOrTooManyInARow) {
           << message;
       EXPECT_NE(message.find("lower optim.lr"), std::string::npos) << message;
     }
+  }
+}
+
+// Stopping at a checkpoint and resuming from it gives the losses of an uninterrupted run, bit for
+// bit: shuffled packed chat data, dropout, gradient accumulation, in fp32 and bf16.
+TEST(Finetune, AResumedRunContinuesBitwiseExactly) {
+  for (const std::string dtype : {"fp32", "bf16"}) {
+    const std::vector<std::string> settings = {
+        "data.format=chat", "data.train=" + testing::source_dir() + "/recipes/demo/chat-val.jsonl", "data.eval=",
+        "data.pack=true", "data.max_seq_len=128", "train.steps=8", "checkpoint.every=4", "checkpoint.keep_last=0",
+        "train.dtype=" + dtype};
+    testing::TempDir whole_run, resumed_run;
+    {
+      Finetune finetune(small_recipe(whole_run, settings));
+      finetune.setup();
+      finetune.train();
+    }
+    const auto whole = logged_losses(whole_run.path());
+    ASSERT_EQ(whole.size(), 8u);
+    // The resumed run starts from a copy of the first run's step-4 checkpoint.
+    std::filesystem::create_directories(resumed_run.file("checkpoints"));
+    std::filesystem::copy(whole_run.file("checkpoints/step-000004"), resumed_run.file("checkpoints/step-000004"),
+                          std::filesystem::copy_options::recursive);
+    Finetune resumed(small_recipe(resumed_run, settings), "auto");
+    resumed.setup();
+    resumed.train();
+    const auto continued = logged_losses(resumed_run.path());
+    ASSERT_EQ(continued.size(), 4u) << dtype;
+    for (size_t step = 0; step < 4; ++step) EXPECT_EQ(continued[step], whole[4 + step]) << dtype << ", step " << step + 5;
+  }
+}
+
+TEST(Finetune, DamagedCheckpointsAreSkippedAndKeepLastPrunes) {
+  testing::TempDir run;
+  {
+    Finetune finetune(small_recipe(run, {"train.steps=6", "checkpoint.every=2", "checkpoint.keep_last=2"}));
+    finetune.setup();
+    finetune.train();
+  }
+  EXPECT_FALSE(std::filesystem::exists(run.file("checkpoints/step-000002")));
+  EXPECT_TRUE(std::filesystem::exists(run.file("checkpoints/step-000004")));
+  // Damage the newest: resuming takes the one before it.
+  std::ofstream(run.file("checkpoints/step-000006/trainable.safetensors"), std::ios::app) << "x";
+  Finetune resumed(small_recipe(run, {"train.steps=6", "checkpoint.every=2", "checkpoint.keep_last=2"}), "auto");
+  resumed.setup();
+  const auto summary = resumed.train();
+  EXPECT_EQ(summary.steps, 6);
+  EXPECT_EQ(logged_losses(run.path()).size(), 6u + 2u);  // the first run's 6, then steps 5 and 6 again
+  // A checkpoint of another LoRA shape is refused, naming a tensor.
+  Finetune other(small_recipe(run, {"train.steps=6", "lora.rank=8"}), run.file("checkpoints/step-000004"));
+  try {
+    other.setup();
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("lora_A"), std::string::npos) << error.what();
   }
 }
 
