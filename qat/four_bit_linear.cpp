@@ -1,6 +1,7 @@
 #include "qat/four_bit_linear.h"
 
 #include "kernels/error.h"
+#include "qat/four_bit_matmul.h"
 
 namespace qtrain::qat {
 
@@ -36,8 +37,8 @@ std::shared_ptr<FourBitLinear> FourBitLinear::from_dense(const torch::Tensor& we
 }
 
 torch::Tensor FourBitLinear::forward(const torch::Tensor& input) {
-  const auto weight = dequantize_4bit(packed_, state_, input.scalar_type());
-  return torch::nn::functional::linear(input, weight, bias_.defined() ? bias_.to(input.scalar_type()) : bias_);
+  auto output = four_bit_matmul(input, packed_, state_);
+  return bias_.defined() ? output + bias_.to(input.scalar_type()) : output;
 }
 
 torch::Tensor FourBitLinear::dense_weight(torch::ScalarType dtype) const {

@@ -1,29 +1,24 @@
-// qtrain inspect: what a Hugging Face Llama directory holds and what training it would need.
+// qtrain inspect: what a Hugging Face Llama directory holds and what training it would need;
+// with a recipe, the peak memory of that recipe's run on its device.
 #include <cstdio>
 #include <map>
+#include <optional>
 
+#include "kernels/error.h"
 #include "tools/commands.h"
 #include "trainer/hf_config.h"
 #include "trainer/memory_stats.h"
 #include "trainer/model_memory.h"
+#include "trainer/recipe.h"
 #include "trainer/safetensors.h"
 
 namespace po = boost::program_options;
 
 namespace qtrain::tools {
 
+namespace {
 
-int run_inspect(const Arguments& arguments) {
-  std::string model_dir;
-  int64_t lora_rank = 0;
-  po::options_description options("inspect options");
-  options.add_options()
-      ("model", po::value(&model_dir)->required(), "Hugging Face model directory")
-      ("lora-rank", po::value(&lora_rank)->default_value(16), "LoRA rank for the memory estimate");
-  po::variables_map values;
-  if (!parse_command_line("usage: qtrain inspect --model DIR", options, arguments, values)) return 0;
-
-  const auto config = trainer::read_hf_config(model_dir);
+void print_model(const std::string& model_dir, const trainer::HfModelConfig& config) {
   const auto& llama = config.llama;
   const auto weights = trainer::SafetensorsCheckpoint::open(model_dir);
   std::map<std::string, int64_t> elements_by_dtype;
@@ -35,7 +30,7 @@ int run_inspect(const Arguments& arguments) {
     elements_by_dtype[info.dtype] += elements;
     stored_elements += elements;
   }
-  const auto sizes = trainer::llama_parameter_counts(llama, lora_rank);
+  const auto sizes = trainer::llama_parameter_counts(llama);
 
   std::printf("model        %s (%s)\n", model_dir.c_str(), config.architecture.c_str());
   std::printf("layers       %lld, hidden %lld, intermediate %lld, vocab %lld\n",
@@ -54,11 +49,107 @@ int run_inspect(const Arguments& arguments) {
               weights.names().size());
   std::printf("dtypes       config %s;", trainer::dtype_short_name(config.stored_dtype).c_str());
   for (const auto& [dtype, elements] : elements_by_dtype) std::printf(" %s %.3fM", dtype.c_str(), elements / 1e6);
-  std::printf("\n\nmemory for weights and trainable state (activations not included):\n");
-  for (const auto& estimate : trainer::training_memory_estimates(sizes)) {
-    std::printf("  %-6s frozen %-11s trainable %8.3fM params, with grads + AdamW %-11s total %s\n",
-                estimate.mode.c_str(), trainer::format_bytes(estimate.frozen_bytes).c_str(), estimate.trainable_parameters / 1e6,
-                trainer::format_bytes(estimate.trainable_bytes).c_str(), trainer::format_bytes(estimate.frozen_bytes + estimate.trainable_bytes).c_str());
+  std::printf("\n");
+}
+
+void print_training_modes(const trainer::LlamaOptions& llama, int64_t lora_rank) {
+  std::printf("\nmemory for weights and trainable state (activations not included; --recipe estimates a run):\n");
+  for (const auto& [mode, estimate] : trainer::training_memory_estimates(llama, lora_rank)) {
+    std::printf("  %-6s frozen %-11s trainable %8.3fM params, with grads + AdamW %-11s total %s\n", mode.c_str(),
+                trainer::format_bytes(estimate.frozen_weight_bytes).c_str(), estimate.trainable_parameters / 1e6,
+                trainer::format_bytes(estimate.trainable_state_bytes).c_str(),
+                trainer::format_bytes(estimate.frozen_weight_bytes + estimate.trainable_state_bytes).c_str());
+  }
+}
+
+// " *" after the figure the recipe's settings use.
+const char* used(bool in_use) { return in_use ? " *" : "  "; }
+
+void print_peak_estimate(const std::string& recipe_path, const trainer::TrainingMemorySetup& setup,
+                         const trainer::LlamaOptions& llama) {
+  const auto estimate = trainer::estimate_peak_memory(llama, setup);
+  const auto bytes = [](double value) { return trainer::format_bytes(value); };
+
+  const std::string training = setup.quant == "qlora" ? "qlora " + setup.four_bit.quant_type
+                               : setup.full_finetune  ? "full finetune"
+                                                      : "quant " + setup.quant;
+  std::printf("\npeak memory estimate for %s on %s (%s, compute %s, micro-batch %lld x %lld tokens%s%s):\n",
+              recipe_path.c_str(), setup.device == torch::kCUDA ? "cuda" : "cpu", training.c_str(),
+              trainer::dtype_short_name(setup.compute_dtype).c_str(), static_cast<long long>(setup.micro_batch_size),
+              static_cast<long long>(setup.sequence_length), setup.packed ? ", packed" : "",
+              estimate.attention_keeps_probabilities ? ", math attention keeps [heads, seq, seq] probabilities" : "");
+  std::printf("  %-22s %11s\n", "frozen weights", bytes(estimate.frozen_weight_bytes).c_str());
+  if (setup.full_finetune) {
+    std::printf("  %-22s %11s     (%.3fM parameters)\n", "weights + grads + AdamW",
+                bytes(estimate.trainable_state_bytes).c_str(), estimate.trainable_parameters / 1e6);
+  } else {
+    std::printf("  %-22s %11s     (%.3fM parameters in %lld adapters of rank %lld)\n", "LoRA + grads + AdamW",
+                bytes(estimate.trainable_state_bytes).c_str(), estimate.trainable_parameters / 1e6,
+                static_cast<long long>(estimate.adapted_layers), static_cast<long long>(setup.adapter.lora.rank));
+  }
+  const std::string every = setup.checkpoint_every <= 1 ? "every layer"
+                                                        : "every " + std::to_string(setup.checkpoint_every) + " layers";
+  std::printf("  %-22s %11s%s   (with gradient checkpointing, %s: %s%s)\n", "activations",
+              bytes(estimate.activation_bytes).c_str(), used(!estimate.uses_checkpointing), every.c_str(),
+              bytes(estimate.checkpointed_activation_bytes).c_str(), used(estimate.uses_checkpointing));
+  if (estimate.uses_chunking) {
+    std::printf("  %-22s %11s%s   (chunked by %lld tokens: %s%s)\n", "loss logits", bytes(estimate.logits_bytes).c_str(),
+                used(false), static_cast<long long>(estimate.loss_chunk_tokens),
+                bytes(estimate.chunked_logits_bytes).c_str(), used(true));
+  } else {
+    std::printf("  %-22s %11s%s   (all %lld predicted tokens fit one chunk of %lld: not chunked)\n", "loss logits",
+                bytes(estimate.logits_bytes).c_str(), used(true), static_cast<long long>(estimate.predicted_tokens),
+                static_cast<long long>(setup.loss_chunk_tokens));
+  }
+  std::printf("  %-22s %11s%s   (with checkpointing and chunking: %s)\n", "total", bytes(estimate.total()).c_str(),
+              used(true), bytes(estimate.lowest_total()).c_str());
+  std::printf("  * this recipe's settings. The total is the peak of the loss's backward or, with checkpointing,\n"
+              "    of the layers' after it, which can be less than the sum. Not counted: the CUDA context (about\n"
+              "    500 MiB), allocator fragmentation, backward's transient gradients; see trainer/model_memory.h\n");
+}
+
+}  // namespace
+
+int run_inspect(const Arguments& arguments) {
+  std::string model_dir;
+  std::string recipe_path;
+  std::vector<std::string> overrides;
+  int64_t lora_rank = 0;
+  po::options_description options("inspect options");
+  options.add_options()
+      ("model", po::value(&model_dir), "Hugging Face model directory")
+      ("recipe", po::value(&recipe_path), "YAML recipe: also estimate its run's peak memory (the model is its model.path)")
+      ("set", po::value(&overrides)->composing(), "override a recipe key: --set train.micro_batch_size=8 (repeatable)")
+      ("lora-rank", po::value(&lora_rank)->default_value(16), "LoRA rank for the memory table of --model");
+  po::variables_map values;
+  if (!parse_command_line("usage: qtrain inspect --model DIR [--lora-rank R]\n"
+                          "       qtrain inspect --recipe FILE [--set key=value ...]",
+                          options, arguments, values)) {
+    return 0;
+  }
+  if (model_dir.empty() == recipe_path.empty()) {
+    throw Error("inspect needs --model DIR or --recipe FILE, one of them (a recipe's model is its model.path; "
+                "--set model.path=DIR changes it)");
+  }
+  if (!overrides.empty() && recipe_path.empty()) throw Error("--set changes a recipe key: give --recipe FILE too");
+
+  std::optional<trainer::Recipe> recipe;
+  if (!recipe_path.empty()) {
+    recipe = trainer::load_recipe(recipe_path, overrides);
+    model_dir = recipe->model.path;
+    if (model_dir.empty()) {
+      throw Error(recipe_path + ": model.path is not set; point it at a Hugging Face model directory "
+                  "(--set model.path=DIR)");
+    }
+  }
+  const auto config = trainer::read_hf_config(model_dir);
+  std::optional<trainer::TrainingMemorySetup> setup;
+  if (recipe) setup = trainer::training_memory_setup(*recipe, config.llama);
+  print_model(model_dir, config);
+  if (setup) {
+    print_peak_estimate(recipe_path, *setup, config.llama);
+  } else {
+    print_training_modes(config.llama, lora_rank);
   }
   return 0;
 }

@@ -5,6 +5,7 @@
 #include "tools/commands.h"
 #include "trainer/finetune.h"
 #include "trainer/recipe.h"
+#include "trainer/stop_signal.h"
 
 namespace po = boost::program_options;
 
@@ -30,9 +31,16 @@ int run_train(const Arguments& arguments) {
     std::cout << trainer::recipe_to_yaml(recipe);
     return 0;
   }
+  trainer::install_stop_signal_handlers();
   trainer::Finetune finetune(recipe, resume);
   finetune.setup();
   const auto summary = finetune.train();
+  if (summary.stopped) {
+    std::printf("stopped after step %lld: checkpoint in %s\nresume with: qtrain --recipe %s%s --resume auto\n",
+                static_cast<long long>(summary.steps), summary.checkpoint_dir.c_str(), recipe_path.c_str(),
+                overrides.empty() ? "" : " --set ... (the same overrides)");
+    return 0;
+  }
   std::printf("done: %lld steps in %.1f s; eval loss %.4f -> %.4f; adapter in %s\n",
               static_cast<long long>(summary.steps), summary.seconds, summary.first_eval_loss, summary.last_eval_loss,
               summary.adapter_dir.c_str());

@@ -20,6 +20,8 @@
 #include "trainer/memory_stats.h"
 #include "trainer/random_state.h"
 #include "trainer/recipe_data.h"
+#include "trainer/recipe_training.h"
+#include "trainer/stop_signal.h"
 #include "trainer/training_checkpoint.h"
 
 namespace qtrain::trainer {
@@ -97,23 +99,17 @@ void Finetune::setup_model() {
   loaded_.model->to(device_);
   loaded_.model->model->set_gradient_checkpointing(
       recipe_.train.gradient_checkpointing ? recipe_.train.gradient_checkpointing_every : 0);
-  loss_chunk_tokens_ = recipe_.train.loss_chunk_tokens > 0 ? recipe_.train.loss_chunk_tokens
-                                                           : auto_loss_chunk_tokens(loaded_.config.llama.vocab_size);
+  loss_chunk_tokens_ = loss_chunk_tokens(recipe_, loaded_.config.llama.vocab_size);
 }
 
 void Finetune::setup_adapters() {
   auto& model = *loaded_.model;
+  adapter_config_ = lora_adapter_config(recipe_);
   if (!recipe_.lora.init_from.empty()) {
     apply_peft_adapter(model, recipe_.lora.init_from);
-    adapter_config_ = read_peft_adapter_config(recipe_.lora.init_from);
     std::printf("lora: continuing from the adapter in %s (its r, alpha and targets apply)\n",
                 recipe_.lora.init_from.c_str());
   } else {
-    adapter_config_.lora.rank = recipe_.lora.rank;
-    adapter_config_.lora.alpha = recipe_.lora.alpha;
-    adapter_config_.lora.dropout = recipe_.lora.dropout;
-    adapter_config_.lora.rslora = recipe_.lora.rslora;
-    adapter_config_.targets.include.names = recipe_.lora.target_modules;
     qat::apply_lora(model, adapter_config_.targets, adapter_config_.lora);
   }
   // Only the adapters train: the base (quantized or not), embeddings, norms and lm_head stay frozen.
@@ -266,7 +262,7 @@ std::string Finetune::save_adapter() const {
   return target;
 }
 
-void Finetune::save_checkpoint(int64_t steps_done) {
+std::string Finetune::save_checkpoint(int64_t steps_done) {
   const auto start = Clock::now();
   TrainingCheckpoint checkpoint;
   for (size_t index = 0; index < trainable_.size(); ++index) {
@@ -285,6 +281,7 @@ void Finetune::save_checkpoint(int64_t steps_done) {
   prune_training_checkpoints(run_dir_, recipe_.checkpoint.keep_last);
   std::printf("checkpoint: %s (%.2f s)\n", path.c_str(), seconds_since(start));
   std::fflush(stdout);
+  return path;
 }
 
 bool Finetune::resume_if_asked() {
@@ -299,9 +296,17 @@ bool Finetune::resume_if_asked() {
     path = *newest;
   }
   const auto checkpoint = read_training_checkpoint(path);
-  if (checkpoint.recipe_yaml != recipe_to_yaml(recipe_)) {
-    std::printf("resume: the recipe differs from the checkpoint's (differences are allowed where the data, "
-                "model and adapters still fit it)\n");
+  const Recipe saved = load_recipe(path + "/recipe.yaml", {});
+  for (const char* key : {"model.path", "quant", "qlora.quant_type", "qlora.blocksize", "qlora.double_quant"}) {
+    for (const auto& difference : recipe_differences(saved, recipe_)) {
+      if (difference.rfind(std::string(key) + ":", 0) == 0) {
+        throw Error(path + ": the checkpoint was trained with another base (" + difference +
+                    "); resume with the recipe it was written with");
+      }
+    }
+  }
+  for (const auto& difference : recipe_differences(saved, recipe_)) {
+    std::printf("resume: recipe changed since the checkpoint: %s\n", difference.c_str());
   }
   // The trainable weights, by name and shape.
   if (checkpoint.trainable.size() != trainable_.size()) {
@@ -388,8 +393,15 @@ TrainSummary Finetune::train() {
       window_start = Clock::now();
       window_tokens = 0;
     }
+    if (stop_requested() && done != total_steps_) {
+      summary.stopped = true;
+      summary.steps = done;
+      summary.checkpoint_dir = save_checkpoint(done);
+      summary.seconds = seconds_since(start);
+      return summary;
+    }
     if (recipe_.checkpoint.every > 0 && done % recipe_.checkpoint.every == 0 && done != total_steps_) {
-      save_checkpoint(done);
+      summary.checkpoint_dir = save_checkpoint(done);
       window_start = Clock::now();
     }
     if (recipe_.eval.every > 0 && done % recipe_.eval.every == 0 && done != total_steps_) {
@@ -398,7 +410,7 @@ TrainSummary Finetune::train() {
     }
   }
   summary.steps = total_steps_;
-  if (first_step_ < total_steps_) save_checkpoint(total_steps_);
+  if (first_step_ < total_steps_) summary.checkpoint_dir = save_checkpoint(total_steps_);
   summary.last_eval_loss = evaluate_and_log(total_steps_);
   summary.adapter_dir = save_adapter();
   summary.seconds = seconds_since(start);

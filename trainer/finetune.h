@@ -29,6 +29,8 @@ struct TrainSummary {
   double last_eval_loss = 0;
   double seconds = 0;
   std::string adapter_dir;
+  bool stopped = false;        // a stop signal ended the run early (trainer/stop_signal.h)
+  std::string checkpoint_dir;  // the last checkpoint written
 };
 
 // What one optimizer step did.
@@ -67,7 +69,7 @@ class Finetune {
   double evaluate_and_log(int64_t step);
   void log_metrics(const nlohmann::json& line);
   std::string save_adapter() const;
-  void save_checkpoint(int64_t steps_done);
+  std::string save_checkpoint(int64_t steps_done);
   // Loads the checkpoint `resume_` names, if any; returns whether the run continues one.
   bool resume_if_asked();
 

@@ -5,8 +5,8 @@
 
 #include "kernels/error.h"
 #include "qat/four_bit_codec.h"
-#include "trainer/causal_lm_loss.h"
 #include "trainer/hf_config.h"
+#include "trainer/recipe_training.h"
 
 namespace qtrain::trainer {
 
@@ -116,8 +116,7 @@ double decoder_layer_activation_bytes(const LlamaOptions& model, const TrainingM
     const double in = static_cast<double>(projection.in);
     const double out = static_cast<double>(projection.out);
     const bool input_needs_grad = input_requires_grad || projection.input != ProjectionInput::kNormedForAttention;
-    // linear() keeps its weight for the input's gradient: for a 4-bit base, a dequantized copy.
-    if (is_quantized(projection, setup) && input_needs_grad) bytes += in * out * s;
+    // A 4-bit base keeps nothing: qat/four_bit_matmul.h dequantizes again in backward.
     if (setup.full_finetune) {
       input_saved[projection.input] = true;  // for the weight's gradient
       continue;
@@ -181,37 +180,36 @@ TrainingMemorySetup training_memory_setup(const Recipe& recipe, const LlamaOptio
     setup.four_bit.compute_dtype = setup.compute_dtype;
     setup.skip_modules = recipe.qlora.skip_modules;
   }
-  // As Finetune::setup_adapters: a PEFT adapter to continue from brings its own configuration.
-  if (!recipe.lora.init_from.empty()) {
-    setup.adapter = read_peft_adapter_config(recipe.lora.init_from);
-  } else {
-    setup.full_finetune = recipe.lora.rank == 0;
-    setup.adapter.lora.rank = recipe.lora.rank;
-    setup.adapter.lora.alpha = recipe.lora.alpha;
-    setup.adapter.lora.dropout = recipe.lora.dropout;
-    setup.adapter.lora.rslora = recipe.lora.rslora;
-    setup.adapter.targets.include.names = recipe.lora.target_modules;
-  }
+  setup.adapter = lora_adapter_config(recipe);
+  setup.full_finetune = recipe.lora.init_from.empty() && recipe.lora.rank == 0;
   setup.device = recipe.train.device == "cpu" ? torch::kCPU : torch::kCUDA;  // auto: a GPU, where runs go
   setup.micro_batch_size = recipe.train.micro_batch_size;
   setup.sequence_length = recipe.data.max_seq_len;
   setup.packed = recipe.data.pack;
   setup.gradient_checkpointing = recipe.train.gradient_checkpointing;
   setup.checkpoint_every = recipe.train.gradient_checkpointing_every;
-  setup.loss_chunk_tokens = recipe.train.loss_chunk_tokens > 0 ? recipe.train.loss_chunk_tokens
-                                                               : auto_loss_chunk_tokens(model.vocab_size);
+  setup.loss_chunk_tokens = loss_chunk_tokens(recipe, model.vocab_size);
   return setup;
 }
 
-double PeakMemoryEstimate::total() const {
-  return frozen_weight_bytes + trainable_state_bytes +
-         (uses_checkpointing ? checkpointed_activation_bytes : activation_bytes) +
-         (uses_chunking ? chunked_logits_bytes : logits_bytes);
+namespace {
+
+// The loss's backward runs first, over everything the forward kept; the layers' backward (and
+// their recomputation) after it, once the loss has let go of its logits.
+double peak_of(const PeakMemoryEstimate& estimate, bool checkpointing, bool chunking) {
+  const double logits = chunking ? estimate.chunked_logits_bytes : estimate.logits_bytes;
+  const double activations = checkpointing
+                                 ? std::max(estimate.checkpointed_saved_bytes + logits,
+                                            estimate.checkpointed_activation_bytes)
+                                 : estimate.activation_bytes + logits;
+  return estimate.frozen_weight_bytes + estimate.trainable_state_bytes + activations;
 }
 
-double PeakMemoryEstimate::lowest_total() const {
-  return frozen_weight_bytes + trainable_state_bytes + checkpointed_activation_bytes + chunked_logits_bytes;
-}
+}  // namespace
+
+double PeakMemoryEstimate::total() const { return peak_of(*this, uses_checkpointing, uses_chunking); }
+
+double PeakMemoryEstimate::lowest_total() const { return peak_of(*this, true, true); }
 
 PeakMemoryEstimate estimate_peak_memory(const LlamaOptions& model, const TrainingMemorySetup& setup) {
   const double s = element_bytes(setup.compute_dtype);
@@ -253,21 +251,23 @@ PeakMemoryEstimate estimate_peak_memory(const LlamaOptions& model, const Trainin
   const double per_micro_batch = tokens * 2.0 * static_cast<double>(model.head_dim) * s +  // rotary cos, sin
                                  rms_norm_bytes(tokens, model.hidden_size, s, setup.full_finetune) +  // final norm
                                  (setup.packed ? tokens * static_cast<double>(setup.sequence_length) : 0.0);  // bool mask
+  // With checkpointing, backward walks the layers from the last: when it reaches layer j, the
+  // layers above have let go of theirs, those below still keep theirs, and a checkpointed j holds
+  // its recomputed activations on top of its input.
   const int64_t every = std::max<int64_t>(setup.checkpoint_every, 1);
-  double largest_recomputed = 0.0;
+  double kept_below = per_micro_batch;
   estimate.activation_bytes = per_micro_batch;
   estimate.checkpointed_activation_bytes = per_micro_batch;
   for (int64_t layer = 0; layer < model.num_hidden_layers; ++layer) {
     const double layer_bytes = decoder_layer_activation_bytes(model, setup, layer);
+    const bool checkpointed = layer % every == 0;
+    const double kept = checkpointed ? tokens * hidden * s : layer_bytes;  // a checkpointed layer keeps its input
     estimate.activation_bytes += layer_bytes;
-    if (layer % every == 0) {
-      estimate.checkpointed_activation_bytes += tokens * hidden * s;  // the input it recomputes from
-      largest_recomputed = std::max(largest_recomputed, layer_bytes);
-    } else {
-      estimate.checkpointed_activation_bytes += layer_bytes;
-    }
+    estimate.checkpointed_activation_bytes =
+        std::max(estimate.checkpointed_activation_bytes, kept_below + kept + (checkpointed ? layer_bytes : 0.0));
+    kept_below += kept;
   }
-  estimate.checkpointed_activation_bytes += largest_recomputed;
+  estimate.checkpointed_saved_bytes = kept_below;
   estimate.attention_keeps_probabilities = uses_math_attention(model, setup);
   estimate.uses_checkpointing = setup.gradient_checkpointing;
 

@@ -26,22 +26,23 @@
 //                      CPU) instead; the A outputs (rank s); the s-byte copies of A and B when s
 //                      is 2; with lora.rank 0 the base matmuls save the same inputs and the norms
 //                      their normed output (H s);
-//                      the dequantized [out, in] weight of every 4-bit projection (out x in x s per
-//                      layer, whatever T: linear() keeps its weight for the input's gradient);
+//                      nothing for a 4-bit base weight (dequantized again in backward);
 //                      attention: the fused kernels PyTorch 2.11 picks (cuDNN for bf16/fp16 on a
 //                      Hopper GPU, flash on the CPU, memory-efficient for fp32 multi-head; flash
 //                      on other GPUs keeps the same) save q, k, v, the output ((2 Q + 2 KV) s)
 //                      and the fp32 logsumexp (4 heads), plus, with data.pack, the mask as
 //                      [batch, 1, seq, seq] in s bytes per layer; fp32 with grouped-query
 //                      attention on CUDA falls to the math path, which keeps the softmax
-//                      probabilities [batch, heads, seq, seq] and q, k, v expanded to every head;
+//                      probabilities [batch, heads, seq, seq], q, k, v expanded to every head and
+//                      a copy of its output for o_proj;
 //                      SwiGLU: gate output, silu(gate), up output (3 I s), the product above;
 //                    the first layer's input does not require grad (frozen embeddings), so its
 //                    first RMSNorm and the q/k/v base matmuls keep nothing. Once per micro-batch:
 //                    rotary cos and sin (2 head_dim s), the final RMSNorm (4H + 4), the bool mask
 //                    of a packed batch (seq bytes).
 //                    With gradient checkpointing every k-th layer (index % k == 0) keeps only its
-//                    input (H s) and one layer's activations exist again during its recompute.
+//                    input (H s); backward, walking down from the last layer, holds the layers
+//                    below j plus layer j recomputed: the figure is the largest such sum.
 //   loss logits      the peak of causal_lm_loss for N = batch x (seq - 1) predicted tokens and
 //                    vocabulary V, at the start of backward: three fp32 [N, V] tensors (the
 //                    saved log-probabilities, the gradient of nll_loss and that of log_softmax),
@@ -51,12 +52,19 @@
 // Not counted: the CUDA context and cuBLAS/cuDNN workspaces (about 500 MiB on a GPU), the
 // caching allocator's fragmentation and rounding, backward's transient gradients (a few
 // [T, intermediate] tensors during each layer's backward), the dequantization's temporaries,
-// the optimizer step's temporaries. The parts add up to the total, which is conservative with
-// checkpointing: the loss's peak and a layer's recompute do not coexist.
+// the optimizer step's temporaries.
 //
-// Accuracy: the activations a CPU step keeps come within a few percent of the estimate (the
-// test measures them); on a GPU expect the caching allocator's reserved memory to run 5-20%
-// above the total, plus the CUDA context.
+// The total is the larger of two moments: the loss's backward (weights, state, everything the
+// forward kept, the logits' peak) and, with checkpointing, the layers' backward after it (the
+// logits gone, one layer recomputed). So with checkpointing it can be less than the rows' sum.
+//
+// Accuracy: on the CPU, with the tiny model (tests/trainer/model_memory_test.cpp), the bytes a
+// forward keeps come within 2% of `activations`, and the peak of a training step within 4% of
+// the total, below or above. Not yet measured against a GPU step: there the caching allocator
+// reserves more than tensors use (rounding, fragmentation), so expect the GPU's memory in use to
+// exceed the total by that and the CUDA context. What autograd saves on CUDA (the attention
+// kernel PyTorch picks, bool dropout masks) was checked on an H100. Sequences are taken at
+// data.max_seq_len: batches of shorter samples (padded to their longest) need less.
 #include <string>
 #include <vector>
 
@@ -106,7 +114,10 @@ struct PeakMemoryEstimate {
   int64_t adapted_layers = 0;        // linear layers with a LoRA adapter
   double trainable_state_bytes = 0;  // weights + grads + AdamW's moments (+ fp32 masters)
   double activation_bytes = 0;       // every layer keeps what its backward needs
-  double checkpointed_activation_bytes = 0;  // with gradient checkpointing every checkpoint_every layers
+  // With gradient checkpointing every checkpoint_every layers: the most alive while backward
+  // walks the layers (one of them recomputed), and what the forward leaves for the loss's backward.
+  double checkpointed_activation_bytes = 0;
+  double checkpointed_saved_bytes = 0;
   double logits_bytes = 0;           // the loss over the whole micro-batch at once
   double chunked_logits_bytes = 0;   // the loss in chunks (= logits_bytes when one chunk holds it all)
   int64_t loss_chunk_tokens = 0;     // the chunk, or the micro-batch's predicted tokens when smaller
@@ -115,8 +126,10 @@ struct PeakMemoryEstimate {
   bool uses_checkpointing = false;
   bool uses_chunking = false;  // the chunk is smaller than the micro-batch's predicted tokens
 
-  double total() const;          // with the setup's own choices
-  double lowest_total() const;   // with gradient checkpointing and chunking
+  // The peak: weights and trainable state, plus the larger of what the loss's backward needs on
+  // top of the saved activations and what the layers' backward needs once the loss is done.
+  double total() const;         // with the setup's own choices
+  double lowest_total() const;  // with gradient checkpointing and chunking
 };
 
 PeakMemoryEstimate estimate_peak_memory(const LlamaOptions& model, const TrainingMemorySetup& setup);

@@ -656,6 +656,18 @@ std::string recipe_to_yaml(const Recipe& recipe) {
   return out;
 }
 
+std::vector<std::string> recipe_differences(const Recipe& before, const Recipe& after) {
+  Recipe left = before;
+  Recipe right = after;
+  std::vector<std::string> differences;
+  for (const auto& spec : recipe_keys()) {
+    const std::string was = value_yaml(spec.field(left));
+    const std::string now = value_yaml(spec.field(right));
+    if (was != now) differences.push_back(spec.name + ": " + was + " -> " + now);
+  }
+  return differences;
+}
+
 bool operator==(const Recipe& a, const Recipe& b) {
   Recipe left = a;
   Recipe right = b;

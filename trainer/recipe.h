@@ -166,6 +166,9 @@ Recipe apply_override(Recipe recipe, const std::string& key_equals_value);
 // again gives the same Recipe.
 std::string recipe_to_yaml(const Recipe& recipe);
 
+// The keys whose values differ, as "key: before -> after", in table order.
+std::vector<std::string> recipe_differences(const Recipe& before, const Recipe& after);
+
 bool operator==(const Recipe& a, const Recipe& b);
 inline bool operator!=(const Recipe& a, const Recipe& b) { return !(a == b); }
 

@@ -3,11 +3,13 @@
 
 #include <algorithm>
 #include <fstream>
+#include <random>
 #include <sstream>
 #include <nlohmann/json.hpp>
 
 #include "support.h"
 #include "trainer/safetensors.h"
+#include "trainer/training_checkpoint.h"
 
 namespace qtrain {
 namespace {
@@ -203,6 +205,46 @@ TEST(Cli, ChatDataTrainsPacked) {
   auto trained = train_two_steps("demo_chat.yaml", run.path());
   ASSERT_EQ(trained.status, 0) << trained.output;
   EXPECT_NE(trained.output.find("step 2/2 | loss "), std::string::npos) << trained.output;
+}
+
+// The command of a long CPU run that writes a checkpoint after every step.
+std::string checkpointing_run(const std::string& run_dir) {
+  return testing::qtrain_binary() + " --recipe " + testing::source_dir() + "/recipes/demo_tiny.yaml" +
+         " --set data.train=" + testing::source_dir() + "/recipes/demo/brown-val.jsonl --set data.eval=" +
+         " --set data.max_seq_len=32 --set train.steps=150 --set checkpoint.every=1 --set checkpoint.keep_last=2" +
+         " --set log.every=50 --set train.output_dir=" + run_dir;
+}
+
+TEST(Cli, KilledAtRandomMomentsTheRunStaysResumable) {
+  testing::TempDir run;
+  std::mt19937 generator(1234);
+  std::uniform_real_distribution<double> moment(0.8, 3.0);
+  for (int kill = 0; kill < 20; ++kill) {
+    run_command("timeout -s KILL " + std::to_string(moment(generator)) + " " + checkpointing_run(run.path()) +
+                " --resume auto >/dev/null 2>&1");
+    // Whatever the moment, every checkpoint that looks complete is complete.
+    for (const auto& checkpoint : trainer::list_training_checkpoints(run.path())) {
+      EXPECT_NO_THROW(trainer::verify_training_checkpoint(checkpoint)) << "after kill " << kill << ": " << checkpoint;
+    }
+  }
+  ASSERT_TRUE(trainer::newest_valid_checkpoint(run.path()).has_value());
+  auto finished = run_command(checkpointing_run(run.path()) + " --resume auto 2>&1");
+  EXPECT_EQ(finished.status, 0) << finished.output;
+  EXPECT_NE(finished.output.find("resume: continuing from"), std::string::npos) << finished.output;
+  EXPECT_NE(finished.output.find("done: 150 steps"), std::string::npos) << finished.output;
+}
+
+TEST(Cli, SigtermSavesACheckpointAndSaysHowToResume) {
+  testing::TempDir run;
+  auto stopped = run_command("bash -c '" + checkpointing_run(run.path()) +
+                             " --set checkpoint.every=0 > " + run.file("out.txt") +
+                             " 2>&1 & pid=$!; sleep 3; kill -TERM $pid; wait $pid; echo status=$?; cat " +
+                             run.file("out.txt") + "'");
+  EXPECT_NE(stopped.output.find("status=0"), std::string::npos) << stopped.output;
+  EXPECT_NE(stopped.output.find("stopped after step"), std::string::npos) << stopped.output;
+  EXPECT_NE(stopped.output.find("--resume auto"), std::string::npos) << stopped.output;
+  const auto newest = trainer::newest_valid_checkpoint(run.path());
+  ASSERT_TRUE(newest.has_value()) << stopped.output;
 }
 
 TEST(Cli, BadInputIsOneLineAndExitStatus2) {

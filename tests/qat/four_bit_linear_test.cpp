@@ -62,6 +62,22 @@ TEST(FourBitLinear, GradientsReachTheInputNotTheBase) {
   EXPECT_FALSE(layer->packed_weight().requires_grad());
 }
 
+// The backward dequantizes again instead of keeping the dense weight from the forward, and its
+// input gradient equals the dense layer's bit for bit.
+TEST(FourBitLinear, BackwardDequantizesAgainAndMatchesTheDenseGradient) {
+  torch::manual_seed(4);
+  auto layer = FourBitLinear::from_dense(torch::randn({40, 72}), torch::Tensor(), options());
+  const auto upstream = torch::randn({2, 6, 40});
+  const auto input = torch::randn({2, 6, 72}, torch::requires_grad());
+  const auto output = layer->forward(input);
+  EXPECT_EQ(output.grad_fn()->name(), "qtrain::FourBitMatmulBackward");
+  output.backward(upstream);
+  const auto reference_input = input.detach().clone().requires_grad_(true);
+  torch::nn::functional::linear(reference_input, layer->dense_weight(torch::kFloat32)).backward(upstream);
+  EXPECT_TRUE(torch::equal(input.grad(), reference_input.grad()));
+  EXPECT_TRUE(torch::equal(output, torch::nn::functional::linear(input.detach(), layer->dense_weight(torch::kFloat32))));
+}
+
 TEST(FourBitLinear, ModuleToDtypeConvertsOnlyTheBias) {
   auto layer = FourBitLinear::from_dense(torch::randn({16, 64}), torch::randn({16}), options());
   const auto before = layer->dense_weight(torch::kFloat32);

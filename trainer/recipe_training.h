@@ -1,0 +1,18 @@
+#pragma once
+// Recipe sections that Finetune and the memory estimate (trainer/model_memory.h) must read the
+// same way, in one place.
+#include <cstdint>
+
+#include "trainer/peft_adapter.h"
+#include "trainer/recipe.h"
+
+namespace qtrain::trainer {
+
+// The adapters a run trains: lora.init_from's own configuration when it is set, else the
+// recipe's lora section.
+PeftAdapterConfig lora_adapter_config(const Recipe& recipe);
+
+// train.loss_chunk_tokens, or the automatic chunk for the model's vocabulary when it is 0.
+int64_t loss_chunk_tokens(const Recipe& recipe, int64_t vocab_size);
+
+}  // namespace qtrain::trainer
