@@ -308,23 +308,7 @@ bool Finetune::resume_if_asked() {
   for (const auto& difference : recipe_differences(saved, recipe_)) {
     std::printf("resume: recipe changed since the checkpoint: %s\n", difference.c_str());
   }
-  // The trainable weights, by name and shape.
-  if (checkpoint.trainable.size() != trainable_.size()) {
-    throw Error(path + ": holds " + std::to_string(checkpoint.trainable.size()) + " trainable tensors, this run has " +
-                std::to_string(trainable_.size()) + " (other lora.rank or lora.target_modules?)");
-  }
-  {
-    torch::NoGradGuard no_grad;
-    for (size_t index = 0; index < trainable_.size(); ++index) {
-      const auto& [name, tensor] = checkpoint.trainable[index];
-      if (name != trainable_names_[index] || tensor.sizes() != trainable_[index].sizes()) {
-        throw Error(path + ": trainable tensor '" + name + "' " + shape_text(tensor.sizes()) + " does not fit '" +
-                    trainable_names_[index] + "' " + shape_text(trainable_[index].sizes()) +
-                    " of this run (other model or LoRA shape?)");
-      }
-      trainable_[index].copy_(tensor);
-    }
-  }
+  load_trainable_tensors(*loaded_.model, checkpoint.trainable, trainable_.size(), path);
   optimizer_->load_state(checkpoint.optimizer);
   const auto& state = checkpoint.state;
   scaler_.load_state(state.at("loss_scaler"), path + "/state.json");

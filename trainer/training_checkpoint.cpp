@@ -51,6 +51,27 @@ std::string checkpoint_name(int64_t step) {
   return name;
 }
 
+void load_trainable_tensors(torch::nn::Module& model, const NamedTensorList& tensors, size_t expected_count,
+                            const std::string& source) {
+  if (tensors.size() != expected_count) {
+    throw Error(source + ": holds " + std::to_string(tensors.size()) + " trainable tensors, this run has " +
+                std::to_string(expected_count) + " (other lora.rank or lora.target_modules?)");
+  }
+  auto parameters = model.named_parameters();
+  torch::NoGradGuard no_grad;
+  for (const auto& [name, tensor] : tensors) {
+    auto* parameter = parameters.find(name);
+    if (parameter == nullptr) {
+      throw Error(source + ": trainable tensor '" + name + "' has no parameter in this model (other model or targets?)");
+    }
+    if (parameter->sizes() != tensor.sizes()) {
+      throw Error(source + ": trainable tensor '" + name + "' is " + shape_text(tensor.sizes()) + ", this model's is " +
+                  shape_text(parameter->sizes()) + " (other model or LoRA shape?)");
+    }
+    parameter->copy_(tensor);
+  }
+}
+
 std::string write_training_checkpoint(const std::string& run_dir, int64_t step, const TrainingCheckpoint& checkpoint) {
   const std::string parent = checkpoints_dir(run_dir);
   const std::string target = parent + "/" + checkpoint_name(step);

@@ -35,6 +35,12 @@ struct TrainingCheckpoint {
 
 std::string checkpoint_name(int64_t step);  // "step-000500"
 
+// Copies a checkpoint's trainable tensors into the parameters of `model` of the same names.
+// `expected_count` is how many the model trains; Error naming the checkpoint (`source`) and the
+// tensor when a name is missing, a shape differs or the counts differ (another LoRA shape).
+void load_trainable_tensors(torch::nn::Module& model, const NamedTensorList& tensors, size_t expected_count,
+                            const std::string& source);
+
 // Writes RUN/checkpoints/step-N atomically (replacing an older one of the same step).
 std::string write_training_checkpoint(const std::string& run_dir, int64_t step, const TrainingCheckpoint& checkpoint);
 

@@ -152,6 +152,16 @@ TEST(Cli, TrainWritesTheRunDirectoryAndAnAdapterThatEvalApplies) {
   expect_user_error(qtrain("export --run " + run.path() + " --format peft --out " + run.file("exported")),
                     "already exists");
   EXPECT_EQ(qtrain("export --run " + run.path() + " --out " + run.file("exported") + " --force").status, 0);
+  // The final step's training-state checkpoint exports the same adapter, byte for byte.
+  auto from_checkpoint =
+      qtrain("export --run " + run.path() + " --checkpoint step-000002 --out " + run.file("from-checkpoint"));
+  ASSERT_EQ(from_checkpoint.status, 0) << from_checkpoint.output;
+  const auto bytes_of = [](const std::string& path) {
+    std::ifstream input(path, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(input), std::istreambuf_iterator<char>());
+  };
+  EXPECT_EQ(bytes_of(run.file("from-checkpoint/adapter_model.safetensors")),
+            bytes_of(run.file("exported/adapter_model.safetensors")));
   expect_user_error(qtrain("export --run " + run.path() + " --format merged --out " + run.file("merged")),
                     "not available yet");
 }
