@@ -1,4 +1,5 @@
 // qtrain [train] --recipe FILE: resolves the recipe (defaults, file, --set overrides) and trains.
+#include <cmath>
 #include <cstdio>
 #include <iostream>
 
@@ -41,9 +42,15 @@ int run_train(const Arguments& arguments) {
                 overrides.empty() ? "" : " --set ... (the same overrides)");
     return 0;
   }
-  std::printf("done: %lld steps in %.1f s; eval loss %.4f -> %.4f; adapter in %s\n",
-              static_cast<long long>(summary.steps), summary.seconds, summary.first_eval_loss, summary.last_eval_loss,
-              summary.adapter_dir.c_str());
+  // A resumed run has no eval of its own start (NaN): only the final loss is reported.
+  char eval[96] = "no eval data";
+  if (!std::isnan(summary.first_eval_loss)) {
+    std::snprintf(eval, sizeof eval, "eval loss %.4f -> %.4f", summary.first_eval_loss, summary.last_eval_loss);
+  } else if (!std::isnan(summary.last_eval_loss)) {
+    std::snprintf(eval, sizeof eval, "eval loss %.4f", summary.last_eval_loss);
+  }
+  std::printf("done: %lld steps in %.1f s; %s; adapter in %s\n", static_cast<long long>(summary.steps),
+              summary.seconds, eval, summary.adapter_dir.c_str());
   return 0;
 }
 
