@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 
 #include "kernels/error.h"
@@ -58,7 +59,18 @@ void write_file_atomically(const std::string& path, const std::string& text) {
 }
 
 void replace_directory(const std::string& staged, const std::string& target) {
-  if (!remove_tree(target)) fail(target, "cannot remove the previous version");
+  // An existing target is swapped with the staged directory in one step (Linux's
+  // RENAME_EXCHANGE), so `target` never stops existing; the old version, now at `staged`, goes.
+  if (::access(target.c_str(), F_OK) == 0) {
+    if (::renameat2(AT_FDCWD, staged.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) == 0) {
+      fsync_directory(parent_directory(target));
+      if (!remove_tree(staged)) fail(staged, "cannot remove the previous version");
+      return;
+    }
+    // File systems without the exchange (EINVAL): remove, then rename, as before.
+    if (errno != EINVAL && errno != ENOSYS) fail(target, "cannot swap the finished directory into place");
+    if (!remove_tree(target)) fail(target, "cannot remove the previous version");
+  }
   if (::rename(staged.c_str(), target.c_str()) != 0) fail(target, "cannot rename the finished directory into place");
   fsync_directory(parent_directory(target));
 }

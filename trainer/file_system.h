@@ -22,7 +22,8 @@ inline bool remove_tree(const std::string& path) {
 // `path` is always either the old file or the whole new one. Error naming the path on failure.
 void write_file_atomically(const std::string& path, const std::string& text);
 
-// Puts the finished directory `staged` in place of `target` (removing an older `target`).
+// Puts the finished directory `staged` in place of `target`: an older `target` is swapped out
+// atomically and then removed, so at every moment `target` is the old or the new version.
 void replace_directory(const std::string& staged, const std::string& target);
 
 }  // namespace qtrain::trainer
