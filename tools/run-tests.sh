@@ -4,6 +4,12 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 "$ROOT/tools/setup.sh"
+# The reference outputs the tests compare against live beside the clone, in ../shared/fixtures.
+fixtures=${QTRAIN_FIXTURES:-$ROOT/../shared/fixtures}
+if [ ! -d "$fixtures" ]; then
+  echo "run-tests: no reference fixtures at $fixtures: the tests that compare against them will fail;" \
+       "clone next to shared/ or set QTRAIN_FIXTURES" >&2
+fi
 cd "$ROOT/build"
 # One thread per test process: the suites run side by side on every core.
 OMP_NUM_THREADS=1 ctest --output-on-failure --timeout 600 -j "$(nproc)" "$@"
