@@ -181,7 +181,7 @@ std::string with_commas(int64_t value) {
 
 Dataset load_dataset(const std::vector<std::string>& sources, const DataOptions& options, const Tokenizer& tokenizer,
                      const std::string& model_dir) {
-  if (sources.empty()) throw Error("data.train is not set: point it at a data file or a directory of shards");
+  if (sources.empty()) throw Error("no data sources given: name a data file or a directory of shards");
   if (options.max_seq_len < 2) throw Error("data.max_seq_len must be at least 2");
   if (options.overlong != "truncate" && options.overlong != "drop") {
     throw Error("data.overlong must be truncate or drop, got '" + options.overlong + "'");

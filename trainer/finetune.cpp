@@ -61,10 +61,7 @@ Finetune::Finetune(Recipe recipe, std::string resume) : recipe_(std::move(recipe
 
 void Finetune::setup() {
   if (recipe_.model.path.empty()) throw Error("model.path is not set: point it at a Hugging Face model directory");
-  if (recipe_.data.train.empty()) {
-    throw Error("data.train is not set: point it at a data file or a directory of shards (data.format " +
-                recipe_.data.format + ")");
-  }
+  require_training_data(recipe_);
   if (recipe_.quant == "qat") throw Error("quant: qat is not available yet (it arrives with QAT 6/11); use qlora or none");
   device_ = resolve_device(recipe_.train.device);
   compute_dtype_ = parse_dtype_name(recipe_.train.dtype, "train.dtype");

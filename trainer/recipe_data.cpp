@@ -32,11 +32,15 @@ data::BatchStreamOptions batch_stream_options(const Recipe& recipe, const data::
   return options;
 }
 
-data::Dataset load_training_examples(const Recipe& recipe, const data::Tokenizer& tokenizer) {
+void require_training_data(const Recipe& recipe) {
   if (recipe.data.train.empty()) {
     throw Error("data.train is not set: point it at a data file or a directory of shards (data.format " +
                 recipe.data.format + ")");
   }
+}
+
+data::Dataset load_training_examples(const Recipe& recipe, const data::Tokenizer& tokenizer) {
+  require_training_data(recipe);
   return data::load_dataset(recipe.data.train, data_options(recipe), tokenizer, recipe.model.path);
 }
 

@@ -14,7 +14,11 @@ data::DataOptions data_options(const Recipe& recipe);
 data::BatchStreamOptions batch_stream_options(const Recipe& recipe, const data::Tokenizer& tokenizer,
                                               int64_t rank = 0, int64_t world_size = 1);
 
-// data.train's examples (Error when data.train is empty).
+// Error when data.train is empty: Finetune checks it before loading a model, so that a
+// missing key costs no minutes of loading.
+void require_training_data(const Recipe& recipe);
+
+// data.train's examples (require_training_data first).
 data::Dataset load_training_examples(const Recipe& recipe, const data::Tokenizer& tokenizer);
 
 // data.eval's examples, never packed and never mixed; empty when data.eval is not set.
