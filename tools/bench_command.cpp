@@ -31,6 +31,7 @@
 #include "trainer/llama.h"
 #include "trainer/llama_shapes.h"
 #include "trainer/memory_stats.h"
+#include "trainer/training_checkpoint.h"
 
 namespace po = boost::program_options;
 
@@ -81,7 +82,7 @@ void synchronize(const torch::Device& device) {
 }  // namespace
 
 int run_bench(const Arguments& arguments) {
-  std::string shape, quant, dtype_name, device_name;
+  std::string shape, quant, dtype_name, device_name, checkpoint_run;
   int64_t micro_batch = 0, sequence = 0, steps = 0, warmup = 0, lora_rank = 0, loss_chunk = 0;
   po::options_description options("bench options");
   options.add_options()
@@ -96,6 +97,7 @@ int run_bench(const Arguments& arguments) {
       ("lora-rank", po::value(&lora_rank)->default_value(16), "LoRA rank (alpha = 2 rank)")
       ("steps", po::value(&steps)->default_value(5), "timed steps (the median is reported)")
       ("warmup", po::value(&warmup)->default_value(2), "untimed steps first")
+      ("save-checkpoint", po::value(&checkpoint_run), "after the steps, time writing the training state into RUN/checkpoints")
       ("json", po::bool_switch(), "end with one JSON object");
   po::variables_map values;
   if (!parse_command_line("usage: qtrain bench [--shape S] [--quant Q] [--micro-batch B] [--seq T] [--checkpointing]",
@@ -165,6 +167,21 @@ int run_bench(const Arguments& arguments) {
       step_seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     }
   }
+  double checkpoint_seconds = 0.0;
+  if (!checkpoint_run.empty()) {
+    // What a run's checkpoint holds for this model: LoRA weights and AdamW moments (the random,
+    // loader and recipe parts are a few kilobytes).
+    trainer::TrainingCheckpoint checkpoint;
+    for (auto& item : model->named_parameters()) {
+      if (item.value().requires_grad()) checkpoint.trainable.emplace_back(item.key(), item.value());
+    }
+    checkpoint.optimizer = optimizer->state();
+    checkpoint.state = {{"step", warmup + steps}};
+    const auto start = std::chrono::steady_clock::now();
+    const auto path = trainer::write_training_checkpoint(checkpoint_run, warmup + steps, checkpoint);
+    checkpoint_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::printf("bench: training checkpoint %s written in %.2f s\n", path.c_str(), checkpoint_seconds);
+  }
   std::sort(step_seconds.begin(), step_seconds.end());
   const double median = step_seconds[step_seconds.size() / 2];
   const double tokens_per_second = static_cast<double>(micro_batch * sequence) / median;
@@ -197,7 +214,8 @@ int run_bench(const Arguments& arguments) {
                                 {"tokens_per_second", tokens_per_second},
                                 {"mfu", mfu},
                                 {"peak_memory_bytes", memory.peak_bytes},
-                                {"step_seconds", median}}
+                                {"step_seconds", median},
+                                {"checkpoint_seconds", checkpoint_seconds}}
                      .dump()
               << std::endl;
   }
