@@ -1,11 +1,16 @@
 #pragma once
 // What every test suite needs: where ../shared/fixtures, the sources, the qtrain binary and the
 // interop Python are, temporary directories, and running a command.
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <array>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <random>
 #include <string>
 
@@ -44,6 +49,25 @@ inline CommandResult run_command(const std::string& command) {
   const int status = pclose(pipe);
   if (WIFEXITED(status)) result.status = WEXITSTATUS(status);
   return result;
+}
+
+// A local TCP port nobody listens on right now (for a rendezvous in a test).
+inline int free_port() {
+  const int socket_fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(socket_fd, reinterpret_cast<sockaddr*>(&address), sizeof address);
+  socklen_t length = sizeof address;
+  getsockname(socket_fd, reinterpret_cast<sockaddr*>(&address), &length);
+  close(socket_fd);
+  return ntohs(address.sin_port);
+}
+
+// The whole file, or "" when it cannot be read (for failure messages).
+inline std::string read_text(const std::string& path) {
+  std::ifstream file(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>());
 }
 
 // True when the interop Python imports every module in `modules` (space separated).

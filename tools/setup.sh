@@ -22,7 +22,7 @@ PYTHON_PINS=(
 )
 DEBIAN_PACKAGES=(
   build-essential cmake ninja-build ccache git python3 python3-venv python3-pip
-  libboost-program-options-dev libyaml-cpp-dev nlohmann-json3-dev libpcre2-dev libgtest-dev
+  libboost-program-options-dev libyaml-cpp-dev nlohmann-json3-dev libpcre2-dev libgtest-dev libgloo-dev
 )
 
 log() { printf '[setup] %s\n' "$*" >&2; }

@@ -5,6 +5,7 @@
 
 #include "tools/commands.h"
 #include "trainer/finetune.h"
+#include "trainer/launch_environment.h"
 #include "trainer/recipe.h"
 #include "trainer/stop_signal.h"
 
@@ -32,6 +33,9 @@ int run_train(const Arguments& arguments) {
     std::cout << trainer::recipe_to_yaml(recipe);
     return 0;
   }
+  // Ranks other than 0 would repeat rank 0's progress lines; their warnings and errors still
+  // reach stderr.
+  if (trainer::read_launch_environment().rank > 0) std::freopen("/dev/null", "w", stdout);
   trainer::install_stop_signal_handlers();
   trainer::Finetune finetune(recipe, resume);
   finetune.setup();

@@ -53,32 +53,51 @@ bool is_lora_parameter(const std::string& name) {
 
 }  // namespace
 
-Finetune::Finetune(Recipe recipe, std::string resume) : recipe_(std::move(recipe)), resume_(std::move(resume)) {
+Finetune::Finetune(Recipe recipe, std::string resume)
+    : recipe_(std::move(recipe)), launch_(read_launch_environment()), resume_(std::move(resume)) {
   // torchrun restarts a failed run with the same command: it must continue, not start over.
-  const char* restarts = std::getenv("TORCHELASTIC_RESTART_COUNT");
-  if (resume_.empty() && restarts != nullptr && std::atoi(restarts) > 0) resume_ = "auto";
+  if (resume_.empty() && launch_.restart_count > 0) resume_ = "auto";
 }
 
 void Finetune::setup() {
   if (recipe_.model.path.empty()) throw Error("model.path is not set: point it at a Hugging Face model directory");
   require_training_data(recipe_);
   if (recipe_.quant == "qat") throw Error("quant: qat is not available yet (it arrives with QAT 6/11); use qlora or none");
-  device_ = resolve_device(recipe_.train.device);
+  device_ = resolve_device(recipe_.train.device, launch_.local_rank);
   compute_dtype_ = parse_dtype_name(recipe_.train.dtype, "train.dtype");
   if (compute_dtype_ == torch::kFloat16 && device_.is_cpu()) {
     throw Error("train.dtype fp16 is not supported on the CPU; use bf16 or fp32");
   }
   scaler_ = LossScaler(/*enabled=*/compute_dtype_ == torch::kFloat16);
+  if (launch_.distributed()) {
+    // Joined first: a rank started wrongly fails here, before minutes of model loading.
+    ProcessGroupOptions options;
+    options.backend = recipe_.dist.backend;
+    options.timeout = std::chrono::seconds(recipe_.dist.timeout_s);
+    group_ = std::make_unique<ProcessGroup>(launch_, device_, options);
+    std::printf("dist: rank %lld of %lld (%s, %s on %s)\n", static_cast<long long>(launch_.rank),
+                static_cast<long long>(launch_.world_size), launch_.launcher.c_str(), group_->backend_name().c_str(),
+                device_.str().c_str());
+  }
+  // Every rank seeds alike (as HF Trainer does): the same LoRA initialisation, the same data order.
   torch::manual_seed(static_cast<uint64_t>(recipe_.train.seed));
   run_dir_ = recipe_.train.output_dir;
-  std::filesystem::create_directories(run_dir_);
-  write_file_atomically(run_dir_ + "/recipe.yaml", recipe_to_yaml(recipe_));
+  if (writes_files()) {
+    std::filesystem::create_directories(run_dir_);
+    write_file_atomically(run_dir_ + "/recipe.yaml", recipe_to_yaml(recipe_));
+  }
   setup_model();
   setup_adapters();
   setup_optimizer();
   setup_data();
   // A resumed run appends to the metrics of the steps it continues.
-  if (!resume_if_asked()) std::ofstream(run_dir_ + "/metrics.jsonl", std::ios::trunc);
+  const bool resumed = resume_if_asked();
+  if (!resumed && writes_files()) std::ofstream(run_dir_ + "/metrics.jsonl", std::ios::trunc);
+  if (group_) {
+    // Rank 0's weights everywhere, whatever each rank initialised or read.
+    group_->broadcast(trainable_, 0, "the broadcast of the initial weights");
+    gradient_buckets_ = std::make_unique<GradientBuckets>(trainable_, *group_, recipe_.dist.bucket_mb << 20);
+  }
 }
 
 void Finetune::setup_model() {
@@ -137,9 +156,15 @@ void Finetune::setup_data() {
   std::printf("data: train %s\n", data::describe(train.stats).c_str());
   for (const auto& message : train.stats.bad_record_messages) std::printf("  skipped: %s\n", message.c_str());
   auto eval = load_eval_examples(recipe_, tokenizer);
-  eval_examples_ = std::move(eval.examples);
-  if (!eval_examples_.empty()) std::printf("data: eval %s\n", data::describe(eval.stats).c_str());
-  data::BatchStream stream(std::move(train.examples), batch_stream_options(recipe_, tokenizer));
+  if (!eval.examples.empty()) std::printf("data: eval %s\n", data::describe(eval.stats).c_str());
+  // Each rank evaluates every world_size-th example; the sums are reduced.
+  for (size_t index = static_cast<size_t>(launch_.rank); index < eval.examples.size();
+       index += static_cast<size_t>(launch_.world_size)) {
+    eval_examples_.push_back(std::move(eval.examples[index]));
+  }
+  has_eval_data_ = !eval.examples.empty();
+  data::BatchStream stream(std::move(train.examples),
+                           batch_stream_options(recipe_, tokenizer, launch_.rank, launch_.world_size));
   train_batches_ = std::make_unique<data::DataLoader>(std::move(stream), recipe_.data.prefetch_batches);
   total_steps_ = recipe_.train.steps > 0
                      ? recipe_.train.steps
@@ -165,24 +190,38 @@ StepResult Finetune::train_step(int64_t step) {
   // The schedule follows optimizer steps taken: a skipped step does not advance it.
   optimizer_->set_learning_rate(optim::learning_rate_at(schedule_, optimizer_steps_));
   std::vector<data::Batch> micro_batches;
-  int64_t predicted_tokens = 0;
+  double predicted_tokens = 0;
+  double input_tokens = 0;
   for (int64_t index = 0; index < recipe_.train.grad_accum_steps; ++index) {
     micro_batches.push_back(train_batches_->next());
-    predicted_tokens += micro_batches.back().predicted_tokens;
-    result.tokens += micro_batches.back().input_tokens;
+    predicted_tokens += static_cast<double>(micro_batches.back().predicted_tokens);
+    input_tokens += static_cast<double>(micro_batches.back().input_tokens);
   }
-  // The loss is token-weighted over the whole accumulation window, as if it were one batch;
-  // fp16 scales it so that small gradients survive.
-  const double loss_weight = scaler_.scale() / static_cast<double>(std::max<int64_t>(predicted_tokens, 1));
+  if (group_) {
+    const auto totals = group_->sum({predicted_tokens, input_tokens}, "the token count of the step");
+    predicted_tokens = totals[0];
+    input_tokens = totals[1];
+  }
+  result.tokens = static_cast<int64_t>(input_tokens);
+  // The loss is token-weighted over the whole accumulation window (of every rank), as if it
+  // were one batch; fp16 scales it so that small gradients survive.
+  const double loss_weight = scaler_.scale() / std::max(predicted_tokens, 1.0);
   double loss_sum = 0;
-  for (auto& batch : micro_batches) {
+  for (size_t index = 0; index < micro_batches.size(); ++index) {
+    const auto& batch = micro_batches[index];
     auto labels = batch.labels.to(device_);
     auto hidden = model.hidden_states(model_inputs(batch, device_));
     auto loss = causal_lm_loss(model, hidden, labels, loss_chunk_tokens_);
+    // Ranks exchange gradients only in the window's last backward, overlapped with it.
+    if (gradient_buckets_ && index + 1 == micro_batches.size()) gradient_buckets_->arm();
     (loss.loss_sum * loss_weight).backward();
     loss_sum += loss.loss_sum.item<double>();
   }
-  result.loss = loss_sum / static_cast<double>(std::max<int64_t>(predicted_tokens, 1));
+  if (gradient_buckets_) {
+    gradient_buckets_->finish();
+    loss_sum = group_->sum({loss_sum}, "the loss of the step")[0];
+  }
+  result.loss = loss_sum / std::max(predicted_tokens, 1.0);
   if (after_backward_) after_backward_(step, trainable_);
 
   const bool loss_finite = std::isfinite(result.loss);
@@ -231,32 +270,59 @@ void Finetune::handle_skipped_step(int64_t step, const StepResult& result, bool 
 }
 
 double Finetune::evaluate_and_log(int64_t step) {
-  if (eval_examples_.empty()) return std::numeric_limits<double>::quiet_NaN();
+  if (!has_eval_data_) return std::numeric_limits<double>::quiet_NaN();
   EvalOptions options;
   options.batch_size = recipe_.train.micro_batch_size;
-  options.max_batches = recipe_.eval.max_batches;
-  const auto result = evaluate(*loaded_.model, eval_examples_, options);
+  // The ranks share the batches: max_batches bounds their total.
+  options.max_batches = (recipe_.eval.max_batches + launch_.world_size - 1) / launch_.world_size;
+  double loss_sum = 0;
+  double tokens = 0;
+  if (!eval_examples_.empty()) {
+    const auto result = evaluate(*loaded_.model, eval_examples_, options);
+    tokens = static_cast<double>(result.tokens);
+    loss_sum = result.loss * tokens;
+  }
+  if (group_) {
+    const auto totals = group_->sum({loss_sum, tokens}, "the evaluation");
+    loss_sum = totals[0];
+    tokens = totals[1];
+  }
+  const double loss = loss_sum / std::max(tokens, 1.0);
+  const double perplexity = std::exp(loss);
   std::printf("eval  step %lld/%lld | eval_loss %.4f | perplexity %.2f | %lld tokens\n", static_cast<long long>(step),
-              static_cast<long long>(total_steps_), result.loss, result.perplexity,
-              static_cast<long long>(result.tokens));
-  log_metrics({{"step", step}, {"eval_loss", result.loss}, {"eval_perplexity", result.perplexity},
-               {"eval_tokens", result.tokens}});
-  return result.loss;
+              static_cast<long long>(total_steps_), loss, perplexity, static_cast<long long>(tokens));
+  log_metrics({{"step", step}, {"eval_loss", loss}, {"eval_perplexity", perplexity},
+               {"eval_tokens", static_cast<int64_t>(tokens)}});
+  return loss;
 }
 
 void Finetune::log_metrics(const nlohmann::json& line) {
+  if (!writes_files()) return;
   std::ofstream metrics(run_dir_ + "/metrics.jsonl", std::ios::app);
   metrics << line.dump() << "\n";
   if (!metrics) throw Error(run_dir_ + "/metrics.jsonl: cannot write (is the disk full?)");
 }
 
-std::string Finetune::save_adapter() const {
+std::string Finetune::save_adapter() {
   const std::string target = run_dir_ + "/adapter";
-  const std::string staged = run_dir_ + "/.adapter.staging";
-  remove_tree(staged);
-  write_peft_adapter(*loaded_.model, adapter_config_, staged, recipe_.model.path);
-  replace_directory(staged, target);
+  if (writes_files()) {
+    const std::string staged = run_dir_ + "/.adapter.staging";
+    remove_tree(staged);
+    write_peft_adapter(*loaded_.model, adapter_config_, staged, recipe_.model.path);
+    replace_directory(staged, target);
+  }
+  wait_for_all_ranks("the adapter written by rank 0");
   return target;
+}
+
+bool Finetune::any_rank_stopping() {
+  const double stopping = stop_requested() ? 1.0 : 0.0;
+  if (!group_) return stopping > 0;
+  return group_->sum({stopping}, "the stop check")[0] > 0;
+}
+
+void Finetune::wait_for_all_ranks(const std::string& what) {
+  if (group_) group_->barrier(what);
 }
 
 std::string Finetune::save_checkpoint(int64_t steps_done) {
@@ -274,8 +340,13 @@ std::string Finetune::save_checkpoint(int64_t steps_done) {
                       {"loader", train_batches_->state().to_json()},
                       {"loss_scaler", scaler_.state()}};
   checkpoint.recipe_yaml = recipe_to_yaml(recipe_);
-  const std::string path = write_training_checkpoint(run_dir_, steps_done, checkpoint);
-  prune_training_checkpoints(run_dir_, recipe_.checkpoint.keep_last);
+  // Every rank holds the same weights, optimizer state and data position: rank 0's is the run's.
+  std::string path = run_dir_ + "/checkpoints/" + checkpoint_name(steps_done);
+  if (writes_files()) {
+    path = write_training_checkpoint(run_dir_, steps_done, checkpoint);
+    prune_training_checkpoints(run_dir_, recipe_.checkpoint.keep_last);
+  }
+  wait_for_all_ranks("the checkpoint written by rank 0");
   std::printf("checkpoint: %s (%.2f s)\n", path.c_str(), seconds_since(start));
   std::fflush(stdout);
   return path;
@@ -352,6 +423,7 @@ TrainSummary Finetune::train() {
       std::string precision;
       if (scaler_.enabled()) precision += " | scale " + std::to_string(static_cast<int64_t>(scaler_.scale()));
       if (skipped_steps_ > 0) precision += " | skipped " + std::to_string(skipped_steps_);
+      if (group_) extras += " on rank 0";
       std::printf("step %lld/%lld | loss %.4f | lr %.2e | grad_norm %.3f | %.0f tokens/s | memory %s (peak %s%s)%s | eta %s\n",
                   static_cast<long long>(done), static_cast<long long>(total_steps_), result.loss,
                   optimizer_->learning_rate(), result.grad_norm, tokens_per_second,
@@ -369,12 +441,16 @@ TrainSummary Finetune::train() {
                              {"skipped_steps", skipped_steps_}};
       if (memory.reserved_bytes > 0) line["reserved_memory"] = memory.reserved_bytes;
       if (scaler_.enabled()) line["loss_scale"] = scaler_.scale();
+      if (group_) {
+        line["world_size"] = launch_.world_size;
+        line["tokens_per_second_per_rank"] = tokens_per_second / static_cast<double>(launch_.world_size);
+      }
       log_metrics(line);
       reset_peak_memory(device_);  // the next line's peak is that of its own window
       window_start = Clock::now();
       window_tokens = 0;
     }
-    if (stop_requested() && done != total_steps_) {
+    if (any_rank_stopping() && done != total_steps_) {
       summary.stopped = true;
       summary.steps = done;
       summary.checkpoint_dir = save_checkpoint(done);

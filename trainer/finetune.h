@@ -6,6 +6,10 @@
 //   RUN/metrics.jsonl   one JSON object per logged step (and per evaluation)
 //   RUN/adapter/        the final PEFT adapter
 //   RUN/checkpoints/    training-state checkpoints (trainer/training_checkpoint.h)
+//
+// Under a launcher (trainer/launch_environment.h) every rank runs this same recipe on its own
+// slice of each global batch; gradients are summed over the ranks during backward
+// (trainer/gradient_buckets.h). Rank 0 alone writes the run directory; the others wait for it.
 #include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -16,9 +20,12 @@
 #include "data/loader.h"
 #include "optim/lr_schedule.h"
 #include "optim/optimizer.h"
+#include "trainer/gradient_buckets.h"
 #include "trainer/hf_checkpoint.h"
+#include "trainer/launch_environment.h"
 #include "trainer/loss_scaler.h"
 #include "trainer/peft_adapter.h"
+#include "trainer/process_group.h"
 #include "trainer/recipe.h"
 
 namespace qtrain::trainer {
@@ -68,12 +75,20 @@ class Finetune {
   void handle_skipped_step(int64_t step, const StepResult& result, bool scale_overflow);
   double evaluate_and_log(int64_t step);
   void log_metrics(const nlohmann::json& line);
-  std::string save_adapter() const;
+  std::string save_adapter();
   std::string save_checkpoint(int64_t steps_done);
+  // Whether a stop signal reached any rank (all ranks must stop after the same step).
+  bool any_rank_stopping();
+  bool writes_files() const { return launch_.rank == 0; }
+  // Every rank has got here (no-op on one process).
+  void wait_for_all_ranks(const std::string& what);
   // Loads the checkpoint `resume_` names, if any; returns whether the run continues one.
   bool resume_if_asked();
 
   Recipe recipe_;
+  LaunchEnvironment launch_;
+  std::unique_ptr<ProcessGroup> group_;  // only with more than one rank
+  std::unique_ptr<GradientBuckets> gradient_buckets_;
   torch::Device device_{torch::kCPU};
   torch::ScalarType compute_dtype_ = torch::kFloat32;
   LoadedModel loaded_;
@@ -83,7 +98,8 @@ class Finetune {
   std::unique_ptr<optim::Optimizer> optimizer_;
   optim::LrScheduleOptions schedule_;
   std::unique_ptr<data::DataLoader> train_batches_;
-  std::vector<data::Example> eval_examples_;
+  std::vector<data::Example> eval_examples_;  // this rank's share of the eval split
+  bool has_eval_data_ = false;
   int64_t total_steps_ = 0;
   LossScaler scaler_{false};
   int64_t loss_chunk_tokens_ = 0;

@@ -1,0 +1,101 @@
+// Bucketed gradient all-reduce between two ranks, run as two threads of this process over Gloo.
+#include <gtest/gtest.h>
+
+#include <future>
+
+#include "support.h"
+#include "trainer/gradient_buckets.h"
+#include "trainer/process_group.h"
+
+namespace qtrain::trainer {
+namespace {
+
+struct RankResult {
+  std::vector<torch::Tensor> local_gradients;  // what this rank's data alone gives
+  std::vector<torch::Tensor> reduced_gradients;
+  size_t buckets = 0;
+};
+
+// Three parameters of different sizes; `micro_batches` backward passes, the last one armed.
+RankResult run_rank(int64_t rank, int64_t port, int64_t bucket_bytes, int micro_batches, bool leave_one_unused) {
+  LaunchEnvironment environment;
+  environment.rank = rank;
+  environment.world_size = 2;
+  environment.local_world_size = 2;
+  environment.master_port = port;
+  ProcessGroupOptions options;
+  options.backend = "gloo";
+  options.timeout = std::chrono::seconds(30);
+  ProcessGroup group(environment, torch::kCPU, options);
+
+  torch::manual_seed(0);  // the same parameters on both ranks
+  std::vector<torch::Tensor> parameters{torch::randn({64, 32}).requires_grad_(), torch::randn({32}).requires_grad_(),
+                                        torch::randn({32, 16}).requires_grad_()};
+  GradientBuckets buckets(parameters, group, bucket_bytes);
+  torch::manual_seed(100 + rank);  // different data on each rank
+  std::vector<torch::Tensor> inputs;
+  for (int index = 0; index < micro_batches; ++index) inputs.push_back(torch::randn({8, 64}));
+  auto loss_of = [&](const torch::Tensor& input) {
+    auto hidden = torch::tanh(input.matmul(parameters[0]) + parameters[1]);
+    return leave_one_unused ? hidden.pow(2).sum() : hidden.matmul(parameters[2]).pow(2).sum();
+  };
+  RankResult result;
+  // The local gradients first, without communication.
+  for (const auto& input : inputs) loss_of(input).backward();
+  for (auto& parameter : parameters) {
+    result.local_gradients.push_back(parameter.grad().defined() ? parameter.grad().clone()
+                                                                : torch::zeros_like(parameter));
+    parameter.mutable_grad() = torch::Tensor();
+  }
+  for (int index = 0; index < micro_batches; ++index) {
+    if (index + 1 == micro_batches) buckets.arm();
+    loss_of(inputs[index]).backward();
+  }
+  buckets.finish();
+  for (auto& parameter : parameters) result.reduced_gradients.push_back(parameter.grad().clone());
+  result.buckets = buckets.bucket_count();
+  return result;
+}
+
+void expect_sums(int64_t bucket_bytes, int micro_batches, bool leave_one_unused, size_t expected_buckets) {
+  const int64_t port = testing::free_port();
+  auto other = std::async(std::launch::async, run_rank, 1, port, bucket_bytes, micro_batches, leave_one_unused);
+  const auto zero = run_rank(0, port, bucket_bytes, micro_batches, leave_one_unused);
+  const auto one = other.get();
+  EXPECT_EQ(zero.buckets, expected_buckets);
+  for (size_t index = 0; index < zero.local_gradients.size(); ++index) {
+    const auto expected = zero.local_gradients[index] + one.local_gradients[index];
+    EXPECT_TRUE(torch::allclose(zero.reduced_gradients[index], expected, 1e-6, 1e-6)) << "parameter " << index;
+    EXPECT_TRUE(torch::equal(zero.reduced_gradients[index], one.reduced_gradients[index])) << "parameter " << index;
+  }
+}
+
+TEST(GradientBuckets, SumsEveryGradientOverTheRanksInOneBucket) { expect_sums(25 << 20, 1, false, 1); }
+
+TEST(GradientBuckets, SumsEveryGradientOverTheRanksInSeveralBuckets) {
+  // 32x16 and 32 floats fit 4 KiB together; 64x32 takes a bucket of its own.
+  expect_sums(4096, 1, false, 2);
+}
+
+TEST(GradientBuckets, AccumulatesLocallyUntilTheArmedBackward) { expect_sums(4096, 3, false, 2); }
+
+TEST(GradientBuckets, AParameterWithoutAGradientCountsAsZero) { expect_sums(4096, 2, true, 2); }
+
+TEST(ProcessGroup, ASecondRankThatNeverComesIsAnErrorNamingTheAddress) {
+  LaunchEnvironment environment;
+  environment.world_size = 2;
+  environment.local_world_size = 2;
+  environment.master_port = testing::free_port();
+  ProcessGroupOptions options;
+  options.backend = "gloo";
+  options.timeout = std::chrono::seconds(2);
+  try {
+    ProcessGroup group(environment, torch::kCPU, options);
+    FAIL() << "expected the rendezvous to time out";
+  } catch (const std::exception& error) {
+    EXPECT_NE(std::string(error.what()).find("rendezvous at 127.0.0.1:"), std::string::npos) << error.what();
+  }
+}
+
+}  // namespace
+}  // namespace qtrain::trainer
