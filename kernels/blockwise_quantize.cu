@@ -15,6 +15,7 @@
 #include "kernels/blockwise_quantize.h"
 #include "kernels/bnb_fast_math.cuh"
 #include "kernels/cuda_entry.cuh"
+#include "kernels/dynamic_map_code.h"
 
 namespace qtrain::kernels {
 
@@ -46,31 +47,6 @@ __device__ __forceinline__ uint8_t pick_four_bit_code(const FourBitPicker& picke
 #pragma unroll
   for (int k = 0; k < kMaxThresholds; ++k) rank += (k < picker.threshold_count && x > picker.thresholds[k]) ? 1 : 0;
   return static_cast<uint8_t>(((picker.codes_by_rank >> (4 * rank)) & 0xF) | sign);
-}
-
-// bnb's dQuantize<0>: seven halving steps from index 127 keep the last codes below (lower) and at or
-// above (upper) x, starting from the bracket [-1, 1]; x then goes to the final pivot or the
-// neighbour on its side, whichever the fp32 midpoint test says is nearer (a tie keeps the pivot).
-__device__ __forceinline__ uint8_t pick_dynamic_map_code(const float* table, float x) {
-  int pivot = 127, lower_index = 0, upper_index = 255;
-  float lower = -1.0f, upper = 1.0f;
-  float value = table[pivot];
-  for (int step = 64; step > 0; step /= 2) {
-    if (x > value) {
-      lower_index = pivot;
-      lower = value;
-      pivot += step;
-    } else {
-      upper_index = pivot;
-      upper = value;
-      pivot -= step;
-    }
-    value = table[pivot];
-  }
-  if (upper_index == 255) upper = table[255];
-  if (lower_index == 0) lower = table[0];
-  if (x > value) return static_cast<uint8_t>(x > (upper + value) * 0.5f ? upper_index : pivot);
-  return static_cast<uint8_t>(x < (lower + value) * 0.5f ? lower_index : pivot);
 }
 
 // max |w| over [first, first + count), reduced over the warp. Starting from 0 equals bnb's
@@ -128,7 +104,7 @@ __global__ void quantize_8bit_kernel(const scalar_t* __restrict__ input, int64_t
   if (lane == 0) absmax[block] = block_max;
   const float inverse = fast::reciprocal(block_max);
   for (int64_t i = lane; i < count; i += kWarpSize) {
-    codes[first + i] = pick_dynamic_map_code(table, fast::multiply(static_cast<float>(input[first + i]), inverse));
+    codes[first + i] = dynamic_map_code(table, fast::multiply(static_cast<float>(input[first + i]), inverse));
   }
 }
 

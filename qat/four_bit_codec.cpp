@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "kernels/blockwise_quantize.h"
+#include "kernels/dynamic_map_code.h"
 #include "kernels/error.h"
 
 namespace qtrain::qat {
@@ -35,36 +36,6 @@ float block_absmax(const float* values, int64_t first, int64_t last) {
   float absmax = -FLT_MAX;
   for (int64_t i = first; i < last; ++i) absmax = std::fmax(absmax, std::fabs(values[i]));
   return std::fmax(absmax, 0.0f);
-}
-
-// bitsandbytes' nearest-code search in a sorted 256-entry map (dQuantize, deterministic): seven
-// halving steps from index 127 track the last codes below (lower) and at-or-above (upper) x, then x
-// goes to the final pivot or the neighbour on its side, whichever is nearer by an fp32 midpoint
-// test (a tie goes to the pivot). The bracket starts as [-1, 1], bnb's signed-map assumption.
-uint8_t dynamic_map_code(const float* code, float x) {
-  int pivot = 127, lower_index = 0, upper_index = 255;
-  float lower = -1.0f, upper = 1.0f;
-  float value = code[pivot];
-  for (int step = 64; step > 0; step /= 2) {
-    if (x > value) {
-      lower_index = pivot;
-      lower = value;
-      pivot += step;
-    } else {
-      upper_index = pivot;
-      upper = value;
-      pivot -= step;
-    }
-    value = code[pivot];
-  }
-  if (upper_index == 255) upper = code[255];
-  if (lower_index == 0) lower = code[0];
-  if (x > value) {
-    const float midpoint = (upper + value) * 0.5f;
-    return static_cast<uint8_t>(x > midpoint ? upper_index : pivot);
-  }
-  const float midpoint = (lower + value) * 0.5f;
-  return static_cast<uint8_t>(x < midpoint ? lower_index : pivot);
 }
 
 torch::Tensor contiguous_fp32_cpu(const torch::Tensor& input) {
@@ -197,7 +168,7 @@ BlockwiseQuantized quantize_blockwise_8bit(const torch::Tensor& input, const tor
     const float block_max = block_absmax(x, first, last);
     absmax_out[block] = block_max;
     const float inverse = 1.0f / block_max;
-    for (int64_t i = first; i < last; ++i) out[i] = dynamic_map_code(table, x[i] * inverse);
+    for (int64_t i = first; i < last; ++i) out[i] = kernels::dynamic_map_code(table, x[i] * inverse);
   });
   return {codes.view(input.sizes()).to(input.device()), absmax.to(input.device())};
 }
