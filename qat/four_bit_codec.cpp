@@ -8,6 +8,8 @@
 #include <cmath>
 #include <sstream>
 
+#include "kernels/blockwise_quantize.h"
+#include "kernels/dynamic_map_code.h"
 #include "kernels/error.h"
 
 namespace qtrain::qat {
@@ -36,38 +38,61 @@ float block_absmax(const float* values, int64_t first, int64_t last) {
   return std::fmax(absmax, 0.0f);
 }
 
-// bitsandbytes' nearest-code search in a sorted 256-entry map (dQuantize, deterministic): seven
-// halving steps from index 127 track the last codes below (lower) and at-or-above (upper) x, then x
-// goes to the final pivot or the neighbour on its side, whichever is nearer by an fp32 midpoint
-// test (a tie goes to the pivot). The bracket starts as [-1, 1], bnb's signed-map assumption.
-uint8_t dynamic_map_code(const float* code, float x) {
-  int pivot = 127, lower_index = 0, upper_index = 255;
-  float lower = -1.0f, upper = 1.0f;
-  float value = code[pivot];
-  for (int step = 64; step > 0; step /= 2) {
-    if (x > value) {
-      lower_index = pivot;
-      lower = value;
-      pivot += step;
-    } else {
-      upper_index = pivot;
-      upper = value;
-      pivot -= step;
-    }
-    value = code[pivot];
-  }
-  if (upper_index == 255) upper = code[255];
-  if (lower_index == 0) lower = code[0];
-  if (x > value) {
-    const float midpoint = (upper + value) * 0.5f;
-    return static_cast<uint8_t>(x > midpoint ? upper_index : pivot);
-  }
-  const float midpoint = (lower + value) * 0.5f;
-  return static_cast<uint8_t>(x < midpoint ? lower_index : pivot);
-}
-
 torch::Tensor contiguous_fp32_cpu(const torch::Tensor& input) {
   return input.detach().to(torch::kCPU, torch::kFloat32).contiguous().view(-1);
+}
+
+// CUDA tensors go to the kernels (kernels/blockwise_quantize.h) when this build has them; everything
+// else takes the CPU reference path below.
+bool on_cuda_kernels(const torch::Tensor& tensor) { return kernels::kCudaKernelsBuilt && tensor.is_cuda(); }
+
+// What the kernels read: the tensor flat and contiguous on its device, in a dtype they take.
+torch::Tensor cuda_kernel_input(const torch::Tensor& input) {
+  const auto type = input.scalar_type();
+  const bool readable = type == torch::kFloat32 || type == torch::kFloat16 || type == torch::kBFloat16;
+  return (readable ? input.detach() : input.detach().to(torch::kFloat32)).contiguous().view(-1);
+}
+
+kernels::FourBitQuantizer kernel_quantizer(const FourBitFormat& format) {
+  return {format.thresholds, format.code_of_rank, format.sign_magnitude};
+}
+
+struct BlockCodes {
+  torch::Tensor packed;  // uint8 [ceil(n / 2)]
+  torch::Tensor absmax;  // fp32 [blocks]
+};
+
+BlockCodes quantize_4bit_on_cpu(const torch::Tensor& input, const FourBitFormat& format, int64_t blocksize) {
+  const auto values = contiguous_fp32_cpu(input);
+  const int64_t n = values.numel();
+  auto packed = torch::zeros({ceil_div(n, 2)}, torch::kUInt8);
+  auto absmax = torch::empty({ceil_div(n, blocksize)}, torch::kFloat32);
+  const float* x = values.data_ptr<float>();
+  uint8_t* bytes = packed.data_ptr<uint8_t>();
+  float* absmax_out = absmax.data_ptr<float>();
+  // Blocksizes are even, so a byte never straddles two blocks.
+  for_each_block(n, blocksize, [&](int64_t block, int64_t first, int64_t last) {
+    const float block_max = block_absmax(x, first, last);
+    absmax_out[block] = block_max;
+    const float inverse = 1.0f / block_max;
+    for (int64_t i = first; i < last; i += 2) {
+      const uint8_t high = format.quantize(x[i] * inverse);
+      // bnb pads a partial block with zeros and quantizes them like the rest.
+      const uint8_t low = format.quantize((i + 1 < last ? x[i + 1] : 0.0f) * inverse);
+      bytes[i / 2] = static_cast<uint8_t>((high << 4) | low);
+    }
+  });
+  return {packed.to(input.device()), absmax.to(input.device())};
+}
+
+// The mean that double quantization centres the absmax by, as bnb takes it (torch.mean on the
+// absmax's device). On CUDA that is torch's own reduction; on the CPU, the sum times the fp32
+// reciprocal of the count (CUDA's torch.mean does not divide), the sum taken in float64 and
+// rounded, which the fixtures' offsets all equal.
+float absmax_mean(const torch::Tensor& absmax) {
+  if (absmax.is_cuda()) return absmax.mean().item<float>();
+  const float sum = static_cast<float>(absmax.sum(torch::kDouble).item<double>());
+  return sum * (1.0f / static_cast<float>(absmax.numel()));
 }
 
 }  // namespace
@@ -125,6 +150,11 @@ void FourBitQuantState::check(const torch::Tensor& packed, const std::string& wh
 
 BlockwiseQuantized quantize_blockwise_8bit(const torch::Tensor& input, const torch::Tensor& code, int64_t blocksize) {
   if (code.numel() != 256) throw Error("8-bit blockwise quantization needs a 256-entry code");
+  if (on_cuda_kernels(input)) {
+    auto quantized = kernels::quantize_blockwise_8bit_cuda(
+        cuda_kernel_input(input), code.to(input.device(), torch::kFloat32).contiguous(), blocksize);
+    return {quantized.codes.view(input.sizes()), quantized.absmax};
+  }
   const auto values = contiguous_fp32_cpu(input);
   const auto code_values = code.to(torch::kCPU, torch::kFloat32).contiguous();
   const int64_t n = values.numel();
@@ -138,7 +168,7 @@ BlockwiseQuantized quantize_blockwise_8bit(const torch::Tensor& input, const tor
     const float block_max = block_absmax(x, first, last);
     absmax_out[block] = block_max;
     const float inverse = 1.0f / block_max;
-    for (int64_t i = first; i < last; ++i) out[i] = dynamic_map_code(table, x[i] * inverse);
+    for (int64_t i = first; i < last; ++i) out[i] = kernels::dynamic_map_code(table, x[i] * inverse);
   });
   return {codes.view(input.sizes()).to(input.device()), absmax.to(input.device())};
 }
@@ -161,26 +191,13 @@ FourBitTensor quantize_4bit(const torch::Tensor& input, FourBitType quant_type, 
                 std::string(c10::toString(input.scalar_type())));
   }
   const auto& format = four_bit_format(quant_type);
-  const auto values = contiguous_fp32_cpu(input);
-  const int64_t n = values.numel();
-  const int64_t blocks = ceil_div(n, blocksize);
-  auto packed = torch::zeros({ceil_div(n, 2), 1}, torch::kUInt8);
-  auto absmax = torch::empty({blocks}, torch::kFloat32);
-  const float* x = values.data_ptr<float>();
-  uint8_t* bytes = packed.data_ptr<uint8_t>();
-  float* absmax_out = absmax.data_ptr<float>();
-  const uint8_t padding_code = format.quantize(0.0f);
-  // Blocksizes are even, so a byte never straddles two blocks.
-  for_each_block(n, blocksize, [&](int64_t block, int64_t first, int64_t last) {
-    const float block_max = block_absmax(x, first, last);
-    absmax_out[block] = block_max;
-    const float inverse = 1.0f / block_max;
-    for (int64_t i = first; i < last; i += 2) {
-      const uint8_t high = format.quantize(x[i] * inverse);
-      const uint8_t low = i + 1 < last ? format.quantize(x[i + 1] * inverse) : padding_code;
-      bytes[i / 2] = static_cast<uint8_t>((high << 4) | low);
-    }
-  });
+  BlockCodes codes;
+  if (on_cuda_kernels(input)) {
+    auto quantized = kernels::quantize_4bit_cuda(cuda_kernel_input(input), kernel_quantizer(format), blocksize);
+    codes = {quantized.codes, quantized.absmax};
+  } else {
+    codes = quantize_4bit_on_cpu(input, format, blocksize);
+  }
 
   FourBitTensor result;
   result.state.quant_type = quant_type;
@@ -189,19 +206,16 @@ FourBitTensor quantize_4bit(const torch::Tensor& input, FourBitType quant_type, 
   result.state.dtype = input.scalar_type();
   result.state.code = four_bit_code_tensor(quant_type).to(input.device());
   if (double_quant) {
-    // torch.mean on CUDA, as bnb takes it: the sum times the fp32 reciprocal of the count (not a
-    // division). The sum is taken in float64 and rounded, which the fixtures' offsets all equal.
-    const float sum = static_cast<float>(absmax.sum(torch::kDouble).item<double>());
-    const float offset = sum * (1.0f / static_cast<float>(blocks));
-    auto nested = quantize_blockwise_8bit(absmax - offset, signed_dynamic_map(), kNestedBlocksize);
+    const float offset = absmax_mean(codes.absmax);
+    auto nested = quantize_blockwise_8bit(codes.absmax - offset, signed_dynamic_map(), kNestedBlocksize);
     result.state.offset = offset;
-    result.state.absmax = nested.codes.to(input.device());
-    result.state.nested_absmax = nested.absmax.to(input.device());
+    result.state.absmax = nested.codes;
+    result.state.nested_absmax = nested.absmax;
     result.state.nested_code = signed_dynamic_map().to(input.device());
   } else {
-    result.state.absmax = absmax.to(input.device());
+    result.state.absmax = codes.absmax;
   }
-  result.packed = packed.to(input.device());
+  result.packed = codes.packed.view({-1, 1});
   return result;
 }
 
@@ -215,6 +229,23 @@ torch::Tensor dequantize_4bit(const torch::Tensor& packed, const FourBitQuantSta
   const int64_t n = state.numel();
   const int64_t blocks = state.blocks();
   // Like bnb's kernels, decode with the format's own table (state.code is only carried along).
+  if (on_cuda_kernels(packed)) {
+    const auto on_device = [&](const torch::Tensor& tensor) {
+      return tensor.defined() ? tensor.to(packed.device()).contiguous() : tensor;
+    };
+    kernels::FourBitScales scales;
+    scales.absmax = on_device(state.absmax);
+    scales.nested_absmax = on_device(state.nested_absmax);
+    scales.nested_code = on_device(state.nested_code);
+    scales.offset = state.offset;
+    scales.nested_blocksize = kNestedBlocksize;
+    const auto& decode = four_bit_format(state.quant_type).decode;
+    // The kernel writes fp32 / fp16 / bf16; any other dtype is a cast of the fp32 values, as below.
+    const bool written_by_kernel = dtype == torch::kFloat32 || dtype == torch::kFloat16 || dtype == torch::kBFloat16;
+    const auto values = kernels::dequantize_4bit_cuda(packed.reshape({-1}).contiguous(), n, state.blocksize, decode,
+                                                      scales, written_by_kernel ? dtype : torch::kFloat32);
+    return (written_by_kernel ? values : values.to(dtype)).view(state.shape);
+  }
   const auto code = four_bit_decode_tensor(state.quant_type).to(packed.device());
   // [256, 2]: the two values a byte holds, high nibble first.
   const auto byte_values = torch::arange(256, torch::TensorOptions().dtype(torch::kLong).device(packed.device()));

@@ -7,17 +7,27 @@
 //   blocks of `blocksize` elements (the last one partial when blocksize does not divide n);
 //   absmax[b] = max |W| over block b, fp32;
 //   code[i]   = the 4-bit format's choice (FourBitFormat::quantize) for W[i] * (1 / absmax[b]),
-//               both factors fp32, the reciprocal rounded first (as the CUDA kernel does; bnb's
-//               CUDA build rounds that reciprocal approximately, within one fp32 step, so where
-//               the product lands next to a pivot its code can differ from ours: a few codes in
-//               ten thousand in the fixtures, FP4 only);
+//               both factors fp32, the reciprocal rounded first;
 //   packed    = uint8 [ceil(n / 2), 1], element 2k in the HIGH nibble of byte k, 2k+1 in the low;
-//               an odd n pads the last low nibble with the code of 0.0.
+//               an odd n pads the last low nibble with the code of 0 * (1 / absmax[b]), as bnb
+//               quantizes its zero padding (the code of 0.0; code 0 for a block of zeros).
 // Double quantization (bnb's compress_statistics) replaces absmax by
-//   offset = mean(absmax)  (fp32, as CUDA's torch.mean: sum * (1 / count)),
+//   offset = mean(absmax)  (fp32, as torch.mean takes it on CUDA),
 //   absmax_q, nested_absmax = quantize_blockwise(absmax - offset, signed dynamic map, 256).
 // dequantize: value[i] = code_table[code[i]] * absmax[b] in fp32, then cast to the asked dtype,
 // where a double-quantized absmax is first rebuilt as nested_code[absmax_q] * nested_absmax + offset.
+//
+// Where it runs: CUDA tensors go to the kernels of kernels/blockwise_quantize.h (no copy to the
+// host; dequantize_4bit is one kernel), everything else to the CPU reference path here.
+//   - The CUDA path is bit-exact with bitsandbytes' CUDA kernels: all 24 cases of the fixture
+//     bnb-4bit-reference.safetensors, NF4 and FP4, packed bytes, absmax, nested absmax, offset and
+//     dequantized values. bnb builds with --use_fast_math, so its 1 / absmax is the GPU's
+//     approximate reciprocal (within one fp32 step of the exact one) and subnormals flush to zero;
+//     the kernels use the same instructions.
+//   - The CPU path takes the exact reciprocal, which no CPU instruction rounds like the GPU's: where
+//     x * (1 / absmax) lands within that step of a pivot its code can differ from bnb's (a few codes
+//     in ten thousand in the fixtures, FP4 only), and a subnormal weight or product is kept. The two
+//     paths agree everywhere else, dequantization included.
 #include <torch/types.h>
 
 #include <string>
@@ -57,7 +67,7 @@ struct FourBitTensor {
   FourBitQuantState state;
 };
 
-// `input`: a floating-point tensor on any device (quantized on the CPU, results on its device).
+// `input`: a floating-point tensor on any device; the results are on its device.
 FourBitTensor quantize_4bit(const torch::Tensor& input, FourBitType quant_type, int64_t blocksize,
                             bool double_quant);
 // The tensor in state.shape and `dtype`, on packed's device.

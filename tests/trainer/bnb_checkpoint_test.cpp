@@ -1,6 +1,7 @@
 // bitsandbytes 4-bit, bit for bit, against outputs of bitsandbytes itself (../shared/fixtures,
 // made with bitsandbytes 0.50.2 on CUDA): the 24 codec cases of bnb-4bit-reference.safetensors,
-// the pre-quantized tiny-llama-bnb-nf4 checkpoint and its logits.
+// the pre-quantized tiny-llama-bnb-nf4 checkpoint and its logits. The Cuda* tests run the same
+// cases through the CUDA kernels (exact everywhere, where the CPU path is not) and skip without a GPU.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -109,28 +110,111 @@ TEST(Bnb4bitReference, AllCasesEqualBitsandbytesBitForBit) {
   }
 }
 
+// bitsandbytes' own quant state for a case, as the fixture stores it.
+qat::FourBitQuantState bnb_state(const SafetensorsFile& file, const CodecCase& item) {
+  auto tensor = [&](const std::string& field) { return file.tensor(item.prefix + "." + field); };
+  qat::FourBitQuantState state;
+  state.quant_type = item.type;
+  state.blocksize = item.blocksize;
+  state.shape = file.tensor(item.weight + ".input").sizes().vec();
+  state.dtype = torch::kBFloat16;
+  state.code = tensor("code");
+  if (item.double_quant) {
+    state.absmax = tensor("absmax_q");
+    state.nested_absmax = tensor("nested_absmax");
+    state.nested_code = tensor("nested_code");
+    state.offset = tensor("offset").item<float>();
+  } else {
+    state.absmax = tensor("absmax");
+  }
+  state.check(tensor("packed"), item.prefix);
+  return state;
+}
+
+qat::FourBitQuantState state_on(const qat::FourBitQuantState& state, const torch::Device& device) {
+  qat::FourBitQuantState moved = state;
+  for (auto* tensor : {&moved.code, &moved.absmax, &moved.nested_absmax, &moved.nested_code}) {
+    if (tensor->defined()) *tensor = tensor->to(device);
+  }
+  return moved;
+}
+
 // Dequantizing bitsandbytes' own quant state (not ours) gives its dequant too.
 TEST(Bnb4bitReference, DequantizingBitsandbytesStateGivesItsOutput) {
   const auto file = SafetensorsFile::open(fixture("bnb-4bit-reference.safetensors"));
   for (const auto& item : codec_cases(file)) {
     SCOPED_TRACE(item.prefix);
+    const auto packed = file.tensor(item.prefix + ".packed");
+    EXPECT_TRUE(same_bits(qat::dequantize_4bit(packed, bnb_state(file, item), torch::kBFloat16),
+                          file.tensor(item.prefix + ".dequant")));
+  }
+}
+
+// On CUDA every case is bit-exact, codes included: the kernels take 1 / absmax with the same
+// approximate reciprocal as bnb's fast-math build (the CPU test above documents the gap without it).
+TEST(Bnb4bitReference, CudaQuantizeEqualsBitsandbytesBitForBit) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU on this machine";
+  const torch::Device cuda(torch::kCUDA, 0);
+  const auto file = SafetensorsFile::open(fixture("bnb-4bit-reference.safetensors"));
+  const auto cases = codec_cases(file);
+  ASSERT_EQ(cases.size(), 24u);
+  for (const auto& item : cases) {
+    SCOPED_TRACE(item.prefix);
     auto tensor = [&](const std::string& field) { return file.tensor(item.prefix + "." + field); };
-    qat::FourBitQuantState state;
-    state.quant_type = item.type;
-    state.blocksize = item.blocksize;
-    state.shape = file.tensor(item.weight + ".input").sizes().vec();
-    state.dtype = torch::kBFloat16;
-    state.code = tensor("code");
+    const auto input = file.tensor(item.weight + ".input").to(cuda);
+    const auto ours = qat::quantize_4bit(input, item.type, item.blocksize, item.double_quant);
+    ASSERT_TRUE(ours.packed.is_cuda() && ours.state.absmax.is_cuda());
+    EXPECT_TRUE(same_bits(ours.packed.cpu(), tensor("packed")))
+        << (unpack(ours.packed.cpu(), input.numel()) != unpack(tensor("packed"), input.numel())).sum().item<int64_t>()
+        << " codes differ";
+    EXPECT_TRUE(same_bits(ours.state.code.cpu(), tensor("code")));
     if (item.double_quant) {
-      state.absmax = tensor("absmax_q");
-      state.nested_absmax = tensor("nested_absmax");
-      state.nested_code = tensor("nested_code");
-      state.offset = tensor("offset").item<float>();
+      EXPECT_TRUE(same_bits(ours.state.absmax.cpu(), tensor("absmax_q")))
+          << (ours.state.absmax.cpu() != tensor("absmax_q")).sum().item<int64_t>() << " absmax codes differ";
+      EXPECT_TRUE(same_bits(ours.state.nested_absmax.cpu(), tensor("nested_absmax")));
+      EXPECT_TRUE(same_bits(ours.state.nested_code.cpu(), tensor("nested_code")));
+      EXPECT_EQ(ours.state.offset, tensor("offset").item<float>());
     } else {
-      state.absmax = tensor("absmax");
+      EXPECT_TRUE(same_bits(ours.state.absmax.cpu(), tensor("absmax")));
     }
-    state.check(tensor("packed"), item.prefix);
-    EXPECT_TRUE(same_bits(qat::dequantize_4bit(tensor("packed"), state, torch::kBFloat16), tensor("dequant")));
+    const auto dequantized = qat::dequantize_4bit(ours.packed, ours.state, torch::kBFloat16);
+    ASSERT_TRUE(dequantized.is_cuda());
+    EXPECT_TRUE(same_bits(dequantized.cpu(), tensor("dequant")));
+  }
+}
+
+TEST(Bnb4bitReference, CudaDequantizingBitsandbytesStateGivesItsOutput) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU on this machine";
+  const torch::Device cuda(torch::kCUDA, 0);
+  const auto file = SafetensorsFile::open(fixture("bnb-4bit-reference.safetensors"));
+  for (const auto& item : codec_cases(file)) {
+    SCOPED_TRACE(item.prefix);
+    const auto packed = file.tensor(item.prefix + ".packed").to(cuda);
+    const auto dequantized = qat::dequantize_4bit(packed, state_on(bnb_state(file, item), cuda), torch::kBFloat16);
+    ASSERT_TRUE(dequantized.is_cuda());
+    EXPECT_TRUE(same_bits(dequantized.cpu(), file.tensor(item.prefix + ".dequant")));
+  }
+}
+
+// bnb's 8-bit quantize_blockwise (what double quantization applies to the absmax), signed and
+// unsigned dynamic maps, blocksizes 256 and 2048: codes and absmax equal on CUDA.
+TEST(Bnb8bitReference, CudaBlockwiseQuantizeEqualsBitsandbytesBitForBit) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU on this machine";
+  const torch::Device cuda(torch::kCUDA, 0);
+  const auto file = SafetensorsFile::open(fixture("bnb-8bit-reference.safetensors"));
+  for (const std::string map : {"signed", "unsigned"}) {
+    for (const int64_t blocksize : {256, 2048}) {
+      const std::string prefix = "blockwise." + map + ".b" + std::to_string(blocksize) + ".";
+      SCOPED_TRACE(prefix);
+      const auto code = file.tensor(prefix + "code");
+      const auto ours = qat::quantize_blockwise_8bit(file.tensor(prefix + "input").to(cuda), code.to(cuda), blocksize);
+      ASSERT_TRUE(ours.codes.is_cuda());
+      EXPECT_TRUE(same_bits(ours.codes.cpu(), file.tensor(prefix + "q")))
+          << (ours.codes.cpu() != file.tensor(prefix + "q")).sum().item<int64_t>() << " codes differ";
+      EXPECT_TRUE(same_bits(ours.absmax.cpu(), file.tensor(prefix + "absmax")));
+      const auto restored = qat::dequantize_blockwise_8bit(ours.codes, ours.absmax, code.to(cuda), blocksize);
+      EXPECT_TRUE(same_bits(restored.cpu(), file.tensor(prefix + "dequant")));
+    }
   }
 }
 
@@ -197,10 +281,11 @@ TEST(BnbCheckpoint, LogitsMatchBitsandbytesAtBf16Level) {
   }
 }
 
-// The fixtures README: the bnb checkpoint is tiny-llama's bf16 weights quantized by bitsandbytes
-// (NF4, double quant, blocksize 64). Quantizing tiny-llama ourselves gives the same bytes.
-TEST(BnbCheckpoint, QuantizingTinyLlamaOnLoadGivesTheCheckpointsBytes) {
+// Quantizes tiny-llama's linear layers (other than lm_head) on `device` as the fixture's checkpoint
+// was made (NF4, double quant, blocksize 64) and compares every one with the checkpoint's bytes.
+void expect_quantized_tiny_llama_equals_the_checkpoint(const torch::Device& device) {
   auto dense = load_llama(fixture("tiny-llama"));
+  dense.model->to(device);
   qat::FourBitOptions options;
   options.quant_type = "nf4";
   options.blocksize = 64;
@@ -213,12 +298,24 @@ TEST(BnbCheckpoint, QuantizingTinyLlamaOnLoadGivesTheCheckpointsBytes) {
     SCOPED_TRACE(name);
     const auto layer = std::dynamic_pointer_cast<qat::FourBitLinear>(modules[name]);
     ASSERT_TRUE(layer);
+    EXPECT_EQ(layer->packed_weight().device(), device);
     const auto stored = read_bnb_4bit_weight(bnb, name, "tiny-llama-bnb-nf4");
-    EXPECT_TRUE(same_bits(layer->packed_weight(), stored.packed));
-    EXPECT_TRUE(same_bits(layer->quant_state().absmax, stored.state.absmax));
-    EXPECT_TRUE(same_bits(layer->quant_state().nested_absmax, stored.state.nested_absmax));
+    EXPECT_TRUE(same_bits(layer->packed_weight().cpu(), stored.packed));
+    EXPECT_TRUE(same_bits(layer->quant_state().absmax.cpu(), stored.state.absmax));
+    EXPECT_TRUE(same_bits(layer->quant_state().nested_absmax.cpu(), stored.state.nested_absmax));
     EXPECT_EQ(layer->quant_state().offset, stored.state.offset);
   }
+}
+
+// The fixtures README: the bnb checkpoint is tiny-llama's bf16 weights quantized by bitsandbytes
+// (NF4, double quant, blocksize 64). Quantizing tiny-llama ourselves gives the same bytes.
+TEST(BnbCheckpoint, QuantizingTinyLlamaOnLoadGivesTheCheckpointsBytes) {
+  expect_quantized_tiny_llama_equals_the_checkpoint(torch::kCPU);
+}
+
+TEST(BnbCheckpoint, CudaQuantizingTinyLlamaGivesTheCheckpointsBytes) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU on this machine";
+  expect_quantized_tiny_llama_equals_the_checkpoint(torch::Device(torch::kCUDA, 0));
 }
 
 TEST(BnbCheckpoint, AnInconsistentQuantStateIsAnErrorNamingTheTensor) {

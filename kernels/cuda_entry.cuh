@@ -1,0 +1,61 @@
+#pragma once
+// What the CUDA entry points share on the host side: argument checks whose errors name the entry
+// point and the argument, and the dispatch over the floating-point dtypes the kernels read and write.
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <string>
+
+#include "kernels/error.h"
+
+namespace qtrain::kernels {
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+inline bool is_power_of_two(int64_t value) { return value > 0 && (value & (value - 1)) == 0; }
+
+// `what` names the argument, e.g. "quantize_4bit_cuda: input".
+inline void check_cuda_tensor(const at::Tensor& tensor, const std::string& what) {
+  if (!tensor.defined()) throw Error(what + " is missing (an undefined tensor)");
+  if (!tensor.is_cuda()) {
+    throw Error(what + " is on " + tensor.device().str() + ", the CUDA kernel needs it on a CUDA device (move it with .to(torch::kCUDA))");
+  }
+  if (!tensor.is_contiguous()) throw Error(what + " must be contiguous (call .contiguous() first)");
+}
+
+inline void check_same_device(const at::Tensor& tensor, const at::Tensor& reference, const std::string& what) {
+  if (tensor.device() != reference.device()) {
+    throw Error(what + " is on " + tensor.device().str() + ", expected " + reference.device().str() +
+                " like the tensor it belongs to");
+  }
+}
+
+inline void check_scalar_type(const at::Tensor& tensor, c10::ScalarType expected, const std::string& what) {
+  if (tensor.scalar_type() != expected) {
+    throw Error(what + " must be " + std::string(c10::toString(expected)) + ", got " +
+                std::string(c10::toString(tensor.scalar_type())));
+  }
+}
+
+// Calls function(T{}) with T = float, c10::Half or c10::BFloat16 for `type`; anything else is an
+// Error naming `what`.
+template <typename Function>
+void dispatch_float_type(c10::ScalarType type, const std::string& what, const Function& function) {
+  switch (type) {
+    case c10::ScalarType::Float:
+      function(float{});
+      return;
+    case c10::ScalarType::Half:
+      function(c10::Half{});
+      return;
+    case c10::ScalarType::BFloat16:
+      function(c10::BFloat16{});
+      return;
+    default:
+      throw Error(what + " must be fp32, fp16 or bf16, got " + std::string(c10::toString(type)));
+  }
+}
+
+}  // namespace qtrain::kernels
