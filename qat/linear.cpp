@@ -1,5 +1,9 @@
 #include "qat/linear.h"
 
+#include <utility>
+
+#include "kernels/error.h"
+
 namespace qtrain::qat {
 
 DenseLinear::DenseLinear(const DenseLinearOptions& options) {
@@ -25,6 +29,34 @@ void replace_linear_layer(torch::nn::Module& parent, const std::string& child_na
   } else {
     parent.replace_module(child_name, std::move(layer));
   }
+}
+
+void replace_linear_layer_at(torch::nn::Module& root, const std::string& name, std::shared_ptr<LinearLayer> layer) {
+  const auto dot = name.rfind('.');
+  if (dot == std::string::npos) return replace_linear_layer(root, name, std::move(layer));
+  const std::string parent_name = name.substr(0, dot);
+  for (const auto& item : root.named_modules("", /*include_self=*/false)) {
+    if (item.key() == parent_name) return replace_linear_layer(*item.value(), name.substr(dot + 1), std::move(layer));
+  }
+  throw Error("no module '" + parent_name + "' to replace '" + name + "' in (internal error)");
+}
+
+std::vector<NamedLinearLayer> find_linear_layers(
+    const torch::nn::Module& root, const std::function<bool(const std::string&, const LinearLayer&)>& select,
+    const std::function<bool(const LinearLayer&)>& opaque) {
+  std::vector<NamedLinearLayer> found;
+  std::vector<std::string> opaque_prefixes;  // "<name>." of every opaque layer: its insides are skipped
+  for (const auto& item : root.named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
+    const std::string& name = item.key();
+    bool inside_opaque = false;
+    for (const auto& prefix : opaque_prefixes) inside_opaque |= name.compare(0, prefix.size(), prefix) == 0;
+    if (inside_opaque) continue;
+    auto layer = std::dynamic_pointer_cast<LinearLayer>(item.value());
+    if (!layer) continue;
+    if (select(name, *layer)) found.push_back({name, layer});
+    if (opaque(*layer)) opaque_prefixes.push_back(name + ".");
+  }
+  return found;
 }
 
 }  // namespace qtrain::qat

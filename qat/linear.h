@@ -4,8 +4,10 @@
 // adapter around it) without the model knowing which one it holds.
 #include <torch/torch.h>
 
+#include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace qtrain::qat {
 
@@ -58,5 +60,19 @@ class LinearLayerOwner {
 // implements it, else with replace_module.
 void replace_linear_layer(torch::nn::Module& parent, const std::string& child_name,
                           std::shared_ptr<LinearLayer> layer);
+
+// Replaces the module at the dotted path `name` under `root` (its parent found by the path).
+void replace_linear_layer_at(torch::nn::Module& root, const std::string& name, std::shared_ptr<LinearLayer> layer);
+
+struct NamedLinearLayer {
+  std::string name;  // dotted module path from the root ("model.layers.0.self_attn.q_proj")
+  std::shared_ptr<LinearLayer> layer;
+};
+
+// The linear layers under `root` that `select` accepts, in module order. The search does not
+// descend into a layer that `opaque` accepts (a wrapper: its base and adapters belong to it).
+std::vector<NamedLinearLayer> find_linear_layers(
+    const torch::nn::Module& root, const std::function<bool(const std::string&, const LinearLayer&)>& select,
+    const std::function<bool(const LinearLayer&)>& opaque);
 
 }  // namespace qtrain::qat

@@ -1,7 +1,6 @@
 #include "qat/lora_linear.h"
 
 #include <cmath>
-#include <map>
 #include <regex>
 
 #include "kernels/error.h"
@@ -127,21 +126,10 @@ bool LoraTargets::matches(const std::string& module_name) const {
 }
 
 std::vector<LoraTarget> find_lora_targets(const torch::nn::Module& root, const LoraTargets& targets) {
-  std::vector<LoraTarget> found;
-  std::vector<std::string> wrapped_prefixes;  // "<name>." of every LoraLinear: its insides are no targets
-  for (const auto& item : root.named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
-    const std::string& name = item.key();
-    bool inside_adapter = false;
-    for (const auto& prefix : wrapped_prefixes) inside_adapter |= name.compare(0, prefix.size(), prefix) == 0;
-    if (inside_adapter) continue;
-    if (std::dynamic_pointer_cast<LoraLinear>(item.value())) {
-      wrapped_prefixes.push_back(name + ".");
-      continue;
-    }
-    auto layer = std::dynamic_pointer_cast<LinearLayer>(item.value());
-    if (layer && targets.matches(name)) found.push_back({name, layer});
-  }
-  return found;
+  const auto is_adapter = [](const LinearLayer& layer) { return dynamic_cast<const LoraLinear*>(&layer) != nullptr; };
+  return find_linear_layers(
+      root, [&](const std::string& name, const LinearLayer& layer) { return !is_adapter(layer) && targets.matches(name); },
+      is_adapter);
 }
 
 std::vector<std::string> apply_lora(torch::nn::Module& root, const LoraTargets& targets,
@@ -151,17 +139,11 @@ std::vector<std::string> apply_lora(torch::nn::Module& root, const LoraTargets& 
     throw Error("no linear layer matches the LoRA target modules " + targets.include.describe() +
                 " (module names look like 'model.layers.0.self_attn.q_proj')");
   }
-  std::map<std::string, std::shared_ptr<torch::nn::Module>> modules;
-  for (const auto& item : root.named_modules("", /*include_self=*/false)) modules[item.key()] = item.value();
-
   std::vector<std::string> wrapped;
   for (const auto& target : found) {
-    const auto dot = target.name.rfind('.');
-    torch::nn::Module& parent = dot == std::string::npos ? root : *modules.at(target.name.substr(0, dot));
-    const std::string child_name = dot == std::string::npos ? target.name : target.name.substr(dot + 1);
     auto lora = std::make_shared<LoraLinear>(target.layer, options_for(target.name));
     lora->train(target.layer->is_training());  // a model in eval mode stays there: no dropout
-    replace_linear_layer(parent, child_name, lora);
+    replace_linear_layer_at(root, target.name, lora);
     wrapped.push_back(target.name);
   }
   return wrapped;

@@ -88,10 +88,7 @@ struct LoraTargets {
   bool matches(const std::string& module_name) const;
 };
 
-struct LoraTarget {
-  std::string name;  // dotted module path
-  std::shared_ptr<LinearLayer> layer;
-};
+using LoraTarget = NamedLinearLayer;
 
 // The linear layers under `root` that `targets` selects, in module order. Layers already
 // wrapped by a LoraLinear (and the bases inside them) are not targets again.

@@ -1,0 +1,111 @@
+#include "qat/qat_linear.h"
+
+#include <utility>
+
+#include "kernels/error.h"
+
+namespace qtrain::qat {
+
+QatLinear::QatLinear(std::shared_ptr<LinearLayer> inner, const QatLinearOptions& options, const std::string& what)
+    : inner_(std::move(inner)) {
+  if (!inner_) throw Error("QatLinear needs a layer to quantize, got none");
+  if (const auto* lora = dynamic_cast<const LoraLinear*>(inner_.get()); lora && lora->options().dropout > 0.0) {
+    throw Error("lora.dropout: " + std::to_string(lora->options().dropout) + " cannot apply under " + what +
+                ", which fake-quantizes the merged weight W + scale * B A (dropout acts on the LoRA branch's input, "
+                "which the merged weight has no place for); set lora.dropout: 0");
+  }
+  // The inner layer's state under its own names (see the header), shared, not copied.
+  for (const auto& item : inner_->named_parameters(/*recurse=*/false)) {
+    register_parameter(item.key(), item.value(), item.value().requires_grad());
+  }
+  for (const auto& item : inner_->named_buffers(/*recurse=*/false)) register_buffer(item.key(), item.value());
+  for (const auto& item : inner_->named_children()) register_module(item.key(), item.value());
+
+  const auto weight = inner_->dense_weight(torch::kFloat32);
+  weight_fake_quant_ = register_module(
+      "weight_fake_quant", std::make_shared<FakeQuantizer>(options.weights, what + ".weights", weight.sizes().vec()));
+  if (options.activations) {
+    activation_fake_quant_ =
+        register_module("activation_fake_quant", std::make_shared<FakeQuantizer>(*options.activations, what + ".activations"));
+  }
+  // The quantizers' state lives where the weight does.
+  weight_fake_quant_->to(weight.device());
+  if (activation_fake_quant_) activation_fake_quant_->to(weight.device());
+}
+
+torch::Tensor QatLinear::forward(const torch::Tensor& input) {
+  const auto dtype = input.scalar_type();
+  const auto weight = weight_fake_quant_->forward(inner_->dense_weight(torch::kFloat32));
+  const auto quantized_input = activation_fake_quant_ ? activation_fake_quant_->forward(input) : input;
+  auto bias = inner_->bias();
+  if (bias.defined()) bias = bias.to(dtype);
+  return torch::nn::functional::linear(quantized_input, weight.to(dtype), bias);
+}
+
+torch::Tensor QatLinear::dense_weight(torch::ScalarType dtype) const {
+  if (!fake_quant_enabled()) return inner_->dense_weight(dtype);
+  return convert().dequantize().to(dtype);
+}
+
+QuantizedTensor QatLinear::convert() const {
+  torch::NoGradGuard no_grad;
+  return weight_fake_quant_->quantize_tensor(inner_->dense_weight(torch::kFloat32));
+}
+
+void QatLinear::set_fake_quant_enabled(bool enabled) {
+  weight_fake_quant_->set_fake_quant_enabled(enabled);
+  if (activation_fake_quant_) activation_fake_quant_->set_fake_quant_enabled(enabled);
+}
+
+void QatLinear::set_observer_enabled(bool enabled) {
+  weight_fake_quant_->set_observer_enabled(enabled);
+  if (activation_fake_quant_) activation_fake_quant_->set_observer_enabled(enabled);
+}
+
+void QatLinear::pretty_print(std::ostream& stream) const {
+  stream << "qtrain::qat::QatLinear(in_features=" << in_features() << ", out_features=" << out_features()
+         << ", weights=" << weight_fake_quant_->spec().describe();
+  if (activation_fake_quant_) stream << ", activations=" << activation_fake_quant_->spec().describe();
+  stream << (fake_quant_enabled() ? "" : ", fake quant disabled") << ")";
+}
+
+std::vector<std::string> apply_qat(torch::nn::Module& root, const LoraTargets& targets, const QatLinearOptions& options,
+                                   const std::string& what) {
+  const auto is_qat = [](const LinearLayer& layer) { return dynamic_cast<const QatLinear*>(&layer) != nullptr; };
+  const auto is_wrapper = [&](const LinearLayer& layer) {
+    return is_qat(layer) || dynamic_cast<const LoraLinear*>(&layer) != nullptr;
+  };
+  const auto found = find_linear_layers(
+      root, [&](const std::string& name, const LinearLayer& layer) { return !is_qat(layer) && targets.matches(name); },
+      is_wrapper);
+  if (found.empty()) {
+    throw Error(what + ".target_modules: no linear layer matches " + targets.include.describe() +
+                " (module names look like 'model.layers.0.self_attn.q_proj')");
+  }
+  std::vector<std::string> wrapped;
+  for (const auto& target : found) {
+    auto layer = std::make_shared<QatLinear>(target.layer, options, what);
+    layer->train(target.layer->is_training());
+    replace_linear_layer_at(root, target.name, layer);
+    wrapped.push_back(target.name);
+  }
+  return wrapped;
+}
+
+std::vector<std::pair<std::string, std::shared_ptr<QatLinear>>> find_qat_layers(const torch::nn::Module& root) {
+  std::vector<std::pair<std::string, std::shared_ptr<QatLinear>>> layers;
+  for (const auto& item : root.named_modules("", /*include_self=*/false)) {
+    if (auto layer = std::dynamic_pointer_cast<QatLinear>(item.value())) layers.emplace_back(item.key(), layer);
+  }
+  return layers;
+}
+
+void set_fake_quant_enabled(torch::nn::Module& root, bool enabled) {
+  for (const auto& item : find_qat_layers(root)) item.second->set_fake_quant_enabled(enabled);
+}
+
+void set_observer_enabled(torch::nn::Module& root, bool enabled) {
+  for (const auto& item : find_qat_layers(root)) item.second->set_observer_enabled(enabled);
+}
+
+}  // namespace qtrain::qat

@@ -1,0 +1,42 @@
+#include "qat/quant_format.h"
+
+#include <array>
+
+#include "kernels/error.h"
+
+namespace qtrain::qat {
+
+namespace {
+
+// One row per format. The minifloat rows are the OCP 8-bit (OFP8) and MX specifications'
+// parameters; e4m3's max is 1.75 * 2^8 because its all-ones code is NaN, not a number.
+const std::array<QuantFormatInfo, 6> kFormats = {{
+    {QuantFormat::kInt, "int", GridKind::kInteger, 8},
+    {QuantFormat::kFp8E4m3, "fp8_e4m3", GridKind::kMinifloat, 8, 4, 3, 7, 448.0},
+    {QuantFormat::kFp8E5m2, "fp8_e5m2", GridKind::kMinifloat, 8, 5, 2, 15, 57344.0},
+    {QuantFormat::kFp4E2m1, "fp4_e2m1", GridKind::kMinifloat, 4, 2, 1, 1, 6.0},
+    {QuantFormat::kNf4, "nf4", GridKind::kTable, 4, 0, 0, 0, 1.0, FourBitType::kNf4},
+    {QuantFormat::kFp4, "fp4", GridKind::kTable, 4, 0, 0, 0, 1.0, FourBitType::kFp4},
+}};
+
+}  // namespace
+
+const QuantFormatInfo& quant_format_info(QuantFormat format) {
+  for (const auto& info : kFormats) {
+    if (info.format == format) return info;
+  }
+  throw Error("unknown quant format (internal error)");
+}
+
+QuantFormat parse_quant_format(const std::string& name, const std::string& what) {
+  std::string choices;
+  for (const auto& info : kFormats) {
+    if (name == info.name) return info.format;
+    choices += (choices.empty() ? "" : ", ") + std::string(info.name);
+  }
+  throw Error(what + ": unknown quant format '" + name + "' (expected one of " + choices + ")");
+}
+
+const char* quant_format_name(QuantFormat format) { return quant_format_info(format).name; }
+
+}  // namespace qtrain::qat

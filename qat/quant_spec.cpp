@@ -1,0 +1,135 @@
+#include "qat/quant_spec.h"
+
+#include <array>
+#include <utility>
+
+#include "kernels/error.h"
+
+namespace qtrain::qat {
+
+namespace {
+
+const std::array<std::pair<Granularity, const char*>, 4> kGranularityNames = {{
+    {Granularity::kPerTensor, "per_tensor"},
+    {Granularity::kPerChannel, "per_channel"},
+    {Granularity::kPerToken, "per_token"},
+    {Granularity::kPerGroup, "per_group"},
+}};
+
+constexpr int64_t kMinIntBits = 2;
+
+}  // namespace
+
+Granularity parse_granularity(const std::string& name, const std::string& what) {
+  std::string choices;
+  for (const auto& [granularity, granularity_text] : kGranularityNames) {
+    if (name == granularity_text) return granularity;
+    choices += (choices.empty() ? "" : ", ") + std::string(granularity_text);
+  }
+  throw Error(what + ": unknown granularity '" + name + "' (expected one of " + choices + ")");
+}
+
+const char* granularity_name(Granularity granularity) {
+  for (const auto& [candidate, text] : kGranularityNames) {
+    if (candidate == granularity) return text;
+  }
+  throw Error("unknown granularity (internal error)");
+}
+
+int64_t QuantSpec::quant_min() const { return -(int64_t{1} << (bits - 1)); }
+int64_t QuantSpec::quant_max() const { return (int64_t{1} << (bits - 1)) - 1; }
+
+void QuantSpec::validate(const std::string& what) const {
+  const auto& info = format_info();
+  if (is_integer()) {
+    if (bits < kMinIntBits || bits > info.bits) {
+      throw Error(what + ".bits: " + std::to_string(bits) + " is out of range (int formats take " +
+                  std::to_string(kMinIntBits) + " to " + std::to_string(info.bits) + " bits)");
+    }
+  } else {
+    if (bits != info.bits) {
+      throw Error(what + ".bits: " + std::to_string(bits) + " does not fit format " + info.name + ", which has " +
+                  std::to_string(info.bits) + " bits");
+    }
+    if (!symmetric) {
+      throw Error(what + ".symmetric: false is not possible with format " + std::string(info.name) +
+                  " (float grids are symmetric around 0; use format int for an asymmetric grid)");
+    }
+  }
+  if (granularity == Granularity::kPerGroup && group_size <= 0) {
+    throw Error(what + ".group_size: " + std::to_string(group_size) + " must be positive for granularity per_group");
+  }
+  if (scale_dtype != torch::kFloat32 && scale_dtype != torch::kFloat16) {
+    throw Error(what + ".scale_dtype: " + std::string(c10::toString(scale_dtype)) +
+                " is not supported (expected fp32, or fp16 as GGUF stores it)");
+  }
+}
+
+void QuantSpec::validate_for_shape(const std::string& what, c10::IntArrayRef shape) const {
+  validate(what);
+  if (shape.empty()) throw Error(what + ": cannot quantize a 0-d tensor (it has no last dimension to block)");
+  const int64_t last = shape.back();
+  if (granularity == Granularity::kPerGroup && last % group_size != 0) {
+    throw Error(what + ".group_size: " + std::to_string(group_size) + " does not divide the last dimension " +
+                std::to_string(last) + " of a tensor of shape " + shape_text(shape));
+  }
+}
+
+std::string QuantSpec::describe() const {
+  std::string text = is_integer() ? "int" + std::to_string(bits) : std::string(format_info().name);
+  text += symmetric ? " symmetric " : " asymmetric ";
+  text += granularity_name(granularity);
+  if (granularity == Granularity::kPerGroup) text += "(" + std::to_string(group_size) + ")";
+  text += scale_dtype == torch::kFloat16 ? " scale fp16" : " scale fp32";
+  return text;
+}
+
+QuantSpec QuantSpec::gguf_q4_0() {
+  QuantSpec spec;
+  spec.bits = 4;
+  spec.group_size = 32;
+  spec.scale_dtype = torch::kFloat16;
+  return spec;
+}
+
+QuantSpec QuantSpec::gguf_q8_0() {
+  QuantSpec spec = gguf_q4_0();
+  spec.bits = 8;
+  return spec;
+}
+
+QuantSpec QuantSpec::int4_weight(int64_t group_size) {
+  QuantSpec spec;
+  spec.bits = 4;
+  spec.group_size = group_size;
+  return spec;
+}
+
+QuantSpec QuantSpec::int8_dynamic_per_token_activation() {
+  QuantSpec spec;
+  spec.bits = 8;
+  spec.symmetric = false;
+  spec.granularity = Granularity::kPerToken;
+  return spec;
+}
+
+std::vector<int64_t> params_shape(const QuantSpec& spec, c10::IntArrayRef shape) {
+  if (spec.granularity == Granularity::kPerTensor) return {1};
+  std::vector<int64_t> result(shape.begin(), shape.end() - 1);
+  result.push_back(spec.granularity == Granularity::kPerGroup ? shape.back() / spec.group_size : 1);
+  return result;
+}
+
+std::vector<int64_t> block_view_shape(const QuantSpec& spec, c10::IntArrayRef shape) {
+  int64_t numel = 1;
+  for (const auto size : shape) numel *= size;
+  auto result = params_shape(spec, shape);
+  switch (spec.granularity) {
+    case Granularity::kPerTensor: result.push_back(numel); break;
+    case Granularity::kPerGroup: result.push_back(spec.group_size); break;
+    default: result.push_back(shape.back()); break;
+  }
+  return result;
+}
+
+}  // namespace qtrain::qat

@@ -1,0 +1,87 @@
+// GGUF Q4_0 / Q8_0 blocks: the bytes follow llama.cpp's layout (checked on a hand-built block),
+// decode as llama.cpp's dequantize_row_q4_0 / _q8_0 to exactly the fake-quant weights, and
+// schemes GGUF cannot hold are refused with the key and the reason.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <string>
+
+#include "kernels/error.h"
+#include "qat/gguf_block.h"
+
+namespace qtrain::qat {
+namespace {
+
+QuantizedTensor quantized(const QuantSpec& spec, const torch::Tensor& x) {
+  return quantize_tensor(spec, x, choose_qparams(spec, block_min_max(spec, x)));
+}
+
+std::string error_of(const QuantSpec& spec) {
+  try {
+    gguf_block_type_for(spec, "qat.weights");
+  } catch (const Error& error) {
+    return error.what();
+  }
+  return "";
+}
+
+TEST(GgufBlock, FormatsAreLlamaCppsSizesAndTypeIds) {
+  EXPECT_EQ(gguf_block_format(GgufBlockType::kQ4_0).block_bytes, 18);
+  EXPECT_EQ(gguf_block_format(GgufBlockType::kQ8_0).block_bytes, 34);
+  EXPECT_EQ(gguf_block_format(GgufBlockType::kQ4_0).ggml_type, 2u);
+  EXPECT_EQ(gguf_block_format(GgufBlockType::kQ8_0).ggml_type, 8u);
+}
+
+TEST(GgufBlock, Q4_0LayoutIsLowNibblesFirstHalfHighNibblesSecondHalf) {
+  QuantizedTensor tensor;
+  tensor.spec = QuantSpec::gguf_q4_0();
+  tensor.codes = torch::zeros({1, 32}, torch::kInt8);
+  tensor.codes[0][0] = -8;  // nibble 0
+  tensor.codes[0][16] = 7;  // nibble 15
+  tensor.codes[0][1] = 3;   // nibble 11
+  tensor.codes[0][17] = -1;  // nibble 7
+  tensor.params = {torch::full({1, 1}, 0.5f), torch::zeros({1, 1})};
+  const auto bytes = encode_gguf_blocks(tensor, "qat.weights");
+  ASSERT_EQ(bytes.size(), 18u);
+  EXPECT_EQ(bytes[0], 0x00);  // fp16 0.5 = 0x3800, little-endian
+  EXPECT_EQ(bytes[1], 0x38);
+  EXPECT_EQ(bytes[2], 0xF0);  // element 0 low, element 16 high
+  EXPECT_EQ(bytes[3], 0x7B);  // element 1 = 3 + 8 = 0xB low, element 17 = -1 + 8 = 7 high
+  EXPECT_EQ(bytes[4], 0x88);  // zeros are stored as 8
+}
+
+// encode -> decode equals the fake-quant forward's weights, bit for bit.
+TEST(GgufBlock, EncodeThenDecodeEqualsFakeQuantExactly) {
+  torch::manual_seed(1);
+  const auto weight = torch::randn({48, 96}) * 0.05 + torch::rand({48, 96}).pow(8) * 0.3;
+  for (const auto& spec : {QuantSpec::gguf_q4_0(), QuantSpec::gguf_q8_0()}) {
+    SCOPED_TRACE(spec.describe());
+    const auto tensor = quantized(spec, weight);
+    const auto type = gguf_block_type_for(spec, "qat.weights");
+    const auto bytes = encode_gguf_blocks(tensor, "qat.weights");
+    EXPECT_EQ(static_cast<int64_t>(bytes.size()), weight.numel() / 32 * gguf_block_format(type).block_bytes);
+    const auto decoded = decode_gguf_blocks(bytes, type, weight.sizes());
+    EXPECT_TRUE(torch::equal(decoded, fake_quantize_values(spec, weight, tensor.params).values));
+  }
+}
+
+TEST(GgufBlock, SchemesGgufCannotHoldAreRefusedWithTheReason) {
+  auto spec = QuantSpec::gguf_q4_0();
+  spec.symmetric = false;
+  EXPECT_EQ(error_of(spec).rfind("qat.weights.symmetric: false cannot be written as GGUF Q4_0 / Q8_0", 0), 0u) << error_of(spec);
+  spec = QuantSpec::gguf_q4_0();
+  spec.group_size = 64;
+  EXPECT_EQ(error_of(spec).rfind("qat.weights.group_size: GGUF Q4_0 / Q8_0 need granularity per_group with group_size 32", 0), 0u);
+  spec = QuantSpec::gguf_q4_0();
+  spec.scale_dtype = torch::kFloat32;
+  EXPECT_EQ(error_of(spec).rfind("qat.weights.scale_dtype: ", 0), 0u);
+  spec = QuantSpec::gguf_q4_0();
+  spec.bits = 3;
+  EXPECT_NE(error_of(spec).find("safetensors-int"), std::string::npos);
+  spec = QuantSpec::gguf_q4_0();
+  spec.format = QuantFormat::kNf4;
+  EXPECT_NE(error_of(spec).find("int4 (Q4_0) or int8 (Q8_0) weights only"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace qtrain::qat
