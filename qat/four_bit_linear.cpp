@@ -98,7 +98,11 @@ std::vector<std::string> quantize_linear_layers(torch::nn::Module& root, const F
     const std::string child_name = dot == std::string::npos ? target.name : target.name.substr(dot + 1);
     torch::nn::Module& parent = parent_name.empty() ? root : *modules[parent_name];
     replace_linear_layer(parent, child_name,
-                         FourBitLinear::from_dense(target.layer->weight(), target.layer->bias(), options));
+                         FourBitLinear::from_dense(target.layer->weight().to(options.device),
+                                                   target.layer->bias().defined()
+                                                       ? target.layer->bias().to(options.device)
+                                                       : torch::Tensor(),
+                                                   options));
     replaced.push_back(target.name);
   }
   return replaced;

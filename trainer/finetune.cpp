@@ -110,6 +110,7 @@ void Finetune::setup_model() {
     four_bit.blocksize = recipe_.qlora.blocksize;
     four_bit.double_quant = recipe_.qlora.double_quant;
     four_bit.compute_dtype = compute_dtype_;
+    four_bit.device = device_;
     qat::quantize_linear_layers(*loaded_.model, four_bit, recipe_.qlora.skip_modules);
   }
   loaded_.model->to(device_);
