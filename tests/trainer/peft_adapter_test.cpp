@@ -2,7 +2,6 @@
 // get_peft_model(...).save_pretrained must give the logits and loss peft computed
 // (tiny-llama-reference.safetensors, `lora.*`), and what qtrain writes must load in
 // PeftModel.from_pretrained with the same logits.
-#include <glob.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -346,26 +345,8 @@ TEST(PeftAdapter, MissingFilesAndBadJsonAreErrors) {
   expect_adapter_error(temp.file("no-weights"), "adapter_model.safetensors: not found");
 }
 
-// The interop Python (QTRAIN_PYTHON) if it has peft, else the project's venv, if this machine
-// has one; "" when neither does.
-std::string find_python_with_peft() {
-  std::vector<std::string> candidates = {qtrain::testing::python()};
-  if (const char* home = std::getenv("HOME")) {
-    glob_t found{};
-    if (::glob((std::string(home) + "/.cache/qtrain/venv-torch2.11.0-*/bin/python").c_str(), 0, nullptr, &found) == 0) {
-      for (size_t index = 0; index < found.gl_pathc; ++index) candidates.emplace_back(found.gl_pathv[index]);
-    }
-    globfree(&found);
-  }
-  for (const auto& python : candidates) {
-    const auto probe = qtrain::testing::run_command("'" + python + "' -c 'import peft, transformers, safetensors' 2>&1");
-    if (probe.status == 0) return python;
-  }
-  return "";
-}
-
 TEST(PeftAdapter, PeftLoadsWhatWeWriteWithTheSameLogits) {
-  const auto python = find_python_with_peft();
+  const auto python = qtrain::testing::find_python_with("peft transformers safetensors");
   if (python.empty()) GTEST_SKIP() << "no Python with peft and transformers (set QTRAIN_PYTHON)";
   TempDir temp;
   auto model = load_base();
