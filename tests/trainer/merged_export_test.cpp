@@ -10,6 +10,7 @@
 #include "kernels/error.h"
 #include "qat/four_bit_linear.h"
 #include "support.h"
+#include "model_outputs.h"
 #include "trainer/hf_checkpoint.h"
 #include "trainer/merged_export.h"
 #include "trainer/peft_adapter.h"
@@ -40,17 +41,8 @@ torch::Tensor reference_input_ids() {
   return SafetensorsFile::open(fixture("tiny-llama-reference.safetensors")).tensor("lora.input_ids");
 }
 
-torch::Tensor logits_of(LlamaForCausalLMImpl& model, const torch::Tensor& input_ids) {
-  torch::NoGradGuard no_grad;
-  LlamaInputs inputs;
-  inputs.input_ids = input_ids;
-  return model.forward(inputs);
-}
-
-double max_relative_error(const torch::Tensor& actual, const torch::Tensor& expected) {
-  auto expected64 = expected.to(torch::kFloat64);
-  return ((actual.to(torch::kFloat64) - expected64).abs().max() / expected64.abs().max()).item<double>();
-}
+using testing_outputs::logits_of;
+using testing_outputs::max_relative_error;
 
 nlohmann::json read_json(const std::string& path) {
   std::ifstream file(path);

@@ -15,6 +15,7 @@
 
 #include "kernels/error.h"
 #include "support.h"
+#include "model_outputs.h"
 #include "trainer/causal_lm_loss.h"
 #include "trainer/hf_checkpoint.h"
 #include "trainer/peft_adapter.h"
@@ -47,17 +48,8 @@ std::vector<std::pair<std::string, std::shared_ptr<qat::LoraLinear>>> lora_layer
   return layers;
 }
 
-torch::Tensor logits_of(LlamaForCausalLMImpl& model, const torch::Tensor& input_ids) {
-  torch::NoGradGuard no_grad;
-  LlamaInputs inputs;
-  inputs.input_ids = input_ids;
-  return model.forward(inputs);
-}
-
-double max_relative_error(const torch::Tensor& actual, const torch::Tensor& expected) {
-  auto expected64 = expected.to(torch::kFloat64);
-  return ((actual.to(torch::kFloat64) - expected64).abs().max() / expected64.abs().max()).item<double>();
-}
+using testing_outputs::logits_of;
+using testing_outputs::max_relative_error;
 
 // A copy of the fixture adapter with its config or tensors changed, for the error cases.
 std::string edited_adapter(const TempDir& temp, const std::function<void(nlohmann::json&)>& edit_config,
