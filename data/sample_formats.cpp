@@ -118,7 +118,7 @@ Example SampleBuilder::from_instruct(const JsonlRecord& record) const {
   return sample;
 }
 
-Example SampleBuilder::from_chat(const JsonlRecord& record) const {
+std::vector<ChatMessage> read_chat_messages(const JsonlRecord& record) {
   const bool sharegpt = !record.value.contains("messages") && record.value.contains("conversations");
   const char* list_key = sharegpt ? "conversations" : "messages";
   const char* role_key = sharegpt ? "from" : "role";
@@ -145,6 +145,11 @@ Example SampleBuilder::from_chat(const JsonlRecord& record) const {
     }
     messages.push_back({role, message[content_key].get<std::string>()});
   }
+  return messages;
+}
+
+Example SampleBuilder::from_chat(const JsonlRecord& record) const {
+  const auto messages = read_chat_messages(record);
   if (std::none_of(messages.begin(), messages.end(), [](const ChatMessage& m) { return m.role == "assistant"; })) {
     record.fail("the chat has no assistant message, so nothing in it would be learned");
   }

@@ -10,6 +10,7 @@
 // learned; what `qtrain data --json` prints) is taken as already tokenised.
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "data/chat_template.h"
 #include "data/example.h"
@@ -26,6 +27,10 @@ struct SampleFormatOptions {
   bool train_on_inputs = false;            // instruct and chat: learn the prompt / every turn too
   std::string chat_template;               // chat: empty = the model's; llama3 | chatml forces one
 };
+
+// The messages of a chat record ({"messages": [{"role", "content"}]} or ShareGPT's
+// {"conversations": [{"from", "value"}]}); Error naming the record's file:line when malformed.
+std::vector<ChatMessage> read_chat_messages(const JsonlRecord& record);
 
 class SampleBuilder {
  public:

@@ -1,6 +1,7 @@
 #pragma once
 // What every test suite needs: where ../shared/fixtures, the sources, the qtrain binary and the
 // interop Python are, temporary directories, and running a command.
+#include <glob.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -13,6 +14,7 @@
 #include <iterator>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "trainer/file_system.h"
 
@@ -70,8 +72,8 @@ inline std::string read_text(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>());
 }
 
-// True when the interop Python imports every module in `modules` (space separated).
-inline bool python_has(const std::string& modules) {
+// `import a; import b;` for the space-separated module names in `modules`.
+inline std::string import_statements(const std::string& modules) {
   std::string imports;
   for (size_t begin = 0; begin < modules.size();) {
     size_t end = modules.find(' ', begin);
@@ -79,7 +81,31 @@ inline bool python_has(const std::string& modules) {
     imports += "import " + modules.substr(begin, end - begin) + ";";
     begin = end + 1;
   }
-  return run_command(python() + " -c '" + imports + "' >/dev/null 2>&1").status == 0;
+  return imports;
+}
+
+// True when the interop Python imports every module in `modules` (space separated).
+inline bool python_has(const std::string& modules) {
+  return run_command(python() + " -c '" + import_statements(modules) + "' >/dev/null 2>&1").status == 0;
+}
+
+// The interop Python (QTRAIN_PYTHON) if it imports every module in `modules` (space
+// separated), else the project's environment (~/.cache/qtrain/venv-torch2.11.0-*) if this
+// machine has one that does; "" when none does.
+inline std::string find_python_with(const std::string& modules) {
+  std::vector<std::string> candidates = {python()};
+  if (const char* home = std::getenv("HOME")) {
+    glob_t found{};
+    if (::glob((std::string(home) + "/.cache/qtrain/venv-torch2.11.0-*/bin/python").c_str(), 0, nullptr, &found) == 0) {
+      for (size_t index = 0; index < found.gl_pathc; ++index) candidates.emplace_back(found.gl_pathv[index]);
+    }
+    globfree(&found);
+  }
+  const std::string imports = import_statements(modules);
+  for (const auto& candidate : candidates) {
+    if (run_command("'" + candidate + "' -c '" + imports + "' >/dev/null 2>&1").status == 0) return candidate;
+  }
+  return "";
 }
 
 // A fresh directory under the system's temp dir, removed when the object goes.

@@ -15,6 +15,7 @@ int run_tokenize(const Arguments& arguments);
 int run_data(const Arguments& arguments);
 int run_inspect(const Arguments& arguments);
 int run_export(const Arguments& arguments);
+int run_generate(const Arguments& arguments);
 int run_bench(const Arguments& arguments);
 
 // Parses `arguments` against `options`; `--help` prints usage and the options with their

@@ -1,67 +1,110 @@
-// qtrain export --run DIR --format peft --out DIR: what a run trained, in a format other tools load.
+// qtrain export: what a run trained, in a format other tools load.
+//   --format peft    the run's LoRA adapter as a PEFT adapter directory
+//   --format merged  the base with the adapter merged in, as a plain Hugging Face model directory
+// A run's model (--run) or a model directory with an optional adapter (--model, --adapter, merged
+// only). The result is staged beside --out and renamed into place.
 #include <cstdio>
 #include <filesystem>
 
 #include "kernels/error.h"
-#include "qat/lora_linear.h"
 #include "tools/commands.h"
 #include "trainer/file_system.h"
 #include "trainer/hf_checkpoint.h"
+#include "trainer/merged_export.h"
 #include "trainer/peft_adapter.h"
-#include "trainer/recipe.h"
-#include "trainer/recipe_training.h"
-#include "trainer/training_checkpoint.h"
+#include "trainer/run_model.h"
 
 namespace po = boost::program_options;
 
 namespace qtrain::tools {
 
+namespace {
+
+struct ExportSource {
+  trainer::LoadedModel loaded;
+  std::string base_dir;        // the Hugging Face directory of the base (config, tokenizer)
+  std::string description;     // for the closing message
+};
+
+// --model DIR [--adapter DIR]: the model in fp32 (a bnb 4-bit directory keeps its 4-bit layers,
+// dequantized by the merge), the adapter applied.
+ExportSource model_with_adapter(const std::string& model_dir, const std::string& adapter_dir) {
+  ExportSource source;
+  source.loaded = trainer::load_llama(model_dir);
+  if (!adapter_dir.empty()) trainer::apply_peft_adapter(*source.loaded.model, adapter_dir);
+  source.base_dir = model_dir;
+  source.description = model_dir + (adapter_dir.empty() ? "" : " with " + adapter_dir);
+  return source;
+}
+
+}  // namespace
+
 int run_export(const Arguments& arguments) {
-  std::string run_dir, format, out_dir, checkpoint;
+  std::string run_dir, model_dir, adapter_dir, format, out_dir, checkpoint, dtype_name, shard_size;
   po::options_description options("export options");
   options.add_options()
-      ("run", po::value(&run_dir)->required(), "run directory (train.output_dir of a finished run)")
+      ("run", po::value(&run_dir)->default_value(""), "run directory (train.output_dir of a run)")
       ("checkpoint", po::value(&checkpoint)->default_value(""),
        "a training-state checkpoint of the run (step-000500) instead of its final adapter")
-      ("format", po::value(&format)->default_value("peft"), "peft (merged, gguf, safetensors-int come later)")
+      ("model", po::value(&model_dir)->default_value(""),
+       "merged only, instead of --run: a Hugging Face model directory (bf16/fp32 or bnb 4-bit)")
+      ("adapter", po::value(&adapter_dir)->default_value(""), "merged only, with --model: a PEFT LoRA adapter to merge")
+      ("format", po::value(&format)->default_value("peft"),
+       "peft (the LoRA adapter) or merged (a Hugging Face model with the adapter merged in)")
+      ("dtype", po::value(&dtype_name)->default_value("base"),
+       "merged: dtype of the written weights, bf16, fp16 or fp32; base = the base model's config.json dtype")
+      ("shard-size", po::value(&shard_size)->default_value("5GB"),
+       "merged: largest safetensors file (5GB, 500MB, 2GiB); more weights are sharded with an index")
       ("out", po::value(&out_dir)->required(), "directory to write; must not exist unless --force")
       ("force", po::bool_switch(), "replace an existing --out directory");
   po::variables_map values;
-  if (!parse_command_line("usage: qtrain export --run DIR [--checkpoint step-N] --format peft --out DIR [--force]", options, arguments,
-                          values)) {
+  if (!parse_command_line("usage: qtrain export --run DIR [--checkpoint step-N] --format peft|merged --out DIR [--force]\n"
+                          "       qtrain export --model DIR [--adapter DIR] --format merged --out DIR [--force]",
+                          options, arguments, values)) {
     return 0;
   }
-  if (format != "peft") {
-    throw Error("--format " + format + " is not available yet (peft now; merged with Inference export 9/11, "
-                "gguf and safetensors-int with QAT 6/11)");
+  if (format != "peft" && format != "merged") {
+    throw Error("--format " + format + " is not available (peft or merged now; gguf and safetensors-int come with "
+                "QAT 6/11)");
   }
+  if (run_dir.empty() == model_dir.empty()) throw Error("give either --run DIR or --model DIR (not both)");
+  if (!model_dir.empty() && format != "merged") {
+    throw Error("--model exports only --format merged (a PEFT adapter is already its own export)");
+  }
+  if (!adapter_dir.empty() && model_dir.empty()) throw Error("--adapter goes with --model; a run's adapter is found from --run");
+  if (!checkpoint.empty() && run_dir.empty()) throw Error("--checkpoint goes with --run");
+  trainer::MergedExportOptions merged;
+  merged.max_shard_bytes = trainer::parse_byte_size(shard_size, "--shard-size");
   const bool force = values["force"].as<bool>();
   if (std::filesystem::exists(out_dir) && !force) {
     throw Error(out_dir + ": already exists; choose another --out or pass --force to replace it");
   }
   const std::string staged = out_dir + ".staging";
   trainer::remove_tree(staged);
-  if (checkpoint.empty()) {
-    const auto recipe = trainer::load_recipe(run_dir + "/recipe.yaml", {});
-    const std::string adapter_dir = run_dir + "/adapter";
-    // The adapter is checked against the base it was trained on: every tensor, every shape.
-    auto loaded = trainer::load_llama(recipe.model.path);
-    trainer::apply_peft_adapter(*loaded.model, adapter_dir);
-    trainer::write_peft_adapter(*loaded.model, trainer::read_peft_adapter_config(adapter_dir), staged,
-                                recipe.model.path);
+
+  ExportSource source;
+  if (!run_dir.empty()) {
+    // A merge needs the base the adapter was trained on (quantized, for QLoRA); a PEFT export
+    // only checks the adapter against the base's names and shapes.
+    auto run = trainer::load_run_model(run_dir, checkpoint, /*quantize_base=*/format == "merged");
+    if (format == "peft") {
+      trainer::write_peft_adapter(*run.loaded.model, run.adapter, staged, run.recipe.model.path);
+      trainer::replace_directory(staged, out_dir);
+      std::printf("export: PEFT adapter of %s written to %s\n", run_dir.c_str(), out_dir.c_str());
+      return 0;
+    }
+    source.loaded = std::move(run.loaded);
+    source.base_dir = run.recipe.model.path;
+    source.description = run.recipe.model.path + " with the adapter of " + run.adapter_source;
   } else {
-    const std::string checkpoint_dir =
-        checkpoint.find('/') == std::string::npos ? run_dir + "/checkpoints/" + checkpoint : checkpoint;
-    const auto state = trainer::read_training_checkpoint(checkpoint_dir);
-    const auto recipe = trainer::load_recipe(checkpoint_dir + "/recipe.yaml", {});
-    const auto adapter = trainer::lora_adapter_config(recipe);
-    auto loaded = trainer::load_llama(recipe.model.path);
-    const auto adapted = qat::apply_lora(*loaded.model, adapter.targets, adapter.lora);
-    trainer::load_trainable_tensors(*loaded.model, state.trainable, 2 * adapted.size(), checkpoint_dir);
-    trainer::write_peft_adapter(*loaded.model, adapter, staged, recipe.model.path);
+    source = model_with_adapter(model_dir, adapter_dir);
   }
+  merged.dtype = dtype_name == "base" ? source.loaded.config.stored_dtype
+                                      : trainer::parse_dtype_name(dtype_name, "--dtype");
+  trainer::write_merged_model(*source.loaded.model, source.loaded.config, source.base_dir, staged, merged);
   trainer::replace_directory(staged, out_dir);
-  std::printf("export: PEFT adapter of %s written to %s\n", run_dir.c_str(), out_dir.c_str());
+  std::printf("export: %s merged into a %s Hugging Face model in %s\n", source.description.c_str(),
+              trainer::dtype_short_name(merged.dtype).c_str(), out_dir.c_str());
   return 0;
 }
 

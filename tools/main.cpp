@@ -1,6 +1,6 @@
 // qtrain: quantization-aware training and QLoRA fine-tuning of Llama models.
 //   qtrain [train] --recipe FILE [--set key=value ...] [--print-recipe]
-//   qtrain eval | tokenize | data | inspect | export | bench ... (qtrain SUBCOMMAND --help)
+//   qtrain eval | generate | tokenize | data | inspect | export | bench ... (qtrain SUBCOMMAND --help)
 #include <c10/util/Exception.h>
 
 #include <iostream>
@@ -44,7 +44,8 @@ const std::map<std::string, Command>& commands() {
       {"data", {run_data, "the first training examples as the model sees them (masked spans marked)"}},
       {"inspect", {run_inspect, "architecture, sizes and memory needs of a Hugging Face model"}},
       {"bench", {run_bench, "training tokens/s and peak memory of a random Llama-shaped model (QLoRA or LoRA)"}},
-      {"export", {run_export, "a run's PEFT adapter, checked against its base, into a new directory"}},
+      {"generate", {run_generate, "text from a model (and adapter): greedy or sampled, streamed, with a KV cache"}},
+      {"export", {run_export, "a run's PEFT adapter, or its model with the adapter merged, into a new directory"}},
   };
   return table;
 }
@@ -78,7 +79,7 @@ int main(int argc, char** argv) {
   }
   const auto found = commands().find(name);
   if (found == commands().end()) {
-    std::cerr << "qtrain: unknown command '" << name << "' (commands: train, eval, tokenize, data, inspect, export, bench; see qtrain --help)\n";
+    std::cerr << "qtrain: unknown command '" << name << "' (commands: train, eval, generate, tokenize, data, inspect, export, bench; see qtrain --help)\n";
     return 2;
   }
   try {

@@ -9,7 +9,6 @@
 #include <limits>
 
 #include "kernels/error.h"
-#include "qat/four_bit_linear.h"
 #include "optim/grad_clip.h"
 #include "trainer/batch_inputs.h"
 #include "trainer/causal_lm_loss.h"
@@ -101,18 +100,7 @@ void Finetune::setup() {
 }
 
 void Finetune::setup_model() {
-  ModelLoadOptions options;
-  options.dtype = compute_dtype_;
-  loaded_ = load_llama(recipe_.model.path, options);
-  if (recipe_.quant == "qlora") {
-    qat::FourBitOptions four_bit;
-    four_bit.quant_type = recipe_.qlora.quant_type;
-    four_bit.blocksize = recipe_.qlora.blocksize;
-    four_bit.double_quant = recipe_.qlora.double_quant;
-    four_bit.compute_dtype = compute_dtype_;
-    four_bit.device = device_;
-    qat::quantize_linear_layers(*loaded_.model, four_bit, recipe_.qlora.skip_modules);
-  }
+  loaded_ = load_base_model(recipe_, compute_dtype_, device_);
   loaded_.model->to(device_);
   loaded_.model->model->set_gradient_checkpointing(
       recipe_.train.gradient_checkpointing ? recipe_.train.gradient_checkpointing_every : 0);

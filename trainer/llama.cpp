@@ -1,6 +1,8 @@
 #include "trainer/llama.h"
 
+#include <algorithm>
 #include <cmath>
+#include <tuple>
 
 #include "kernels/error.h"
 #include "trainer/activation_checkpoint.h"
@@ -143,8 +145,30 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaOptions& options, const std::s
   o_proj = register_module("o_proj", make_linear(prefix + ".o_proj", linear_options(query_width, hidden, bias, dtype)));
 }
 
+std::pair<torch::Tensor, torch::Tensor> LayerKeyValues::append(const torch::Tensor& key, const torch::Tensor& value) {
+  const int64_t added = key.size(2);
+  const int64_t needed = length_ + added;
+  if (!keys_.defined() || needed > keys_.size(2)) {
+    // Doubling keeps the copies amortised O(1) per token; the views handed out before stay valid
+    // (they hold the old buffer).
+    const int64_t capacity = std::max<int64_t>(needed, keys_.defined() ? 2 * keys_.size(2) : 2 * added);
+    auto grow = [&](const torch::Tensor& old, const torch::Tensor& like) {
+      auto buffer = torch::empty({like.size(0), like.size(1), capacity, like.size(3)}, like.options());
+      if (length_ > 0) buffer.narrow(2, 0, length_).copy_(old.narrow(2, 0, length_));
+      return buffer;
+    };
+    keys_ = grow(keys_, key);
+    values_ = grow(values_, value);
+  }
+  keys_.narrow(2, length_, added).copy_(key);
+  values_.narrow(2, length_, added).copy_(value);
+  length_ = needed;
+  return {keys_.narrow(2, 0, length_), values_.narrow(2, 0, length_)};
+}
+
 torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden, const torch::Tensor& cos,
-                                          const torch::Tensor& sin, const torch::Tensor& attention_mask) {
+                                          const torch::Tensor& sin, const torch::Tensor& attention_mask,
+                                          LayerKeyValues* cache) {
   const int64_t batch = hidden.size(0);
   const int64_t sequence = hidden.size(1);
   // [batch, seq, heads * head_dim] -> [batch, heads, seq, head_dim]
@@ -153,9 +177,24 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden, const tor
   auto value = v_proj->forward(hidden).view({batch, sequence, num_key_value_heads_, head_dim_}).transpose(1, 2);
   query = apply_rotary(query, cos, sin);
   key = apply_rotary(key, cos, sin);
-  const bool causal = !attention_mask.defined() && sequence > 1;
-  const std::optional<at::Tensor> mask =
+  bool causal = !attention_mask.defined() && sequence > 1;
+  std::optional<at::Tensor> mask =
       attention_mask.defined() ? std::optional<at::Tensor>(attention_mask) : std::nullopt;
+  if (cache != nullptr) {
+    if (attention_mask.defined()) throw Error("an attention mask cannot be combined with a key/value cache");
+    const int64_t past = cache->length();
+    std::tie(key, value) = cache->append(key, value);
+    if (past > 0) {
+      // SDPA's is_causal aligns the mask to the top left; with cached positions before the new
+      // ones, new token i (at position past + i) sees keys 0 .. past + i. One new token sees all.
+      causal = false;
+      if (sequence > 1) {
+        auto options = torch::TensorOptions().dtype(torch::kInt64).device(hidden.device());
+        mask = torch::arange(past + sequence, options).unsqueeze(0) <=
+               (torch::arange(sequence, options) + past).unsqueeze(1);
+      }
+    }
+  }
   auto attended = at::scaled_dot_product_attention(query, key, value, mask, /*dropout_p=*/0.0, causal,
                                                    /*scale=*/std::pow(static_cast<double>(head_dim_), -0.5),
                                                    /*enable_gqa=*/num_key_value_heads_ != num_heads_);
@@ -203,8 +242,9 @@ LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaOptions& options, const 
 }
 
 torch::Tensor LlamaDecoderLayerImpl::forward(const torch::Tensor& hidden, const torch::Tensor& cos,
-                                             const torch::Tensor& sin, const torch::Tensor& attention_mask) {
-  auto residual = hidden + self_attn->forward(input_layernorm->forward(hidden), cos, sin, attention_mask);
+                                             const torch::Tensor& sin, const torch::Tensor& attention_mask,
+                                             LayerKeyValues* cache) {
+  auto residual = hidden + self_attn->forward(input_layernorm->forward(hidden), cos, sin, attention_mask, cache);
   return residual + mlp->forward(post_attention_layernorm->forward(residual));
 }
 
@@ -221,7 +261,7 @@ LlamaBackboneImpl::LlamaBackboneImpl(const LlamaOptions& options, const LinearFa
 }
 
 torch::Tensor LlamaBackboneImpl::forward(const torch::Tensor& input_ids, const torch::Tensor& position_ids,
-                                         const torch::Tensor& attention_mask) {
+                                         const torch::Tensor& attention_mask, KeyValueCache* cache) {
   auto hidden = embed_tokens->forward(input_ids);
   auto [cos, sin] = rotary_.tables(position_ids, hidden.scalar_type());
   const bool checkpointing = checkpoint_every_ > 0 && is_training() && torch::GradMode::is_enabled();
@@ -234,7 +274,8 @@ torch::Tensor LlamaBackboneImpl::forward(const torch::Tensor& input_ids, const t
           },
           {hidden}, layer->parameters());
     } else {
-      hidden = layer->forward(hidden, cos, sin, attention_mask);
+      hidden = layer->forward(hidden, cos, sin, attention_mask,
+                              cache ? &cache->layer(static_cast<int64_t>(index)) : nullptr);
     }
   }
   return norm->forward(hidden);
@@ -253,11 +294,13 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaOptions& options, torch::S
 torch::Tensor LlamaForCausalLMImpl::hidden_states(const LlamaInputs& inputs) {
   auto position_ids = inputs.position_ids;
   if (!position_ids.defined()) {
-    position_ids = torch::arange(inputs.input_ids.size(1), inputs.input_ids.options().dtype(torch::kInt64))
+    const int64_t past = inputs.cache ? inputs.cache->length() : 0;
+    position_ids = torch::arange(past, past + inputs.input_ids.size(1),
+                                 inputs.input_ids.options().dtype(torch::kInt64))
                        .unsqueeze(0)
                        .expand({inputs.input_ids.size(0), -1});
   }
-  return model->forward(inputs.input_ids, position_ids, inputs.attention_mask);
+  return model->forward(inputs.input_ids, position_ids, inputs.attention_mask, inputs.cache);
 }
 
 torch::Tensor LlamaForCausalLMImpl::logits(const torch::Tensor& hidden) {

@@ -74,6 +74,34 @@ class RotaryEmbedding {
   double attention_scaling_ = 1.0;
 };
 
+// One decoder layer's keys and values of the positions processed so far, so that generation
+// runs each new token through the model alone (its query against every cached key).
+// Keys are stored after the rotary embedding, as transformers' cache holds them.
+class LayerKeyValues {
+ public:
+  // key, value [batch, kv_heads, new, head_dim] -> every position's keys and values
+  // [batch, kv_heads, length(), head_dim] (views into a buffer that grows by doubling).
+  std::pair<torch::Tensor, torch::Tensor> append(const torch::Tensor& key, const torch::Tensor& value);
+  int64_t length() const { return length_; }
+
+ private:
+  torch::Tensor keys_, values_;  // [batch, kv_heads, capacity, head_dim], the model's dtype
+  int64_t length_ = 0;
+};
+
+// The key/value cache of a whole model: one LayerKeyValues per decoder layer. A forward pass
+// given a cache (LlamaInputs::cache) continues the sequence it holds: positions start at
+// length() and the new tokens attend to the cached ones and causally among themselves.
+class KeyValueCache {
+ public:
+  explicit KeyValueCache(int64_t num_layers) : layers_(static_cast<size_t>(num_layers)) {}
+  LayerKeyValues& layer(int64_t index) { return layers_.at(static_cast<size_t>(index)); }
+  int64_t length() const { return layers_.empty() ? 0 : layers_.front().length(); }
+
+ private:
+  std::vector<LayerKeyValues> layers_;
+};
+
 // The blocks holding projections implement qat::LinearLayerOwner, so that swapping one (LoRA,
 // QAT) updates the pointer forward() calls as well as the registered child.
 class LlamaAttentionImpl : public torch::nn::Module, public qat::LinearLayerOwner {
@@ -81,9 +109,10 @@ class LlamaAttentionImpl : public torch::nn::Module, public qat::LinearLayerOwne
   LlamaAttentionImpl(const LlamaOptions& options, const std::string& prefix, const LinearFactory& make_linear,
                      torch::ScalarType dtype);
   // hidden [batch, seq, hidden]; attention_mask: undefined (causal) or a boolean/additive
-  // mask broadcastable to [batch, heads, seq, seq].
+  // mask broadcastable to [batch, heads, seq, seq]. With `cache`, the sequence continues the
+  // cached one (causal over cached + new positions; no attention_mask then).
   torch::Tensor forward(const torch::Tensor& hidden, const torch::Tensor& cos, const torch::Tensor& sin,
-                        const torch::Tensor& attention_mask);
+                        const torch::Tensor& attention_mask, LayerKeyValues* cache = nullptr);
   void replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) override;
   std::shared_ptr<qat::LinearLayer> q_proj, k_proj, v_proj, o_proj;
 
@@ -107,7 +136,7 @@ class LlamaDecoderLayerImpl : public torch::nn::Module {
   LlamaDecoderLayerImpl(const LlamaOptions& options, const std::string& prefix, const LinearFactory& make_linear,
                         torch::ScalarType dtype);
   torch::Tensor forward(const torch::Tensor& hidden, const torch::Tensor& cos, const torch::Tensor& sin,
-                        const torch::Tensor& attention_mask);
+                        const torch::Tensor& attention_mask, LayerKeyValues* cache = nullptr);
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   LlamaAttention self_attn{nullptr};
   LlamaMlp mlp{nullptr};
@@ -120,7 +149,7 @@ class LlamaBackboneImpl : public torch::nn::Module {
   LlamaBackboneImpl(const LlamaOptions& options, const LinearFactory& make_linear, torch::ScalarType dtype);
   // input_ids [batch, seq] int64 -> hidden [batch, seq, hidden] in the model dtype
   torch::Tensor forward(const torch::Tensor& input_ids, const torch::Tensor& position_ids,
-                        const torch::Tensor& attention_mask);
+                        const torch::Tensor& attention_mask, KeyValueCache* cache = nullptr);
   // Recompute every k-th decoder layer in backward instead of keeping its activations
   // (trainer/activation_checkpoint.h); 0 turns it off. Only while training with grad enabled.
   void set_gradient_checkpointing(int64_t every_k_layers) { checkpoint_every_ = every_k_layers; }
@@ -138,6 +167,9 @@ struct LlamaInputs {
   torch::Tensor input_ids;       // [batch, seq] int64
   torch::Tensor position_ids;    // [batch, seq] int64; undefined = 0..seq-1 for every row
   torch::Tensor attention_mask;  // undefined = causal
+  // Generation: the keys and values of the tokens before input_ids, extended by the forward
+  // pass; default position_ids then start at cache->length(). Inference only.
+  KeyValueCache* cache = nullptr;
 };
 
 class LlamaForCausalLMImpl : public torch::nn::Module, public qat::LinearLayerOwner {

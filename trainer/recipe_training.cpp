@@ -1,5 +1,6 @@
 #include "trainer/recipe_training.h"
 
+#include "qat/four_bit_linear.h"
 #include "trainer/causal_lm_loss.h"
 
 namespace qtrain::trainer {
@@ -13,6 +14,23 @@ PeftAdapterConfig lora_adapter_config(const Recipe& recipe) {
   config.lora.rslora = recipe.lora.rslora;
   config.targets.include.names = recipe.lora.target_modules;
   return config;
+}
+
+LoadedModel load_base_model(const Recipe& recipe, torch::ScalarType dtype, const torch::Device& device,
+                            bool quantize_base) {
+  ModelLoadOptions options;
+  options.dtype = dtype;
+  auto loaded = load_llama(recipe.model.path, options);
+  if (quantize_base && recipe.quant == "qlora") {
+    qat::FourBitOptions four_bit;
+    four_bit.quant_type = recipe.qlora.quant_type;
+    four_bit.blocksize = recipe.qlora.blocksize;
+    four_bit.double_quant = recipe.qlora.double_quant;
+    four_bit.compute_dtype = dtype;
+    four_bit.device = device;
+    qat::quantize_linear_layers(*loaded.model, four_bit, recipe.qlora.skip_modules);
+  }
+  return loaded;
 }
 
 int64_t loss_chunk_tokens(const Recipe& recipe, int64_t vocab_size) {

@@ -29,6 +29,11 @@ std::string last_line(const std::string& output) {
   return output.substr(begin == std::string::npos ? 0 : begin + 1, end - (begin == std::string::npos ? 0 : begin + 1) + 1);
 }
 
+// `qtrain generate --json` prints its JSON object first (stdout), its speed after (stderr).
+nlohmann::json first_line_json(const CommandResult& result) {
+  return nlohmann::json::parse(result.output.substr(0, result.output.find('\n')));
+}
+
 // Two training steps of a shipped recipe, written to run_dir.
 CommandResult train_two_steps(const std::string& recipe, const std::string& run_dir, const std::string& extra = "") {
   return qtrain("--recipe " + testing::source_dir() + "/recipes/" + recipe +
@@ -47,7 +52,7 @@ void expect_user_error(const CommandResult& result, const std::string& mentions)
 TEST(Cli, HelpListsTheCommands) {
   auto result = qtrain("--help");
   EXPECT_EQ(result.status, 0);
-  for (const char* command : {"train", "eval", "tokenize", "inspect", "export"}) {
+  for (const char* command : {"train", "eval", "generate", "tokenize", "inspect", "export"}) {
     EXPECT_NE(result.output.find(command), std::string::npos) << command;
   }
 }
@@ -162,8 +167,64 @@ TEST(Cli, TrainWritesTheRunDirectoryAndAnAdapterThatEvalApplies) {
   };
   EXPECT_EQ(bytes_of(run.file("from-checkpoint/adapter_model.safetensors")),
             bytes_of(run.file("exported/adapter_model.safetensors")));
+  expect_user_error(qtrain("export --run " + run.path() + " --format gguf --out " + run.file("gguf")),
+                    "not available");
+}
+
+TEST(Cli, MergedExportOfARunGeneratesLikeTheRunsModel) {
+  testing::TempDir run;
+  auto trained = train_two_steps("demo_tiny.yaml", run.path(), " --set data.max_seq_len=64");
+  ASSERT_EQ(trained.status, 0) << trained.output;
+  auto exported = qtrain("export --run " + run.path() + " --format merged --dtype fp32 --out " + run.file("merged"));
+  ASSERT_EQ(exported.status, 0) << exported.output;
+  for (const char* file : {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json"}) {
+    EXPECT_TRUE(std::ifstream(run.file(std::string("merged/") + file)).good()) << file;
+  }
   expect_user_error(qtrain("export --run " + run.path() + " --format merged --out " + run.file("merged")),
-                    "not available yet");
+                    "already exists");
+
+  // Greedy text of the merged model equals that of the base with the adapter beside it, when
+  // both merge the same (unquantized) base: --model + --adapter is that export.
+  const std::string base = testing::source_dir() + "/recipes/demo/tiny-llama";
+  auto merged_plain = qtrain("export --model " + base + " --adapter " + run.file("adapter") +
+                             " --format merged --dtype fp32 --out " + run.file("merged-plain"));
+  ASSERT_EQ(merged_plain.status, 0) << merged_plain.output;
+  const std::string prompt = " --prompt 'The jury said' --max-new-tokens 12 --device cpu --json";
+  auto from_merged = qtrain("generate --model " + run.file("merged-plain") + prompt);
+  auto from_adapter = qtrain("generate --model " + base + " --adapter " + run.file("adapter") + prompt);
+  ASSERT_EQ(from_merged.status, 0) << from_merged.output;
+  ASSERT_EQ(from_adapter.status, 0) << from_adapter.output;
+  const auto merged_tokens = first_line_json(from_merged).at("tokens");
+  EXPECT_EQ(merged_tokens, first_line_json(from_adapter).at("tokens"));
+  EXPECT_EQ(merged_tokens.size(), 12u);
+}
+
+TEST(Cli, GenerateStreamsTextAndReportsItsSpeed) {
+  const std::string model = testing::source_dir() + "/recipes/demo/tiny-llama";
+  testing::TempDir temp;
+  auto streamed = run_command(testing::qtrain_binary() + " generate --model " + model +
+                              " --prompt 'The jury said' --max-new-tokens 8 --device cpu 2>" + temp.file("stderr"));
+  ASSERT_EQ(streamed.status, 0) << streamed.output;
+  auto as_json = qtrain("generate --model " + model + " --prompt 'The jury said' --max-new-tokens 8 --device cpu --json");
+  ASSERT_EQ(as_json.status, 0) << as_json.output;
+  const auto result = first_line_json(as_json);
+  EXPECT_EQ(streamed.output, result.at("text").get<std::string>() + "\n");
+  std::ifstream stderr_file(temp.file("stderr"));
+  const std::string speed((std::istreambuf_iterator<char>(stderr_file)), std::istreambuf_iterator<char>());
+  EXPECT_NE(speed.find("tokens/s on cpu"), std::string::npos) << speed;
+
+  const std::string chat = temp.write("chat.jsonl", R"({"messages": [{"role": "user", "content": "Hello"}]})" "\n");
+  auto chatted = qtrain("generate --model " + model + " --chat " + chat + " --max-new-tokens 4 --device cpu --json");
+  ASSERT_EQ(chatted.status, 0) << chatted.output;
+  const auto chat_result = first_line_json(chatted);
+  EXPECT_EQ(chat_result.at("prompt_tokens").at(0), 0) << "the template's BOS";
+  auto sampled = qtrain("generate --model " + model + " --prompt 'The' --temperature 0.8 --top-p 0.9 --seed 3 "
+                        "--max-new-tokens 8 --device cpu --json");
+  auto sampled_again = qtrain("generate --model " + model + " --prompt 'The' --temperature 0.8 --top-p 0.9 --seed 3 "
+                              "--max-new-tokens 8 --device cpu --json");
+  EXPECT_EQ(first_line_json(sampled).at("tokens"), first_line_json(sampled_again).at("tokens")) << "the same seed";
+  expect_user_error(qtrain("generate --model " + model + " --device cpu"), "--prompt");
+  expect_user_error(qtrain("generate --model " + model + " --prompt x --temperature -1 --device cpu"), "--temperature");
 }
 
 TEST(Cli, DataShowsWhatTheLossSeesAsTextAndAsJson) {

@@ -2,7 +2,6 @@
 // get_peft_model(...).save_pretrained must give the logits and loss peft computed
 // (tiny-llama-reference.safetensors, `lora.*`), and what qtrain writes must load in
 // PeftModel.from_pretrained with the same logits.
-#include <glob.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -16,6 +15,7 @@
 
 #include "kernels/error.h"
 #include "support.h"
+#include "model_outputs.h"
 #include "trainer/causal_lm_loss.h"
 #include "trainer/hf_checkpoint.h"
 #include "trainer/peft_adapter.h"
@@ -48,17 +48,8 @@ std::vector<std::pair<std::string, std::shared_ptr<qat::LoraLinear>>> lora_layer
   return layers;
 }
 
-torch::Tensor logits_of(LlamaForCausalLMImpl& model, const torch::Tensor& input_ids) {
-  torch::NoGradGuard no_grad;
-  LlamaInputs inputs;
-  inputs.input_ids = input_ids;
-  return model.forward(inputs);
-}
-
-double max_relative_error(const torch::Tensor& actual, const torch::Tensor& expected) {
-  auto expected64 = expected.to(torch::kFloat64);
-  return ((actual.to(torch::kFloat64) - expected64).abs().max() / expected64.abs().max()).item<double>();
-}
+using testing_outputs::logits_of;
+using testing_outputs::max_relative_error;
 
 // A copy of the fixture adapter with its config or tensors changed, for the error cases.
 std::string edited_adapter(const TempDir& temp, const std::function<void(nlohmann::json&)>& edit_config,
@@ -346,26 +337,8 @@ TEST(PeftAdapter, MissingFilesAndBadJsonAreErrors) {
   expect_adapter_error(temp.file("no-weights"), "adapter_model.safetensors: not found");
 }
 
-// The interop Python (QTRAIN_PYTHON) if it has peft, else the project's venv, if this machine
-// has one; "" when neither does.
-std::string find_python_with_peft() {
-  std::vector<std::string> candidates = {qtrain::testing::python()};
-  if (const char* home = std::getenv("HOME")) {
-    glob_t found{};
-    if (::glob((std::string(home) + "/.cache/qtrain/venv-torch2.11.0-*/bin/python").c_str(), 0, nullptr, &found) == 0) {
-      for (size_t index = 0; index < found.gl_pathc; ++index) candidates.emplace_back(found.gl_pathv[index]);
-    }
-    globfree(&found);
-  }
-  for (const auto& python : candidates) {
-    const auto probe = qtrain::testing::run_command("'" + python + "' -c 'import peft, transformers, safetensors' 2>&1");
-    if (probe.status == 0) return python;
-  }
-  return "";
-}
-
 TEST(PeftAdapter, PeftLoadsWhatWeWriteWithTheSameLogits) {
-  const auto python = find_python_with_peft();
+  const auto python = qtrain::testing::find_python_with("peft transformers safetensors");
   if (python.empty()) GTEST_SKIP() << "no Python with peft and transformers (set QTRAIN_PYTHON)";
   TempDir temp;
   auto model = load_base();
