@@ -13,11 +13,17 @@ namespace {
 using testing::run_command;
 
 // Four steps of the demo recipe without dropout (its masks are drawn per process, so they
-// cannot match an accumulation run), micro-batch 2.
-std::string short_run(const std::string& run_dir) {
-  return testing::qtrain_binary() + " --recipe " + testing::source_dir() + "/recipes/demo_tiny.yaml" +
+// cannot match an accumulation run), micro-batch 2: qtrain's arguments.
+std::string short_run_arguments(const std::string& run_dir) {
+  return " --recipe " + testing::source_dir() + "/recipes/demo_tiny.yaml" +
          " --set train.steps=4 --set log.every=1 --set eval.max_batches=2 --set checkpoint.every=2" +
          " --set train.micro_batch_size=2 --set lora.dropout=0 --set train.output_dir=" + run_dir;
+}
+
+// The same as a shell command, on one thread: every matmul then sums in the same order in
+// every process, whatever the machine's cores.
+std::string short_run(const std::string& run_dir) {
+  return "OMP_NUM_THREADS=1 " + testing::qtrain_binary() + short_run_arguments(run_dir);
 }
 
 // Shell text that starts `world` ranks of `command` in the background, each with its log.
@@ -26,7 +32,7 @@ std::string launch_ranks(int world, const std::string& command, const std::strin
   for (int rank = 0; rank < world; ++rank) {
     script += "RANK=" + std::to_string(rank) + " WORLD_SIZE=" + std::to_string(world) + " LOCAL_RANK=" +
               std::to_string(rank) + " LOCAL_WORLD_SIZE=" + std::to_string(world) +
-              " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) + " OMP_NUM_THREADS=1 " + command + " > " +
+              " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) + " " + command + " > " +
               logs + "/rank" + std::to_string(rank) + ".log 2>&1 & pid" + std::to_string(rank) + "=$!; ";
   }
   return script;
@@ -86,7 +92,8 @@ TEST(Distributed, TorchrunLaunchesTheSameTraining) {
   ASSERT_EQ(one.status, 0) << one.output;
   const auto two = run_command("OMP_NUM_THREADS=1 " + testing::python() +
                                " -m torch.distributed.run --nproc_per_node 2 --master_port " +
-                               std::to_string(testing::free_port()) + " --no-python " + short_run(runs.file("two")) + " 2>&1");
+                               std::to_string(testing::free_port()) + " --no-python " + testing::qtrain_binary() +
+                               short_run_arguments(runs.file("two")) + " 2>&1");
   ASSERT_EQ(two.status, 0) << two.output;
   expect_same_training(runs.file("one"), runs.file("two"));
 }

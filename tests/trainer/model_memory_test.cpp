@@ -7,6 +7,8 @@
 
 #include <atomic>
 #include <filesystem>
+#include <mutex>
+#include <unordered_map>
 
 #include "kernels/error.h"
 #include "optim/optimizer.h"
@@ -34,16 +36,24 @@ class CountingCpuAllocator final : public c10::Allocator {
   CountingCpuAllocator(const CountingCpuAllocator&) = delete;
   CountingCpuAllocator& operator=(const CountingCpuAllocator&) = delete;
 
+  // The data pointer is also the context (some LibTorch CPU kernels use raw_allocate, which
+  // requires that): the base allocator's block and size are looked up by it. The table outlives
+  // this object, since tensors allocated through it may.
   c10::DataPtr allocate(size_t bytes) override {
-    auto allocation = std::make_unique<Allocation>(Allocation{base_->allocate(bytes), bytes, this});
-    void* data = allocation->data.get();
-    const auto device = allocation->data.device();
+    auto block = base_->allocate(bytes);
+    void* data = block.get();
+    const auto device = block.device();
+    {
+      std::lock_guard<std::mutex> lock(table().mutex);
+      table().blocks.emplace(data, Block{std::move(block), bytes});
+    }
     const int64_t now = current_ += static_cast<int64_t>(bytes);
     int64_t peak = peak_.load();
     while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
     }
-    return {data, allocation.release(), &release, device};
+    return {data, data, &release, device};
   }
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
   void copy_data(void* destination, const void* source, std::size_t count) const override {
     default_copy_data(destination, source, count);
   }
@@ -53,21 +63,32 @@ class CountingCpuAllocator final : public c10::Allocator {
   void reset_peak() { peak_ = current_.load(); }
 
  private:
-  // The base allocator's block, kept (and freed) with its size.
-  struct Allocation {
-    c10::DataPtr data;
+  struct Block {
+    c10::DataPtr data;  // the base allocator's, freed with it
     size_t bytes;
-    CountingCpuAllocator* owner;
   };
-  static void release(void* context) {
-    auto* allocation = static_cast<Allocation*>(context);
-    allocation->owner->current_ -= static_cast<int64_t>(allocation->bytes);
-    delete allocation;
+  struct Table {
+    std::mutex mutex;
+    std::unordered_map<void*, Block> blocks;
+  };
+  static Table& table() {
+    static auto* blocks = new Table();  // never destroyed: frees may come during exit
+    return *blocks;
+  }
+  static void release(void* data) {
+    Block block;
+    {
+      std::lock_guard<std::mutex> lock(table().mutex);
+      auto found = table().blocks.find(data);
+      block = std::move(found->second);
+      table().blocks.erase(found);
+    }
+    current_ -= static_cast<int64_t>(block.bytes);
   }
   static constexpr uint8_t kPriority = 255;  // above LibTorch's own registration
   c10::Allocator* base_;
-  std::atomic<int64_t> current_{0};
-  std::atomic<int64_t> peak_{0};
+  static inline std::atomic<int64_t> current_{0};
+  static inline std::atomic<int64_t> peak_{0};
 };
 
 LlamaOptions tiny_llama_options() { return read_hf_config(fixture("tiny-llama")).llama; }
