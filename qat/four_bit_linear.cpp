@@ -92,16 +92,16 @@ std::vector<std::string> quantize_linear_layers(torch::nn::Module& root, const F
   const auto modules = root.named_modules();
   std::vector<std::string> replaced;
   torch::NoGradGuard no_grad;
+  const auto on_device = [&](const torch::Tensor& tensor) {
+    return tensor.defined() && options.device ? tensor.to(*options.device) : tensor;
+  };
   for (const auto& target : targets) {
     const auto dot = target.name.rfind('.');
     const std::string parent_name = dot == std::string::npos ? "" : target.name.substr(0, dot);
     const std::string child_name = dot == std::string::npos ? target.name : target.name.substr(dot + 1);
     torch::nn::Module& parent = parent_name.empty() ? root : *modules[parent_name];
     replace_linear_layer(parent, child_name,
-                         FourBitLinear::from_dense(target.layer->weight().to(options.device),
-                                                   target.layer->bias().defined()
-                                                       ? target.layer->bias().to(options.device)
-                                                       : torch::Tensor(),
+                         FourBitLinear::from_dense(on_device(target.layer->weight()), on_device(target.layer->bias()),
                                                    options));
     replaced.push_back(target.name);
   }

@@ -18,6 +18,7 @@
 #include <torch/torch.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -31,9 +32,9 @@ struct FourBitOptions {
   int64_t blocksize = 64;          // 64 ... 4096
   bool double_quant = true;        // bnb_4bit_use_double_quant
   torch::ScalarType compute_dtype = torch::kBFloat16;  // of the bias (forward follows the input's dtype)
-  // Where each weight is quantized and kept: a CUDA device quantizes there, one layer at a
-  // time, so the 16-bit model never has to fit on the GPU.
-  torch::Device device = torch::kCPU;
+  // Where each weight is quantized and kept (unset: where it is). A CUDA device quantizes
+  // there, one layer at a time, so the 16-bit model never has to fit on the GPU.
+  std::optional<torch::Device> device;
 };
 
 class FourBitLinear : public LinearLayer {
