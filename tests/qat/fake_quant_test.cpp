@@ -13,14 +13,7 @@
 namespace qtrain::qat {
 namespace {
 
-QuantSpec int_spec(int64_t bits, bool symmetric, Granularity granularity, int64_t group_size = 32) {
-  QuantSpec spec;
-  spec.bits = bits;
-  spec.symmetric = symmetric;
-  spec.granularity = granularity;
-  spec.group_size = group_size;
-  return spec;
-}
+using reference::int_spec;
 
 // Parameters for a range narrower than x's, so that part of x lies outside the grid.
 QuantParams clipping_params(const QuantSpec& spec, const torch::Tensor& x, double shrink) {

@@ -12,6 +12,16 @@
 namespace qtrain::qat::reference {
 
 // x as [blocks, block length] doubles, for a spec (the blocks of quant_spec.h).
+// An integer spec in one line.
+inline QuantSpec int_spec(int64_t bits, bool symmetric, Granularity granularity, int64_t group_size = 32) {
+  QuantSpec spec;
+  spec.bits = bits;
+  spec.symmetric = symmetric;
+  spec.granularity = granularity;
+  spec.group_size = group_size;
+  return spec;
+}
+
 inline std::vector<std::vector<double>> blocks_of(const QuantSpec& spec, const torch::Tensor& x) {
   const auto flat = x.to(torch::kFloat64).contiguous();
   const int64_t last = x.size(-1);

@@ -15,14 +15,7 @@
 namespace qtrain::qat {
 namespace {
 
-QuantSpec int_spec(int64_t bits, bool symmetric, Granularity granularity, int64_t group_size = 32) {
-  QuantSpec spec;
-  spec.bits = bits;
-  spec.symmetric = symmetric;
-  spec.granularity = granularity;
-  spec.group_size = group_size;
-  return spec;
-}
+using reference::int_spec;
 
 QuantSpec float_spec(QuantFormat format, Granularity granularity, int64_t group_size = 32) {
   QuantSpec spec;
