@@ -18,6 +18,7 @@
 #include "trainer/batch_inputs.h"
 #include "trainer/causal_lm_loss.h"
 #include "trainer/hf_checkpoint.h"
+#include "trainer/llama_shapes.h"
 #include "trainer/memory_stats.h"
 #include "trainer/model_memory.h"
 #include "trainer/recipe.h"
@@ -301,14 +302,7 @@ TEST(ModelMemory, SetupReadsTheRecipeAsFinetuneDoes) {
 // leaves one chunk's logits. On the Llama-3-8B shape, where the parts are large (5% of all
 // activations is about 1.6 layers' worth).
 TEST(ModelMemory, CheckpointingAndChunkingScaleAsTheirSettingsSay) {
-  LlamaOptions llama_3_8b = tiny_llama_options();
-  llama_3_8b.vocab_size = 128256;
-  llama_3_8b.hidden_size = 4096;
-  llama_3_8b.intermediate_size = 14336;
-  llama_3_8b.num_hidden_layers = 32;
-  llama_3_8b.num_attention_heads = 32;
-  llama_3_8b.num_key_value_heads = 8;
-  llama_3_8b.head_dim = 128;
+  const LlamaOptions llama_3_8b = llama_shape("llama3-8b");
   auto setup = tiny_setup();
   setup.compute_dtype = torch::kBFloat16;
   setup.device = torch::kCUDA;
