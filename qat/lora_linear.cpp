@@ -4,6 +4,7 @@
 #include <regex>
 
 #include "kernels/error.h"
+#include "qat/qat_linear.h"
 
 namespace qtrain::qat {
 
@@ -126,7 +127,13 @@ bool LoraTargets::matches(const std::string& module_name) const {
 }
 
 std::vector<LoraTarget> find_lora_targets(const torch::nn::Module& root, const LoraTargets& targets) {
-  const auto is_adapter = [](const LinearLayer& layer) { return dynamic_cast<const LoraLinear*>(&layer) != nullptr; };
+  // Adapters already in place, bare or inside a QAT layer (which fake-quantizes their merge).
+  const auto is_adapter = [](const LinearLayer& layer) {
+    if (const auto* quantized = dynamic_cast<const QatLinear*>(&layer)) {
+      return dynamic_cast<const LoraLinear*>(quantized->inner().get()) != nullptr;
+    }
+    return dynamic_cast<const LoraLinear*>(&layer) != nullptr;
+  };
   return find_linear_layers(
       root, [&](const std::string& name, const LinearLayer& layer) { return !is_adapter(layer) && targets.matches(name); },
       is_adapter);

@@ -91,7 +91,8 @@ struct LoraTargets {
 using LoraTarget = NamedLinearLayer;
 
 // The linear layers under `root` that `targets` selects, in module order. Layers already
-// wrapped by a LoraLinear (and the bases inside them) are not targets again.
+// wrapped by a LoraLinear (and the bases inside them), bare or inside a QatLinear, are not
+// targets again.
 std::vector<LoraTarget> find_lora_targets(const torch::nn::Module& root, const LoraTargets& targets);
 
 using LoraOptionsForModule = std::function<LoraOptions(const std::string& module_name)>;

@@ -24,6 +24,7 @@
 #include "optim/optimizer.h"
 #include "qat/four_bit_linear.h"
 #include "qat/lora_linear.h"
+#include "qat/qat_linear.h"
 #include "tools/commands.h"
 #include "trainer/causal_lm_loss.h"
 #include "trainer/device.h"
@@ -91,6 +92,7 @@ int run_bench(const Arguments& arguments) {
       ("micro-batch", po::value(&micro_batch)->default_value(1), "sequences per step")
       ("seq", po::value(&sequence)->default_value(2048), "tokens per sequence")
       ("checkpointing", po::bool_switch(), "recompute every decoder layer in backward")
+      ("qat", po::bool_switch(), "with --quant none: fake-quantize the merged weights (int4, groups of 32), as quant: qat")
       ("loss-chunk", po::value(&loss_chunk)->default_value(0), "loss chunk tokens; 0 automatic, -1 unchunked")
       ("dtype", po::value(&dtype_name)->default_value("bf16"), "compute dtype: bf16, fp16 or fp32")
       ("device", po::value(&device_name)->default_value("auto"), "cuda, cpu or auto")
@@ -133,6 +135,13 @@ int run_bench(const Arguments& arguments) {
   qat::LoraTargets targets;
   targets.include.names = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
   qat::apply_lora(*model, targets, lora);
+  const bool fake_quant = values["qat"].as<bool>();
+  if (fake_quant) {
+    if (quant != "none") throw Error("--qat trains through a fake-quantized 16-bit base: use it with --quant none");
+    qat::QatLinearOptions qat_options;
+    qat_options.weights.spec = qat::QuantSpec::gguf_q4_0();
+    qat::apply_qat(*model, targets, qat_options);
+  }
   std::vector<torch::Tensor> trainable;
   for (auto& item : model->named_parameters()) {
     const bool trains = item.key().find(".lora_") != std::string::npos;
@@ -198,6 +207,7 @@ int run_bench(const Arguments& arguments) {
   const double peak = peak_flops(device);
   const double mfu = peak > 0 ? tokens_per_second * flops_per_token / peak : 0.0;
 
+  if (fake_quant) quant += "+qat";
   std::printf("bench: %s %s, %s compute on %s, micro-batch %lld x %lld, checkpointing %s, loss chunk %lld\n",
               shape.c_str(), quant.c_str(), dtype_name.c_str(), device.str().c_str(), static_cast<long long>(micro_batch),
               static_cast<long long>(sequence), checkpointing ? "on" : "off", static_cast<long long>(chunk));

@@ -1,6 +1,6 @@
 // qtrain: quantization-aware training and QLoRA fine-tuning of Llama models.
 //   qtrain [train] --recipe FILE [--set key=value ...] [--print-recipe]
-//   qtrain eval | generate | tokenize | data | inspect | export | bench ... (qtrain SUBCOMMAND --help)
+//   qtrain eval | generate | tokenize | data | inspect | export | quantize | bench ... (qtrain SUBCOMMAND --help)
 #include <c10/util/Exception.h>
 
 #include <iostream>
@@ -45,6 +45,7 @@ const std::map<std::string, Command>& commands() {
       {"inspect", {run_inspect, "architecture, sizes and memory needs of a Hugging Face model"}},
       {"bench", {run_bench, "training tokens/s and peak memory of a random Llama-shaped model (QLoRA or LoRA)"}},
       {"generate", {run_generate, "text from a model (and adapter): greedy or sampled, streamed, with a KV cache"}},
+      {"quantize", {run_quantize, "post-training quantization with a QAT recipe's scheme (PTQ), exported"}},
       {"export", {run_export, "a run's PEFT adapter, or its model with the adapter merged, into a new directory"}},
   };
   return table;
@@ -79,7 +80,7 @@ int main(int argc, char** argv) {
   }
   const auto found = commands().find(name);
   if (found == commands().end()) {
-    std::cerr << "qtrain: unknown command '" << name << "' (commands: train, eval, generate, tokenize, data, inspect, export, bench; see qtrain --help)\n";
+    std::cerr << "qtrain: unknown command '" << name << "' (commands: train, eval, generate, tokenize, data, inspect, export, quantize, bench; see qtrain --help)\n";
     return 2;
   }
   try {

@@ -53,8 +53,10 @@ int run_train(const Arguments& arguments) {
   } else if (!std::isnan(summary.last_eval_loss)) {
     std::snprintf(eval, sizeof eval, "eval loss %.4f", summary.last_eval_loss);
   }
-  std::printf("done: %lld steps in %.1f s; %s; adapter in %s\n", static_cast<long long>(summary.steps),
-              summary.seconds, eval, summary.adapter_dir.c_str());
+  std::string written = summary.adapter_dir.empty() ? "" : "; adapter in " + summary.adapter_dir;
+  for (const auto& path : summary.exports) written += "; " + path;
+  std::printf("done: %lld steps in %.1f s; %s%s\n", static_cast<long long>(summary.steps), summary.seconds, eval,
+              written.c_str());
   return 0;
 }
 

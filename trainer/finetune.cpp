@@ -17,6 +17,7 @@
 #include "trainer/file_system.h"
 #include "trainer/loss_scaler.h"
 #include "trainer/memory_stats.h"
+#include "trainer/model_exports.h"
 #include "trainer/random_state.h"
 #include "trainer/recipe_data.h"
 #include "trainer/recipe_training.h"
@@ -46,10 +47,6 @@ std::string format_duration(double seconds) {
   return text;
 }
 
-bool is_lora_parameter(const std::string& name) {
-  return name.find(".lora_A.") != std::string::npos || name.find(".lora_B.") != std::string::npos;
-}
-
 }  // namespace
 
 Finetune::Finetune(Recipe recipe, std::string resume)
@@ -61,7 +58,6 @@ Finetune::Finetune(Recipe recipe, std::string resume)
 void Finetune::setup() {
   if (recipe_.model.path.empty()) throw Error("model.path is not set: point it at a Hugging Face model directory");
   require_training_data(recipe_);
-  if (recipe_.quant == "qat") throw Error("quant: qat is not available yet (it arrives with QAT 6/11); use qlora or none");
   device_ = resolve_device(recipe_.train.device, launch_.local_rank);
   compute_dtype_ = parse_dtype_name(recipe_.train.dtype, "train.dtype");
   if (compute_dtype_ == torch::kFloat16 && device_.is_cpu()) {
@@ -114,13 +110,22 @@ void Finetune::setup_adapters() {
     apply_peft_adapter(model, recipe_.lora.init_from);
     std::printf("lora: continuing from the adapter in %s (its r, alpha and targets apply)\n",
                 recipe_.lora.init_from.c_str());
-  } else {
+  } else if (!trains_full_weights(recipe_)) {
     qat::apply_lora(model, adapter_config_.targets, adapter_config_.lora);
   }
-  // Only the adapters train: the base (quantized or not), embeddings, norms and lm_head stay frozen.
+  // After LoRA, so that QAT fake-quantizes the merged weight a merged export writes.
+  const auto quantized = apply_recipe_qat(model, recipe_);
+  if (!quantized.empty()) {
+    const auto options = qat_linear_options(recipe_);
+    std::printf("qat: %zu layers, weights %s, inputs %s; fake quantization from step %lld\n", quantized.size(),
+                options.weights.spec.describe().c_str(),
+                options.activations ? options.activations->spec.describe().c_str() : "unquantized",
+                static_cast<long long>(recipe_.qat.start_step));
+  }
+  // Adapters (or every weight) and learned QAT scales train; the rest stays frozen.
   int64_t trainable_count = 0;
   for (auto& item : model.named_parameters()) {
-    const bool trains = is_lora_parameter(item.key());
+    const bool trains = is_trained_parameter(recipe_, item.key());
     item.value().set_requires_grad(trains);
     if (trains) {
       trainable_.push_back(item.value());
@@ -128,9 +133,12 @@ void Finetune::setup_adapters() {
       trainable_count += item.value().numel();
     }
   }
-  std::printf("model: %s, quant %s, compute %s on %s; trainable %.3fM parameters (LoRA r=%lld)\n",
+  const std::string what_trains = trains_full_weights(recipe_)
+                                      ? std::string("full weights")
+                                      : "LoRA r=" + std::to_string(adapter_config_.lora.rank);
+  std::printf("model: %s, quant %s, compute %s on %s; trainable %.3fM parameters (%s)\n",
               recipe_.model.path.c_str(), recipe_.quant.c_str(), dtype_short_name(compute_dtype_).c_str(),
-              device_.str().c_str(), trainable_count / 1e6, static_cast<long long>(adapter_config_.lora.rank));
+              device_.str().c_str(), trainable_count / 1e6, what_trains.c_str());
   model.train();
 }
 
@@ -176,6 +184,8 @@ StepResult Finetune::train_step(int64_t step) {
   const auto position = train_batches_->state();
   result.epoch = position.epoch;
   result.batch_in_epoch = position.batch_in_epoch;
+  // QAT: observers may run before qat.start_step; the rounding starts there.
+  if (recipe_.quant == "qat") qat::set_fake_quant_enabled(model, step >= recipe_.qat.start_step);
   // The schedule follows optimizer steps taken: a skipped step does not advance it.
   optimizer_->set_learning_rate(optim::learning_rate_at(schedule_, optimizer_steps_));
   std::vector<data::Batch> micro_batches;
@@ -304,6 +314,17 @@ std::string Finetune::save_adapter() {
   return target;
 }
 
+std::vector<std::string> Finetune::write_exports() {
+  const std::string out = recipe_.export_.out.empty() ? run_dir_ + "/export" : recipe_.export_.out;
+  std::vector<std::string> written;
+  if (writes_files()) {
+    written = write_model_exports(*loaded_.model, loaded_.config, recipe_.model.path, recipe_.export_.formats, out);
+    for (const auto& path : written) std::printf("export: %s\n", path.c_str());
+  }
+  wait_for_all_ranks("the exports written by rank 0");
+  return written;
+}
+
 bool Finetune::any_rank_stopping() {
   const double stopping = stop_requested() ? 1.0 : 0.0;
   if (!group_) return stopping > 0;
@@ -320,6 +341,7 @@ std::string Finetune::save_checkpoint(int64_t steps_done) {
   for (size_t index = 0; index < trainable_.size(); ++index) {
     checkpoint.trainable.emplace_back(trainable_names_[index], trainable_[index]);
   }
+  for (auto& buffer : qat_state_buffers(*loaded_.model)) checkpoint.trainable.push_back(std::move(buffer));
   checkpoint.optimizer = optimizer_->state();
   checkpoint.random_states = RandomState::capture(device_).named();
   checkpoint.state = {{"step", steps_done},
@@ -354,10 +376,11 @@ bool Finetune::resume_if_asked() {
   }
   const auto checkpoint = read_training_checkpoint(path);
   const Recipe saved = load_recipe(path + "/recipe.yaml", {});
-  for (const char* key : {"model.path", "quant", "qlora.quant_type", "qlora.blocksize", "qlora.double_quant"}) {
+  for (const char* key : {"model.path", "quant", "qlora.quant_type", "qlora.blocksize", "qlora.double_quant",
+                          "lora.rank", "qat.weights", "qat.activations", "qat.target_modules"}) {
     for (const auto& difference : recipe_differences(saved, recipe_)) {
-      if (difference.rfind(std::string(key) + ":", 0) == 0) {
-        throw Error(path + ": the checkpoint was trained with another base (" + difference +
+      if (difference.rfind(std::string(key) + ":", 0) == 0 || difference.rfind(std::string(key) + ".", 0) == 0) {
+        throw Error(path + ": the checkpoint was trained with another model (" + difference +
                     "); resume with the recipe it was written with");
       }
     }
@@ -365,7 +388,8 @@ bool Finetune::resume_if_asked() {
   for (const auto& difference : recipe_differences(saved, recipe_)) {
     std::printf("resume: recipe changed since the checkpoint: %s\n", difference.c_str());
   }
-  load_trainable_tensors(*loaded_.model, checkpoint.trainable, trainable_.size(), path);
+  load_trainable_tensors(*loaded_.model, checkpoint.trainable,
+                         trainable_.size() + qat_state_buffers(*loaded_.model).size(), path);
   optimizer_->load_state(checkpoint.optimizer);
   const auto& state = checkpoint.state;
   scaler_.load_state(state.at("loss_scaler"), path + "/state.json");
@@ -457,8 +481,11 @@ TrainSummary Finetune::train() {
   }
   summary.steps = total_steps_;
   if (first_step_ < total_steps_) summary.checkpoint_dir = save_checkpoint(total_steps_);
+  // What is evaluated and exported is the quantized model, even when qat.start_step was never reached.
+  if (recipe_.quant == "qat") qat::set_fake_quant_enabled(*loaded_.model, true);
   summary.last_eval_loss = evaluate_and_log(total_steps_);
-  summary.adapter_dir = save_adapter();
+  if (!trains_full_weights(recipe_)) summary.adapter_dir = save_adapter();
+  summary.exports = write_exports();
   summary.seconds = seconds_since(start);
   return summary;
 }

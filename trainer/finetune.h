@@ -4,7 +4,8 @@
 // writes the run directory:
 //   RUN/recipe.yaml     the resolved recipe
 //   RUN/metrics.jsonl   one JSON object per logged step (and per evaluation)
-//   RUN/adapter/        the final PEFT adapter
+//   RUN/adapter/        the final PEFT adapter (runs that train adapters)
+//   RUN/export/<format> export.formats besides peft: merged, safetensors-int, gguf (export.out)
 //   RUN/checkpoints/    training-state checkpoints (trainer/training_checkpoint.h)
 //
 // Under a launcher (trainer/launch_environment.h) every rank runs this same recipe on its own
@@ -35,7 +36,8 @@ struct TrainSummary {
   double first_eval_loss = 0;  // before the first step (NaN when there is no eval data)
   double last_eval_loss = 0;
   double seconds = 0;
-  std::string adapter_dir;
+  std::string adapter_dir;           // RUN/adapter; empty when the run trained the full weights
+  std::vector<std::string> exports;  // export.formats other than peft, under export.out
   bool stopped = false;        // a stop signal ended the run early (trainer/stop_signal.h)
   std::string checkpoint_dir;  // the last checkpoint written
 };
@@ -76,6 +78,7 @@ class Finetune {
   double evaluate_and_log(int64_t step);
   void log_metrics(const nlohmann::json& line);
   std::string save_adapter();
+  std::vector<std::string> write_exports();
   std::string save_checkpoint(int64_t steps_done);
   // Whether a stop signal reached any rank (all ranks must stop after the same step).
   bool any_rank_stopping();

@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "kernels/error.h"
+#include "qat/qat_linear.h"
 #include "trainer/file_system.h"
 #include "trainer/safetensors.h"
 
@@ -133,6 +134,10 @@ std::vector<std::pair<std::string, std::shared_ptr<qat::LoraLinear>>> lora_layer
   std::vector<std::pair<std::string, std::shared_ptr<qat::LoraLinear>>> layers;
   for (const auto& item : model.named_modules("", /*include_self=*/false)) {
     if (auto lora = std::dynamic_pointer_cast<qat::LoraLinear>(item.value())) layers.emplace_back(item.key(), lora);
+    // Under QAT the adapters sit inside the fake-quantizing layer, under the same names.
+    if (auto quantized = std::dynamic_pointer_cast<qat::QatLinear>(item.value())) {
+      if (auto lora = std::dynamic_pointer_cast<qat::LoraLinear>(quantized->inner())) layers.emplace_back(item.key(), lora);
+    }
   }
   return layers;
 }

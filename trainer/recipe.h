@@ -47,8 +47,11 @@ struct QuantizerRecipe {
   bool symmetric{};
   std::string granularity;  // per_tensor | per_channel | per_group | per_token
   int64_t group_size{};
-  std::string observer;  // minmax | moving_average | dynamic
+  std::string scale_dtype;  // fp32 | fp16 (GGUF's d)
+  std::string observer;     // dynamic | minmax | moving_average
+  double momentum{};        // moving_average
   bool learned_scale{};
+  std::string learned_scale_init;  // observer | paper
 };
 
 struct QatRecipe {
@@ -56,6 +59,7 @@ struct QatRecipe {
   QuantizerRecipe activations;
   int64_t start_step{};
   std::vector<std::string> target_modules;
+  int64_t calibration_batches{};  // qtrain quantize: batches that calibrate static activation ranges
 };
 
 struct DataRecipe {

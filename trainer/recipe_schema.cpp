@@ -1,6 +1,11 @@
 // Every recipe key, its default and what it allows: the one place defaults live.
 #include "trainer/recipe_schema.h"
 
+#include <algorithm>
+
+#include "kernels/error.h"
+#include "trainer/recipe_training.h"
+
 namespace qtrain::trainer {
 namespace {
 
@@ -20,7 +25,7 @@ RecipeKey key(std::string name, std::string default_yaml, RecipeField (*field)(R
 const char* const kLlamaProjections =
     "[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]";
 const std::vector<std::string> kDtypes = {"bf16", "fp16", "fp32"};
-const std::vector<std::string> kQuantizerFormats = {"int", "fp8_e4m3", "fp8_e5m2", "fp4", "nf4"};
+const std::vector<std::string> kQuantizerFormats = {"int", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "fp4", "nf4"};
 const std::vector<std::string> kWeightBits = {"2", "3", "4", "5", "6", "7", "8"};
 const std::vector<std::string> kActivationBits = {"0", "2", "3", "4", "5", "6", "7", "8"};
 
@@ -79,11 +84,21 @@ std::vector<RecipeKey> make_recipe_keys() {
       key("qat.weights.group_size", "32", QTRAIN_FIELD(qat.weights.group_size),
           "input features per group (per_group)")
           .at_least(1),
-      key("qat.weights.observer", "minmax", QTRAIN_FIELD(qat.weights.observer),
-          "how the scale follows the weights")
-          .one_of({"minmax", "moving_average"}),
+      key("qat.weights.scale_dtype", "fp32", QTRAIN_FIELD(qat.weights.scale_dtype),
+          "dtype the scales are rounded to and stored in (fp16: GGUF's Q4_0 / Q8_0)")
+          .one_of({"fp32", "fp16"}),
+      key("qat.weights.observer", "dynamic", QTRAIN_FIELD(qat.weights.observer),
+          "dynamic: scale from the current weights at every step; minmax, moving_average: running range")
+          .one_of({"dynamic", "minmax", "moving_average"}),
+      key("qat.weights.momentum", "0.01", QTRAIN_FIELD(qat.weights.momentum),
+          "averaging constant of observer moving_average")
+          .above(0)
+          .at_most(1),
       key("qat.weights.learned_scale", "false", QTRAIN_FIELD(qat.weights.learned_scale),
-          "train the scale (LSQ), starting from the observer's"),
+          "train the scale (LSQ); needs observer minmax or moving_average"),
+      key("qat.weights.learned_scale_init", "observer", QTRAIN_FIELD(qat.weights.learned_scale_init),
+          "observer: the first scale from the observed range; paper: LSQ's 2 mean|w| / sqrt(Qp)")
+          .one_of({"observer", "paper"}),
       key("qat.activations.format", "int", QTRAIN_FIELD(qat.activations.format), "activation grid")
           .one_of(kQuantizerFormats),
       key("qat.activations.bits", "0", QTRAIN_FIELD(qat.activations.bits),
@@ -97,16 +112,29 @@ std::vector<RecipeKey> make_recipe_keys() {
       key("qat.activations.group_size", "32", QTRAIN_FIELD(qat.activations.group_size),
           "features per group (per_group)")
           .at_least(1),
+      key("qat.activations.scale_dtype", "fp32", QTRAIN_FIELD(qat.activations.scale_dtype),
+          "dtype the scales are rounded to")
+          .one_of({"fp32", "fp16"}),
       key("qat.activations.observer", "dynamic", QTRAIN_FIELD(qat.activations.observer),
           "dynamic: scale from each batch; minmax, moving_average: calibrated, then fixed")
           .one_of({"minmax", "moving_average", "dynamic"}),
+      key("qat.activations.momentum", "0.01", QTRAIN_FIELD(qat.activations.momentum),
+          "averaging constant of observer moving_average")
+          .above(0)
+          .at_most(1),
       key("qat.activations.learned_scale", "false", QTRAIN_FIELD(qat.activations.learned_scale),
           "train the scale (LSQ), starting from the observer's"),
+      key("qat.activations.learned_scale_init", "observer", QTRAIN_FIELD(qat.activations.learned_scale_init),
+          "observer: the first scale from the observed range; paper: LSQ's 2 mean|x| / sqrt(Qp)")
+          .one_of({"observer", "paper"}),
       key("qat.start_step", "0", QTRAIN_FIELD(qat.start_step),
           "optimizer step at which fake quantization turns on")
           .at_least(0),
       key("qat.target_modules", kLlamaProjections, QTRAIN_FIELD(qat.target_modules),
           "modules that get fake quantization, by name pattern"),
+      key("qat.calibration_batches", "16", QTRAIN_FIELD(qat.calibration_batches),
+          "qtrain quantize: training batches that calibrate static activation ranges (minmax, moving_average)")
+          .at_least(0),
 
       key("data.train", "[]", QTRAIN_FIELD(data.train),
           "training data: files or directories of shards (JSONL, .txt, or llm.c .bin for tokens)")
@@ -280,6 +308,32 @@ std::optional<RecipeConflict> find_conflict(const Recipe& recipe) {
                                 ".learned_scale: true' needs a fixed scale to learn: "
                                 "set '" +
                                 prefix + ".observer' to minmax or moving_average"};
+    }
+  }
+  const auto& formats = recipe.export_.formats;
+  const auto exports = [&](const char* format) { return std::find(formats.begin(), formats.end(), format) != formats.end(); };
+  if (trains_full_weights(recipe) && exports("peft")) {
+    return RecipeConflict{"export.formats",
+                          "lora.rank 0 trains the full weights, which make no PEFT adapter: set export.formats to "
+                          "[merged] (or gguf / safetensors-int with quant: qat)"};
+  }
+  if (recipe.quant != "qat" && (exports("gguf") || exports("safetensors-int"))) {
+    return RecipeConflict{"export.formats",
+                          "gguf and safetensors-int write the weights on a QAT grid, so they need quant: qat (to "
+                          "quantize a finished model, use qtrain quantize)"};
+  }
+  if (recipe.quant == "qat" && !trains_full_weights(recipe) && recipe.lora.dropout > 0) {
+    return RecipeConflict{"lora.dropout",
+                          "quant: qat fake-quantizes the merged weight W + scale * B A, which has no place for "
+                          "dropout on the adapters' input: set lora.dropout: 0"};
+  }
+  if (recipe.quant == "qat") {
+    try {
+      qat_linear_options(recipe);
+    } catch (const Error& error) {
+      // The quantizers' messages begin with the key they are about ("qat.weights.bits: ...").
+      const std::string message = error.what();
+      return RecipeConflict{message.substr(0, message.find(':')), message};
     }
   }
   return std::nullopt;

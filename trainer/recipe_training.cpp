@@ -1,7 +1,9 @@
 #include "trainer/recipe_training.h"
 
 #include "qat/four_bit_linear.h"
+#include "qat/quant_format.h"
 #include "trainer/causal_lm_loss.h"
+#include "trainer/hf_config.h"
 
 namespace qtrain::trainer {
 
@@ -31,6 +33,71 @@ LoadedModel load_base_model(const Recipe& recipe, torch::ScalarType dtype, const
     qat::quantize_linear_layers(*loaded.model, four_bit, recipe.qlora.skip_modules);
   }
   return loaded;
+}
+
+namespace {
+
+qat::FakeQuantizerOptions fake_quantizer_options(const QuantizerRecipe& quantizer, const std::string& what) {
+  qat::FakeQuantizerOptions options;
+  auto& spec = options.spec;
+  spec.format = qat::parse_quant_format(quantizer.format, what + ".format");
+  spec.bits = spec.is_integer() ? quantizer.bits : spec.format_info().bits;
+  spec.symmetric = quantizer.symmetric;
+  spec.granularity = qat::parse_granularity(quantizer.granularity, what + ".granularity");
+  spec.group_size = quantizer.group_size;
+  spec.scale_dtype = parse_dtype_name(quantizer.scale_dtype, what + ".scale_dtype");
+  spec.validate(what);
+  options.observer = qat::parse_observer_kind(quantizer.observer, what + ".observer");
+  options.momentum = quantizer.momentum;
+  options.learned_scale = quantizer.learned_scale;
+  options.learned_scale_init =
+      quantizer.learned_scale_init == "paper" ? qat::LearnedScaleInit::kPaper : qat::LearnedScaleInit::kObserver;
+  return options;
+}
+
+}  // namespace
+
+qat::QatLinearOptions qat_linear_options(const Recipe& recipe) {
+  qat::QatLinearOptions options;
+  options.weights = fake_quantizer_options(recipe.qat.weights, "qat.weights");
+  if (recipe.qat.activations.bits != 0) {
+    options.activations = fake_quantizer_options(recipe.qat.activations, "qat.activations");
+  }
+  return options;
+}
+
+std::vector<std::string> apply_recipe_qat(torch::nn::Module& model, const Recipe& recipe) {
+  if (recipe.quant != "qat") return {};
+  qat::LoraTargets targets;
+  targets.include.names = recipe.qat.target_modules;
+  return qat::apply_qat(model, targets, qat_linear_options(recipe), "qat");
+}
+
+bool trains_full_weights(const Recipe& recipe) {
+  return recipe.lora.rank == 0 && recipe.lora.init_from.empty();
+}
+
+namespace {
+
+bool is_fake_quant_state(const std::string& name) {
+  return name.find("weight_fake_quant.") != std::string::npos ||
+         name.find("activation_fake_quant.") != std::string::npos;
+}
+
+}  // namespace
+
+bool is_trained_parameter(const Recipe& recipe, const std::string& name) {
+  if (trains_full_weights(recipe)) return true;
+  return name.find(".lora_A.") != std::string::npos || name.find(".lora_B.") != std::string::npos ||
+         is_fake_quant_state(name);
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> qat_state_buffers(const torch::nn::Module& model) {
+  std::vector<std::pair<std::string, torch::Tensor>> buffers;
+  for (const auto& item : model.named_buffers()) {
+    if (is_fake_quant_state(item.key())) buffers.emplace_back(item.key(), item.value());
+  }
+  return buffers;
 }
 
 int64_t loss_chunk_tokens(const Recipe& recipe, int64_t vocab_size) {

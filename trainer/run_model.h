@@ -1,7 +1,9 @@
 #pragma once
 // The model a run trained, rebuilt from its run directory for export: the base as training built
-// it (trainer/recipe_training.h) with the run's LoRA weights, either the final adapter
-// (RUN/adapter) or those of a training-state checkpoint (RUN/checkpoints/step-N).
+// it (trainer/recipe_training.h) with the run's trained weights, either the final ones or those
+// of a training-state checkpoint (RUN/checkpoints/step-N). The final weights of a LoRA run are
+// its adapter (RUN/adapter); those of a full-weights or QAT run, its last checkpoint (which also
+// holds the quantizers' state). A QAT run comes back with its QatLinear layers, fake quant on.
 #include <string>
 
 #include "trainer/hf_checkpoint.h"
@@ -14,7 +16,7 @@ struct RunModel {
   Recipe recipe;               // the run's (or the checkpoint's) resolved recipe
   LoadedModel loaded;          // on the CPU, in train.dtype, LoRA layers in place
   PeftAdapterConfig adapter;   // what the LoRA layers are, for writing them as a PEFT adapter
-  std::string adapter_source;  // the adapter or checkpoint directory the weights came from
+  std::string adapter_source;  // the adapter or checkpoint directory the trained weights came from
 };
 
 // `checkpoint`: empty for the final adapter, a checkpoint name (step-000500) under

@@ -58,17 +58,19 @@ void load_trainable_tensors(torch::nn::Module& model, const NamedTensorList& ten
                 std::to_string(expected_count) + " (other lora.rank or lora.target_modules?)");
   }
   auto parameters = model.named_parameters();
+  auto buffers = model.named_buffers();
   torch::NoGradGuard no_grad;
   for (const auto& [name, tensor] : tensors) {
-    auto* parameter = parameters.find(name);
-    if (parameter == nullptr) {
+    auto* target = parameters.find(name);
+    if (target == nullptr) target = buffers.find(name);
+    if (target == nullptr) {
       throw Error(source + ": trainable tensor '" + name + "' has no parameter in this model (other model or targets?)");
     }
-    if (parameter->sizes() != tensor.sizes()) {
+    if (target->sizes() != tensor.sizes()) {
       throw Error(source + ": trainable tensor '" + name + "' is " + shape_text(tensor.sizes()) + ", this model's is " +
-                  shape_text(parameter->sizes()) + " (other model or LoRA shape?)");
+                  shape_text(target->sizes()) + " (other model or LoRA shape?)");
     }
-    parameter->copy_(tensor);
+    target->copy_(tensor);
   }
 }
 

@@ -2,7 +2,8 @@
 // Training-state checkpoints: everything a run needs to continue exactly where it stopped.
 //
 //   RUN/checkpoints/step-000500/
-//     trainable.safetensors   the trainable weights, by the model's parameter names
+//     trainable.safetensors   the trainable weights, by the model's parameter names, and a QAT
+//                             run's quantizer state (observer ranges, zero points), by buffer name
 //     optimizer.safetensors   the optimizer's state ("<parameter index>.<field>")
 //     random.safetensors      the CPU (and GPU) generators' states
 //     state.json              step and token counters, data loader position, loss scaler
@@ -35,7 +36,8 @@ struct TrainingCheckpoint {
 
 std::string checkpoint_name(int64_t step);  // "step-000500"
 
-// Copies a checkpoint's trainable tensors into the parameters of `model` of the same names.
+// Copies a checkpoint's trainable tensors into the parameters (or, for QAT state, the buffers) of
+// `model` of the same names.
 // `expected_count` is how many the model trains; Error naming the checkpoint (`source`) and the
 // tensor when a name is missing, a shape differs or the counts differ (another LoRA shape).
 void load_trainable_tensors(torch::nn::Module& model, const NamedTensorList& tensors, size_t expected_count,

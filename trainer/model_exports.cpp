@@ -1,0 +1,34 @@
+#include "trainer/model_exports.h"
+
+#include <filesystem>
+
+#include "kernels/error.h"
+#include "trainer/file_system.h"
+#include "trainer/merged_export.h"
+
+namespace qtrain::trainer {
+
+std::vector<std::string> write_model_exports(const LlamaForCausalLMImpl& model, const HfModelConfig& config,
+                                             const std::string& base_dir, const std::vector<std::string>& formats,
+                                             const std::string& out_dir) {
+  std::vector<std::string> written;
+  std::filesystem::create_directories(out_dir);
+  for (const auto& format : formats) {
+    if (format == "peft") continue;
+    const std::string target = out_dir + "/" + format;
+    const std::string staged = out_dir + "/." + format + ".staging";
+    remove_tree(staged);
+    if (format == "merged") {
+      MergedExportOptions options;
+      options.dtype = config.stored_dtype;
+      write_merged_model(model, config, base_dir, staged, options);
+    } else {
+      throw Error("export.formats: unknown format '" + format + "' (peft, merged, gguf or safetensors-int)");
+    }
+    replace_directory(staged, target);
+    written.push_back(target);
+  }
+  return written;
+}
+
+}  // namespace qtrain::trainer
