@@ -1,5 +1,7 @@
 #include "qat/int8_linear.h"
 
+#include <optional>
+
 #include "kernels/error.h"
 #include "qat/int8_codec.h"
 
@@ -12,13 +14,13 @@ namespace {
 class Int8MatmulFunction : public torch::autograd::Function<Int8MatmulFunction> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* context, const torch::Tensor& input,
-                               const torch::Tensor& codes, const torch::Tensor& absmax, const torch::Tensor& bias,
-                               double threshold) {
+                               const torch::Tensor& codes, const torch::Tensor& absmax,
+                               const std::optional<torch::Tensor>& bias, double threshold) {
     context->saved_data["codes"] = codes;
     context->saved_data["absmax"] = absmax;
     context->saved_data["input_shape"] = input.sizes().vec();
     context->saved_data["input_dtype"] = static_cast<int64_t>(input.scalar_type());
-    return int8_mixed_matmul(input, codes, absmax, bias, threshold);
+    return int8_mixed_matmul(input, codes, absmax, bias.value_or(torch::Tensor()), threshold);
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* context,
@@ -73,7 +75,8 @@ std::shared_ptr<Int8Linear> Int8Linear::from_dense(const torch::Tensor& weight, 
 }
 
 torch::Tensor Int8Linear::forward(const torch::Tensor& input) {
-  torch::Tensor bias = bias_.defined() ? bias_ : torch::Tensor();
+  // An undefined tensor cannot pass through a custom autograd function; an empty optional can.
+  const std::optional<torch::Tensor> bias = bias_.defined() ? std::optional<torch::Tensor>(bias_) : std::nullopt;
   return Int8MatmulFunction::apply(input, codes_, absmax_, bias, threshold_);
 }
 

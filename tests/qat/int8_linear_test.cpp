@@ -75,6 +75,19 @@ TEST(Int8Linear, KeepsInt8CodesThroughDtypeMovesAndHasNoParameters) {
   EXPECT_EQ(output.scalar_type(), torch::kBFloat16);
 }
 
+// Without a bias (the Llama projections), forward and backward run; the input's gradient is
+// dy dequantize(W), in float64 here.
+TEST(Int8Linear, WithoutBiasGradientsFlowThroughTheDequantizedWeight) {
+  Int8Options options;
+  auto layer = Int8Linear::from_dense(torch::randn({24, 40}), torch::Tensor(), options);
+  auto input = torch::randn({2, 3, 40}).requires_grad_();
+  const auto grad_output = torch::randn({2, 3, 24});
+  layer->forward(input).backward(grad_output);
+  const auto weight = layer->codes().to(torch::kDouble) * layer->absmax().to(torch::kDouble).unsqueeze(1) / 127.0;
+  const auto expected = grad_output.to(torch::kDouble).reshape({-1, 24}).mm(weight).view({2, 3, 40});
+  EXPECT_LE((input.grad().to(torch::kDouble) - expected).abs().max().item<double>(), 1e-5);
+}
+
 TEST(Int8Linear, MismatchedCodesAndScalesAreErrorsNamingWhatWasExpected) {
   const auto codes = torch::zeros({8, 16}, torch::kChar);
   try {
