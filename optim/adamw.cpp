@@ -6,8 +6,7 @@
 
 namespace qtrain::optim {
 
-AdamW::AdamW(std::vector<torch::Tensor> parameters, const AdamWOptions& options)
-    : Optimizer(std::move(parameters), options.lr, "adamw"), options_(options) {
+void check_adamw_options(const AdamWOptions& options) {
   if (!(options.beta1 >= 0.0 && options.beta1 < 1.0) || !(options.beta2 >= 0.0 && options.beta2 < 1.0)) {
     throw Error("optim.betas must both lie in [0, 1), got [" + std::to_string(options.beta1) + ", " +
                 std::to_string(options.beta2) + "]");
@@ -16,6 +15,11 @@ AdamW::AdamW(std::vector<torch::Tensor> parameters, const AdamWOptions& options)
   if (!(options.weight_decay >= 0.0)) {
     throw Error("optim.weight_decay must be >= 0, got " + std::to_string(options.weight_decay));
   }
+}
+
+AdamW::AdamW(std::vector<torch::Tensor> parameters, const AdamWOptions& options)
+    : Optimizer(std::move(parameters), options.lr, "adamw"), options_(options) {
+  check_adamw_options(options);
 }
 
 std::vector<std::string> AdamW::state_fields(size_t index) const {

@@ -22,6 +22,9 @@ struct AdamWOptions {
   double weight_decay = 0.0;
 };
 
+// betas in [0, 1), eps and weight_decay >= 0; an Error naming the optim key otherwise.
+void check_adamw_options(const AdamWOptions& options);
+
 class AdamW : public Optimizer {
  public:
   AdamW(std::vector<torch::Tensor> parameters, const AdamWOptions& options);

@@ -5,6 +5,7 @@
 
 #include "kernels/error.h"
 #include "optim/adamw.h"
+#include "optim/adamw8bit.h"
 #include "optim/sgd.h"
 
 namespace qtrain::optim {
@@ -83,6 +84,12 @@ torch::Tensor Optimizer::gradient_for_update(size_t index) const {
   return needs_master(parameter) ? grad.to(torch::kFloat) : grad;
 }
 
+Optimizer::StateTensorSpec Optimizer::state_tensor_spec(size_t index, const std::string& field) const {
+  const auto& parameter = parameters_[index];
+  if (field == "step") return {{}, torch::kFloat};
+  return {parameter.sizes().vec(), needs_master(parameter) ? torch::kFloat : parameter.scalar_type()};
+}
+
 NamedTensors Optimizer::state() const {
   NamedTensors named;
   for (size_t index = 0; index < parameters_.size(); ++index) {
@@ -105,16 +112,22 @@ void Optimizer::load_state(const NamedTensors& state) {
                   "'; the checkpoint was written by another optimizer or for a parameter of another dtype");
     }
     const auto& parameter = parameters_[index];
-    const bool scalar = field == "step";
-    if (!tensor.defined() || (scalar ? tensor.numel() != 1 : tensor.sizes() != parameter.sizes())) {
+    const auto spec = state_tensor_spec(index, field);
+    const bool scalar = spec.sizes.empty();
+    if (!tensor.defined() || (scalar ? tensor.numel() != 1 : tensor.sizes() != c10::IntArrayRef(spec.sizes))) {
       throw Error(name_ + " optimizer state: entry '" + name + "' has shape " +
                   (tensor.defined() ? shape_text(tensor.sizes()) : std::string("(undefined)")) + ", expected " +
-                  (scalar ? std::string("one value") : shape_text(parameter.sizes()) + " like parameter " +
-                                                            std::to_string(index)));
+                  (scalar ? std::string("one value") : shape_text(spec.sizes)) + " for parameter " +
+                  std::to_string(index) + " " + shape_text(parameter.sizes()));
     }
-    // Step counters and master copies are fp32; moments follow the update target's dtype.
-    const auto dtype = scalar || needs_master(parameter) ? torch::kFloat : parameter.scalar_type();
-    auto copy = tensor.detach().to(parameter.device(), dtype, /*non_blocking=*/false, /*copy=*/true);
+    // Floating-point state may change precision on load; codes (uint8) must stay what they are.
+    const bool floating = c10::isFloatingType(spec.dtype);
+    if (floating ? !tensor.is_floating_point() : tensor.scalar_type() != spec.dtype) {
+      throw Error(name_ + " optimizer state: entry '" + name + "' has dtype " +
+                  std::string(c10::toString(tensor.scalar_type())) + ", expected " +
+                  std::string(c10::toString(spec.dtype)));
+    }
+    auto copy = tensor.detach().to(parameter.device(), spec.dtype, /*non_blocking=*/false, /*copy=*/true);
     loaded[index][field] = scalar ? copy.reshape({}) : copy;
   }
   for (size_t index = 0; index < parameters_.size(); ++index) {
@@ -135,7 +148,7 @@ void Optimizer::load_state(const NamedTensors& state) {
 std::unique_ptr<Optimizer> make_optimizer(const std::string& name, std::vector<torch::Tensor> parameters, double lr,
                                           double weight_decay, const std::vector<double>& betas, double eps,
                                           double momentum) {
-  if (name == "adamw") {
+  if (name == "adamw" || name == "adamw8bit") {
     if (betas.size() != 2) {
       throw Error("optim.betas must be a list of two numbers [beta1, beta2], got " + std::to_string(betas.size()) +
                   " numbers");
@@ -146,6 +159,7 @@ std::unique_ptr<Optimizer> make_optimizer(const std::string& name, std::vector<t
     options.beta2 = betas[1];
     options.eps = eps;
     options.weight_decay = weight_decay;
+    if (name == "adamw8bit") return std::make_unique<AdamW8bit>(std::move(parameters), AdamW8bitOptions{options});
     return std::make_unique<AdamW>(std::move(parameters), options);
   }
   if (name == "sgd") {
@@ -155,8 +169,7 @@ std::unique_ptr<Optimizer> make_optimizer(const std::string& name, std::vector<t
     options.weight_decay = weight_decay;
     return std::make_unique<Sgd>(std::move(parameters), options);
   }
-  if (name == "adamw8bit") throw Error("optim.name 'adamw8bit' is not available yet; use adamw");
-  throw Error("optim.name '" + name + "' is unknown; use adamw or sgd");
+  throw Error("optim.name '" + name + "' is unknown; use adamw, adamw8bit or sgd");
 }
 
 }  // namespace qtrain::optim

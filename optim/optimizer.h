@@ -49,6 +49,15 @@ class Optimizer {
   // The fields a parameter's state holds once it has taken a step, in the order state() lists them.
   virtual std::vector<std::string> state_fields(size_t index) const = 0;
 
+  // What load_state expects of one state tensor.
+  struct StateTensorSpec {
+    std::vector<int64_t> sizes;  // {} for a scalar ("step")
+    torch::ScalarType dtype;
+  };
+  // By default "step" is an fp32 scalar and every other field has the parameter's shape, in fp32
+  // for low-precision parameters (their update runs on the master) and the parameter's dtype else.
+  virtual StateTensorSpec state_tensor_spec(size_t index, const std::string& field) const;
+
   // True for bf16/fp16 parameters, which are updated through an fp32 "master" copy.
   static bool needs_master(const torch::Tensor& parameter);
   // The tensor an update writes to: the fp32 master for low-precision parameters (created on
@@ -66,8 +75,8 @@ class Optimizer {
   std::string name_;  // "adamw", "sgd": used in error messages
 };
 
-// The optimizer a recipe's `optim` section names: "adamw" or "sgd". betas = [beta1, beta2] and
-// eps are AdamW's; SGD ignores them and takes `momentum` (0 = plain SGD).
+// The optimizer a recipe's `optim` section names: "adamw", "adamw8bit" or "sgd". betas =
+// [beta1, beta2] and eps are AdamW's; SGD ignores them and takes `momentum` (0 = plain SGD).
 std::unique_ptr<Optimizer> make_optimizer(const std::string& name, std::vector<torch::Tensor> parameters, double lr,
                                           double weight_decay, const std::vector<double>& betas, double eps,
                                           double momentum = 0.0);

@@ -1,6 +1,5 @@
 #include "qat/four_bit_codec.h"
 
-#include <ATen/Parallel.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -9,34 +8,16 @@
 #include <sstream>
 
 #include "kernels/blockwise_quantize.h"
-#include "kernels/dynamic_map_code.h"
+#include "kernels/blockwise_reference.h"
 #include "kernels/error.h"
 
 namespace qtrain::qat {
 
 namespace {
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-// Blocks are independent: parallel over blocks, each reading fp32 input.
-template <typename BlockFunction>
-void for_each_block(int64_t n, int64_t blocksize, const BlockFunction& function) {
-  const int64_t blocks = ceil_div(n, blocksize);
-  at::parallel_for(0, blocks, std::max<int64_t>(1, 16384 / blocksize), [&](int64_t begin, int64_t end) {
-    for (int64_t block = begin; block < end; ++block) {
-      const int64_t first = block * blocksize;
-      function(block, first, std::min(n, first + blocksize));
-    }
-  });
-}
-
-// max |x| over [first, last), as the kernels reduce it (fmaxf from -FLT_MAX; the zero padding
-// of a partial block cannot raise it).
-float block_absmax(const float* values, int64_t first, int64_t last) {
-  float absmax = -FLT_MAX;
-  for (int64_t i = first; i < last; ++i) absmax = std::fmax(absmax, std::fabs(values[i]));
-  return std::fmax(absmax, 0.0f);
-}
+using kernels::block_absmax;
+using kernels::ceil_div;
+using kernels::for_each_block;
 
 torch::Tensor contiguous_fp32_cpu(const torch::Tensor& input) {
   return input.detach().to(torch::kCPU, torch::kFloat32).contiguous().view(-1);
@@ -146,41 +127,6 @@ void FourBitQuantState::check(const torch::Tensor& packed, const std::string& wh
   } else if (absmax.scalar_type() != torch::kFloat32) {
     fail("absmax must be fp32 (or uint8 with nested_absmax for double quantization)");
   }
-}
-
-BlockwiseQuantized quantize_blockwise_8bit(const torch::Tensor& input, const torch::Tensor& code, int64_t blocksize) {
-  if (code.numel() != 256) throw Error("8-bit blockwise quantization needs a 256-entry code");
-  if (on_cuda_kernels(input)) {
-    auto quantized = kernels::quantize_blockwise_8bit_cuda(
-        cuda_kernel_input(input), code.to(input.device(), torch::kFloat32).contiguous(), blocksize);
-    return {quantized.codes.view(input.sizes()), quantized.absmax};
-  }
-  const auto values = contiguous_fp32_cpu(input);
-  const auto code_values = code.to(torch::kCPU, torch::kFloat32).contiguous();
-  const int64_t n = values.numel();
-  auto codes = torch::empty({n}, torch::kUInt8);
-  auto absmax = torch::empty({ceil_div(n, blocksize)}, torch::kFloat32);
-  const float* x = values.data_ptr<float>();
-  const float* table = code_values.data_ptr<float>();
-  uint8_t* out = codes.data_ptr<uint8_t>();
-  float* absmax_out = absmax.data_ptr<float>();
-  for_each_block(n, blocksize, [&](int64_t block, int64_t first, int64_t last) {
-    const float block_max = block_absmax(x, first, last);
-    absmax_out[block] = block_max;
-    const float inverse = 1.0f / block_max;
-    for (int64_t i = first; i < last; ++i) out[i] = kernels::dynamic_map_code(table, x[i] * inverse);
-  });
-  return {codes.view(input.sizes()).to(input.device()), absmax.to(input.device())};
-}
-
-torch::Tensor dequantize_blockwise_8bit(const torch::Tensor& codes, const torch::Tensor& absmax,
-                                        const torch::Tensor& code, int64_t blocksize) {
-  const int64_t n = codes.numel();
-  const int64_t blocks = ceil_div(n, blocksize);
-  auto values = code.to(codes.device(), torch::kFloat32).index_select(0, codes.reshape({-1}).to(torch::kLong));
-  values = torch::constant_pad_nd(values, {0, blocks * blocksize - n}).view({blocks, blocksize});
-  values = values * absmax.to(torch::kFloat32).view({blocks, 1});
-  return values.view({-1}).narrow(0, 0, n).view(codes.sizes());
 }
 
 FourBitTensor quantize_4bit(const torch::Tensor& input, FourBitType quant_type, int64_t blocksize,

@@ -33,6 +33,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/blockwise_8bit.h"
 #include "qat/four_bit_format.h"
 
 namespace qtrain::qat {
@@ -75,15 +76,10 @@ torch::Tensor dequantize_4bit(const torch::Tensor& packed, const FourBitQuantSta
 // The per-block absmax as fp32 [blocks] (rebuilt when double quantized).
 torch::Tensor dequantize_absmax(const FourBitQuantState& state);
 
-struct BlockwiseQuantized {
-  torch::Tensor codes;   // uint8, input's shape
-  torch::Tensor absmax;  // fp32 [ceil(n / blocksize)]
-};
-// bnb's 8-bit quantize_blockwise: per block absmax, then for x * (1 / absmax) the code of `code`
-// (fp32 [256], sorted) that bnb's binary search picks (nearest, with its tie rules).
-BlockwiseQuantized quantize_blockwise_8bit(const torch::Tensor& input, const torch::Tensor& code, int64_t blocksize);
-// code[codes] * absmax[block] in fp32, in codes' shape.
-torch::Tensor dequantize_blockwise_8bit(const torch::Tensor& codes, const torch::Tensor& absmax,
-                                        const torch::Tensor& code, int64_t blocksize);
+// The 8-bit blockwise quantization of double quantization lives in kernels/ (the 8-bit optimizers
+// use it too); these names keep it reachable from the codec.
+using kernels::BlockwiseQuantized;
+using kernels::dequantize_blockwise_8bit;
+using kernels::quantize_blockwise_8bit;
 
 }  // namespace qtrain::qat

@@ -113,27 +113,4 @@ torch::Tensor four_bit_decode_tensor(FourBitType type) {
   return torch::tensor(std::vector<float>(decode.begin(), decode.end()), torch::kFloat32);
 }
 
-torch::Tensor signed_dynamic_map() {
-  static const torch::Tensor map = [] {
-    constexpr int kMaxExponentBits = 7;
-    std::vector<float> values;
-    for (int exponent_index = 0; exponent_index < kMaxExponentBits; ++exponent_index) {
-      const int64_t fraction_items = (int64_t{1} << exponent_index) + 1;
-      const auto boundaries = torch::linspace(0.1, 1.0, fraction_items, torch::kFloat32);
-      const auto means = (boundaries.slice(0, 0, -1) + boundaries.slice(0, 1)) / 2.0;
-      const double scale = std::pow(10.0, -(kMaxExponentBits - 1) + exponent_index);
-      for (const double sign : {1.0, -1.0}) {
-        const auto scaled = (means * (sign * scale)).contiguous();
-        const float* data = scaled.data_ptr<float>();
-        values.insert(values.end(), data, data + scaled.numel());
-      }
-    }
-    values.push_back(0.0f);
-    values.push_back(1.0f);
-    std::sort(values.begin(), values.end());
-    return torch::tensor(values, torch::kFloat32);
-  }();
-  return map;
-}
-
 }  // namespace qtrain::qat

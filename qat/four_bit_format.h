@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "kernels/blockwise_8bit.h"
+
 namespace qtrain::qat {
 
 enum class FourBitType { kNf4, kFp4 };
@@ -47,11 +49,7 @@ const std::string& four_bit_type_name(FourBitType type);
 torch::Tensor four_bit_code_tensor(FourBitType type);
 torch::Tensor four_bit_decode_tensor(FourBitType type);
 
-// bitsandbytes' `create_dynamic_map(signed=True)`: 256 sorted fp32 values in [-1, 1] (the
-// default code of quantize_blockwise, which double quantization applies to the absmax values):
-// for each decimal exponent e = -6..0, 2^(e+6) means of linspace(0.1, 1) segments times 10^e,
-// both signs, plus 0 and 1. Built with torch's own fp32 linspace and arithmetic, as bnb builds it,
-// so it equals bnb's table bit for bit. fp32 [256] CPU tensor.
-torch::Tensor signed_dynamic_map();
+// bitsandbytes' signed dynamic map (defined in kernels/blockwise_8bit.h).
+using kernels::signed_dynamic_map;
 
 }  // namespace qtrain::qat

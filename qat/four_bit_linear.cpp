@@ -63,49 +63,16 @@ void FourBitLinear::to(torch::Device device, torch::Dtype dtype, bool non_blocki
   to(dtype, non_blocking);
 }
 
-bool module_name_matches(const std::string& name, const std::vector<std::string>& entries) {
-  for (const auto& entry : entries) {
-    if (name == entry) return true;
-    if (name.size() > entry.size() && name.compare(name.size() - entry.size(), entry.size(), entry) == 0 &&
-        name[name.size() - entry.size() - 1] == '.') {
-      return true;
-    }
-  }
-  return false;
-}
-
 std::vector<std::string> quantize_linear_layers(torch::nn::Module& root, const FourBitOptions& options,
                                                 const std::vector<std::string>& skip_modules) {
   parse_four_bit_type(options.quant_type, "qlora.quant_type");
   check_four_bit_blocksize(options.blocksize);
-  struct Target {
-    std::string name;
-    std::shared_ptr<DenseLinear> layer;
-  };
-  std::vector<Target> targets;
-  for (const auto& item : root.named_modules()) {
-    auto dense = std::dynamic_pointer_cast<DenseLinear>(item.value());
-    if (dense && !item.key().empty() && !module_name_matches(item.key(), skip_modules)) {
-      targets.push_back({item.key(), dense});
-    }
-  }
-  const auto modules = root.named_modules();
-  std::vector<std::string> replaced;
-  torch::NoGradGuard no_grad;
-  const auto on_device = [&](const torch::Tensor& tensor) {
-    return tensor.defined() && options.device ? tensor.to(*options.device) : tensor;
-  };
-  for (const auto& target : targets) {
-    const auto dot = target.name.rfind('.');
-    const std::string parent_name = dot == std::string::npos ? "" : target.name.substr(0, dot);
-    const std::string child_name = dot == std::string::npos ? target.name : target.name.substr(dot + 1);
-    torch::nn::Module& parent = parent_name.empty() ? root : *modules[parent_name];
-    replace_linear_layer(parent, child_name,
-                         FourBitLinear::from_dense(on_device(target.layer->weight()), on_device(target.layer->bias()),
-                                                   options));
-    replaced.push_back(target.name);
-  }
-  return replaced;
+  return replace_dense_linear_layers(root, skip_modules, [&](const DenseLinear& dense) {
+    const auto on_device = [&](const torch::Tensor& tensor) {
+      return tensor.defined() && options.device ? tensor.to(*options.device) : tensor;
+    };
+    return FourBitLinear::from_dense(on_device(dense.weight()), on_device(dense.bias()), options);
+  });
 }
 
 }  // namespace qtrain::qat

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "qat/four_bit_codec.h"
+#include "qat/layer_replacement.h"
 #include "qat/linear.h"
 
 namespace qtrain::qat {
@@ -69,11 +70,9 @@ class FourBitLinear : public LinearLayer {
 
 // Replaces every DenseLinear under `root` whose dotted name does not match `skip_modules` (an
 // entry matches a name equal to it or ending in "." + it, as bnb's llm_int8_skip_modules) by a
-// FourBitLinear quantized from its weight, through replace_linear_layer. Returns the replaced
+// FourBitLinear quantized from its weight (replace_dense_linear_layers). Returns the replaced
 // names, in module order.
 std::vector<std::string> quantize_linear_layers(torch::nn::Module& root, const FourBitOptions& options,
                                                 const std::vector<std::string>& skip_modules);
-
-bool module_name_matches(const std::string& name, const std::vector<std::string>& entries);
 
 }  // namespace qtrain::qat

@@ -1,6 +1,7 @@
 // qtrain bench: training throughput and peak memory of a Llama-shaped model with random
-// weights, built directly on the device (no checkpoint on disk): QLoRA (NF4 double-quant base)
-// or LoRA (16-bit base), LoRA on all 7 projections, AdamW, random tokens.
+// weights, built directly on the device (no checkpoint on disk): QLoRA (NF4 double-quant base),
+// LoRA on an LLM.int8 base (--quant int8) or LoRA (16-bit base), LoRA on all 7 projections, AdamW
+// (or --optim adamw8bit), random tokens.
 //
 // Model FLOPs per token (what MFU counts; recomputation under checkpointing is not counted):
 //   matmuls: forward 2 N, backward 2 N (gradients to the inputs only: the base is frozen and
@@ -23,6 +24,7 @@
 #include "optim/grad_clip.h"
 #include "optim/optimizer.h"
 #include "qat/four_bit_linear.h"
+#include "qat/int8_linear.h"
 #include "qat/lora_linear.h"
 #include "qat/qat_linear.h"
 #include "tools/commands.h"
@@ -73,6 +75,15 @@ qat::FourBitTensor random_four_bit(int64_t out, int64_t in, const qat::FourBitTe
   return weight;
 }
 
+// A random LLM.int8 weight [out, in] on the device: int8 codes and a row absmax of about what a
+// 0.02-scaled weight has. Outlier columns come from the activations, not from here.
+std::shared_ptr<qat::Int8Linear> random_int8(int64_t out, int64_t in, const torch::Device& device,
+                                             torch::ScalarType dtype) {
+  const auto codes = torch::randint(-127, 128, {out, in}, torch::TensorOptions().dtype(torch::kChar).device(device));
+  const auto absmax = torch::full({out}, 0.08, torch::TensorOptions().dtype(torch::kFloat32).device(device));
+  return std::make_shared<qat::Int8Linear>(codes, absmax, torch::Tensor(), /*threshold=*/6.0, dtype);
+}
+
 void synchronize(const torch::Device& device) {
 #ifdef QTRAIN_WITH_CUDA
   if (device.is_cuda()) at::cuda::getCurrentCUDAStream(device.index()).synchronize();
@@ -83,12 +94,14 @@ void synchronize(const torch::Device& device) {
 }  // namespace
 
 int run_bench(const Arguments& arguments) {
-  std::string shape, quant, dtype_name, device_name, checkpoint_run;
+  std::string shape, quant, dtype_name, device_name, checkpoint_run, optimizer_name;
   int64_t micro_batch = 0, sequence = 0, steps = 0, warmup = 0, lora_rank = 0, loss_chunk = 0;
   po::options_description options("bench options");
   options.add_options()
       ("shape", po::value(&shape)->default_value("llama3-8b"), "llama3-8b, llama3-1b or tiny (random weights)")
-      ("quant", po::value(&quant)->default_value("qlora"), "qlora (NF4 double-quant base) or none (16-bit base)")
+      ("quant", po::value(&quant)->default_value("qlora"),
+       "qlora (NF4 double-quant base), int8 (LLM.int8 base, threshold 6) or none (16-bit base)")
+      ("optim", po::value(&optimizer_name)->default_value("adamw"), "adamw or adamw8bit")
       ("micro-batch", po::value(&micro_batch)->default_value(1), "sequences per step")
       ("seq", po::value(&sequence)->default_value(2048), "tokens per sequence")
       ("checkpointing", po::bool_switch(), "recompute every decoder layer in backward")
@@ -106,7 +119,9 @@ int run_bench(const Arguments& arguments) {
                           options, arguments, values)) {
     return 0;
   }
-  if (quant != "qlora" && quant != "none") throw Error("--quant must be qlora or none, got '" + quant + "'");
+  if (quant != "qlora" && quant != "int8" && quant != "none") {
+    throw Error("--quant must be qlora, int8 or none, got '" + quant + "'");
+  }
   if (steps < 1 || micro_batch < 1 || sequence < 2) throw Error("--steps, --micro-batch must be >= 1 and --seq >= 2");
   const auto device = trainer::resolve_device(device_name);
   const auto dtype = trainer::parse_dtype_name(dtype_name, "--dtype");
@@ -117,13 +132,14 @@ int run_bench(const Arguments& arguments) {
   const auto tables = qat::quantize_4bit(torch::randn({4096}) * 0.02, qat::FourBitType::kNf4, 64,
                                          /*double_quant=*/true);
   const auto build_start = std::chrono::steady_clock::now();
-  // QLoRA projections are made on the device, one at a time: the 16-bit model never exists.
+  // Quantized projections are made on the device, one at a time: the 16-bit model never exists.
   const trainer::LinearFactory make_linear = [&](const std::string& name, const qat::DenseLinearOptions& linear)
       -> std::shared_ptr<qat::LinearLayer> {
     if (quant == "qlora" && name != "lm_head") {
       return std::make_shared<qat::FourBitLinear>(
           random_four_bit(linear.out_features, linear.in_features, tables, device, dtype), torch::Tensor(), dtype);
     }
+    if (quant == "int8" && name != "lm_head") return random_int8(linear.out_features, linear.in_features, device, dtype);
     return std::make_shared<qat::DenseLinear>(linear);
   };
   trainer::LlamaForCausalLM model(llama, dtype, make_linear);
@@ -150,7 +166,7 @@ int run_bench(const Arguments& arguments) {
   }
   model->train();
   model->model->set_gradient_checkpointing(checkpointing ? 1 : 0);
-  auto optimizer = optim::make_optimizer("adamw", trainable, 1e-4, 0.0, {0.9, 0.999}, 1e-8);
+  auto optimizer = optim::make_optimizer(optimizer_name, trainable, 1e-4, 0.0, {0.9, 0.999}, 1e-8);
   synchronize(device);
   std::printf("bench: model built in %.1f s\n",
               std::chrono::duration<double>(std::chrono::steady_clock::now() - build_start).count());
@@ -208,14 +224,15 @@ int run_bench(const Arguments& arguments) {
   const double mfu = peak > 0 ? tokens_per_second * flops_per_token / peak : 0.0;
 
   if (fake_quant) quant += "+qat";
-  std::printf("bench: %s %s, %s compute on %s, micro-batch %lld x %lld, checkpointing %s, loss chunk %lld\n",
-              shape.c_str(), quant.c_str(), dtype_name.c_str(), device.str().c_str(), static_cast<long long>(micro_batch),
+  std::printf("bench: %s %s + %s, %s compute on %s, micro-batch %lld x %lld, checkpointing %s, loss chunk %lld\n",
+              shape.c_str(), quant.c_str(), optimizer_name.c_str(), dtype_name.c_str(), device.str().c_str(), static_cast<long long>(micro_batch),
               static_cast<long long>(sequence), checkpointing ? "on" : "off", static_cast<long long>(chunk));
   std::printf("  %.0f tokens/s (median of %lld steps, %.3f s each), MFU %.1f%%, peak memory %s\n", tokens_per_second,
               static_cast<long long>(steps), median, 100.0 * mfu, trainer::format_bytes(memory.peak_bytes).c_str());
   if (values["json"].as<bool>()) {
     std::cout << nlohmann::json{{"shape", shape},
                                 {"quant", quant},
+                                {"optim", optimizer_name},
                                 {"dtype", dtype_name},
                                 {"micro_batch", micro_batch},
                                 {"seq", sequence},

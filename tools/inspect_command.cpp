@@ -70,7 +70,8 @@ void print_peak_estimate(const std::string& recipe_path, const trainer::Training
   const auto estimate = trainer::estimate_peak_memory(llama, setup);
   const auto bytes = [](double value) { return trainer::format_bytes(value); };
 
-  const std::string training = setup.quant == "qlora" ? "qlora " + setup.four_bit.quant_type
+  const std::string training = setup.quant == "qlora" ? "qlora " + (setup.int8_base ? std::string("int8")
+                                                                                      : setup.four_bit.quant_type)
                                : setup.full_finetune  ? "full finetune"
                                                       : "quant " + setup.quant;
   std::printf("\npeak memory estimate for %s on %s (%s, compute %s, micro-batch %lld x %lld tokens%s%s):\n",

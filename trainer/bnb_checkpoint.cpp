@@ -1,11 +1,13 @@
 #include "trainer/bnb_checkpoint.h"
 
 #include <nlohmann/json.hpp>
+#include <functional>
 #include <set>
 #include <sstream>
 
 #include "kernels/error.h"
 #include "qat/four_bit_linear.h"
+#include "qat/int8_linear.h"
 #include "trainer/safetensors.h"
 
 namespace qtrain::trainer {
@@ -57,6 +59,12 @@ std::optional<BnbQuantizationConfig> read_bnb_quantization_config(const HfModelC
   result.load_in_4bit = flag("load_in_4bit") || flag("_load_in_4bit");
   result.load_in_8bit = flag("load_in_8bit") || flag("_load_in_8bit");
   result.quant_type = text("bnb_4bit_quant_type", "fp4");
+  if (object.contains("llm_int8_threshold") && !object.at("llm_int8_threshold").is_null()) {
+    if (!object.at("llm_int8_threshold").is_number() || object.at("llm_int8_threshold").get<double>() < 0) {
+      throw Error(where + "llm_int8_threshold must be a number >= 0, got " + object.at("llm_int8_threshold").dump());
+    }
+    result.llm_int8_threshold = object.at("llm_int8_threshold").get<double>();
+  }
   result.double_quant = flag("bnb_4bit_use_double_quant");
   result.compute_dtype = parse_dtype_name(text("bnb_4bit_compute_dtype", "float32"), where + "bnb_4bit_compute_dtype");
   const std::string storage = text("bnb_4bit_quant_storage", "uint8");
@@ -145,49 +153,134 @@ qat::FourBitTensor read_bnb_4bit_weight(const SafetensorsCheckpoint& weights, co
   return result;
 }
 
-LoadedModel load_bnb_4bit_llama(const std::string& model_dir, const HfModelConfig& config,
-                                const ModelLoadOptions& options) {
-  const auto bnb = read_bnb_quantization_config(config);
-  if (!bnb || !bnb->load_in_4bit) throw Error(config.path + ": not a bitsandbytes 4-bit checkpoint");
-  auto weights = SafetensorsCheckpoint::open(model_dir);
+namespace {
+
+// Reads the quantized projection `name` (recording the tensors it used), or returns nullptr for a
+// projection stored dense.
+using QuantizedLayerReader = std::function<std::shared_ptr<qat::LinearLayer>(
+    const std::string& name, const qat::DenseLinearOptions& dense, std::set<std::string>& used)>;
+
+// The Llama of `config` whose projections `read_layer` builds from the stored bytes; everything
+// else (embeddings, norms, lm_head, skipped modules) loads by name in options.dtype.
+LoadedModel load_quantized_llama(const std::string& model_dir, const HfModelConfig& config,
+                                 const ModelLoadOptions& options, const SafetensorsCheckpoint& weights,
+                                 const QuantizedLayerReader& read_layer) {
   std::set<std::string> used;
-  // Projections with a stored quant state become FourBitLinear holding the stored bytes; the
-  // others (skip modules) stay dense and load below with the rest.
   LinearFactory make_linear = [&](const std::string& name,
                                   const qat::DenseLinearOptions& dense) -> std::shared_ptr<qat::LinearLayer> {
-    const std::string state_key = quant_state_key(weights, name);
-    if (state_key.empty()) return std::make_shared<qat::DenseLinear>(dense);
-    auto quantized = read_bnb_4bit_weight(weights, name, model_dir);
-    if (quantized.state.shape != std::vector<int64_t>{dense.out_features, dense.in_features}) {
-      throw Error(model_dir + ": tensor '" + name + ".weight' has shape " + shape_text(quantized.state.shape) +
-                  ", config.json expects " + shape_text({dense.out_features, dense.in_features}));
-    }
-    torch::Tensor bias;
-    if (dense.bias) {
-      if (!weights.contains(name + ".bias")) throw Error(model_dir + ": tensor '" + name + ".bias' is missing");
-      bias = weights.tensor(name + ".bias");
-      used.insert(name + ".bias");
-    }
-    for (const char* suffix : {".weight", ".weight.absmax", ".weight.quant_map", ".weight.nested_absmax",
-                               ".weight.nested_quant_map"}) {
-      used.insert(name + suffix);
-    }
-    used.insert(state_key);
-    return std::make_shared<qat::FourBitLinear>(std::move(quantized), bias, options.dtype);
+    auto quantized = read_layer(name, dense, used);
+    return quantized ? quantized : std::make_shared<qat::DenseLinear>(dense);
   };
-
   LoadedModel loaded;
   loaded.config = config;
   loaded.model = LlamaForCausalLM(config.llama, options.dtype, make_linear);
-  // The quantized layers hold what the factory read; everything else loads by name.
+  // The quantized layers hold what the reader read; everything else loads by name.
   for (const auto& item : loaded.model->named_modules()) {
-    if (!std::dynamic_pointer_cast<qat::FourBitLinear>(item.value())) continue;
-    for (const auto& buffer : item.value()->named_buffers()) used.insert(item.key() + "." + buffer.key());
+    const auto layer = std::dynamic_pointer_cast<qat::LinearLayer>(item.value());
+    if (!layer || std::dynamic_pointer_cast<qat::DenseLinear>(layer)) continue;
+    for (const auto& buffer : layer->named_buffers()) used.insert(item.key() + "." + buffer.key());
   }
   load_state(*loaded.model, weights, model_dir, config.llama.tie_word_embeddings, used);
   loaded.model->to(options.device);
   loaded.model->eval();
   return loaded;
+}
+
+// `<name>.bias` when the projection has one (an Error if the checkpoint lacks it).
+torch::Tensor read_bias(const SafetensorsCheckpoint& weights, const std::string& name,
+                        const qat::DenseLinearOptions& dense, const std::string& source, std::set<std::string>& used) {
+  if (!dense.bias) return torch::Tensor();
+  if (!weights.contains(name + ".bias")) throw Error(source + ": tensor '" + name + ".bias' is missing");
+  used.insert(name + ".bias");
+  return weights.tensor(name + ".bias");
+}
+
+}  // namespace
+
+LoadedModel load_bnb_4bit_llama(const std::string& model_dir, const HfModelConfig& config,
+                                const ModelLoadOptions& options) {
+  const auto bnb = read_bnb_quantization_config(config);
+  if (!bnb || !bnb->load_in_4bit) throw Error(config.path + ": not a bitsandbytes 4-bit checkpoint");
+  auto weights = SafetensorsCheckpoint::open(model_dir);
+  // Projections with a stored quant state become FourBitLinear holding the stored bytes.
+  return load_quantized_llama(
+      model_dir, config, options, weights,
+      [&](const std::string& name, const qat::DenseLinearOptions& dense,
+          std::set<std::string>& used) -> std::shared_ptr<qat::LinearLayer> {
+        const std::string state_key = quant_state_key(weights, name);
+        if (state_key.empty()) return nullptr;
+        auto quantized = read_bnb_4bit_weight(weights, name, model_dir);
+        if (quantized.state.shape != std::vector<int64_t>{dense.out_features, dense.in_features}) {
+          throw Error(model_dir + ": tensor '" + name + ".weight' has shape " + shape_text(quantized.state.shape) +
+                      ", config.json expects " + shape_text({dense.out_features, dense.in_features}));
+        }
+        const auto bias = read_bias(weights, name, dense, model_dir, used);
+        for (const char* suffix : {".weight", ".weight.absmax", ".weight.quant_map", ".weight.nested_absmax",
+                                   ".weight.nested_quant_map"}) {
+          used.insert(name + suffix);
+        }
+        used.insert(state_key);
+        return std::make_shared<qat::FourBitLinear>(std::move(quantized), bias, options.dtype);
+      });
+}
+
+std::shared_ptr<qat::Int8Linear> read_bnb_8bit_linear(const SafetensorsCheckpoint& weights,
+                                                      const std::string& module_name, const std::vector<int64_t>& shape,
+                                                      const torch::Tensor& bias, double threshold,
+                                                      torch::ScalarType compute_dtype, const std::string& source) {
+  const std::string weight_name = module_name + ".weight";
+  const std::string scale_name = module_name + ".SCB";
+  const std::string format_name = module_name + ".weight_format";
+  if (!weights.contains(weight_name)) throw Error(source + ": tensor '" + weight_name + "' is missing");
+  const auto codes = weights.tensor(weight_name);
+  if (codes.scalar_type() != torch::kChar) {
+    throw Error(source + ": tensor '" + weight_name + "' has dtype " + std::string(c10::toString(codes.scalar_type())) +
+                ", a load_in_8bit checkpoint stores int8 weights");
+  }
+  if (codes.sizes() != c10::IntArrayRef(shape)) {
+    throw Error(source + ": tensor '" + weight_name + "' has shape " + shape_text(codes.sizes()) +
+                ", config.json expects int8 " + shape_text(shape));
+  }
+  if (!weights.contains(scale_name)) {
+    throw Error(source + ": tensor '" + scale_name + "' is missing: the int8 weight '" + weight_name +
+                "' needs its row absmax (fp32 [" + std::to_string(shape[0]) +
+                "]); is the checkpoint complete (all shards)?");
+  }
+  const auto absmax = weights.tensor(scale_name);
+  if (absmax.scalar_type() != torch::kFloat32 || absmax.dim() != 1 || absmax.size(0) != shape[0]) {
+    throw Error(source + ": tensor '" + scale_name + "' has " + std::string(c10::toString(absmax.scalar_type())) +
+                " " + shape_text(absmax.sizes()) + ", expected fp32 [" + std::to_string(shape[0]) +
+                "] (one absmax per row of '" + weight_name + "')");
+  }
+  if (weights.contains(format_name)) {
+    const auto format = weights.tensor(format_name);
+    if (format.numel() != 1 || format.to(torch::kLong).item<int64_t>() != 0) {
+      throw Error(source + ": tensor '" + format_name +
+                  "' is not 0: only row-major int8 weights are supported (bitsandbytes >= 0.45 writes these)");
+    }
+  }
+  return std::make_shared<qat::Int8Linear>(codes, absmax, bias, threshold, compute_dtype, source + ": " + module_name);
+}
+
+LoadedModel load_bnb_8bit_llama(const std::string& model_dir, const HfModelConfig& config,
+                                const ModelLoadOptions& options) {
+  const auto bnb = read_bnb_quantization_config(config);
+  if (!bnb || !bnb->load_in_8bit) throw Error(config.path + ": not a bitsandbytes 8-bit checkpoint");
+  auto weights = SafetensorsCheckpoint::open(model_dir);
+  // Projections stored as int8 (or with an SCB) become Int8Linear holding the stored codes.
+  return load_quantized_llama(
+      model_dir, config, options, weights,
+      [&](const std::string& name, const qat::DenseLinearOptions& dense,
+          std::set<std::string>& used) -> std::shared_ptr<qat::LinearLayer> {
+        const bool int8_weight =
+            weights.contains(name + ".weight") && weights.info(name + ".weight").dtype == "I8";
+        if (!int8_weight && !weights.contains(name + ".SCB")) return nullptr;
+        const auto bias = read_bias(weights, name, dense, model_dir, used);
+        auto layer = read_bnb_8bit_linear(weights, name, {dense.out_features, dense.in_features}, bias,
+                                          bnb->llm_int8_threshold, options.dtype, model_dir);
+        for (const char* suffix : {".weight", ".SCB", ".weight_format"}) used.insert(name + suffix);
+        return layer;
+      });
 }
 
 }  // namespace qtrain::trainer

@@ -65,9 +65,7 @@ LoadedModel load_llama(const std::string& model_dir, const ModelLoadOptions& opt
   LoadedModel loaded;
   loaded.config = read_hf_config(model_dir);
   if (is_bnb_4bit_checkpoint(loaded.config)) return load_bnb_4bit_llama(model_dir, loaded.config, options);
-  if (is_bnb_8bit_checkpoint(loaded.config)) {
-    throw Error(loaded.config.path + ": LLM.int8 checkpoints are not supported yet");
-  }
+  if (is_bnb_8bit_checkpoint(loaded.config)) return load_bnb_8bit_llama(model_dir, loaded.config, options);
   if (loaded.config.has_quantization_config) {
     throw Error(loaded.config.path +
                 ": this checkpoint is pre-quantized (quantization_config); load it as a QLoRA / int8 base");

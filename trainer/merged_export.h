@@ -7,7 +7,8 @@
 //   generation_config.json  the base's (or one made of config.json's token ids)
 //   tokenizer files         copied from the base directory
 // Every linear layer becomes one dense weight: W + scale * B A computed in fp32 (peft's
-// merge_and_unload), W dequantized first when the base is 4-bit, then cast to the output dtype.
+// merge_and_unload), W dequantized first when the base is 4-bit or int8 (codes * SCB / 127, as
+// bitsandbytes' int8_vectorwise_dequant), then cast to the output dtype.
 #include <cstdint>
 #include <string>
 #include <utility>

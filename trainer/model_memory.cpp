@@ -69,6 +69,11 @@ double four_bit_bytes(int64_t elements, const qat::FourBitOptions& options) {
   return bytes;
 }
 
+// Int8Linear's buffers (qat/int8_linear.h): one int8 code per weight, an fp32 absmax (SCB) per row.
+double int8_bytes(const Projection& projection) {
+  return static_cast<double>(projection.in * projection.out) + 4.0 * static_cast<double>(projection.out);
+}
+
 bool is_quantized(const Projection& projection, const TrainingMemorySetup& setup) {
   return setup.quant == "qlora" && !qat::module_name_matches(projection.name, setup.skip_modules);
 }
@@ -172,8 +177,11 @@ TrainingMemorySetup training_memory_setup(const Recipe& recipe, const LlamaOptio
   TrainingMemorySetup setup;
   setup.quant = recipe.quant;
   setup.compute_dtype = parse_dtype_name(recipe.train.dtype, "train.dtype");
-  if (recipe.quant == "qlora") {
-    qat::parse_four_bit_type(recipe.qlora.quant_type, "qlora.quant_type");  // int8 is no 4-bit type: an Error
+  if (recipe.quant == "qlora" && recipe.qlora.quant_type == "int8") {
+    setup.int8_base = true;
+    setup.skip_modules = recipe.qlora.skip_modules;
+  } else if (recipe.quant == "qlora") {
+    qat::parse_four_bit_type(recipe.qlora.quant_type, "qlora.quant_type");
     setup.four_bit.quant_type = recipe.qlora.quant_type;
     setup.four_bit.blocksize = recipe.qlora.blocksize;
     setup.four_bit.double_quant = recipe.qlora.double_quant;
@@ -224,7 +232,9 @@ PeakMemoryEstimate estimate_peak_memory(const LlamaOptions& model, const Trainin
       estimate.trainable_parameters += weights + biases;
       continue;
     }
-    estimate.frozen_weight_bytes += is_quantized(projection, setup) ? four_bit_bytes(weights, setup.four_bit) + biases * s
+    const double quantized_bytes =
+        setup.int8_base ? int8_bytes(projection) : four_bit_bytes(weights, setup.four_bit);
+    estimate.frozen_weight_bytes += is_quantized(projection, setup) ? quantized_bytes + biases * s
                                                                     : static_cast<double>(weights + biases) * s;
     const int64_t rank = adapter_rank(projection, setup);
     if (rank > 0) {
@@ -292,11 +302,14 @@ std::vector<MemoryEstimate> training_memory_estimates(const LlamaOptions& model,
   TrainingMemorySetup qlora;
   qlora.adapter.lora.rank = lora_rank;
   qlora.adapter.targets.include.names = default_recipe().lora.target_modules;
+  TrainingMemorySetup int8 = qlora;
+  int8.int8_base = true;
   TrainingMemorySetup lora = qlora;
   lora.quant = "none";
   TrainingMemorySetup full = lora;
   full.full_finetune = true;
   return {{"qlora", estimate_peak_memory(model, qlora)},
+          {"int8", estimate_peak_memory(model, int8)},
           {"lora", estimate_peak_memory(model, lora)},
           {"full", estimate_peak_memory(model, full)}};
 }

@@ -10,7 +10,9 @@
 //   frozen weights   4-bit projections (qlora; not in qlora.skip_modules) as FourBitLinear keeps
 //                    them: n/2 packed bytes, one absmax per block (1 byte when double-quantized,
 //                    else fp32), the 16-entry code table, and with double quantization an fp32
-//                    absmax per 256 blocks and the 256-entry nested table. Everything else
+//                    absmax per 256 blocks and the 256-entry nested table. An LLM.int8 base
+//                    (qlora.quant_type int8) as Int8Linear keeps it: one int8 code per weight and
+//                    an fp32 absmax per row. Everything else
 //                    (embeddings, norms, lm_head, skipped or unquantized projections) in s bytes:
 //                    the model is loaded in the compute dtype (model.dtype is not used).
 //   trainable state  16 bytes per trainable parameter: LoRA A and B are fp32, their fp32 grads,
@@ -26,7 +28,7 @@
 //                      CPU) instead; the A outputs (rank s); the s-byte copies of A and B when s
 //                      is 2; with lora.rank 0 the base matmuls save the same inputs and the norms
 //                      their normed output (H s);
-//                      nothing for a 4-bit base weight (dequantized again in backward);
+//                      nothing for a 4-bit or int8 base weight (dequantized again in backward);
 //                      attention: the fused kernels PyTorch 2.11 picks (cuDNN for bf16/fp16 on a
 //                      Hopper GPU, flash on the CPU, memory-efficient for fp32 multi-head; flash
 //                      on other GPUs keeps the same) save q, k, v, the output ((2 Q + 2 KV) s)
@@ -89,6 +91,7 @@ LlamaParameterCounts llama_parameter_counts(const LlamaOptions& options);
 struct TrainingMemorySetup {
   std::string quant = "qlora";  // qlora: 4-bit frozen projections; none: every weight in the compute dtype
   qat::FourBitOptions four_bit;  // qlora's quant_type, blocksize, double_quant
+  bool int8_base = false;        // qlora with quant_type int8: LLM.int8 rows instead of four_bit
   std::vector<std::string> skip_modules = {"lm_head"};  // qlora: linear layers kept unquantized
   bool full_finetune = false;    // lora.rank 0: every weight trains, no adapters
   PeftAdapterConfig adapter;     // ranks, dropout and target modules of the adapters
@@ -104,8 +107,8 @@ struct TrainingMemorySetup {
 
 // quant, qlora.*, lora.* (or the adapter of lora.init_from), train.dtype, train.device ('auto':
 // cuda), train.micro_batch_size, data.max_seq_len, data.pack, train.gradient_checkpointing[_every],
-// train.loss_chunk_tokens (0: auto_loss_chunk_tokens of the vocabulary). quant: qat and
-// qlora.quant_type int8 are Errors: they are not estimated.
+// train.loss_chunk_tokens (0: auto_loss_chunk_tokens of the vocabulary). quant: qat is an Error:
+// it is not estimated.
 TrainingMemorySetup training_memory_setup(const Recipe& recipe, const LlamaOptions& model);
 
 struct PeakMemoryEstimate {
@@ -134,11 +137,11 @@ struct PeakMemoryEstimate {
 
 PeakMemoryEstimate estimate_peak_memory(const LlamaOptions& model, const TrainingMemorySetup& setup);
 
-// The weights and trainable state of three ways to train (`qtrain inspect --model`): qlora (NF4
-// double-quantized, blocks of 64, lm_head kept), lora (quant none) and full, all in bf16, with
-// adapters of `lora_rank` on the 7 projections.
+// The weights and trainable state of four ways to train (`qtrain inspect --model`): qlora (NF4
+// double-quantized, blocks of 64, lm_head kept), int8 (qlora on an LLM.int8 base, lm_head kept),
+// lora (quant none) and full, all in bf16, with adapters of `lora_rank` on the 7 projections.
 struct MemoryEstimate {
-  std::string mode;  // qlora, lora, full
+  std::string mode;  // qlora, int8, lora, full
   PeakMemoryEstimate estimate;
 };
 std::vector<MemoryEstimate> training_memory_estimates(const LlamaOptions& model, int64_t lora_rank);

@@ -353,6 +353,7 @@ const std::vector<std::pair<std::string, std::string>>& familiar_key_names() {
       {"bnb_4bit_quant_type", "qlora.quant_type"},
       {"bnb_4bit_use_double_quant", "qlora.double_quant"},
       {"llm_int8_skip_modules", "qlora.skip_modules"},
+      {"llm_int8_threshold", "qlora.llm_int8_threshold"},
       {"sequence_len", "data.max_seq_len"},
       {"max_length", "data.max_seq_len"},
       {"sample_packing", "data.pack"},

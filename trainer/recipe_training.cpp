@@ -1,6 +1,7 @@
 #include "trainer/recipe_training.h"
 
 #include "qat/four_bit_linear.h"
+#include "qat/int8_linear.h"
 #include "qat/quant_format.h"
 #include "trainer/causal_lm_loss.h"
 #include "trainer/hf_config.h"
@@ -23,7 +24,13 @@ LoadedModel load_base_model(const Recipe& recipe, torch::ScalarType dtype, const
   ModelLoadOptions options;
   options.dtype = dtype;
   auto loaded = load_llama(recipe.model.path, options);
-  if (quantize_base && recipe.quant == "qlora") {
+  if (quantize_base && recipe.quant == "qlora" && recipe.qlora.quant_type == "int8") {
+    qat::Int8Options int8;
+    int8.threshold = recipe.qlora.llm_int8_threshold;
+    int8.compute_dtype = dtype;
+    int8.device = device;
+    qat::quantize_linear_layers_int8(*loaded.model, int8, recipe.qlora.skip_modules);
+  } else if (quantize_base && recipe.quant == "qlora") {
     qat::FourBitOptions four_bit;
     four_bit.quant_type = recipe.qlora.quant_type;
     four_bit.blocksize = recipe.qlora.blocksize;

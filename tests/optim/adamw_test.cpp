@@ -168,12 +168,6 @@ TEST(AdamW, MakeOptimizerBuildsAdamWAndRefusesWhatIsNotThere) {
   EXPECT_EQ(adamw->options().beta2, 0.98);
   EXPECT_EQ(adamw->options().eps, 1e-7);
   EXPECT_EQ(adamw->options().weight_decay, 0.01);
-  try {
-    make_optimizer("adamw8bit", parameters, 3e-4, 0.0, {0.9, 0.999}, 1e-8);
-    ADD_FAILURE();
-  } catch (const Error& error) {
-    EXPECT_STREQ(error.what(), "optim.name 'adamw8bit' is not available yet; use adamw");
-  }
   EXPECT_THROW(make_optimizer("adam", parameters, 3e-4, 0.0, {0.9, 0.999}, 1e-8), Error);
   EXPECT_THROW(make_optimizer("adamw", parameters, 3e-4, 0.0, {0.9}, 1e-8), Error);
   EXPECT_THROW(make_optimizer("adamw", parameters, 3e-4, 0.0, {0.9, 1.0}, 1e-8), Error);

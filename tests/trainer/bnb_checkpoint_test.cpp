@@ -230,16 +230,6 @@ TEST(BnbCheckpoint, RecognisesBitsandbytes4bitConfig) {
   EXPECT_FALSE(is_bnb_4bit_checkpoint(read_hf_config(fixture("tiny-llama"))));
 }
 
-TEST(BnbCheckpoint, Int8CheckpointsAreAnErrorForNow) {
-  try {
-    load_llama(fixture("tiny-llama-bnb-int8"));
-    FAIL() << "an LLM.int8 checkpoint loaded";
-  } catch (const Error& error) {
-    EXPECT_NE(std::string(error.what()).find("LLM.int8 checkpoints are not supported yet"), std::string::npos)
-        << error.what();
-  }
-}
-
 TEST(BnbCheckpoint, LoadsProjectionsAsFrozenFourBitLayersAndTheRestDense) {
   const auto loaded = load_llama(fixture("tiny-llama-bnb-nf4"));
   int64_t four_bit_layers = 0;

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "kernels/error.h"
+#include "run_metrics.h"
 #include "support.h"
 #include "trainer/evaluate.h"
 #include "trainer/finetune.h"
@@ -29,16 +30,7 @@ Recipe small_recipe(const testing::TempDir& run, const std::vector<std::string>&
   return load_recipe("", overrides);
 }
 
-std::vector<double> logged_losses(const std::string& run_dir) {
-  std::ifstream metrics(run_dir + "/metrics.jsonl");
-  std::vector<double> losses;
-  std::string line;
-  while (std::getline(metrics, line)) {
-    auto value = nlohmann::json::parse(line);
-    if (value.contains("loss")) losses.push_back(value["loss"].get<double>());
-  }
-  return losses;
-}
+using testing::logged_losses;
 
 TEST(Finetune, SameRecipeAndSeedGiveBitwiseEqualLosses) {
   testing::TempDir first_run, second_run;

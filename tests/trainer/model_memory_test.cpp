@@ -7,12 +7,14 @@
 
 #include <atomic>
 #include <filesystem>
+#include <map>
 #include <mutex>
 #include <unordered_map>
 
 #include "kernels/error.h"
 #include "optim/optimizer.h"
 #include "qat/four_bit_linear.h"
+#include "qat/int8_linear.h"
 #include "qat/lora_linear.h"
 #include "support.h"
 #include "trainer/batch_inputs.h"
@@ -113,7 +115,11 @@ LlamaForCausalLM build_model(const TrainingMemorySetup& setup, bool with_adapter
   ModelLoadOptions options;
   options.dtype = setup.compute_dtype;
   auto model = load_llama(fixture("tiny-llama"), options).model;
-  if (setup.quant == "qlora") qat::quantize_linear_layers(*model, setup.four_bit, setup.skip_modules);
+  if (setup.quant == "qlora" && setup.int8_base) {
+    qat::quantize_linear_layers_int8(*model, qat::Int8Options{}, setup.skip_modules);
+  } else if (setup.quant == "qlora") {
+    qat::quantize_linear_layers(*model, setup.four_bit, setup.skip_modules);
+  }
   if (with_adapters) qat::apply_lora(*model, setup.adapter.targets, setup.adapter.lora);
   for (auto& parameter : model->named_parameters()) {
     const bool adapter = parameter.key().find(".lora_") != std::string::npos;
@@ -155,11 +161,14 @@ TEST(ModelMemory, FrozenWeightBytesEqualTheQuantizedModelsTensors) {
   for (const auto& test : std::vector<Case>{{"qlora", "nf4", 64, true, torch::kFloat32},
                                             {"qlora", "fp4", 128, false, torch::kBFloat16},
                                             {"qlora", "nf4", 4096, true, torch::kBFloat16},
+                                            {"qlora", "int8", 0, false, torch::kBFloat16},
                                             {"none", "", 0, false, torch::kBFloat16}}) {
     auto setup = tiny_setup();
     setup.quant = test.quant;
     setup.compute_dtype = test.dtype;
-    if (test.quant == "qlora") {
+    if (test.quant_type == "int8") {
+      setup.int8_base = true;
+    } else if (test.quant == "qlora") {
       setup.four_bit.quant_type = test.quant_type;
       setup.four_bit.blocksize = test.blocksize;
       setup.four_bit.double_quant = test.double_quant;
@@ -294,8 +303,31 @@ TEST(ModelMemory, SetupReadsTheRecipeAsFinetuneDoes) {
                                             model_options);
   EXPECT_EQ(on_gpu.device, torch::kCUDA);
   EXPECT_EQ(on_gpu.loss_chunk_tokens, 512);
-  EXPECT_THROW(training_memory_setup(load_recipe("", {"qlora.quant_type=int8"}), model_options), Error);
+  EXPECT_TRUE(training_memory_setup(load_recipe("", {"qlora.quant_type=int8"}), model_options).int8_base);
   EXPECT_THROW(training_memory_setup(load_recipe("", {"quant=qat"}), model_options), Error);
+}
+
+// The frozen base of a Llama-3-8B-shaped model, as `qtrain inspect --model` lists it: NF4 (double
+// quantized, blocks of 64), LLM.int8 (one byte per weight + an fp32 absmax per row) and bf16;
+// lm_head, the embeddings and the norms stay bf16 in the quantized ones.
+TEST(ModelMemory, FrozenBaseOfLlama3_8bInNf4Int8AndBf16) {
+  const LlamaOptions llama = llama_shape("llama3-8b");
+  const auto counts = llama_parameter_counts(llama);
+  std::map<std::string, double> frozen;
+  for (const auto& [mode, estimate] : training_memory_estimates(llama, 16)) frozen[mode] = estimate.frozen_weight_bytes;
+  const int64_t rows_per_layer = 2 * llama.num_attention_heads * llama.head_dim +
+                                 2 * llama.num_key_value_heads * llama.head_dim + 2 * llama.intermediate_size +
+                                 llama.hidden_size;
+  const double dense_rest = 2.0 * static_cast<double>(counts.embeddings + counts.norms);
+  const double decoder_projections = static_cast<double>(counts.projections);
+  EXPECT_DOUBLE_EQ(frozen.at("int8"), decoder_projections +
+                                          4.0 * static_cast<double>(rows_per_layer * llama.num_hidden_layers) +
+                                          dense_rest);
+  EXPECT_DOUBLE_EQ(frozen.at("lora"), 2.0 * static_cast<double>(counts.total));
+  // NF4 with double quantization: 0.5 byte + 1/64 byte (absmax code) + a little per weight.
+  EXPECT_NEAR(frozen.at("qlora"), decoder_projections * (0.5 + 1.0 / 64) + dense_rest, 0.001 * frozen.at("qlora"));
+  std::printf("Llama-3-8B frozen base: NF4 %.2f GiB, int8 %.2f GiB, bf16 %.2f GiB\n", frozen.at("qlora") / (1 << 30),
+              frozen.at("int8") / (1 << 30), frozen.at("lora") / (1 << 30));
 }
 
 // Checkpointing every layer leaves each layer's input and one layer's activations; chunking

@@ -4,10 +4,9 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
-#include <fstream>
-#include <nlohmann/json.hpp>
 
 #include "kernels/error.h"
+#include "run_metrics.h"
 #include "support.h"
 #include "trainer/evaluate.h"
 #include "trainer/finetune.h"
@@ -17,6 +16,8 @@
 
 namespace qtrain::trainer {
 namespace {
+
+using testing::logged_losses;
 
 const std::string kDemo = testing::source_dir() + "/recipes/demo";
 
@@ -30,17 +31,6 @@ std::vector<std::string> qat_settings(const testing::TempDir& run, const std::ve
       "eval.every=0", "eval.max_batches=2", "log.every=1", "train.output_dir=" + run.path()};
   overrides.insert(overrides.end(), extra.begin(), extra.end());
   return overrides;
-}
-
-std::vector<double> logged_losses(const std::string& run_dir) {
-  std::ifstream metrics(run_dir + "/metrics.jsonl");
-  std::vector<double> losses;
-  std::string line;
-  while (std::getline(metrics, line)) {
-    auto value = nlohmann::json::parse(line);
-    if (value.contains("loss")) losses.push_back(value["loss"].get<double>());
-  }
-  return losses;
 }
 
 TrainSummary train(const std::vector<std::string>& overrides, const std::string& resume = "") {

@@ -24,7 +24,7 @@ namespace {
 namespace fs = std::filesystem;
 
 const char* const kShippedRecipes[] = {"demo_tiny.yaml", "qlora_llama.yaml", "lora_llama.yaml",
-                                       "qat_llama.yaml", "qat_llama_q4_0.yaml"};
+                                       "qat_llama.yaml", "qat_llama_q4_0.yaml", "lora_int8_llama.yaml"};
 
 std::string shipped(const std::string& name) {
   return qtrain::testing::source_dir() + "/recipes/" + name;
@@ -119,6 +119,12 @@ TEST(ShippedRecipes, SayWhatTheirNamesPromise) {
   EXPECT_EQ(demo.train.output_dir, qtrain::testing::source_dir() + "/runs/demo_tiny");
 
   EXPECT_EQ(load_recipe(shipped("qlora_llama.yaml"), {}).quant, "qlora");
+
+  const Recipe int8 = load_recipe(shipped("lora_int8_llama.yaml"), {});
+  EXPECT_EQ(int8.quant, "qlora");
+  EXPECT_EQ(int8.qlora.quant_type, "int8");
+  EXPECT_EQ(int8.qlora.llm_int8_threshold, 6.0);
+  EXPECT_EQ(int8.optim.name, "adamw8bit");
 
   const Recipe lora = load_recipe(shipped("lora_llama.yaml"), {});
   EXPECT_EQ(lora.quant, "none");

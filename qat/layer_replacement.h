@@ -1,0 +1,25 @@
+#pragma once
+// Swapping a model's dense linear layers for quantized ones (a frozen 4-bit or LLM.int8 base),
+// skipping modules by name as bitsandbytes' llm_int8_skip_modules does.
+#include <torch/torch.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "qat/linear.h"
+
+namespace qtrain::qat {
+
+// True when `name` equals an entry or ends in "." + entry.
+bool module_name_matches(const std::string& name, const std::vector<std::string>& entries);
+
+// Replaces every DenseLinear under `root` whose dotted name does not match `skip_modules` by
+// make_layer(dense), one at a time through replace_linear_layer (so only one layer exists twice at
+// a time). Returns the replaced names, in module order.
+std::vector<std::string> replace_dense_linear_layers(
+    torch::nn::Module& root, const std::vector<std::string>& skip_modules,
+    const std::function<std::shared_ptr<LinearLayer>(const DenseLinear&)>& make_layer);
+
+}  // namespace qtrain::qat
