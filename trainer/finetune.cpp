@@ -377,7 +377,8 @@ bool Finetune::resume_if_asked() {
   const auto checkpoint = read_training_checkpoint(path);
   const Recipe saved = load_recipe(path + "/recipe.yaml", {});
   for (const char* key : {"model.path", "quant", "qlora.quant_type", "qlora.blocksize", "qlora.double_quant",
-                          "lora.rank", "qat.weights", "qat.activations", "qat.target_modules"}) {
+                          "qlora.llm_int8_threshold", "lora.rank", "qat.weights", "qat.activations",
+                          "qat.target_modules"}) {
     for (const auto& difference : recipe_differences(saved, recipe_)) {
       if (difference.rfind(std::string(key) + ":", 0) == 0 || difference.rfind(std::string(key) + ".", 0) == 0) {
         throw Error(path + ": the checkpoint was trained with another model (" + difference +
