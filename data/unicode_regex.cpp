@@ -10,6 +10,7 @@ namespace qtrain::data {
 struct UnicodeRegex::Compiled {
   pcre2_code* code = nullptr;
   std::string pattern;
+  std::string where;
   ~Compiled() { pcre2_code_free(code); }
 };
 
@@ -51,6 +52,7 @@ ThreadMatchState& thread_match_state() {
 UnicodeRegex::UnicodeRegex(const std::string& pattern, const std::string& where) {
   auto compiled = std::make_shared<Compiled>();
   compiled->pattern = pattern;
+  compiled->where = where;
   int error_code = 0;
   PCRE2_SIZE error_offset = 0;
   compiled->code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
@@ -97,6 +99,19 @@ std::vector<TextSpan> UnicodeRegex::find_all(std::string_view subject) const {
     }
   }
   return matches;
+}
+
+bool UnicodeRegex::full_match(std::string_view subject) const {
+  ThreadMatchState& state = thread_match_state();
+  // Anchoring at match time runs PCRE2's interpreter, which keeps its backtracking on the heap.
+  const int result = pcre2_match(compiled_->code, reinterpret_cast<PCRE2_SPTR>(subject.data()), subject.size(), 0,
+                                 PCRE2_ANCHORED | PCRE2_ENDANCHORED | PCRE2_NO_JIT, state.match_data, state.context);
+  if (result == PCRE2_ERROR_NOMATCH) return false;
+  if (result < 0) {
+    throw Error(compiled_->where + ": the regular expression gave up on '" + std::string(subject) + "' (" +
+                pcre2_message(result) + "); simplify it: " + compiled_->pattern);
+  }
+  return true;
 }
 
 }  // namespace qtrain::data
