@@ -43,7 +43,7 @@ struct ThreadMatchState {
 
 ThreadMatchState& thread_match_state() {
   thread_local ThreadMatchState state;
-  if (state.match_data == nullptr) throw Error("tokenizer: out of memory for regular-expression matching");
+  if (state.match_data == nullptr) throw Error(ErrorCode::kTokenizer, "tokenizer: out of memory for regular-expression matching");
   return state;
 }
 
@@ -59,7 +59,7 @@ UnicodeRegex::UnicodeRegex(const std::string& pattern, const std::string& where)
                                  PCRE2_UTF | PCRE2_UCP | PCRE2_MATCH_INVALID_UTF, &error_code,
                                  &error_offset, nullptr);
   if (compiled->code == nullptr) {
-    throw Error(where + ": the regular expression does not compile (" + pcre2_message(error_code) +
+    throw Error(ErrorCode::kTokenizer, where + ": the regular expression does not compile (" + pcre2_message(error_code) +
                 " at offset " + std::to_string(error_offset) + "): " + pattern);
   }
   // Without JIT support (some builds) pcre2_match interprets the pattern: slower, same result.
@@ -82,7 +82,7 @@ std::vector<TextSpan> UnicodeRegex::find_all(std::string_view subject) const {
     }
     if (result == PCRE2_ERROR_NOMATCH) break;
     if (result < 0) {
-      throw Error("tokenizer: the pre-tokenizer pattern failed on a " + std::to_string(subject.size()) +
+      throw Error(ErrorCode::kTokenizer, "tokenizer: the pre-tokenizer pattern failed on a " + std::to_string(subject.size()) +
                   "-byte text (" + pcre2_message(result) + "); pattern: " + compiled_->pattern);
     }
     const PCRE2_SIZE* offsets = pcre2_get_ovector_pointer(state.match_data);
@@ -108,7 +108,7 @@ bool UnicodeRegex::full_match(std::string_view subject) const {
                                  PCRE2_ANCHORED | PCRE2_ENDANCHORED | PCRE2_NO_JIT, state.match_data, state.context);
   if (result == PCRE2_ERROR_NOMATCH) return false;
   if (result < 0) {
-    throw Error(compiled_->where + ": the regular expression gave up on '" + std::string(subject) + "' (" +
+    throw Error(ErrorCode::kTokenizer, compiled_->where + ": the regular expression gave up on '" + std::string(subject) + "' (" +
                 pcre2_message(result) + "); simplify it: " + compiled_->pattern);
   }
   return true;

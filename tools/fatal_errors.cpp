@@ -34,13 +34,13 @@ Report describe(const std::exception_ptr& error, bool debug) {
   } catch (const c10::OutOfMemoryError& error) {
     return {ErrorCode::kOutOfMemory,
             (debug ? std::string(error.what()) : first_line(error.what_without_backtrace())) +
-                " (lower train.batch_size or data.max_length, or enable model.gradient_checkpointing)",
+                " (lower train.micro_batch_size or data.max_seq_len, or set train.gradient_checkpointing)",
             kExitUnexpectedError};
   } catch (const c10::Error& error) {
     return {ErrorCode::kInternal, debug ? std::string(error.what()) : first_line(error.what_without_backtrace()),
             kExitUnexpectedError};
   } catch (const std::bad_alloc&) {
-    return {ErrorCode::kOutOfMemory, "out of host memory (lower train.batch_size or data.max_length)",
+    return {ErrorCode::kOutOfMemory, "out of host memory (lower train.micro_batch_size or data.max_seq_len)",
             kExitUnexpectedError};
   } catch (const std::exception& error) {
     return {ErrorCode::kInternal, debug ? std::string(error.what()) : first_line(error.what()), kExitUnexpectedError};

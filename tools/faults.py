@@ -293,7 +293,7 @@ wait $pid
             run_dir = os.path.join(self.work, "nan")
             shutil.rmtree(run_dir, ignore_errors=True)
             injected += 1
-            result = subprocess.run(self.train_command(run_dir, "--set", "train.steps=12", "--set", f"train.lr={lr}",
+            result = subprocess.run(self.train_command(run_dir, "--set", "train.steps=12", "--set", f"optim.lr={lr}",
                                                        "--set", "train.max_skipped_steps=3"),
                                     capture_output=True, text=True, env=self.environment)
             output = result.stdout + result.stderr
