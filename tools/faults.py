@@ -124,9 +124,11 @@ class Faults:
         for kill in range(self.kills):
             log_path = os.path.join(self.work, "kill.log")
             with open(log_path, "w") as log:
-                process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.environment)
+                # Line-buffered, so that what a killed run printed is in its log.
+                process = subprocess.Popen(["stdbuf", "-oL", "-eL", *command], stdout=log, stderr=subprocess.STDOUT,
+                                           env=self.environment)
             kind = randomness.choice(list(moments))
-            killed = self.kill_at(process, run_dir, kind, randomness)
+            killed = self.kill_at(process, run_dir, log_path, kind, randomness)
             moments[killed] += 1
             with open(log_path, errors="replace") as log:
                 output = log.read()
@@ -157,15 +159,16 @@ class Faults:
         survived = self.kills if corrupt == 0 and not skipped_messages and finished else 0
         self.record("kill -9", self.kills, survived, lost_steps + corrupt, detail)
 
-    def kill_at(self, process, run_dir, kind, randomness):
+    def kill_at(self, process, run_dir, log_path, kind, randomness):
         """Kills `process` at a moment of the given kind; returns the kind it really hit."""
         checkpoints = os.path.join(run_dir, "checkpoints")
-        deadline = time.time() + 120
+        deadline = time.time() + 300
         started = False
         while time.time() < deadline and process.poll() is None:
             if not started:
-                # Training has started once a step is logged or a checkpoint is being written.
-                started = os.path.isdir(checkpoints)
+                # Training has started once this process logged a step.
+                with open(log_path, errors="replace") as log:
+                    started = any(line.startswith("step ") for line in log)
                 if started and kind == "during a step":
                     time.sleep(randomness.uniform(0.0, 1.5))
                     break
