@@ -227,6 +227,8 @@ class Faults:
                      and "terminate called" not in full.stderr and "Traceback" not in full.stderr)
             intact = not checkpoint_problems(run_dir) and set(before) <= set(complete_checkpoints(run_dir))
             resumable = False
+            if mount_point:  # the user frees space, then resumes
+                subprocess.run(["mount", "-o", "remount,size=256m", mount_point])
             if intact:
                 again = subprocess.run(self.train_command(run_dir, "--set", "train.steps=3", "--resume", "auto"),
                                        capture_output=True, text=True, env=self.environment)
