@@ -56,7 +56,7 @@ nlohmann::json LoaderState::to_json() const {
 LoaderState LoaderState::from_json(const nlohmann::json& value, const std::string& source) {
   const auto integer = [&](const char* key) -> int64_t {
     if (!value.is_object() || !value.contains(key) || !value[key].is_number_integer()) {
-      throw Error(source + ": the data loader state has no integer \"" + std::string(key) + "\"");
+      throw Error(ErrorCode::kData, source + ": the data loader state has no integer \"" + std::string(key) + "\"");
     }
     return value[key].get<int64_t>();
   };
@@ -65,7 +65,7 @@ LoaderState LoaderState::from_json(const nlohmann::json& value, const std::strin
   state.batch_in_epoch = integer("batch_in_epoch");
   state.seed = static_cast<uint64_t>(integer("seed"));
   if (!value.contains("shuffle") || !value["shuffle"].is_boolean()) {
-    throw Error(source + ": the data loader state has no boolean \"shuffle\"");
+    throw Error(ErrorCode::kData, source + ": the data loader state has no boolean \"shuffle\"");
   }
   state.shuffle = value["shuffle"].get<bool>();
   state.examples = integer("examples");
@@ -76,13 +76,13 @@ LoaderState LoaderState::from_json(const nlohmann::json& value, const std::strin
 
 BatchStream::BatchStream(std::vector<Example> examples, const BatchStreamOptions& options)
     : examples_(std::move(examples)), options_(options) {
-  if (options_.batch_size < 1) throw Error("batch size must be at least 1");
+  if (options_.batch_size < 1) throw Error(ErrorCode::kData, "batch size must be at least 1");
   if (options_.world_size < 1 || options_.rank < 0 || options_.rank >= options_.world_size) {
-    throw Error("rank " + std::to_string(options_.rank) + " is outside a world of " +
+    throw Error(ErrorCode::kData, "rank " + std::to_string(options_.rank) + " is outside a world of " +
                 std::to_string(options_.world_size) + " processes");
   }
   if (batches_per_epoch() == 0) {
-    throw Error("the training data has " + std::to_string(examples_.size()) + " examples, fewer than one batch of " +
+    throw Error(ErrorCode::kData, "the training data has " + std::to_string(examples_.size()) + " examples, fewer than one batch of " +
                 std::to_string(options_.batch_size) +
                 (options_.world_size > 1 ? " on each of " + std::to_string(options_.world_size) + " ranks" : "") +
                 "; add data or lower train.micro_batch_size");
@@ -118,7 +118,7 @@ LoaderState BatchStream::state() const {
 void BatchStream::restore(const LoaderState& state) {
   const LoaderState mine = this->state();
   const auto differs = [](const char* what, auto saved, auto now) {
-    throw Error("the data loader state was saved with " + std::string(what) + " " + std::to_string(saved) +
+    throw Error(ErrorCode::kData, "the data loader state was saved with " + std::string(what) + " " + std::to_string(saved) +
                 ", this run has " + std::to_string(now) +
                 "; resume with the same data, train.seed, micro-batch size and number of processes");
   };
@@ -128,7 +128,7 @@ void BatchStream::restore(const LoaderState& state) {
   if (state.batch_size != mine.batch_size) differs("batch size", state.batch_size, mine.batch_size);
   if (state.world_size != mine.world_size) differs("world size", state.world_size, mine.world_size);
   if (state.epoch < 0 || state.batch_in_epoch < 0 || state.batch_in_epoch > batches_per_epoch()) {
-    throw Error("data position (epoch " + std::to_string(state.epoch) + ", batch " +
+    throw Error(ErrorCode::kData, "data position (epoch " + std::to_string(state.epoch) + ", batch " +
                 std::to_string(state.batch_in_epoch) + ") is outside the data (" +
                 std::to_string(batches_per_epoch()) + " batches per epoch)");
   }

@@ -70,7 +70,7 @@ class SegmentWriter {
 
 void check_roles(const std::vector<ChatMessage>& messages) {
   for (size_t i = 0; i < messages.size(); ++i) {
-    if (messages[i].role.empty()) throw Error("chat message " + std::to_string(i) + " has an empty role");
+    if (messages[i].role.empty()) throw Error(ErrorCode::kTokenizer, "chat message " + std::to_string(i) + " has an empty role");
   }
 }
 
@@ -81,7 +81,7 @@ std::vector<std::string> ChatTemplate::supported_families() { return {"llama3", 
 ChatTemplate ChatTemplate::named(const std::string& family, const std::string& bos_token) {
   if (family == "llama3") return ChatTemplate(Family::kLlama3, bos_token, std::nullopt);
   if (family == "chatml") return ChatTemplate(Family::kChatml, bos_token, std::nullopt);
-  throw Error("data.chat_template: unknown chat template family '" + family + "' (supported: " + supported_list() +
+  throw Error(ErrorCode::kTokenizer, "data.chat_template: unknown chat template family '" + family + "' (supported: " + supported_list() +
               ")");
 }
 
@@ -91,19 +91,19 @@ ChatTemplate ChatTemplate::from_template_text(const std::string& text, const std
                                  " to train with that format instead";
   if (contains(text, "<|start_header_id|>") && contains(text, "<|end_header_id|>") && contains(text, "<|eot_id|>")) {
     if (contains(text, "Cutting Knowledge Date")) {
-      throw Error(source + ": this Llama 3.1+ chat template adds a dated system header ('Cutting Knowledge Date') "
+      throw Error(ErrorCode::kTokenizer, source + ": this Llama 3.1+ chat template adds a dated system header ('Cutting Knowledge Date') "
                   "that qtrain's llama3 family does not render" + force_hint);
     }
     return ChatTemplate(Family::kLlama3, bos_token, std::nullopt);
   }
   if (contains(text, "<|im_start|>") && contains(text, "<|im_end|>")) {
     if (contains(text, "<think>")) {
-      throw Error(source + ": this chatml template renders reasoning blocks (<think>), which qtrain's chatml family "
+      throw Error(ErrorCode::kTokenizer, source + ": this chatml template renders reasoning blocks (<think>), which qtrain's chatml family "
                   "does not" + force_hint);
     }
     return ChatTemplate(Family::kChatml, bos_token, chatml_default_system_prompt(text));
   }
-  throw Error(source + ": the chat template is not one qtrain recognises (supported families: " + supported_list() +
+  throw Error(ErrorCode::kTokenizer, source + ": the chat template is not one qtrain recognises (supported families: " + supported_list() +
               "; qtrain renders templates without a Jinja engine)" + force_hint);
 }
 
@@ -116,7 +116,7 @@ ChatTemplate ChatTemplate::from_model_dir(const std::string& model_dir, const st
   if (config.chat_template) {
     return from_template_text(*config.chat_template, model_dir + "/tokenizer_config.json: chat_template", bos_token);
   }
-  throw Error(model_dir + ": no chat template (neither chat_template.jinja nor a \"chat_template\" in "
+  throw Error(ErrorCode::kTokenizer, model_dir + ": no chat template (neither chat_template.jinja nor a \"chat_template\" in "
               "tokenizer_config.json); set data.chat_template to one of " + supported_list());
 }
 

@@ -32,7 +32,7 @@ std::vector<std::string> extensions_of(const DataOptions& options) {
 std::vector<std::string> source_files(const std::string& source, const DataOptions& options) {
   std::error_code error;
   const auto status = fs::status(source, error);
-  if (!fs::exists(status)) throw Error(source + ": no such file or directory (data.train / data.eval)");
+  if (!fs::exists(status)) throw Error(ErrorCode::kData, source + ": no such file or directory (data.train / data.eval)");
   if (!fs::is_directory(status)) return {source};
   const auto extensions = extensions_of(options);
   std::vector<std::string> files;
@@ -48,11 +48,11 @@ std::vector<std::string> source_files(const std::string& source, const DataOptio
       files.push_back(it->path().string());
     }
   }
-  if (error) throw Error(source + ": cannot list the directory: " + error.message());
+  if (error) throw Error(ErrorCode::kData, source + ": cannot list the directory: " + error.message());
   if (files.empty()) {
     std::string wanted;
     for (const auto& extension : extensions) wanted += (wanted.empty() ? "*" : " or *") + extension;
-    throw Error(source + ": the directory holds no " + wanted + " files for data.format " + options.records.format);
+    throw Error(ErrorCode::kData, source + ": the directory holds no " + wanted + " files for data.format " + options.records.format);
   }
   std::sort(files.begin(), files.end());
   return files;
@@ -113,7 +113,7 @@ std::vector<Example> read_source(const std::string& source, const DataOptions& o
     }
     const bool windowed = options.records.format == "text";
     const auto skip = [&](const std::string& message) {
-      if (!options.skip_bad_records) throw Error(message + " (data.skip_bad_records: true skips such records)");
+      if (!options.skip_bad_records) throw Error(ErrorCode::kData, message + " (data.skip_bad_records: true skips such records)");
       ++stats.bad_records;
       if (stats.bad_record_messages.size() < kBadRecordMessagesKept) stats.bad_record_messages.push_back(message);
     };
@@ -145,17 +145,17 @@ std::vector<Example> mix_sources(std::vector<std::vector<Example>> sources, cons
     return mixed;
   }
   if (options.weights.size() != sources.size()) {
-    throw Error("data.weights has " + std::to_string(options.weights.size()) + " entries for " +
+    throw Error(ErrorCode::kData, "data.weights has " + std::to_string(options.weights.size()) + " entries for " +
                 std::to_string(sources.size()) + " data.train sources; give one weight per source");
   }
   const double weight_sum = std::accumulate(options.weights.begin(), options.weights.end(), 0.0);
-  if (!(weight_sum > 0)) throw Error("data.weights must not all be 0");
+  if (!(weight_sum > 0)) throw Error(ErrorCode::kData, "data.weights must not all be 0");
   size_t total = 0;
   for (const auto& samples : sources) total += samples.size();
   for (size_t index = 0; index < sources.size(); ++index) {
     const auto wanted = static_cast<size_t>(std::llround(static_cast<double>(total) * options.weights[index] / weight_sum));
     if (wanted == 0) continue;
-    if (sources[index].empty()) throw Error(names[index] + ": no samples to draw for its data.weights share");
+    if (sources[index].empty()) throw Error(ErrorCode::kData, names[index] + ": no samples to draw for its data.weights share");
     std::mt19937_64 generator(options.seed * 1000003u + index);
     std::vector<size_t> order;
     size_t drawn = 0;
@@ -181,10 +181,10 @@ std::string with_commas(int64_t value) {
 
 Dataset load_dataset(const std::vector<std::string>& sources, const DataOptions& options, const Tokenizer& tokenizer,
                      const std::string& model_dir) {
-  if (sources.empty()) throw Error("no data sources given: name a data file or a directory of shards");
-  if (options.max_seq_len < 2) throw Error("data.max_seq_len must be at least 2");
+  if (sources.empty()) throw Error(ErrorCode::kData, "no data sources given: name a data file or a directory of shards");
+  if (options.max_seq_len < 2) throw Error(ErrorCode::kData, "data.max_seq_len must be at least 2");
   if (options.overlong != "truncate" && options.overlong != "drop") {
-    throw Error("data.overlong must be truncate or drop, got '" + options.overlong + "'");
+    throw Error(ErrorCode::kData, "data.overlong must be truncate or drop, got '" + options.overlong + "'");
   }
   std::unique_ptr<SampleBuilder> builder;
   if (!is_tokens(options)) builder = std::make_unique<SampleBuilder>(options.records, tokenizer, model_dir);
@@ -198,7 +198,7 @@ Dataset load_dataset(const std::vector<std::string>& sources, const DataOptions&
   if (samples.empty()) {
     std::string names;
     for (const auto& source : sources) names += (names.empty() ? "" : ", ") + source;
-    throw Error(names + ": no usable samples (" + std::to_string(dataset.stats.records) + " records read, " +
+    throw Error(ErrorCode::kData, names + ": no usable samples (" + std::to_string(dataset.stats.records) + " records read, " +
                 std::to_string(dataset.stats.dropped) + " dropped, " + std::to_string(dataset.stats.bad_records) +
                 " bad); check data.format (" + options.records.format + ") and the files");
   }

@@ -1,5 +1,7 @@
 #include "data/example.h"
 
+#include <cstddef>
+
 namespace qtrain::data {
 
 int64_t Example::predicted_tokens() const {

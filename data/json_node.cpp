@@ -7,12 +7,12 @@ namespace qtrain::data {
 
 nlohmann::json JsonNode::parse_file(const std::string& file) {
   auto value = nlohmann::json::parse(read_text_file(file, "a JSON file"), nullptr, /*allow_exceptions=*/false);
-  if (value.is_discarded()) throw Error(file + ": not valid JSON (is the file complete?)");
+  if (value.is_discarded()) throw Error(ErrorCode::kTokenizer, file + ": not valid JSON (is the file complete?)");
   return value;
 }
 
 void JsonNode::fail(const std::string& what) const {
-  throw Error(file_ + ": " + (path_.empty() ? "the top level" : path_) + " " + what);
+  throw Error(ErrorCode::kTokenizer, file_ + ": " + (path_.empty() ? "the top level" : path_) + " " + what);
 }
 
 std::string JsonNode::child_path(const std::string& key) const {
@@ -22,7 +22,7 @@ std::string JsonNode::child_path(const std::string& key) const {
 JsonNode JsonNode::at(const std::string& key) const {
   if (!value_->is_object()) fail("must be a JSON object, got " + std::string(value_->type_name()));
   auto found = value_->find(key);
-  if (found == value_->end()) throw Error(file_ + ": missing the key '" + child_path(key) + "'");
+  if (found == value_->end()) throw Error(ErrorCode::kTokenizer, file_ + ": missing the key '" + child_path(key) + "'");
   return JsonNode(*found, file_, child_path(key));
 }
 

@@ -7,7 +7,7 @@
 namespace qtrain::data {
 
 void JsonlRecord::fail(const std::string& what) const {
-  throw Error(source + ":" + std::to_string(line) + ": " + what);
+  throw Error(ErrorCode::kData, source + ":" + std::to_string(line) + ": " + what);
 }
 
 std::string JsonlRecord::string_field(const std::string& key) const {
@@ -36,16 +36,16 @@ void for_each_jsonl_record(std::istream& input, const std::string& source,
     } else if (on_bad_line) {
       on_bad_line(source + ":" + std::to_string(line) + ": " + problem);
     } else {
-      throw Error(source + ":" + std::to_string(line) + ": " + problem);
+      throw Error(ErrorCode::kData, source + ":" + std::to_string(line) + ": " + problem);
     }
   }
-  if (input.bad()) throw Error(source + ": read error after line " + std::to_string(line));
+  if (input.bad()) throw Error(ErrorCode::kData, source + ": read error after line " + std::to_string(line));
 }
 
 void for_each_jsonl_record(const std::string& path, const std::function<void(const JsonlRecord&)>& visit,
                            const BadLineHandler& on_bad_line) {
   std::ifstream input(path);
-  if (!input) throw Error(path + ": cannot open (expected a JSONL file)");
+  if (!input) throw Error(ErrorCode::kData, path + ": cannot open (expected a JSONL file)");
   for_each_jsonl_record(input, path, visit, on_bad_line);
 }
 

@@ -11,7 +11,7 @@ std::vector<Example> pack_examples(const std::vector<Example>& samples, int64_t 
   std::multimap<int64_t, size_t> room;  // free tokens -> window, for windows with any room left
   for (const Example& sample : samples) {
     if (sample.size() > max_seq_len) {
-      throw Error("packing: a sample of " + std::to_string(sample.size()) + " tokens is longer than data.max_seq_len " +
+      throw Error(ErrorCode::kData, "packing: a sample of " + std::to_string(sample.size()) + " tokens is longer than data.max_seq_len " +
                   std::to_string(max_seq_len));
     }
     size_t index = packed.size();

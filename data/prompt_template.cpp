@@ -54,7 +54,7 @@ PromptTemplate PromptTemplate::named_or_custom(const std::string& name_or_text) 
   if (name_or_text.find("{instruction}") == std::string::npos) {
     std::string known;
     for (const auto& name : names()) known += (known.empty() ? "" : ", ") + name;
-    throw Error("data.prompt_template: '" + name_or_text + "' is neither a named template (" + known +
+    throw Error(ErrorCode::kData, "data.prompt_template: '" + name_or_text + "' is neither a named template (" + known +
                 ") nor a template text with an {instruction} placeholder");
   }
   // One custom text serves both kinds of record: without an input, "{input}" renders empty.

@@ -34,7 +34,7 @@ SampleBuilder::SampleBuilder(const SampleFormatOptions& options, Tokenizer token
   } else if (options_.format == "chat") {
     chat_template_ = ChatTemplate::from_model_dir(model_dir, options_.chat_template);
   } else if (options_.format != "text") {
-    throw Error("data.format '" + options_.format + "' has no record format (expected text, instruct or chat)");
+    throw Error(ErrorCode::kData, "data.format '" + options_.format + "' has no record format (expected text, instruct or chat)");
   }
 }
 

@@ -9,10 +9,10 @@ namespace qtrain::data {
 
 std::string read_text_file(const std::string& path, const std::string& what) {
   std::ifstream input(path, std::ios::binary);
-  if (!input) throw Error(path + ": cannot open (expected " + what + ")");
+  if (!input) throw Error(ErrorCode::kFileSystem, path + ": cannot open (expected " + what + ")");
   std::stringstream contents;
   contents << input.rdbuf();
-  if (input.bad()) throw Error(path + ": read error");
+  if (input.bad()) throw Error(ErrorCode::kFileSystem, path + ": read error");
   return contents.str();
 }
 

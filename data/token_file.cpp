@@ -35,11 +35,11 @@ uint32_t little_endian(const unsigned char* bytes, int width) {
 
 std::vector<int64_t> read_token_file(const std::string& path, int64_t vocab_size) {
   std::ifstream input(path, std::ios::binary);
-  if (!input) throw Error(path + ": cannot open (expected an llm.c .bin token file)");
+  if (!input) throw Error(ErrorCode::kData, path + ": cannot open (expected an llm.c .bin token file)");
   std::array<unsigned char, kHeaderInts * 4> header{};
   input.read(reinterpret_cast<char*>(header.data()), header.size());
   if (input.gcount() != static_cast<std::streamsize>(header.size())) {
-    throw Error(path + ": shorter than the 1024-byte header of an llm.c token file");
+    throw Error(ErrorCode::kData, path + ": shorter than the 1024-byte header of an llm.c token file");
   }
   const auto magic = static_cast<int32_t>(little_endian(header.data(), 4));
   const auto version = static_cast<int32_t>(little_endian(header.data() + 4, 4));
@@ -49,11 +49,11 @@ std::vector<int64_t> read_token_file(const std::string& path, int64_t vocab_size
     if (candidate.magic == magic) variant = &candidate;
   }
   if (variant == nullptr) {
-    throw Error(path + ": magic number " + std::to_string(magic) +
+    throw Error(ErrorCode::kData, path + ": magic number " + std::to_string(magic) +
                 " is not an llm.c token file's (20240520 for uint16 tokens, 20240801 for uint32)");
   }
   if (variant->version != version) {
-    throw Error(path + ": version " + std::to_string(version) + " with magic " + std::to_string(magic) +
+    throw Error(ErrorCode::kData, path + ": version " + std::to_string(version) + " with magic " + std::to_string(magic) +
                 ", expected version " + std::to_string(variant->version));
   }
   // The size is checked before anything is allocated: a damaged header cannot ask for 16 GB.
@@ -62,18 +62,18 @@ std::vector<int64_t> read_token_file(const std::string& path, int64_t vocab_size
   const int64_t body_bytes = static_cast<int64_t>(input.tellg() - body_start);
   input.seekg(body_start);
   if (body_bytes != count * variant->token_bytes) {
-    throw Error(path + ": the header promises " + std::to_string(count) + " tokens of " +
+    throw Error(ErrorCode::kData, path + ": the header promises " + std::to_string(count) + " tokens of " +
                 std::to_string(variant->token_bytes) + " bytes but the body holds " + std::to_string(body_bytes) +
                 " bytes (" + (body_bytes < count * variant->token_bytes ? "truncated?" : "trailing bytes") + ")");
   }
   std::vector<unsigned char> body(static_cast<size_t>(body_bytes));
   input.read(reinterpret_cast<char*>(body.data()), static_cast<std::streamsize>(body.size()));
-  if (input.gcount() != static_cast<std::streamsize>(body.size())) throw Error(path + ": read error");
+  if (input.gcount() != static_cast<std::streamsize>(body.size())) throw Error(ErrorCode::kData, path + ": read error");
   std::vector<int64_t> tokens(static_cast<size_t>(count));
   for (int64_t index = 0; index < count; ++index) {
     tokens[index] = little_endian(body.data() + index * variant->token_bytes, variant->token_bytes);
     if (tokens[index] >= vocab_size) {
-      throw Error(path + ": token " + std::to_string(index) + " is " + std::to_string(tokens[index]) +
+      throw Error(ErrorCode::kData, path + ": token " + std::to_string(index) + " is " + std::to_string(tokens[index]) +
                   ", outside the tokenizer's vocabulary of " + std::to_string(vocab_size) +
                   " (was the file made with another tokenizer?)");
     }
@@ -84,7 +84,7 @@ std::vector<int64_t> read_token_file(const std::string& path, int64_t vocab_size
 std::string encode_token_file(const std::vector<int64_t>& tokens, int64_t vocab_size) {
   const TokenFileVariant& variant = vocab_size <= kVariants[0].id_limit ? kVariants[0] : kVariants[1];
   if (tokens.size() > 0x7fffffffu) {
-    throw Error(std::to_string(tokens.size()) + " tokens do not fit one llm.c token file; split the data");
+    throw Error(ErrorCode::kData, std::to_string(tokens.size()) + " tokens do not fit one llm.c token file; split the data");
   }
   std::string bytes(kHeaderInts * 4 + tokens.size() * variant.token_bytes, '\0');
   auto put = [&](size_t offset, uint32_t value, int width) {
@@ -95,7 +95,7 @@ std::string encode_token_file(const std::vector<int64_t>& tokens, int64_t vocab_
   put(8, static_cast<uint32_t>(tokens.size()), 4);
   for (size_t index = 0; index < tokens.size(); ++index) {
     if (tokens[index] < 0 || tokens[index] >= vocab_size) {
-      throw Error("token id " + std::to_string(tokens[index]) + " is outside the vocabulary of " +
+      throw Error(ErrorCode::kData, "token id " + std::to_string(tokens[index]) + " is outside the vocabulary of " +
                   std::to_string(vocab_size));
     }
     put(kHeaderInts * 4 + index * variant.token_bytes, static_cast<uint32_t>(tokens[index]), variant.token_bytes);

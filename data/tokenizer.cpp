@@ -98,10 +98,10 @@ struct Tokenizer::Impl {
     if (!std::filesystem::exists(path)) {
       const auto directory = std::filesystem::path(path).parent_path();
       if (std::filesystem::exists(directory / "tokenizer.model")) {
-        throw Error(path + ": not found; the directory has only a sentencepiece tokenizer.model, which qtrain does "
+        throw Error(ErrorCode::kTokenizer, path + ": not found; the directory has only a sentencepiece tokenizer.model, which qtrain does "
                     "not read yet (save the tokenizer with transformers to get tokenizer.json)");
       }
-      throw Error(path + ": not found (qtrain needs the Hugging Face fast-tokenizer file tokenizer.json)");
+      throw Error(ErrorCode::kTokenizer, path + ": not found (qtrain needs the Hugging Face fast-tokenizer file tokenizer.json)");
     }
     const nlohmann::json document = JsonNode::parse_file(path);
     const JsonNode root(document, path);
@@ -122,7 +122,7 @@ struct Tokenizer::Impl {
       }
       impl->decoder = Decoder::from_json(root.find("decoder"));
     } catch (const nlohmann::json::exception& error) {
-      throw Error(path + ": malformed tokenizer file (" + error.what() + ")");
+      throw Error(ErrorCode::kTokenizer, path + ": malformed tokenizer file (" + error.what() + ")");
     }
     return impl;
   }
@@ -133,7 +133,7 @@ struct Tokenizer::Impl {
     if (!token) return std::nullopt;
     auto id = token_to_id(*token);
     if (!id) {
-      throw Error(config_path + ": " + key + " '" + *token + "' is not a token of tokenizer.json (fix " + key +
+      throw Error(ErrorCode::kTokenizer, config_path + ": " + key + " '" + *token + "' is not a token of tokenizer.json (fix " + key +
                   " or the tokenizer files)");
     }
     return id;

@@ -10,6 +10,7 @@ namespace qtrain::data {
 struct UnicodeRegex::Compiled {
   pcre2_code* code = nullptr;
   std::string pattern;
+  std::string where;
   ~Compiled() { pcre2_code_free(code); }
 };
 
@@ -42,7 +43,7 @@ struct ThreadMatchState {
 
 ThreadMatchState& thread_match_state() {
   thread_local ThreadMatchState state;
-  if (state.match_data == nullptr) throw Error("tokenizer: out of memory for regular-expression matching");
+  if (state.match_data == nullptr) throw Error(ErrorCode::kTokenizer, "tokenizer: out of memory for regular-expression matching");
   return state;
 }
 
@@ -51,13 +52,14 @@ ThreadMatchState& thread_match_state() {
 UnicodeRegex::UnicodeRegex(const std::string& pattern, const std::string& where) {
   auto compiled = std::make_shared<Compiled>();
   compiled->pattern = pattern;
+  compiled->where = where;
   int error_code = 0;
   PCRE2_SIZE error_offset = 0;
   compiled->code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
                                  PCRE2_UTF | PCRE2_UCP | PCRE2_MATCH_INVALID_UTF, &error_code,
                                  &error_offset, nullptr);
   if (compiled->code == nullptr) {
-    throw Error(where + ": the regular expression does not compile (" + pcre2_message(error_code) +
+    throw Error(ErrorCode::kTokenizer, where + ": the regular expression does not compile (" + pcre2_message(error_code) +
                 " at offset " + std::to_string(error_offset) + "): " + pattern);
   }
   // Without JIT support (some builds) pcre2_match interprets the pattern: slower, same result.
@@ -80,7 +82,7 @@ std::vector<TextSpan> UnicodeRegex::find_all(std::string_view subject) const {
     }
     if (result == PCRE2_ERROR_NOMATCH) break;
     if (result < 0) {
-      throw Error("tokenizer: the pre-tokenizer pattern failed on a " + std::to_string(subject.size()) +
+      throw Error(ErrorCode::kTokenizer, "tokenizer: the pre-tokenizer pattern failed on a " + std::to_string(subject.size()) +
                   "-byte text (" + pcre2_message(result) + "); pattern: " + compiled_->pattern);
     }
     const PCRE2_SIZE* offsets = pcre2_get_ovector_pointer(state.match_data);
@@ -97,6 +99,19 @@ std::vector<TextSpan> UnicodeRegex::find_all(std::string_view subject) const {
     }
   }
   return matches;
+}
+
+bool UnicodeRegex::full_match(std::string_view subject) const {
+  ThreadMatchState& state = thread_match_state();
+  // Anchoring at match time runs PCRE2's interpreter, which keeps its backtracking on the heap.
+  const int result = pcre2_match(compiled_->code, reinterpret_cast<PCRE2_SPTR>(subject.data()), subject.size(), 0,
+                                 PCRE2_ANCHORED | PCRE2_ENDANCHORED | PCRE2_NO_JIT, state.match_data, state.context);
+  if (result == PCRE2_ERROR_NOMATCH) return false;
+  if (result < 0) {
+    throw Error(ErrorCode::kTokenizer, compiled_->where + ": the regular expression gave up on '" + std::string(subject) + "' (" +
+                pcre2_message(result) + "); simplify it: " + compiled_->pattern);
+  }
+  return true;
 }
 
 }  // namespace qtrain::data

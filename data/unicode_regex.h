@@ -23,6 +23,10 @@ class UnicodeRegex {
 
   // All non-overlapping, non-empty matches, left to right. Safe to call from many threads.
   std::vector<TextSpan> find_all(std::string_view subject) const;
+  // Whether the pattern matches the whole subject. PCRE2's match limit bounds the work a
+  // pattern from a file may make (no catastrophic backtracking, no stack overflow): a subject
+  // that hits it is an Error naming `where`.
+  bool full_match(std::string_view subject) const;
 
  private:
   struct Compiled;

@@ -120,9 +120,9 @@ int run_bench(const Arguments& arguments) {
     return 0;
   }
   if (quant != "qlora" && quant != "int8" && quant != "none") {
-    throw Error("--quant must be qlora, int8 or none, got '" + quant + "'");
+    throw Error(ErrorCode::kUsage, "--quant must be qlora, int8 or none, got '" + quant + "'");
   }
-  if (steps < 1 || micro_batch < 1 || sequence < 2) throw Error("--steps, --micro-batch must be >= 1 and --seq >= 2");
+  if (steps < 1 || micro_batch < 1 || sequence < 2) throw Error(ErrorCode::kUsage, "--steps, --micro-batch must be >= 1 and --seq >= 2");
   const auto device = trainer::resolve_device(device_name);
   const auto dtype = trainer::parse_dtype_name(dtype_name, "--dtype");
   const bool checkpointing = values["checkpointing"].as<bool>();

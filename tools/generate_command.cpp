@@ -36,7 +36,7 @@ std::vector<std::vector<int64_t>> prompt_ids(const std::string& prompt, const st
     const auto text = chat.render(data::read_chat_messages(record), /*add_generation_prompt=*/true);
     prompts.push_back(tokenizer.encode(text, /*add_special_tokens=*/false));
   });
-  if (prompts.empty()) throw Error(chat_file + ": no chats in the file (one {\"messages\": [...]} per line)");
+  if (prompts.empty()) throw Error(ErrorCode::kData, chat_file + ": no chats in the file (one {\"messages\": [...]} per line)");
   return prompts;
 }
 
@@ -44,19 +44,19 @@ std::vector<std::vector<int64_t>> prompt_ids(const std::string& prompt, const st
 void apply_overrides(const po::variables_map& values, trainer::GenerationOptions& generation) {
   auto& sampling = generation.sampling;
   if (values.count("max-new-tokens")) generation.max_new_tokens = values["max-new-tokens"].as<int64_t>();
-  if (generation.max_new_tokens < 1) throw Error("--max-new-tokens must be at least 1");
+  if (generation.max_new_tokens < 1) throw Error(ErrorCode::kUsage, "--max-new-tokens must be at least 1");
   if (values.count("temperature")) {
     const double temperature = values["temperature"].as<double>();
-    if (temperature < 0) throw Error("--temperature must be 0 (greedy) or positive (sampling)");
+    if (temperature < 0) throw Error(ErrorCode::kUsage, "--temperature must be 0 (greedy) or positive (sampling)");
     sampling.do_sample = temperature > 0;
     if (temperature > 0) sampling.temperature = temperature;
   }
   if (values.count("top-k")) sampling.top_k = values["top-k"].as<int64_t>();
-  if (sampling.top_k < 0) throw Error("--top-k must be 0 (off) or positive");
+  if (sampling.top_k < 0) throw Error(ErrorCode::kUsage, "--top-k must be 0 (off) or positive");
   if (values.count("top-p")) sampling.top_p = values["top-p"].as<double>();
-  if (!(sampling.top_p > 0 && sampling.top_p <= 1)) throw Error("--top-p must be in (0, 1]");
+  if (!(sampling.top_p > 0 && sampling.top_p <= 1)) throw Error(ErrorCode::kUsage, "--top-p must be in (0, 1]");
   if (values.count("repetition-penalty")) sampling.repetition_penalty = values["repetition-penalty"].as<double>();
-  if (!(sampling.repetition_penalty > 0)) throw Error("--repetition-penalty must be positive (1 = none)");
+  if (!(sampling.repetition_penalty > 0)) throw Error(ErrorCode::kUsage, "--repetition-penalty must be positive (1 = none)");
   if (!sampling.do_sample && (values.count("top-k") || values.count("top-p"))) {
     std::cerr << "generate: note: decoding is greedy, so --top-k / --top-p do nothing; give --temperature T > 0 "
                  "to sample\n";
@@ -97,7 +97,7 @@ int run_generate(const Arguments& arguments) {
                           options, arguments, values)) {
     return 0;
   }
-  if (prompt.empty() == chat_file.empty()) throw Error("give either --prompt TEXT or --chat FILE.jsonl");
+  if (prompt.empty() == chat_file.empty()) throw Error(ErrorCode::kUsage, "give either --prompt TEXT or --chat FILE.jsonl");
 
   const auto config = trainer::read_hf_config(model_dir);
   trainer::ModelLoadOptions load;
@@ -106,7 +106,7 @@ int run_generate(const Arguments& arguments) {
                : load.device.is_cpu() ? torch::kFloat32
                                       : config.stored_dtype;
   if (load.dtype == torch::kFloat16 && load.device.is_cpu()) {
-    throw Error("--dtype fp16 is not supported on the CPU; use bf16 or fp32");
+    throw Error(ErrorCode::kUsage, "--dtype fp16 is not supported on the CPU; use bf16 or fp32");
   }
   auto generation = trainer::read_generation_config(model_dir, config);
   apply_overrides(values, generation);

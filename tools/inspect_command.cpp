@@ -129,17 +129,17 @@ int run_inspect(const Arguments& arguments) {
     return 0;
   }
   if (model_dir.empty() == recipe_path.empty()) {
-    throw Error("inspect needs --model DIR or --recipe FILE, one of them (a recipe's model is its model.path; "
+    throw Error(ErrorCode::kUsage, "inspect needs --model DIR or --recipe FILE, one of them (a recipe's model is its model.path; "
                 "--set model.path=DIR changes it)");
   }
-  if (!overrides.empty() && recipe_path.empty()) throw Error("--set changes a recipe key: give --recipe FILE too");
+  if (!overrides.empty() && recipe_path.empty()) throw Error(ErrorCode::kUsage, "--set changes a recipe key: give --recipe FILE too");
 
   std::optional<trainer::Recipe> recipe;
   if (!recipe_path.empty()) {
     recipe = trainer::load_recipe(recipe_path, overrides);
     model_dir = recipe->model.path;
     if (model_dir.empty()) {
-      throw Error(recipe_path + ": model.path is not set; point it at a Hugging Face model directory "
+      throw Error(ErrorCode::kRecipe, recipe_path + ": model.path is not set; point it at a Hugging Face model directory "
                   "(--set model.path=DIR)");
     }
   }

@@ -1,13 +1,13 @@
 // qtrain: quantization-aware training and QLoRA fine-tuning of Llama models.
 //   qtrain [train] --recipe FILE [--set key=value ...] [--print-recipe]
 //   qtrain eval | generate | tokenize | data | inspect | export | quantize | bench ... (qtrain SUBCOMMAND --help)
-#include <c10/util/Exception.h>
-
+//   --debug (anywhere): errors keep their full text and LibTorch's stack traces.
+#include <algorithm>
 #include <iostream>
 #include <map>
 
-#include "kernels/error.h"
 #include "tools/commands.h"
+#include "tools/fatal_errors.h"
 
 namespace po = boost::program_options;
 
@@ -60,15 +60,15 @@ void print_overview() {
   }
 }
 
-// c10 errors carry a C++ backtrace; a user needs the first line.
-std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
-
 }  // namespace
 }  // namespace qtrain::tools
 
 int main(int argc, char** argv) {
   using namespace qtrain::tools;
   Arguments arguments(argv + 1, argv + argc);
+  const auto debug_flag = std::remove(arguments.begin(), arguments.end(), std::string("--debug"));
+  const bool debug = debug_flag != arguments.end();
+  arguments.erase(debug_flag, arguments.end());
   std::string name = "train";
   if (arguments.empty() || arguments[0] == "--help" || arguments[0] == "-h") {
     print_overview();
@@ -80,21 +80,13 @@ int main(int argc, char** argv) {
   }
   const auto found = commands().find(name);
   if (found == commands().end()) {
-    std::cerr << "qtrain: unknown command '" << name << "' (commands: train, eval, generate, tokenize, data, inspect, export, quantize, bench; see qtrain --help)\n";
-    return 2;
+    std::cerr << "qtrain: error [QT-USAGE]: unknown command '" << name << "' (commands: train, eval, generate, tokenize, data, inspect, export, quantize, bench; see qtrain --help)\n";
+    return kExitUserError;
   }
+  install_fatal_error_handlers(name, debug);
   try {
     return found->second.run(arguments);
-  } catch (const qtrain::Error& error) {
-    std::cerr << "qtrain " << name << ": error: " << error.what() << "\n";
-  } catch (const po::error& error) {
-    std::cerr << "qtrain " << name << ": " << error.what() << " (see qtrain " << name << " --help)\n";
-  } catch (const c10::Error& error) {
-    std::cerr << "qtrain " << name << ": error: " << first_line(error.what_without_backtrace()) << "\n";
-    return 1;
-  } catch (const std::exception& error) {
-    std::cerr << "qtrain " << name << ": error: " << first_line(error.what()) << "\n";
-    return 1;
+  } catch (...) {
+    return report_error(name, std::current_exception(), debug);
   }
-  return 2;
 }

@@ -23,6 +23,7 @@ PYTHON_PINS=(
 DEBIAN_PACKAGES=(
   build-essential cmake ninja-build ccache git python3 python3-venv python3-pip
   libboost-program-options-dev libyaml-cpp-dev nlohmann-json3-dev libpcre2-dev libgtest-dev libgloo-dev
+  clang
 )
 
 log() { printf '[setup] %s\n' "$*" >&2; }
@@ -44,6 +45,18 @@ install_debian_packages() {
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
 }
 
+# libFuzzer comes with clang's runtime package, which Debian names by version
+# (libclang-rt-14-dev on bookworm) and clang only recommends.
+install_libfuzzer() {
+  command -v clang++ >/dev/null || return 0
+  [ -f "$(clang++ -print-file-name=libclang_rt.fuzzer-x86_64.a)" ] && { log "libFuzzer: present"; return; }
+  local package="libclang-rt-$(clang++ -dumpversion | cut -d. -f1)-dev"
+  log "libFuzzer: installing $package"
+  local sudo=""
+  [ "$(id -u)" -ne 0 ] && sudo=sudo
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "$package"
+}
+
 install_python_environment() {
   if [ -f "$VENV_DIR/.complete" ]; then
     log "Python environment: $VENV_DIR (present)"
@@ -62,6 +75,7 @@ if [ "${QTRAIN_OFFLINE:-0}" = 1 ]; then
   PYTHON=python3
 else
   install_debian_packages
+  install_libfuzzer
   install_python_environment
   PYTHON="$VENV_DIR/bin/python"
 fi

@@ -27,10 +27,10 @@ int write_dataset_tokens(const trainer::Recipe& recipe, const std::string& out_p
   const auto start = std::chrono::steady_clock::now();
   const auto tokenizer = data::Tokenizer::from_model_dir(recipe.model.path);
   auto options = trainer::data_options(recipe);
-  if (options.records.format == "tokens") throw Error("data.format is already tokens: nothing to tokenize");
+  if (options.records.format == "tokens") throw Error(ErrorCode::kUsage, "data.format is already tokens: nothing to tokenize");
   options.max_seq_len = std::numeric_limits<int32_t>::max();
   options.pack = false;
-  if (recipe.data.train.empty()) throw Error("no data to tokenize: give --data FILE or set data.train in the recipe");
+  if (recipe.data.train.empty()) throw Error(ErrorCode::kUsage, "no data to tokenize: give --data FILE or set data.train in the recipe");
   const auto dataset = data::load_dataset(recipe.data.train, options, tokenizer, recipe.model.path);
   std::vector<int64_t> tokens;
   tokens.reserve(static_cast<size_t>(dataset.stats.tokens));
@@ -92,9 +92,9 @@ int run_tokenize(const Arguments& arguments) {
     return 0;
   }
   if (out_path.empty()) {
-    if (model_dir.empty()) throw Error("--model DIR is required (or --out FILE.bin to tokenize a dataset)");
+    if (model_dir.empty()) throw Error(ErrorCode::kUsage, "--model DIR is required (or --out FILE.bin to tokenize a dataset)");
     if (!recipe_path.empty() || !data_path.empty() || !format.empty() || !overrides.empty()) {
-      throw Error("--recipe, --data, --format and --set go with --out FILE.bin");
+      throw Error(ErrorCode::kUsage, "--recipe, --data, --format and --set go with --out FILE.bin");
     }
     return tokenize_stream(model_dir, values["decode"].as<bool>(), !values["no-special"].as<bool>(),
                            values["skip-special"].as<bool>());
@@ -103,7 +103,7 @@ int run_tokenize(const Arguments& arguments) {
   if (!data_path.empty()) overrides.push_back("data.train=" + data_path);
   if (!format.empty()) overrides.push_back("data.format=" + format);
   const auto recipe = trainer::load_recipe(recipe_path, overrides);
-  if (recipe.model.path.empty()) throw Error("the tokenizer's model directory is not set: give --model DIR");
+  if (recipe.model.path.empty()) throw Error(ErrorCode::kUsage, "the tokenizer's model directory is not set: give --model DIR");
   return write_dataset_tokens(recipe, out_path);
 }
 

@@ -34,14 +34,14 @@ uint32_t crc32c(const void* data, size_t size, uint32_t crc) {
 
 std::string file_crc32c(const std::string& path) {
   std::ifstream input(path, std::ios::binary);
-  if (!input) throw Error(path + ": cannot open to check its checksum");
+  if (!input) throw Error(ErrorCode::kCheckpoint, path + ": cannot open to check its checksum");
   std::vector<char> buffer(1 << 20);
   uint32_t crc = 0;
   while (input) {
     input.read(buffer.data(), static_cast<std::streamsize>(buffer.size()));
     crc = crc32c(buffer.data(), static_cast<size_t>(input.gcount()), crc);
   }
-  if (input.bad()) throw Error(path + ": read error while checking its checksum");
+  if (input.bad()) throw Error(ErrorCode::kCheckpoint, path + ": read error while checking its checksum");
   char text[9];
   std::snprintf(text, sizeof text, "%08x", crc);
   return text;

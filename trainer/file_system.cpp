@@ -27,7 +27,7 @@ void fsync_directory(const std::string& directory) {
 }
 
 [[noreturn]] void fail(const std::string& path, const std::string& what) {
-  throw Error(path + ": " + what + " (" + std::strerror(errno) + ")");
+  throw Error(ErrorCode::kFileSystem, path + ": " + what + " (" + std::strerror(errno) + ")");
 }
 
 }  // namespace

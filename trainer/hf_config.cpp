@@ -10,18 +10,18 @@ namespace qtrain::trainer {
 
 using nlohmann::json;
 
-torch::ScalarType parse_dtype_name(const std::string& name, const std::string& what) {
-  if (name == "bf16" || name == "bfloat16") return torch::kBFloat16;
-  if (name == "fp16" || name == "float16" || name == "half") return torch::kFloat16;
-  if (name == "fp32" || name == "float32" || name == "float") return torch::kFloat32;
+c10::ScalarType parse_dtype_name(const std::string& name, const std::string& what) {
+  if (name == "bf16" || name == "bfloat16") return c10::ScalarType::BFloat16;
+  if (name == "fp16" || name == "float16" || name == "half") return c10::ScalarType::Half;
+  if (name == "fp32" || name == "float32" || name == "float") return c10::ScalarType::Float;
   throw Error(what + ": unknown dtype '" + name + "' (expected bf16, fp16 or fp32)");
 }
 
-std::string dtype_short_name(torch::ScalarType dtype) {
+std::string dtype_short_name(c10::ScalarType dtype) {
   switch (dtype) {
-    case torch::kBFloat16: return "bf16";
-    case torch::kFloat16: return "fp16";
-    case torch::kFloat32: return "fp32";
+    case c10::ScalarType::BFloat16: return "bf16";
+    case c10::ScalarType::Half: return "fp16";
+    case c10::ScalarType::Float: return "fp32";
     default: return c10::toString(dtype);
   }
 }
@@ -86,7 +86,7 @@ class ConfigReader {
 
   const json& object() const { return object_; }
 
-  [[noreturn]] void fail(const std::string& what) const { throw Error(path_ + ": " + what); }
+  [[noreturn]] void fail(const std::string& what) const { throw Error(ErrorCode::kModelConfig, path_ + ": " + what); }
 
  private:
   int64_t positive_int_value(const json& value, const std::string& key) const {
@@ -157,18 +157,24 @@ RopeOptions read_rope(const ConfigReader& config, const std::string& path, std::
 }  // namespace
 
 HfModelConfig read_hf_config(const std::string& model_dir) {
-  HfModelConfig config;
-  config.path = model_dir + "/config.json";
-  std::ifstream file(config.path);
+  const std::string path = model_dir + "/config.json";
+  std::ifstream file(path);
   if (!file) {
-    throw Error(config.path + ": cannot open (expected a Hugging Face model directory with config.json)");
+    throw Error(ErrorCode::kModelConfig,
+                path + ": cannot open (expected a Hugging Face model directory with config.json)");
   }
   std::stringstream text;
   text << file.rdbuf();
-  config.json = text.str();
+  return parse_hf_config(text.str(), path);
+}
+
+HfModelConfig parse_hf_config(const std::string& text, const std::string& path) {
+  HfModelConfig config;
+  config.path = path;
+  config.json = text;
   json object = json::parse(config.json, nullptr, /*allow_exceptions=*/false);
-  if (object.is_discarded()) throw Error(config.path + ": not valid JSON");
-  if (!object.is_object()) throw Error(config.path + ": expected a JSON object");
+  if (object.is_discarded()) throw Error(ErrorCode::kModelConfig, config.path + ": not valid JSON");
+  if (!object.is_object()) throw Error(ErrorCode::kModelConfig, config.path + ": expected a JSON object");
   ConfigReader reader(object, config.path);
 
   std::string architecture;

@@ -1,10 +1,12 @@
 #pragma once
 // Hugging Face `config.json` (transformers 4.x and 5.x keys) turned into LlamaOptions.
+#include <c10/core/ScalarType.h>
+
 #include <optional>
 #include <string>
 #include <vector>
 
-#include "trainer/llama.h"
+#include "trainer/llama_options.h"
 
 namespace qtrain::trainer {
 
@@ -12,7 +14,7 @@ struct HfModelConfig {
   std::string path;          // the config.json read
   std::string architecture;  // e.g. LlamaForCausalLM
   LlamaOptions llama;
-  torch::ScalarType stored_dtype = torch::kFloat32;  // `dtype` (5.x) or `torch_dtype` (4.x)
+  c10::ScalarType stored_dtype = c10::ScalarType::Float;  // `dtype` (5.x) or `torch_dtype` (4.x)
   std::optional<int64_t> bos_token_id;
   std::vector<int64_t> eos_token_ids;                // a single id or a list in config.json
   std::optional<int64_t> pad_token_id;
@@ -22,9 +24,11 @@ struct HfModelConfig {
 };
 
 HfModelConfig read_hf_config(const std::string& model_dir);
+// The same from config.json's text; `path` names the file in errors.
+HfModelConfig parse_hf_config(const std::string& text, const std::string& path);
 
 // "bf16"/"bfloat16", "fp16"/"float16", "fp32"/"float32" -> scalar type; Error naming `what`.
-torch::ScalarType parse_dtype_name(const std::string& name, const std::string& what);
-std::string dtype_short_name(torch::ScalarType dtype);
+c10::ScalarType parse_dtype_name(const std::string& name, const std::string& what);
+std::string dtype_short_name(c10::ScalarType dtype);
 
 }  // namespace qtrain::trainer

@@ -31,7 +31,7 @@ class Variables {
       used = 0;
     }
     if (used != value->size() || number < minimum) {
-      throw Error("environment variable " + std::string(name) + "='" + *value + "': expected an integer >= " +
+      throw Error(ErrorCode::kDistributed, "environment variable " + std::string(name) + "='" + *value + "': expected an integer >= " +
                   std::to_string(minimum) + " (set by the launcher: torchrun, srun or mpirun)");
     }
     return number;
@@ -79,19 +79,19 @@ LaunchEnvironment read_launch_environment(const std::function<const char*(const 
     return environment;
   }
   if (environment.rank >= environment.world_size) {
-    throw Error("launcher (" + environment.launcher + "): rank " + std::to_string(environment.rank) +
+    throw Error(ErrorCode::kDistributed, "launcher (" + environment.launcher + "): rank " + std::to_string(environment.rank) +
                 " is not below the world size " + std::to_string(environment.world_size));
   }
   if (environment.local_rank >= environment.local_world_size) {
-    throw Error("launcher (" + environment.launcher + "): local rank " + std::to_string(environment.local_rank) +
+    throw Error(ErrorCode::kDistributed, "launcher (" + environment.launcher + "): local rank " + std::to_string(environment.local_rank) +
                 " is not below the local world size " + std::to_string(environment.local_world_size));
   }
   environment.master_port = variables.integer("MASTER_PORT", 29500, 1);
-  if (environment.master_port > 65535) throw Error("MASTER_PORT must be a TCP port (1..65535)");
+  if (environment.master_port > 65535) throw Error(ErrorCode::kDistributed, "MASTER_PORT must be a TCP port (1..65535)");
   if (const auto address = variables.text("MASTER_ADDR")) {
     environment.master_addr = *address;
   } else if (environment.local_world_size < environment.world_size) {
-    throw Error("launcher (" + environment.launcher + "): a run over several nodes needs MASTER_ADDR, the host of "
+    throw Error(ErrorCode::kDistributed, "launcher (" + environment.launcher + "): a run over several nodes needs MASTER_ADDR, the host of "
                 "rank 0; under Slurm: export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)");
   }
   return environment;

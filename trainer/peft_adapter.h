@@ -9,24 +9,9 @@
 
 #include "qat/lora_linear.h"
 #include "trainer/llama.h"
+#include "trainer/peft_adapter_config.h"
 
 namespace qtrain::trainer {
-
-struct PeftAdapterConfig {
-  qat::LoraOptions lora;     // r, lora_alpha, lora_dropout, use_rslora
-  qat::LoraTargets targets;  // target_modules (list or regex string), exclude_modules
-  // peft's per-module overrides, in file order: the first pattern P with
-  // re.match("(.*\.)?(P)$", module name) gives that module's r / lora_alpha.
-  std::vector<std::pair<std::string, int64_t>> rank_pattern;
-  std::vector<std::pair<std::string, double>> alpha_pattern;
-
-  // The options of one module, with rank_pattern / alpha_pattern applied.
-  qat::LoraOptions options_for(const std::string& module_name) const;
-};
-
-// Reads `<adapter_dir>/adapter_config.json`. Settings qtrain cannot reproduce (DoRA, LoRA
-// biases, modules_to_save, layers_to_transform, ...) are an Error naming the key.
-PeftAdapterConfig read_peft_adapter_config(const std::string& adapter_dir);
 
 // Wraps the adapter's target modules of `model` in LoraLinear layers and loads A and B from
 // `<adapter_dir>/adapter_model.safetensors` (fp32, on the model's device). Every expected tensor

@@ -74,10 +74,10 @@ ProcessGroup::ProcessGroup(const LaunchEnvironment& environment, const torch::De
       timeout_(options.timeout) {
   backend_name_ = options.backend == "auto" ? (device.is_cuda() ? "nccl" : "gloo") : options.backend;
   if (backend_name_ == "nccl" && !device.is_cuda()) {
-    throw Error("dist.backend nccl needs train.device cuda; use gloo for a run on CPUs");
+    throw Error(ErrorCode::kDistributed, "dist.backend nccl needs train.device cuda; use gloo for a run on CPUs");
   }
   if (backend_name_ == "gloo" && device.is_cuda()) {
-    throw Error("dist.backend gloo reduces CPU tensors; with train.device cuda use nccl (or auto)");
+    throw Error(ErrorCode::kDistributed, "dist.backend gloo reduces CPU tensors; with train.device cuda use nccl (or auto)");
   }
   c10d::TCPStoreOptions store_options;
   store_options.port = static_cast<std::uint16_t>(environment.master_port);
@@ -92,21 +92,21 @@ ProcessGroup::ProcessGroup(const LaunchEnvironment& environment, const torch::De
 #ifdef QTRAIN_WITH_GLOO
       backend_ = make_gloo(store_, environment, timeout_);
 #else
-      throw Error("this qtrain was built without Gloo (libgloo-dev was missing): it cannot run on several CPU "
+      throw Error(ErrorCode::kDistributed, "this qtrain was built without Gloo (libgloo-dev was missing): it cannot run on several CPU "
                   "processes; install libgloo-dev and rebuild (tools/setup.sh)");
 #endif
     } else {
 #ifdef QTRAIN_WITH_NCCL
       backend_ = make_nccl(store_, environment, timeout_);
 #else
-      throw Error("this qtrain was built without NCCL (no CUDA toolkit or nccl.h at build time): it cannot run on "
+      throw Error(ErrorCode::kDistributed, "this qtrain was built without NCCL (no CUDA toolkit or nccl.h at build time): it cannot run on "
                   "several GPUs; rebuild on a machine with CUDA");
 #endif
     }
   } catch (const Error&) {
     throw;
   } catch (const std::exception& error) {
-    throw Error("rank " + std::to_string(rank_) + ": the rendezvous at " + address_ + " failed: not all " +
+    throw Error(ErrorCode::kDistributed, "rank " + std::to_string(rank_) + ": the rendezvous at " + address_ + " failed: not all " +
                 std::to_string(world_size_) + " ranks joined within dist.timeout_s (" +
                 std::to_string(timeout_.count()) + " s), or the address is not reachable. Start every rank with the "
                 "same MASTER_ADDR, MASTER_PORT and world size. (" + first_line(error.what()) + ")");
@@ -167,7 +167,7 @@ void ProcessGroup::fail(const std::string& what, const std::string& cause) {
             << ", is gone (killed or crashed: see its log)";
   }
   message << ". [" << first_line(cause) << "]";
-  throw Error(message.str());
+  throw Error(ErrorCode::kDistributed, message.str());
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroup::start_sum(torch::Tensor& tensor) {

@@ -14,10 +14,10 @@
 #include <regex>
 #include <set>
 #include <sstream>
-#include <tuple>
 
 #include "kernels/error.h"
 #include "trainer/dtype_names.h"
+#include "trainer/safetensors_header.h"
 
 namespace qtrain::trainer {
 namespace {
@@ -28,217 +28,8 @@ using nlohmann::json;
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
               "safetensors data is little-endian; qtrain maps it into tensors without byte swapping");
 
-// The reference implementation refuses larger headers; so do we, before reading one.
-constexpr uint64_t kMaxHeaderBytes = 100'000'000;
-constexpr size_t kMaxDimensions = 64;
-constexpr const char* kMetadataKey = "__metadata__";
 constexpr const char* kIndexFile = "model.safetensors.index.json";
 constexpr const char* kSingleFile = "model.safetensors";
-
-std::string shape_string(const std::vector<int64_t>& shape) {
-  std::string text = "[";
-  for (size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
-  return text + "]";
-}
-
-std::string offsets_string(const TensorInfo& info) {
-  return "[" + std::to_string(info.begin) + ", " + std::to_string(info.end) + "]";
-}
-
-// Reads the header's JSON as a stream of SAX events straight into TensorInfo entries, so the
-// memory it takes is that of the entries, whatever the header holds: nesting deeper than
-// {entry: {field: [integers]}} or a shape of more than kMaxDimensions stops it at once.
-class HeaderReader final : public json::json_sax_t {
- public:
-  std::vector<TensorInfo> tensors;
-  std::map<std::string, std::string> metadata;
-  std::string error;  // why the header was refused; empty when it was read
-
-  bool null() override { return not_expected("null"); }
-  bool boolean(bool) override { return not_expected("a boolean"); }
-  bool number_integer(number_integer_t value) override {
-    if (depth_ != 3) return not_expected("a number");
-    if (value < 0) return fail_here("has a negative value " + std::to_string(value));
-    return number_unsigned(static_cast<number_unsigned_t>(value));
-  }
-  bool number_unsigned(number_unsigned_t value) override {
-    if (depth_ != 3) return not_expected("a number");
-    auto& tensor = tensors.back();
-    if (field_ == "shape") {
-      if (value > static_cast<uint64_t>(INT64_MAX)) return fail_here("has a dimension too large for a tensor");
-      if (tensor.shape.size() == kMaxDimensions) {
-        return fail_here("has more than " + std::to_string(kMaxDimensions) + " dimensions");
-      }
-      tensor.shape.push_back(static_cast<int64_t>(value));
-    } else {
-      if (++offsets_count_ > 2) return fail_here("holds more than two values, expected two: [begin, end]");
-      (offsets_count_ == 1 ? tensor.begin : tensor.end) = value;
-    }
-    return true;
-  }
-  bool number_float(number_float_t, const string_t& text) override {
-    return depth_ == 3 ? fail_here("has " + text + ", which is not a non-negative integer") : not_expected("a number");
-  }
-  bool string(string_t& value) override {
-    if (depth_ == 2 && in_metadata_) {
-      metadata[key_] = value;
-      return true;
-    }
-    if (depth_ == 2 && field_ == "dtype") {
-      tensors.back().dtype = value;
-      return true;
-    }
-    return not_expected("a string");
-  }
-  bool binary(binary_t&) override { return not_expected("binary data"); }
-
-  bool start_object(std::size_t) override {
-    if (depth_ == 0) {
-      depth_ = 1;
-      return true;
-    }
-    if (depth_ != 1) return not_expected("an object");
-    ++depth_;
-    if (key_ == kMetadataKey) {
-      if (metadata_seen_) return fail("'__metadata__' appears twice");
-      metadata_seen_ = in_metadata_ = true;
-      return true;
-    }
-    if (!names_.insert(key_).second) return fail("tensor '" + key_ + "' appears twice");
-    tensors.push_back(TensorInfo{key_, "", {}, 0, 0});
-    fields_.clear();
-    field_.clear();
-    offsets_count_ = 0;
-    return true;
-  }
-  bool key(string_t& value) override {
-    if (depth_ == 1) {
-      key_ = value;
-    } else if (in_metadata_) {
-      key_ = value;
-    } else {
-      field_ = value;
-      if (field_ != "dtype" && field_ != "shape" && field_ != "data_offsets") {
-        return fail("tensor '" + tensors.back().name + "' has an unknown field '" + field_ +
-                    "' (expected dtype, shape and data_offsets)");
-      }
-      if (!fields_.insert(field_).second) return fail_here("appears twice");
-    }
-    return true;
-  }
-  bool end_object() override {
-    if (--depth_ == 1) {
-      if (in_metadata_) {
-        in_metadata_ = false;
-        key_ = kMetadataKey;  // so that an error after it does not name the last metadata key
-      } else if (fields_.size() != 3) {
-        return fail("tensor '" + tensors.back().name + "' lacks one of dtype, shape and data_offsets");
-      } else if (offsets_count_ != 2) {
-        return fail("tensor '" + tensors.back().name + "' data_offsets holds " + std::to_string(offsets_count_) +
-                    " values, expected two: [begin, end]");
-      }
-    }
-    return true;
-  }
-  bool start_array(std::size_t) override {
-    if (depth_ != 2 || in_metadata_ || field_ == "dtype") return not_expected("an array");
-    ++depth_;
-    return true;
-  }
-  bool end_array() override {
-    --depth_;
-    return true;
-  }
-  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& exception) override {
-    // nlohmann's text reads "[json.exception.parse_error.101] parse error at line 1, column 9: ..."
-    std::string what = exception.what();
-    const auto bracket = what.find("] ");
-    if (bracket != std::string::npos) what = what.substr(bracket + 2);
-    return fail("the header is not valid JSON (" + what + ")");
-  }
-
- private:
-  bool fail(const std::string& message) {
-    error = message;
-    return false;
-  }
-  // An error about the value now being read, named by where it sits.
-  bool fail_here(const std::string& message) {
-    if (depth_ >= 2 && !in_metadata_) return fail("tensor '" + tensors.back().name + "' " + field_ + " " + message);
-    return fail(message);
-  }
-  bool not_expected(const std::string& what) {
-    if (depth_ == 0) return fail("the header is " + what + ", not a JSON object of tensors");
-    if (depth_ == 1) return fail("entry '" + key_ + "' is " + what + ", not an object");
-    if (in_metadata_) return fail("__metadata__ value of '" + key_ + "' is " + what + ", not a string");
-    if (field_ == "dtype") return fail_here("is " + what + ", not a string such as \"BF16\"");
-    if (depth_ == 2) return fail_here("is " + what + ", not an array of non-negative integers");
-    return fail_here("holds " + what + " where a non-negative integer belongs");
-  }
-
-  int depth_ = 0;      // objects and arrays open: root 1, entry 2, shape / data_offsets 3
-  std::string key_;    // the root's key being read (tensor name or __metadata__), or the metadata key
-  std::string field_;  // the tensor field being read
-  std::set<std::string> fields_;
-  std::set<std::string> names_;
-  size_t offsets_count_ = 0;
-  bool in_metadata_ = false;
-  bool metadata_seen_ = false;
-};
-
-// Checks each tensor's dtype, shape and byte count, then that their data_offsets tile the data
-// section exactly, in order, as the reference implementation demands; sorts them by offset.
-void check_tensors(const std::string& path, std::vector<TensorInfo>& tensors, uint64_t data_bytes) {
-  for (const auto& info : tensors) {
-    const std::string where = path + ": tensor '" + info.name + "'";
-    const auto dtype = safetensors_dtype(info.dtype);
-    if (!dtype) {
-      throw Error(where + " has dtype '" + info.dtype + "', which qtrain cannot read (it reads " +
-                  safetensors_dtype_names() + ")");
-    }
-    uint64_t bytes = static_cast<uint64_t>(dtype->element_size());
-    for (const int64_t dim : info.shape) {
-      if (__builtin_mul_overflow(bytes, static_cast<uint64_t>(dim), &bytes)) {
-        throw Error(where + " has shape " + shape_string(info.shape) + ", larger than any file: the header is damaged");
-      }
-    }
-    if (info.end < info.begin) {
-      throw Error(where + " data_offsets " + offsets_string(info) + " end before they begin: the header is damaged");
-    }
-    if (info.end - info.begin != bytes) {
-      throw Error(where + " has shape " + shape_string(info.shape) + " of " + info.dtype + ", " +
-                  std::to_string(bytes) + " bytes, but its data_offsets " + offsets_string(info) + " hold " +
-                  std::to_string(info.end - info.begin) + ": the header is damaged");
-    }
-  }
-  std::sort(tensors.begin(), tensors.end(), [](const TensorInfo& a, const TensorInfo& b) {
-    return std::tie(a.begin, a.end, a.name) < std::tie(b.begin, b.end, b.name);
-  });
-  uint64_t expected_begin = 0;
-  const TensorInfo* previous = nullptr;
-  for (const auto& info : tensors) {
-    const std::string where = path + ": tensor '" + info.name + "' data_offsets " + offsets_string(info);
-    if (info.begin < expected_begin) {
-      throw Error(where + " overlap those of tensor '" + previous->name + "' " + offsets_string(*previous) +
-                  ": the header is damaged");
-    }
-    if (info.begin > expected_begin) {
-      throw Error(where + " leave bytes [" + std::to_string(expected_begin) + ", " + std::to_string(info.begin) +
-                  ") of the data section to no tensor, but safetensors packs tensors back to back: the header is "
-                  "damaged");
-    }
-    if (info.end > data_bytes) {
-      throw Error(where + " end past the file's data section (" + std::to_string(data_bytes) +
-                  " bytes): the file is truncated or damaged");
-    }
-    expected_begin = info.end;
-    previous = &info;
-  }
-  if (expected_begin != data_bytes) {
-    throw Error(path + ": the data section has " + std::to_string(data_bytes) + " bytes but its tensors end at byte " +
-                std::to_string(expected_begin) + ": the file has trailing bytes or a damaged header");
-  }
-}
 
 // The largest nesting of JSON arrays and objects in `text`, counting no further than `limit + 1`.
 // Lets a DOM parse refuse "[[[[..." before it allocates a node per bracket.
@@ -309,7 +100,7 @@ class AtomicFile {
 
  private:
   [[noreturn]] void fail(const std::string& what) const {
-    throw Error(path_ + ": " + what + ": " + errno_text() +
+    throw Error(ErrorCode::kFileSystem, path_ + ": " + what + ": " + errno_text() +
                 " (check that the directory exists, is writable and has free space)");
   }
 
@@ -327,15 +118,15 @@ struct DescriptorCloser {
 std::string read_small_file(const std::string& path) {
   std::error_code error;
   const auto size = fs::file_size(path, error);
-  if (error) throw Error(path + ": cannot read: " + error.message());
-  if (size > kMaxHeaderBytes) {
-    throw Error(path + ": " + std::to_string(size) +
+  if (error) throw Error(ErrorCode::kFileSystem, path + ": cannot read: " + error.message());
+  if (size > kSafetensorsMaxHeaderBytes) {
+    throw Error(ErrorCode::kWeights, path + ": " + std::to_string(size) +
                 " bytes is too large for an index (at most 100 MB): the file is damaged");
   }
   std::ifstream stream(path, std::ios::binary);
   std::ostringstream text;
   text << stream.rdbuf();
-  if (!stream) throw Error(path + ": cannot read: " + errno_text());
+  if (!stream) throw Error(ErrorCode::kFileSystem, path + ": cannot read: " + errno_text());
   return text.str();
 }
 
@@ -357,52 +148,27 @@ struct SafetensorsFile::Mapping {
 
 SafetensorsFile SafetensorsFile::open(const std::string& path) {
   const int descriptor = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (descriptor < 0) throw Error(path + ": cannot open: " + errno_text());
+  if (descriptor < 0) throw Error(ErrorCode::kFileSystem, path + ": cannot open: " + errno_text());
   DescriptorCloser closer{descriptor};
   struct stat status {};
-  if (::fstat(descriptor, &status) != 0) throw Error(path + ": cannot read: " + errno_text());
-  if (!S_ISREG(status.st_mode)) throw Error(path + ": not a regular file; expected a .safetensors file");
+  if (::fstat(descriptor, &status) != 0) throw Error(ErrorCode::kFileSystem, path + ": cannot read: " + errno_text());
+  if (!S_ISREG(status.st_mode)) throw Error(ErrorCode::kWeights, path + ": not a regular file; expected a .safetensors file");
   const auto file_bytes = static_cast<uint64_t>(status.st_size);
-  if (file_bytes < 8) {
-    throw Error(path + ": " + std::to_string(file_bytes) +
-                " bytes, too short for a safetensors header: the file is truncated or not a safetensors file");
-  }
-  // Private and writable: tensors viewing the mapping may be changed in place (copy-on-write),
-  // the file never.
-  void* address = ::mmap(nullptr, file_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE, descriptor, 0);
-  if (address == MAP_FAILED) throw Error(path + ": cannot memory-map: " + errno_text());
-
   SafetensorsFile file;
   file.path_ = path;
-  file.mapping_ = std::make_shared<const Mapping>(address, file_bytes);
-  const auto* bytes = static_cast<const unsigned char*>(address);
-  uint64_t header_bytes = 0;
-  for (int i = 7; i >= 0; --i) header_bytes = (header_bytes << 8) | bytes[i];
-  if (header_bytes > kMaxHeaderBytes) {
-    throw Error(path + ": header length " + std::to_string(header_bytes) +
-                " bytes is over the 100 MB safetensors allows: the file is damaged or not a safetensors file");
+  const unsigned char* bytes = nullptr;
+  if (file_bytes >= 8) {  // else read_safetensors_header says the file is too short
+    // Private and writable: tensors viewing the mapping may be changed in place (copy-on-write),
+    // the file never.
+    void* address = ::mmap(nullptr, file_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE, descriptor, 0);
+    if (address == MAP_FAILED) throw Error(ErrorCode::kFileSystem, path + ": cannot memory-map: " + errno_text());
+    file.mapping_ = std::make_shared<const Mapping>(address, file_bytes);
+    bytes = static_cast<const unsigned char*>(address);
   }
-  if (header_bytes > file_bytes - 8) {
-    throw Error(path + ": header length " + std::to_string(header_bytes) + " bytes runs past the end of the file (" +
-                std::to_string(file_bytes) + " bytes): the file is truncated or not a safetensors file");
-  }
-
-  const auto* header_begin = reinterpret_cast<const char*>(bytes + 8);
-  HeaderReader reader;
-  bool parsed = false;
-  try {
-    parsed = json::sax_parse(header_begin, header_begin + header_bytes, &reader);
-  } catch (const json::exception& exception) {
-    reader.error = std::string("the header is not valid JSON (") + exception.what() + ")";
-  }
-  if (!parsed) {
-    throw Error(path + ": " + (reader.error.empty() ? "the header is not a safetensors header" : reader.error) +
-                ": the file is damaged or not a safetensors file");
-  }
-  file.data_ = bytes + 8 + header_bytes;
-  check_tensors(path, reader.tensors, file_bytes - 8 - header_bytes);
-  file.tensors_ = std::move(reader.tensors);
-  file.metadata_ = std::move(reader.metadata);
+  SafetensorsHeader header = read_safetensors_header(path, bytes, file_bytes);
+  file.data_ = bytes + 8 + header.header_bytes;
+  file.tensors_ = std::move(header.tensors);
+  file.metadata_ = std::move(header.metadata);
   for (size_t i = 0; i < file.tensors_.size(); ++i) file.index_[file.tensors_[i].name] = i;
   return file;
 }
@@ -417,7 +183,7 @@ std::vector<std::string> SafetensorsFile::names() const {
 const TensorInfo& SafetensorsFile::info(const std::string& name) const {
   const auto found = index_.find(name);
   if (found == index_.end()) {
-    throw Error(path_ + ": no tensor named '" + name + "' (the file holds " + std::to_string(tensors_.size()) +
+    throw Error(ErrorCode::kWeights, path_ + ": no tensor named '" + name + "' (the file holds " + std::to_string(tensors_.size()) +
                 " tensors)");
   }
   return tensors_[found->second];
@@ -443,7 +209,7 @@ SafetensorsCheckpoint SafetensorsCheckpoint::open(const std::string& dir_or_file
   const fs::path given(dir_or_file);
   std::error_code error;
   if (!fs::exists(given, error)) {
-    throw Error(dir_or_file +
+    throw Error(ErrorCode::kWeights, dir_or_file +
                 ": no such file or directory; expected a Hugging Face model directory or a "
                 ".safetensors file");
   }
@@ -461,7 +227,7 @@ SafetensorsCheckpoint SafetensorsCheckpoint::open(const std::string& dir_or_file
         if (entry.path().extension() == ".safetensors") shard_paths.push_back(entry.path());
       }
       if (shard_paths.size() != 1) {
-        throw Error(dir_or_file + ": found neither " + kSingleFile + " nor " + kIndexFile + " (and " +
+        throw Error(ErrorCode::kWeights, dir_or_file + ": found neither " + kSingleFile + " nor " + kIndexFile + " (and " +
                     std::to_string(shard_paths.size()) +
                     " other .safetensors files, not one): point at a Hugging Face model directory or at the "
                     "weights file itself");
@@ -481,20 +247,20 @@ SafetensorsCheckpoint SafetensorsCheckpoint::open(const std::string& dir_or_file
     checkpoint.source_ = index_name;
     const std::string text = read_small_file(index_name);
     if (json_depth(text, 3) > 3)
-      throw Error(index_name + ": nested deeper than an index's {\"weight_map\": {...}}: the file is damaged");
+      throw Error(ErrorCode::kWeights, index_name + ": nested deeper than an index's {\"weight_map\": {...}}: the file is damaged");
     const json index = json::parse(text, nullptr, /*allow_exceptions=*/false);
     if (index.is_discarded() || !index.is_object() || !index.contains("weight_map") ||
         !index["weight_map"].is_object()) {
-      throw Error(index_name +
+      throw Error(ErrorCode::kWeights, index_name +
                   ": not a safetensors index (expected a JSON object with \"weight_map\": {tensor: "
                   "shard file}): the file is damaged");
     }
     for (const auto& [name, shard] : index["weight_map"].items()) {
-      if (!shard.is_string()) throw Error(index_name + ": weight_map entry of '" + name + "' is not a file name");
+      if (!shard.is_string()) throw Error(ErrorCode::kWeights, index_name + ": weight_map entry of '" + name + "' is not a file name");
       const auto relative = fs::path(shard.get<std::string>()).lexically_normal();
       const bool escapes = relative.empty() || relative.is_absolute() || *relative.begin() == "..";
       if (escapes) {
-        throw Error(index_name + ": weight_map puts tensor '" + name + "' in '" + shard.get<std::string>() +
+        throw Error(ErrorCode::kWeights, index_name + ": weight_map puts tensor '" + name + "' in '" + shard.get<std::string>() +
                     "', outside the model directory: shard files must be named relative to it, inside it");
       }
       weight_map[name] = relative.string();
@@ -522,7 +288,7 @@ SafetensorsCheckpoint SafetensorsCheckpoint::open(const std::string& dir_or_file
   }
   for (const auto& [name, shard] : weight_map) {
     if (!checkpoint.file_of_.count(name)) {
-      throw Error(checkpoint.source_ + ": weight_map puts tensor '" + name + "' in " + shard +
+      throw Error(ErrorCode::kWeights, checkpoint.source_ + ": weight_map puts tensor '" + name + "' in " + shard +
                   ", which does not hold it: the index and its shards disagree (download the checkpoint again)");
     }
   }
@@ -531,7 +297,7 @@ SafetensorsCheckpoint SafetensorsCheckpoint::open(const std::string& dir_or_file
 
 size_t SafetensorsCheckpoint::file_index(const std::string& name) const {
   const auto found = file_of_.find(name);
-  if (found == file_of_.end()) throw Error(source_ + ": no tensor named '" + name + "'");
+  if (found == file_of_.end()) throw Error(ErrorCode::kWeights, source_ + ": no tensor named '" + name + "'");
   return found->second;
 }
 
@@ -546,20 +312,20 @@ torch::Tensor SafetensorsCheckpoint::tensor(const std::string& name) const {
 void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, torch::Tensor>>& tensors,
                        const std::map<std::string, std::string>& metadata) {
   json header = json::object();
-  if (!metadata.empty()) header[kMetadataKey] = metadata;
+  if (!metadata.empty()) header[kSafetensorsMetadataKey] = metadata;
   std::vector<uint64_t> byte_counts;
   uint64_t offset = 0;
   for (const auto& [name, tensor] : tensors) {
     const std::string where = path + ": tensor '" + name + "'";
-    if (name == kMetadataKey) throw Error(where + ": safetensors reserves that name for the file's metadata");
-    if (header.contains(name)) throw Error(where + " is given twice: tensor names must be unique");
-    if (!tensor.defined()) throw Error(where + " is an undefined tensor");
+    if (name == kSafetensorsMetadataKey) throw Error(ErrorCode::kWeights, where + ": safetensors reserves that name for the file's metadata");
+    if (header.contains(name)) throw Error(ErrorCode::kWeights, where + " is given twice: tensor names must be unique");
+    if (!tensor.defined()) throw Error(ErrorCode::kWeights, where + " is an undefined tensor");
     if (tensor.layout() != torch::kStrided) {
-      throw Error(where + " is not dense; safetensors stores dense tensors (call to_dense() first)");
+      throw Error(ErrorCode::kWeights, where + " is not dense; safetensors stores dense tensors (call to_dense() first)");
     }
     const auto dtype = safetensors_dtype(tensor.scalar_type());
     if (!dtype) {
-      throw Error(where + " has dtype " + std::string(c10::toString(tensor.scalar_type())) +
+      throw Error(ErrorCode::kWeights, where + " has dtype " + std::string(c10::toString(tensor.scalar_type())) +
                   ", which safetensors cannot store (convert it to one of " + safetensors_dtype_names() + ")");
     }
     const uint64_t bytes = static_cast<uint64_t>(tensor.numel()) * static_cast<uint64_t>(dtype->element_size());
@@ -573,7 +339,7 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
   try {
     text = header.dump();
   } catch (const json::exception&) {
-    throw Error(path + ": tensor names and metadata must be valid UTF-8");
+    throw Error(ErrorCode::kWeights, path + ": tensor names and metadata must be valid UTF-8");
   }
   // The data section starts 8-byte aligned, so every tensor the writer aligns stays aligned.
   text.append((8 - text.size() % 8) % 8, ' ');
@@ -611,7 +377,7 @@ void write_safetensors_checkpoint(const std::string& dir,
 
   std::error_code error;
   fs::create_directories(dir, error);
-  if (error) throw Error(dir + ": cannot create the directory: " + error.message());
+  if (error) throw Error(ErrorCode::kFileSystem, dir + ": cannot create the directory: " + error.message());
   std::set<std::string> written;
   if (shards.size() == 1) {
     write_safetensors((fs::path(dir) / kSingleFile).string(), tensors, metadata);

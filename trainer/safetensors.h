@@ -21,14 +21,9 @@
 #include <utility>
 #include <vector>
 
-namespace qtrain::trainer {
+#include "trainer/safetensors_header.h"
 
-struct TensorInfo {
-  std::string name;
-  std::string dtype;  // safetensors name: F32, BF16, U8, ... (trainer/dtype_names.h)
-  std::vector<int64_t> shape;
-  uint64_t begin = 0, end = 0;  // byte offsets in the data section, [begin, end)
-};
+namespace qtrain::trainer {
 
 // One .safetensors file, memory-mapped copy-on-write: tensors are zero-copy views into the
 // mapping (which they keep alive), writable without changing the file.

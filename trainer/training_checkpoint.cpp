@@ -30,7 +30,7 @@ NamedTensorList read_tensors(const std::string& path) {
 
 std::string read_text(const std::string& path) {
   std::ifstream input(path, std::ios::binary);
-  if (!input) throw Error(path + ": cannot open");
+  if (!input) throw Error(ErrorCode::kCheckpoint, path + ": cannot open");
   return std::string(std::istreambuf_iterator<char>(input), std::istreambuf_iterator<char>());
 }
 
@@ -54,7 +54,7 @@ std::string checkpoint_name(int64_t step) {
 void load_trainable_tensors(torch::nn::Module& model, const NamedTensorList& tensors, size_t expected_count,
                             const std::string& source) {
   if (tensors.size() != expected_count) {
-    throw Error(source + ": holds " + std::to_string(tensors.size()) + " trainable tensors, this run has " +
+    throw Error(ErrorCode::kCheckpoint, source + ": holds " + std::to_string(tensors.size()) + " trainable tensors, this run has " +
                 std::to_string(expected_count) + " (other lora.rank or lora.target_modules?)");
   }
   auto parameters = model.named_parameters();
@@ -64,10 +64,10 @@ void load_trainable_tensors(torch::nn::Module& model, const NamedTensorList& ten
     auto* target = parameters.find(name);
     if (target == nullptr) target = buffers.find(name);
     if (target == nullptr) {
-      throw Error(source + ": trainable tensor '" + name + "' has no parameter in this model (other model or targets?)");
+      throw Error(ErrorCode::kCheckpoint, source + ": trainable tensor '" + name + "' has no parameter in this model (other model or targets?)");
     }
     if (target->sizes() != tensor.sizes()) {
-      throw Error(source + ": trainable tensor '" + name + "' is " + shape_text(tensor.sizes()) + ", this model's is " +
+      throw Error(ErrorCode::kCheckpoint, source + ": trainable tensor '" + name + "' is " + shape_text(tensor.sizes()) + ", this model's is " +
                   shape_text(target->sizes()) + " (other model or LoRA shape?)");
     }
     target->copy_(tensor);
@@ -98,26 +98,26 @@ std::string write_training_checkpoint(const std::string& run_dir, int64_t step, 
 
 void verify_training_checkpoint(const std::string& directory) {
   const std::string manifest_path = directory + "/manifest.json";
-  if (!fs::exists(manifest_path)) throw Error(directory + ": no manifest.json (an incomplete checkpoint)");
+  if (!fs::exists(manifest_path)) throw Error(ErrorCode::kCheckpoint, directory + ": no manifest.json (an incomplete checkpoint)");
   const auto manifest = nlohmann::json::parse(read_text(manifest_path), nullptr, /*allow_exceptions=*/false);
   if (manifest.is_discarded() || !manifest.contains("files") || !manifest["files"].is_object()) {
-    throw Error(manifest_path + ": not a checkpoint manifest");
+    throw Error(ErrorCode::kCheckpoint, manifest_path + ": not a checkpoint manifest");
   }
   for (const char* file : kFiles) {
     const auto entry = manifest["files"].find(file);
     const std::string path = directory + "/" + file;
     if (entry == manifest["files"].end() || !entry->contains("bytes") || !entry->contains("crc32c")) {
-      throw Error(manifest_path + ": lists no size and checksum for " + file);
+      throw Error(ErrorCode::kCheckpoint, manifest_path + ": lists no size and checksum for " + file);
     }
     std::error_code error;
     const auto bytes = fs::file_size(path, error);
-    if (error) throw Error(path + ": missing from the checkpoint");
+    if (error) throw Error(ErrorCode::kCheckpoint, path + ": missing from the checkpoint");
     if (bytes != (*entry)["bytes"].get<uint64_t>()) {
-      throw Error(path + ": " + std::to_string(bytes) + " bytes, the manifest says " +
+      throw Error(ErrorCode::kCheckpoint, path + ": " + std::to_string(bytes) + " bytes, the manifest says " +
                   std::to_string((*entry)["bytes"].get<uint64_t>()) + " (damaged or truncated)");
     }
     if (file_crc32c(path) != (*entry)["crc32c"].get<std::string>()) {
-      throw Error(path + ": checksum differs from the manifest's (the file is damaged)");
+      throw Error(ErrorCode::kCheckpoint, path + ": checksum differs from the manifest's (the file is damaged)");
     }
   }
 }
@@ -129,7 +129,7 @@ TrainingCheckpoint read_training_checkpoint(const std::string& directory) {
   checkpoint.optimizer = read_tensors(directory + "/optimizer.safetensors");
   checkpoint.random_states = read_tensors(directory + "/random.safetensors");
   checkpoint.state = nlohmann::json::parse(read_text(directory + "/state.json"), nullptr, false);
-  if (checkpoint.state.is_discarded()) throw Error(directory + "/state.json: not valid JSON");
+  if (checkpoint.state.is_discarded()) throw Error(ErrorCode::kCheckpoint, directory + "/state.json: not valid JSON");
   checkpoint.recipe_yaml = read_text(directory + "/recipe.yaml");
   return checkpoint;
 }

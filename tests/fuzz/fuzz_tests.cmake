@@ -1,0 +1,43 @@
+# Included by tests/CMakeLists.txt: builds the fuzz targets (tests/fuzz/CMakeLists.txt, a
+# separate clang project) as part of the main build, and runs each briefly as a ctest test
+# (its regression inputs, then QTRAIN_FUZZ_SECONDS of fuzzing). tools/fuzz.sh runs them longer.
+find_program(QTRAIN_CLANGXX NAMES clang++ clang++-19 clang++-16 clang++-14)
+option(QTRAIN_FUZZ "Build the libFuzzer targets with clang and run each briefly as a test" ON)
+set(QTRAIN_FUZZ_SECONDS 3 CACHE STRING "seconds of fuzzing per target in ctest")
+if(NOT QTRAIN_FUZZ)
+  return()
+endif()
+if(NOT QTRAIN_CLANGXX)
+  message(STATUS "qtrain: no clang++, the fuzz targets are not built (tools/setup.sh installs clang)")
+  return()
+endif()
+
+include(ExternalProject)
+find_library(QTRAIN_C10_LIBRARY c10 HINTS ${TORCH_INSTALL_PREFIX}/lib REQUIRED)
+set(fuzz_build_dir ${CMAKE_BINARY_DIR}/fuzz)
+set(fuzz_cmake_args
+  -DCMAKE_CXX_COMPILER=${QTRAIN_CLANGXX}
+  -DQTRAIN_SOURCE_DIR=${PROJECT_SOURCE_DIR}
+  -DQTRAIN_FIXTURES_DIR=${QTRAIN_FIXTURES_DIR}
+  -DQTRAIN_TORCH_INCLUDE_DIR=${TORCH_INSTALL_PREFIX}/include
+  -DQTRAIN_C10_LIBRARY=${QTRAIN_C10_LIBRARY})
+if(CMAKE_CXX_COMPILER_LAUNCHER)
+  list(JOIN CMAKE_CXX_COMPILER_LAUNCHER "$<SEMICOLON>" fuzz_launcher)
+  list(APPEND fuzz_cmake_args "-DCMAKE_CXX_COMPILER_LAUNCHER=${fuzz_launcher}")
+endif()
+ExternalProject_Add(qtrain_fuzz
+  SOURCE_DIR ${CMAKE_CURRENT_SOURCE_DIR}/fuzz
+  BINARY_DIR ${fuzz_build_dir}
+  CMAKE_ARGS ${fuzz_cmake_args}
+  BUILD_ALWAYS ON
+  INSTALL_COMMAND "")
+
+file(GLOB fuzz_sources CONFIGURE_DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/fuzz/*_fuzz.cpp)
+foreach(source ${fuzz_sources})
+  get_filename_component(name ${source} NAME_WE)
+  string(REGEX REPLACE "_fuzz$" "" target ${name})
+  add_test(NAME Fuzz.${target}
+           COMMAND ${PROJECT_SOURCE_DIR}/tools/fuzz.sh --seconds ${QTRAIN_FUZZ_SECONDS} --build ${fuzz_build_dir}
+                   --work ${CMAKE_BINARY_DIR}/fuzz-ctest ${target})
+  set_tests_properties(Fuzz.${target} PROPERTIES ENVIRONMENT "QTRAIN_FIXTURES=${QTRAIN_FIXTURES_DIR}" TIMEOUT 120)
+endforeach()

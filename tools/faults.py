@@ -1,0 +1,341 @@
+#!/usr/bin/env python3
+"""Fault injection against the qtrain CLI: kills, a full disk, a killed rank, NaN storms.
+
+    tools/faults.py [--kills 50] [--qtrain build/qtrain] [--work DIR] [--report FILE] [FAULT ...]
+
+FAULT is any of kill, disk, torchrun, nan (default: all). Each runs tiny-llama on CPU
+(recipes/demo_tiny.yaml, 32-token sequences, a checkpoint after every step) and checks what
+the issue promises:
+
+  kill      --kills times: start `--resume auto`, kill -9 it at a random moment (during a step,
+            while a checkpoint is being written: the moment its staging directory appears, or
+            while the final adapter is exported); after each kill every checkpoint that looks
+            complete must verify (size and CRC-32C of each file against manifest.json), and the
+            next start must resume from the newest one. Finally the run finishes.
+  disk      a checkpoint written into a full disk (RLIMIT_FSIZE, and a small tmpfs when mount is
+            permitted): one clean error line with its code, exit status non-zero, the previous
+            checkpoint intact and resumable.
+  torchrun  two ranks under torchrun --max-restarts 1; rank 1 kills itself after the first
+            checkpoint: the other exits, torchrun restarts both, and they resume from it.
+  nan       a learning rate that overflows the weights: the run either survives (non-finite
+            steps skipped) or stops with the documented message (QT-NUMERICS), never a crash.
+
+Prints one summary line per fault and, with --report, writes them as Markdown. Exit status 1
+when any promise was broken.
+"""
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CRC32C_TABLE = []
+for byte in range(256):
+    value = byte
+    for _ in range(8):
+        value = (value >> 1) ^ 0x82F63B78 if value & 1 else value >> 1
+    CRC32C_TABLE.append(value)
+
+
+def crc32c(path):
+    value = 0xFFFFFFFF
+    table = CRC32C_TABLE
+    with open(path, "rb") as file:
+        for byte in file.read():
+            value = table[(value ^ byte) & 0xFF] ^ (value >> 8)
+    return value ^ 0xFFFFFFFF
+
+
+def checkpoint_problems(run_dir, checksums=True):
+    """Every checkpoint under RUN/checkpoints that has a manifest (looks complete) and does not
+    verify, as 'name: why'."""
+    problems = []
+    checkpoints = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(checkpoints):
+        return problems
+    for name in sorted(os.listdir(checkpoints)):
+        manifest_path = os.path.join(checkpoints, name, "manifest.json")
+        if not name.startswith("step-") or not os.path.exists(manifest_path):
+            continue
+        try:
+            with open(manifest_path) as file:
+                manifest = json.load(file)
+            for file_name, entry in manifest["files"].items():
+                path = os.path.join(checkpoints, name, file_name)
+                if os.path.getsize(path) != entry["bytes"]:
+                    problems.append(f"{name}/{file_name}: size differs from the manifest")
+                elif checksums and int(str(entry["crc32c"]), 16) != crc32c(path):
+                    problems.append(f"{name}/{file_name}: checksum differs from the manifest")
+        except (OSError, ValueError, KeyError) as error:
+            problems.append(f"{name}: {error}")
+    return problems
+
+
+def complete_checkpoints(run_dir):
+    checkpoints = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(checkpoints):
+        return []
+    return sorted(n for n in os.listdir(checkpoints)
+                  if n.startswith("step-") and os.path.exists(os.path.join(checkpoints, n, "manifest.json")))
+
+
+class Faults:
+    def __init__(self, args):
+        self.qtrain = os.path.abspath(args.qtrain)
+        self.work = args.work
+        self.kills = args.kills
+        self.steps = args.steps
+        self.rows = []
+        self.broken = False
+        self.environment = dict(os.environ, OMP_NUM_THREADS="1")
+
+    def train_command(self, run_dir, *extra):
+        return [self.qtrain, "--recipe", os.path.join(ROOT, "recipes/demo_tiny.yaml"),
+                "--set", "data.train=" + os.path.join(ROOT, "recipes/demo/brown-val.jsonl"), "--set", "data.eval=",
+                "--set", "data.max_seq_len=32", "--set", "checkpoint.every=1", "--set", "checkpoint.keep_last=2",
+                "--set", "log.every=1", "--set", "train.output_dir=" + run_dir, *extra]
+
+    def record(self, fault, injected, survived, lost, detail):
+        ok = survived == injected and lost == 0
+        self.broken |= not ok
+        line = f"{fault}: {injected} injected, {survived} handled as promised, {lost} data lost; {detail}"
+        print(("ok   " if ok else "FAIL ") + line, flush=True)
+        self.rows.append((fault, injected, survived, lost, detail, ok))
+
+    # kill -9 at random moments, then --resume auto --------------------------------------------
+    def kill(self):
+        run_dir = os.path.join(self.work, "kill")
+        shutil.rmtree(run_dir, ignore_errors=True)
+        randomness = random.Random(2024)
+        command = self.train_command(run_dir, "--set", f"train.steps={self.steps}", "--resume", "auto")
+        moments = {"during a step": 0, "during a checkpoint save": 0, "during the final export": 0}
+        resumed = corrupt = 0
+        lost_steps = 0
+        skipped_messages = []
+        newest_before = None
+        for kill in range(self.kills):
+            log_path = os.path.join(self.work, "kill.log")
+            with open(log_path, "w") as log:
+                # Line-buffered, so that what a killed run printed is in its log.
+                process = subprocess.Popen(["stdbuf", "-oL", "-eL", *command], stdout=log, stderr=subprocess.STDOUT,
+                                           env=self.environment)
+            kind = randomness.choice(list(moments))
+            killed = self.kill_at(process, run_dir, log_path, kind, randomness)
+            moments[killed] += 1
+            with open(log_path, errors="replace") as log:
+                output = log.read()
+            if "resume: continuing from" in output:
+                resumed += 1
+            elif newest_before is not None:
+                skipped_messages.append(f"kill {kill}: a checkpoint existed but the run did not resume")
+            skipped_messages += [line for line in output.splitlines() if line.startswith("resume: skipping")]
+            problems = checkpoint_problems(run_dir, checksums=False)
+            corrupt += len(problems)
+            newest = complete_checkpoints(run_dir)
+            newest = newest[-1] if newest else None
+            # The newest complete checkpoint never goes backwards: a kill loses no saved step.
+            if newest_before and newest and newest < newest_before:
+                lost_steps += 1
+            newest_before = newest or newest_before
+        final = subprocess.run(command, capture_output=True, text=True, env=self.environment)
+        problems = checkpoint_problems(run_dir, checksums=True)
+        corrupt += len(problems)
+        finished = final.returncode == 0 and f"done: {self.steps} steps" in final.stdout + final.stderr
+        if "resume: continuing from" in final.stdout + final.stderr:
+            resumed += 1
+        detail = (f"kills {', '.join(f'{v} {k}' for k, v in moments.items())}; {resumed} of {self.kills + 1} "
+                  f"starts resumed from a checkpoint; {corrupt} corrupt checkpoints; "
+                  f"{len(skipped_messages)} skipped; final run {'finished' if finished else 'FAILED'}")
+        if skipped_messages:
+            detail += " (" + "; ".join(skipped_messages[:3]) + ")"
+        survived = self.kills if corrupt == 0 and not skipped_messages and finished else 0
+        self.record("kill -9", self.kills, survived, lost_steps + corrupt, detail)
+
+    def kill_at(self, process, run_dir, log_path, kind, randomness):
+        """Kills `process` at a moment of the given kind; returns the kind it really hit."""
+        checkpoints = os.path.join(run_dir, "checkpoints")
+        deadline = time.time() + 300
+        started = False
+        while time.time() < deadline and process.poll() is None:
+            if not started:
+                # Training has started once this process logged a step.
+                with open(log_path, errors="replace") as log:
+                    started = any(line.startswith("step ") for line in log)
+                if started and kind == "during a step":
+                    time.sleep(randomness.uniform(0.0, 1.5))
+                    break
+            elif kind == "during a checkpoint save":
+                if any(name.startswith(".") for name in os.listdir(checkpoints)):
+                    break  # a staging directory: a save is under way
+            elif kind == "during the final export":
+                newest = complete_checkpoints(run_dir)
+                if newest and newest[-1] >= f"step-{self.steps - 1:06d}":
+                    time.sleep(randomness.uniform(0.0, 0.5))
+                    break
+            time.sleep(0.005)
+        if process.poll() is not None:
+            return "during a step"  # it finished first: counted as a kill of the (ended) run
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        return kind
+
+    # a full disk while a checkpoint is written -----------------------------------------------
+    def disk(self):
+        injected = handled = lost = 0
+        details = []
+        for medium in ("file-size limit (ulimit -f)", "full tmpfs"):
+            run_dir = os.path.join(self.work, "disk")
+            mount_point = None
+            shutil.rmtree(run_dir, ignore_errors=True)
+            first = subprocess.run(self.train_command(run_dir, "--set", "train.steps=2"), capture_output=True,
+                                   text=True, env=self.environment)
+            if first.returncode != 0:
+                details.append(f"{medium}: the first run failed: {first.stderr[-300:]}")
+                injected += 1
+                continue
+            before = complete_checkpoints(run_dir)
+            limit = ""
+            if medium.startswith("file-size"):
+                limit = "ulimit -f 64; "  # 64 KiB: less than one checkpoint file
+            else:
+                mount_point = tempfile.mkdtemp(prefix="qtrain-full-", dir=self.work)
+                used = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(run_dir) for f in fs)
+                mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={used + 256 * 1024}", "tmpfs",
+                                          mount_point], capture_output=True)
+                if mounted.returncode != 0:
+                    details.append(f"{medium}: skipped (mount not permitted)")
+                    os.rmdir(mount_point)
+                    continue
+                shutil.copytree(run_dir, os.path.join(mount_point, "run"))
+                run_dir = os.path.join(mount_point, "run")
+                before = complete_checkpoints(run_dir)
+            injected += 1
+            command = " ".join(f"'{part}'" for part in self.train_command(run_dir, "--set", "train.steps=4",
+                                                                         "--resume", "auto"))
+            full = subprocess.run(["bash", "-c", limit + command], capture_output=True, text=True,
+                                  env=self.environment)
+            error_lines = [line for line in full.stderr.splitlines() if "error" in line]
+            clean = (full.returncode != 0 and len(error_lines) == 1 and "[QT-" in error_lines[0]
+                     and "terminate called" not in full.stderr and "Traceback" not in full.stderr)
+            intact = not checkpoint_problems(run_dir) and set(before) <= set(complete_checkpoints(run_dir))
+            resumable = False
+            if mount_point:  # the user frees space, then resumes
+                subprocess.run(["mount", "-o", "remount,size=256m", mount_point])
+            if intact:
+                again = subprocess.run(self.train_command(run_dir, "--set", "train.steps=3", "--resume", "auto"),
+                                       capture_output=True, text=True, env=self.environment)
+                resumable = again.returncode == 0 and "resume: continuing from" in again.stdout + again.stderr
+            handled += clean and intact and resumable
+            lost += not intact
+            message = error_lines[0] if error_lines else full.stderr.strip()[-200:]
+            details.append(f"{medium}: exit {full.returncode}, \"{message.strip()}\", previous checkpoints "
+                           f"{'intact' if intact else 'DAMAGED'}, {'resumed' if resumable else 'NOT resumed'}")
+            if mount_point:
+                subprocess.run(["umount", mount_point])
+                os.rmdir(mount_point)
+        self.record("full disk", injected, handled, lost, "; ".join(details))
+
+    # torchrun: one rank dies, --max-restarts brings the job back -------------------------------
+    def torchrun(self):
+        python = os.environ.get("QTRAIN_PYTHON", sys.executable)
+        if subprocess.run([python, "-c", "import torch.distributed.run"], capture_output=True).returncode != 0:
+            self.record("torchrun rank kill", 0, 0, 0, f"skipped: {python} has no torch.distributed.run")
+            return
+        run_dir = os.path.join(self.work, "torchrun")
+        shutil.rmtree(run_dir, ignore_errors=True)
+        os.makedirs(run_dir)
+        train = " ".join(f"'{part}'" for part in self.train_command(
+            run_dir, "--set", "train.steps=6", "--set", "dist.timeout_s=60", "--resume", "auto"))
+        # First attempt: rank 1 kills itself once the first checkpoint is complete.
+        wrapper = os.path.join(run_dir, "rank.sh")
+        with open(wrapper, "w") as file:
+            file.write(f"""#!/bin/bash
+{train} > {run_dir}/attempt$TORCHELASTIC_RESTART_COUNT-rank$RANK.log 2>&1 &
+pid=$!
+if [ "$TORCHELASTIC_RESTART_COUNT" = 0 ] && [ "$RANK" = 1 ]; then
+  for i in $(seq 1200); do ls {run_dir}/checkpoints/step-*/manifest.json >/dev/null 2>&1 && break; sleep 0.1; done
+  kill -9 $pid
+fi
+wait $pid
+""")
+        os.chmod(wrapper, 0o755)
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        started = time.time()
+        result = subprocess.run([python, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts",
+                                 "1", "--master_port", str(port), "--no-python", wrapper], capture_output=True,
+                                text=True, env=self.environment, timeout=600)
+        seconds = time.time() - started
+
+        def read(name):
+            path = os.path.join(run_dir, name)
+            return open(path, errors="replace").read() if os.path.exists(path) else ""
+        survivor = read("attempt0-rank0.log")
+        restarted = read("attempt1-rank0.log")
+        survivor_exited = "killed or crashed" in survivor or "error" in survivor
+        resumed = "resume: continuing from" in restarted and "done: 6 steps" in restarted
+        intact = not checkpoint_problems(run_dir)
+        detail = (f"torchrun exit {result.returncode} after {seconds:.0f} s; rank 0 "
+                  f"{'exited naming the lost rank' if survivor_exited else 'did NOT exit cleanly'}; the restart "
+                  f"{'resumed from the last checkpoint and finished' if resumed else 'did NOT resume'}")
+        self.record("torchrun rank kill", 1, int(result.returncode == 0 and survivor_exited and resumed and intact),
+                    int(not intact), detail)
+
+    # NaN storms --------------------------------------------------------------------------------
+    def nan(self):
+        injected = handled = 0
+        details = []
+        for lr in ("1e30", "1e38"):
+            run_dir = os.path.join(self.work, "nan")
+            shutil.rmtree(run_dir, ignore_errors=True)
+            injected += 1
+            result = subprocess.run(self.train_command(run_dir, "--set", "train.steps=12", "--set", f"optim.lr={lr}",
+                                                       "--set", "train.max_skipped_steps=3"),
+                                    capture_output=True, text=True, env=self.environment)
+            output = result.stdout + result.stderr
+            survived = result.returncode == 0
+            stopped = result.returncode == 2 and "[QT-NUMERICS]" in output or "skipped for non-finite" in output
+            crashed = result.returncode < 0 or "terminate called" in output or result.returncode not in (0, 2)
+            handled += (survived or stopped) and not crashed and not checkpoint_problems(run_dir)
+            outcome = "survived" if survived else ("stopped with the documented message" if stopped else
+                                                   f"exit {result.returncode}: {output.strip()[-200:]}")
+            details.append(f"lr {lr}: {outcome}")
+        self.record("NaN storm", injected, handled, 0, "; ".join(details))
+
+    def report(self, path):
+        with open(path, "w") as file:
+            file.write("| fault | injected | handled as promised | data lost | detail |\n|---|---|---|---|---|\n")
+            for fault, injected, survived, lost, detail, _ in self.rows:
+                file.write(f"| {fault} | {injected} | {survived} | {lost} | {detail} |\n")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("faults", nargs="*", default=["kill", "disk", "torchrun", "nan"])
+    parser.add_argument("--kills", type=int, default=50)
+    parser.add_argument("--steps", type=int, default=40, help="training steps of the killed run")
+    parser.add_argument("--qtrain", default=os.path.join(ROOT, "build/qtrain"))
+    parser.add_argument("--work", default=None)
+    parser.add_argument("--report", default=None)
+    args = parser.parse_args()
+    args.work = os.path.abspath(args.work or tempfile.mkdtemp(prefix="qtrain-faults-"))
+    os.makedirs(args.work, exist_ok=True)
+    faults = Faults(args)
+    for fault in args.faults:
+        getattr(faults, fault)()
+    if args.report:
+        faults.report(args.report)
+    return 1 if faults.broken else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
