@@ -5,6 +5,7 @@
 
 #include "kernels/error.h"
 #include "trainer/bnb_checkpoint.h"
+#include "trainer/quantized_checkpoint.h"
 #include "trainer/safetensors.h"
 
 namespace qtrain::trainer {
@@ -68,6 +69,7 @@ LoadedModel load_llama(const std::string& model_dir, const ModelLoadOptions& opt
   if (is_bnb_8bit_checkpoint(loaded.config)) {
     throw Error(loaded.config.path + ": LLM.int8 checkpoints are not supported yet");
   }
+  if (is_qtrain_quantized_checkpoint(loaded.config)) return load_qtrain_quantized_llama(model_dir, loaded.config, options);
   if (loaded.config.has_quantization_config) {
     throw Error(loaded.config.path +
                 ": this checkpoint is pre-quantized (quantization_config); load it as a QLoRA / int8 base");
