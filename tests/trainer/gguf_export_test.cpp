@@ -153,7 +153,9 @@ TEST(GgufExport, SchemesGgufCannotHoldAreErrorsNamingQatWeights) {
     } catch (const Error& error) {
       const std::string message = error.what();
       EXPECT_NE(message.find("qat.weights"), std::string::npos) << message;
-      if (!spec.symmetric) EXPECT_NE(message.find("safetensors-int"), std::string::npos) << message;
+      if (!spec.symmetric) {
+        EXPECT_NE(message.find("safetensors-int"), std::string::npos) << message;
+      }
     }
   }
 }
