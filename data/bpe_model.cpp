@@ -87,6 +87,7 @@ BpeModel::BpeModel(const JsonNode& config) {
 void BpeModel::read_merges(const JsonNode& merges) {
   const size_t count = merges.size();
   merges_.reserve(count);
+  merge_list_.reserve(count);
   for (size_t rank = 0; rank < count; ++rank) {
     const JsonNode entry = merges.at(rank);
     const auto [left, right] = merge_parts(entry);
@@ -97,10 +98,18 @@ void BpeModel::read_merges(const JsonNode& merges) {
       const std::string& missing = !left_id ? left : !right_id ? right : left + right;
       entry.fail("merges '" + left + "' and '" + right + "', but '" + missing + "' is not in model.vocab");
     }
+    merge_list_.emplace_back(static_cast<int32_t>(*left_id), static_cast<int32_t>(*right_id));
     // A repeated pair keeps its last rank, as tokenizers' HashMap collect does.
     merges_[pair_key(static_cast<int32_t>(*left_id), static_cast<int32_t>(*right_id))] =
         Merge{static_cast<int32_t>(rank), static_cast<int32_t>(*merged_id)};
   }
+}
+
+std::vector<std::pair<std::string, std::string>> BpeModel::merges() const {
+  std::vector<std::pair<std::string, std::string>> listed;
+  listed.reserve(merge_list_.size());
+  for (const auto& [left, right] : merge_list_) listed.emplace_back(tokens_[left], tokens_[right]);
+  return listed;
 }
 
 std::optional<int64_t> BpeModel::token_to_id(const std::string& token) const {

@@ -12,6 +12,7 @@
 #include <shared_mutex>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "data/json_node.h"
@@ -36,6 +37,8 @@ class BpeModel {
   size_t vocab_count() const { return vocab_.size(); }
   // One past the largest id in the vocabulary.
   int64_t id_limit() const { return static_cast<int64_t>(tokens_.size()); }
+  // The merges as the file lists them, by rank: (left token, right token).
+  std::vector<std::pair<std::string, std::string>> merges() const;
 
  private:
   struct Merge {
@@ -53,6 +56,7 @@ class BpeModel {
   std::vector<bool> id_in_vocab_;     // false for holes in the id range
   std::array<int32_t, 512> single_character_id_;  // id of each one-character token below U+0200, else -1
   std::unordered_map<uint64_t, Merge> merges_;     // (left id, right id) -> rank and merged id
+  std::vector<std::pair<int32_t, int32_t>> merge_list_;  // (left id, right id) by rank, as in the file
   bool ignore_merges_ = false;
   std::optional<int32_t> unknown_id_;
   bool fuse_unknown_ = false;

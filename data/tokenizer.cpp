@@ -224,6 +224,10 @@ bool Tokenizer::is_special(int64_t id) const {
   return added != nullptr && added->special;
 }
 
+bool Tokenizer::is_added(int64_t id) const { return impl_->added_vocabulary.find(id) != nullptr; }
+
+std::vector<std::pair<std::string, std::string>> Tokenizer::merges() const { return impl_->model->merges(); }
+
 std::optional<int64_t> Tokenizer::bos_id() const { return impl_->bos_id; }
 std::optional<int64_t> Tokenizer::eos_id() const { return impl_->eos_id; }
 std::optional<int64_t> Tokenizer::pad_id() const { return impl_->pad_id; }

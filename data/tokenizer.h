@@ -13,6 +13,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace qtrain::data {
@@ -36,6 +37,10 @@ class Tokenizer {
   std::optional<int64_t> token_to_id(const std::string& token) const;
   std::optional<std::string> id_to_token(int64_t id) const;
   bool is_special(int64_t id) const;
+  // Whether the id is one of tokenizer.json's added_tokens (special or not).
+  bool is_added(int64_t id) const;
+  // The BPE merges by rank, as (left token, right token): what a GGUF file stores.
+  std::vector<std::pair<std::string, std::string>> merges() const;
 
   std::optional<int64_t> bos_id() const;
   std::optional<int64_t> eos_id() const;

@@ -1,6 +1,8 @@
 // qtrain export: what a run trained, in a format other tools load.
 //   --format peft    the run's LoRA adapter as a PEFT adapter directory
 //   --format merged  the base with the adapter merged in, as a plain Hugging Face model directory
+//   --format gguf    a QAT run's model as one GGUF file llama.cpp runs (Q4_0 / Q8_0 weights)
+//   --format safetensors-int  a QAT run's model with integer weights + scales (+ zero points)
 // A run's model (--run) or a model directory with an optional adapter (--model, --adapter, merged
 // only). The result is staged beside --out and renamed into place.
 #include <cstdio>
@@ -9,9 +11,12 @@
 #include "kernels/error.h"
 #include "tools/commands.h"
 #include "trainer/file_system.h"
+#include "trainer/gguf_export.h"
 #include "trainer/hf_checkpoint.h"
 #include "trainer/merged_export.h"
 #include "trainer/peft_adapter.h"
+#include "trainer/quantized_checkpoint.h"
+#include "qat/qat_linear.h"
 #include "trainer/run_model.h"
 
 namespace po = boost::program_options;
@@ -37,6 +42,33 @@ ExportSource model_with_adapter(const std::string& model_dir, const std::string&
   return source;
 }
 
+// --format gguf | safetensors-int: the QAT layers of the run, as their codes and scales.
+int export_quantized(const std::string& run_dir, const std::string& checkpoint, const std::string& format,
+                     const std::string& dtype_name, uint64_t max_shard_bytes, const std::string& staged,
+                     const std::string& out_path) {
+  auto run = trainer::load_run_model(run_dir, checkpoint, /*quantize_base=*/true);
+  const auto& model = *run.loaded.model;
+  if (qat::find_qat_layers(model).empty()) {
+    throw Error(run_dir + ": the run was not trained with quant: qat, so it has no quantized weights to export as " +
+                format + " (use --format merged or peft)");
+  }
+  const auto& base_dir = run.recipe.model.path;
+  if (format == "gguf") {
+    // One file, written beside itself and renamed into place.
+    trainer::write_gguf_model(model, run.loaded.config, base_dir, out_path);
+    std::printf("export: QAT model of %s written as GGUF to %s\n", run_dir.c_str(), out_path.c_str());
+    return 0;
+  }
+  trainer::QuantizedExportOptions options;
+  options.dtype = dtype_name == "base" ? run.loaded.config.stored_dtype : trainer::parse_dtype_name(dtype_name, "--dtype");
+  options.max_shard_bytes = max_shard_bytes;
+  trainer::write_quantized_model(model, run.loaded.config, base_dir, staged, options);
+  trainer::replace_directory(staged, out_path);
+  std::printf("export: QAT model of %s written with integer weights (safetensors-int) to %s\n", run_dir.c_str(),
+              out_path.c_str());
+  return 0;
+}
+
 }  // namespace
 
 int run_export(const Arguments& arguments) {
@@ -50,26 +82,30 @@ int run_export(const Arguments& arguments) {
        "merged only, instead of --run: a Hugging Face model directory (bf16/fp32 or bnb 4-bit)")
       ("adapter", po::value(&adapter_dir)->default_value(""), "merged only, with --model: a PEFT LoRA adapter to merge")
       ("format", po::value(&format)->default_value("peft"),
-       "peft (the LoRA adapter) or merged (a Hugging Face model with the adapter merged in)")
+       "peft (the LoRA adapter), merged (a Hugging Face model with the adapter merged in), gguf (a QAT run as "
+       "one llama.cpp file: --out is the .gguf file) or safetensors-int (a QAT run's integer weights + scales)")
       ("dtype", po::value(&dtype_name)->default_value("base"),
-       "merged: dtype of the written weights, bf16, fp16 or fp32; base = the base model's config.json dtype")
+       "merged, safetensors-int: dtype of the unquantized weights, bf16, fp16 or fp32; base = the base model's "
+       "config.json dtype (gguf writes them F32)")
       ("shard-size", po::value(&shard_size)->default_value("5GB"),
        "merged: largest safetensors file (5GB, 500MB, 2GiB); more weights are sharded with an index")
-      ("out", po::value(&out_dir)->required(), "directory to write; must not exist unless --force")
+      ("out", po::value(&out_dir)->required(), "directory to write (gguf: the .gguf file); must not exist unless --force")
       ("force", po::bool_switch(), "replace an existing --out directory");
   po::variables_map values;
-  if (!parse_command_line("usage: qtrain export --run DIR [--checkpoint step-N] --format peft|merged --out DIR [--force]\n"
+  if (!parse_command_line("usage: qtrain export --run DIR [--checkpoint step-N] --format peft|merged|gguf|safetensors-int "
+                          "--out PATH [--force]\n"
                           "       qtrain export --model DIR [--adapter DIR] --format merged --out DIR [--force]",
                           options, arguments, values)) {
     return 0;
   }
-  if (format != "peft" && format != "merged") {
-    throw Error("--format " + format + " is not available (peft or merged now; gguf and safetensors-int come with "
-                "QAT 6/11)");
+  const bool quantized_format = format == "gguf" || format == "safetensors-int";
+  if (format != "peft" && format != "merged" && !quantized_format) {
+    throw Error("--format " + format + " is not one of peft, merged, gguf, safetensors-int");
   }
   if (run_dir.empty() == model_dir.empty()) throw Error("give either --run DIR or --model DIR (not both)");
   if (!model_dir.empty() && format != "merged") {
-    throw Error("--model exports only --format merged (a PEFT adapter is already its own export)");
+    throw Error("--model exports only --format merged (a PEFT adapter is already its own export; gguf and "
+                "safetensors-int take a QAT run, --run DIR)");
   }
   if (!adapter_dir.empty() && model_dir.empty()) throw Error("--adapter goes with --model; a run's adapter is found from --run");
   if (!checkpoint.empty() && run_dir.empty()) throw Error("--checkpoint goes with --run");
@@ -81,6 +117,7 @@ int run_export(const Arguments& arguments) {
   }
   const std::string staged = out_dir + ".staging";
   trainer::remove_tree(staged);
+  if (quantized_format) return export_quantized(run_dir, checkpoint, format, dtype_name, merged.max_shard_bytes, staged, out_dir);
 
   ExportSource source;
   if (!run_dir.empty()) {

@@ -3,6 +3,8 @@
 #
 #   tools/setup.sh            Debian packages, the pinned Python environment, Release build
 #   QTRAIN_OFFLINE=1 ...      install nothing; use the torch that `python3` imports (GPU machine)
+#   QTRAIN_LLAMA_CPP=1 ...    also llama-cpp-python (builds llama.cpp from source, CPU only, several
+#                             minutes) for the test that runs our GGUF export in llama.cpp
 #
 # Idempotent: every step checks first and skips what is already there. The Python environment
 # (torch wheel ~4.7 GB with its CUDA libraries) lives outside the clone, keyed by the pinned
@@ -70,6 +72,18 @@ install_python_environment() {
   touch "$VENV_DIR/.complete"
 }
 
+LLAMA_CPP_PIN="llama-cpp-python==0.3.36"
+install_llama_cpp() {
+  if "$VENV_DIR/bin/python" -c 'import llama_cpp' 2>/dev/null; then
+    log "llama-cpp-python: present"
+    return
+  fi
+  log "llama-cpp-python: building $LLAMA_CPP_PIN (llama.cpp from source, CPU only; several minutes)"
+  CMAKE_ARGS="-DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_BLAS=OFF -DGGML_OPENMP=OFF -DLLAMA_CURL=OFF" \
+    CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
+    "$VENV_DIR/bin/pip" install -q --no-cache-dir "$LLAMA_CPP_PIN"
+}
+
 if [ "${QTRAIN_OFFLINE:-0}" = 1 ]; then
   log "QTRAIN_OFFLINE=1: installing nothing, using $(command -v python3)"
   PYTHON=python3
@@ -77,6 +91,7 @@ else
   install_debian_packages
   install_libfuzzer
   install_python_environment
+  [ "${QTRAIN_LLAMA_CPP:-0}" = 1 ] && install_llama_cpp
   PYTHON="$VENV_DIR/bin/python"
 fi
 

@@ -6,6 +6,8 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <utility>
+#include <algorithm>
 
 #include "kernels/error.h"
 
@@ -31,6 +33,43 @@ void fsync_directory(const std::string& directory) {
 }
 
 }  // namespace
+
+AtomicFile::AtomicFile(std::string path) : path_(std::move(path)), temporary_(path_ + ".tmp") {
+  descriptor_ = ::open(temporary_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (descriptor_ < 0) fail("cannot create " + temporary_);
+}
+
+AtomicFile::~AtomicFile() {
+  if (descriptor_ >= 0) ::close(descriptor_);
+  if (!committed_) ::unlink(temporary_.c_str());
+}
+
+void AtomicFile::write(const void* data, size_t size) {
+  const auto* bytes = static_cast<const char*>(data);
+  while (size > 0) {
+    const ssize_t written = ::write(descriptor_, bytes, std::min<size_t>(size, size_t{1} << 30));
+    if (written < 0 && errno == EINTR) continue;
+    if (written <= 0) fail("cannot write " + temporary_);
+    bytes += written;
+    size -= static_cast<size_t>(written);
+  }
+}
+
+void AtomicFile::commit() {
+  if (::fsync(descriptor_) != 0) fail("cannot flush " + temporary_ + " to disk");
+  const int descriptor = descriptor_;
+  descriptor_ = -1;
+  if (::close(descriptor) != 0) fail("cannot close " + temporary_);
+  if (::rename(temporary_.c_str(), path_.c_str()) != 0) fail("cannot rename " + temporary_ + " to " + path_);
+  committed_ = true;
+  // The rename itself survives a crash only once the directory is on disk.
+  fsync_directory(parent_directory(path_));
+}
+
+void AtomicFile::fail(const std::string& what) const {
+  throw Error(ErrorCode::kFileSystem, path_ + ": " + what + ": " + std::strerror(errno) +
+              " (check that the directory exists, is writable and has free space)");
+}
 
 void write_file_atomically(const std::string& path, const std::string& text) {
   const std::string temporary = path + ".tmp";

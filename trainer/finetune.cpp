@@ -277,7 +277,10 @@ double Finetune::evaluate_and_log(int64_t step) {
   double loss_sum = 0;
   double tokens = 0;
   if (!eval_examples_.empty()) {
+    // The held-out data must not move a QAT run's calibrated ranges.
+    if (recipe_.quant == "qat") qat::set_observer_enabled(*loaded_.model, false);
     const auto result = evaluate(*loaded_.model, eval_examples_, options);
+    if (recipe_.quant == "qat") qat::set_observer_enabled(*loaded_.model, true);
     tokens = static_cast<double>(result.tokens);
     loss_sum = result.loss * tokens;
   }

@@ -5,6 +5,7 @@
 
 #include "kernels/error.h"
 #include "trainer/bnb_checkpoint.h"
+#include "trainer/quantized_checkpoint.h"
 #include "trainer/safetensors.h"
 
 namespace qtrain::trainer {
@@ -66,6 +67,7 @@ LoadedModel load_llama(const std::string& model_dir, const ModelLoadOptions& opt
   loaded.config = read_hf_config(model_dir);
   if (is_bnb_4bit_checkpoint(loaded.config)) return load_bnb_4bit_llama(model_dir, loaded.config, options);
   if (is_bnb_8bit_checkpoint(loaded.config)) return load_bnb_8bit_llama(model_dir, loaded.config, options);
+  if (is_qtrain_quantized_checkpoint(loaded.config)) return load_qtrain_quantized_llama(model_dir, loaded.config, options);
   if (loaded.config.has_quantization_config) {
     throw Error(loaded.config.path +
                 ": this checkpoint is pre-quantized (quantization_config); load it as a QLoRA / int8 base");

@@ -2,11 +2,9 @@
 
 #include <algorithm>
 #include <cctype>
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
-#include <sys/stat.h>
 
+#include "data/text_file.h"
 #include "kernels/error.h"
 #include "qat/linear.h"
 #include "trainer/file_system.h"
@@ -49,23 +47,11 @@ void collect(const torch::nn::Module& module, const std::string& prefix, torch::
   for (const auto& child : module.named_children()) collect(*child.value(), prefix + child.key() + ".", dtype, out);
 }
 
-bool file_exists(const std::string& path) {
-  struct stat status {};
-  return ::stat(path.c_str(), &status) == 0 && S_ISREG(status.st_mode);
-}
-
-std::string read_text(const std::string& path) {
-  std::ifstream file(path, std::ios::binary);
-  if (!file) throw Error(path + ": cannot open");
-  std::stringstream text;
-  text << file.rdbuf();
-  return text.str();
-}
 
 // generation_config.json of the base, or the token ids of its config.json as one.
 std::string generation_config_json(const HfModelConfig& base_config, const std::string& base_dir) {
   const std::string path = base_dir + "/generation_config.json";
-  if (file_exists(path)) return read_text(path);
+  if (is_regular_file(path)) return data::read_text_file(path, "generation_config.json");
   nlohmann::ordered_json generation = nlohmann::ordered_json::object();
   if (base_config.bos_token_id) generation["bos_token_id"] = *base_config.bos_token_id;
   if (base_config.eos_token_ids.size() == 1) generation["eos_token_id"] = base_config.eos_token_ids.front();
@@ -138,10 +124,15 @@ void write_merged_model(const LlamaForCausalLMImpl& model, const HfModelConfig& 
                         const std::string& base_dir, const std::string& out_dir, const MergedExportOptions& options) {
   write_safetensors_checkpoint(out_dir, merged_weights(model, options.dtype), options.max_shard_bytes);
   write_file_atomically(out_dir + "/config.json", merged_config_json(base_config, options.dtype));
+  write_generation_config_and_tokenizer(base_config, base_dir, out_dir);
+}
+
+void write_generation_config_and_tokenizer(const HfModelConfig& base_config, const std::string& base_dir,
+                                           const std::string& out_dir) {
   write_file_atomically(out_dir + "/generation_config.json", generation_config_json(base_config, base_dir));
   for (const char* name : kTokenizerFiles) {
     const std::string source = base_dir + "/" + name;
-    if (file_exists(source)) write_file_atomically(out_dir + "/" + name, read_text(source));
+    if (is_regular_file(source)) write_file_atomically(out_dir + "/" + name, data::read_text_file(source, "a tokenizer file"));
   }
 }
 

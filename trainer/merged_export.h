@@ -37,6 +37,12 @@ std::string merged_config_json(const HfModelConfig& base_config, torch::ScalarTy
 // reads them (GB = 10^9, GiB = 2^30); Error naming `what` otherwise.
 uint64_t parse_byte_size(const std::string& text, const std::string& what);
 
+// Writes what a Hugging Face model directory holds beside its weights and config.json:
+// generation_config.json (the base's, or one made of config.json's token ids) and the base's
+// tokenizer files. For every export that writes a model directory.
+void write_generation_config_and_tokenizer(const HfModelConfig& base_config, const std::string& base_dir,
+                                           const std::string& out_dir);
+
 // Writes the merged model into `out_dir` (created; it should be a fresh staging directory that
 // the caller renames into place). `base_dir` supplies generation_config.json and the tokenizer.
 void write_merged_model(const LlamaForCausalLMImpl& model, const HfModelConfig& base_config,

@@ -17,6 +17,7 @@
 
 #include "kernels/error.h"
 #include "trainer/dtype_names.h"
+#include "trainer/file_system.h"
 #include "trainer/safetensors_header.h"
 
 namespace qtrain::trainer {
@@ -55,59 +56,6 @@ int json_depth(const std::string& text, int limit) {
 }
 
 std::string errno_text() { return std::strerror(errno); }
-
-// A file written to PATH.tmp and renamed over PATH once complete and fsynced; the temporary is
-// removed when it is abandoned (an exception before commit()).
-class AtomicFile {
- public:
-  explicit AtomicFile(std::string path) : path_(std::move(path)), temporary_(path_ + ".tmp") {
-    descriptor_ = ::open(temporary_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (descriptor_ < 0) fail("cannot create " + temporary_);
-  }
-  AtomicFile(const AtomicFile&) = delete;
-  AtomicFile& operator=(const AtomicFile&) = delete;
-  ~AtomicFile() {
-    if (descriptor_ >= 0) ::close(descriptor_);
-    if (!committed_) ::unlink(temporary_.c_str());
-  }
-
-  void write(const void* data, size_t size) {
-    const auto* bytes = static_cast<const char*>(data);
-    while (size > 0) {
-      const ssize_t written = ::write(descriptor_, bytes, std::min<size_t>(size, size_t{1} << 30));
-      if (written < 0 && errno == EINTR) continue;
-      if (written <= 0) fail("cannot write " + temporary_);
-      bytes += written;
-      size -= static_cast<size_t>(written);
-    }
-  }
-
-  void commit() {
-    if (::fsync(descriptor_) != 0) fail("cannot flush " + temporary_ + " to disk");
-    const int descriptor = descriptor_;
-    descriptor_ = -1;
-    if (::close(descriptor) != 0) fail("cannot close " + temporary_);
-    if (::rename(temporary_.c_str(), path_.c_str()) != 0) fail("cannot rename " + temporary_ + " to " + path_);
-    committed_ = true;
-    // The rename itself survives a crash only once the directory is on disk.
-    const auto directory = fs::path(path_).parent_path();
-    const int directory_descriptor = ::open(directory.empty() ? "." : directory.c_str(), O_RDONLY | O_DIRECTORY);
-    if (directory_descriptor >= 0) {
-      ::fsync(directory_descriptor);
-      ::close(directory_descriptor);
-    }
-  }
-
- private:
-  [[noreturn]] void fail(const std::string& what) const {
-    throw Error(ErrorCode::kFileSystem, path_ + ": " + what + ": " + errno_text() +
-                " (check that the directory exists, is writable and has free space)");
-  }
-
-  std::string path_, temporary_;
-  int descriptor_ = -1;
-  bool committed_ = false;
-};
 
 // Closes a file descriptor when the scope ends.
 struct DescriptorCloser {

@@ -13,6 +13,7 @@
 #include "trainer/recipe_data.h"
 #include "trainer/recipe_training.h"
 #include "trainer/run_model.h"
+#include "trainer/training_checkpoint.h"
 
 namespace qtrain::trainer {
 namespace {
@@ -106,6 +107,27 @@ TEST(QatTraining, AResumedRunContinuesWithTheQuantizersState) {
   const auto continued = logged_losses(resumed_run.path());
   ASSERT_EQ(continued.size(), 3u);
   for (size_t step = 0; step < 3; ++step) EXPECT_EQ(continued[step], whole[3 + step]) << "step " << step + 4;
+}
+
+// Evaluations (before the first step and between steps) leave the calibrated ranges alone.
+TEST(QatTraining, EvaluationDoesNotMoveTheObservedRanges) {
+  const std::vector<std::string> settings = {"qat.activations.bits=8", "qat.activations.granularity=per_tensor",
+                                             "qat.activations.observer=minmax", "train.steps=2", "eval.every=1"};
+  testing::TempDir evaluated, not_evaluated;
+  train(qat_settings(evaluated, settings));
+  auto without_eval = qat_settings(not_evaluated, settings);
+  without_eval.push_back("data.eval=");
+  train(without_eval);
+  const auto first = read_training_checkpoint(evaluated.file("checkpoints/step-000002")).trainable;
+  const auto second = read_training_checkpoint(not_evaluated.file("checkpoints/step-000002")).trainable;
+  ASSERT_EQ(first.size(), second.size());
+  int ranges = 0;
+  for (size_t index = 0; index < first.size(); ++index) {
+    if (first[index].first.find("activation_fake_quant.observer.") == std::string::npos) continue;
+    ++ranges;
+    EXPECT_TRUE(torch::equal(first[index].second, second[index].second)) << first[index].first;
+  }
+  EXPECT_EQ(ranges, 2 * 4 * 7);
 }
 
 // LoRA trains through the fake-quantized merged weight; the adapter is still peft's, and the

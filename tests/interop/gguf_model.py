@@ -1,0 +1,119 @@
+"""What gguf-py and llama.cpp make of our GGUF export, for tests/trainer/gguf_export_test.cpp.
+
+    python gguf_model.py check MODEL.gguf EXPECTED.safetensors TOKENIZER_DIR
+        Opens MODEL.gguf with gguf-py's GGUFReader and checks, for every tensor of EXPECTED (under
+        its GGUF name; its __metadata__ maps the name to the expected type, "Q4_0", "F32", ...):
+        the type, the shape, and that gguf.quants.dequantize gives exactly the expected values;
+        that the file has no other tensors; and the tokenizer metadata against TOKENIZER_DIR's
+        tokenizer.json as the tokenizers library reads it (tokens by id, merges, special ids).
+        Prints what differs and exits 1 on any difference.
+    python gguf_model.py llama-cpp MODEL.gguf TEXT OUT.safetensors
+        Runs llama.cpp (llama-cpp-python) on TEXT tokenized by llama.cpp itself (BOS added as the
+        file says); writes `input_ids` (int64 [1, T]) and `logits` (fp32 [1, T, vocab]).
+"""
+import json
+import sys
+
+import numpy as np
+
+
+def check(gguf_path: str, expected_path: str, tokenizer_dir: str) -> int:
+    import gguf
+    from safetensors import safe_open
+    from tokenizers import Tokenizer
+
+    reader = gguf.GGUFReader(gguf_path)
+    problems = []
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    with safe_open(expected_path, framework="np") as expected:
+        types = expected.metadata()
+        names = list(expected.keys())
+        for name in names:
+            values = expected.get_tensor(name)
+            if name not in tensors:
+                problems.append(f"{name}: missing")
+                continue
+            tensor = tensors[name]
+            if tensor.tensor_type.name != types[name]:
+                problems.append(f"{name}: type {tensor.tensor_type.name}, expected {types[name]}")
+            # The file records ne in ggml order: the torch shape reversed.
+            if list(reversed([int(size) for size in tensor.shape])) != list(values.shape):
+                problems.append(f"{name}: shape {list(tensor.shape)} (ggml order), expected {list(values.shape)}")
+                continue
+            ours = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(values.shape).astype(np.float32)
+            if not np.array_equal(ours, values):
+                problems.append(f"{name}: dequantized values differ, max |difference| "
+                                f"{float(np.abs(ours - values).max())}")
+    extra = sorted(set(tensors) - set(names))
+    if extra:
+        problems.append(f"tensors the export should not have: {extra}")
+
+    def field(key):
+        value = reader.fields.get(key)
+        if value is None:
+            problems.append(f"metadata {key} is missing")
+            return None
+        return value.contents()
+
+    tokenizer = Tokenizer.from_file(f"{tokenizer_dir}/tokenizer.json")
+    vocab_size = int(field("llama.vocab_size"))
+    by_id = {token_id: token for token, token_id in tokenizer.get_vocab(with_added_tokens=True).items()}
+    tokens = field("tokenizer.ggml.tokens")
+    want = [by_id.get(index, f"[PAD{index}]") for index in range(vocab_size)]
+    if tokens != want:
+        mismatched = [index for index in range(min(len(tokens), len(want))) if tokens[index] != want[index]]
+        problems.append(f"tokenizer.ggml.tokens: {len(tokens)} tokens, {len(mismatched)} differ from tokenizers' vocab "
+                        f"(first at {mismatched[:3]})")
+    with open(f"{tokenizer_dir}/tokenizer.json", encoding="utf-8") as file:
+        document = json.load(file)
+    merges = [merge if isinstance(merge, str) else " ".join(merge) for merge in document["model"]["merges"]]
+    if field("tokenizer.ggml.merges") != merges:
+        problems.append("tokenizer.ggml.merges differ from tokenizer.json's merges")
+    token_types = field("tokenizer.ggml.token_type")
+    special_ids = {token["id"] for token in document["added_tokens"] if token["special"]}
+    for index in special_ids:
+        if token_types[index] != gguf.TokenType.CONTROL:
+            problems.append(f"token {index} is special but has type {token_types[index]}")
+    for key, value in (("tokenizer.ggml.model", "gpt2"), ("tokenizer.ggml.pre", "llama-bpe"),
+                       ("general.architecture", "llama")):
+        if field(key) != value:
+            problems.append(f"{key} = {field(key)!r}, expected {value!r}")
+    with open(f"{tokenizer_dir}/tokenizer_config.json", encoding="utf-8") as file:
+        config = json.load(file)
+    for key, token in (("tokenizer.ggml.bos_token_id", config.get("bos_token")),
+                       ("tokenizer.ggml.eos_token_id", config.get("eos_token"))):
+        if token is not None and field(key) != tokenizer.token_to_id(token):
+            problems.append(f"{key} = {field(key)}, tokenizer_config.json names {token!r} = {tokenizer.token_to_id(token)}")
+
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    print(f"gguf-py read {len(tensors)} tensors and {len(reader.fields)} metadata fields; {len(problems)} problems")
+    return 1 if problems else 0
+
+
+def llama_cpp_logits(gguf_path: str, text: str, out_path: str) -> int:
+    import torch
+    from llama_cpp import Llama
+    from safetensors.torch import save_file
+
+    model = Llama(model_path=gguf_path, n_ctx=512, n_batch=512, logits_all=True, n_threads=2, verbose=False)
+    input_ids = model.tokenize(text.encode("utf-8"), add_bos=True, special=False)
+    model.eval(input_ids)
+    logits = np.array(model.scores[: len(input_ids)], dtype=np.float32)
+    save_file({"input_ids": torch.tensor([input_ids], dtype=torch.int64),
+               "logits": torch.from_numpy(logits).unsqueeze(0).contiguous()}, out_path)
+    return 0
+
+
+def main() -> int:
+    mode, arguments = sys.argv[1], sys.argv[2:]
+    if mode == "check":
+        return check(*arguments)
+    if mode == "llama-cpp":
+        return llama_cpp_logits(*arguments)
+    print(f"unknown mode {mode!r}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

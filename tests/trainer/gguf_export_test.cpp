@@ -1,0 +1,220 @@
+// GGUF export of a QAT model: the file holds the fake-quant weights exactly (as Q4_0 / Q8_0
+// blocks, q / k rows in llama.cpp's order), gguf-py reads it to the same values, and llama.cpp
+// runs it to our logits (up to its own activation quantization).
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include "data/tokenizer.h"
+#include "kernels/error.h"
+#include "model_outputs.h"
+#include "qat/gguf_block.h"
+#include "qat_model.h"
+#include "support.h"
+#include "trainer/gguf_export.h"
+#include "trainer/gguf_file.h"
+#include "trainer/merged_export.h"
+#include "trainer/safetensors.h"
+
+namespace qtrain::trainer {
+namespace {
+
+using testing::fixture;
+using testing::TempDir;
+using testing_qat::tiny_qat_llama;
+
+// convert_hf_to_gguf's LlamaModel.permute, written out on the tensor as it is there:
+// w.reshape(heads, 2, rows / heads / 2, *rest).swapaxes(1, 2).reshape(w.shape)
+torch::Tensor llama_cpp_permute(const torch::Tensor& weight, int64_t heads) {
+  auto shape = weight.sizes().vec();
+  std::vector<int64_t> split = {heads, 2, weight.size(0) / heads / 2};
+  split.insert(split.end(), shape.begin() + 1, shape.end());
+  return weight.reshape(split).transpose(1, 2).reshape(shape);
+}
+
+// Every tensor the GGUF file should hold, under its GGUF name, as fp32 values (QAT weights: the
+// fake-quant weights the forward uses), with the type it should have.
+struct ExpectedTensor {
+  torch::Tensor values;
+  GgufTensorType type;
+};
+std::map<std::string, ExpectedTensor> expected_tensors(LoadedModel& loaded, GgufTensorType quantized_type) {
+  torch::NoGradGuard no_grad;
+  const auto& options = loaded.config.llama;
+  std::map<std::string, ExpectedTensor> expected;
+  std::map<std::string, std::shared_ptr<qat::QatLinear>> qat_layers;
+  for (const auto& [name, layer] : qat::find_qat_layers(*loaded.model)) qat_layers[name + ".weight"] = layer;
+  for (const auto& [name, value] : merged_weights(*loaded.model, torch::kFloat32)) {
+    auto values = value;
+    auto type = GgufTensorType::kF32;
+    if (auto layer = qat_layers.find(name); layer != qat_layers.end()) {
+      // The weight the QAT forward multiplies by: the fake quantizer applied to the float weight.
+      values = layer->second->weight_fake_quant().forward(layer->second->inner()->dense_weight(torch::kFloat32));
+      type = quantized_type;
+    }
+    if (name.find("q_proj") != std::string::npos) values = llama_cpp_permute(values, options.num_attention_heads);
+    if (name.find("k_proj") != std::string::npos) values = llama_cpp_permute(values, options.num_key_value_heads);
+    expected[gguf_tensor_name(name)] = {values.contiguous(), type};
+  }
+  return expected;
+}
+
+class GgufExportScheme : public ::testing::TestWithParam<bool> {
+ protected:
+  bool q8() const { return GetParam(); }
+  qat::QuantSpec spec() const { return q8() ? qat::QuantSpec::gguf_q8_0() : qat::QuantSpec::gguf_q4_0(); }
+  GgufTensorType type() const { return q8() ? GgufTensorType::kQ8_0 : GgufTensorType::kQ4_0; }
+  qat::GgufBlockType block_type() const { return q8() ? qat::GgufBlockType::kQ8_0 : qat::GgufBlockType::kQ4_0; }
+};
+
+TEST_P(GgufExportScheme, BlocksDecodeToTheFakeQuantWeightsExactly) {
+  TempDir temp;
+  auto loaded = tiny_qat_llama(spec());
+  const auto path = temp.file("model.gguf");
+  write_gguf_model(*loaded.model, loaded.config, fixture("tiny-llama"), path);
+  const auto file = GgufFile::open(path);
+  const auto expected = expected_tensors(loaded, type());
+  ASSERT_EQ(file.tensors().size(), expected.size());  // 4 layers x 9 + embeddings, final norm, output
+  EXPECT_EQ(expected.size(), 4u * 9 + 3);
+  int quantized = 0;
+  for (const auto& info : file.tensors()) {
+    ASSERT_TRUE(expected.count(info.name)) << info.name;
+    const auto& want = expected.at(info.name);
+    EXPECT_EQ(info.shape, want.values.sizes().vec()) << info.name;
+    ASSERT_EQ(info.type, want.type) << info.name;
+    torch::Tensor values;
+    if (info.type == GgufTensorType::kF32) {
+      auto bytes = file.tensor_bytes(info.name);
+      values = torch::from_blob(bytes.data(), info.shape, torch::kFloat32).clone();
+    } else {
+      values = qat::decode_gguf_blocks(file.tensor_bytes(info.name), block_type(), info.shape);
+      ++quantized;
+    }
+    EXPECT_TRUE(torch::equal(values, want.values)) << info.name << ": max |difference| "
+                                                   << (values - want.values).abs().max().item<float>();
+  }
+  EXPECT_EQ(quantized, 4 * 7);
+  EXPECT_EQ(file.value("general.architecture").as<std::string>("arch"), "llama");
+  EXPECT_EQ(file.value("general.file_type").as<uint32_t>("ftype"), q8() ? 7u : 2u);
+  EXPECT_EQ(file.value("llama.block_count").as<uint32_t>("blocks"), 4u);
+  EXPECT_EQ(file.value("llama.embedding_length").as<uint32_t>("embd"), 256u);
+  EXPECT_EQ(file.value("llama.feed_forward_length").as<uint32_t>("ffn"), 768u);
+  EXPECT_EQ(file.value("llama.attention.head_count").as<uint32_t>("heads"), 8u);
+  EXPECT_EQ(file.value("llama.attention.head_count_kv").as<uint32_t>("kv heads"), 2u);
+  EXPECT_EQ(file.value("llama.rope.dimension_count").as<uint32_t>("rope dims"), 32u);
+  EXPECT_EQ(file.value("llama.rope.freq_base").as<float>("theta"), 500000.0f);
+  EXPECT_EQ(file.value("llama.attention.layer_norm_rms_epsilon").as<float>("eps"), 1e-5f);
+  EXPECT_EQ(file.value("llama.context_length").as<uint32_t>("ctx"), 2048u);
+  EXPECT_EQ(file.value("tokenizer.ggml.pre").as<std::string>("pre"), "llama-bpe");
+  EXPECT_EQ(file.value("tokenizer.ggml.bos_token_id").as<uint32_t>("bos"), 0u);
+  EXPECT_EQ(file.value("tokenizer.ggml.eos_token_id").as<uint32_t>("eos"), 4u);
+  EXPECT_EQ(file.value("tokenizer.ggml.padding_token_id").as<uint32_t>("pad"), 5u);
+  EXPECT_TRUE(file.value("tokenizer.ggml.add_bos_token").as<bool>("add_bos"));
+  EXPECT_EQ(file.value("tokenizer.ggml.tokens").array_as<std::string>("tokens").size(), 8192u);
+}
+
+TEST_P(GgufExportScheme, GgufPyDequantizesToOurValuesAndReadsTheTokenizer) {
+  const auto python = testing::find_python_with("gguf numpy safetensors tokenizers");
+  if (python.empty()) GTEST_SKIP() << "no Python with gguf, safetensors and tokenizers (set QTRAIN_PYTHON)";
+  TempDir temp;
+  auto loaded = tiny_qat_llama(spec());
+  const auto path = temp.file("model.gguf");
+  write_gguf_model(*loaded.model, loaded.config, fixture("tiny-llama"), path);
+  std::vector<std::pair<std::string, torch::Tensor>> values;
+  std::map<std::string, std::string> types;
+  for (const auto& [name, want] : expected_tensors(loaded, type())) {
+    values.emplace_back(name, want.values);
+    types[name] = gguf_tensor_type_info(want.type).name;
+  }
+  write_safetensors(temp.file("expected.safetensors"), values, types);
+  const std::string command = "'" + python + "' '" + testing::source_dir() + "/tests/interop/gguf_model.py' check '" +
+                              path + "' '" + temp.file("expected.safetensors") + "' '" + fixture("tiny-llama") + "' 2>&1";
+  const auto result = testing::run_command(command);
+  EXPECT_EQ(result.status, 0) << command << "\n" << result.output;
+  std::printf("[ measured ] %s", result.output.c_str());
+}
+
+INSTANTIATE_TEST_SUITE_P(Q4AndQ8, GgufExportScheme, ::testing::Values(false, true),
+                         [](const auto& info) { return info.param ? std::string("Q8_0") : std::string("Q4_0"); });
+
+TEST(GgufExport, SchemesGgufCannotHoldAreErrorsNamingQatWeights) {
+  TempDir temp;
+  auto asymmetric = qat::QuantSpec::gguf_q4_0();
+  asymmetric.symmetric = false;
+  auto group_64 = qat::QuantSpec::gguf_q4_0();
+  group_64.group_size = 64;
+  auto fp32_scales = qat::QuantSpec::gguf_q8_0();
+  fp32_scales.scale_dtype = torch::kFloat32;
+  for (const auto& spec : {asymmetric, group_64, fp32_scales}) {
+    auto loaded = tiny_qat_llama(spec);
+    try {
+      write_gguf_model(*loaded.model, loaded.config, fixture("tiny-llama"), temp.file("bad.gguf"));
+      ADD_FAILURE() << spec.describe() << " was written as GGUF";
+    } catch (const Error& error) {
+      const std::string message = error.what();
+      EXPECT_NE(message.find("qat.weights"), std::string::npos) << message;
+      if (!spec.symmetric) {
+        EXPECT_NE(message.find("safetensors-int"), std::string::npos) << message;
+      }
+    }
+  }
+}
+
+TEST(GgufExport, TensorNamesAndRowOrderAreLlamaCpps) {
+  EXPECT_EQ(gguf_tensor_name("model.embed_tokens.weight"), "token_embd.weight");
+  EXPECT_EQ(gguf_tensor_name("model.layers.12.self_attn.o_proj.weight"), "blk.12.attn_output.weight");
+  EXPECT_EQ(gguf_tensor_name("model.layers.0.mlp.down_proj.weight"), "blk.0.ffn_down.weight");
+  EXPECT_EQ(gguf_tensor_name("model.layers.3.post_attention_layernorm.weight"), "blk.3.ffn_norm.weight");
+  EXPECT_EQ(gguf_tensor_name("model.norm.weight"), "output_norm.weight");
+  EXPECT_EQ(gguf_tensor_name("lm_head.weight"), "output.weight");
+  EXPECT_THROW(gguf_tensor_name("model.layers.0.self_attn.rotary.weight"), Error);
+  // One head of 8 rows: HF's halves [0 1 2 3 | 4 5 6 7] become llama.cpp's pairs (0 4)(1 5)(2 6)(3 7).
+  const auto order = gguf_rope_row_order(16, 2);
+  const std::vector<int64_t> want = {0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15};
+  EXPECT_TRUE(torch::equal(order, torch::tensor(want)));
+}
+
+// llama.cpp itself (through llama-cpp-python, opt-in: tools/setup.sh installs it with
+// QTRAIN_LLAMA_CPP=1) runs the file. Its Q4_0 / Q8_0 matmuls quantize the activations to Q8_0
+// blocks, so the logits are close to ours, not equal.
+TEST(GgufExport, LlamaCppRunsItWithOurLogits) {
+  const auto python = testing::find_python_with("llama_cpp safetensors torch");
+  if (python.empty()) {
+    GTEST_SKIP() << "no Python with llama_cpp: install it with QTRAIN_LLAMA_CPP=1 tools/setup.sh (builds llama.cpp "
+                    "from source, several minutes)";
+  }
+  TempDir temp;
+  auto loaded = tiny_qat_llama(qat::QuantSpec::gguf_q4_0());
+  const auto path = temp.file("model.gguf");
+  write_gguf_model(*loaded.model, loaded.config, fixture("tiny-llama"), path);
+  const std::string text =
+      "The jury further said in term-end presentments that the City Executive Committee, which had over-all charge "
+      "of the election, deserves the praise and thanks of the City of Atlanta.";
+  const std::string command = "'" + python + "' '" + testing::source_dir() + "/tests/interop/gguf_model.py' llama-cpp '" +
+                              path + "' '" + text + "' '" + temp.file("llama_cpp.safetensors") + "' 2>&1";
+  const auto result = testing::run_command(command);
+  ASSERT_EQ(result.status, 0) << command << "\n" << result.output;
+  const auto theirs = SafetensorsCheckpoint::open(temp.file("llama_cpp.safetensors"));
+  const auto input_ids = theirs.tensor("input_ids");
+  // llama.cpp tokenized the text from the file's tokenizer metadata: the same ids as ours.
+  const auto ours_ids = data::Tokenizer::from_model_dir(fixture("tiny-llama")).encode(text);
+  EXPECT_EQ(std::vector<int64_t>(input_ids.data_ptr<int64_t>(), input_ids.data_ptr<int64_t>() + input_ids.numel()),
+            ours_ids);
+
+  const auto ours = testing_outputs::logits_of(*loaded.model, input_ids);
+  const auto llama_cpp = theirs.tensor("logits");
+  ASSERT_EQ(ours.sizes(), llama_cpp.sizes());
+  const double max_abs = (ours - llama_cpp).abs().max().item<double>();
+  const double relative = testing_outputs::max_relative_error(llama_cpp, ours);
+  const double top1 = ours.argmax(-1).eq(llama_cpp.argmax(-1)).to(torch::kFloat64).mean().item<double>();
+  std::printf("[ measured ] llama.cpp vs our QAT model, %ld tokens: max |logit difference| %.4f (%.3g of the largest "
+              "logit), top-1 agreement %.1f%%\n",
+              static_cast<long>(input_ids.size(1)), max_abs, relative, 100 * top1);
+  // Q8_0 activations (8-bit blocks of 32) move logits by about 1% of their range; a wrong row
+  // order, tensor or rope layout moves them by tens of percent and breaks the top-1 agreement.
+  EXPECT_LT(relative, 0.05);
+  EXPECT_GE(top1, 0.9);
+}
+
+}  // namespace
+}  // namespace qtrain::trainer
