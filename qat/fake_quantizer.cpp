@@ -43,6 +43,11 @@ bool FakeQuantizer::learned_scale_initialized() const {
   return scale_initialized_.defined() && scale_initialized_.item<bool>();
 }
 
+bool FakeQuantizer::has_scale() const {
+  if (options_.learned_scale) return learned_scale_initialized();
+  return !observer_ || observer_->has_observed();
+}
+
 void FakeQuantizer::initialize_learned_scale(const torch::Tensor& x) {
   if (!options_.learned_scale) throw Error(what_ + ": has no learned scale to initialise (internal error)");
   torch::NoGradGuard no_grad;

@@ -71,6 +71,9 @@ class FakeQuantizer : public torch::nn::Module {
   const torch::Tensor& learned_scale() const { return scale_; }
   const torch::Tensor& learned_zero_point() const { return zero_point_; }
   bool learned_scale_initialized() const;
+  // Whether the quantizer has a scale to use now: dynamic, or its learned scale set or its static
+  // range observed. A static quantizer without one cannot fake-quantize with its observer off.
+  bool has_scale() const;
   // Sets the learned scale (and zero point) from x as the options say; the forward does it at
   // the first fake-quantized call.
   void initialize_learned_scale(const torch::Tensor& x);

@@ -108,4 +108,13 @@ void set_observer_enabled(torch::nn::Module& root, bool enabled) {
   for (const auto& item : find_qat_layers(root)) item.second->set_observer_enabled(enabled);
 }
 
+bool quantizers_have_scales(const torch::nn::Module& root) {
+  for (const auto& item : find_qat_layers(root)) {
+    const auto& layer = *item.second;
+    if (!layer.weight_fake_quant().has_scale()) return false;
+    if (layer.activation_fake_quant() && !layer.activation_fake_quant()->has_scale()) return false;
+  }
+  return true;
+}
+
 }  // namespace qtrain::qat

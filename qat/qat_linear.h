@@ -80,5 +80,8 @@ std::vector<std::pair<std::string, std::shared_ptr<QatLinear>>> find_qat_layers(
 // The switches of every QatLinear under `root`.
 void set_fake_quant_enabled(torch::nn::Module& root, bool enabled);
 void set_observer_enabled(torch::nn::Module& root, bool enabled);
+// Whether every quantizer under `root` has a scale to use (FakeQuantizer::has_scale): false
+// before a static range was first observed.
+bool quantizers_have_scales(const torch::nn::Module& root);
 
 }  // namespace qtrain::qat

@@ -86,6 +86,7 @@ int run_quantize(const Arguments& arguments) {
                 "needs quant: qat (recipes/qat_llama.yaml, recipes/qat_llama_q4_0.yaml)");
   }
   if (recipe.model.path.empty()) throw Error("no model: pass --model DIR or set model.path in the recipe");
+  const auto qat_options = trainer::qat_linear_options(recipe);
   if (std::filesystem::exists(out_dir) && !values["force"].as<bool>()) {
     throw Error(out_dir + ": already exists; choose another --out or pass --force to replace it");
   }
@@ -110,7 +111,6 @@ int run_quantize(const Arguments& arguments) {
   report("float:");
 
   const auto quantized = trainer::apply_recipe_qat(model, recipe);
-  const auto qat_options = trainer::qat_linear_options(recipe);
   std::printf("quantize: %zu layers, weights %s, inputs %s\n", quantized.size(), qat_options.weights.spec.describe().c_str(),
               qat_options.activations ? qat_options.activations->spec.describe().c_str() : "unquantized");
   if (needs_calibration(qat_options)) {

@@ -1,5 +1,6 @@
 #include "trainer/finetune.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cmath>
@@ -58,6 +59,7 @@ Finetune::Finetune(Recipe recipe, std::string resume)
 void Finetune::setup() {
   if (recipe_.model.path.empty()) throw Error("model.path is not set: point it at a Hugging Face model directory");
   require_training_data(recipe_);
+  if (recipe_.quant == "qat") qat_linear_options(recipe_);  // the scheme, checked before minutes of loading
   device_ = resolve_device(recipe_.train.device, launch_.local_rank);
   compute_dtype_ = parse_dtype_name(recipe_.train.dtype, "train.dtype");
   if (compute_dtype_ == torch::kFloat16 && device_.is_cpu()) {
@@ -277,10 +279,21 @@ double Finetune::evaluate_and_log(int64_t step) {
   double loss_sum = 0;
   double tokens = 0;
   if (!eval_examples_.empty()) {
-    // The held-out data must not move a QAT run's calibrated ranges.
-    if (recipe_.quant == "qat") qat::set_observer_enabled(*loaded_.model, false);
-    const auto result = evaluate(*loaded_.model, eval_examples_, options);
-    if (recipe_.quant == "qat") qat::set_observer_enabled(*loaded_.model, true);
+    // The held-out data must not move a QAT run's calibrated ranges; before the first step has
+    // observed them, the evaluation is of the float model.
+    auto& model = *loaded_.model;
+    const bool qat_run = recipe_.quant == "qat";
+    const auto quantized_layers = qat::find_qat_layers(model);
+    const bool was_quantizing = !quantized_layers.empty() && quantized_layers.front().second->fake_quant_enabled();
+    if (qat_run) {
+      qat::set_observer_enabled(model, false);
+      if (!qat::quantizers_have_scales(model)) qat::set_fake_quant_enabled(model, false);
+    }
+    const auto result = evaluate(model, eval_examples_, options);
+    if (qat_run) {
+      qat::set_observer_enabled(model, true);
+      qat::set_fake_quant_enabled(model, was_quantizing);
+    }
     tokens = static_cast<double>(result.tokens);
     loss_sum = result.loss * tokens;
   }
@@ -320,8 +333,13 @@ std::string Finetune::save_adapter() {
 std::vector<std::string> Finetune::write_exports() {
   const std::string out = recipe_.export_.out.empty() ? run_dir_ + "/export" : recipe_.export_.out;
   std::vector<std::string> written;
+  const auto& formats = recipe_.export_.formats;
+  if (writes_files() && trains_full_weights(recipe_) && std::find(formats.begin(), formats.end(), "peft") != formats.end()) {
+    std::printf("export: no PEFT adapter, the run trained the full weights; for a Hugging Face model add merged to "
+                "export.formats, or run qtrain export --run %s --format merged\n", run_dir_.c_str());
+  }
   if (writes_files()) {
-    written = write_model_exports(*loaded_.model, loaded_.config, recipe_.model.path, recipe_.export_.formats, out);
+    written = write_model_exports(*loaded_.model, loaded_.config, recipe_.model.path, formats, out);
     for (const auto& path : written) std::printf("export: %s\n", path.c_str());
   }
   wait_for_all_ranks("the exports written by rank 0");

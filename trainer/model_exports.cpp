@@ -4,7 +4,9 @@
 
 #include "kernels/error.h"
 #include "trainer/file_system.h"
+#include "trainer/gguf_export.h"
 #include "trainer/merged_export.h"
+#include "trainer/quantized_checkpoint.h"
 
 namespace qtrain::trainer {
 
@@ -15,6 +17,13 @@ std::vector<std::string> write_model_exports(const LlamaForCausalLMImpl& model, 
   std::filesystem::create_directories(out_dir);
   for (const auto& format : formats) {
     if (format == "peft") continue;
+    if (format == "gguf") {
+      // One file, written to a temporary beside it and renamed.
+      const std::string target = out_dir + "/model.gguf";
+      write_gguf_model(model, config, base_dir, target);
+      written.push_back(target);
+      continue;
+    }
     const std::string target = out_dir + "/" + format;
     const std::string staged = out_dir + "/." + format + ".staging";
     remove_tree(staged);
@@ -22,6 +31,9 @@ std::vector<std::string> write_model_exports(const LlamaForCausalLMImpl& model, 
       MergedExportOptions options;
       options.dtype = config.stored_dtype;
       write_merged_model(model, config, base_dir, staged, options);
+    } else if (format == "safetensors-int") {
+      // fp32 for what is not quantized, so the export evaluates exactly as the QAT model did.
+      write_quantized_model(model, config, base_dir, staged, QuantizedExportOptions{});
     } else {
       throw Error("export.formats: unknown format '" + format + "' (peft, merged, gguf or safetensors-int)");
     }

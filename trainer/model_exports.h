@@ -2,6 +2,8 @@
 // The exports a recipe's export.formats asks for, written from a live model into one directory
 // (export.out): what a run writes when it finishes and what `qtrain quantize` writes.
 //   OUT/merged/            plain Hugging Face model (trainer/merged_export.h)
+//   OUT/safetensors-int/   QAT layers as integer codes + scales, the rest fp32 (quantized_checkpoint.h)
+//   OUT/model.gguf         llama.cpp's GGUF with Q4_0 / Q8_0 QAT layers (gguf_export.h)
 // `peft` is not written here: an adapter run keeps it in RUN/adapter. Each export is staged
 // beside its target and renamed into place, so a crash leaves the previous one or none.
 #include <string>

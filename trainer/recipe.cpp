@@ -683,4 +683,8 @@ bool operator==(const Recipe& a, const Recipe& b) {
   return true;
 }
 
+bool trains_full_weights(const Recipe& recipe) {
+  return recipe.lora.rank == 0 && recipe.lora.init_from.empty();
+}
+
 }  // namespace qtrain::trainer

@@ -173,6 +173,10 @@ std::string recipe_to_yaml(const Recipe& recipe);
 // The keys whose values differ, as "key: before -> after", in table order.
 std::vector<std::string> recipe_differences(const Recipe& before, const Recipe& after);
 
+// Whether a run trains every weight (lora.rank 0 without an adapter to continue) rather than
+// adapters.
+bool trains_full_weights(const Recipe& recipe);
+
 bool operator==(const Recipe& a, const Recipe& b);
 inline bool operator!=(const Recipe& a, const Recipe& b) { return !(a == b); }
 

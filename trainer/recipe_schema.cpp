@@ -3,8 +3,6 @@
 
 #include <algorithm>
 
-#include "kernels/error.h"
-#include "trainer/recipe_training.h"
 
 namespace qtrain::trainer {
 namespace {
@@ -312,11 +310,6 @@ std::optional<RecipeConflict> find_conflict(const Recipe& recipe) {
   }
   const auto& formats = recipe.export_.formats;
   const auto exports = [&](const char* format) { return std::find(formats.begin(), formats.end(), format) != formats.end(); };
-  if (trains_full_weights(recipe) && exports("peft")) {
-    return RecipeConflict{"export.formats",
-                          "lora.rank 0 trains the full weights, which make no PEFT adapter: set export.formats to "
-                          "[merged] (or gguf / safetensors-int with quant: qat)"};
-  }
   if (recipe.quant != "qat" && (exports("gguf") || exports("safetensors-int"))) {
     return RecipeConflict{"export.formats",
                           "gguf and safetensors-int write the weights on a QAT grid, so they need quant: qat (to "
@@ -326,15 +319,6 @@ std::optional<RecipeConflict> find_conflict(const Recipe& recipe) {
     return RecipeConflict{"lora.dropout",
                           "quant: qat fake-quantizes the merged weight W + scale * B A, which has no place for "
                           "dropout on the adapters' input: set lora.dropout: 0"};
-  }
-  if (recipe.quant == "qat") {
-    try {
-      qat_linear_options(recipe);
-    } catch (const Error& error) {
-      // The quantizers' messages begin with the key they are about ("qat.weights.bits: ...").
-      const std::string message = error.what();
-      return RecipeConflict{message.substr(0, message.find(':')), message};
-    }
   }
   return std::nullopt;
 }

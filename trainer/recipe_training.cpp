@@ -80,10 +80,6 @@ std::vector<std::string> apply_recipe_qat(torch::nn::Module& model, const Recipe
   return qat::apply_qat(model, targets, qat_linear_options(recipe), "qat");
 }
 
-bool trains_full_weights(const Recipe& recipe) {
-  return recipe.lora.rank == 0 && recipe.lora.init_from.empty();
-}
-
 namespace {
 
 bool is_fake_quant_state(const std::string& name) {

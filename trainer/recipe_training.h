@@ -26,17 +26,13 @@ LoadedModel load_base_model(const Recipe& recipe, torch::ScalarType dtype, const
 
 // quant: qat: the fake quantizers of the qat section (a float format takes its own width; an
 // activations width of 0 quantizes no inputs). Error naming the key (`qat.weights.bits`) when a
-// spec cannot work (load_recipe calls it for quant: qat, so a recipe is checked when it is loaded).
+// spec cannot work (Finetune and qtrain quantize call it before loading the model, to fail fast).
 qat::QatLinearOptions qat_linear_options(const Recipe& recipe);
 
 // For quant: qat, wraps the qat.target_modules of `model` in fake quantizers (LoRA layers as a
 // whole, so the merged weight is what is quantized: apply LoRA first) and returns their names;
 // for other quant modes, nothing.
 std::vector<std::string> apply_recipe_qat(torch::nn::Module& model, const Recipe& recipe);
-
-// Whether the run trains every weight (lora.rank 0 without an adapter to continue) rather than
-// adapters.
-bool trains_full_weights(const Recipe& recipe);
 
 // Whether the parameter `name` trains in a run of `recipe`: every parameter when the run trains
 // the full weights, else the LoRA adapters'; and the learned QAT scales either way.

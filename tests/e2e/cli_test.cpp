@@ -168,7 +168,7 @@ TEST(Cli, TrainWritesTheRunDirectoryAndAnAdapterThatEvalApplies) {
   EXPECT_EQ(bytes_of(run.file("from-checkpoint/adapter_model.safetensors")),
             bytes_of(run.file("exported/adapter_model.safetensors")));
   expect_user_error(qtrain("export --run " + run.path() + " --format gguf --out " + run.file("gguf")),
-                    "not available");
+                    "was not trained with quant: qat");
 }
 
 TEST(Cli, MergedExportOfARunGeneratesLikeTheRunsModel) {

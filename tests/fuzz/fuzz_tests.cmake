@@ -12,6 +12,17 @@ if(NOT QTRAIN_CLANGXX)
   return()
 endif()
 
+# clang without its libFuzzer / AddressSanitizer runtimes (the GPU machine's) cannot link them.
+foreach(runtime libclang_rt.fuzzer-x86_64.a libclang_rt.asan-x86_64.a)
+  execute_process(COMMAND ${QTRAIN_CLANGXX} -print-file-name=${runtime} OUTPUT_VARIABLE runtime_path
+                  OUTPUT_STRIP_TRAILING_WHITESPACE)
+  if(NOT IS_ABSOLUTE "${runtime_path}" OR NOT EXISTS "${runtime_path}")
+    message(STATUS "qtrain: ${QTRAIN_CLANGXX} lacks ${runtime}, the fuzz targets are not built "
+                   "(tools/setup.sh installs the clang runtime package)")
+    return()
+  endif()
+endforeach()
+
 include(ExternalProject)
 find_library(QTRAIN_C10_LIBRARY c10 HINTS ${TORCH_INSTALL_PREFIX}/lib REQUIRED)
 set(fuzz_build_dir ${CMAKE_BINARY_DIR}/fuzz)

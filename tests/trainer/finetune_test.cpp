@@ -169,13 +169,13 @@ TEST(Finetune, DamagedCheckpointsAreSkippedAndKeepLastPrunes) {
   const auto summary = resumed.train();
   EXPECT_EQ(summary.steps, 6);
   EXPECT_EQ(logged_losses(run.path()).size(), 6u + 2u);  // the first run's 6, then steps 5 and 6 again
-  // A checkpoint of another LoRA shape is refused, naming a tensor.
+  // A checkpoint of another LoRA shape is refused, naming the key.
   Finetune other(small_recipe(run, {"train.steps=6", "lora.rank=8"}), run.file("checkpoints/step-000004"));
   try {
     other.setup();
     FAIL() << "expected an error";
   } catch (const Error& error) {
-    EXPECT_NE(std::string(error.what()).find("lora_A"), std::string::npos) << error.what();
+    EXPECT_NE(std::string(error.what()).find("lora.rank"), std::string::npos) << error.what();
   }
 }
 

@@ -409,7 +409,7 @@ TEST(RecipeQat, NestedWeightAndActivationKeysReachTheirFields) {
       "    observer: moving_average\n    learned_scale: true\n  activations:\n    format: "
       "fp8_e4m3\n"
       "    bits: 8\n    granularity: per_group\n    group_size: 128\n    observer: minmax\n"
-      "  start_step: 50\n  target_modules: [q_proj]\n");
+      "  start_step: 50\n  target_modules: [q_proj]\nlora:\n  dropout: 0\n");
   const Recipe recipe = load_recipe(path, {});
   EXPECT_EQ(recipe.qat.weights.bits, 3);
   EXPECT_FALSE(recipe.qat.weights.symmetric);
