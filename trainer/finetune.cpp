@@ -186,8 +186,9 @@ StepResult Finetune::train_step(int64_t step) {
   const auto position = train_batches_->state();
   result.epoch = position.epoch;
   result.batch_in_epoch = position.batch_in_epoch;
-  // QAT: observers may run before qat.start_step; the rounding starts there.
-  if (recipe_.quant == "qat") qat::set_fake_quant_enabled(model, step >= recipe_.qat.start_step);
+  // QAT: observers may run before qat.start_step; the rounding starts there (train() sets the
+  // state the run starts or resumes in).
+  if (recipe_.quant == "qat" && step == recipe_.qat.start_step) qat::set_fake_quant_enabled(model, true);
   // The schedule follows optimizer steps taken: a skipped step does not advance it.
   optimizer_->set_learning_rate(optim::learning_rate_at(schedule_, optimizer_steps_));
   std::vector<data::Batch> micro_batches;
@@ -283,9 +284,10 @@ double Finetune::evaluate_and_log(int64_t step) {
     // observed them, the evaluation is of the float model.
     auto& model = *loaded_.model;
     const bool qat_run = recipe_.quant == "qat";
-    const auto quantized_layers = qat::find_qat_layers(model);
-    const bool was_quantizing = !quantized_layers.empty() && quantized_layers.front().second->fake_quant_enabled();
+    bool was_quantizing = false;
     if (qat_run) {
+      const auto quantized_layers = qat::find_qat_layers(model);
+      was_quantizing = !quantized_layers.empty() && quantized_layers.front().second->fake_quant_enabled();
       qat::set_observer_enabled(model, false);
       if (!qat::quantizers_have_scales(model)) qat::set_fake_quant_enabled(model, false);
     }
@@ -433,6 +435,7 @@ bool Finetune::resume_if_asked() {
 TrainSummary Finetune::train() {
   TrainSummary summary;
   const auto start = Clock::now();
+  if (recipe_.quant == "qat") qat::set_fake_quant_enabled(*loaded_.model, first_step_ >= recipe_.qat.start_step);
   summary.first_eval_loss =
       first_step_ == 0 ? evaluate_and_log(0) : std::numeric_limits<double>::quiet_NaN();
   summary.last_eval_loss = summary.first_eval_loss;
