@@ -18,15 +18,10 @@
 
 #include <cstdint>
 
+#include "kernels/cuda_build.h"
+
 namespace qtrain::kernels {
 
-// True when this build compiled the CUDA kernels (nvcc was found at configure time). Without them
-// the entry points below throw, and callers take their CPU path.
-#ifdef QTRAIN_WITH_CUDA
-constexpr bool kCudaKernelsBuilt = true;
-#else
-constexpr bool kCudaKernelsBuilt = false;
-#endif
 
 // How a 4-bit format picks the code of a normalized value x = w * (1 / absmax), as plain data
 // (qat::FourBitFormat holds the tables): rank = the number of thresholds t with x > t (fp32

@@ -1,23 +1,12 @@
 // The CUDA entry points of kernels/blockwise_quantize.h in a build without nvcc: callers check
-// kCudaKernelsBuilt and take their CPU path, so reaching one of these is a build problem.
+// kCudaKernelsBuilt (kernels/cuda_build.h) and take their CPU path.
 #include "kernels/blockwise_quantize.h"
 
 #ifndef QTRAIN_WITH_CUDA
 
-#include <string>
-
-#include "kernels/error.h"
+#include "kernels/cuda_build.h"
 
 namespace qtrain::kernels {
-
-namespace {
-
-[[noreturn]] void no_cuda_kernels(const std::string& entry_point) {
-  throw Error(entry_point + ": qtrain was built without its CUDA kernels (CMake found no nvcc); install the CUDA "
-              "Toolkit and reconfigure, or keep the tensors on the CPU");
-}
-
-}  // namespace
 
 BlockwiseCodes quantize_4bit_cuda(const at::Tensor&, const FourBitQuantizer&, int64_t) {
   no_cuda_kernels("quantize_4bit_cuda");

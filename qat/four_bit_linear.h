@@ -50,6 +50,8 @@ class FourBitLinear : public LinearLayer {
   int64_t in_features() const override { return state_.shape[1]; }
   int64_t out_features() const override { return state_.shape[0]; }
   torch::Tensor dense_weight(torch::ScalarType dtype) const override;
+  MatmulWeight matmul_weight_kind() const override { return MatmulWeight::kBuilt; }
+  torch::Tensor matmul_weight(torch::ScalarType dtype) const override { return dense_weight(dtype); }
   torch::Tensor bias() const override { return bias_; }
   void pretty_print(std::ostream& stream) const override;
 

@@ -22,6 +22,18 @@ torch::Tensor DenseLinear::forward(const torch::Tensor& input) {
   return torch::nn::functional::linear(input, weight_, bias_);
 }
 
+torch::Tensor LinearLayer::matmul_weight(torch::ScalarType) const {
+  throw Error(name() + " does not multiply by a dense weight; its adapters run unfused (a bug if reached)");
+}
+
+namespace {
+thread_local bool keep_built_weights = false;
+}  // namespace
+
+KeepBuiltWeights::KeepBuiltWeights(bool keep) : previous_(keep_built_weights) { keep_built_weights = keep; }
+KeepBuiltWeights::~KeepBuiltWeights() { keep_built_weights = previous_; }
+bool KeepBuiltWeights::active() { return keep_built_weights; }
+
 void replace_linear_layer(torch::nn::Module& parent, const std::string& child_name,
                           std::shared_ptr<LinearLayer> layer) {
   if (auto* owner = dynamic_cast<LinearLayerOwner*>(&parent)) {

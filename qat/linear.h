@@ -21,6 +21,30 @@ class LinearLayer : public torch::nn::Module {
   // export needs); quantized layers dequantize.
   virtual torch::Tensor dense_weight(torch::ScalarType dtype) const = 0;
   virtual torch::Tensor bias() const = 0;  // undefined tensor when the layer has none
+
+  // Layers whose forward is x W^T + b for a weight they can hand out in the compute dtype say
+  // how they hold it, so that an adapter around them (qat/lora_matmul.h) can fuse its update
+  // into their matmuls: kStored hands out the stored tensor (no copy in its own dtype), kBuilt
+  // makes it for each call (a dequantization). kNone: forward multiplies otherwise (LLM.int8).
+  enum class MatmulWeight { kNone, kStored, kBuilt };
+  virtual MatmulWeight matmul_weight_kind() const { return MatmulWeight::kNone; }
+  // W [out, in] in `dtype` as forward multiplies by it; an Error for kNone.
+  virtual torch::Tensor matmul_weight(torch::ScalarType dtype) const;
+};
+
+// While one lives on this thread, layers that build their matmul weight (a dequantization) keep
+// it for backward instead of building it again there. A checkpointed decoder layer's
+// recomputation sets it: its backward follows at once, so the cost is one layer's weights.
+class KeepBuiltWeights {
+ public:
+  explicit KeepBuiltWeights(bool keep);
+  ~KeepBuiltWeights();
+  KeepBuiltWeights(const KeepBuiltWeights&) = delete;
+  KeepBuiltWeights& operator=(const KeepBuiltWeights&) = delete;
+  static bool active();
+
+ private:
+  bool previous_;
 };
 
 struct DenseLinearOptions {
@@ -40,6 +64,8 @@ class DenseLinear : public LinearLayer {
   int64_t out_features() const override { return weight_.size(0); }
   torch::Tensor dense_weight(torch::ScalarType dtype) const override { return weight_.to(dtype); }
   torch::Tensor bias() const override { return bias_; }
+  MatmulWeight matmul_weight_kind() const override { return MatmulWeight::kStored; }
+  torch::Tensor matmul_weight(torch::ScalarType dtype) const override { return weight_.to(dtype); }
   const torch::Tensor& weight() const { return weight_; }
 
  private:

@@ -4,6 +4,7 @@
 #include <regex>
 
 #include "kernels/error.h"
+#include "qat/lora_matmul.h"
 #include "qat/qat_linear.h"
 
 namespace qtrain::qat {
@@ -50,6 +51,10 @@ void LoraLinear::reset() {
 }
 
 torch::Tensor LoraLinear::forward(const torch::Tensor& input) {
+  const bool no_dropout = options_.dropout == 0.0 || !is_training();
+  if (no_dropout && base_->matmul_weight_kind() != MatmulWeight::kNone) {
+    return lora_matmul(input, base_, lora_A_->weight, lora_B_->weight, scale_);
+  }
   const auto dtype = input.scalar_type();
   auto lora_input = options_.dropout > 0.0 ? F::dropout(input, F::DropoutFuncOptions().p(options_.dropout).training(is_training()))
                                            : input;

@@ -28,6 +28,7 @@
 #include "qat/lora_linear.h"
 #include "qat/qat_linear.h"
 #include "tools/commands.h"
+#include "tools/kernel_profile.h"
 #include "trainer/causal_lm_loss.h"
 #include "trainer/device.h"
 #include "trainer/hf_config.h"
@@ -94,8 +95,8 @@ void synchronize(const torch::Device& device) {
 }  // namespace
 
 int run_bench(const Arguments& arguments) {
-  std::string shape, quant, dtype_name, device_name, checkpoint_run, optimizer_name;
-  int64_t micro_batch = 0, sequence = 0, steps = 0, warmup = 0, lora_rank = 0, loss_chunk = 0;
+  std::string shape, quant, dtype_name, device_name, checkpoint_run, optimizer_name, trace_path;
+  int64_t micro_batch = 0, sequence = 0, steps = 0, warmup = 0, lora_rank = 0, loss_chunk = 0, profile_steps = 0;
   po::options_description options("bench options");
   options.add_options()
       ("shape", po::value(&shape)->default_value("llama3-8b"), "llama3-8b, llama3-1b or tiny (random weights)")
@@ -113,6 +114,9 @@ int run_bench(const Arguments& arguments) {
       ("steps", po::value(&steps)->default_value(5), "timed steps (the median is reported)")
       ("warmup", po::value(&warmup)->default_value(2), "untimed steps first")
       ("save-checkpoint", po::value(&checkpoint_run), "after the steps, time writing the training state into RUN/checkpoints")
+      ("profile", po::value(&profile_steps)->default_value(0),
+       "after the timed steps, profile this many more and print where the GPU spent its time")
+      ("trace", po::value(&trace_path), "with --profile: also write a Chrome trace to this file")
       ("json", po::bool_switch(), "end with one JSON object");
   po::variables_map values;
   if (!parse_command_line("usage: qtrain bench [--shape S] [--quant Q] [--micro-batch B] [--seq T] [--checkpointing]",
@@ -175,22 +179,32 @@ int run_bench(const Arguments& arguments) {
 
   const auto input_ids = torch::randint(llama.vocab_size, {micro_batch, sequence},
                                         torch::TensorOptions().dtype(torch::kInt64).device(device));
-  std::vector<double> step_seconds;
-  trainer::reset_peak_memory(device);
-  for (int64_t step = 0; step < warmup + steps; ++step) {
-    if (step == warmup) trainer::reset_peak_memory(device);
-    synchronize(device);
-    const auto start = std::chrono::steady_clock::now();
+  const auto train_step = [&] {
     auto hidden = model->hidden_states({input_ids, {}, {}});
     auto loss = trainer::causal_lm_loss(*model, hidden, input_ids, chunk);
     (loss.loss_sum / static_cast<double>(micro_batch * (sequence - 1))).backward();
     optim::clip_grad_norm(trainable, 1.0);
     optimizer->step();
     optimizer->zero_grad();
+  };
+  std::vector<double> step_seconds;
+  trainer::reset_peak_memory(device);
+  for (int64_t step = 0; step < warmup + steps; ++step) {
+    if (step == warmup) trainer::reset_peak_memory(device);
+    synchronize(device);
+    const auto start = std::chrono::steady_clock::now();
+    train_step();
     synchronize(device);
     if (step >= warmup) {
       step_seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     }
+  }
+  const auto memory = trainer::memory_usage(device);
+  if (profile_steps > 0) {
+    KernelProfile profile(device.is_cuda());
+    for (int64_t step = 0; step < profile_steps; ++step) train_step();
+    synchronize(device);
+    profile.finish(trace_path, profile_steps, 25, std::cout);
   }
   double checkpoint_seconds = 0.0;
   if (!checkpoint_run.empty()) {
@@ -210,7 +224,6 @@ int run_bench(const Arguments& arguments) {
   std::sort(step_seconds.begin(), step_seconds.end());
   const double median = step_seconds[step_seconds.size() / 2];
   const double tokens_per_second = static_cast<double>(micro_batch * sequence) / median;
-  const auto memory = trainer::memory_usage(device);
 
   const double matmul_parameters =
       static_cast<double>(llama.num_hidden_layers) *

@@ -111,5 +111,6 @@ log "configuring build/"
 cmake "${cmake_args[@]}" >"$ROOT/build-configure.log" 2>&1 \
   || { cat "$ROOT/build-configure.log" >&2; exit 1; }
 log "building (Release, $(nproc) jobs)"
-cmake --build "$ROOT/build" -j "$(nproc)"
+# QTRAIN_BUILD_TARGET=qtrain builds the binary alone (quick runs on the GPU machine).
+cmake --build "$ROOT/build" -j "$(nproc)" ${QTRAIN_BUILD_TARGET:+--target "$QTRAIN_BUILD_TARGET"}
 log "done: $ROOT/build/qtrain"

@@ -6,6 +6,7 @@
 
 #include "kernels/error.h"
 #include "trainer/activation_checkpoint.h"
+#include "trainer/llama_layers.h"
 
 namespace qtrain::trainer {
 
@@ -21,13 +22,7 @@ RMSNormImpl::RMSNormImpl(int64_t hidden_size, double eps, torch::ScalarType dtyp
   weight = register_parameter("weight", torch::ones({hidden_size}, torch::TensorOptions().dtype(dtype)));
 }
 
-torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
-  const auto input_dtype = x.scalar_type();
-  auto x32 = x.to(torch::kFloat32);
-  auto variance = x32.pow(2).mean(-1, /*keepdim=*/true);
-  x32 = x32 * torch::rsqrt(variance + eps_);
-  return weight * x32.to(input_dtype);
-}
+torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) { return rms_norm(x, weight, eps_); }
 
 namespace {
 
@@ -102,16 +97,6 @@ std::pair<torch::Tensor, torch::Tensor> RotaryEmbedding::tables(const torch::Ten
 
 namespace {
 
-torch::Tensor rotate_half(const torch::Tensor& x) {
-  auto halves = x.chunk(2, -1);
-  return torch::cat({-halves[1], halves[0]}, -1);
-}
-
-// x [batch, heads, seq, head_dim]; cos/sin [batch, seq, head_dim]
-torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
-  return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1);
-}
-
 qat::DenseLinearOptions linear_options(int64_t in, int64_t out, bool bias, torch::ScalarType dtype) {
   qat::DenseLinearOptions options;
   options.in_features = in;
@@ -172,11 +157,12 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden, const tor
   const int64_t batch = hidden.size(0);
   const int64_t sequence = hidden.size(1);
   // [batch, seq, heads * head_dim] -> [batch, heads, seq, head_dim]
-  auto query = q_proj->forward(hidden).view({batch, sequence, num_heads_, head_dim_}).transpose(1, 2);
-  auto key = k_proj->forward(hidden).view({batch, sequence, num_key_value_heads_, head_dim_}).transpose(1, 2);
+  // The rotary embedding runs on the projections' [batch, seq, heads, head_dim] layout.
+  auto query = rotary_embedding(q_proj->forward(hidden).view({batch, sequence, num_heads_, head_dim_}), cos, sin)
+                   .transpose(1, 2);
+  auto key = rotary_embedding(k_proj->forward(hidden).view({batch, sequence, num_key_value_heads_, head_dim_}), cos, sin)
+                 .transpose(1, 2);
   auto value = v_proj->forward(hidden).view({batch, sequence, num_key_value_heads_, head_dim_}).transpose(1, 2);
-  query = apply_rotary(query, cos, sin);
-  key = apply_rotary(key, cos, sin);
   bool causal = !attention_mask.defined() && sequence > 1;
   std::optional<at::Tensor> mask =
       attention_mask.defined() ? std::optional<at::Tensor>(attention_mask) : std::nullopt;
@@ -221,7 +207,7 @@ LlamaMlpImpl::LlamaMlpImpl(const LlamaOptions& options, const std::string& prefi
 }
 
 torch::Tensor LlamaMlpImpl::forward(const torch::Tensor& hidden) {
-  return down_proj->forward(F::silu(gate_proj->forward(hidden)) * up_proj->forward(hidden));
+  return down_proj->forward(swiglu(gate_proj->forward(hidden), up_proj->forward(hidden)));
 }
 
 void LlamaMlpImpl::replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) {
@@ -270,6 +256,8 @@ torch::Tensor LlamaBackboneImpl::forward(const torch::Tensor& input_ids, const t
     if (checkpointing && static_cast<int64_t>(index) % checkpoint_every_ == 0) {
       hidden = checkpoint(
           [layer, cos = cos, sin = sin, attention_mask](const std::vector<torch::Tensor>& inputs) {
+            // Grad mode is on only in the recomputation, whose backward follows at once.
+            const qat::KeepBuiltWeights keep_dequantized(torch::GradMode::is_enabled());
             return layer->forward(inputs[0], cos, sin, attention_mask);
           },
           {hidden}, layer->parameters());

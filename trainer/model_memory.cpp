@@ -272,9 +272,17 @@ PeakMemoryEstimate estimate_peak_memory(const LlamaOptions& model, const Trainin
     const double layer_bytes = decoder_layer_activation_bytes(model, setup, layer);
     const bool checkpointed = layer % every == 0;
     const double kept = checkpointed ? tokens * hidden * s : layer_bytes;  // a checkpointed layer keeps its input
+    // A recomputed layer keeps its dequantized 4-bit weights for its backward (qat::KeepBuiltWeights).
+    double built_weights = 0.0;
+    if (checkpointed && !setup.full_finetune && !setup.int8_base) {
+      for (const auto& projection : decoder_projections(model, layer)) {
+        if (is_quantized(projection, setup)) built_weights += static_cast<double>(projection.in * projection.out) * s;
+      }
+    }
     estimate.activation_bytes += layer_bytes;
     estimate.checkpointed_activation_bytes =
-        std::max(estimate.checkpointed_activation_bytes, kept_below + kept + (checkpointed ? layer_bytes : 0.0));
+        std::max(estimate.checkpointed_activation_bytes,
+                 kept_below + kept + (checkpointed ? layer_bytes + built_weights : 0.0));
     kept_below += kept;
   }
   estimate.checkpointed_saved_bytes = kept_below;

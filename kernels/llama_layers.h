@@ -1,0 +1,38 @@
+#pragma once
+// The elementwise and per-row pieces of a Llama decoder layer as single CUDA kernels, forward and
+// backward: RMSNorm, the rotary embedding and SwiGLU. Left to torch operations each is 4-10
+// kernels and as many round trips through memory (35% of an 8B LoRA step on an H100 went to them,
+// docs/PERFORMANCE.md).
+//
+// Each kernel rounds where the torch operations of transformers' modeling_llama.py round (the
+// reference: trainer/llama_layers.cpp runs those operations on the CPU and for other dtypes), so
+// the results equal theirs up to the order of one fp32 sum (RMSNorm's mean) and the fused
+// multiply-adds the compiler chooses: within one step of the output dtype.
+//
+// Raw entry points: contiguous CUDA tensors of one floating dtype (fp32, fp16 or bf16) in, fresh
+// tensors out, on the input's device and current stream.
+#include <ATen/core/Tensor.h>
+
+#include <utility>
+
+namespace qtrain::kernels {
+
+// x [rows, width], weight [width] (x's dtype) -> (weight * dtype(x32 * rstd), rstd fp32 [rows]) with
+// rstd = 1 / sqrt(mean(x32^2) + eps).
+std::pair<at::Tensor, at::Tensor> rms_norm_forward_cuda(const at::Tensor& x, const at::Tensor& weight, double eps);
+// The gradient to x of the forward above, given its output's gradient and the saved rstd.
+at::Tensor rms_norm_backward_cuda(const at::Tensor& grad_output, const at::Tensor& x, const at::Tensor& weight,
+                                  const at::Tensor& rstd);
+
+// x [batch, seq, heads, head_dim] (the projection's layout), cos/sin [batch, seq, head_dim] ->
+// x * cos + rotate_half(x) * sin, each product and the sum rounded to x's dtype. With `inverse`
+// the transpose (the backward: rotate by -angle).
+at::Tensor rotary_embedding_cuda(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool inverse);
+
+// silu(gate) * up, silu rounded to the dtype before the product.
+at::Tensor swiglu_forward_cuda(const at::Tensor& gate, const at::Tensor& up);
+// (grad gate, grad up) of the forward above.
+std::pair<at::Tensor, at::Tensor> swiglu_backward_cuda(const at::Tensor& grad_output, const at::Tensor& gate,
+                                                       const at::Tensor& up);
+
+}  // namespace qtrain::kernels

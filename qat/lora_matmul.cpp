@@ -1,0 +1,101 @@
+#include "qat/lora_matmul.h"
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+
+namespace qtrain::qat {
+
+namespace {
+
+// scale * left right (+ bias), written without reading anything else (beta = 0). The rank-r
+// product goes first and the base's large matmul accumulates onto it (beta = 1): that matmul is
+// compute-bound and hides reading its C, where the rank-r one would spend its whole time on it.
+torch::Tensor scaled_product(const torch::Tensor& left, const torch::Tensor& right, double scale,
+                             const torch::Tensor& bias) {
+  if (bias.defined()) return torch::addmm(bias.to(left.scalar_type()), left, right, /*beta=*/1.0, /*alpha=*/scale);
+  auto product = torch::empty({left.size(0), right.size(1)}, left.options());
+  return product.addmm_(left, right, /*beta=*/0.0, /*alpha=*/scale);
+}
+
+// What backward needs: x and x A^T (small: [tokens, rank]), A and B in the compute dtype, and the
+// base to rebuild W from (or W itself when it is stored or kept).
+class LoraMatmulBackward : public torch::autograd::Node {
+ public:
+  LoraMatmulBackward(std::shared_ptr<LinearLayer> base, torch::Tensor weight, torch::Tensor input_rows,
+                     torch::Tensor projected, torch::Tensor a, torch::Tensor b, double scale,
+                     std::vector<int64_t> input_shape, torch::ScalarType a_dtype, torch::ScalarType b_dtype)
+      : base_(std::move(base)),
+        weight_(std::move(weight)),
+        input_rows_(std::move(input_rows)),
+        projected_(std::move(projected)),
+        a_(std::move(a)),
+        b_(std::move(b)),
+        scale_(scale),
+        input_shape_(std::move(input_shape)),
+        a_dtype_(a_dtype),
+        b_dtype_(b_dtype) {}
+  std::string name() const override { return "qtrain::LoraMatmulBackward"; }
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    const auto grad_rows = grads[0].reshape({-1, b_.size(0)});  // [tokens, out]
+    const auto grad_projected = torch::mm(grad_rows, b_);       // [tokens, rank]
+    torch::autograd::variable_list result(3);
+    if (should_compute_output(0)) {
+      const auto weight = weight_.defined() ? weight_ : base_->matmul_weight(grad_rows.scalar_type());
+      auto grad_input = scaled_product(grad_projected, a_, scale_, torch::Tensor());  // [tokens, in]
+      grad_input.addmm_(grad_rows, weight);
+      result[0] = grad_input.view(input_shape_);
+    }
+    if (should_compute_output(1)) result[1] = torch::mm(grad_projected.t(), input_rows_).mul_(scale_).to(a_dtype_);
+    if (should_compute_output(2)) result[2] = torch::mm(grad_rows.t(), projected_).mul_(scale_).to(b_dtype_);
+    release_variables();
+    return result;
+  }
+
+  void release_variables() override {
+    weight_ = input_rows_ = projected_ = a_ = b_ = torch::Tensor();
+  }
+
+ private:
+  std::shared_ptr<LinearLayer> base_;
+  torch::Tensor weight_, input_rows_, projected_, a_, b_;
+  double scale_;
+  std::vector<int64_t> input_shape_;
+  torch::ScalarType a_dtype_, b_dtype_;
+};
+
+}  // namespace
+
+torch::Tensor lora_matmul(const torch::Tensor& input, const std::shared_ptr<LinearLayer>& base,
+                          const torch::Tensor& lora_A, const torch::Tensor& lora_B, double scale) {
+  const auto dtype = input.scalar_type();
+  const int64_t in = lora_A.size(1);
+  const int64_t out = lora_B.size(0);
+  torch::Tensor output, weight, rows, projected, a, b;
+  {
+    torch::NoGradGuard no_grad;
+    rows = input.reshape({-1, in});
+    weight = base->matmul_weight(dtype);
+    a = lora_A.to(dtype);
+    b = lora_B.to(dtype);
+    projected = torch::mm(rows, a.t());
+    output = scaled_product(projected, b.t(), scale, base->bias());
+    output.addmm_(rows, weight.t());
+  }
+  auto shape = input.sizes().vec();
+  shape.back() = out;
+  output = at::_unsafe_view(output, shape);  // not a view: the node below becomes its grad_fn
+  const bool differentiable = torch::GradMode::is_enabled() &&
+                              (input.requires_grad() || lora_A.requires_grad() || lora_B.requires_grad());
+  if (!differentiable) return output;
+  const bool keep_weight = base->matmul_weight_kind() == LinearLayer::MatmulWeight::kStored || KeepBuiltWeights::active();
+  auto node = std::shared_ptr<LoraMatmulBackward>(
+      new LoraMatmulBackward(base, keep_weight ? weight : torch::Tensor(), rows, projected, a, b, scale,
+                             input.sizes().vec(), lora_A.scalar_type(), lora_B.scalar_type()),
+      torch::autograd::deleteNode);
+  node->set_next_edges(torch::autograd::collect_next_edges(input, lora_A, lora_B));
+  torch::autograd::create_gradient_edge(output, node);
+  return output;
+}
+
+}  // namespace qtrain::qat

@@ -1,0 +1,25 @@
+#pragma once
+// y = x W^T + b + scale * (x A^T) B^T for a frozen base layer that multiplies by a dense weight
+// W (stored, or a dequantized 4-bit one), as one autograd node. The scaled update is written by
+// its rank-r matmul (alpha = scale) and the base's matmul accumulates onto it (beta = 1); backward
+// builds the input gradient the same way: no separate update tensor, scale multiply or adds,
+// which autograd's composition of the same operations spent 20% of an 8B LoRA step on. A 4-bit W is dequantized again for backward unless KeepBuiltWeights is
+// active (a checkpointed layer's recomputation), as bitsandbytes' MatMul4Bit does.
+//
+// Numerics: peft's order (x A^T first, then B), in the input's dtype with fp32 accumulation; the
+// update is scaled in fp32 inside its matmul instead of after rounding it, so results differ from
+// the unfused reference by rounding only (tests/qat/lora_matmul_test.cpp states the tolerance).
+#include <torch/torch.h>
+
+#include <memory>
+
+#include "qat/linear.h"
+
+namespace qtrain::qat {
+
+// input [..., in]; base: a layer with matmul_weight_kind() != kNone, frozen; lora_A [rank, in],
+// lora_B [out, rank] (any float dtype; gradients come back in theirs) -> [..., out] in input's dtype.
+torch::Tensor lora_matmul(const torch::Tensor& input, const std::shared_ptr<LinearLayer>& base,
+                          const torch::Tensor& lora_A, const torch::Tensor& lora_B, double scale);
+
+}  // namespace qtrain::qat

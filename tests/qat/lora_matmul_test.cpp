@@ -1,0 +1,160 @@
+// The fused LoRA matmul (qat/lora_matmul.h) against peft's composition differentiated by autograd
+// in float64: y = x W^T + b + scale (x A^T) B^T and the gradients of x, A and B, for a stored dense
+// base and a dequantized 4-bit one; and on CUDA in bf16 against the unfused bf16 composition.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "kernels/cuda_build.h"
+#include "qat/four_bit_linear.h"
+#include "qat/lora_matmul.h"
+
+namespace qtrain::qat {
+namespace {
+
+struct Gradients {
+  torch::Tensor output, input, a, b;
+};
+
+// Runs `forward` on leaf copies of x, A and B and differentiates sum(output * weights).
+template <typename Forward>
+Gradients differentiate(const Forward& forward, const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& b,
+                        const torch::Tensor& output_weights) {
+  auto input = x.detach().clone().requires_grad_(true);
+  auto lora_a = a.detach().clone().requires_grad_(true);
+  auto lora_b = b.detach().clone().requires_grad_(true);
+  auto output = forward(input, lora_a, lora_b);
+  (output.to(torch::kFloat64) * output_weights).sum().backward();
+  return {output.detach(), input.grad(), lora_a.grad(), lora_b.grad()};
+}
+
+// peft's composition in float64 from the base's dense weight and bias.
+Gradients reference(const LinearLayer& base, double scale, const torch::Tensor& x, const torch::Tensor& a,
+                    const torch::Tensor& b, const torch::Tensor& output_weights) {
+  const auto weight = base.dense_weight(torch::kFloat64);
+  const auto bias = base.bias();
+  return differentiate(
+      [&](const torch::Tensor& input, const torch::Tensor& lora_a, const torch::Tensor& lora_b) {
+        auto out = torch::matmul(input, weight.t()) + scale * torch::matmul(torch::matmul(input, lora_a.t()), lora_b.t());
+        return bias.defined() ? out + bias.to(torch::kFloat64) : out;
+      },
+      x.to(torch::kFloat64), a.to(torch::kFloat64), b.to(torch::kFloat64), output_weights);
+}
+
+double max_relative_error(const torch::Tensor& actual, const torch::Tensor& expected) {
+  const auto expected64 = expected.to(torch::kFloat64).cpu();
+  return ((actual.to(torch::kFloat64).cpu() - expected64).abs().max() / expected64.abs().max()).item<double>();
+}
+
+void expect_matches(const Gradients& fused, const Gradients& expected, double tolerance) {
+  EXPECT_LT(max_relative_error(fused.output, expected.output), tolerance);
+  EXPECT_LT(max_relative_error(fused.input, expected.input), tolerance);
+  EXPECT_LT(max_relative_error(fused.a, expected.a), tolerance);
+  EXPECT_LT(max_relative_error(fused.b, expected.b), tolerance);
+}
+
+std::shared_ptr<DenseLinear> dense(int64_t in, int64_t out, bool bias) {
+  DenseLinearOptions options;
+  options.in_features = in;
+  options.out_features = out;
+  options.bias = bias;
+  auto layer = std::make_shared<DenseLinear>(options);
+  for (auto& parameter : layer->parameters()) parameter.requires_grad_(false);
+  return layer;
+}
+
+Gradients fused(const std::shared_ptr<LinearLayer>& base, double scale, const torch::Tensor& x, const torch::Tensor& a,
+                const torch::Tensor& b, const torch::Tensor& output_weights) {
+  return differentiate(
+      [&](const torch::Tensor& input, const torch::Tensor& lora_a, const torch::Tensor& lora_b) {
+        return lora_matmul(input, base, lora_a, lora_b, scale);
+      },
+      x, a, b, output_weights);
+}
+
+TEST(LoraMatmul, DenseBaseWithBiasMatchesFloat64Autograd) {
+  torch::manual_seed(11);
+  const auto base = dense(96, 80, /*bias=*/true);
+  const auto x = torch::randn({3, 7, 96});
+  const auto a = torch::randn({8, 96}) * 0.1;
+  const auto b = torch::randn({80, 8}) * 0.1;
+  const auto weights = torch::randn({3, 7, 80}, torch::kFloat64);
+  const auto result = fused(base, 2.0, x, a, b, weights);
+  EXPECT_EQ(result.output.scalar_type(), torch::kFloat32);
+  EXPECT_EQ(result.a.scalar_type(), torch::kFloat32);
+  expect_matches(result, reference(*base, 2.0, x, a, b, weights), 2e-6);
+}
+
+TEST(LoraMatmul, FourBitBaseMatchesFloat64AutogradWithAndWithoutKeptWeights) {
+  torch::manual_seed(12);
+  FourBitOptions options;
+  options.compute_dtype = torch::kFloat32;
+  const auto base = FourBitLinear::from_dense(torch::randn({64, 128}) * 0.05, torch::Tensor(), options);
+  const auto x = torch::randn({2, 5, 128});
+  const auto a = torch::randn({4, 128}) * 0.1;
+  const auto b = torch::randn({64, 4}) * 0.1;
+  const auto weights = torch::randn({2, 5, 64}, torch::kFloat64);
+  const auto expected = reference(*base, 0.5, x, a, b, weights);
+  const auto rebuilt = fused(base, 0.5, x, a, b, weights);
+  expect_matches(rebuilt, expected, 2e-6);
+  Gradients kept;
+  {
+    const KeepBuiltWeights keep(true);
+    kept = fused(base, 0.5, x, a, b, weights);
+  }
+  EXPECT_TRUE(torch::equal(kept.input, rebuilt.input));
+  EXPECT_TRUE(torch::equal(kept.a, rebuilt.a));
+}
+
+TEST(LoraMatmul, AnInputWithoutGradientStillTrainsTheAdapter) {
+  torch::manual_seed(13);
+  const auto base = dense(32, 16, /*bias=*/false);
+  const auto x = torch::randn({4, 32});
+  auto a = (torch::randn({2, 32}) * 0.1).requires_grad_(true);
+  auto b = (torch::randn({16, 2}) * 0.1).requires_grad_(true);
+  lora_matmul(x, base, a, b, 1.0).sum().backward();
+  ASSERT_TRUE(a.grad().defined());
+  ASSERT_TRUE(b.grad().defined());
+  const auto weights = torch::ones({4, 16}, torch::kFloat64);
+  const auto expected = reference(*base, 1.0, x, a.detach(), b.detach(), weights);
+  EXPECT_LT(max_relative_error(a.grad(), expected.a), 2e-6);
+  EXPECT_LT(max_relative_error(b.grad(), expected.b), 2e-6);
+}
+
+// bf16 on the GPU: the fused path rounds less than the unfused one (the scaled update is never a
+// bf16 tensor), so both are held to the float64 result, the fused one at least as closely.
+TEST(LoraMatmul, CudaBf16IsAsCloseToFloat64AsTheUnfusedComposition) {
+  if (!kernels::kCudaKernelsBuilt || !torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU on this machine";
+  torch::manual_seed(14);
+  const torch::Device cuda(torch::kCUDA, 0);
+  DenseLinearOptions options;
+  options.in_features = 512;
+  options.out_features = 384;
+  options.dtype = torch::kBFloat16;
+  auto base = std::make_shared<DenseLinear>(options);
+  base->to(cuda);
+  for (auto& parameter : base->parameters()) parameter.requires_grad_(false);
+  const auto x = torch::randn({4, 64, 512}, torch::TensorOptions().device(cuda)).to(torch::kBFloat16);
+  const auto a = torch::randn({16, 512}, torch::TensorOptions().device(cuda)) * 0.05;
+  const auto b = torch::randn({384, 16}, torch::TensorOptions().device(cuda)) * 0.05;
+  const auto weights = torch::randn({4, 64, 384}, torch::TensorOptions().dtype(torch::kFloat64).device(cuda));
+  const auto expected = reference(*base, 2.0, x, a, b, weights);
+  const auto result = fused(base, 2.0, x, a, b, weights);
+  const auto unfused = differentiate(
+      [&](const torch::Tensor& input, const torch::Tensor& lora_a, const torch::Tensor& lora_b) {
+        const auto update = torch::nn::functional::linear(torch::nn::functional::linear(input, lora_a.to(torch::kBFloat16)),
+                                                          lora_b.to(torch::kBFloat16));
+        return base->forward(input) + update * 2.0;
+      },
+      x, a, b, weights);
+  for (const auto& [actual, composed, reference_value, what] :
+       {std::tuple{result.output, unfused.output, expected.output, "output"},
+        std::tuple{result.input, unfused.input, expected.input, "input gradient"},
+        std::tuple{result.a, unfused.a, expected.a, "A gradient"}, std::tuple{result.b, unfused.b, expected.b, "B gradient"}}) {
+    const double fused_error = max_relative_error(actual, reference_value);
+    EXPECT_LT(fused_error, 1e-2) << what;
+    EXPECT_LE(fused_error, 1.5 * max_relative_error(composed, reference_value)) << what;
+  }
+}
+
+}  // namespace
+}  // namespace qtrain::qat

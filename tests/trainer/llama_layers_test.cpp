@@ -1,0 +1,156 @@
+// The fused CUDA RMSNorm, rotary embedding and SwiGLU (trainer/llama_layers.h) against the torch
+// operations of transformers' modeling_llama.py on the same GPU, forward and backward, on fresh
+// random inputs in bf16, fp16 and fp32. Tolerance: one step of the dtype relative to each value
+// (the kernels round where the operations round; what may differ is the order of RMSNorm's fp32
+// sum and the fused multiply-adds), plus, for gradients that come out of a cancellation
+// (RMSNorm's), that step relative to the largest value. The rotary embedding rounds exactly as
+// the operations do and must be equal. On the CPU every function is the reference itself.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <functional>
+#include <utility>
+#include <string>
+
+#include "kernels/cuda_build.h"
+#include "trainer/llama_layers.h"
+
+namespace qtrain::trainer {
+namespace {
+
+#define SKIP_WITHOUT_CUDA()                                                          \
+  if (!kernels::kCudaKernelsBuilt) GTEST_SKIP() << "built without the CUDA kernels"; \
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU on this machine"
+
+const torch::ScalarType kDtypes[] = {torch::kBFloat16, torch::kHalf, torch::kFloat32};
+
+// fp32's: 8 of its steps, for sums taken in another order and contracted multiply-adds.
+double step_of(torch::ScalarType dtype) {
+  return dtype == torch::kBFloat16 ? 1.0 / 128 : dtype == torch::kHalf ? 1.0 / 1024 : 1e-6;
+}
+
+// The spread for fp32, where cancellations leave values far below their operands.
+double fp32_spread(torch::ScalarType dtype, double spread) { return dtype == torch::kFloat32 ? std::max(spread, 1e-2) : spread; }
+
+// |actual - expected| <= steps x step (|expected| + spread max|expected|) everywhere.
+void expect_within_steps(const torch::Tensor& actual, const torch::Tensor& expected, double spread,
+                         const std::string& what, double steps = 1.0) {
+  ASSERT_EQ(actual.sizes(), expected.sizes()) << what;
+  ASSERT_EQ(actual.scalar_type(), expected.scalar_type()) << what;
+  const auto a = actual.to(torch::kFloat64).cpu();
+  const auto e = expected.to(torch::kFloat64).cpu();
+  const double step = steps * step_of(actual.scalar_type());
+  const auto allowed = step * (e.abs() + spread * e.abs().max());
+  const auto excess = ((a - e).abs() - allowed).max().item<double>();
+  const auto worst = ((a - e).abs() - allowed).argmax().item<int64_t>();
+  EXPECT_LE(excess, 0.0) << what << ": max |difference| " << (a - e).abs().max().item<double>() << "; worst at "
+                         << worst << ": " << a.flatten()[worst].item<double>() << " vs " << e.flatten()[worst].item<double>();
+}
+
+struct Outcome {
+  torch::Tensor output;
+  std::vector<torch::Tensor> grads;
+};
+
+// Runs `layer` on leaf copies of `inputs` and backpropagates `grad_output`.
+Outcome run(const std::function<torch::Tensor(const std::vector<torch::Tensor>&)>& layer,
+            const std::vector<torch::Tensor>& inputs, const torch::Tensor& grad_output) {
+  std::vector<torch::Tensor> leaves;
+  for (const auto& input : inputs) leaves.push_back(input.detach().clone().requires_grad_(true));
+  auto output = layer(leaves);
+  output.backward(grad_output);
+  Outcome outcome{output.detach(), {}};
+  for (const auto& leaf : leaves) outcome.grads.push_back(leaf.grad());
+  return outcome;
+}
+
+torch::TensorOptions on_cuda(torch::ScalarType dtype) { return torch::TensorOptions().dtype(dtype).device(torch::kCUDA); }
+
+TEST(LlamaLayersCuda, RmsNormMatchesTheReferenceForwardAndBackward) {
+  SKIP_WITHOUT_CUDA();
+  for (const auto dtype : kDtypes) {
+    torch::manual_seed(21);
+    const auto x = (torch::randn({3, 37, 1000}) * 3).to(on_cuda(dtype));
+    const auto weight = (1 + 0.1 * torch::randn({1000})).to(on_cuda(dtype));
+    const auto grad = torch::randn({3, 37, 1000}).to(on_cuda(dtype));
+    const auto fused = run([](const auto& in) { return rms_norm(in[0], in[1], 1e-5); }, {x, weight}, grad);
+    const auto expected = run([](const auto& in) { return rms_norm_reference(in[0], in[1], 1e-5); }, {x, weight}, grad);
+    const std::string name = c10::toString(dtype);
+    // Two roundings (the normalized value, then the product): an rstd one fp32 step away can move
+    // the first by a step, and the product then rounds again.
+    expect_within_steps(fused.output, expected.output, fp32_spread(dtype, 0.0), "RMSNorm output " + name, 2.0);
+    expect_within_steps(fused.grads[0], expected.grads[0], fp32_spread(dtype, 0.05), "RMSNorm input gradient " + name);
+    // The weight gradient, sum over rows of dy * normalized, against float64: autograd rounds each
+    // product to the dtype before summing, the fused path sums fp32 products (closer), so both
+    // are held to the exact sum of the rounded normalized values.
+    const auto x32 = x.to(torch::kFloat32).reshape({-1, 1000});
+    const auto normalized = (x32 * torch::rsqrt(x32.pow(2).mean(-1, true) + 1e-5)).to(dtype);
+    const auto exact = (grad.reshape({-1, 1000}).to(torch::kFloat64) * normalized.to(torch::kFloat64)).sum(0);
+    expect_within_steps(fused.grads[1], exact.to(dtype), fp32_spread(dtype, 0.01), "RMSNorm weight gradient " + name);
+  }
+}
+
+TEST(LlamaLayersCuda, RotaryEmbeddingEqualsTheReferenceForwardAndBackward) {
+  SKIP_WITHOUT_CUDA();
+  for (const auto dtype : kDtypes) {
+    torch::manual_seed(22);
+    const auto x = torch::randn({2, 33, 4, 64}).to(on_cuda(dtype));
+    const auto angles = torch::rand({2, 33, 32}) * 100;
+    const auto cos = torch::cat({angles.cos(), angles.cos()}, -1).to(on_cuda(dtype));
+    const auto sin = torch::cat({angles.sin(), angles.sin()}, -1).to(on_cuda(dtype));
+    const auto grad = torch::randn({2, 33, 4, 64}).to(on_cuda(dtype));
+    const auto fused = run([&](const auto& in) { return rotary_embedding(in[0], cos, sin); }, {x}, grad);
+    const auto expected = run([&](const auto& in) { return rotary_embedding_reference(in[0], cos, sin); }, {x}, grad);
+    const std::string name = c10::toString(dtype);
+    // fp32 products may be contracted into a fused multiply-add: one step there.
+    if (dtype == torch::kFloat32) {
+      expect_within_steps(fused.output, expected.output, fp32_spread(dtype, 0.0), "rotary output " + name);
+      expect_within_steps(fused.grads[0], expected.grads[0], fp32_spread(dtype, 0.0), "rotary gradient " + name);
+    } else {
+      EXPECT_TRUE(torch::equal(fused.output, expected.output)) << "rotary output " << name;
+      EXPECT_TRUE(torch::equal(fused.grads[0], expected.grads[0])) << "rotary gradient " << name;
+    }
+  }
+}
+
+TEST(LlamaLayersCuda, SwigluMatchesTheReferenceForwardAndBackward) {
+  SKIP_WITHOUT_CUDA();
+  // 999 columns take the one-value kernel, 1024 the 16-byte one.
+  for (const auto& [dtype, width] : {std::pair{torch::kBFloat16, 999}, std::pair{torch::kBFloat16, 1024},
+                                     std::pair{torch::kHalf, 1024}, std::pair{torch::kFloat32, 999},
+                                     std::pair{torch::kFloat32, 1024}}) {
+    torch::manual_seed(23);
+    const auto gate = (torch::randn({5, width}) * 4).to(on_cuda(dtype));
+    const auto up = torch::randn({5, width}).to(on_cuda(dtype));
+    const auto grad = torch::randn({5, width}).to(on_cuda(dtype));
+    const auto fused = run([](const auto& in) { return swiglu(in[0], in[1]); }, {gate, up}, grad);
+    const auto expected = run([](const auto& in) { return swiglu_reference(in[0], in[1]); }, {gate, up}, grad);
+    const std::string name = std::string(c10::toString(dtype)) + " x " + std::to_string(width);
+    expect_within_steps(fused.output, expected.output, fp32_spread(dtype, 0.0), "SwiGLU output " + name);
+    expect_within_steps(fused.grads[0], expected.grads[0], fp32_spread(dtype, 1e-3), "SwiGLU gate gradient " + name);
+    expect_within_steps(fused.grads[1], expected.grads[1], fp32_spread(dtype, 0.0), "SwiGLU up gradient " + name);
+  }
+}
+
+TEST(LlamaLayers, OnTheCpuEachFunctionIsItsReference) {
+  torch::manual_seed(24);
+  const auto x = torch::randn({2, 3, 4, 8});
+  const auto angles = torch::rand({2, 3, 4});
+  const auto cos = torch::cat({angles.cos(), angles.cos()}, -1);
+  const auto sin = torch::cat({angles.sin(), angles.sin()}, -1);
+  EXPECT_TRUE(torch::equal(rotary_embedding(x, cos, sin), rotary_embedding_reference(x, cos, sin)));
+  const auto weight = torch::rand({8});
+  EXPECT_TRUE(torch::equal(rms_norm(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6)));
+  EXPECT_TRUE(torch::equal(swiglu(x, x * 2), swiglu_reference(x, x * 2)));
+  // The rotation keeps each pair's norm: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s).
+  const auto rotated = rotary_embedding_reference(x, cos, sin);
+  const auto norms = [](const torch::Tensor& t) {
+    const auto halves = t.chunk(2, -1);
+    return halves[0].pow(2) + halves[1].pow(2);
+  };
+  EXPECT_TRUE(torch::allclose(norms(rotated), norms(x), 1e-5, 1e-6));
+}
+
+}  // namespace
+}  // namespace qtrain::trainer

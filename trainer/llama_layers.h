@@ -1,0 +1,25 @@
+#pragma once
+// The differentiable per-row and elementwise pieces of a Llama decoder layer: RMSNorm, the rotary
+// embedding and SwiGLU. On CUDA each is one fused kernel forward and one backward
+// (kernels/llama_layers.h), saving less for backward than autograd would (the fp32 copies of the
+// residual stream, silu's output); elsewhere, and for the dtype mixes the kernels do not take,
+// they are the torch operations of transformers' modeling_llama.py, the reference the kernels
+// are tested against.
+#include <torch/torch.h>
+
+namespace qtrain::trainer {
+
+// x [..., width]; weight [width]: weight * to(x dtype)(x32 / sqrt(mean(x32^2) + eps)).
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+torch::Tensor rms_norm_reference(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+
+// x [batch, seq, heads, head_dim] (the projection's output viewed per head), cos/sin
+// [batch, seq, head_dim] in x's dtype -> x * cos + rotate_half(x) * sin, same layout.
+torch::Tensor rotary_embedding(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+torch::Tensor rotary_embedding_reference(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+
+// silu(gate) * up.
+torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tensor& up);
+torch::Tensor swiglu_reference(const torch::Tensor& gate, const torch::Tensor& up);
+
+}  // namespace qtrain::trainer
