@@ -51,9 +51,8 @@ void LoraLinear::reset() {
 }
 
 torch::Tensor LoraLinear::forward(const torch::Tensor& input) {
-  const bool no_dropout = options_.dropout == 0.0 || !is_training();
-  if (no_dropout && base_->matmul_weight_kind() != MatmulWeight::kNone) {
-    return lora_matmul(input, base_, lora_A_->weight, lora_B_->weight, scale_);
+  if (base_->matmul_weight_kind() != MatmulWeight::kNone) {
+    return lora_matmul(input, base_, lora_A_->weight, lora_B_->weight, scale_, is_training() ? options_.dropout : 0.0);
   }
   const auto dtype = input.scalar_type();
   auto lora_input = options_.dropout > 0.0 ? F::dropout(input, F::DropoutFuncOptions().p(options_.dropout).training(is_training()))

@@ -3,6 +3,10 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 
+#include <string>
+
+#include "kernels/error.h"
+
 namespace qtrain::qat {
 
 namespace {
@@ -17,16 +21,24 @@ torch::Tensor scaled_product(const torch::Tensor& left, const torch::Tensor& rig
   return product.addmm_(left, right, /*beta=*/0.0, /*alpha=*/scale);
 }
 
-// What backward needs: x and x A^T (small: [tokens, rank]), A and B in the compute dtype, and the
-// base to rebuild W from (or W itself when it is stored or kept).
+// Inverted dropout with a given mask: x * kept / (1 - p), one rounding as F::dropout's.
+torch::Tensor dropped(const torch::Tensor& x, const torch::Tensor& kept, double dropout) {
+  return x * kept * (1.0 / (1.0 - dropout));
+}
+
+// What backward needs: x, the dropout mask (1 byte per input value), x A^T (small: [tokens, rank]),
+// A and B in the compute dtype, and the base to rebuild W from (or W itself when stored or kept).
 class LoraMatmulBackward : public torch::autograd::Node {
  public:
   LoraMatmulBackward(std::shared_ptr<LinearLayer> base, torch::Tensor weight, torch::Tensor input_rows,
-                     torch::Tensor projected, torch::Tensor a, torch::Tensor b, double scale,
-                     std::vector<int64_t> input_shape, torch::ScalarType a_dtype, torch::ScalarType b_dtype)
+                     torch::Tensor kept, double dropout, torch::Tensor projected, torch::Tensor a, torch::Tensor b,
+                     double scale, std::vector<int64_t> input_shape, torch::ScalarType a_dtype,
+                     torch::ScalarType b_dtype)
       : base_(std::move(base)),
         weight_(std::move(weight)),
         input_rows_(std::move(input_rows)),
+        kept_(std::move(kept)),
+        dropout_(dropout),
         projected_(std::move(projected)),
         a_(std::move(a)),
         b_(std::move(b)),
@@ -43,22 +55,27 @@ class LoraMatmulBackward : public torch::autograd::Node {
     if (should_compute_output(0)) {
       const auto weight = weight_.defined() ? weight_ : base_->matmul_weight(grad_rows.scalar_type());
       auto grad_input = scaled_product(grad_projected, a_, scale_, torch::Tensor());  // [tokens, in]
+      if (kept_.defined()) grad_input = dropped(grad_input, kept_, dropout_);        // dropout's backward
       grad_input.addmm_(grad_rows, weight);
       result[0] = grad_input.view(input_shape_);
     }
-    if (should_compute_output(1)) result[1] = torch::mm(grad_projected.t(), input_rows_).mul_(scale_).to(a_dtype_);
+    if (should_compute_output(1)) {
+      const auto adapter_input = kept_.defined() ? dropped(input_rows_, kept_, dropout_) : input_rows_;
+      result[1] = torch::mm(grad_projected.t(), adapter_input).mul_(scale_).to(a_dtype_);
+    }
     if (should_compute_output(2)) result[2] = torch::mm(grad_rows.t(), projected_).mul_(scale_).to(b_dtype_);
     release_variables();
     return result;
   }
 
   void release_variables() override {
-    weight_ = input_rows_ = projected_ = a_ = b_ = torch::Tensor();
+    weight_ = input_rows_ = kept_ = projected_ = a_ = b_ = torch::Tensor();
   }
 
  private:
   std::shared_ptr<LinearLayer> base_;
-  torch::Tensor weight_, input_rows_, projected_, a_, b_;
+  torch::Tensor weight_, input_rows_, kept_, projected_, a_, b_;
+  double dropout_;
   double scale_;
   std::vector<int64_t> input_shape_;
   torch::ScalarType a_dtype_, b_dtype_;
@@ -67,18 +84,20 @@ class LoraMatmulBackward : public torch::autograd::Node {
 }  // namespace
 
 torch::Tensor lora_matmul(const torch::Tensor& input, const std::shared_ptr<LinearLayer>& base,
-                          const torch::Tensor& lora_A, const torch::Tensor& lora_B, double scale) {
+                          const torch::Tensor& lora_A, const torch::Tensor& lora_B, double scale, double dropout) {
   const auto dtype = input.scalar_type();
   const int64_t in = lora_A.size(1);
   const int64_t out = lora_B.size(0);
-  torch::Tensor output, weight, rows, projected, a, b;
+  if (dropout < 0.0 || dropout >= 1.0) throw Error("LoRA dropout must be in [0, 1), got " + std::to_string(dropout));
+  torch::Tensor output, weight, rows, projected, a, b, kept;
   {
     torch::NoGradGuard no_grad;
     rows = input.reshape({-1, in});
     weight = base->matmul_weight(dtype);
     a = lora_A.to(dtype);
     b = lora_B.to(dtype);
-    projected = torch::mm(rows, a.t());
+    if (dropout > 0.0) kept = torch::empty(rows.sizes(), rows.options().dtype(torch::kBool)).bernoulli_(1.0 - dropout);
+    projected = torch::mm(dropout > 0.0 ? dropped(rows, kept, dropout) : rows, a.t());
     output = scaled_product(projected, b.t(), scale, base->bias());
     output.addmm_(rows, weight.t());
   }
@@ -90,7 +109,7 @@ torch::Tensor lora_matmul(const torch::Tensor& input, const std::shared_ptr<Line
   if (!differentiable) return output;
   const bool keep_weight = base->matmul_weight_kind() == LinearLayer::MatmulWeight::kStored || KeepBuiltWeights::active();
   auto node = std::shared_ptr<LoraMatmulBackward>(
-      new LoraMatmulBackward(base, keep_weight ? weight : torch::Tensor(), rows, projected, a, b, scale,
+      new LoraMatmulBackward(base, keep_weight ? weight : torch::Tensor(), rows, kept, dropout, projected, a, b, scale,
                              input.sizes().vec(), lora_A.scalar_type(), lora_B.scalar_type()),
       torch::autograd::deleteNode);
   node->set_next_edges(torch::autograd::collect_next_edges(input, lora_A, lora_B));

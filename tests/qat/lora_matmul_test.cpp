@@ -120,6 +120,37 @@ TEST(LoraMatmul, AnInputWithoutGradientStillTrainsTheAdapter) {
   EXPECT_LT(max_relative_error(b.grad(), expected.b), 2e-6);
 }
 
+// Dropout acts on the adapter's input only. With A = B = I the update is the dropped input itself,
+// which shows the mask; the gradients must be those of peft's composition with that mask.
+TEST(LoraMatmul, DropoutMasksTheAdapterInputAndBackwardUsesTheSameMask) {
+  torch::manual_seed(15);
+  const auto base = dense(16, 16, /*bias=*/false);
+  const auto x = torch::randn({64, 16}) + 3.0;  // no zeros: a zero in the update is a dropped value
+  auto a = torch::eye(16).requires_grad_(true);
+  auto b = torch::eye(16).requires_grad_(true);
+  auto input = x.clone().requires_grad_(true);
+  const auto weights = torch::randn({64, 16}, torch::kFloat64);
+  const auto output = lora_matmul(input, base, a, b, 1.0, /*dropout=*/0.25);
+  (output.to(torch::kFloat64) * weights).sum().backward();
+  const auto update = output.detach() - base->forward(x);
+  const auto kept = update.abs() > 1e-3;
+  const double kept_fraction = kept.to(torch::kFloat64).mean().item<double>();
+  EXPECT_GT(kept_fraction, 0.6);
+  EXPECT_LT(kept_fraction, 0.9);
+  EXPECT_LT(max_relative_error(update.masked_select(kept), (x / 0.75).masked_select(kept)), 1e-6);
+
+  const auto mask = kept.to(torch::kFloat64) / 0.75;
+  const auto expected = differentiate(
+      [&](const torch::Tensor& in, const torch::Tensor& lora_a, const torch::Tensor& lora_b) {
+        return torch::matmul(in, base->weight().to(torch::kFloat64).t()) +
+               torch::matmul(torch::matmul(in * mask, lora_a.t()), lora_b.t());
+      },
+      x.to(torch::kFloat64), a.detach().to(torch::kFloat64), b.detach().to(torch::kFloat64), weights);
+  EXPECT_LT(max_relative_error(input.grad(), expected.input), 2e-6);
+  EXPECT_LT(max_relative_error(a.grad(), expected.a), 2e-6);
+  EXPECT_LT(max_relative_error(b.grad(), expected.b), 2e-6);
+}
+
 // bf16 on the GPU: the fused path rounds less than the unfused one (the scaled update is never a
 // bf16 tensor), so both are held to the float64 result, the fused one at least as closely.
 TEST(LoraMatmul, CudaBf16IsAsCloseToFloat64AsTheUnfusedComposition) {
