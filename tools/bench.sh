@@ -35,10 +35,10 @@ for row in "${rows[@]}"; do
   flags=(--shape "$shape" --quant "$quant" --micro-batch "$batch" --seq "$seq" --steps "$steps" --warmup "$warmup" --json)
   [ "$checkpointing" = on ] && flags+=(--checkpointing)
   echo "== qtrain bench ${flags[*]}" >&2
-  "$QTRAIN" bench "${flags[@]}" | tail -1 | sed 's/^/qtrain /' >>"$results"
+  "$QTRAIN" bench "${flags[@]}" | tee /dev/stderr | tail -1 | sed 's/^/qtrain /' >>"$results"
   if [ $anchor = 1 ] && { [ "$quant" = none ] || imports bitsandbytes; }; then
     echo "== tools/bench_anchor.py ${flags[*]}" >&2
-    "$PYTHON" "$ROOT/tools/bench_anchor.py" "${flags[@]}" | tail -1 | sed 's/^/anchor /' >>"$results" \
+    "$PYTHON" "$ROOT/tools/bench_anchor.py" "${flags[@]}" | tee /dev/stderr | tail -1 | sed 's/^/anchor /' >>"$results" \
       || echo "anchor {}" >>"$results"
   fi
 done

@@ -129,8 +129,16 @@ double decoder_layer_activation_bytes(const LlamaOptions& model, const TrainingM
     const auto rank = static_cast<double>(adapter_rank(projection, setup));
     if (rank == 0) continue;
     bytes += tokens * rank * s;  // A's output, for B's gradient
+    const bool dropout = setup.adapter.options_for(projection.name).dropout > 0.0;
+    if (!setup.int8_base) {
+      // One fused node (qat/lora_matmul.h): the input, A and B cast, and dropout's mask as bytes.
+      if (setup.compute_dtype != torch::kFloat32) bytes += rank * (in + out) * s;
+      if (dropout) bytes += tokens * in;
+      input_saved[projection.input] = true;
+      continue;
+    }
     if (setup.compute_dtype != torch::kFloat32) bytes += rank * ((input_needs_grad ? in : 0.0) + out) * s;  // A, B cast
-    if (setup.adapter.options_for(projection.name).dropout > 0.0) {
+    if (dropout) {
       bytes += tokens * in * (s + mask_bytes);  // its own dropped input and mask
     } else {
       input_saved[projection.input] = true;  // for A's gradient

@@ -87,7 +87,9 @@ TEST(LlamaLayersCuda, RmsNormMatchesTheReferenceForwardAndBackward) {
     const auto x32 = x.to(torch::kFloat32).reshape({-1, 1000});
     const auto normalized = (x32 * torch::rsqrt(x32.pow(2).mean(-1, true) + 1e-5)).to(dtype);
     const auto exact = (grad.reshape({-1, 1000}).to(torch::kFloat64) * normalized.to(torch::kFloat64)).sum(0);
-    expect_within_steps(fused.grads[1], exact.to(dtype), fp32_spread(dtype, 0.01), "RMSNorm weight gradient " + name);
+    // fp32: sums of 111 products of either sign, taken in another order than float64's.
+    expect_within_steps(fused.grads[1], exact.to(dtype), dtype == torch::kFloat32 ? 1.0 : 0.01,
+                        "RMSNorm weight gradient " + name);
   }
 }
 
