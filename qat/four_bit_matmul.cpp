@@ -19,9 +19,11 @@ class FourBitMatmulBackward : public torch::autograd::Node {
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     const auto weight = kept_.defined() ? kept_ : dequantize_4bit(packed_, state_, dtype_);  // [out, in]
-    kept_ = torch::Tensor();
     return {grads[0].matmul(weight)};
   }
+
+  // The engine calls this after apply unless the graph is retained.
+  void release_variables() override { kept_ = torch::Tensor(); }
 
  private:
   torch::Tensor packed_;

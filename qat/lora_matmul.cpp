@@ -64,10 +64,10 @@ class LoraMatmulBackward : public torch::autograd::Node {
       result[1] = torch::mm(grad_projected.t(), adapter_input).mul_(scale_).to(a_dtype_);
     }
     if (should_compute_output(2)) result[2] = torch::mm(grad_rows.t(), projected_).mul_(scale_).to(b_dtype_);
-    release_variables();
     return result;
   }
 
+  // The engine calls this after apply unless the graph is retained.
   void release_variables() override {
     weight_ = input_rows_ = kept_ = projected_ = a_ = b_ = torch::Tensor();
   }

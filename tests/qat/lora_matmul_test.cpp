@@ -120,6 +120,28 @@ TEST(LoraMatmul, AnInputWithoutGradientStillTrainsTheAdapter) {
   EXPECT_LT(max_relative_error(b.grad(), expected.b), 2e-6);
 }
 
+TEST(LoraMatmul, ARetainedGraphGivesTheSameGradientsTwice) {
+  torch::manual_seed(16);
+  FourBitOptions options;
+  options.compute_dtype = torch::kFloat32;
+  const auto base = FourBitLinear::from_dense(torch::randn({32, 64}) * 0.05, torch::Tensor(), options);
+  auto x = torch::randn({6, 64}).requires_grad_(true);
+  auto a = (torch::randn({4, 64}) * 0.1).requires_grad_(true);
+  auto b = (torch::randn({32, 4}) * 0.1).requires_grad_(true);
+  torch::Tensor loss;
+  {
+    const KeepBuiltWeights keep(true);
+    loss = lora_matmul(x, base, a, b, 2.0).pow(2).sum();
+  }
+  loss.backward({}, /*retain_graph=*/true);
+  const auto first_x = x.grad().clone(), first_a = a.grad().clone();
+  x.mutable_grad().zero_();
+  a.mutable_grad().zero_();
+  loss.backward();
+  EXPECT_TRUE(torch::equal(x.grad(), first_x));
+  EXPECT_TRUE(torch::equal(a.grad(), first_a));
+}
+
 // Dropout acts on the adapter's input only. With A = B = I the update is the dropped input itself,
 // which shows the mask; the gradients must be those of peft's composition with that mask.
 TEST(LoraMatmul, DropoutMasksTheAdapterInputAndBackwardUsesTheSameMask) {
