@@ -87,7 +87,9 @@ int64_t adapter_rank(const Projection& projection, const TrainingMemorySetup& se
 double element_bytes(torch::ScalarType dtype) { return static_cast<double>(c10::elementSize(dtype)); }
 
 // One RMSNorm: its input in fp32 and 1 / rms per token; its normed output when its weight trains.
-double rms_norm_bytes(double tokens, int64_t hidden, double compute_bytes, bool weight_trains) {
+double rms_norm_bytes(double tokens, int64_t hidden, double compute_bytes, bool weight_trains, bool fused) {
+  // The fused CUDA kernel (trainer/llama_layers.h) keeps its input and one fp32 rstd per row.
+  if (fused) return tokens * (static_cast<double>(hidden) * compute_bytes + 4.0);
   return tokens * (4.0 * static_cast<double>(hidden) + 4.0) +
          (weight_trains ? tokens * static_cast<double>(hidden) * compute_bytes : 0.0);
 }
@@ -111,11 +113,12 @@ double decoder_layer_activation_bytes(const LlamaOptions& model, const TrainingM
   const double key_value = static_cast<double>(model.num_key_value_heads * model.head_dim);
   const double intermediate = static_cast<double>(model.intermediate_size);
   const double mask_bytes = setup.device == torch::kCUDA ? 1.0 : s;  // CUDA's fused dropout keeps a bool mask
+  const bool fused_layers = setup.device == torch::kCUDA;  // RMSNorm and SwiGLU kernels (trainer/llama_layers.h)
   // The first layer's input comes from the frozen embeddings and does not require grad.
   const bool input_requires_grad = layer > 0 || setup.full_finetune;
 
-  double bytes = rms_norm_bytes(tokens, model.hidden_size, s, setup.full_finetune);  // post_attention_layernorm
-  if (input_requires_grad) bytes += rms_norm_bytes(tokens, model.hidden_size, s, setup.full_finetune);
+  double bytes = rms_norm_bytes(tokens, model.hidden_size, s, setup.full_finetune, fused_layers);  // post_attention_layernorm
+  if (input_requires_grad) bytes += rms_norm_bytes(tokens, model.hidden_size, s, setup.full_finetune, fused_layers);
   std::map<ProjectionInput, bool> input_saved;
   for (const auto& projection : decoder_projections(model, layer)) {
     const double in = static_cast<double>(projection.in);
@@ -159,7 +162,8 @@ double decoder_layer_activation_bytes(const LlamaOptions& model, const TrainingM
     // becomes a [batch, 1, seq, seq] tensor of the compute dtype in every call.
     bytes += tokens * ((2.0 * query + 2.0 * key_value) * s + 4.0 * heads) + (setup.packed ? tokens * sequence * s : 0.0);
   }
-  bytes += 3.0 * tokens * intermediate * s;  // SwiGLU: gate output, silu(gate), up output
+  // SwiGLU: the gate and up outputs, and the torch operations' silu(gate) too.
+  bytes += (fused_layers ? 2.0 : 3.0) * tokens * intermediate * s;
   return bytes;
 }
 
@@ -267,7 +271,8 @@ PeakMemoryEstimate estimate_peak_memory(const LlamaOptions& model, const Trainin
   const double tokens = static_cast<double>(setup.micro_batch_size * setup.sequence_length);
   const double hidden = static_cast<double>(model.hidden_size);
   const double per_micro_batch = tokens * 2.0 * static_cast<double>(model.head_dim) * s +  // rotary cos, sin
-                                 rms_norm_bytes(tokens, model.hidden_size, s, setup.full_finetune) +  // final norm
+                                 rms_norm_bytes(tokens, model.hidden_size, s, setup.full_finetune,
+                                                setup.device == torch::kCUDA) +  // final norm
                                  (setup.packed ? tokens * static_cast<double>(setup.sequence_length) : 0.0);  // bool mask
   // With checkpointing, backward walks the layers from the last: when it reaches layer j, the
   // layers above have let go of theirs, those below still keep theirs, and a checkpointed j holds
