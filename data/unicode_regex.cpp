@@ -11,6 +11,7 @@ struct UnicodeRegex::Compiled {
   pcre2_code* code = nullptr;
   std::string pattern;
   std::string where;
+  ErrorCode code = ErrorCode::kTokenizer;
   ~Compiled() { pcre2_code_free(code); }
 };
 
@@ -49,17 +50,18 @@ ThreadMatchState& thread_match_state() {
 
 }  // namespace
 
-UnicodeRegex::UnicodeRegex(const std::string& pattern, const std::string& where) {
+UnicodeRegex::UnicodeRegex(const std::string& pattern, const std::string& where, ErrorCode code) {
   auto compiled = std::make_shared<Compiled>();
   compiled->pattern = pattern;
   compiled->where = where;
+  compiled->code = code;
   int error_code = 0;
   PCRE2_SIZE error_offset = 0;
   compiled->code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
                                  PCRE2_UTF | PCRE2_UCP | PCRE2_MATCH_INVALID_UTF, &error_code,
                                  &error_offset, nullptr);
   if (compiled->code == nullptr) {
-    throw Error(ErrorCode::kTokenizer, where + ": the regular expression does not compile (" + pcre2_message(error_code) +
+    throw Error(code, where + ": the regular expression does not compile (" + pcre2_message(error_code) +
                 " at offset " + std::to_string(error_offset) + "): " + pattern);
   }
   // Without JIT support (some builds) pcre2_match interprets the pattern: slower, same result.
@@ -108,7 +110,7 @@ bool UnicodeRegex::full_match(std::string_view subject) const {
                                  PCRE2_ANCHORED | PCRE2_ENDANCHORED | PCRE2_NO_JIT, state.match_data, state.context);
   if (result == PCRE2_ERROR_NOMATCH) return false;
   if (result < 0) {
-    throw Error(ErrorCode::kTokenizer, compiled_->where + ": the regular expression gave up on '" + std::string(subject) + "' (" +
+    throw Error(compiled_->code, compiled_->where + ": the regular expression gave up on '" + std::string(subject) + "' (" +
                 pcre2_message(result) + "); simplify it: " + compiled_->pattern);
   }
   return true;

@@ -9,6 +9,8 @@
 #include <string_view>
 #include <vector>
 
+#include "kernels/error.h"
+
 namespace qtrain::data {
 
 struct TextSpan {
@@ -18,8 +20,9 @@ struct TextSpan {
 
 class UnicodeRegex {
  public:
-  // `where` names the pattern's origin for the error message when it does not compile.
-  UnicodeRegex(const std::string& pattern, const std::string& where);
+  // `where` names the pattern's origin for the error messages; `code` is theirs (a pattern from
+  // a tokenizer, an adapter config or a recipe).
+  UnicodeRegex(const std::string& pattern, const std::string& where, ErrorCode code = ErrorCode::kTokenizer);
 
   // All non-overlapping, non-empty matches, left to right. Safe to call from many threads.
   std::vector<TextSpan> find_all(std::string_view subject) const;

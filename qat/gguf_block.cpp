@@ -1,6 +1,5 @@
 #include "qat/gguf_block.h"
 
-#include <array>
 #include <cstring>
 
 #include "kernels/error.h"
@@ -9,27 +8,7 @@ namespace qtrain::qat {
 
 namespace {
 
-constexpr int64_t kBlockElements = 32;  // ggml's QK4_0 and QK8_0
-
-// ggml's structs; the fp16 d is kept as its bits.
-struct BlockQ4_0 {
-  uint16_t d;
-  uint8_t qs[kBlockElements / 2];
-};
-static_assert(sizeof(BlockQ4_0) == sizeof(uint16_t) + kBlockElements / 2, "wrong q4_0 block size/padding");
-
-struct BlockQ8_0 {
-  uint16_t d;
-  int8_t qs[kBlockElements];
-};
-static_assert(sizeof(BlockQ8_0) == sizeof(uint16_t) + kBlockElements, "wrong q8_0 block size/padding");
-
 constexpr int kQ4Offset = 8;  // Q4_0 stores q + 8 in a nibble
-
-const std::array<GgufBlockFormat, 2> kBlockFormats = {{
-    {GgufBlockType::kQ4_0, "Q4_0", 2, kBlockElements, sizeof(BlockQ4_0), 4},
-    {GgufBlockType::kQ8_0, "Q8_0", 8, kBlockElements, sizeof(BlockQ8_0), 8},
-}};
 
 int64_t numel_of(c10::IntArrayRef shape) {
   int64_t count = 1;
@@ -38,10 +17,6 @@ int64_t numel_of(c10::IntArrayRef shape) {
 }
 
 }  // namespace
-
-const GgufBlockFormat& gguf_block_format(GgufBlockType type) {
-  return kBlockFormats[type == GgufBlockType::kQ4_0 ? 0 : 1];
-}
 
 GgufBlockType gguf_block_type_for(const QuantSpec& spec, const std::string& what) {
   const std::string scheme = " (" + spec.describe() + ")";
@@ -53,7 +28,7 @@ GgufBlockType gguf_block_type_for(const QuantSpec& spec, const std::string& what
     throw Error(what + ".symmetric: false cannot be written as GGUF Q4_0 / Q8_0, which are symmetric (no zero point)" +
                 scheme + "; set symmetric: true or export as safetensors-int");
   }
-  if (spec.granularity != Granularity::kPerGroup || spec.group_size != kBlockElements) {
+  if (spec.granularity != Granularity::kPerGroup || spec.group_size != kGgufBlockElements) {
     throw Error(what + ".group_size: GGUF Q4_0 / Q8_0 need granularity per_group with group_size 32" + scheme);
   }
   if (spec.scale_dtype != torch::kFloat16) {
@@ -78,26 +53,26 @@ std::vector<uint8_t> encode_gguf_blocks(const QuantizedTensor& tensor, const std
     throw Error(what + ": tensor " + shape_text(shape) + " has non-zero zero points, which GGUF Q4_0 / Q8_0 cannot store");
   }
 
-  const int64_t blocks = codes.numel() / kBlockElements;
+  const int64_t blocks = codes.numel() / kGgufBlockElements;
   std::vector<uint8_t> bytes(static_cast<size_t>(blocks * format.block_bytes));
   const int8_t* q = codes.data_ptr<int8_t>();
   const auto* d = reinterpret_cast<const uint16_t*>(half_scale.data_ptr<at::Half>());
   for (int64_t block = 0; block < blocks; ++block) {
-    const int8_t* block_q = q + block * kBlockElements;
+    const int8_t* block_q = q + block * kGgufBlockElements;
     uint8_t* out = bytes.data() + block * format.block_bytes;
     if (type == GgufBlockType::kQ4_0) {
-      BlockQ4_0 packed{};
+      GgufBlockQ4_0 packed{};
       packed.d = d[block];
-      for (int64_t j = 0; j < kBlockElements / 2; ++j) {
+      for (int64_t j = 0; j < kGgufBlockElements / 2; ++j) {
         const int low = block_q[j] + kQ4Offset;
-        const int high = block_q[j + kBlockElements / 2] + kQ4Offset;
+        const int high = block_q[j + kGgufBlockElements / 2] + kQ4Offset;
         packed.qs[j] = static_cast<uint8_t>(low | (high << 4));
       }
       std::memcpy(out, &packed, sizeof(packed));
     } else {
-      BlockQ8_0 packed{};
+      GgufBlockQ8_0 packed{};
       packed.d = d[block];
-      std::memcpy(packed.qs, block_q, kBlockElements);
+      std::memcpy(packed.qs, block_q, kGgufBlockElements);
       std::memcpy(out, &packed, sizeof(packed));
     }
   }
@@ -107,8 +82,8 @@ std::vector<uint8_t> encode_gguf_blocks(const QuantizedTensor& tensor, const std
 torch::Tensor decode_gguf_blocks(const std::vector<uint8_t>& bytes, GgufBlockType type, c10::IntArrayRef shape) {
   const auto& format = gguf_block_format(type);
   const int64_t numel = numel_of(shape);
-  const int64_t blocks = numel / kBlockElements;
-  if (numel % kBlockElements != 0 || static_cast<int64_t>(bytes.size()) != blocks * format.block_bytes) {
+  const int64_t blocks = numel / kGgufBlockElements;
+  if (numel % kGgufBlockElements != 0 || static_cast<int64_t>(bytes.size()) != blocks * format.block_bytes) {
     throw Error(std::string(format.name) + " data of " + std::to_string(bytes.size()) + " bytes does not hold a tensor of shape " +
                 shape_text(shape));
   }
@@ -119,18 +94,18 @@ torch::Tensor decode_gguf_blocks(const std::vector<uint8_t>& bytes, GgufBlockTyp
     uint16_t d_bits = 0;
     std::memcpy(&d_bits, in, sizeof(d_bits));
     const float d = static_cast<float>(c10::Half(d_bits, c10::Half::from_bits()));
-    float* out = y + block * kBlockElements;
+    float* out = y + block * kGgufBlockElements;
     if (type == GgufBlockType::kQ4_0) {
-      BlockQ4_0 packed;
+      GgufBlockQ4_0 packed;
       std::memcpy(&packed, in, sizeof(packed));
-      for (int64_t j = 0; j < kBlockElements / 2; ++j) {
+      for (int64_t j = 0; j < kGgufBlockElements / 2; ++j) {
         out[j] = static_cast<float>((packed.qs[j] & 0x0F) - kQ4Offset) * d;
-        out[j + kBlockElements / 2] = static_cast<float>((packed.qs[j] >> 4) - kQ4Offset) * d;
+        out[j + kGgufBlockElements / 2] = static_cast<float>((packed.qs[j] >> 4) - kQ4Offset) * d;
       }
     } else {
-      BlockQ8_0 packed;
+      GgufBlockQ8_0 packed;
       std::memcpy(&packed, in, sizeof(packed));
-      for (int64_t j = 0; j < kBlockElements; ++j) out[j] = static_cast<float>(packed.qs[j]) * d;
+      for (int64_t j = 0; j < kGgufBlockElements; ++j) out[j] = static_cast<float>(packed.qs[j]) * d;
     }
   }
   return values.reshape(shape);

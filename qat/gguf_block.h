@@ -18,22 +18,10 @@
 #include <string>
 #include <vector>
 
+#include "qat/gguf_block_format.h"
 #include "qat/quantize.h"
 
 namespace qtrain::qat {
-
-enum class GgufBlockType { kQ4_0, kQ8_0 };
-
-struct GgufBlockFormat {
-  GgufBlockType type;
-  const char* name;        // "Q4_0", as gguf-py's GGMLQuantizationType names it
-  uint32_t ggml_type;      // the type id a GGUF tensor-info records (ggml_type enum)
-  int64_t block_elements;  // 32
-  int64_t block_bytes;     // sizeof the block struct
-  int64_t bits;            // of each q
-};
-
-const GgufBlockFormat& gguf_block_format(GgufBlockType type);
 
 // The block type that holds tensors quantized with `spec` exactly; an Error naming `what` (the
 // recipe key of the weights' spec) and why GGUF cannot hold the scheme otherwise.

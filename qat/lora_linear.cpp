@@ -1,8 +1,8 @@
 #include "qat/lora_linear.h"
 
 #include <cmath>
-#include <regex>
 
+#include "data/unicode_regex.h"
 #include "kernels/error.h"
 #include "qat/lora_matmul.h"
 #include "qat/qat_linear.h"
@@ -79,12 +79,13 @@ bool has_regex_characters(const std::string& pattern) {
   return pattern.find_first_of("*+?()[]{}|^$\\") != std::string::npos;
 }
 
+// The whole name against a pattern from a recipe or an adapter config (re.fullmatch), with
+// PCRE2 as peft's patterns are (data/unicode_regex.h): std::regex's recursion can overflow the
+// stack on deep nesting and backtracks without bound; PCRE2's nesting and match limits turn
+// such a pattern into an Error naming it.
 bool full_regex_match(const std::string& pattern, const std::string& text) {
-  try {
-    return std::regex_match(text, std::regex(pattern, std::regex::ECMAScript));
-  } catch (const std::regex_error& error) {
-    throw Error("target module pattern '" + pattern + "' is not a valid regular expression (" + error.what() + ")");
-  }
+  const std::string where = "target_modules pattern '" + pattern + "'";
+  return data::UnicodeRegex(pattern, where, ErrorCode::kRecipe).full_match(text);
 }
 
 bool ends_with_component(const std::string& name, const std::string& suffix) {

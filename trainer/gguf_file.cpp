@@ -6,7 +6,7 @@
 #include <iterator>
 #include <limits>
 
-#include "qat/gguf_block.h"
+#include "qat/gguf_block_format.h"
 #include "trainer/file_system.h"
 
 namespace qtrain::trainer {
@@ -23,7 +23,7 @@ GgufTensorTypeInfo block_type_info(GgufTensorType type, qat::GgufBlockType block
 }
 
 // ggml's type ids for the float types (ggml.h: GGML_TYPE_F32 = 0, F16 = 1, BF16 = 30); the
-// block formats come from qat/gguf_block.h.
+// block formats come from qat/gguf_block_format.h.
 const std::array<GgufTensorTypeInfo, 5>& tensor_types() {
   static const std::array<GgufTensorTypeInfo, 5> types = {{
       {GgufTensorType::kF32, "F32", 0, 1, 4},

@@ -68,7 +68,7 @@ struct GgufValue {
 };
 
 // The tensor types a GGUF tensor-info records (ggml's `enum ggml_type`), one table: the float
-// types and the block formats of qat/gguf_block.h (whose ids and sizes are taken from there).
+// types and the block formats of qat/gguf_block_format.h (whose ids and sizes are taken from there).
 enum class GgufTensorType { kF32, kF16, kBF16, kQ4_0, kQ8_0 };
 
 struct GgufTensorTypeInfo {

@@ -24,7 +24,7 @@ constexpr const char* kWeightsFile = kPeftWeightsFile;
 // file can overflow or send into exponential backtracking.
 bool matches_peft_pattern(const std::string& pattern, const std::string& module_name, const std::string& key) {
   const std::string where = std::string(kConfigFile) + ": " + key + " pattern '" + pattern + "'";
-  return data::UnicodeRegex("(?:.*\\.)?(?:" + pattern + ")", where).full_match(module_name);
+  return data::UnicodeRegex("(?:.*\\.)?(?:" + pattern + ")", where, ErrorCode::kAdapter).full_match(module_name);
 }
 
 // Reading adapter_config.json: every value checked, every message naming the file and key.

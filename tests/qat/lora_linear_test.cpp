@@ -242,6 +242,32 @@ TEST(ApplyLora, ARegexStringMustMatchTheWholeName) {
   EXPECT_EQ(names_of(find_lora_targets(model, targets_of({".*\\.v_proj"}))), (std::vector<std::string>{"block.v_proj"}));
 }
 
+// Patterns come from recipes and downloaded adapter configs: a pattern nested too deeply or
+// one that backtracks exponentially is an Error naming it, never a stack overflow or a hang.
+TEST(ApplyLora, ADeeplyNestedOrRunawayPatternIsAnErrorNamingIt) {
+  const auto expect_error = [](const std::string& pattern, const std::string& module_name, const std::string& why) {
+    ModuleSelector selector;
+    selector.regex = pattern;
+    try {
+      selector.matches(module_name);
+      ADD_FAILURE() << "no error for " << pattern.substr(0, 40);
+    } catch (const Error& error) {
+      EXPECT_EQ(error.code(), ErrorCode::kRecipe);
+      EXPECT_NE(std::string(error.what()).find("target_modules pattern '" + pattern.substr(0, 20)), std::string::npos)
+          << error.what();
+      EXPECT_NE(std::string(error.what()).find(why), std::string::npos) << error.what();
+    }
+  };
+  expect_error(std::string(20000, '(') + "q_proj" + std::string(20000, ')'), "model.layers.0.self_attn.q_proj",
+               "does not compile");
+  expect_error("(.*)*x", "model.layers.0.self_attn.xq_proj_with_a_long_suffix", "simplify it");
+  // A list entry with regex characters takes the same path.
+  ModuleSelector listed;
+  listed.names = {"q_proj", "(.*)*x"};
+  EXPECT_TRUE(listed.matches("model.layers.0.self_attn.q_proj"));
+  EXPECT_THROW(listed.matches("model.layers.0.self_attn.xq_proj_with_a_long_suffix"), Error);
+}
+
 TEST(ApplyLora, AllLinearSkipsTheOutputLayerAndExcludeModulesApply) {
   ToyModel model;
   auto targets = targets_of({"all-linear"});
