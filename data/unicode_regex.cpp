@@ -11,7 +11,7 @@ struct UnicodeRegex::Compiled {
   pcre2_code* code = nullptr;
   std::string pattern;
   std::string where;
-  ErrorCode code = ErrorCode::kTokenizer;
+  ErrorCode error_code = ErrorCode::kTokenizer;
   ~Compiled() { pcre2_code_free(code); }
 };
 
@@ -54,7 +54,7 @@ UnicodeRegex::UnicodeRegex(const std::string& pattern, const std::string& where,
   auto compiled = std::make_shared<Compiled>();
   compiled->pattern = pattern;
   compiled->where = where;
-  compiled->code = code;
+  compiled->error_code = code;
   int error_code = 0;
   PCRE2_SIZE error_offset = 0;
   compiled->code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
@@ -110,7 +110,7 @@ bool UnicodeRegex::full_match(std::string_view subject) const {
                                  PCRE2_ANCHORED | PCRE2_ENDANCHORED | PCRE2_NO_JIT, state.match_data, state.context);
   if (result == PCRE2_ERROR_NOMATCH) return false;
   if (result < 0) {
-    throw Error(compiled_->code, compiled_->where + ": the regular expression gave up on '" + std::string(subject) + "' (" +
+    throw Error(compiled_->error_code, compiled_->where + ": the regular expression gave up on '" + std::string(subject) + "' (" +
                 pcre2_message(result) + "); simplify it: " + compiled_->pattern);
   }
   return true;
