@@ -172,7 +172,13 @@ void prune_training_checkpoints(const std::string& run_dir, int64_t keep_last) {
   if (keep_last <= 0) return;
   const auto checkpoints = list_training_checkpoints(run_dir);
   for (size_t index = 0; index + static_cast<size_t>(keep_last) < checkpoints.size(); ++index) {
-    remove_tree(checkpoints[index]);
+    // Renamed out of sight first (one atomic step): a kill during the removal then leaves a
+    // staging leftover, removed above next time, never a checkpoint that looks whole without its files.
+    const fs::path path(checkpoints[index]);
+    const fs::path hidden = path.parent_path() / ("." + path.filename().string() + ".pruned.staging");
+    std::error_code rename_error;
+    fs::rename(path, hidden, rename_error);
+    remove_tree(rename_error ? path.string() : hidden.string());
   }
 }
 
