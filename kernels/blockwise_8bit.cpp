@@ -49,8 +49,8 @@ at::Tensor unsigned_dynamic_map() {
 }
 
 BlockwiseQuantized quantize_blockwise_8bit(const at::Tensor& input, const at::Tensor& code, int64_t blocksize) {
-  if (code.numel() != 256) throw Error("8-bit blockwise quantization needs a 256-entry code");
-  if (blocksize < 1) throw Error("8-bit blockwise quantization: blocksize must be >= 1, got " + std::to_string(blocksize));
+  if (code.numel() != 256) throw Error(ErrorCode::kInternal, "8-bit blockwise quantization needs a 256-entry code");
+  if (blocksize < 1) throw Error(ErrorCode::kRecipe, "8-bit blockwise quantization: blocksize must be >= 1, got " + std::to_string(blocksize));
   if (kCudaKernelsBuilt && input.is_cuda()) {
     const auto type = input.scalar_type();
     const bool readable = type == torch::kFloat32 || type == torch::kFloat16 || type == torch::kBFloat16;
@@ -81,7 +81,7 @@ at::Tensor dequantize_blockwise_8bit(const at::Tensor& codes, const at::Tensor& 
   const int64_t n = codes.numel();
   const int64_t blocks = ceil_div(n, blocksize);
   if (absmax.numel() != blocks) {
-    throw Error("8-bit blockwise dequantization: " + std::to_string(n) + " codes in blocks of " +
+    throw Error(ErrorCode::kCheckpoint, "8-bit blockwise dequantization: " + std::to_string(n) + " codes in blocks of " +
                 std::to_string(blocksize) + " need " + std::to_string(blocks) + " absmax values, got " +
                 std::to_string(absmax.numel()));
   }

@@ -111,7 +111,7 @@ __global__ void quantize_8bit_kernel(const scalar_t* __restrict__ input, int64_t
 FourBitPicker make_picker(const FourBitQuantizer& quantizer) {
   const auto threshold_count = static_cast<int64_t>(quantizer.thresholds.size());
   if (threshold_count > kMaxThresholds || static_cast<int64_t>(quantizer.code_of_rank.size()) != threshold_count + 1) {
-    throw Error("quantize_4bit_cuda: a 4-bit quantizer needs at most 15 thresholds and one code per rank, got " +
+    throw Error(ErrorCode::kInternal, "quantize_4bit_cuda: a 4-bit quantizer needs at most 15 thresholds and one code per rank, got " +
                 std::to_string(threshold_count) + " thresholds and " + std::to_string(quantizer.code_of_rank.size()) +
                 " codes");
   }
@@ -119,7 +119,7 @@ FourBitPicker make_picker(const FourBitQuantizer& quantizer) {
   picker.threshold_count = static_cast<int>(threshold_count);
   for (int64_t k = 0; k < threshold_count; ++k) picker.thresholds[k] = quantizer.thresholds[k];
   for (int64_t rank = 0; rank <= threshold_count; ++rank) {
-    if (quantizer.code_of_rank[rank] > 15) throw Error("quantize_4bit_cuda: a 4-bit code must be below 16");
+    if (quantizer.code_of_rank[rank] > 15) throw Error(ErrorCode::kInternal, "quantize_4bit_cuda: a 4-bit code must be below 16");
     picker.codes_by_rank |= static_cast<uint64_t>(quantizer.code_of_rank[rank]) << (4 * rank);
   }
   picker.sign_magnitude = quantizer.sign_magnitude;
@@ -131,7 +131,7 @@ FourBitPicker make_picker(const FourBitQuantizer& quantizer) {
 BlockwiseCodes quantize_4bit_cuda(const at::Tensor& input, const FourBitQuantizer& quantizer, int64_t blocksize) {
   check_cuda_tensor(input, "quantize_4bit_cuda: input");
   if (!is_power_of_two(blocksize) || blocksize < 8) {
-    throw Error("quantize_4bit_cuda: blocksize " + std::to_string(blocksize) + " must be a power of two, at least 8");
+    throw Error(ErrorCode::kRecipe, "quantize_4bit_cuda: blocksize " + std::to_string(blocksize) + " must be a power of two, at least 8");
   }
   const FourBitPicker picker = make_picker(quantizer);
   const c10::cuda::CUDAGuard device_guard(input.device());
@@ -158,9 +158,9 @@ BlockwiseCodes quantize_blockwise_8bit_cuda(const at::Tensor& input, const at::T
   check_same_device(code, input, "quantize_blockwise_8bit_cuda: code");
   check_scalar_type(code, at::kFloat, "quantize_blockwise_8bit_cuda: code");
   if (code.numel() != 256) {
-    throw Error("quantize_blockwise_8bit_cuda: the code must have 256 values, got " + std::to_string(code.numel()));
+    throw Error(ErrorCode::kInternal, "quantize_blockwise_8bit_cuda: the code must have 256 values, got " + std::to_string(code.numel()));
   }
-  if (blocksize < 1) throw Error("quantize_blockwise_8bit_cuda: blocksize " + std::to_string(blocksize) + " must be positive");
+  if (blocksize < 1) throw Error(ErrorCode::kRecipe, "quantize_blockwise_8bit_cuda: blocksize " + std::to_string(blocksize) + " must be positive");
   const c10::cuda::CUDAGuard device_guard(input.device());
   const int64_t n = input.numel();
   const int64_t blocks = ceil_div(n, blocksize);

@@ -15,7 +15,7 @@ constexpr bool kCudaKernelsBuilt = false;
 #endif
 
 [[noreturn]] inline void no_cuda_kernels(const std::string& entry_point) {
-  throw Error(entry_point + ": qtrain was built without its CUDA kernels (CMake found no nvcc); install the CUDA "
+  throw Error(ErrorCode::kUsage, entry_point + ": qtrain was built without its CUDA kernels (CMake found no nvcc); install the CUDA "
               "Toolkit and reconfigure, or keep the tensors on the CPU");
 }
 

@@ -18,23 +18,23 @@ inline bool is_power_of_two(int64_t value) { return value > 0 && (value & (value
 
 // `what` names the argument, e.g. "quantize_4bit_cuda: input".
 inline void check_cuda_tensor(const at::Tensor& tensor, const std::string& what) {
-  if (!tensor.defined()) throw Error(what + " is missing (an undefined tensor)");
+  if (!tensor.defined()) throw Error(ErrorCode::kInternal, what + " is missing (an undefined tensor)");
   if (!tensor.is_cuda()) {
-    throw Error(what + " is on " + tensor.device().str() + ", the CUDA kernel needs it on a CUDA device (move it with .to(torch::kCUDA))");
+    throw Error(ErrorCode::kInternal, what + " is on " + tensor.device().str() + ", the CUDA kernel needs it on a CUDA device (move it with .to(torch::kCUDA))");
   }
-  if (!tensor.is_contiguous()) throw Error(what + " must be contiguous (call .contiguous() first)");
+  if (!tensor.is_contiguous()) throw Error(ErrorCode::kInternal, what + " must be contiguous (call .contiguous() first)");
 }
 
 inline void check_same_device(const at::Tensor& tensor, const at::Tensor& reference, const std::string& what) {
   if (tensor.device() != reference.device()) {
-    throw Error(what + " is on " + tensor.device().str() + ", expected " + reference.device().str() +
+    throw Error(ErrorCode::kInternal, what + " is on " + tensor.device().str() + ", expected " + reference.device().str() +
                 " like the tensor it belongs to");
   }
 }
 
 inline void check_scalar_type(const at::Tensor& tensor, c10::ScalarType expected, const std::string& what) {
   if (tensor.scalar_type() != expected) {
-    throw Error(what + " must be " + std::string(c10::toString(expected)) + ", got " +
+    throw Error(ErrorCode::kInternal, what + " must be " + std::string(c10::toString(expected)) + ", got " +
                 std::string(c10::toString(tensor.scalar_type())));
   }
 }
@@ -54,7 +54,7 @@ void dispatch_float_type(c10::ScalarType type, const std::string& what, const Fu
       function(c10::BFloat16{});
       return;
     default:
-      throw Error(what + " must be fp32, fp16 or bf16, got " + std::string(c10::toString(type)));
+      throw Error(ErrorCode::kInternal, what + " must be fp32, fp16 or bf16, got " + std::string(c10::toString(type)));
   }
 }
 

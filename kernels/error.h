@@ -14,7 +14,6 @@ namespace qtrain {
 // What went wrong, as a stable name a user can look up in docs/ERRORS.md. Names are data:
 // error_code_name() is the one table; never renumber or rename a code that shipped.
 enum class ErrorCode {
-  kUnclassified,    // QT-ERROR: a throw site not yet given a code
   kUsage,           // QT-USAGE: the command line
   kRecipe,          // QT-RECIPE: recipe YAML or a --set override
   kModelConfig,     // QT-CONFIG: config.json, generation_config.json
@@ -32,7 +31,6 @@ enum class ErrorCode {
 
 inline const char* error_code_name(ErrorCode code) {
   switch (code) {
-    case ErrorCode::kUnclassified: return "QT-ERROR";
     case ErrorCode::kUsage: return "QT-USAGE";
     case ErrorCode::kRecipe: return "QT-RECIPE";
     case ErrorCode::kModelConfig: return "QT-CONFIG";
@@ -47,17 +45,17 @@ inline const char* error_code_name(ErrorCode code) {
     case ErrorCode::kOutOfMemory: return "QT-OUT-OF-MEMORY";
     case ErrorCode::kInternal: return "QT-INTERNAL";
   }
-  return "QT-ERROR";
+  return "QT-INTERNAL";
 }
 
 class Error : public std::runtime_error {
  public:
-  explicit Error(const std::string& message) : std::runtime_error(message) {}
+  // Every throw site names its code: a user looks the code up in docs/ERRORS.md.
   Error(ErrorCode code, const std::string& message) : std::runtime_error(message), code_(code) {}
   ErrorCode code() const { return code_; }
 
  private:
-  ErrorCode code_ = ErrorCode::kUnclassified;
+  ErrorCode code_;
 };
 
 // "[8192, 256]": a tensor shape as error messages write it (and as c10 prints sizes()).

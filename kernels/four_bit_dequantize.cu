@@ -94,7 +94,7 @@ void check_scales(const FourBitScales& scales, const at::Tensor& packed, int64_t
   check_cuda_tensor(scales.absmax, what + "absmax");
   check_same_device(scales.absmax, packed, what + "absmax");
   if (scales.absmax.numel() != blocks) {
-    throw Error(what + "absmax has " + std::to_string(scales.absmax.numel()) + " values, the packed weight has " +
+    throw Error(ErrorCode::kWeights, what + "absmax has " + std::to_string(scales.absmax.numel()) + " values, the packed weight has " +
                 std::to_string(blocks) + " blocks");
   }
   if (!scales.nested_absmax.defined()) {
@@ -108,10 +108,10 @@ void check_scales(const FourBitScales& scales, const at::Tensor& packed, int64_t
   check_same_device(scales.nested_code, packed, what + "nested_code");
   check_scalar_type(scales.nested_absmax, at::kFloat, what + "nested_absmax");
   check_scalar_type(scales.nested_code, at::kFloat, what + "nested_code");
-  if (scales.nested_blocksize < 1) throw Error(what + "nested_blocksize must be positive");
+  if (scales.nested_blocksize < 1) throw Error(ErrorCode::kWeights, what + "nested_blocksize must be positive");
   const int64_t nested_blocks = ceil_div(blocks, scales.nested_blocksize);
   if (scales.nested_absmax.numel() != nested_blocks || scales.nested_code.numel() != 256) {
-    throw Error(what + "nested_absmax has " + std::to_string(scales.nested_absmax.numel()) + " values (expected " +
+    throw Error(ErrorCode::kWeights, what + "nested_absmax has " + std::to_string(scales.nested_absmax.numel()) + " values (expected " +
                 std::to_string(nested_blocks) + ") and nested_code " + std::to_string(scales.nested_code.numel()) +
                 " (expected 256)");
   }
@@ -124,14 +124,14 @@ at::Tensor dequantize_4bit_cuda(const at::Tensor& packed, int64_t numel, int64_t
   check_cuda_tensor(packed, "dequantize_4bit_cuda: packed");
   check_scalar_type(packed, at::kByte, "dequantize_4bit_cuda: packed");
   if (numel < 0 || packed.numel() != ceil_div(numel, 2)) {
-    throw Error("dequantize_4bit_cuda: packed has " + std::to_string(packed.numel()) + " bytes, " +
+    throw Error(ErrorCode::kWeights, "dequantize_4bit_cuda: packed has " + std::to_string(packed.numel()) + " bytes, " +
                 std::to_string(numel) + " values need " + std::to_string(ceil_div(numel, 2)));
   }
   if (!is_power_of_two(blocksize) || blocksize < kValuesPerThread) {
-    throw Error("dequantize_4bit_cuda: blocksize " + std::to_string(blocksize) + " must be a power of two, at least 8");
+    throw Error(ErrorCode::kWeights, "dequantize_4bit_cuda: blocksize " + std::to_string(blocksize) + " must be a power of two, at least 8");
   }
   if (decode.size() != 16) {
-    throw Error("dequantize_4bit_cuda: the decode table must have 16 values, got " + std::to_string(decode.size()));
+    throw Error(ErrorCode::kInternal, "dequantize_4bit_cuda: the decode table must have 16 values, got " + std::to_string(decode.size()));
   }
   const int64_t blocks = ceil_div(numel, blocksize);
   check_scales(scales, packed, blocks);

@@ -82,7 +82,7 @@ void check_rows(const at::Tensor& x, const at::Tensor& weight, const std::string
   check_same_device(weight, x, what + ": weight");
   check_scalar_type(weight, x.scalar_type(), what + ": weight");
   if (x.dim() != 2 || weight.dim() != 1 || weight.size(0) != x.size(1)) {
-    throw Error(what + ": expected x [rows, width] and weight [width], got " + std::to_string(x.dim()) + "-d x and " +
+    throw Error(ErrorCode::kInternal, what + ": expected x [rows, width] and weight [width], got " + std::to_string(x.dim()) + "-d x and " +
                 std::to_string(weight.numel()) + " weights");
   }
 }
@@ -113,7 +113,7 @@ at::Tensor rms_norm_backward_cuda(const at::Tensor& grad_output, const at::Tenso
   check_scalar_type(grad_output, x.scalar_type(), "rms_norm_backward_cuda: grad_output");
   check_scalar_type(rstd, at::kFloat, "rms_norm_backward_cuda: rstd");
   if (!grad_output.sizes().equals(x.sizes()) || rstd.numel() != x.size(0)) {
-    throw Error("rms_norm_backward_cuda: grad_output must have x's shape and rstd one value per row");
+    throw Error(ErrorCode::kInternal, "rms_norm_backward_cuda: grad_output must have x's shape and rstd one value per row");
   }
   const c10::cuda::CUDAGuard device_guard(x.device());
   auto grad_x = at::empty_like(x);

@@ -61,7 +61,7 @@ at::Tensor rotary_embedding_cuda(const at::Tensor& x, const at::Tensor& cos, con
   check_scalar_type(sin, x.scalar_type(), what + ": sin");
   if (x.dim() != 4 || cos.dim() != 3 || !cos.sizes().equals(sin.sizes()) || cos.size(0) != x.size(0) ||
       cos.size(1) != x.size(1) || cos.size(2) != x.size(3) || x.size(3) % 2 != 0) {
-    throw Error(what + ": expected x [batch, seq, heads, head_dim] (head_dim even) and cos/sin [batch, seq, head_dim]");
+    throw Error(ErrorCode::kInternal, what + ": expected x [batch, seq, heads, head_dim] (head_dim even) and cos/sin [batch, seq, head_dim]");
   }
   const c10::cuda::CUDAGuard device_guard(x.device());
   auto out = at::empty_like(x);

@@ -93,7 +93,7 @@ void check_pair(const at::Tensor& a, const at::Tensor& b, const std::string& wha
   check_cuda_tensor(b, what);
   check_same_device(b, a, what);
   check_scalar_type(b, a.scalar_type(), what);
-  if (!a.sizes().equals(b.sizes())) throw Error(what + ": the tensors must have one shape");
+  if (!a.sizes().equals(b.sizes())) throw Error(ErrorCode::kInternal, what + ": the tensors must have one shape");
 }
 
 }  // namespace

@@ -8,12 +8,12 @@ namespace qtrain::optim {
 
 void check_adamw_options(const AdamWOptions& options) {
   if (!(options.beta1 >= 0.0 && options.beta1 < 1.0) || !(options.beta2 >= 0.0 && options.beta2 < 1.0)) {
-    throw Error("optim.betas must both lie in [0, 1), got [" + std::to_string(options.beta1) + ", " +
+    throw Error(ErrorCode::kRecipe, "optim.betas must both lie in [0, 1), got [" + std::to_string(options.beta1) + ", " +
                 std::to_string(options.beta2) + "]");
   }
-  if (!(options.eps >= 0.0)) throw Error("optim.eps must be >= 0, got " + std::to_string(options.eps));
+  if (!(options.eps >= 0.0)) throw Error(ErrorCode::kRecipe, "optim.eps must be >= 0, got " + std::to_string(options.eps));
   if (!(options.weight_decay >= 0.0)) {
-    throw Error("optim.weight_decay must be >= 0, got " + std::to_string(options.weight_decay));
+    throw Error(ErrorCode::kRecipe, "optim.weight_decay must be >= 0, got " + std::to_string(options.weight_decay));
   }
 }
 

@@ -39,7 +39,7 @@ AdamStepScalars step_scalars(const AdamWOptions& options, double learning_rate, 
 AdamW8bit::AdamW8bit(std::vector<torch::Tensor> parameters, const AdamW8bitOptions& options)
     : Optimizer(std::move(parameters), options.adamw.lr, "adamw8bit"), options_(options) {
   check_adamw_options(options.adamw);
-  if (options.min_8bit_size < 0) throw Error("adamw8bit: min_8bit_size must be >= 0");
+  if (options.min_8bit_size < 0) throw Error(ErrorCode::kRecipe, "adamw8bit: min_8bit_size must be >= 0");
 }
 
 bool AdamW8bit::has_8bit_state(size_t index) const {

@@ -15,7 +15,7 @@ double clip_grad_norm(const std::vector<torch::Tensor>& parameters, double max_n
   for (const auto& parameter : parameters) {
     const auto& grad = parameter.grad();
     if (!grad.defined()) continue;
-    if (grad.is_sparse()) throw Error("clip_grad_norm: sparse gradients are not supported");
+    if (grad.is_sparse()) throw Error(ErrorCode::kInternal, "clip_grad_norm: sparse gradients are not supported");
     groups[{grad.device().str(), grad.scalar_type()}].push_back(grad);
   }
   if (groups.empty()) return 0.0;

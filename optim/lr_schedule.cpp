@@ -12,20 +12,20 @@ constexpr double kPi = 3.14159265358979323846;
 
 void check(const LrScheduleOptions& options, int64_t step) {
   if (options.name != "cosine" && options.name != "linear" && options.name != "constant") {
-    throw Error("schedule.name '" + options.name + "' is unknown; use cosine, linear or constant");
+    throw Error(ErrorCode::kRecipe, "schedule.name '" + options.name + "' is unknown; use cosine, linear or constant");
   }
-  if (!(options.peak_lr >= 0.0)) throw Error("optim.lr must be >= 0, got " + std::to_string(options.peak_lr));
+  if (!(options.peak_lr >= 0.0)) throw Error(ErrorCode::kRecipe, "optim.lr must be >= 0, got " + std::to_string(options.peak_lr));
   if (options.warmup_steps < 0) {
-    throw Error("schedule.warmup_steps must be >= 0, got " + std::to_string(options.warmup_steps));
+    throw Error(ErrorCode::kRecipe, "schedule.warmup_steps must be >= 0, got " + std::to_string(options.warmup_steps));
   }
   if (options.total_steps < 1) {
-    throw Error("the learning-rate schedule needs at least 1 training step (train.steps), got " +
+    throw Error(ErrorCode::kRecipe, "the learning-rate schedule needs at least 1 training step (train.steps), got " +
                 std::to_string(options.total_steps));
   }
   if (!(options.min_lr_ratio >= 0.0 && options.min_lr_ratio <= 1.0)) {
-    throw Error("schedule.min_lr_ratio must lie in [0, 1], got " + std::to_string(options.min_lr_ratio));
+    throw Error(ErrorCode::kRecipe, "schedule.min_lr_ratio must lie in [0, 1], got " + std::to_string(options.min_lr_ratio));
   }
-  if (step < 0) throw Error("learning-rate schedule: step must be >= 0, got " + std::to_string(step));
+  if (step < 0) throw Error(ErrorCode::kInternal, "learning-rate schedule: step must be >= 0, got " + std::to_string(step));
 }
 
 double factor_at(const LrScheduleOptions& options, int64_t step) {

@@ -18,12 +18,12 @@ std::pair<size_t, std::string> split_state_name(const std::string& name, const s
   const std::string index_text = name.substr(0, dot);
   const bool numeric = !index_text.empty() && index_text.find_first_not_of("0123456789") == std::string::npos;
   if (dot == std::string::npos || !numeric || dot + 1 == name.size()) {
-    throw Error(optimizer + " optimizer state: entry '" + name +
+    throw Error(ErrorCode::kCheckpoint, optimizer + " optimizer state: entry '" + name +
                 "' is not named '<parameter index>.<field>'; the checkpoint was not written by this optimizer");
   }
   const size_t index = std::stoul(index_text);
   if (index >= parameter_count) {
-    throw Error(optimizer + " optimizer state: entry '" + name + "' is for parameter " + index_text + ", but only " +
+    throw Error(ErrorCode::kCheckpoint, optimizer + " optimizer state: entry '" + name + "' is for parameter " + index_text + ", but only " +
                 std::to_string(parameter_count) +
                 " parameters are trained; the checkpoint comes from a run with other trainable parameters");
   }
@@ -36,9 +36,9 @@ Optimizer::Optimizer(std::vector<torch::Tensor> parameters, double learning_rate
     : parameters_(std::move(parameters)), parameter_state_(parameters_.size()), name_(name) {
   for (size_t index = 0; index < parameters_.size(); ++index) {
     const auto& parameter = parameters_[index];
-    if (!parameter.defined()) throw Error(name_ + " optimizer: parameter " + std::to_string(index) + " is undefined");
+    if (!parameter.defined()) throw Error(ErrorCode::kInternal, name_ + " optimizer: parameter " + std::to_string(index) + " is undefined");
     if (!parameter.is_floating_point()) {
-      throw Error(name_ + " optimizer: parameter " + std::to_string(index) + " has dtype " +
+      throw Error(ErrorCode::kInternal, name_ + " optimizer: parameter " + std::to_string(index) + " has dtype " +
                   std::string(c10::toString(parameter.scalar_type())) +
                   "; only floating-point tensors (fp32, fp64, bf16, fp16) can be trained");
     }
@@ -53,7 +53,7 @@ void Optimizer::zero_grad() {
 }
 
 void Optimizer::set_learning_rate(double lr) {
-  if (!(lr >= 0.0)) throw Error("optim.lr must be >= 0, got " + std::to_string(lr));
+  if (!(lr >= 0.0)) throw Error(ErrorCode::kRecipe, "optim.lr must be >= 0, got " + std::to_string(lr));
   learning_rate_ = lr;
 }
 
@@ -79,7 +79,7 @@ torch::Tensor Optimizer::gradient_for_update(size_t index) const {
   const auto& parameter = parameters_[index];
   const auto& grad = parameter.grad();
   if (grad.is_sparse()) {
-    throw Error(name_ + " optimizer: parameter " + std::to_string(index) + " has a sparse gradient, which is not supported");
+    throw Error(ErrorCode::kInternal, name_ + " optimizer: parameter " + std::to_string(index) + " has a sparse gradient, which is not supported");
   }
   return needs_master(parameter) ? grad.to(torch::kFloat) : grad;
 }
@@ -108,14 +108,14 @@ void Optimizer::load_state(const NamedTensors& state) {
     const auto [index, field] = split_state_name(name, name_, parameters_.size());
     const auto expected = state_fields(index);
     if (std::find(expected.begin(), expected.end(), field) == expected.end()) {
-      throw Error(name_ + " optimizer state: entry '" + name + "' has unknown field '" + field +
+      throw Error(ErrorCode::kCheckpoint, name_ + " optimizer state: entry '" + name + "' has unknown field '" + field +
                   "'; the checkpoint was written by another optimizer or for a parameter of another dtype");
     }
     const auto& parameter = parameters_[index];
     const auto spec = state_tensor_spec(index, field);
     const bool scalar = spec.sizes.empty();
     if (!tensor.defined() || (scalar ? tensor.numel() != 1 : tensor.sizes() != c10::IntArrayRef(spec.sizes))) {
-      throw Error(name_ + " optimizer state: entry '" + name + "' has shape " +
+      throw Error(ErrorCode::kCheckpoint, name_ + " optimizer state: entry '" + name + "' has shape " +
                   (tensor.defined() ? shape_text(tensor.sizes()) : std::string("(undefined)")) + ", expected " +
                   (scalar ? std::string("one value") : shape_text(spec.sizes)) + " for parameter " +
                   std::to_string(index) + " " + shape_text(parameter.sizes()));
@@ -123,7 +123,7 @@ void Optimizer::load_state(const NamedTensors& state) {
     // Floating-point state may change precision on load; codes (uint8) must stay what they are.
     const bool floating = c10::isFloatingType(spec.dtype);
     if (floating ? !tensor.is_floating_point() : tensor.scalar_type() != spec.dtype) {
-      throw Error(name_ + " optimizer state: entry '" + name + "' has dtype " +
+      throw Error(ErrorCode::kCheckpoint, name_ + " optimizer state: entry '" + name + "' has dtype " +
                   std::string(c10::toString(tensor.scalar_type())) + ", expected " +
                   std::string(c10::toString(spec.dtype)));
     }
@@ -134,7 +134,7 @@ void Optimizer::load_state(const NamedTensors& state) {
     if (loaded[index].empty()) continue;
     for (const auto& field : state_fields(index)) {
       if (!loaded[index].count(field)) {
-        throw Error(name_ + " optimizer state: parameter " + std::to_string(index) + " has some state but no '" +
+        throw Error(ErrorCode::kCheckpoint, name_ + " optimizer state: parameter " + std::to_string(index) + " has some state but no '" +
                     std::to_string(index) + "." + field + "' entry; the checkpoint is incomplete");
       }
     }
@@ -150,7 +150,7 @@ std::unique_ptr<Optimizer> make_optimizer(const std::string& name, std::vector<t
                                           double momentum) {
   if (name == "adamw" || name == "adamw8bit") {
     if (betas.size() != 2) {
-      throw Error("optim.betas must be a list of two numbers [beta1, beta2], got " + std::to_string(betas.size()) +
+      throw Error(ErrorCode::kRecipe, "optim.betas must be a list of two numbers [beta1, beta2], got " + std::to_string(betas.size()) +
                   " numbers");
     }
     AdamWOptions options;
@@ -169,7 +169,7 @@ std::unique_ptr<Optimizer> make_optimizer(const std::string& name, std::vector<t
     options.weight_decay = weight_decay;
     return std::make_unique<Sgd>(std::move(parameters), options);
   }
-  throw Error("optim.name '" + name + "' is unknown; use adamw, adamw8bit or sgd");
+  throw Error(ErrorCode::kRecipe, "optim.name '" + name + "' is unknown; use adamw, adamw8bit or sgd");
 }
 
 }  // namespace qtrain::optim

@@ -6,12 +6,12 @@ namespace qtrain::optim {
 
 Sgd::Sgd(std::vector<torch::Tensor> parameters, const SgdOptions& options)
     : Optimizer(std::move(parameters), options.lr, "sgd"), options_(options) {
-  if (!(options.momentum >= 0.0)) throw Error("optim.momentum must be >= 0, got " + std::to_string(options.momentum));
+  if (!(options.momentum >= 0.0)) throw Error(ErrorCode::kRecipe, "optim.momentum must be >= 0, got " + std::to_string(options.momentum));
   if (!(options.weight_decay >= 0.0)) {
-    throw Error("optim.weight_decay must be >= 0, got " + std::to_string(options.weight_decay));
+    throw Error(ErrorCode::kRecipe, "optim.weight_decay must be >= 0, got " + std::to_string(options.weight_decay));
   }
   if (options.nesterov && options.momentum <= 0.0) {
-    throw Error("sgd optimizer: Nesterov momentum needs optim.momentum > 0");
+    throw Error(ErrorCode::kRecipe, "sgd optimizer: Nesterov momentum needs optim.momentum > 0");
   }
 }
 

@@ -75,7 +75,7 @@ torch::Tensor fake_quantize_learned_scale(const torch::Tensor& x, const torch::T
                                           const torch::Tensor& zero_point, const QuantSpec& spec,
                                           double gradient_scale) {
   if (!spec.is_integer()) {
-    throw Error("learned scales (LSQ) need an int format, got " + spec.describe());
+    throw Error(ErrorCode::kRecipe, "learned scales (LSQ) need an int format, got " + spec.describe());
   }
   return LearnedStepSizeFakeQuantize::apply(x, scale, zero_point, spec, gradient_scale);
 }

@@ -17,18 +17,18 @@ FakeQuantizer::FakeQuantizer(const FakeQuantizerOptions& options, std::string wh
   }
   const bool is_static = options_.observer != ObserverKind::kDynamic;
   if (fixed_shape_.empty() && (is_static || options_.learned_scale) && spec.granularity != Granularity::kPerTensor) {
-    throw Error(what_ + ".granularity: " + granularity_name(spec.granularity) + " cannot keep " +
+    throw Error(ErrorCode::kRecipe, what_ + ".granularity: " + granularity_name(spec.granularity) + " cannot keep " +
                 (options_.learned_scale ? "a learned scale" : "an observed range") +
                 " for activations, whose number of tokens changes from batch to batch (use per_tensor, or observer "
                 "dynamic without learned_scale for per-token scales)");
   }
   if (options_.learned_scale && !spec.is_integer()) {
-    throw Error(what_ + ".learned_scale: learned scales (LSQ) need format int, got " + spec.describe());
+    throw Error(ErrorCode::kRecipe, what_ + ".learned_scale: learned scales (LSQ) need format int, got " + spec.describe());
   }
   const auto shape = fixed_shape_.empty() ? std::vector<int64_t>{1} : params_shape(spec, fixed_shape_);
   if (is_static) {
     if (!(options_.momentum > 0.0 && options_.momentum <= 1.0)) {
-      throw Error(what_ + ".momentum: " + std::to_string(options_.momentum) + " must be in (0, 1]");
+      throw Error(ErrorCode::kRecipe, what_ + ".momentum: " + std::to_string(options_.momentum) + " must be in (0, 1]");
     }
     observer_ = register_module("observer", std::make_shared<MinMaxObserver>(spec, shape, options_.observer, options_.momentum));
   }
@@ -49,7 +49,7 @@ bool FakeQuantizer::has_scale() const {
 }
 
 void FakeQuantizer::initialize_learned_scale(const torch::Tensor& x) {
-  if (!options_.learned_scale) throw Error(what_ + ": has no learned scale to initialise (internal error)");
+  if (!options_.learned_scale) throw Error(ErrorCode::kInternal, what_ + ": has no learned scale to initialise (internal error)");
   torch::NoGradGuard no_grad;
   const auto& spec = options_.spec;
   const auto range_params = observer_ && observer_->has_observed() ? observer_->qparams()
@@ -69,7 +69,7 @@ QuantParams FakeQuantizer::current_qparams(const torch::Tensor& x) const {
   const auto& spec = options_.spec;
   if (options_.learned_scale) {
     if (!learned_scale_initialized()) {
-      throw Error(what_ + ": the learned scale is not initialised yet (no fake-quantized forward has run)");
+      throw Error(ErrorCode::kInternal, what_ + ": the learned scale is not initialised yet (no fake-quantized forward has run)");
     }
     return {effective_scale(spec, scale_.detach()), zero_point_};
   }

@@ -82,7 +82,7 @@ void check_four_bit_blocksize(int64_t blocksize) {
   for (int64_t allowed = 64; allowed <= 4096; allowed *= 2) {
     if (blocksize == allowed) return;
   }
-  throw Error("4-bit blocksize " + std::to_string(blocksize) +
+  throw Error(ErrorCode::kRecipe, "4-bit blocksize " + std::to_string(blocksize) +
               " is not supported (bitsandbytes' blocksizes: 64, 128, 256, 512, 1024, 2048, 4096)");
 }
 
@@ -96,7 +96,7 @@ int64_t FourBitQuantState::blocks() const { return ceil_div(numel(), blocksize);
 
 void FourBitQuantState::check(const torch::Tensor& packed, const std::string& what) const {
   check_four_bit_blocksize(blocksize);
-  auto fail = [&](const std::string& problem) { throw Error(what + ": inconsistent 4-bit quant state: " + problem); };
+  auto fail = [&](const std::string& problem) { throw Error(ErrorCode::kWeights, what + ": inconsistent 4-bit quant state: " + problem); };
   for (const int64_t size : shape) {
     if (size < 0) fail("negative size in shape " + shape_text(shape));
   }
@@ -133,7 +133,7 @@ FourBitTensor quantize_4bit(const torch::Tensor& input, FourBitType quant_type, 
                             bool double_quant) {
   check_four_bit_blocksize(blocksize);
   if (!input.is_floating_point()) {
-    throw Error("quantize_4bit: expected a floating-point tensor, got " +
+    throw Error(ErrorCode::kInternal, "quantize_4bit: expected a floating-point tensor, got " +
                 std::string(c10::toString(input.scalar_type())));
   }
   const auto& format = four_bit_format(quant_type);

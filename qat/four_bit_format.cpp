@@ -95,10 +95,10 @@ const FourBitFormat& four_bit_format(FourBitType type) {
   return type == FourBitType::kNf4 ? nf4 : fp4;
 }
 
-FourBitType parse_four_bit_type(const std::string& name, const std::string& what) {
+FourBitType parse_four_bit_type(const std::string& name, const std::string& what, ErrorCode code) {
   if (name == "nf4") return FourBitType::kNf4;
   if (name == "fp4") return FourBitType::kFp4;
-  throw Error(what + ": unsupported 4-bit quant type '" + name + "' (expected nf4 or fp4)");
+  throw Error(code, what + ": unsupported 4-bit quant type '" + name + "' (expected nf4 or fp4)");
 }
 
 const std::string& four_bit_type_name(FourBitType type) { return four_bit_format(type).name; }

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "kernels/blockwise_8bit.h"
+#include "kernels/error.h"
 
 namespace qtrain::qat {
 
@@ -42,8 +43,9 @@ struct FourBitFormat {
 };
 
 const FourBitFormat& four_bit_format(FourBitType type);
-// "nf4" / "fp4" -> type; anything else is an Error naming `what` (a file and key).
-FourBitType parse_four_bit_type(const std::string& name, const std::string& what);
+// "nf4" / "fp4" -> type; anything else is an Error naming `what` (a file and key), with `code`
+// (a recipe key by default; a checkpoint's config.json or quant state passes its own).
+FourBitType parse_four_bit_type(const std::string& name, const std::string& what, ErrorCode code = ErrorCode::kRecipe);
 const std::string& four_bit_type_name(FourBitType type);
 // The table (`code`) as an fp32 [16] CPU tensor, and the decode table.
 torch::Tensor four_bit_code_tensor(FourBitType type);

@@ -7,7 +7,7 @@ namespace qtrain::qat {
 
 FourBitLinear::FourBitLinear(FourBitTensor weight, const torch::Tensor& bias, torch::ScalarType compute_dtype) {
   if (weight.state.shape.size() != 2) {
-    throw Error("FourBitLinear: the quantized weight must be 2-d [out, in], got " +
+    throw Error(ErrorCode::kWeights, "FourBitLinear: the quantized weight must be 2-d [out, in], got " +
                 std::to_string(weight.state.shape.size()) + " dimensions");
   }
   weight.state.check(weight.packed, "FourBitLinear");
@@ -21,7 +21,7 @@ FourBitLinear::FourBitLinear(FourBitTensor weight, const torch::Tensor& bias, to
   }
   if (bias.defined()) {
     if (bias.numel() != out_features()) {
-      throw Error("FourBitLinear: bias has " + std::to_string(bias.numel()) + " values, the weight has " +
+      throw Error(ErrorCode::kWeights, "FourBitLinear: bias has " + std::to_string(bias.numel()) + " values, the weight has " +
                   std::to_string(out_features()) + " rows");
     }
     bias_ = register_buffer("bias", bias.detach().to(packed_.device(), compute_dtype).clone());
@@ -30,7 +30,7 @@ FourBitLinear::FourBitLinear(FourBitTensor weight, const torch::Tensor& bias, to
 
 std::shared_ptr<FourBitLinear> FourBitLinear::from_dense(const torch::Tensor& weight, const torch::Tensor& bias,
                                                          const FourBitOptions& options) {
-  if (weight.dim() != 2) throw Error("FourBitLinear::from_dense: the weight must be 2-d [out, in]");
+  if (weight.dim() != 2) throw Error(ErrorCode::kInternal, "FourBitLinear::from_dense: the weight must be 2-d [out, in]");
   const auto type = parse_four_bit_type(options.quant_type, "qlora.quant_type");
   return std::make_shared<FourBitLinear>(quantize_4bit(weight, type, options.blocksize, options.double_quant), bias,
                                          options.compute_dtype);

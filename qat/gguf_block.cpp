@@ -21,18 +21,18 @@ int64_t numel_of(c10::IntArrayRef shape) {
 GgufBlockType gguf_block_type_for(const QuantSpec& spec, const std::string& what) {
   const std::string scheme = " (" + spec.describe() + ")";
   if (!spec.is_integer() || (spec.bits != 4 && spec.bits != 8)) {
-    throw Error(what + ": GGUF export holds int4 (Q4_0) or int8 (Q8_0) weights only, not " + spec.describe() +
+    throw Error(ErrorCode::kRecipe, what + ": GGUF export holds int4 (Q4_0) or int8 (Q8_0) weights only, not " + spec.describe() +
                 "; export it as safetensors-int");
   }
   if (!spec.symmetric) {
-    throw Error(what + ".symmetric: false cannot be written as GGUF Q4_0 / Q8_0, which are symmetric (no zero point)" +
+    throw Error(ErrorCode::kRecipe, what + ".symmetric: false cannot be written as GGUF Q4_0 / Q8_0, which are symmetric (no zero point)" +
                 scheme + "; set symmetric: true or export as safetensors-int");
   }
   if (spec.granularity != Granularity::kPerGroup || spec.group_size != kGgufBlockElements) {
-    throw Error(what + ".group_size: GGUF Q4_0 / Q8_0 need granularity per_group with group_size 32" + scheme);
+    throw Error(ErrorCode::kRecipe, what + ".group_size: GGUF Q4_0 / Q8_0 need granularity per_group with group_size 32" + scheme);
   }
   if (spec.scale_dtype != torch::kFloat16) {
-    throw Error(what + ".scale_dtype: GGUF stores each block's scale as fp16, so the fake-quant scale must be fp16-rounded" +
+    throw Error(ErrorCode::kRecipe, what + ".scale_dtype: GGUF stores each block's scale as fp16, so the fake-quant scale must be fp16-rounded" +
                 scheme + " (QuantSpec::gguf_q4_0() / gguf_q8_0() set it)");
   }
   return spec.bits == 4 ? GgufBlockType::kQ4_0 : GgufBlockType::kQ8_0;
@@ -47,10 +47,10 @@ std::vector<uint8_t> encode_gguf_blocks(const QuantizedTensor& tensor, const std
   const auto scale = tensor.params.scale.to(torch::kCPU, torch::kFloat32).contiguous();
   const auto half_scale = scale.to(torch::kFloat16);
   if (!torch::equal(half_scale.to(torch::kFloat32), scale)) {
-    throw Error(what + ": a scale of tensor " + shape_text(shape) + " is not an fp16 value, so GGUF cannot store it exactly");
+    throw Error(ErrorCode::kWeights, what + ": a scale of tensor " + shape_text(shape) + " is not an fp16 value, so GGUF cannot store it exactly");
   }
   if (tensor.params.zero_point.defined() && tensor.params.zero_point.ne(0).any().item<bool>()) {
-    throw Error(what + ": tensor " + shape_text(shape) + " has non-zero zero points, which GGUF Q4_0 / Q8_0 cannot store");
+    throw Error(ErrorCode::kWeights, what + ": tensor " + shape_text(shape) + " has non-zero zero points, which GGUF Q4_0 / Q8_0 cannot store");
   }
 
   const int64_t blocks = codes.numel() / kGgufBlockElements;
@@ -84,7 +84,7 @@ torch::Tensor decode_gguf_blocks(const std::vector<uint8_t>& bytes, GgufBlockTyp
   const int64_t numel = numel_of(shape);
   const int64_t blocks = numel / kGgufBlockElements;
   if (numel % kGgufBlockElements != 0 || static_cast<int64_t>(bytes.size()) != blocks * format.block_bytes) {
-    throw Error(std::string(format.name) + " data of " + std::to_string(bytes.size()) + " bytes does not hold a tensor of shape " +
+    throw Error(ErrorCode::kWeights, std::string(format.name) + " data of " + std::to_string(bytes.size()) + " bytes does not hold a tensor of shape " +
                 shape_text(shape));
   }
   auto values = torch::empty({numel}, torch::kFloat32);

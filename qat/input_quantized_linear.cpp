@@ -9,7 +9,7 @@ namespace qtrain::qat {
 InputQuantizedLinear::InputQuantizedLinear(std::shared_ptr<LinearLayer> inner, const FakeQuantizerOptions& activations,
                                            const std::string& what)
     : inner_(std::move(inner)) {
-  if (!inner_) throw Error("InputQuantizedLinear needs a layer, got none");
+  if (!inner_) throw Error(ErrorCode::kInternal, "InputQuantizedLinear needs a layer, got none");
   for (const auto& item : inner_->named_parameters(/*recurse=*/false)) {
     register_parameter(item.key(), item.value(), item.value().requires_grad());
   }

@@ -35,10 +35,10 @@ torch::Tensor int8_matmul(const torch::Tensor& a, const torch::Tensor& b) {
 
 Int8Rows int8_vectorwise_quantize(const torch::Tensor& input, double threshold) {
   if (!(threshold >= 0.0)) {
-    throw Error("LLM.int8 quantization: the outlier threshold must be >= 0, got " + std::to_string(threshold));
+    throw Error(ErrorCode::kRecipe, "LLM.int8 quantization: the outlier threshold must be >= 0, got " + std::to_string(threshold));
   }
   if (!input.is_floating_point() || input.dim() < 1) {
-    throw Error("LLM.int8 quantization: expected a floating-point tensor [..., columns]");
+    throw Error(ErrorCode::kInternal, "LLM.int8 quantization: expected a floating-point tensor [..., columns]");
   }
   const auto values = input.detach().to(torch::kHalf).reshape({-1, input.size(-1)}).to(torch::kFloat);
   const auto magnitude = values.abs();
@@ -70,7 +70,7 @@ torch::Tensor int8_mixed_matmul(const torch::Tensor& input, const torch::Tensor&
                                 const torch::Tensor& weight_absmax, const torch::Tensor& bias, double threshold) {
   const int64_t in_features = weight_codes.size(1), out_features = weight_codes.size(0);
   if (input.size(-1) != in_features) {
-    throw Error("LLM.int8 matmul: the input has " + std::to_string(input.size(-1)) + " features, the weight " +
+    throw Error(ErrorCode::kInternal, "LLM.int8 matmul: the input has " + std::to_string(input.size(-1)) + " features, the weight " +
                 shape_text(weight_codes.sizes()) + " expects " + std::to_string(in_features));
   }
   auto output_shape = input.sizes().vec();

@@ -42,16 +42,16 @@ Int8Linear::Int8Linear(const torch::Tensor& codes, const torch::Tensor& absmax, 
                        double threshold, torch::ScalarType compute_dtype, const std::string& what)
     : threshold_(threshold) {
   if (!(threshold >= 0.0)) {
-    throw Error(what + ": the LLM.int8 threshold must be >= 0 (0 turns the outlier decomposition off), got " +
+    throw Error(ErrorCode::kRecipe, what + ": the LLM.int8 threshold must be >= 0 (0 turns the outlier decomposition off), got " +
                 std::to_string(threshold));
   }
   if (!codes.defined() || codes.scalar_type() != torch::kChar || codes.dim() != 2) {
-    throw Error(what + ": the weight must be an int8 [out_features, in_features] tensor, got " +
+    throw Error(ErrorCode::kWeights, what + ": the weight must be an int8 [out_features, in_features] tensor, got " +
                 (codes.defined() ? std::string(c10::toString(codes.scalar_type())) + " " + shape_text(codes.sizes())
                                  : std::string("nothing")));
   }
   if (!absmax.defined() || absmax.numel() != codes.size(0) || !absmax.is_floating_point()) {
-    throw Error(what + ": SCB must hold one fp32 absmax per weight row: " + std::to_string(codes.size(0)) +
+    throw Error(ErrorCode::kWeights, what + ": SCB must hold one fp32 absmax per weight row: " + std::to_string(codes.size(0)) +
                 " for the weight " + shape_text(codes.sizes()) + ", got " +
                 (absmax.defined() ? shape_text(absmax.sizes()) : std::string("nothing")));
   }
@@ -59,7 +59,7 @@ Int8Linear::Int8Linear(const torch::Tensor& codes, const torch::Tensor& absmax, 
   absmax_ = register_buffer("SCB", absmax.detach().to(codes.device(), torch::kFloat).reshape({-1}).contiguous());
   if (bias.defined()) {
     if (bias.numel() != out_features()) {
-      throw Error(what + ": bias has " + std::to_string(bias.numel()) + " values, the weight has " +
+      throw Error(ErrorCode::kWeights, what + ": bias has " + std::to_string(bias.numel()) + " values, the weight has " +
                   std::to_string(out_features()) + " rows");
     }
     bias_ = register_buffer("bias", bias.detach().to(codes.device(), compute_dtype).clone());
@@ -68,7 +68,7 @@ Int8Linear::Int8Linear(const torch::Tensor& codes, const torch::Tensor& absmax, 
 
 std::shared_ptr<Int8Linear> Int8Linear::from_dense(const torch::Tensor& weight, const torch::Tensor& bias,
                                                    const Int8Options& options) {
-  if (weight.dim() != 2) throw Error("Int8Linear::from_dense: the weight must be 2-d [out, in]");
+  if (weight.dim() != 2) throw Error(ErrorCode::kInternal, "Int8Linear::from_dense: the weight must be 2-d [out, in]");
   auto quantized = int8_vectorwise_quantize(weight, /*threshold=*/0.0);
   return std::make_shared<Int8Linear>(quantized.codes, quantized.absmax, bias, options.threshold,
                                       options.compute_dtype);
@@ -101,7 +101,7 @@ void Int8Linear::to(torch::Device device, torch::Dtype dtype, bool non_blocking)
 std::vector<std::string> quantize_linear_layers_int8(torch::nn::Module& root, const Int8Options& options,
                                                      const std::vector<std::string>& skip_modules) {
   if (!(options.threshold >= 0.0)) {
-    throw Error("qlora.llm_int8_threshold must be >= 0 (0 turns the outlier decomposition off), got " +
+    throw Error(ErrorCode::kRecipe, "qlora.llm_int8_threshold must be >= 0 (0 turns the outlier decomposition off), got " +
                 std::to_string(options.threshold));
   }
   return replace_dense_linear_layers(root, skip_modules, [&](const DenseLinear& dense) {

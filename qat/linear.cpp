@@ -23,7 +23,7 @@ torch::Tensor DenseLinear::forward(const torch::Tensor& input) {
 }
 
 torch::Tensor LinearLayer::matmul_weight(torch::ScalarType) const {
-  throw Error(name() + " does not multiply by a dense weight; its adapters run unfused (a bug if reached)");
+  throw Error(ErrorCode::kInternal, name() + " does not multiply by a dense weight; its adapters run unfused (a bug if reached)");
 }
 
 namespace {
@@ -50,7 +50,7 @@ void replace_linear_layer_at(torch::nn::Module& root, const std::string& name, s
   for (const auto& item : root.named_modules("", /*include_self=*/false)) {
     if (item.key() == parent_name) return replace_linear_layer(*item.value(), name.substr(dot + 1), std::move(layer));
   }
-  throw Error("no module '" + parent_name + "' to replace '" + name + "' in (internal error)");
+  throw Error(ErrorCode::kInternal, "no module '" + parent_name + "' to replace '" + name + "' in (internal error)");
 }
 
 std::vector<NamedLinearLayer> find_linear_layers(

@@ -12,7 +12,7 @@ namespace qtrain::qat {
 namespace F = torch::nn::functional;
 
 double LoraOptions::scale() const {
-  if (rank <= 0) throw Error("LoRA rank must be positive, got " + std::to_string(rank));
+  if (rank <= 0) throw Error(ErrorCode::kRecipe, "LoRA rank must be positive, got " + std::to_string(rank));
   return rslora ? alpha / std::sqrt(static_cast<double>(rank)) : alpha / static_cast<double>(rank);
 }
 
@@ -29,9 +29,9 @@ torch::Device device_of(const torch::nn::Module& module) {
 
 LoraLinear::LoraLinear(std::shared_ptr<LinearLayer> base, const LoraOptions& options)
     : base_(std::move(base)), options_(options), scale_(options.scale()) {
-  if (!base_) throw Error("LoraLinear needs a base layer, got none");
+  if (!base_) throw Error(ErrorCode::kInternal, "LoraLinear needs a base layer, got none");
   if (options_.dropout < 0.0 || options_.dropout >= 1.0) {
-    throw Error("LoRA dropout must be in [0, 1), got " + std::to_string(options_.dropout));
+    throw Error(ErrorCode::kRecipe, "LoRA dropout must be in [0, 1), got " + std::to_string(options_.dropout));
   }
   register_module("base_layer", base_);
   for (auto& parameter : base_->parameters()) parameter.requires_grad_(false);
@@ -148,7 +148,7 @@ std::vector<std::string> apply_lora(torch::nn::Module& root, const LoraTargets& 
                                     const LoraOptionsForModule& options_for) {
   const auto found = find_lora_targets(root, targets);
   if (found.empty()) {
-    throw Error("no linear layer matches the LoRA target modules " + targets.include.describe() +
+    throw Error(ErrorCode::kRecipe, "no linear layer matches the LoRA target modules " + targets.include.describe() +
                 " (module names look like 'model.layers.0.self_attn.q_proj')");
   }
   std::vector<std::string> wrapped;

@@ -88,7 +88,7 @@ torch::Tensor lora_matmul(const torch::Tensor& input, const std::shared_ptr<Line
   const auto dtype = input.scalar_type();
   const int64_t in = lora_A.size(1);
   const int64_t out = lora_B.size(0);
-  if (dropout < 0.0 || dropout >= 1.0) throw Error("LoRA dropout must be in [0, 1), got " + std::to_string(dropout));
+  if (dropout < 0.0 || dropout >= 1.0) throw Error(ErrorCode::kRecipe, "LoRA dropout must be in [0, 1), got " + std::to_string(dropout));
   torch::Tensor output, weight, rows, projected, a, b, kept;
   {
     torch::NoGradGuard no_grad;

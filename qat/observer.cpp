@@ -24,22 +24,22 @@ ObserverKind parse_observer_kind(const std::string& name, const std::string& wha
     if (name == text) return kind;
     choices += (choices.empty() ? "" : ", ") + std::string(text);
   }
-  throw Error(what + ": unknown observer '" + name + "' (expected one of " + choices + ")");
+  throw Error(ErrorCode::kRecipe, what + ": unknown observer '" + name + "' (expected one of " + choices + ")");
 }
 
 const char* observer_kind_name(ObserverKind kind) {
   for (const auto& [candidate, text] : kObserverNames) {
     if (candidate == kind) return text;
   }
-  throw Error("unknown observer kind (internal error)");
+  throw Error(ErrorCode::kInternal, "unknown observer kind (internal error)");
 }
 
 MinMaxObserver::MinMaxObserver(const QuantSpec& spec, std::vector<int64_t> params_shape, ObserverKind kind,
                                double momentum)
     : spec_(spec), kind_(kind), momentum_(momentum) {
-  if (kind == ObserverKind::kDynamic) throw Error("a dynamic quantizer has no observer (internal error)");
+  if (kind == ObserverKind::kDynamic) throw Error(ErrorCode::kInternal, "a dynamic quantizer has no observer (internal error)");
   if (!(momentum > 0.0 && momentum <= 1.0)) {
-    throw Error("observer momentum " + std::to_string(momentum) + " must be in (0, 1]");
+    throw Error(ErrorCode::kRecipe, "observer momentum " + std::to_string(momentum) + " must be in (0, 1]");
   }
   const auto options = torch::TensorOptions().dtype(torch::kFloat32);
   min_value_ = register_buffer("min_val", torch::full(params_shape, std::numeric_limits<float>::infinity(), options));
@@ -51,7 +51,7 @@ void MinMaxObserver::observe(const torch::Tensor& x) {
   spec_.validate_for_shape("observer", x.sizes());
   const auto range = block_min_max(spec_, x);
   if (range.min.sizes() != min_value_.sizes()) {
-    throw Error("observer for " + spec_.describe() + " keeps a range of shape " + shape_text(min_value_.sizes()) +
+    throw Error(ErrorCode::kInternal, "observer for " + spec_.describe() + " keeps a range of shape " + shape_text(min_value_.sizes()) +
                 ", a tensor of shape " + shape_text(x.sizes()) + " gives " + shape_text(range.min.sizes()));
   }
   if (kind_ == ObserverKind::kMovingAverage && has_observed()) {
@@ -67,7 +67,7 @@ bool MinMaxObserver::has_observed() const { return torch::isfinite(min_value_).a
 
 QuantParams MinMaxObserver::qparams() const {
   if (!has_observed()) {
-    throw Error("the " + std::string(observer_kind_name(kind_)) + " observer of " + spec_.describe() +
+    throw Error(ErrorCode::kRecipe, "the " + std::string(observer_kind_name(kind_)) + " observer of " + spec_.describe() +
                 " has seen no data yet: observe (calibrate) before enabling fake quantization");
   }
   return choose_qparams(spec_, {min_value_, max_value_});

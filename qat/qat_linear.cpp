@@ -8,9 +8,9 @@ namespace qtrain::qat {
 
 QatLinear::QatLinear(std::shared_ptr<LinearLayer> inner, const QatLinearOptions& options, const std::string& what)
     : inner_(std::move(inner)) {
-  if (!inner_) throw Error("QatLinear needs a layer to quantize, got none");
+  if (!inner_) throw Error(ErrorCode::kInternal, "QatLinear needs a layer to quantize, got none");
   if (const auto* lora = dynamic_cast<const LoraLinear*>(inner_.get()); lora && lora->options().dropout > 0.0) {
-    throw Error("lora.dropout: " + std::to_string(lora->options().dropout) + " cannot apply under " + what +
+    throw Error(ErrorCode::kRecipe, "lora.dropout: " + std::to_string(lora->options().dropout) + " cannot apply under " + what +
                 ", which fake-quantizes the merged weight W + scale * B A (dropout acts on the LoRA branch's input, "
                 "which the merged weight has no place for); set lora.dropout: 0");
   }
@@ -79,7 +79,7 @@ std::vector<std::string> apply_qat(torch::nn::Module& root, const LoraTargets& t
       root, [&](const std::string& name, const LinearLayer& layer) { return !is_qat(layer) && targets.matches(name); },
       is_wrapper);
   if (found.empty()) {
-    throw Error(what + ".target_modules: no linear layer matches " + targets.include.describe() +
+    throw Error(ErrorCode::kRecipe, what + ".target_modules: no linear layer matches " + targets.include.describe() +
                 " (module names look like 'model.layers.0.self_attn.q_proj')");
   }
   std::vector<std::string> wrapped;

@@ -25,7 +25,7 @@ const QuantFormatInfo& quant_format_info(QuantFormat format) {
   for (const auto& info : kFormats) {
     if (info.format == format) return info;
   }
-  throw Error("unknown quant format (internal error)");
+  throw Error(ErrorCode::kInternal, "unknown quant format (internal error)");
 }
 
 QuantFormat parse_quant_format(const std::string& name, const std::string& what) {
@@ -34,7 +34,7 @@ QuantFormat parse_quant_format(const std::string& name, const std::string& what)
     if (name == info.name) return info.format;
     choices += (choices.empty() ? "" : ", ") + std::string(info.name);
   }
-  throw Error(what + ": unknown quant format '" + name + "' (expected one of " + choices + ")");
+  throw Error(ErrorCode::kRecipe, what + ": unknown quant format '" + name + "' (expected one of " + choices + ")");
 }
 
 const char* quant_format_name(QuantFormat format) { return quant_format_info(format).name; }

@@ -26,14 +26,14 @@ Granularity parse_granularity(const std::string& name, const std::string& what) 
     if (name == granularity_text) return granularity;
     choices += (choices.empty() ? "" : ", ") + std::string(granularity_text);
   }
-  throw Error(what + ": unknown granularity '" + name + "' (expected one of " + choices + ")");
+  throw Error(ErrorCode::kRecipe, what + ": unknown granularity '" + name + "' (expected one of " + choices + ")");
 }
 
 const char* granularity_name(Granularity granularity) {
   for (const auto& [candidate, text] : kGranularityNames) {
     if (candidate == granularity) return text;
   }
-  throw Error("unknown granularity (internal error)");
+  throw Error(ErrorCode::kInternal, "unknown granularity (internal error)");
 }
 
 int64_t QuantSpec::quant_min() const { return -(int64_t{1} << (bits - 1)); }
@@ -43,34 +43,34 @@ void QuantSpec::validate(const std::string& what) const {
   const auto& info = format_info();
   if (is_integer()) {
     if (bits < kMinIntBits || bits > info.bits) {
-      throw Error(what + ".bits: " + std::to_string(bits) + " is out of range (int formats take " +
+      throw Error(ErrorCode::kRecipe, what + ".bits: " + std::to_string(bits) + " is out of range (int formats take " +
                   std::to_string(kMinIntBits) + " to " + std::to_string(info.bits) + " bits)");
     }
   } else {
     if (bits != info.bits) {
-      throw Error(what + ".bits: " + std::to_string(bits) + " does not fit format " + info.name + ", which has " +
+      throw Error(ErrorCode::kRecipe, what + ".bits: " + std::to_string(bits) + " does not fit format " + info.name + ", which has " +
                   std::to_string(info.bits) + " bits");
     }
     if (!symmetric) {
-      throw Error(what + ".symmetric: false is not possible with format " + std::string(info.name) +
+      throw Error(ErrorCode::kRecipe, what + ".symmetric: false is not possible with format " + std::string(info.name) +
                   " (float grids are symmetric around 0; use format int for an asymmetric grid)");
     }
   }
   if (granularity == Granularity::kPerGroup && group_size <= 0) {
-    throw Error(what + ".group_size: " + std::to_string(group_size) + " must be positive for granularity per_group");
+    throw Error(ErrorCode::kRecipe, what + ".group_size: " + std::to_string(group_size) + " must be positive for granularity per_group");
   }
   if (scale_dtype != torch::kFloat32 && scale_dtype != torch::kFloat16) {
-    throw Error(what + ".scale_dtype: " + std::string(c10::toString(scale_dtype)) +
+    throw Error(ErrorCode::kRecipe, what + ".scale_dtype: " + std::string(c10::toString(scale_dtype)) +
                 " is not supported (expected fp32, or fp16 as GGUF stores it)");
   }
 }
 
 void QuantSpec::validate_for_shape(const std::string& what, c10::IntArrayRef shape) const {
   validate(what);
-  if (shape.empty()) throw Error(what + ": cannot quantize a 0-d tensor (it has no last dimension to block)");
+  if (shape.empty()) throw Error(ErrorCode::kInternal, what + ": cannot quantize a 0-d tensor (it has no last dimension to block)");
   const int64_t last = shape.back();
   if (granularity == Granularity::kPerGroup && last % group_size != 0) {
-    throw Error(what + ".group_size: " + std::to_string(group_size) + " does not divide the last dimension " +
+    throw Error(ErrorCode::kRecipe, what + ".group_size: " + std::to_string(group_size) + " does not divide the last dimension " +
                 std::to_string(last) + " of a tensor of shape " + shape_text(shape));
   }
 }

@@ -21,7 +21,7 @@ torch::Tensor to_blocks(const QuantSpec& spec, const torch::Tensor& x) {
 void check_params(const QuantSpec& spec, const torch::Tensor& x, const QuantParams& params) {
   const auto expected = params_shape(spec, x.sizes());
   if (!params.scale.defined() || params.scale.sizes() != c10::IntArrayRef(expected)) {
-    throw Error("quantizer " + spec.describe() + ": scale of shape " +
+    throw Error(ErrorCode::kInternal, "quantizer " + spec.describe() + ": scale of shape " +
                 (params.scale.defined() ? shape_text(params.scale.sizes()) : std::string("(none)")) +
                 " does not fit a tensor of shape " + shape_text(x.sizes()) + " (expected " + shape_text(expected) + ")");
   }
@@ -119,7 +119,7 @@ Quantized quantize_blocks(const QuantSpec& spec, const torch::Tensor& blocks, co
       return {codes.to(torch::kUInt8), scaled.abs() <= info.max_value};
     }
   }
-  throw Error("unknown grid kind (internal error)");
+  throw Error(ErrorCode::kInternal, "unknown grid kind (internal error)");
 }
 
 torch::Tensor dequantize_blocks(const QuantSpec& spec, const torch::Tensor& codes, const QuantParams& params) {
@@ -202,7 +202,7 @@ torch::Tensor float_grid_values(QuantFormat format) {
     case GridKind::kTable: return four_bit_decode_tensor(info.four_bit_type);
     case GridKind::kInteger: break;
   }
-  throw Error(std::string("format ") + info.name + " has no float grid");
+  throw Error(ErrorCode::kInternal, std::string("format ") + info.name + " has no float grid");
 }
 
 }  // namespace qtrain::qat

@@ -157,7 +157,7 @@ int run_bench(const Arguments& arguments) {
   qat::apply_lora(*model, targets, lora);
   const bool fake_quant = values["qat"].as<bool>();
   if (fake_quant) {
-    if (quant != "none") throw Error("--qat trains through a fake-quantized 16-bit base: use it with --quant none");
+    if (quant != "none") throw Error(ErrorCode::kUsage, "--qat trains through a fake-quantized 16-bit base: use it with --quant none");
     qat::QatLinearOptions qat_options;
     qat_options.weights.spec = qat::QuantSpec::gguf_q4_0();
     qat::apply_qat(*model, targets, qat_options);

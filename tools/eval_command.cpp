@@ -41,7 +41,7 @@ int run_eval(const Arguments& arguments) {
   load.dtype = trainer::parse_dtype_name(dtype_name, "--dtype");
   load.device = trainer::resolve_device(device_name);
   if (load.dtype == torch::kFloat16 && load.device.is_cpu()) {
-    throw Error("--dtype fp16 is not supported on the CPU; use bf16 or fp32");
+    throw Error(ErrorCode::kUsage, "--dtype fp16 is not supported on the CPU; use bf16 or fp32");
   }
   auto tokenizer = data::Tokenizer::from_model_dir(model_dir);
   data::DataOptions data_options;

@@ -49,7 +49,7 @@ int export_quantized(const std::string& run_dir, const std::string& checkpoint, 
   auto run = trainer::load_run_model(run_dir, checkpoint, /*quantize_base=*/true);
   const auto& model = *run.loaded.model;
   if (qat::find_qat_layers(model).empty()) {
-    throw Error(run_dir + ": the run was not trained with quant: qat, so it has no quantized weights to export as " +
+    throw Error(ErrorCode::kUsage, run_dir + ": the run was not trained with quant: qat, so it has no quantized weights to export as " +
                 format + " (use --format merged or peft)");
   }
   const auto& base_dir = run.recipe.model.path;
@@ -100,20 +100,20 @@ int run_export(const Arguments& arguments) {
   }
   const bool quantized_format = format == "gguf" || format == "safetensors-int";
   if (format != "peft" && format != "merged" && !quantized_format) {
-    throw Error("--format " + format + " is not one of peft, merged, gguf, safetensors-int");
+    throw Error(ErrorCode::kUsage, "--format " + format + " is not one of peft, merged, gguf, safetensors-int");
   }
-  if (run_dir.empty() == model_dir.empty()) throw Error("give either --run DIR or --model DIR (not both)");
+  if (run_dir.empty() == model_dir.empty()) throw Error(ErrorCode::kUsage, "give either --run DIR or --model DIR (not both)");
   if (!model_dir.empty() && format != "merged") {
-    throw Error("--model exports only --format merged (a PEFT adapter is already its own export; gguf and "
+    throw Error(ErrorCode::kUsage, "--model exports only --format merged (a PEFT adapter is already its own export; gguf and "
                 "safetensors-int take a QAT run, --run DIR)");
   }
-  if (!adapter_dir.empty() && model_dir.empty()) throw Error("--adapter goes with --model; a run's adapter is found from --run");
-  if (!checkpoint.empty() && run_dir.empty()) throw Error("--checkpoint goes with --run");
+  if (!adapter_dir.empty() && model_dir.empty()) throw Error(ErrorCode::kUsage, "--adapter goes with --model; a run's adapter is found from --run");
+  if (!checkpoint.empty() && run_dir.empty()) throw Error(ErrorCode::kUsage, "--checkpoint goes with --run");
   trainer::MergedExportOptions merged;
   merged.max_shard_bytes = trainer::parse_byte_size(shard_size, "--shard-size");
   const bool force = values["force"].as<bool>();
   if (std::filesystem::exists(out_dir) && !force) {
-    throw Error(out_dir + ": already exists; choose another --out or pass --force to replace it");
+    throw Error(ErrorCode::kUsage, out_dir + ": already exists; choose another --out or pass --force to replace it");
   }
   const std::string staged = out_dir + ".staging";
   trainer::remove_tree(staged);

@@ -263,6 +263,7 @@ pid=$!
 if [ "$TORCHELASTIC_RESTART_COUNT" = 0 ] && [ "$RANK" = 1 ]; then
   for i in $(seq 1200); do ls {run_dir}/checkpoints/step-*/manifest.json >/dev/null 2>&1 && break; sleep 0.1; done
   kill -9 $pid
+  date +%s.%N > {run_dir}/killed_at
 fi
 wait $pid
 """)
@@ -282,12 +283,24 @@ wait $pid
         survivor = read("attempt0-rank0.log")
         restarted = read("attempt1-rank0.log")
         survivor_exited = "killed or crashed" in survivor or "error" in survivor
+        # When rank 0 stopped: its log's last write, against the moment rank 1 was killed.
+        exit_seconds = None
+        if os.path.exists(os.path.join(run_dir, "killed_at")) and survivor:
+            killed_at = float(read("killed_at").strip() or 0)
+            exit_seconds = os.path.getmtime(os.path.join(run_dir, "attempt0-rank0.log")) - killed_at
+        within_timeout = exit_seconds is not None and exit_seconds <= 60
+        last_line = survivor.strip().splitlines()[-1] if survivor.strip() else ""
         resumed = "resume: continuing from" in restarted and "done: 6 steps" in restarted
         intact = not checkpoint_problems(run_dir)
+        resumed_from = [line for line in restarted.splitlines() if "resume: continuing from" in line]
         detail = (f"torchrun exit {result.returncode} after {seconds:.0f} s; rank 0 "
-                  f"{'exited naming the lost rank' if survivor_exited else 'did NOT exit cleanly'}; the restart "
-                  f"{'resumed from the last checkpoint and finished' if resumed else 'did NOT resume'}")
-        self.record("torchrun rank kill", 1, int(result.returncode == 0 and survivor_exited and resumed and intact),
+                  f"{'exited' if survivor_exited else 'did NOT exit cleanly'}"
+                  + (f" {exit_seconds:.1f} s after the kill (dist.timeout_s 60)" if exit_seconds is not None else "")
+                  + (f", its last line: \"{last_line.strip()[:160]}\"" if last_line else "")
+                  + f"; the restart {'resumed and finished' if resumed else 'did NOT resume'}"
+                  + (f" (\"{resumed_from[0].strip()[:120]}\")" if resumed_from else ""))
+        self.record("torchrun rank kill", 1,
+                    int(result.returncode == 0 and survivor_exited and within_timeout and resumed and intact),
                     int(not intact), detail)
 
     # NaN storms --------------------------------------------------------------------------------
@@ -303,7 +316,7 @@ wait $pid
                                     capture_output=True, text=True, env=self.environment)
             output = result.stdout + result.stderr
             survived = result.returncode == 0
-            stopped = result.returncode == 2 and "[QT-NUMERICS]" in output or "skipped for non-finite" in output
+            stopped = result.returncode == 2 and "[QT-NUMERICS]" in output
             crashed = result.returncode < 0 or "terminate called" in output or result.returncode not in (0, 2)
             handled += (survived or stopped) and not crashed and not checkpoint_problems(run_dir)
             outcome = "survived" if survived else ("stopped with the documented message" if stopped else
@@ -315,7 +328,8 @@ wait $pid
         with open(path, "w") as file:
             file.write("| fault | injected | handled as promised | data lost | detail |\n|---|---|---|---|---|\n")
             for fault, injected, survived, lost, detail, _ in self.rows:
-                file.write(f"| {fault} | {injected} | {survived} | {lost} | {detail} |\n")
+                cell = detail.replace("|", "\\|")
+                file.write(f"| {fault} | {injected} | {survived} | {lost} | {cell} |\n")
 
 
 def main():

@@ -69,12 +69,12 @@ int run_quantize(const Arguments& arguments) {
                           options, arguments, values)) {
     return 0;
   }
-  if (!model_dir.empty() && !run_dir.empty()) throw Error("give --model DIR or --run DIR, not both");
+  if (!model_dir.empty() && !run_dir.empty()) throw Error(ErrorCode::kUsage, "give --model DIR or --run DIR, not both");
   std::optional<trainer::RunModel> run;
   if (!run_dir.empty()) {
     run = trainer::load_run_model(run_dir, "", /*quantize_base=*/true);
     if (run->recipe.quant != "none") {
-      throw Error(run_dir + ": the run trained with quant: " + run->recipe.quant +
+      throw Error(ErrorCode::kUsage, run_dir + ": the run trained with quant: " + run->recipe.quant +
                   "; PTQ starts from a float model (a run with quant: none, or a Hugging Face directory)");
     }
     model_dir = run->recipe.model.path;  // its config and tokenizer
@@ -82,13 +82,13 @@ int run_quantize(const Arguments& arguments) {
   if (!model_dir.empty()) overrides.push_back("model.path=" + model_dir);
   const auto recipe = trainer::load_recipe(recipe_path, overrides);
   if (recipe.quant != "qat") {
-    throw Error(recipe_path + ": quant is '" + recipe.quant + "'; qtrain quantize applies the qat section, so the recipe "
+    throw Error(ErrorCode::kRecipe, recipe_path + ": quant is '" + recipe.quant + "'; qtrain quantize applies the qat section, so the recipe "
                 "needs quant: qat (recipes/qat_llama.yaml, recipes/qat_llama_q4_0.yaml)");
   }
-  if (recipe.model.path.empty()) throw Error("no model: pass --model DIR or set model.path in the recipe");
+  if (recipe.model.path.empty()) throw Error(ErrorCode::kUsage, "no model: pass --model DIR or set model.path in the recipe");
   const auto qat_options = trainer::qat_linear_options(recipe);
   if (std::filesystem::exists(out_dir) && !values["force"].as<bool>()) {
-    throw Error(out_dir + ": already exists; choose another --out or pass --force to replace it");
+    throw Error(ErrorCode::kUsage, out_dir + ": already exists; choose another --out or pass --force to replace it");
   }
   // fp32: the weights are rounded from exactly their stored values, and the calibration and eval
   // forwards see no other rounding than the quantizers'.
@@ -115,7 +115,7 @@ int run_quantize(const Arguments& arguments) {
               qat_options.activations ? qat_options.activations->spec.describe().c_str() : "unquantized");
   if (needs_calibration(qat_options)) {
     if (recipe.qat.calibration_batches == 0) {
-      throw Error("qat.calibration_batches is 0, but a quantizer has a static range (observer minmax or "
+      throw Error(ErrorCode::kRecipe, "qat.calibration_batches is 0, but a quantizer has a static range (observer minmax or "
                   "moving_average) to calibrate: set it to at least 1, or use observer dynamic");
     }
     trainer::require_training_data(recipe);

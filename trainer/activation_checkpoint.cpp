@@ -25,7 +25,7 @@ class CheckpointBackward : public torch::autograd::Node {
   std::string name() const override { return "qtrain::CheckpointBackward"; }
 
   variable_list apply(variable_list&& output_grads) override {
-    if (!function_) throw Error("a checkpointed piece of the model was differentiated twice (retain_graph is not supported)");
+    if (!function_) throw Error(ErrorCode::kInternal, "a checkpointed piece of the model was differentiated twice (retain_graph is not supported)");
     std::vector<torch::Tensor> inputs;
     std::vector<torch::Tensor> differentiate;  // what requires grad, inputs first
     for (const auto& input : inputs_) {

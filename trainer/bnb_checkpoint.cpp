@@ -23,7 +23,7 @@ json quantization_config_json(const HfModelConfig& config) {
   try {
     object = json::parse(config.json);
   } catch (const json::exception& error) {
-    throw Error(config.path + ": not valid JSON (" + error.what() + ")");
+    throw Error(ErrorCode::kModelConfig, config.path + ": not valid JSON (" + error.what() + ")");
   }
   if (!object.contains("quantization_config") || !object.at("quantization_config").is_object()) return json();
   return object.at("quantization_config");
@@ -47,12 +47,12 @@ std::optional<BnbQuantizationConfig> read_bnb_quantization_config(const HfModelC
   const std::string where = config.path + ": quantization_config.";
   auto flag = [&](const std::string& key) {
     if (!object.contains(key) || object.at(key).is_null()) return false;
-    if (!object.at(key).is_boolean()) throw Error(where + key + " must be true or false, got " + object.at(key).dump());
+    if (!object.at(key).is_boolean()) throw Error(ErrorCode::kModelConfig, where + key + " must be true or false, got " + object.at(key).dump());
     return object.at(key).get<bool>();
   };
   auto text = [&](const std::string& key, const std::string& fallback) {
     if (!object.contains(key) || object.at(key).is_null()) return fallback;
-    if (!object.at(key).is_string()) throw Error(where + key + " must be a string, got " + object.at(key).dump());
+    if (!object.at(key).is_string()) throw Error(ErrorCode::kModelConfig, where + key + " must be a string, got " + object.at(key).dump());
     return object.at(key).get<std::string>();
   };
   BnbQuantizationConfig result;
@@ -61,22 +61,23 @@ std::optional<BnbQuantizationConfig> read_bnb_quantization_config(const HfModelC
   result.quant_type = text("bnb_4bit_quant_type", "fp4");
   if (object.contains("llm_int8_threshold") && !object.at("llm_int8_threshold").is_null()) {
     if (!object.at("llm_int8_threshold").is_number() || object.at("llm_int8_threshold").get<double>() < 0) {
-      throw Error(where + "llm_int8_threshold must be a number >= 0, got " + object.at("llm_int8_threshold").dump());
+      throw Error(ErrorCode::kModelConfig, where + "llm_int8_threshold must be a number >= 0, got " + object.at("llm_int8_threshold").dump());
     }
     result.llm_int8_threshold = object.at("llm_int8_threshold").get<double>();
   }
   result.double_quant = flag("bnb_4bit_use_double_quant");
-  result.compute_dtype = parse_dtype_name(text("bnb_4bit_compute_dtype", "float32"), where + "bnb_4bit_compute_dtype");
+  result.compute_dtype = parse_dtype_name(text("bnb_4bit_compute_dtype", "float32"), where + "bnb_4bit_compute_dtype",
+                                            ErrorCode::kModelConfig);
   const std::string storage = text("bnb_4bit_quant_storage", "uint8");
   if (result.load_in_4bit && storage != "uint8") {
-    throw Error(where + "bnb_4bit_quant_storage '" + storage + "' is not supported (only uint8)");
+    throw Error(ErrorCode::kModelConfig, where + "bnb_4bit_quant_storage '" + storage + "' is not supported (only uint8)");
   }
-  if (result.load_in_4bit) qat::parse_four_bit_type(result.quant_type, where + "bnb_4bit_quant_type");
+  if (result.load_in_4bit) qat::parse_four_bit_type(result.quant_type, where + "bnb_4bit_quant_type", ErrorCode::kModelConfig);
   if (object.contains("llm_int8_skip_modules") && !object.at("llm_int8_skip_modules").is_null()) {
     const auto& skip = object.at("llm_int8_skip_modules");
-    if (!skip.is_array()) throw Error(where + "llm_int8_skip_modules must be a list of module names");
+    if (!skip.is_array()) throw Error(ErrorCode::kModelConfig, where + "llm_int8_skip_modules must be a list of module names");
     for (const auto& name : skip) {
-      if (!name.is_string()) throw Error(where + "llm_int8_skip_modules must be a list of module names");
+      if (!name.is_string()) throw Error(ErrorCode::kModelConfig, where + "llm_int8_skip_modules must be a list of module names");
       result.skip_modules.push_back(name.get<std::string>());
     }
   }
@@ -98,39 +99,39 @@ qat::FourBitTensor read_bnb_4bit_weight(const SafetensorsCheckpoint& weights, co
   const std::string weight_name = module_name + ".weight";
   const std::string state_key = quant_state_key(weights, module_name);
   if (state_key.empty()) {
-    throw Error(source + ": tensor '" + weight_name + ".quant_state.bitsandbytes__nf4' (or __fp4) is missing");
+    throw Error(ErrorCode::kWeights, source + ": tensor '" + weight_name + ".quant_state.bitsandbytes__nf4' (or __fp4) is missing");
   }
   const auto state_bytes = weights.tensor(state_key).contiguous();
-  if (state_bytes.scalar_type() != torch::kUInt8) throw Error(source + ": tensor '" + state_key + "' must be uint8");
+  if (state_bytes.scalar_type() != torch::kUInt8) throw Error(ErrorCode::kWeights, source + ": tensor '" + state_key + "' must be uint8");
   const std::string state_text(reinterpret_cast<const char*>(state_bytes.data_ptr<uint8_t>()), state_bytes.numel());
   json state_json;
   try {
     state_json = json::parse(state_text);
   } catch (const json::exception& error) {
-    throw Error(source + ": tensor '" + state_key + "' is not the JSON of a bitsandbytes quant state (" +
+    throw Error(ErrorCode::kWeights, source + ": tensor '" + state_key + "' is not the JSON of a bitsandbytes quant state (" +
                 error.what() + ")");
   }
   const std::string where = source + ": " + state_key;
   auto required = [&](const std::string& key) -> const json& {
-    if (!state_json.contains(key)) throw Error(where + ": the quant state has no '" + key + "'");
+    if (!state_json.contains(key)) throw Error(ErrorCode::kWeights, where + ": the quant state has no '" + key + "'");
     return state_json.at(key);
   };
   auto tensor = [&](const std::string& name) {
-    if (!weights.contains(name)) throw Error(source + ": tensor '" + name + "' is missing");
+    if (!weights.contains(name)) throw Error(ErrorCode::kWeights, source + ": tensor '" + name + "' is missing");
     return weights.tensor(name);
   };
 
   qat::FourBitTensor result;
   auto& state = result.state;
   try {
-    state.quant_type = qat::parse_four_bit_type(required("quant_type").get<std::string>(), where);
+    state.quant_type = qat::parse_four_bit_type(required("quant_type").get<std::string>(), where, ErrorCode::kWeights);
     state.blocksize = required("blocksize").get<int64_t>();
     state.shape = required("shape").get<std::vector<int64_t>>();
     state.dtype = parse_dtype_name(required("dtype").get<std::string>(), where + ": dtype");
   } catch (const json::exception& error) {
-    throw Error(where + ": malformed quant state (" + error.what() + ")");
+    throw Error(ErrorCode::kWeights, where + ": malformed quant state (" + error.what() + ")");
   }
-  if (state.shape.size() != 2) throw Error(where + ": expected a 2-d weight shape, got " + shape_text(state.shape));
+  if (state.shape.size() != 2) throw Error(ErrorCode::kWeights, where + ": expected a 2-d weight shape, got " + shape_text(state.shape));
   result.packed = tensor(weight_name);
   state.code = tensor(weight_name + ".quant_map").to(torch::kFloat32);
   state.absmax = tensor(weight_name + ".absmax");
@@ -139,15 +140,15 @@ qat::FourBitTensor read_bnb_4bit_weight(const SafetensorsCheckpoint& weights, co
     state.nested_code = tensor(weight_name + ".nested_quant_map");
     const int64_t nested_blocksize = state_json.value("nested_blocksize", qat::kNestedBlocksize);
     if (nested_blocksize != qat::kNestedBlocksize) {
-      throw Error(where + ": nested_blocksize " + std::to_string(nested_blocksize) + " is not supported (only 256)");
+      throw Error(ErrorCode::kWeights, where + ": nested_blocksize " + std::to_string(nested_blocksize) + " is not supported (only 256)");
     }
-    if (!state_json.contains("nested_offset")) throw Error(where + ": the quant state has no 'nested_offset'");
+    if (!state_json.contains("nested_offset")) throw Error(ErrorCode::kWeights, where + ": the quant state has no 'nested_offset'");
     state.offset = state_json.at("nested_offset").get<float>();
   }
   state.check(result.packed, source + ": " + weight_name);
   const auto expected_code = qat::four_bit_code_tensor(state.quant_type);
   if (!torch::equal(state.code, expected_code)) {
-    throw Error(source + ": tensor '" + weight_name + ".quant_map' is not bitsandbytes' " +
+    throw Error(ErrorCode::kWeights, source + ": tensor '" + weight_name + ".quant_map' is not bitsandbytes' " +
                 qat::four_bit_type_name(state.quant_type) + " table");
   }
   return result;
@@ -190,7 +191,7 @@ LoadedModel load_quantized_llama(const std::string& model_dir, const HfModelConf
 torch::Tensor read_bias(const SafetensorsCheckpoint& weights, const std::string& name,
                         const qat::DenseLinearOptions& dense, const std::string& source, std::set<std::string>& used) {
   if (!dense.bias) return torch::Tensor();
-  if (!weights.contains(name + ".bias")) throw Error(source + ": tensor '" + name + ".bias' is missing");
+  if (!weights.contains(name + ".bias")) throw Error(ErrorCode::kWeights, source + ": tensor '" + name + ".bias' is missing");
   used.insert(name + ".bias");
   return weights.tensor(name + ".bias");
 }
@@ -200,7 +201,7 @@ torch::Tensor read_bias(const SafetensorsCheckpoint& weights, const std::string&
 LoadedModel load_bnb_4bit_llama(const std::string& model_dir, const HfModelConfig& config,
                                 const ModelLoadOptions& options) {
   const auto bnb = read_bnb_quantization_config(config);
-  if (!bnb || !bnb->load_in_4bit) throw Error(config.path + ": not a bitsandbytes 4-bit checkpoint");
+  if (!bnb || !bnb->load_in_4bit) throw Error(ErrorCode::kModelConfig, config.path + ": not a bitsandbytes 4-bit checkpoint");
   auto weights = SafetensorsCheckpoint::open(model_dir);
   // Projections with a stored quant state become FourBitLinear holding the stored bytes.
   return load_quantized_llama(
@@ -211,7 +212,7 @@ LoadedModel load_bnb_4bit_llama(const std::string& model_dir, const HfModelConfi
         if (state_key.empty()) return nullptr;
         auto quantized = read_bnb_4bit_weight(weights, name, model_dir);
         if (quantized.state.shape != std::vector<int64_t>{dense.out_features, dense.in_features}) {
-          throw Error(model_dir + ": tensor '" + name + ".weight' has shape " + shape_text(quantized.state.shape) +
+          throw Error(ErrorCode::kWeights, model_dir + ": tensor '" + name + ".weight' has shape " + shape_text(quantized.state.shape) +
                       ", config.json expects " + shape_text({dense.out_features, dense.in_features}));
         }
         const auto bias = read_bias(weights, name, dense, model_dir, used);
@@ -231,31 +232,31 @@ std::shared_ptr<qat::Int8Linear> read_bnb_8bit_linear(const SafetensorsCheckpoin
   const std::string weight_name = module_name + ".weight";
   const std::string scale_name = module_name + ".SCB";
   const std::string format_name = module_name + ".weight_format";
-  if (!weights.contains(weight_name)) throw Error(source + ": tensor '" + weight_name + "' is missing");
+  if (!weights.contains(weight_name)) throw Error(ErrorCode::kWeights, source + ": tensor '" + weight_name + "' is missing");
   const auto codes = weights.tensor(weight_name);
   if (codes.scalar_type() != torch::kChar) {
-    throw Error(source + ": tensor '" + weight_name + "' has dtype " + std::string(c10::toString(codes.scalar_type())) +
+    throw Error(ErrorCode::kWeights, source + ": tensor '" + weight_name + "' has dtype " + std::string(c10::toString(codes.scalar_type())) +
                 ", a load_in_8bit checkpoint stores int8 weights");
   }
   if (codes.sizes() != c10::IntArrayRef(shape)) {
-    throw Error(source + ": tensor '" + weight_name + "' has shape " + shape_text(codes.sizes()) +
+    throw Error(ErrorCode::kWeights, source + ": tensor '" + weight_name + "' has shape " + shape_text(codes.sizes()) +
                 ", config.json expects int8 " + shape_text(shape));
   }
   if (!weights.contains(scale_name)) {
-    throw Error(source + ": tensor '" + scale_name + "' is missing: the int8 weight '" + weight_name +
+    throw Error(ErrorCode::kWeights, source + ": tensor '" + scale_name + "' is missing: the int8 weight '" + weight_name +
                 "' needs its row absmax (fp32 [" + std::to_string(shape[0]) +
                 "]); is the checkpoint complete (all shards)?");
   }
   const auto absmax = weights.tensor(scale_name);
   if (absmax.scalar_type() != torch::kFloat32 || absmax.dim() != 1 || absmax.size(0) != shape[0]) {
-    throw Error(source + ": tensor '" + scale_name + "' has " + std::string(c10::toString(absmax.scalar_type())) +
+    throw Error(ErrorCode::kWeights, source + ": tensor '" + scale_name + "' has " + std::string(c10::toString(absmax.scalar_type())) +
                 " " + shape_text(absmax.sizes()) + ", expected fp32 [" + std::to_string(shape[0]) +
                 "] (one absmax per row of '" + weight_name + "')");
   }
   if (weights.contains(format_name)) {
     const auto format = weights.tensor(format_name);
     if (format.numel() != 1 || format.to(torch::kLong).item<int64_t>() != 0) {
-      throw Error(source + ": tensor '" + format_name +
+      throw Error(ErrorCode::kWeights, source + ": tensor '" + format_name +
                   "' is not 0: only row-major int8 weights are supported (bitsandbytes >= 0.45 writes these)");
     }
   }
@@ -265,7 +266,7 @@ std::shared_ptr<qat::Int8Linear> read_bnb_8bit_linear(const SafetensorsCheckpoin
 LoadedModel load_bnb_8bit_llama(const std::string& model_dir, const HfModelConfig& config,
                                 const ModelLoadOptions& options) {
   const auto bnb = read_bnb_quantization_config(config);
-  if (!bnb || !bnb->load_in_8bit) throw Error(config.path + ": not a bitsandbytes 8-bit checkpoint");
+  if (!bnb || !bnb->load_in_8bit) throw Error(ErrorCode::kModelConfig, config.path + ": not a bitsandbytes 8-bit checkpoint");
   auto weights = SafetensorsCheckpoint::open(model_dir);
   // Projections stored as int8 (or with an SCB) become Int8Linear holding the stored codes.
   return load_quantized_llama(

@@ -14,14 +14,14 @@ torch::Device resolve_device(const std::string& name, int64_t local_rank) {
     int64_t index = local_rank;
     if (name.size() > 4) {
       if (name[4] != ':' || name.size() == 5 || name.find_first_not_of("0123456789", 5) != std::string::npos) {
-        throw Error("device '" + name + "': expected cpu, cuda, cuda:N or auto");
+        throw Error(ErrorCode::kUsage, "device '" + name + "': expected cpu, cuda, cuda:N or auto");
       }
       index = std::stoll(name.substr(5));
     }
     const auto count = static_cast<int64_t>(torch::cuda::device_count());
-    if (count == 0) throw Error("device '" + name + "': no CUDA GPU is visible on this machine; use cpu");
+    if (count == 0) throw Error(ErrorCode::kUsage, "device '" + name + "': no CUDA GPU is visible on this machine; use cpu");
     if (index >= count) {
-      throw Error("device '" + name + "' (GPU " + std::to_string(index) + "): only " + std::to_string(count) +
+      throw Error(ErrorCode::kUsage, "device '" + name + "' (GPU " + std::to_string(index) + "): only " + std::to_string(count) +
                   " CUDA device(s) are visible; start at most that many processes per node");
     }
 #ifdef QTRAIN_WITH_CUDA
@@ -29,7 +29,7 @@ torch::Device resolve_device(const std::string& name, int64_t local_rank) {
 #endif
     return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
   }
-  throw Error("device '" + name + "': expected cpu, cuda, cuda:N or auto");
+  throw Error(ErrorCode::kUsage, "device '" + name + "': expected cpu, cuda, cuda:N or auto");
 }
 
 }  // namespace qtrain::trainer

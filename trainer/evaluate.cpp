@@ -11,8 +11,8 @@ namespace qtrain::trainer {
 
 EvalResult evaluate(LlamaForCausalLMImpl& model, const std::vector<data::Example>& examples,
                     const EvalOptions& options) {
-  if (examples.empty()) throw Error("evaluation data holds no example with a token to predict");
-  if (options.batch_size < 1) throw Error("batch size must be at least 1");
+  if (examples.empty()) throw Error(ErrorCode::kData, "evaluation data holds no example with a token to predict");
+  if (options.batch_size < 1) throw Error(ErrorCode::kRecipe, "batch size must be at least 1");
   torch::NoGradGuard no_grad;
   const bool was_training = model.is_training();
   model.eval();

@@ -57,13 +57,13 @@ Finetune::Finetune(Recipe recipe, std::string resume)
 }
 
 void Finetune::setup() {
-  if (recipe_.model.path.empty()) throw Error("model.path is not set: point it at a Hugging Face model directory");
+  if (recipe_.model.path.empty()) throw Error(ErrorCode::kRecipe, "model.path is not set: point it at a Hugging Face model directory");
   require_training_data(recipe_);
   if (recipe_.quant == "qat") qat_linear_options(recipe_);  // the scheme, checked before minutes of loading
   device_ = resolve_device(recipe_.train.device, launch_.local_rank);
   compute_dtype_ = parse_dtype_name(recipe_.train.dtype, "train.dtype");
   if (compute_dtype_ == torch::kFloat16 && device_.is_cpu()) {
-    throw Error("train.dtype fp16 is not supported on the CPU; use bf16 or fp32");
+    throw Error(ErrorCode::kRecipe, "train.dtype fp16 is not supported on the CPU; use bf16 or fp32");
   }
   scaler_ = LossScaler(/*enabled=*/compute_dtype_ == torch::kFloat16);
   if (launch_.distributed()) {
@@ -262,10 +262,10 @@ void Finetune::handle_skipped_step(int64_t step, const StepResult& result, bool 
                {"batch_in_epoch", result.batch_in_epoch}});
   const std::string advice = "lower optim.lr, use train.dtype bf16 or fp32, or check the data there";
   if (recipe_.train.nonfinite == "abort") {
-    throw Error(where + ": " + result.skip_reason + " and train.nonfinite is abort; " + advice);
+    throw Error(ErrorCode::kNumerics, where + ": " + result.skip_reason + " and train.nonfinite is abort; " + advice);
   }
   if (consecutive_skips_ >= recipe_.train.max_skipped_steps) {
-    throw Error(where + ": " + std::to_string(consecutive_skips_) +
+    throw Error(ErrorCode::kNumerics, where + ": " + std::to_string(consecutive_skips_) +
                 " steps in a row skipped for non-finite losses or gradients (train.max_skipped_steps); " + advice +
                 ". The weights were never updated with a non-finite value.");
   }
@@ -317,7 +317,7 @@ void Finetune::log_metrics(const nlohmann::json& line) {
   if (!writes_files()) return;
   std::ofstream metrics(run_dir_ + "/metrics.jsonl", std::ios::app);
   metrics << line.dump() << "\n";
-  if (!metrics) throw Error(run_dir_ + "/metrics.jsonl: cannot write (is the disk full?)");
+  if (!metrics) throw Error(ErrorCode::kFileSystem, run_dir_ + "/metrics.jsonl: cannot write (is the disk full?)");
 }
 
 std::string Finetune::save_adapter() {
@@ -404,7 +404,7 @@ bool Finetune::resume_if_asked() {
                           "qat.target_modules"}) {
     for (const auto& difference : recipe_differences(saved, recipe_)) {
       if (difference.rfind(std::string(key) + ":", 0) == 0 || difference.rfind(std::string(key) + ".", 0) == 0) {
-        throw Error(path + ": the checkpoint was trained with another model (" + difference +
+        throw Error(ErrorCode::kCheckpoint, path + ": the checkpoint was trained with another model (" + difference +
                     "); resume with the recipe it was written with");
       }
     }
@@ -424,7 +424,7 @@ bool Finetune::resume_if_asked() {
   skipped_steps_ = state.at("skipped_steps").get<int64_t>();
   consecutive_skips_ = state.at("consecutive_skips").get<int64_t>();
   if (first_step_ > total_steps_) {
-    throw Error(path + ": the checkpoint is at step " + std::to_string(first_step_) + ", past this run's " +
+    throw Error(ErrorCode::kCheckpoint, path + ": the checkpoint is at step " + std::to_string(first_step_) + ", past this run's " +
                 std::to_string(total_steps_) + " steps (raise train.steps to continue)");
   }
   std::printf("resume: continuing from %s at step %lld of %lld\n", path.c_str(), static_cast<long long>(first_step_),

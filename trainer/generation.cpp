@@ -33,11 +33,11 @@ double GenerationResult::decode_tokens_per_second() const {
 
 GenerationResult generate(LlamaForCausalLMImpl& model, const std::vector<int64_t>& prompt_ids,
                           const GenerationOptions& options, const TokenCallback& on_token) {
-  if (prompt_ids.empty()) throw Error("generation needs a prompt of at least one token");
+  if (prompt_ids.empty()) throw Error(ErrorCode::kUsage, "generation needs a prompt of at least one token");
   const int64_t vocab_size = model.options().vocab_size;
   for (const int64_t id : prompt_ids) {
     if (id < 0 || id >= vocab_size) {
-      throw Error("prompt token id " + std::to_string(id) + " is outside the model's vocabulary (size " +
+      throw Error(ErrorCode::kUsage, "prompt token id " + std::to_string(id) + " is outside the model's vocabulary (size " +
                   std::to_string(vocab_size) + ")");
     }
   }

@@ -14,9 +14,9 @@ GenerationOptions read_generation_config(const std::string& model_dir, const HfM
   std::ifstream file(path);
   if (!file) return options;
   const auto object = nlohmann::json::parse(file, nullptr, /*allow_exceptions=*/false);
-  if (object.is_discarded() || !object.is_object()) throw Error(path + ": not a JSON object");
+  if (object.is_discarded() || !object.is_object()) throw Error(ErrorCode::kModelConfig, path + ": not a JSON object");
   auto fail = [&](const std::string& key, const std::string& expected) {
-    throw Error(path + ": key '" + key + "' must be " + expected + ", got " + object.at(key).dump());
+    throw Error(ErrorCode::kModelConfig, path + ": key '" + key + "' must be " + expected + ", got " + object.at(key).dump());
   };
   auto has = [&](const char* key) { return object.contains(key) && !object.at(key).is_null(); };
   if (has("do_sample")) {

@@ -60,10 +60,10 @@ bool starts_with(const std::string& text, const std::string& prefix) { return te
 // tokenizer.ggml.pre for tokenizer.json's pre_tokenizer.
 std::string pre_tokenizer_name(const std::string& tokenizer_path) {
   const auto document = nlohmann::json::parse(data::read_text_file(tokenizer_path, "tokenizer.json"), nullptr, /*allow_exceptions=*/false);
-  if (document.is_discarded()) throw Error(tokenizer_path + ": not JSON");
+  if (document.is_discarded()) throw Error(ErrorCode::kTokenizer, tokenizer_path + ": not JSON");
   const auto model = document.value("model", nlohmann::json::object());
   if (model.value("byte_fallback", false)) {
-    throw Error(tokenizer_path + ": a sentencepiece-style tokenizer (byte_fallback, Llama 2 / Mistral); GGUF export "
+    throw Error(ErrorCode::kTokenizer, tokenizer_path + ": a sentencepiece-style tokenizer (byte_fallback, Llama 2 / Mistral); GGUF export "
                 "supports byte-level BPE tokenizers (Llama 3 style) only, for now");
   }
   nlohmann::json steps = nlohmann::json::array();
@@ -87,7 +87,7 @@ std::string pre_tokenizer_name(const std::string& tokenizer_path) {
     if (regex == known.regex) return known.gguf_pre;
   }
   if (regex.empty() && byte_level_regex) return kGpt2ByteLevelPre;
-  throw Error(tokenizer_path + ": pre_tokenizer " + pre.dump().substr(0, 200) +
+  throw Error(ErrorCode::kTokenizer, tokenizer_path + ": pre_tokenizer " + pre.dump().substr(0, 200) +
               " is not one GGUF export knows (Llama 3's regex or GPT-2's byte-level); llama.cpp would tokenize "
               "differently");
 }
@@ -129,7 +129,7 @@ std::vector<std::pair<std::string, GgufValue>> model_metadata(const HfModelConfi
     metadata.emplace_back("llama.rope.scaling.type", std::string("linear"));
     metadata.emplace_back("llama.rope.scaling.factor", static_cast<float>(llama.rope.factor));
   } else if (llama.rope.type != RopeType::kDefault) {
-    throw Error(config.path + ": rope type '" + config.rope_type_name +
+    throw Error(ErrorCode::kModelConfig, config.path + ": rope type '" + config.rope_type_name +
                 "' is not supported by GGUF export yet (default and linear are)");
   }
   metadata.emplace_back("general.file_type", file_type);
@@ -154,13 +154,13 @@ std::string gguf_tensor_name(const std::string& hf_name) {
       }
     }
   }
-  throw Error("GGUF export: tensor '" + hf_name + "' has no place in llama.cpp's Llama (a LlamaForCausalLM has "
+  throw Error(ErrorCode::kInternal, "GGUF export: tensor '" + hf_name + "' has no place in llama.cpp's Llama (a LlamaForCausalLM has "
               "embed_tokens, layers.N.self_attn / mlp projections, the norms and lm_head)");
 }
 
 torch::Tensor gguf_rope_row_order(int64_t rows, int64_t heads) {
   if (heads <= 0 || rows % (2 * heads) != 0) {
-    throw Error("GGUF export: " + std::to_string(rows) + " rows do not split into " + std::to_string(heads) +
+    throw Error(ErrorCode::kModelConfig, "GGUF export: " + std::to_string(rows) + " rows do not split into " + std::to_string(heads) +
                 " heads of an even size");
   }
   // convert_hf_to_gguf: w.reshape(heads, 2, rows / heads / 2, ...).swapaxes(1, 2).reshape(w.shape)
@@ -174,7 +174,7 @@ std::vector<std::pair<std::string, GgufValue>> gguf_tokenizer_metadata(const HfM
   const auto tokenizer = data::Tokenizer::from_model_dir(base_dir);
   const int64_t vocab_size = config.llama.vocab_size;
   if (tokenizer.vocab_size() > vocab_size) {
-    throw Error(tokenizer_path + ": " + std::to_string(tokenizer.vocab_size()) + " tokens, more than config.json's "
+    throw Error(ErrorCode::kTokenizer, tokenizer_path + ": " + std::to_string(tokenizer.vocab_size()) + " tokens, more than config.json's "
                 "vocab_size " + std::to_string(vocab_size));
   }
   // As convert_hf_to_gguf's get_vocab_base: ids the tokenizer lacks become unused [PADi] tokens.
@@ -224,7 +224,7 @@ std::vector<std::pair<std::string, GgufValue>> gguf_tokenizer_metadata(const HfM
 void write_gguf_model(const LlamaForCausalLMImpl& model, const HfModelConfig& config, const std::string& base_dir,
                       const std::string& out_file, const GgufExportOptions& options) {
   if (options.float_type != GgufTensorType::kF32 && options.float_type != GgufTensorType::kF16) {
-    throw Error("GGUF export: unquantized weights are written as F32 or F16");
+    throw Error(ErrorCode::kInternal, "GGUF export: unquantized weights are written as F32 or F16");
   }
   const auto& llama = config.llama;
   std::map<std::string, std::shared_ptr<qat::QatLinear>> qat_layers;

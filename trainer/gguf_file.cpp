@@ -92,7 +92,7 @@ class ByteReader {
   uint64_t remaining() const { return bytes_.size() - position_; }
 
   [[noreturn]] void fail(const std::string& what) const {
-    throw Error(source_ + ": " + what + " (at byte " + std::to_string(position_) + " of " +
+    throw Error(ErrorCode::kWeights, source_ + ": " + what + " (at byte " + std::to_string(position_) + " of " +
                 std::to_string(bytes_.size()) + "; is this a complete GGUF file?)");
   }
 
@@ -177,7 +177,7 @@ GgufValueType gguf_scalar_type(const GgufScalar& scalar) {
 
 GgufValue GgufValue::array(GgufValueType element_type, std::vector<GgufScalar> elements) {
   for (const auto& element : elements) {
-    if (gguf_scalar_type(element) != element_type) throw Error("a GGUF array mixes element types");
+    if (gguf_scalar_type(element) != element_type) throw Error(ErrorCode::kInternal, "a GGUF array mixes element types");
   }
   GgufValue value;
   value.is_array = true;
@@ -202,7 +202,7 @@ const GgufTensorTypeInfo& gguf_tensor_type_info(GgufTensorType type) {
   for (const auto& info : tensor_types()) {
     if (info.type == type) return info;
   }
-  throw Error("unknown GGUF tensor type");
+  throw Error(ErrorCode::kInternal, "unknown GGUF tensor type");
 }
 
 std::optional<GgufTensorTypeInfo> gguf_tensor_type_by_id(uint32_t ggml_type) {
@@ -215,15 +215,15 @@ std::optional<GgufTensorTypeInfo> gguf_tensor_type_by_id(uint32_t ggml_type) {
 uint64_t gguf_tensor_bytes(GgufTensorType type, const std::vector<int64_t>& shape, const std::string& name) {
   const auto& info = gguf_tensor_type_info(type);
   if (shape.empty() || shape.back() % info.block_elements != 0) {
-    throw Error("GGUF tensor '" + name + "' of shape " + shape_text(shape) + ": " + info.name +
+    throw Error(ErrorCode::kWeights, "GGUF tensor '" + name + "' of shape " + shape_text(shape) + ": " + info.name +
                 " needs a last dimension that is a multiple of " + std::to_string(info.block_elements));
   }
   // Overflow-checked product (shapes come from files too).
   uint64_t elements = 1;
   for (const auto size : shape) {
-    if (size < 0) throw Error("GGUF tensor '" + name + "' has a negative dimension in " + shape_text(shape));
+    if (size < 0) throw Error(ErrorCode::kWeights, "GGUF tensor '" + name + "' has a negative dimension in " + shape_text(shape));
     if (size != 0 && elements > (uint64_t{1} << 62) / static_cast<uint64_t>(size)) {
-      throw Error("GGUF tensor '" + name + "' of shape " + shape_text(shape) + " is impossibly large");
+      throw Error(ErrorCode::kWeights, "GGUF tensor '" + name + "' of shape " + shape_text(shape) + " is impossibly large");
     }
     elements *= static_cast<uint64_t>(size);
   }
@@ -241,7 +241,7 @@ void write_gguf(const std::string& path, const std::vector<std::pair<std::string
   for (const auto& [key, value] : metadata) {
     if (key == kAlignmentKey) {
       const auto* given = value.is_array ? nullptr : std::get_if<uint32_t>(&value.scalar);
-      if (!given || !is_power_of_two(*given)) throw Error(path + ": " + key + " must be a u32 power of two");
+      if (!given || !is_power_of_two(*given)) throw Error(ErrorCode::kInternal, path + ": " + key + " must be a u32 power of two");
       alignment = *given;
     }
     header.put_string(key);
@@ -259,7 +259,7 @@ void write_gguf(const std::string& path, const std::vector<std::pair<std::string
   uint64_t offset = 0;
   for (const auto& tensor : tensors) {
     if (tensor.shape.empty() || static_cast<int64_t>(tensor.shape.size()) > kMaxDims) {
-      throw Error(path + ": tensor '" + tensor.name + "' has " + std::to_string(tensor.shape.size()) +
+      throw Error(ErrorCode::kInternal, path + ": tensor '" + tensor.name + "' has " + std::to_string(tensor.shape.size()) +
                   " dimensions; GGUF holds 1 to 4");
     }
     sizes.push_back(gguf_tensor_bytes(tensor.type, tensor.shape, tensor.name));
@@ -278,7 +278,7 @@ void write_gguf(const std::string& path, const std::vector<std::pair<std::string
   for (size_t index = 0; index < tensors.size(); ++index) {
     const auto bytes = tensors[index].bytes();
     if (bytes.size() != sizes[index]) {
-      throw Error(path + ": tensor '" + tensors[index].name + "' gave " + std::to_string(bytes.size()) +
+      throw Error(ErrorCode::kInternal, path + ": tensor '" + tensors[index].name + "' gave " + std::to_string(bytes.size()) +
                   " bytes, its shape and type need " + std::to_string(sizes[index]));
     }
     file.write(bytes.data(), bytes.size());
@@ -289,7 +289,7 @@ void write_gguf(const std::string& path, const std::vector<std::pair<std::string
 
 GgufFile GgufFile::open(const std::string& path) {
   std::ifstream stream(path, std::ios::binary);
-  if (!stream) throw Error(path + ": cannot open");
+  if (!stream) throw Error(ErrorCode::kFileSystem, path + ": cannot open");
   std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(stream)), std::istreambuf_iterator<char>());
   return parse(std::move(bytes), path);
 }
@@ -361,11 +361,11 @@ GgufFile GgufFile::parse(std::vector<uint8_t> bytes, const std::string& source) 
   const uint64_t data_bytes = file.bytes_.size() >= file.data_start_ ? file.bytes_.size() - file.data_start_ : 0;
   for (const auto& info : file.tensors_) {
     if (info.offset % file.alignment_ != 0) {
-      throw Error(source + ": tensor '" + info.name + "' starts at offset " + std::to_string(info.offset) +
+      throw Error(ErrorCode::kWeights, source + ": tensor '" + info.name + "' starts at offset " + std::to_string(info.offset) +
                   ", not a multiple of the alignment " + std::to_string(file.alignment_));
     }
     if (info.offset > data_bytes || info.bytes > data_bytes - info.offset) {
-      throw Error(source + ": tensor '" + info.name + "' (" + std::to_string(info.bytes) + " bytes at offset " +
+      throw Error(ErrorCode::kWeights, source + ": tensor '" + info.name + "' (" + std::to_string(info.bytes) + " bytes at offset " +
                   std::to_string(info.offset) + ") lies outside the data section of " + std::to_string(data_bytes) +
                   " bytes (the file is truncated or corrupt)");
     }
@@ -377,13 +377,13 @@ bool GgufFile::contains(const std::string& key) const { return metadata_index_.c
 
 const GgufValue& GgufFile::value(const std::string& key) const {
   const auto found = metadata_index_.find(key);
-  if (found == metadata_index_.end()) throw Error(source_ + ": metadata key '" + key + "' is missing");
+  if (found == metadata_index_.end()) throw Error(ErrorCode::kWeights, source_ + ": metadata key '" + key + "' is missing");
   return metadata_[found->second].second;
 }
 
 const GgufTensorInfo& GgufFile::tensor(const std::string& name) const {
   const auto found = tensor_index_.find(name);
-  if (found == tensor_index_.end()) throw Error(source_ + ": tensor '" + name + "' is missing");
+  if (found == tensor_index_.end()) throw Error(ErrorCode::kWeights, source_ + ": tensor '" + name + "' is missing");
   return tensors_[found->second];
 }
 

@@ -142,18 +142,18 @@ class GgufFile {
 template <typename T>
 const T& GgufValue::as(const std::string& key) const {
   const T* value = is_array ? nullptr : std::get_if<T>(&scalar);
-  if (!value) throw Error(key + ": the GGUF value has another type than expected");
+  if (!value) throw Error(ErrorCode::kWeights, key + ": the GGUF value has another type than expected");
   return *value;
 }
 
 template <typename T>
 std::vector<T> GgufValue::array_as(const std::string& key) const {
-  if (!is_array) throw Error(key + ": expected a GGUF array, found a single value");
+  if (!is_array) throw Error(ErrorCode::kWeights, key + ": expected a GGUF array, found a single value");
   std::vector<T> values;
   values.reserve(elements.size());
   for (const auto& element : elements) {
     const T* value = std::get_if<T>(&element);
-    if (!value) throw Error(key + ": the GGUF array's elements have another type than expected");
+    if (!value) throw Error(ErrorCode::kWeights, key + ": the GGUF array's elements have another type than expected");
     values.push_back(*value);
   }
   return values;

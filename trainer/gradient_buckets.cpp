@@ -89,7 +89,7 @@ GradientBuckets::GradientBuckets(std::vector<torch::Tensor> parameters, ProcessG
   const std::weak_ptr<State> weak = state_;
   for (size_t index = 0; index < state.parameters.size(); ++index) {
     auto accumulator = torch::autograd::impl::grad_accumulator(state.parameters[index]);
-    if (!accumulator) throw Error("data parallelism: trainable parameter " + std::to_string(index) + " is not a leaf");
+    if (!accumulator) throw Error(ErrorCode::kInternal, "data parallelism: trainable parameter " + std::to_string(index) + " is not a leaf");
     state.accumulators.push_back(accumulator);
     accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
         [weak, index](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
@@ -121,7 +121,7 @@ void GradientBuckets::finish() {
   auto& state = *state_;
   {
     std::lock_guard<std::mutex> lock(state.mutex);
-    if (!state.armed) throw Error("GradientBuckets::finish() without arm(): the gradients were never reduced");
+    if (!state.armed) throw Error(ErrorCode::kInternal, "GradientBuckets::finish() without arm(): the gradients were never reduced");
     for (size_t index = 0; index < state.parameters.size(); ++index) state.mark_ready(index);
     state.armed = false;
   }

@@ -31,16 +31,16 @@ void load_state(torch::nn::Module& model, const SafetensorsCheckpoint& weights, 
   auto load_into = [&](const std::string& name, torch::Tensor& target) {
     if (loaded_elsewhere.count(name)) return;
     if (!weights.contains(name)) {
-      throw Error(source + ": tensor '" + name + "' is missing (the model expects shape " +
+      throw Error(ErrorCode::kWeights, source + ": tensor '" + name + "' is missing (the model expects shape " +
                   shape_text(target.sizes()) + ")");
     }
     auto stored = weights.tensor(name);
     if (stored.sizes() != target.sizes()) {
-      throw Error(source + ": tensor '" + name + "' has shape " + shape_text(stored.sizes()) +
+      throw Error(ErrorCode::kWeights, source + ": tensor '" + name + "' has shape " + shape_text(stored.sizes()) +
                   ", config.json expects " + shape_text(target.sizes()));
     }
     if (!stored.is_floating_point()) {
-      throw Error(source + ": tensor '" + name + "' has dtype " + std::string(c10::toString(stored.scalar_type())) +
+      throw Error(ErrorCode::kWeights, source + ": tensor '" + name + "' has dtype " + std::string(c10::toString(stored.scalar_type())) +
                   ", expected floating point weights");
     }
     target.copy_(stored);
@@ -56,7 +56,7 @@ void load_state(torch::nn::Module& model, const SafetensorsCheckpoint& weights, 
   if (!unexpected.empty()) {
     std::string listed;
     for (size_t index = 0; index < unexpected.size() && index < 3; ++index) listed += " '" + unexpected[index] + "'";
-    throw Error(source + ": " + std::to_string(unexpected.size()) +
+    throw Error(ErrorCode::kWeights, source + ": " + std::to_string(unexpected.size()) +
                 " tensor(s) the Llama model does not have:" + listed +
                 (unexpected.size() > 3 ? " ..." : "") + " (is this a LlamaForCausalLM checkpoint?)");
   }
@@ -69,7 +69,7 @@ LoadedModel load_llama(const std::string& model_dir, const ModelLoadOptions& opt
   if (is_bnb_8bit_checkpoint(loaded.config)) return load_bnb_8bit_llama(model_dir, loaded.config, options);
   if (is_qtrain_quantized_checkpoint(loaded.config)) return load_qtrain_quantized_llama(model_dir, loaded.config, options);
   if (loaded.config.has_quantization_config) {
-    throw Error(loaded.config.path +
+    throw Error(ErrorCode::kModelConfig, loaded.config.path +
                 ": this checkpoint is pre-quantized (quantization_config); load it as a QLoRA / int8 base");
   }
   auto weights = SafetensorsCheckpoint::open(model_dir);

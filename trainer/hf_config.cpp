@@ -10,11 +10,11 @@ namespace qtrain::trainer {
 
 using nlohmann::json;
 
-c10::ScalarType parse_dtype_name(const std::string& name, const std::string& what) {
+c10::ScalarType parse_dtype_name(const std::string& name, const std::string& what, ErrorCode code) {
   if (name == "bf16" || name == "bfloat16") return c10::ScalarType::BFloat16;
   if (name == "fp16" || name == "float16" || name == "half") return c10::ScalarType::Half;
   if (name == "fp32" || name == "float32" || name == "float") return c10::ScalarType::Float;
-  throw Error(what + ": unknown dtype '" + name + "' (expected bf16, fp16 or fp32)");
+  throw Error(code, what + ": unknown dtype '" + name + "' (expected bf16, fp16 or fp32)");
 }
 
 std::string dtype_short_name(c10::ScalarType dtype) {
@@ -219,7 +219,8 @@ HfModelConfig parse_hf_config(const std::string& text, const std::string& path) 
   llama.rope = read_rope(reader, config.path, config.rope_type_name);
 
   const std::string dtype_key = reader.has("dtype") ? "dtype" : "torch_dtype";
-  config.stored_dtype = parse_dtype_name(reader.string_or(dtype_key, "float32"), config.path + ": key '" + dtype_key + "'");
+  config.stored_dtype = parse_dtype_name(reader.string_or(dtype_key, "float32"), config.path + ": key '" + dtype_key + "'",
+                                        ErrorCode::kModelConfig);
   config.bos_token_id = reader.optional_id("bos_token_id");
   config.eos_token_ids = reader.id_list("eos_token_id");
   config.pad_token_id = reader.optional_id("pad_token_id");

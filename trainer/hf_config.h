@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/error.h"
 #include "trainer/llama_options.h"
 
 namespace qtrain::trainer {
@@ -27,8 +28,9 @@ HfModelConfig read_hf_config(const std::string& model_dir);
 // The same from config.json's text; `path` names the file in errors.
 HfModelConfig parse_hf_config(const std::string& text, const std::string& path);
 
-// "bf16"/"bfloat16", "fp16"/"float16", "fp32"/"float32" -> scalar type; Error naming `what`.
-c10::ScalarType parse_dtype_name(const std::string& name, const std::string& what);
+// "bf16"/"bfloat16", "fp16"/"float16", "fp32"/"float32" -> scalar type; Error naming `what`,
+// with `code` (a recipe key by default; config.json passes kModelConfig).
+c10::ScalarType parse_dtype_name(const std::string& name, const std::string& what, ErrorCode code = ErrorCode::kRecipe);
 std::string dtype_short_name(c10::ScalarType dtype);
 
 }  // namespace qtrain::trainer

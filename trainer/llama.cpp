@@ -109,7 +109,7 @@ qat::DenseLinearOptions linear_options(int64_t in, int64_t out, bool bias, torch
 // Points `slot` (the member forward() calls) and the registered child `child_name` at `layer`.
 void replace_projection(torch::nn::Module& owner, std::shared_ptr<qat::LinearLayer>* slot,
                         const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) {
-  if (slot == nullptr || !*slot) throw Error(owner.name() + " has no linear layer '" + child_name + "' to replace");
+  if (slot == nullptr || !*slot) throw Error(ErrorCode::kInternal, owner.name() + " has no linear layer '" + child_name + "' to replace");
   *slot = owner.replace_module(child_name, std::move(layer));
 }
 
@@ -167,7 +167,7 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden, const tor
   std::optional<at::Tensor> mask =
       attention_mask.defined() ? std::optional<at::Tensor>(attention_mask) : std::nullopt;
   if (cache != nullptr) {
-    if (attention_mask.defined()) throw Error("an attention mask cannot be combined with a key/value cache");
+    if (attention_mask.defined()) throw Error(ErrorCode::kInternal, "an attention mask cannot be combined with a key/value cache");
     const int64_t past = cache->length();
     std::tie(key, value) = cache->append(key, value);
     if (past > 0) {

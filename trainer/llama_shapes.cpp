@@ -45,7 +45,7 @@ LlamaOptions llama_shape(const std::string& name) {
   }
   std::string known;
   for (const auto& shape : kShapes) known += (known.empty() ? "" : ", ") + std::string(shape.name);
-  throw Error("unknown model shape '" + name + "' (known: " + known + ")");
+  throw Error(ErrorCode::kUsage, "unknown model shape '" + name + "' (known: " + known + ")");
 }
 
 }  // namespace qtrain::trainer

@@ -47,11 +47,11 @@ nlohmann::json LossScaler::state() const { return {{"scale", scale_}, {"growth_t
 void LossScaler::load_state(const nlohmann::json& state, const std::string& source) {
   if (!state.is_object() || !state.contains("scale") || !state["scale"].is_number() ||
       !state.contains("growth_tracker") || !state["growth_tracker"].is_number_integer()) {
-    throw Error(source + ": the loss scaler state needs a number \"scale\" and an integer \"growth_tracker\"");
+    throw Error(ErrorCode::kCheckpoint, source + ": the loss scaler state needs a number \"scale\" and an integer \"growth_tracker\"");
   }
   scale_ = state["scale"].get<double>();
   growth_tracker_ = state["growth_tracker"].get<int64_t>();
-  if (!(scale_ > 0) || growth_tracker_ < 0) throw Error(source + ": the loss scaler state is out of range");
+  if (!(scale_ > 0) || growth_tracker_ < 0) throw Error(ErrorCode::kCheckpoint, source + ": the loss scaler state is out of range");
 }
 
 }  // namespace qtrain::trainer

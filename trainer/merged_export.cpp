@@ -25,7 +25,7 @@ std::string torch_dtype_name(torch::ScalarType dtype) {
     case torch::kBFloat16: return "bfloat16";
     case torch::kFloat16: return "float16";
     case torch::kFloat32: return "float32";
-    default: throw Error("merged export: cannot write weights as " + std::string(c10::toString(dtype)) +
+    default: throw Error(ErrorCode::kUsage, "merged export: cannot write weights as " + std::string(c10::toString(dtype)) +
                          " (use bf16, fp16 or fp32)");
   }
 }
@@ -115,7 +115,7 @@ uint64_t parse_byte_size(const std::string& text, const std::string& what) {
     used = 0;
   }
   if (used != number.size() || number.empty() || !(value > 0)) {
-    throw Error(what + ": '" + text + "' is not a size (write it like 5GB, 500MB, 2GiB or a number of bytes)");
+    throw Error(ErrorCode::kUsage, what + ": '" + text + "' is not a size (write it like 5GB, 500MB, 2GiB or a number of bytes)");
   }
   return static_cast<uint64_t>(value * static_cast<double>(multiplier));
 }

@@ -35,7 +35,7 @@ std::vector<std::string> write_model_exports(const LlamaForCausalLMImpl& model, 
       // fp32 for what is not quantized, so the export evaluates exactly as the QAT model did.
       write_quantized_model(model, config, base_dir, staged, QuantizedExportOptions{});
     } else {
-      throw Error("export.formats: unknown format '" + format + "' (peft, merged, gguf or safetensors-int)");
+      throw Error(ErrorCode::kRecipe, "export.formats: unknown format '" + format + "' (peft, merged, gguf or safetensors-int)");
     }
     replace_directory(staged, target);
     written.push_back(target);

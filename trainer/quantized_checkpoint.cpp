@@ -36,28 +36,33 @@ nlohmann::ordered_json spec_json(const qat::QuantSpec& spec) {
 // Reads one key of quantization_config.<section>, an Error naming it when absent or mistyped.
 template <typename T>
 T required(const nlohmann::json& section, const std::string& key, const std::string& what) {
-  if (!section.contains(key)) throw Error(what + "." + key + " is missing");
+  if (!section.contains(key)) throw Error(ErrorCode::kModelConfig, what + "." + key + " is missing");
   try {
     return section.at(key).get<T>();
   } catch (const nlohmann::json::exception&) {
-    throw Error(what + "." + key + " has the wrong type (" + section.at(key).dump() + ")");
+    throw Error(ErrorCode::kModelConfig, what + "." + key + " has the wrong type (" + section.at(key).dump() + ")");
   }
 }
 
 qat::QuantSpec spec_from_json(const nlohmann::json& json, const std::string& what) {
-  if (!json.is_object()) throw Error(what + " must be an object describing a quantization scheme");
+  if (!json.is_object()) throw Error(ErrorCode::kModelConfig, what + " must be an object describing a quantization scheme");
   qat::QuantSpec spec;
-  spec.format = qat::parse_quant_format(required<std::string>(json, "format", what), what + ".format");
-  spec.bits = required<int64_t>(json, "bits", what);
-  spec.symmetric = required<bool>(json, "symmetric", what);
-  spec.granularity = qat::parse_granularity(required<std::string>(json, "granularity", what), what + ".granularity");
-  spec.group_size = required<int64_t>(json, "group_size", what);
-  const auto scale_dtype = required<std::string>(json, "scale_dtype", what);
-  if (scale_dtype != "float16" && scale_dtype != "float32") {
-    throw Error(what + ".scale_dtype: '" + scale_dtype + "' is not float16 or float32");
+  try {
+    spec.format = qat::parse_quant_format(required<std::string>(json, "format", what), what + ".format");
+    spec.bits = required<int64_t>(json, "bits", what);
+    spec.symmetric = required<bool>(json, "symmetric", what);
+    spec.granularity = qat::parse_granularity(required<std::string>(json, "granularity", what), what + ".granularity");
+    spec.group_size = required<int64_t>(json, "group_size", what);
+    const auto scale_dtype = required<std::string>(json, "scale_dtype", what);
+    if (scale_dtype != "float16" && scale_dtype != "float32") {
+      throw Error(ErrorCode::kModelConfig, what + ".scale_dtype: '" + scale_dtype + "' is not float16 or float32");
+    }
+    spec.scale_dtype = scale_dtype == "float16" ? torch::kFloat16 : torch::kFloat32;
+    spec.validate(what);
+  } catch (const Error& error) {
+    // The shared scheme checks speak of recipe keys; this scheme is config.json's.
+    throw Error(ErrorCode::kModelConfig, error.what());
   }
-  spec.scale_dtype = scale_dtype == "float16" ? torch::kFloat16 : torch::kFloat32;
-  spec.validate(what);
   return spec;
 }
 
@@ -72,7 +77,7 @@ nlohmann::ordered_json quantization_config(
     if (layer->weight_fake_quant().spec().describe() != weights.describe() ||
         (layer_activations == nullptr) != (activations == nullptr) ||
         (activations && layer_activations->spec().describe() != activations->spec().describe())) {
-      throw Error("safetensors-int export: layer '" + name + "' is quantized differently from '" +
+      throw Error(ErrorCode::kRecipe, "safetensors-int export: layer '" + name + "' is quantized differently from '" +
                   layers.front().first + "'; the format holds one scheme per model");
     }
   }
@@ -82,7 +87,7 @@ nlohmann::ordered_json quantization_config(
   if (activations) {
     const auto& options = activations->options();
     if (options.observer != qat::ObserverKind::kDynamic || options.learned_scale) {
-      throw Error(activations->what() + ": safetensors-int export holds dynamic activation quantization only "
+      throw Error(ErrorCode::kRecipe, activations->what() + ": safetensors-int export holds dynamic activation quantization only "
                   "(observer: dynamic, no learned scale); this model's activation scale is state ('" +
                   qat::observer_kind_name(options.observer) + "'" + (options.learned_scale ? ", learned" : "") +
                   ") the format cannot store yet");
@@ -106,7 +111,7 @@ void write_quantized_model(const LlamaForCausalLMImpl& model, const HfModelConfi
                            const QuantizedExportOptions& options) {
   const auto layers = qat::find_qat_layers(model);
   if (layers.empty()) {
-    throw Error("safetensors-int export: the model has no QAT layers (it was not trained with quant: qat); "
+    throw Error(ErrorCode::kUsage, "safetensors-int export: the model has no QAT layers (it was not trained with quant: qat); "
                 "export it with --format merged");
   }
   const auto scheme = quantization_config(layers);
@@ -155,7 +160,7 @@ LoadedModel load_qtrain_quantized_llama(const std::string& model_dir, const HfMo
     activation_options.spec = spec_from_json(section, what + ".activations");
     activation_options.observer = qat::parse_observer_kind(section.value("observer", "dynamic"), what + ".activations.observer");
     if (activation_options.observer != qat::ObserverKind::kDynamic) {
-      throw Error(what + ".activations.observer: only 'dynamic' activation scales can be loaded");
+      throw Error(ErrorCode::kModelConfig, what + ".activations.observer: only 'dynamic' activation scales can be loaded");
     }
     activations = activation_options;
   }
@@ -176,13 +181,13 @@ LoadedModel load_qtrain_quantized_llama(const std::string& model_dir, const HfMo
     const auto weight_name = layer + ".weight";
     const auto target = parameters.find(weight_name);
     if (target == parameters.end()) {
-      throw Error(weights.source() + ": '" + scale_name + "' belongs to no linear layer of the model (no '" +
+      throw Error(ErrorCode::kWeights, weights.source() + ": '" + scale_name + "' belongs to no linear layer of the model (no '" +
                   weight_name + "')");
     }
     const auto codes = weights.tensor(weight_name);
     const auto expected_codes = weight_spec.is_integer() ? torch::kInt8 : torch::kUInt8;
     if (codes.scalar_type() != expected_codes || codes.sizes() != target->second.sizes()) {
-      throw Error(weights.source() + ": tensor '" + weight_name + "' should hold " +
+      throw Error(ErrorCode::kWeights, weights.source() + ": tensor '" + weight_name + "' should hold " +
                   std::string(c10::toString(expected_codes)) + " codes of shape " +
                   shape_text(target->second.sizes()) + ", found " + std::string(c10::toString(codes.scalar_type())) +
                   " " + shape_text(codes.sizes()));
@@ -191,7 +196,7 @@ LoadedModel load_qtrain_quantized_llama(const std::string& model_dir, const HfMo
     const auto params_shape = qat::params_shape(weight_spec, codes.sizes());
     auto check_params = [&](const std::string& name, const torch::Tensor& tensor) {
       if (tensor.sizes() != c10::IntArrayRef(params_shape)) {
-        throw Error(weights.source() + ": tensor '" + name + "' has shape " + shape_text(tensor.sizes()) + ", the " +
+        throw Error(ErrorCode::kWeights, weights.source() + ": tensor '" + name + "' has shape " + shape_text(tensor.sizes()) + ", the " +
                     weight_spec.describe() + " scheme of " + shape_text(codes.sizes()) + " expects " +
                     shape_text(params_shape));
       }
@@ -205,12 +210,12 @@ LoadedModel load_qtrain_quantized_llama(const std::string& model_dir, const HfMo
     const auto zero_point_name = layer + kZeroPointSuffix;
     if (weight_spec.symmetric) {
       if (weights.contains(zero_point_name)) {
-        throw Error(weights.source() + ": tensor '" + zero_point_name + "' is present but the scheme is symmetric");
+        throw Error(ErrorCode::kWeights, weights.source() + ": tensor '" + zero_point_name + "' is present but the scheme is symmetric");
       }
       quantized.params.zero_point = torch::zeros(params_shape, torch::kFloat32);
     } else {
       if (!weights.contains(zero_point_name)) {
-        throw Error(weights.source() + ": tensor '" + zero_point_name + "' is missing (the " + weight_spec.describe() +
+        throw Error(ErrorCode::kWeights, weights.source() + ": tensor '" + zero_point_name + "' is missing (the " + weight_spec.describe() +
                     " scheme is asymmetric, so every quantized weight needs its zero points, shape " +
                     shape_text(params_shape) + ")");
       }
@@ -225,7 +230,7 @@ LoadedModel load_qtrain_quantized_llama(const std::string& model_dir, const HfMo
     quantized_layers.push_back(layer);
   }
   if (quantized_layers.empty()) {
-    throw Error(weights.source() + ": config.json says the model is quantized (quant_method qtrain) but no tensor "
+    throw Error(ErrorCode::kWeights, weights.source() + ": config.json says the model is quantized (quant_method qtrain) but no tensor "
                 "ends in '" + kScaleSuffix + "'");
   }
   load_state(*loaded.model, weights, model_dir, config.llama.tie_word_embeddings, loaded_elsewhere);

@@ -44,7 +44,7 @@ std::string location(const Source& source, int zero_based_line) {
 }
 
 [[noreturn]] void fail(const std::string& where, const std::string& message) {
-  throw Error(where + ": " + message);
+  throw Error(ErrorCode::kRecipe, where + ": " + message);
 }
 
 // ---- "did you mean" -------------------------------------------------------------------
@@ -249,7 +249,7 @@ fs::path current_directory() {
   try {
     return fs::current_path();
   } catch (const fs::filesystem_error& error) {
-    throw Error(std::string("cannot read the current directory: ") + error.what());
+    throw Error(ErrorCode::kFileSystem, std::string("cannot read the current directory: ") + error.what());
   }
 }
 
@@ -607,13 +607,13 @@ Recipe load_recipe(const std::string& path, const std::vector<std::string>& set_
   KeyLocations locations;
   if (!path.empty()) {
     std::error_code error;
-    if (!fs::exists(path, error)) throw Error("recipe '" + path + "' not found");
+    if (!fs::exists(path, error)) throw Error(ErrorCode::kRecipe, "recipe '" + path + "' not found");
     if (fs::is_directory(path, error))
-      throw Error("recipe '" + path + "' is a directory, not a YAML file");
+      throw Error(ErrorCode::kRecipe, "recipe '" + path + "' is a directory, not a YAML file");
     std::ifstream file(path, std::ios::binary);
     std::stringstream text;
     text << file.rdbuf();
-    if (!file) throw Error("cannot read recipe '" + path + "'");
+    if (!file) throw Error(ErrorCode::kFileSystem, "cannot read recipe '" + path + "'");
     const Source source{path, true, fs::absolute(path).parent_path()};
     const YAML::Node root = parse_yaml(text.str(), source);
     std::map<std::string, int> seen;
@@ -622,7 +622,7 @@ Recipe load_recipe(const std::string& path, const std::vector<std::string>& set_
   for (const auto& assignment : set_overrides) apply_override_to(recipe, assignment, locations);
   if (const auto conflict = find_conflict(recipe)) {
     const auto where = locations.find(conflict->key);
-    throw Error((where == locations.end() ? "" : where->second + ": ") + conflict->message);
+    throw Error(ErrorCode::kRecipe, (where == locations.end() ? "" : where->second + ": ") + conflict->message);
   }
   return recipe;
 }

@@ -34,7 +34,7 @@ data::BatchStreamOptions batch_stream_options(const Recipe& recipe, const data::
 
 void require_training_data(const Recipe& recipe) {
   if (recipe.data.train.empty()) {
-    throw Error("data.train is not set: point it at a data file or a directory of shards (data.format " +
+    throw Error(ErrorCode::kRecipe, "data.train is not set: point it at a data file or a directory of shards (data.format " +
                 recipe.data.format + ")");
   }
 }

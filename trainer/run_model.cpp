@@ -15,7 +15,7 @@ std::string final_weights_source(const std::string& run_dir, const Recipe& recip
   if (!trains_full_weights(recipe) && recipe.quant != "qat") return run_dir + "/adapter";
   const auto newest = newest_valid_checkpoint(run_dir);
   if (!newest) {
-    throw Error(run_dir + "/checkpoints: no valid checkpoint, and this run (" +
+    throw Error(ErrorCode::kCheckpoint, run_dir + "/checkpoints: no valid checkpoint, and this run (" +
                 (recipe.quant == "qat" ? std::string("quant: qat") : std::string("full weights")) +
                 ") keeps its trained weights there; did it finish?");
   }

@@ -5,6 +5,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/error.h"
@@ -13,10 +14,10 @@ namespace qtrain {
 namespace {
 
 constexpr ErrorCode kEveryCode[] = {
-    ErrorCode::kUnclassified, ErrorCode::kUsage,      ErrorCode::kRecipe,      ErrorCode::kModelConfig,
-    ErrorCode::kTokenizer,    ErrorCode::kData,       ErrorCode::kWeights,     ErrorCode::kAdapter,
-    ErrorCode::kCheckpoint,   ErrorCode::kFileSystem, ErrorCode::kDistributed, ErrorCode::kNumerics,
-    ErrorCode::kOutOfMemory,  ErrorCode::kInternal,
+    ErrorCode::kUsage,      ErrorCode::kRecipe,   ErrorCode::kModelConfig, ErrorCode::kTokenizer,
+    ErrorCode::kData,       ErrorCode::kWeights,  ErrorCode::kAdapter,     ErrorCode::kCheckpoint,
+    ErrorCode::kFileSystem, ErrorCode::kDistributed, ErrorCode::kNumerics, ErrorCode::kOutOfMemory,
+    ErrorCode::kInternal,
 };
 
 TEST(ErrorCodes, EveryCodeHasItsOwnNameAndAnEntryInTheErrorsDocument) {
@@ -33,8 +34,11 @@ TEST(ErrorCodes, EveryCodeHasItsOwnNameAndAnEntryInTheErrorsDocument) {
   }
 }
 
-TEST(ErrorCodes, AnErrorWithoutACodeIsUnclassified) {
-  EXPECT_EQ(Error("x").code(), ErrorCode::kUnclassified);
+// A throw site cannot leave its code out: the message alone does not make an Error.
+static_assert(!std::is_constructible_v<Error, std::string>, "every Error names its ErrorCode");
+static_assert(!std::is_constructible_v<Error, const char*>, "every Error names its ErrorCode");
+
+TEST(ErrorCodes, AnErrorKeepsItsCodeAndMessage) {
   EXPECT_EQ(Error(ErrorCode::kWeights, "x").code(), ErrorCode::kWeights);
   EXPECT_STREQ(Error(ErrorCode::kWeights, "model.safetensors: damaged").what(), "model.safetensors: damaged");
 }

@@ -193,7 +193,7 @@ class Block : public torch::nn::Module, public LinearLayerOwner {
   void replace_linear(const std::string& child_name, std::shared_ptr<LinearLayer> layer) override {
     if (child_name == "q_proj") q_proj = replace_module(child_name, layer);
     else if (child_name == "v_proj") v_proj = replace_module(child_name, layer);
-    else throw Error("Block has no linear child '" + child_name + "'");
+    else throw Error(ErrorCode::kInternal, "Block has no linear child '" + child_name + "'");
   }
   std::shared_ptr<LinearLayer> q_proj, v_proj;
 };

@@ -120,6 +120,7 @@ TEST(Finetune, NonFiniteStepsStopTheRunWhenAbortOrTooManyInARow) {
       EXPECT_NE(message.find(policy[0] == "train.nonfinite=abort" ? "step 1 " : "step 3 "), std::string::npos)
           << message;
       EXPECT_NE(message.find("lower optim.lr"), std::string::npos) << message;
+      EXPECT_EQ(error.code(), ErrorCode::kNumerics) << "documented in docs/ERRORS.md as QT-NUMERICS";
     }
   }
 }
