@@ -1,6 +1,7 @@
 #include "tools/fatal_errors.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/Logging.h>
 
 #include <boost/program_options/errors.hpp>
 #include <csignal>
@@ -77,6 +78,11 @@ void install_fatal_error_handlers(const std::string& command, bool debug) {
   terminate_debug = debug;
   std::set_terminate(on_terminate);
   std::signal(SIGXFSZ, SIG_IGN);
+  // LibTorch logs warnings with a C++ backtrace in them (c10d's store client when torchrun's
+  // agent ends an attempt, for one); qtrain reports what went wrong itself. TORCH_CPP_LOG_LEVEL,
+  // when set, still chooses.
+  constexpr int kLibTorchErrorsOnly = 2;
+  if (!debug && !std::getenv("TORCH_CPP_LOG_LEVEL")) FLAGS_caffe2_log_level = kLibTorchErrorsOnly;
 }
 
 int report_error(const std::string& command, const std::exception_ptr& error, bool debug) {

@@ -15,7 +15,8 @@ constexpr int kExitTerminated = 3;
 
 // Installs the process-wide handlers: std::terminate prints one clean line (the pending
 // exception's message and code) and exits with kExitTerminated; SIGXFSZ is ignored, so that a
-// write over the file-size limit fails with EFBIG and becomes a QT-IO error instead of a kill.
+// write over the file-size limit fails with EFBIG and becomes a QT-IO error instead of a kill;
+// LibTorch's own log keeps only errors (its warnings carry stack traces).
 // `command` names the subcommand in messages; with `debug`, full messages and traces are kept.
 void install_fatal_error_handlers(const std::string& command, bool debug);
 

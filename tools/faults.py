@@ -9,9 +9,11 @@ the issue promises:
 
   kill      --kills times: start `--resume auto`, kill -9 it at a random moment (during a step,
             while a checkpoint is being written: the moment its staging directory appears, or
-            while the final adapter is exported); after each kill every checkpoint that looks
-            complete must verify (size and CRC-32C of each file against manifest.json), and the
-            next start must resume from the newest one. Finally the run finishes.
+            once the last checkpoint is written, while the adapter and exports are); after each
+            kill every checkpoint that looks complete must verify (size and CRC-32C of each file
+            against manifest.json), and the next start must resume from the newest one. Only kills
+            that hit a running process count: a run that ends first must have finished with
+            verified checkpoints and its adapter, and a fresh run takes its place.
   disk      a checkpoint written into a full disk (RLIMIT_FSIZE, and a small tmpfs when mount is
             permitted): one clean error line with its code, exit status non-zero, the previous
             checkpoint intact and resumable.
@@ -112,56 +114,87 @@ class Faults:
 
     # kill -9 at random moments, then --resume auto --------------------------------------------
     def kill(self):
-        run_dir = os.path.join(self.work, "kill")
-        shutil.rmtree(run_dir, ignore_errors=True)
+        """Kills until --kills of them hit a running process. A run that finishes between two kills
+        is checked (it finished, every checkpoint verifies) and a fresh one takes its place."""
         randomness = random.Random(2024)
-        command = self.train_command(run_dir, "--set", f"train.steps={self.steps}", "--resume", "auto")
         moments = {"during a step": 0, "during a checkpoint save": 0, "during the final export": 0}
-        resumed = corrupt = 0
-        lost_steps = 0
-        skipped_messages = []
+        starts = resumed = corrupt = lost_steps = runs_finished = missed = 0
+        problems_seen = []
+        run_index = 0
+        run_dir = None
         newest_before = None
-        for kill in range(self.kills):
+
+        def finish_check(output, returncode):
+            nonlocal runs_finished, corrupt
+            problems = checkpoint_problems(run_dir, checksums=True)
+            corrupt += len(problems)
+            problems_seen.extend(problems)
+            adapter = os.path.join(run_dir, "adapter", "adapter_model.safetensors")
+            if returncode == 0 and f"done: {self.steps} steps" in output and os.path.exists(adapter) and os.path.getsize(adapter) > 0:
+                runs_finished += 1
+            else:
+                problems_seen.append(f"run {run_index} ended with exit {returncode}: {output.strip()[-200:]}")
+
+        killed = 0
+        while killed < self.kills:
+            if run_dir is None:
+                run_index += 1
+                run_dir = os.path.join(self.work, f"kill-{run_index}")
+                shutil.rmtree(run_dir, ignore_errors=True)
+                newest_before = None
+            command = self.train_command(run_dir, "--set", f"train.steps={self.steps}", "--resume", "auto")
             log_path = os.path.join(self.work, "kill.log")
             with open(log_path, "w") as log:
                 # Line-buffered, so that what a killed run printed is in its log.
                 process = subprocess.Popen(["stdbuf", "-oL", "-eL", *command], stdout=log, stderr=subprocess.STDOUT,
                                            env=self.environment)
+            starts += 1
             kind = randomness.choice(list(moments))
-            killed = self.kill_at(process, run_dir, log_path, kind, randomness)
-            moments[killed] += 1
+            hit = self.kill_at(process, run_dir, log_path, kind, randomness)
             with open(log_path, errors="replace") as log:
                 output = log.read()
             if "resume: continuing from" in output:
                 resumed += 1
             elif newest_before is not None:
-                skipped_messages.append(f"kill {kill}: a checkpoint existed but the run did not resume")
-            skipped_messages += [line for line in output.splitlines() if line.startswith("resume: skipping")]
+                problems_seen.append(f"start {starts}: a checkpoint existed but the run did not resume")
+            problems_seen.extend(line for line in output.splitlines() if line.startswith("resume: skipping"))
+            if not hit:  # it finished before the moment came: check it, then start a fresh run
+                missed += 1
+                finish_check(output, process.returncode)
+                run_dir = None
+                continue
+            killed += 1
+            moments[kind] += 1
             problems = checkpoint_problems(run_dir, checksums=False)
             corrupt += len(problems)
+            problems_seen.extend(problems)
             newest = complete_checkpoints(run_dir)
             newest = newest[-1] if newest else None
             # The newest complete checkpoint never goes backwards: a kill loses no saved step.
             if newest_before and newest and newest < newest_before:
                 lost_steps += 1
             newest_before = newest or newest_before
-        final = subprocess.run(command, capture_output=True, text=True, env=self.environment)
-        problems = checkpoint_problems(run_dir, checksums=True)
-        corrupt += len(problems)
-        finished = final.returncode == 0 and f"done: {self.steps} steps" in final.stdout + final.stderr
-        if "resume: continuing from" in final.stdout + final.stderr:
-            resumed += 1
-        detail = (f"kills {', '.join(f'{v} {k}' for k, v in moments.items())}; {resumed} of {self.kills + 1} "
-                  f"starts resumed from a checkpoint; {corrupt} corrupt checkpoints; "
-                  f"{len(skipped_messages)} skipped; final run {'finished' if finished else 'FAILED'}")
-        if skipped_messages:
-            detail += " (" + "; ".join(skipped_messages[:3]) + ")"
-        survived = self.kills if corrupt == 0 and not skipped_messages and finished else 0
+        if run_dir is not None:  # the last killed run finishes
+            final = subprocess.run(self.train_command(run_dir, "--set", f"train.steps={self.steps}", "--resume", "auto"),
+                                   capture_output=True, text=True, env=self.environment)
+            starts += 1
+            if "resume: continuing from" in final.stdout + final.stderr:
+                resumed += 1
+            finish_check(final.stdout + final.stderr, final.returncode)
+        detail = (f"kills {', '.join(f'{v} {k}' for k, v in moments.items())}; {runs_finished} runs of "
+                  f"{self.steps} steps finished after them; of {starts} starts, {resumed} found a checkpoint and resumed "
+                  f"from it (the others came before a run's first checkpoint), {missed} finished before their kill "
+                  f"moment; {corrupt} corrupt checkpoints; "
+                  f"{lost_steps} times the newest checkpoint went backwards")
+        if problems_seen:
+            detail += " (" + "; ".join(problems_seen[:3]) + ")"
+        survived = self.kills if not problems_seen and runs_finished == run_index else 0
         self.record("kill -9", self.kills, survived, lost_steps + corrupt, detail)
 
     def kill_at(self, process, run_dir, log_path, kind, randomness):
-        """Kills `process` at a moment of the given kind; returns the kind it really hit."""
+        """Kills `process` at a moment of the given kind; False when it ended before that moment."""
         checkpoints = os.path.join(run_dir, "checkpoints")
+        final_checkpoint = os.path.join(checkpoints, f"step-{self.steps:06d}", "manifest.json")
         deadline = time.time() + 300
         started = False
         while time.time() < deadline and process.poll() is None:
@@ -170,22 +203,20 @@ class Faults:
                 with open(log_path, errors="replace") as log:
                     started = any(line.startswith("step ") for line in log)
                 if started and kind == "during a step":
-                    time.sleep(randomness.uniform(0.0, 1.5))
+                    time.sleep(randomness.uniform(0.0, 1.0))
                     break
             elif kind == "during a checkpoint save":
-                if any(name.startswith(".") for name in os.listdir(checkpoints)):
+                if os.path.isdir(checkpoints) and any(name.startswith(".") for name in os.listdir(checkpoints)):
                     break  # a staging directory: a save is under way
             elif kind == "during the final export":
-                newest = complete_checkpoints(run_dir)
-                if newest and newest[-1] >= f"step-{self.steps - 1:06d}":
-                    time.sleep(randomness.uniform(0.0, 0.5))
-                    break
-            time.sleep(0.005)
+                if os.path.exists(final_checkpoint):
+                    break  # the last checkpoint is written; the adapter and exports come next
+            time.sleep(0.002)
         if process.poll() is not None:
-            return "during a step"  # it finished first: counted as a kill of the (ended) run
+            return False
         process.send_signal(signal.SIGKILL)
         process.wait()
-        return kind
+        return True
 
     # a full disk while a checkpoint is written -----------------------------------------------
     def disk(self):
@@ -258,13 +289,17 @@ class Faults:
         wrapper = os.path.join(run_dir, "rank.sh")
         with open(wrapper, "w") as file:
             file.write(f"""#!/bin/bash
-{train} > {run_dir}/attempt$TORCHELASTIC_RESTART_COUNT-rank$RANK.log 2>&1 &
-pid=$!
-if [ "$TORCHELASTIC_RESTART_COUNT" = 0 ] && [ "$RANK" = 1 ]; then
-  for i in $(seq 1200); do ls {run_dir}/checkpoints/step-*/manifest.json >/dev/null 2>&1 && break; sleep 0.1; done
-  kill -9 $pid
-  date +%s.%N > {run_dir}/killed_at
+log={run_dir}/attempt$TORCHELASTIC_RESTART_COUNT-rank$RANK.log
+# Every rank but the victim is qtrain itself, as under `torchrun --no-python qtrain`: torchrun's
+# SIGTERM reaches it, and torchrun waits for it to end before it restarts the job.
+if [ "$TORCHELASTIC_RESTART_COUNT" != 0 ] || [ "$RANK" != 1 ]; then
+  exec {train} > $log 2>&1
 fi
+{train} > $log 2>&1 &
+pid=$!
+for i in $(seq 1200); do ls {run_dir}/checkpoints/step-*/manifest.json >/dev/null 2>&1 && break; sleep 0.1; done
+kill -9 $pid
+date +%s.%N > {run_dir}/killed_at
 wait $pid
 """)
         os.chmod(wrapper, 0o755)
@@ -282,7 +317,9 @@ wait $pid
             return open(path, errors="replace").read() if os.path.exists(path) else ""
         survivor = read("attempt0-rank0.log")
         restarted = read("attempt1-rank0.log")
-        survivor_exited = "killed or crashed" in survivor or "error" in survivor
+        # torchrun stops the other ranks itself (SIGTERM); a rank blocked in a collective with the
+        # dead one ends on its own with one error line, never a library stack trace.
+        survivor_exited = "error [QT-DISTRIBUTED]" in survivor and "frame #" not in survivor
         # When rank 0 stopped: its log's last write, against the moment rank 1 was killed.
         exit_seconds = None
         if os.path.exists(os.path.join(run_dir, "killed_at")) and survivor:
@@ -294,7 +331,7 @@ wait $pid
         intact = not checkpoint_problems(run_dir)
         resumed_from = [line for line in restarted.splitlines() if "resume: continuing from" in line]
         detail = (f"torchrun exit {result.returncode} after {seconds:.0f} s; rank 0 "
-                  f"{'exited' if survivor_exited else 'did NOT exit cleanly'}"
+                  f"{'exited with one error line' if survivor_exited else 'did NOT exit cleanly'}"
                   + (f" {exit_seconds:.1f} s after the kill (dist.timeout_s 60)" if exit_seconds is not None else "")
                   + (f", its last line: \"{last_line.strip()[:160]}\"" if last_line else "")
                   + f"; the restart {'resumed and finished' if resumed else 'did NOT resume'}"

@@ -71,6 +71,7 @@ ProcessGroup::ProcessGroup(const LaunchEnvironment& environment, const torch::De
       world_size_(environment.world_size),
       device_(device),
       address_(environment.master_addr + ":" + std::to_string(environment.master_port)),
+      agent_store_(environment.agent_store),
       timeout_(options.timeout) {
   backend_name_ = options.backend == "auto" ? (device.is_cuda() ? "nccl" : "gloo") : options.backend;
   if (backend_name_ == "nccl" && !device.is_cuda()) {
@@ -163,8 +164,14 @@ void ProcessGroup::fail(const std::string& what, const std::string& cause) {
       message << " stopped";
     }
   } catch (const std::exception&) {
-    message << " because rank 0, which serves the rendezvous store at " << address_
-            << ", is gone (killed or crashed: see its log)";
+    if (agent_store_) {
+      message << " because torchrun's agent, which serves the rendezvous store at " << address_
+              << ", ended this attempt (a rank failed or was stopped: see the other ranks' logs; with "
+                 "--max-restarts torchrun starts the job again and --resume auto continues from the last checkpoint)";
+    } else {
+      message << " because rank 0, which serves the rendezvous store at " << address_
+              << ", is gone (killed or crashed: see its log)";
+    }
   }
   message << ". [" << first_line(cause) << "]";
   throw Error(ErrorCode::kDistributed, message.str());

@@ -65,6 +65,7 @@ class ProcessGroup {
   torch::Device device_;
   std::string backend_name_;
   std::string address_;  // MASTER_ADDR:MASTER_PORT, for messages
+  bool agent_store_;     // torchrun's agent serves the store, not rank 0
   std::chrono::seconds timeout_;
   c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<c10d::Backend> backend_;

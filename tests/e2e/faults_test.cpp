@@ -1,6 +1,7 @@
-// Faults a long run meets: a disk that fills while a checkpoint is written. (Kills at random
-// moments: cli_test.cpp; killed ranks: distributed_test.cpp; 50 kills, tmpfs, torchrun restarts
-// and NaN storms: tools/faults.py, whose figures docs/RELIABILITY.md records.)
+// Faults a long run meets: a disk that fills while a checkpoint is written; a rank killed under
+// torchrun --max-restarts and NaN storms (both through tools/faults.py). (Kills at random
+// moments: cli_test.cpp; killed ranks without torchrun: distributed_test.cpp; 50 kills and a
+// full tmpfs: tools/faults.py's full run, whose figures docs/RELIABILITY.md records.)
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -44,6 +45,27 @@ TEST(Faults, AFullDiskDuringACheckpointIsOneErrorAndKeepsThePreviousCheckpoint) 
   const auto resumed = run_command(short_run(run.path(), 3) + " --resume auto 2>&1");
   EXPECT_EQ(resumed.status, 0) << resumed.output;
   EXPECT_NE(resumed.output.find("resume: continuing from"), std::string::npos) << resumed.output;
+}
+
+// tools/faults.py checks each promise and exits non-zero when one is broken; its lines say which.
+testing::CommandResult run_faults(const std::string& faults, const std::string& python) {
+  testing::TempDir work;
+  return run_command("OMP_NUM_THREADS=1 QTRAIN_PYTHON='" + python + "' '" + python + "' " + testing::source_dir() +
+                     "/tools/faults.py --qtrain " + testing::qtrain_binary() + " --work " + work.path() + " " + faults +
+                     " 2>&1");
+}
+
+TEST(Faults, ARankKilledUnderTorchrunEndsTheOthersAndTheRestartResumes) {
+  if (!testing::python_has("torch.distributed.run")) GTEST_SKIP() << "no torch in " << testing::python();
+  const auto result = run_faults("torchrun", testing::python());
+  EXPECT_EQ(result.status, 0) << result.output;
+  EXPECT_NE(result.output.find("ok   torchrun rank kill: 1 injected, 1 handled"), std::string::npos) << result.output;
+}
+
+TEST(Faults, ANanStormStopsWithTheDocumentedMessage) {
+  const auto result = run_faults("nan", "python3");
+  EXPECT_EQ(result.status, 0) << result.output;
+  EXPECT_NE(result.output.find("ok   NaN storm: 2 injected, 2 handled"), std::string::npos) << result.output;
 }
 
 }  // namespace
