@@ -58,10 +58,7 @@ __device__ __forceinline__ float warp_block_absmax(const scalar_t* input, int64_
   for (int64_t i = lane; i < count; i += kWarpSize) {
     block_max = fast::maximum(block_max, fast::absolute(static_cast<float>(input[first + i])));
   }
-  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
-    block_max = fast::maximum(block_max, __shfl_xor_sync(0xffffffffu, block_max, offset));
-  }
-  return block_max;
+  return fast::warp_maximum(block_max);
 }
 
 template <typename scalar_t>

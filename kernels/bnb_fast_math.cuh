@@ -36,4 +36,11 @@ __device__ __forceinline__ float maximum(float a, float b) {
   return result;
 }
 
+// The maximum over a full warp's 32 lanes (every lane gets it). Max is exact, so the order of the
+// shuffle reduction does not change the result.
+__device__ __forceinline__ float warp_maximum(float value) {
+  for (int offset = 16; offset > 0; offset /= 2) value = maximum(value, __shfl_xor_sync(0xffffffffu, value, offset));
+  return value;
+}
+
 }  // namespace qtrain::kernels::bnb_fast_math

@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "kernels/adamw8bit_step.h"
 #include "kernels/blockwise_8bit.h"
 #include "kernels/error.h"
 
@@ -86,29 +87,67 @@ void AdamW8bit::initialise_state(size_t index) {
 
 void AdamW8bit::step() {
   torch::NoGradGuard no_grad;
+  std::vector<size_t> stepped;
+  std::vector<torch::Tensor> steps;
   for (size_t index = 0; index < parameters_.size(); ++index) {
     if (!parameters_[index].grad().defined()) continue;
     initialise_state(index);
+    stepped.push_back(index);
+    steps.push_back(parameter_state_[index].at("step"));
+  }
+  if (stepped.empty()) return;
+  torch::_foreach_add_(steps, 1);
+  // The counts reach the host in one copy: reading them one by one waited on the GPU per parameter.
+  const auto counts = torch::stack(steps).to(torch::kCPU, torch::kLong);
+  for (size_t k = 0; k < stepped.size(); ++k) {
+    const size_t index = stepped[k];
+    const int64_t step = counts[static_cast<int64_t>(k)].item<int64_t>();
     if (has_8bit_state(index)) {
-      step_8bit(index);
+      step_8bit(index, step);
     } else {
-      step_32bit(index);
+      step_32bit(index, step);
     }
     write_back_master(index);
   }
 }
 
-void AdamW8bit::step_8bit(size_t index) {
+const std::pair<torch::Tensor, torch::Tensor>& AdamW8bit::dynamic_maps(const torch::Device& device) {
+  if (!device_maps_.first.defined() || device_maps_.first.device() != device) {
+    device_maps_ = {kernels::signed_dynamic_map().to(device), kernels::unsigned_dynamic_map().to(device)};
+  }
+  return device_maps_;
+}
+
+void AdamW8bit::step_8bit(size_t index, int64_t step) {
+  auto& target = update_target(index);
+  const bool fused = options_.fused_cuda_step && kernels::kCudaKernelsBuilt && target.is_cuda() &&
+                     target.scalar_type() == torch::kFloat && target.is_contiguous();
+  if (!fused) return step_8bit_reference(index, step);
+  auto& fields = parameter_state_[index];
+  const auto s = step_scalars(options_.adamw, learning_rate_, step);
+  const auto grad = gradient_for_update(index).to(torch::kFloat).contiguous();
+  const auto& [signed_map, unsigned_map] = dynamic_maps(target.device());
+  kernels::AdamW8bitStepScalars scalars{};
+  scalars.beta1 = s.beta1;
+  scalars.beta2 = s.beta2;
+  scalars.one_minus_beta1 = 1.0f - s.beta1;
+  scalars.one_minus_beta2 = 1.0f - s.beta2;
+  scalars.eps_term = s.correction2 * s.eps;
+  scalars.step_size = s.step_size;
+  scalars.decay_factor = s.decay_factor;
+  scalars.apply_decay = options_.adamw.weight_decay > 0.0;
+  kernels::adamw8bit_step_cuda(target, grad, fields.at("state1"), fields.at("absmax1"), fields.at("state2"),
+                               fields.at("absmax2"), signed_map, unsigned_map, scalars);
+}
+
+void AdamW8bit::step_8bit_reference(size_t index, int64_t step) {
   auto& fields = parameter_state_[index];
   auto& target = update_target(index);
   const auto grad = gradient_for_update(index).to(torch::kFloat).reshape({-1});
   auto parameter = target.detach().to(torch::kFloat).reshape({-1});
-  fields.at("step").add_(1);
-  const auto s = step_scalars(options_.adamw, learning_rate_, static_cast<int64_t>(fields.at("step").item<float>()));
-  const auto signed_map = kernels::signed_dynamic_map().to(target.device());
-  const auto unsigned_map = kernels::unsigned_dynamic_map().to(target.device());
+  const auto s = step_scalars(options_.adamw, learning_rate_, step);
+  const auto& [signed_map, unsigned_map] = dynamic_maps(target.device());
   constexpr int64_t blocksize = kOptimizerStateBlocksize;
-
   auto exp_avg = kernels::dequantize_blockwise_8bit(fields.at("state1"), fields.at("absmax1"), signed_map, blocksize)
                      .reshape({-1});
   auto exp_avg_sq =
@@ -138,14 +177,13 @@ void AdamW8bit::step_8bit(size_t index) {
   fields.at("absmax2").copy_(second.absmax);
 }
 
-void AdamW8bit::step_32bit(size_t index) {
+void AdamW8bit::step_32bit(size_t index, int64_t step) {
   auto& fields = parameter_state_[index];
   auto& target = update_target(index);
   const auto grad = gradient_for_update(index).to(torch::kFloat);
   auto& exp_avg = fields.at("exp_avg");
   auto& exp_avg_sq = fields.at("exp_avg_sq");
-  fields.at("step").add_(1);
-  const auto s = step_scalars(options_.adamw, learning_rate_, static_cast<int64_t>(fields.at("step").item<float>()));
+  const auto s = step_scalars(options_.adamw, learning_rate_, step);
   exp_avg.mul_(s.beta1).add_(grad * (1.0f - s.beta1));
   exp_avg_sq.mul_(s.beta2).add_((grad * grad) * (1.0f - s.beta2));
   auto updated = target.to(torch::kFloat) + (exp_avg / (exp_avg_sq.sqrt() + s.eps * s.correction2)) * s.step_size;

@@ -34,8 +34,9 @@
 // beta2 = 0.999 it moves c2 by about 3e-5 relative) and divides with __fdividef; here they are
 // exact fp32 operations, so parameters differ from bnb's by up to about 5e-5 of the step (lr).
 //
-// The update runs as torch operations on the parameter's device; on CUDA the quantization is
-// the bnb-exact kernel of kernels/blockwise_quantize.h.
+// The update runs as torch operations on the parameter's device (on CUDA with the bnb-exact
+// quantization kernel of kernels/blockwise_quantize.h); an fp32 target on CUDA takes the fused
+// kernel of kernels/adamw8bit_step.h instead, which gives the same bits in one launch.
 #include "optim/adamw.h"
 #include "optim/optimizer.h"
 
@@ -44,6 +45,9 @@ namespace qtrain::optim {
 struct AdamW8bitOptions {
   AdamWOptions adamw;           // lr, betas, eps, weight_decay
   int64_t min_8bit_size = 4096;  // smaller parameters keep fp32 moments (bnb's min_8bit_size)
+  // fp32 CUDA parameters (and masters) take the one-kernel step of kernels/adamw8bit_step.h;
+  // false runs the torch operations there too (the reference the kernel is tested against).
+  bool fused_cuda_step = true;
 };
 
 constexpr int64_t kOptimizerStateBlocksize = 256;  // bnb's blocksize for 8-bit optimizer states
@@ -62,10 +66,15 @@ class AdamW8bit : public Optimizer {
 
  private:
   void initialise_state(size_t index);
-  void step_8bit(size_t index);
-  void step_32bit(size_t index);
+  // `step`: the parameter's step count, already incremented.
+  void step_8bit(size_t index, int64_t step);
+  void step_8bit_reference(size_t index, int64_t step);
+  void step_32bit(size_t index, int64_t step);
+  // bnb's two maps on `device`, copied there once.
+  const std::pair<torch::Tensor, torch::Tensor>& dynamic_maps(const torch::Device& device);
 
   AdamW8bitOptions options_;
+  std::pair<torch::Tensor, torch::Tensor> device_maps_;  // signed, unsigned
 };
 
 }  // namespace qtrain::optim

@@ -7,6 +7,7 @@
 #include <map>
 
 #include "kernels/blockwise_8bit.h"
+#include "kernels/cuda_build.h"
 #include "kernels/error.h"
 #include "optim/adamw8bit.h"
 
@@ -140,6 +141,50 @@ TEST(AdamW8bit, NonFiniteGradientsLeaveTheirWeightsAndZeroTheirMoments) {
                                                          kernels::unsigned_dynamic_map(), 256);
   EXPECT_EQ(second[0][0].item<float>(), 0.0f);
   EXPECT_TRUE(torch::isfinite(second).all().item<bool>());
+}
+
+// The fused CUDA step (kernels/adamw8bit_step.h) gives the torch-operation reference's bits:
+// parameters (an fp32 one with a partial last block, a bf16 one through its fp32 master, a small
+// 32-bit one), codes and absmax values, over steps with gradients of very different sizes (tiny
+// ones make codes land near zero, where the sign rule acts) and non-finite entries.
+TEST(AdamW8bit, FusedCudaStepEqualsTheTorchOperationsBitForBit) {
+  if (!kernels::kCudaKernelsBuilt || !torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  torch::manual_seed(21);
+  const auto cuda = torch::Device(torch::kCUDA);
+  const std::vector<torch::Tensor> initial = {torch::randn({300, 129}, cuda), torch::randn({64, 96}, cuda).to(torch::kBFloat16),
+                                              torch::randn({63}, cuda)};
+  auto make = [&](bool fused) {
+    std::vector<torch::Tensor> params;
+    for (const auto& tensor : initial) params.push_back(tensor.clone().requires_grad_());
+    auto options = test_options();
+    options.fused_cuda_step = fused;
+    return std::make_pair(params, std::make_unique<AdamW8bit>(params, options));
+  };
+  auto [fused_params, fused] = make(true);
+  auto [reference_params, reference] = make(false);
+  const std::vector<double> grad_scales = {1e-2, 1e-7, 3.0, 1e-2, 1e3, 1e-4};
+  for (size_t step = 0; step < grad_scales.size(); ++step) {
+    for (size_t index = 0; index < initial.size(); ++index) {
+      auto grad = torch::randn(initial[index].sizes(), cuda) * grad_scales[step];
+      if (step == 3 && fused->has_8bit_state(index)) {  // the 32-bit path has no NaN guard, as bnb's
+        grad.view(-1)[5] = std::nan("");
+        grad.view(-1)[grad.numel() - 1] = -INFINITY;
+      }
+      fused_params[index].mutable_grad() = grad.to(initial[index].scalar_type());
+      reference_params[index].mutable_grad() = grad.to(initial[index].scalar_type());
+    }
+    fused->step();
+    reference->step();
+    for (size_t index = 0; index < initial.size(); ++index) {
+      EXPECT_TRUE(torch::equal(fused_params[index], reference_params[index]))
+          << "step " << step << ", parameter " << index << ": max |difference| "
+          << (fused_params[index] - reference_params[index]).abs().max().item<float>();
+    }
+    const auto fused_state = state_map(*fused);
+    for (const auto& [name, tensor] : state_map(*reference)) {
+      EXPECT_TRUE(torch::equal(fused_state.at(name), tensor)) << "step " << step << ", state " << name;
+    }
+  }
 }
 
 // Below min_8bit_size the update is bnb's 32-bit kernel: Adam with the bias corrections folded
