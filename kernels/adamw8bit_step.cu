@@ -105,14 +105,10 @@ void adamw8bit_step_cuda(at::Tensor& parameter, const at::Tensor& grad, at::Tens
   const int64_t blocks = ceil_div(n, kBlocksize);
   check_cuda_tensor(parameter, what + "parameter");
   check_scalar_type(parameter, at::kFloat, what + "parameter");
-  const std::pair<const at::Tensor*, const char*> operands[] = {{&grad, "grad"},       {&state1, "state1"},
-                                                                {&absmax1, "absmax1"}, {&state2, "state2"},
-                                                                {&absmax2, "absmax2"}, {&signed_map, "signed_map"},
-                                                                {&unsigned_map, "unsigned_map"}};
-  for (const auto& [tensor, name] : operands) {
-    check_cuda_tensor(*tensor, what + name);
-    check_same_device(*tensor, parameter, what + name);
-  }
+  check_cuda_operands(parameter,
+                      {{&grad, "grad"}, {&state1, "state1"}, {&absmax1, "absmax1"}, {&state2, "state2"},
+                       {&absmax2, "absmax2"}, {&signed_map, "signed_map"}, {&unsigned_map, "unsigned_map"}},
+                      what);
   check_scalar_type(grad, at::kFloat, what + "grad");
   check_scalar_type(state1, at::kByte, what + "state1");
   check_scalar_type(state2, at::kByte, what + "state2");

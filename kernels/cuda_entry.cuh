@@ -6,6 +6,8 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <initializer_list>
+#include <utility>
 #include <string>
 
 #include "kernels/error.h"
@@ -29,6 +31,17 @@ inline void check_same_device(const at::Tensor& tensor, const at::Tensor& refere
   if (tensor.device() != reference.device()) {
     throw Error(ErrorCode::kInternal, what + " is on " + tensor.device().str() + ", expected " + reference.device().str() +
                 " like the tensor it belongs to");
+  }
+}
+
+// Every operand a CUDA tensor, contiguous, on `reference`'s device; `what` + the operand's name
+// in messages ("adamw8bit_step_cuda: " + "grad").
+inline void check_cuda_operands(const at::Tensor& reference,
+                                std::initializer_list<std::pair<const at::Tensor*, const char*>> operands,
+                                const std::string& what) {
+  for (const auto& [tensor, name] : operands) {
+    check_cuda_tensor(*tensor, what + name);
+    check_same_device(*tensor, reference, what + name);
   }
 }
 

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "kernels/error.h"
+#include "kernels/fake_quantize.h"
 
 namespace qtrain::qat {
 
@@ -133,8 +134,8 @@ torch::Tensor dequantize_blocks(const QuantSpec& spec, const torch::Tensor& code
 
 BlockMinMax block_min_max(const QuantSpec& spec, const torch::Tensor& x) {
   torch::NoGradGuard no_grad;
-  const auto blocks = to_blocks(spec, x.detach());
-  return {blocks.amin(-1), blocks.amax(-1)};
+  const auto [min, max] = torch::aminmax(to_blocks(spec, x.detach()), -1);  // one pass over x
+  return {min, max};
 }
 
 torch::Tensor effective_scale(const QuantSpec& spec, const torch::Tensor& scale) {
@@ -177,6 +178,16 @@ torch::Tensor dequantize(const QuantSpec& spec, const torch::Tensor& codes, cons
 }
 
 FakeQuantized fake_quantize_values(const QuantSpec& spec, const torch::Tensor& x, const QuantParams& params) {
+  if (!(kernels::kCudaKernelsBuilt && x.is_cuda() && spec.is_integer())) return fake_quantize_values_reference(spec, x, params);
+  check_params(spec, x, params);
+  torch::NoGradGuard no_grad;
+  auto fused = kernels::fake_quantize_int_cuda(
+      to_blocks(spec, x.detach()).contiguous(), params.scale.to(torch::kFloat32).contiguous(),
+      params.zero_point.to(torch::kFloat32).contiguous(), spec.quant_min(), spec.quant_max());
+  return {fused.values.reshape(x.sizes()), fused.inside};
+}
+
+FakeQuantized fake_quantize_values_reference(const QuantSpec& spec, const torch::Tensor& x, const QuantParams& params) {
   check_params(spec, x, params);
   torch::NoGradGuard no_grad;
   const auto quantized = quantize_blocks(spec, to_blocks(spec, x.detach()), params);

@@ -43,7 +43,10 @@ struct FakeQuantized {
   // clamping (torchao's mask); float grids: |x / s| <= max_value.
   torch::Tensor inside;
 };
+// On CUDA, int grids take the one-pass kernel of kernels/fake_quantize.h, which gives the
+// reference's bits; everything else runs the reference, in torch operations.
 FakeQuantized fake_quantize_values(const QuantSpec& spec, const torch::Tensor& x, const QuantParams& params);
+FakeQuantized fake_quantize_values_reference(const QuantSpec& spec, const torch::Tensor& x, const QuantParams& params);
 
 // A tensor in its quantized form (what `convert` hands to an exporter): codes + scale (+ zero
 // point). dequantize() equals fake_quantize_values(spec, x, params).values bit for bit.

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <string>
 
+#include "kernels/cuda_build.h"
 #include "kernels/error.h"
 #include "qat/four_bit_codec.h"
 #include "qat/quantize.h"
@@ -215,6 +216,38 @@ TEST(Quantize, CodesDequantizeToTheFakeQuantValuesForEveryFormat) {
     const auto tensor = quantize_tensor(spec, x, choose_qparams(spec, block_min_max(spec, x)));
     EXPECT_TRUE(torch::equal(tensor.dequantize(), fake_quantize_values(spec, x, tensor.params).values))
         << quant_format_name(format);
+  }
+}
+
+// On CUDA, int grids take the one-pass kernel (kernels/fake_quantize.h): its values and mask are
+// the torch operations' bits, for every width, mapping and granularity, with data-driven
+// parameters and with a fixed scale that puts values on rounding ties, beyond the grid, at
+// infinity and at NaN.
+TEST(Quantize, CudaIntFakeQuantizationEqualsTheTorchOperationsBitForBit) {
+  if (!kernels::kCudaKernelsBuilt || !torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const auto cuda = torch::Device(torch::kCUDA);
+  const auto x = random_weights({96, 256}, 13).to(cuda);
+  auto edges = torch::arange(-40, 40, torch::kFloat32).to(cuda) * 0.5f * 0.01f;  // k/2 steps of 0.01
+  edges = torch::cat({edges, torch::tensor({INFINITY, -INFINITY, NAN, 1e30f, -0.0f, 0.0f}, cuda)});
+  edges = torch::cat({edges, torch::zeros({96 - edges.numel() % 96}, cuda)}).view({96, -1});
+  for (const int64_t bits : {2, 4, 8}) {
+    for (const bool symmetric : {true, false}) {
+      for (const auto granularity : {Granularity::kPerGroup, Granularity::kPerChannel, Granularity::kPerTensor}) {
+        const auto spec = int_spec(bits, symmetric, granularity);
+        const std::string name = spec.describe();
+        const auto params = choose_qparams(spec, block_min_max(spec, x));
+        const auto fused = fake_quantize_values(spec, x, params);
+        const auto reference = fake_quantize_values_reference(spec, x, params);
+        EXPECT_TRUE(torch::equal(fused.values, reference.values)) << name;
+        EXPECT_TRUE(torch::equal(fused.inside, reference.inside)) << name;
+        if (granularity != Granularity::kPerChannel) continue;
+        const QuantParams fixed{torch::full({96, 1}, 0.01f, cuda), torch::full({96, 1}, symmetric ? 0.0f : 1.0f, cuda)};
+        const auto fused_edges = fake_quantize_values(spec, edges, fixed);
+        const auto reference_edges = fake_quantize_values_reference(spec, edges, fixed);
+        EXPECT_TRUE(torch::equal(fused_edges.values, reference_edges.values)) << name << " at the edges";
+        EXPECT_TRUE(torch::equal(fused_edges.inside, reference_edges.inside)) << name << " at the edges";
+      }
+    }
   }
 }
 
