@@ -98,10 +98,11 @@ void AdamW8bit::step() {
   if (stepped.empty()) return;
   torch::_foreach_add_(steps, 1);
   // The counts reach the host in one copy: reading them one by one waited on the GPU per parameter.
-  const auto counts = torch::stack(steps).to(torch::kCPU, torch::kLong);
+  const auto counts = torch::stack(steps).to(torch::kCPU, torch::kLong).contiguous();
+  const int64_t* count = counts.data_ptr<int64_t>();
   for (size_t k = 0; k < stepped.size(); ++k) {
     const size_t index = stepped[k];
-    const int64_t step = counts[static_cast<int64_t>(k)].item<int64_t>();
+    const int64_t step = count[k];
     if (has_8bit_state(index)) {
       step_8bit(index, step);
     } else {
