@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Fault injection against the qtrain CLI: kills, a full disk, a killed rank, NaN storms.
 
-    tools/faults.py [--kills 50] [--qtrain build/qtrain] [--work DIR] [--report FILE] [FAULT ...]
+    tools/faults.py [--kills 50] [--qtrain build/qtrain] [--work DIR] [--report FILE] [--device cpu|cuda] [FAULT ...]
 
-FAULT is any of kill, disk, torchrun, nan (default: all). Each runs tiny-llama on CPU
-(recipes/demo_tiny.yaml, 32-token sequences, a checkpoint after every step) and checks what
-the issue promises:
+FAULT is any of kill, disk, torchrun, stop, nan (default: kill, disk, torchrun, nan). Each runs
+tiny-llama (recipes/demo_tiny.yaml, 32-token sequences, a checkpoint after every step) on the CPU,
+or with --device cuda on the GPUs (one per rank: torchrun and stop then run over NCCL), and checks
+what the issue promises:
 
   kill      --kills times: start `--resume auto`, kill -9 it at a random moment (during a step,
             while a checkpoint is being written: the moment its staging directory appears, or
@@ -19,6 +20,8 @@ the issue promises:
             checkpoint intact and resumable.
   torchrun  two ranks under torchrun --max-restarts 1; rank 1 kills itself after the first
             checkpoint: the other exits, torchrun restarts both, and they resume from it.
+  stop      two ranks under torchrun; SIGTERM to rank 1 alone once step 2 is logged: both ranks
+            stop after the same step, exit 0, and the checkpoint of that step verifies.
   nan       a learning rate that overflows the weights: the run either survives (non-finite
             steps skipped) or stops with the documented message (QT-NUMERICS), never a crash.
 
@@ -97,13 +100,15 @@ class Faults:
         self.steps = args.steps
         self.rows = []
         self.broken = False
+        self.device = args.device
         self.environment = dict(os.environ, OMP_NUM_THREADS="1")
 
     def train_command(self, run_dir, *extra):
         return [self.qtrain, "--recipe", os.path.join(ROOT, "recipes/demo_tiny.yaml"),
                 "--set", "data.train=" + os.path.join(ROOT, "recipes/demo/brown-val.jsonl"), "--set", "data.eval=",
                 "--set", "data.max_seq_len=32", "--set", "checkpoint.every=1", "--set", "checkpoint.keep_last=2",
-                "--set", "log.every=1", "--set", "train.output_dir=" + run_dir, *extra]
+                "--set", "log.every=1", "--set", "train.output_dir=" + run_dir,
+                "--set", "train.device=" + self.device, *extra]
 
     def record(self, fault, injected, survived, lost, detail):
         ok = survived == injected and lost == 0
@@ -274,21 +279,32 @@ class Faults:
                 os.rmdir(mount_point)
         self.record("full disk", injected, handled, lost, "; ".join(details))
 
-    # torchrun: one rank dies, --max-restarts brings the job back -------------------------------
-    def torchrun(self):
+    # Both torchrun faults: a Python with torchrun, a fresh run directory, a rank wrapper, a port.
+    def torchrun_job(self, fault, name, wrapper_text):
+        """(python, run_dir, wrapper, port), or None (recorded as skipped) without torchrun."""
         python = os.environ.get("QTRAIN_PYTHON", sys.executable)
         if subprocess.run([python, "-c", "import torch.distributed.run"], capture_output=True).returncode != 0:
-            self.record("torchrun rank kill", 0, 0, 0, f"skipped: {python} has no torch.distributed.run")
-            return
-        run_dir = os.path.join(self.work, "torchrun")
+            self.record(fault, 0, 0, 0, f"skipped: {python} has no torch.distributed.run")
+            return None
+        run_dir = os.path.join(self.work, name)
         shutil.rmtree(run_dir, ignore_errors=True)
         os.makedirs(run_dir)
-        train = " ".join(f"'{part}'" for part in self.train_command(
-            run_dir, "--set", "train.steps=6", "--set", "dist.timeout_s=60", "--resume", "auto"))
-        # First attempt: rank 1 kills itself once the first checkpoint is complete.
         wrapper = os.path.join(run_dir, "rank.sh")
         with open(wrapper, "w") as file:
-            file.write(f"""#!/bin/bash
+            file.write(wrapper_text(run_dir))
+        os.chmod(wrapper, 0o755)
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        return python, run_dir, wrapper, port
+
+    # torchrun: one rank dies, --max-restarts brings the job back -------------------------------
+    def torchrun(self):
+        def wrapper_text(run_dir):
+            train = " ".join(f"'{part}'" for part in self.train_command(
+                run_dir, "--set", "train.steps=6", "--set", "dist.timeout_s=60", "--resume", "auto"))
+            # First attempt: rank 1 kills itself once the first checkpoint is complete.
+            return f"""#!/bin/bash
 log={run_dir}/attempt$TORCHELASTIC_RESTART_COUNT-rank$RANK.log
 # Every rank but the victim is qtrain itself, as under `torchrun --no-python qtrain`: torchrun's
 # SIGTERM reaches it, and torchrun waits for it to end before it restarts the job.
@@ -301,11 +317,11 @@ for i in $(seq 1200); do ls {run_dir}/checkpoints/step-*/manifest.json >/dev/nul
 kill -9 $pid
 date +%s.%N > {run_dir}/killed_at
 wait $pid
-""")
-        os.chmod(wrapper, 0o755)
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
+"""
+        job = self.torchrun_job("torchrun rank kill", "torchrun", wrapper_text)
+        if job is None:
+            return
+        python, run_dir, wrapper, port = job
         started = time.time()
         result = subprocess.run([python, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts",
                                  "1", "--master_port", str(port), "--no-python", wrapper], capture_output=True,
@@ -340,6 +356,50 @@ wait $pid
                     int(result.returncode == 0 and survivor_exited and within_timeout and resumed and intact),
                     int(not intact), detail)
 
+    # SIGTERM to one rank: every rank stops after the same step ----------------------------------
+    def stop(self):
+        def wrapper_text(run_dir):
+            train = " ".join(f"'{part}'" for part in self.train_command(
+                run_dir, "--set", "train.steps=400", "--set", "checkpoint.every=1000", "--set", "dist.timeout_s=60"))
+            return f"""#!/bin/bash
+echo $$ > {run_dir}/pid-rank$RANK
+exec {train} > {run_dir}/rank$RANK.log 2>&1
+"""
+        job = self.torchrun_job("stop signal to one rank", "stop", wrapper_text)
+        if job is None:
+            return
+        python, run_dir, wrapper, port = job
+        launcher = subprocess.Popen([python, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                                     str(port), "--no-python", wrapper], stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, env=self.environment)
+
+        def read(name):
+            path = os.path.join(run_dir, name)
+            return open(path, errors="replace").read() if os.path.exists(path) else ""
+        deadline = time.time() + 300
+        while "step 2/" not in read("rank0.log") and launcher.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        signalled = launcher.poll() is None and read("pid-rank1").strip() != ""
+        if signalled:
+            os.kill(int(read("pid-rank1")), signal.SIGTERM)
+        try:
+            output, _ = launcher.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            launcher.kill()
+            output, _ = launcher.communicate()
+        rank0 = read("rank0.log")
+        stopped = [line for line in rank0.splitlines() if line.startswith("stopped after step")]
+        step = int(stopped[0].split()[3].rstrip(":")) if stopped else None
+        saved = complete_checkpoints(run_dir)
+        same_step = step is not None and saved == [f"step-{step:06d}"] and not checkpoint_problems(run_dir)
+        quiet = "error" not in read("rank1.log").lower()
+        detail = (f"torchrun exit {launcher.returncode}; rank 1 {'got SIGTERM' if signalled else 'was NOT signalled'}; "
+                  f"rank 0: \"{stopped[0] if stopped else rank0.strip().splitlines()[-1:]}\"; checkpoints {saved}"
+                  + ("" if quiet else f"; rank 1's log: {read('rank1.log').strip()[-160:]}"))
+        self.record("stop signal to one rank", 1,
+                    int(signalled and launcher.returncode == 0 and same_step and quiet), int(bool(checkpoint_problems(run_dir))),
+                    detail)
+
     # NaN storms --------------------------------------------------------------------------------
     def nan(self):
         injected = handled = 0
@@ -372,6 +432,7 @@ wait $pid
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("faults", nargs="*", default=["kill", "disk", "torchrun", "nan"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--kills", type=int, default=50)
     parser.add_argument("--steps", type=int, default=40, help="training steps of the killed run")
     parser.add_argument("--qtrain", default=os.path.join(ROOT, "build/qtrain"))

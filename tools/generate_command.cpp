@@ -2,6 +2,7 @@
 // stdout as it is generated; speed on stderr. The decoding itself is trainer/generation.h.
 #include <cstdio>
 #include <iostream>
+#include <optional>
 #include <nlohmann/json.hpp>
 
 #include "data/chat_template.h"
@@ -11,6 +12,7 @@
 #include "data/tokenizer.h"
 #include "kernels/error.h"
 #include "tools/commands.h"
+#include "tools/kernel_profile.h"
 #include "trainer/device.h"
 #include "trainer/generation.h"
 #include "trainer/generation_config.h"
@@ -67,7 +69,7 @@ void apply_overrides(const po::variables_map& values, trainer::GenerationOptions
 }  // namespace
 
 int run_generate(const Arguments& arguments) {
-  std::string model_dir, adapter_dir, prompt, chat_file, chat_template, dtype_name, device_name;
+  std::string model_dir, adapter_dir, prompt, chat_file, chat_template, dtype_name, device_name, trace_path;
   po::options_description options("generate options");
   options.add_options()
       ("model", po::value(&model_dir)->required(), "Hugging Face model directory (bf16/fp32, or bnb 4-bit)")
@@ -89,6 +91,10 @@ int run_generate(const Arguments& arguments) {
       ("dtype", po::value(&dtype_name)->default_value("auto"),
        "compute dtype: fp32, bf16, fp16; auto = fp32 on the CPU, the model's dtype on a GPU")
       ("device", po::value(&device_name)->default_value("auto"), "cpu, cuda, cuda:N or auto")
+      ("profile", po::bool_switch(),
+       "profile the first prompt's generation: GPU time per kernel and host time per operator, per new token, on "
+       "stderr")
+      ("trace", po::value(&trace_path), "with --profile: also write a Chrome trace to this file")
       ("json", po::bool_switch(),
        "instead of streaming text, one JSON object per prompt: prompt_tokens, tokens, text, stopped_at_eos, "
        "tokens_per_second");
@@ -116,7 +122,10 @@ int run_generate(const Arguments& arguments) {
   if (!adapter_dir.empty()) trainer::apply_peft_adapter(*loaded.model, adapter_dir);
 
   const bool json = values["json"].as<bool>();
+  bool profiling = values["profile"].as<bool>();
   for (const auto& ids : prompts) {
+    std::optional<KernelProfile> profile;
+    if (profiling) profile.emplace(load.device.is_cuda());
     data::StreamingDecoder stream(tokenizer);
     auto print = [](const std::string& piece) {
       std::fwrite(piece.data(), 1, piece.size(), stdout);
@@ -139,6 +148,11 @@ int run_generate(const Arguments& arguments) {
     std::fprintf(stderr, "generate: %zu prompt tokens, %zu new tokens (%s); prefill %.3f s, decoding %.1f tokens/s on %s\n",
                  ids.size(), result.tokens.size(), result.stopped_at_eos ? "end of sequence" : "max-new-tokens",
                  result.prefill_seconds, result.decode_tokens_per_second(), load.device.str().c_str());
+    if (profile) {
+      profile->finish(trace_path, static_cast<int64_t>(result.tokens.size()), 15, std::cerr);
+      profile.reset();
+      profiling = false;
+    }
   }
   return 0;
 }

@@ -82,9 +82,15 @@ KernelProfile::~KernelProfile() {
 void KernelProfile::finish(const std::string& trace_path, int64_t steps, int top, std::ostream& out) {
   auto result = profiler::disableProfiler();
   running_ = false;
-  std::map<std::string, Total> kernels, kinds;
+  std::map<std::string, Total> kernels, kinds, operators;
   double all = 0;
   for (const auto& event : result->events()) {
+    if (event.deviceType() == c10::DeviceType::CPU) {
+      // Inclusive host time of each operator (nested ones count in their parents too): where the
+      // CPU, not the GPU, is what a step waits for.
+      operators[event.name()].seconds += 1e-9 * static_cast<double>(event.durationNs());
+      operators[event.name()].count += 1;
+    }
     if (event.deviceType() != c10::DeviceType::CUDA) continue;
     const double seconds = 1e-9 * static_cast<double>(event.durationNs());
     const auto name = event.name();
@@ -105,6 +111,11 @@ void KernelProfile::finish(const std::string& trace_path, int64_t steps, int top
     print_totals(by_time(kinds), all, steps, top, out);
     out << "  per step     share   calls  kernel\n";
     print_totals(by_time(kernels), all, steps, top, out);
+  }
+  if (!operators.empty()) {
+    out << "  per step     share   calls  host operator (inclusive time; share of the longest)\n";
+    const auto rows = by_time(operators);
+    print_totals(rows, rows.front().second.seconds, steps, top, out);
   }
   if (!trace_path.empty()) {
     result->save(trace_path);

@@ -18,7 +18,8 @@ class KernelProfile {
   KernelProfile& operator=(const KernelProfile&) = delete;
 
   // Stops, writes a Chrome trace to `trace_path` (when not empty) and prints the kinds and the
-  // `top` most expensive kernels, as time per profiled step (`steps` of them).
+  // `top` most expensive kernels, then the `top` host operators by inclusive time, as time per
+  // profiled step (`steps` of them).
   void finish(const std::string& trace_path, int64_t steps, int top, std::ostream& out);
 
  private:

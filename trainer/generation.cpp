@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
 #include <chrono>
 
 #include "kernels/error.h"
@@ -26,6 +27,12 @@ torch::Tensor next_token_logits(LlamaForCausalLMImpl& model, const torch::Tensor
 
 }  // namespace
 
+WithoutCudnnAttention::WithoutCudnnAttention() : was_enabled_(at::globalContext().userEnabledCuDNNSDP()) {
+  at::globalContext().setSDPUseCuDNN(false);
+}
+
+WithoutCudnnAttention::~WithoutCudnnAttention() { at::globalContext().setSDPUseCuDNN(was_enabled_); }
+
 double GenerationResult::decode_tokens_per_second() const {
   if (tokens.size() < 2 || decode_seconds <= 0) return 0;
   return static_cast<double>(tokens.size() - 1) / decode_seconds;
@@ -42,6 +49,7 @@ GenerationResult generate(LlamaForCausalLMImpl& model, const std::vector<int64_t
     }
   }
   torch::NoGradGuard no_grad;
+  const WithoutCudnnAttention attention_for_growing_lengths;
   model.eval();
   const auto device = model.parameters().front().device();
   auto generator = at::make_generator<at::CPUGeneratorImpl>(options.seed);

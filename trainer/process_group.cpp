@@ -21,6 +21,8 @@ namespace qtrain::trainer {
 namespace {
 
 constexpr std::chrono::milliseconds kHeartbeatPeriod{1000};
+// A rank whose heartbeat counter stood still this long is taken for dead while we wait on NCCL.
+constexpr std::chrono::milliseconds kPeerSilence{3 * kHeartbeatPeriod};
 
 std::string heartbeat_key(int64_t rank) { return "heartbeat/" + std::to_string(rank); }
 std::string failure_key(int64_t rank) { return "failed/" + std::to_string(rank); }
@@ -190,10 +192,56 @@ c10::intrusive_ptr<c10d::Work> ProcessGroup::start_sum(torch::Tensor& tensor) {
 }
 
 void ProcessGroup::wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) {
+  if (backend_name_ == "nccl") watch_peers_until_done(work, what);
   try {
     work->wait(timeout_);
   } catch (const std::exception& error) {
     fail(what, error.what());
+  }
+}
+
+// Gloo sees a dead peer's closed socket at once; NCCL does not see processes at all, and its
+// collective with a dead rank waits on the GPU until the timeout, while torchrun ends this rank
+// after 30 s without a word. So we poll the work and, once a heartbeat period, the other ranks'
+// counters: a rank that fell silent is named within seconds, and the communicator is aborted so
+// that nothing waits on it at exit.
+void ProcessGroup::watch_peers_until_done(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) {
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  auto next_look = start + kHeartbeatPeriod;
+  std::vector<int64_t> counters(world_size_, -1);
+  std::vector<Clock::time_point> last_moved(world_size_, start);
+  auto abort_and_fail = [&](const std::string& cause) {
+    try {
+      backend_->abort();
+    } catch (const std::exception&) {
+      // already broken: the failure below is what the user needs
+    }
+    fail(what, cause);
+  };
+  for (int64_t polls = 0; !work->isCompleted(); ++polls) {
+    // Most collectives end within microseconds of being waited on: spin briefly, then sleep.
+    if (polls > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    const auto now = Clock::now();
+    if (now - start > timeout_) abort_and_fail("no answer within dist.timeout_s");
+    if (now < next_look) continue;
+    next_look = now + kHeartbeatPeriod;
+    std::vector<int64_t> silent;
+    try {
+      for (int64_t rank = 0; rank < world_size_; ++rank) {
+        if (rank == rank_) continue;
+        const int64_t counter = store_->add(heartbeat_key(rank), 0);
+        if (counter != counters[rank]) {
+          counters[rank] = counter;
+          last_moved[rank] = now;
+        } else if (now - last_moved[rank] > kPeerSilence) {
+          silent.push_back(rank);
+        }
+      }
+    } catch (const std::exception& error) {
+      abort_and_fail(error.what());
+    }
+    if (!silent.empty()) abort_and_fail("rank " + std::to_string(silent.front()) + "'s heartbeat stopped");
   }
 }
 

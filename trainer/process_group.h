@@ -4,7 +4,8 @@
 // for CUDA tensors and ProcessGroupGloo for CPU tensors.
 //
 // Failing fast: every collective has the recipe's timeout (dist.timeout_s). A rank that dies
-// closes its connections, so the others fail at their next collective at once; a rank that
+// closes its connections, so the others fail at their next collective at once (Gloo), or
+// within a few heartbeats (NCCL, whose waits watch the other ranks' heartbeats); a rank that
 // hangs makes them fail at the timeout. Either way the error names the ranks that stopped: each
 // rank bumps a heartbeat counter in the store every second, and the ranks whose counters no
 // longer move (or rank 0, when its store is gone) are the ones reported.
@@ -58,6 +59,9 @@ class ProcessGroup {
 
  private:
   [[noreturn]] void fail(const std::string& what, const std::string& cause);
+  // Returns once `work` completed (successfully or not); Error when a peer fell silent or the
+  // timeout passed.
+  void watch_peers_until_done(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what);
   void beat_heart();
 
   int64_t rank_;

@@ -13,18 +13,22 @@ namespace {
 using testing::run_command;
 
 // Four steps of the demo recipe without dropout (its masks are drawn per process, so they
-// cannot match an accumulation run), micro-batch 2: qtrain's arguments.
-std::string short_run_arguments(const std::string& run_dir) {
+// cannot match an accumulation run), micro-batch 2: qtrain's arguments. On cuda each rank takes
+// the GPU of its LOCAL_RANK and the ranks reduce over NCCL.
+std::string short_run_arguments(const std::string& run_dir, const std::string& device = "cpu") {
   return " --recipe " + testing::source_dir() + "/recipes/demo_tiny.yaml" +
          " --set train.steps=4 --set log.every=1 --set eval.max_batches=2 --set checkpoint.every=2" +
-         " --set train.micro_batch_size=2 --set lora.dropout=0 --set train.output_dir=" + run_dir;
+         " --set train.micro_batch_size=2 --set lora.dropout=0 --set train.device=" + device +
+         " --set train.output_dir=" + run_dir;
 }
 
 // The same as a shell command, on one thread: every matmul then sums in the same order in
 // every process, whatever the machine's cores.
-std::string short_run(const std::string& run_dir) {
-  return "OMP_NUM_THREADS=1 " + testing::qtrain_binary() + short_run_arguments(run_dir);
+std::string short_run(const std::string& run_dir, const std::string& device = "cpu") {
+  return "OMP_NUM_THREADS=1 " + testing::qtrain_binary() + short_run_arguments(run_dir, device);
 }
+
+bool has_two_gpus() { return torch::cuda::device_count() >= 2; }
 
 // Shell text that starts `world` ranks of `command` in the background, each with its log.
 std::string launch_ranks(int world, const std::string& command, const std::string& logs, int port) {
@@ -71,18 +75,28 @@ void expect_same_training(const std::string& accumulated, const std::string& par
 
 // The contract of data parallelism: 2 ranks of micro-batch b take the same steps as 1 process
 // accumulating 2 micro-batches of b over the same samples.
-TEST(Distributed, TwoRanksTrainLikeOneProcessAccumulatingTwoMicroBatches) {
+void expect_two_ranks_train_like_one_accumulating(const std::string& device, const std::string& backend) {
   testing::TempDir runs;
-  const auto one = run_command(short_run(runs.file("one")) + " --set train.grad_accum_steps=2 2>&1");
+  const auto one = run_command(short_run(runs.file("one"), device) + " --set train.grad_accum_steps=2 2>&1");
   ASSERT_EQ(one.status, 0) << one.output;
-  const auto two = run_command("bash -c '" + launch_ranks(2, short_run(runs.file("two")), runs.path(), testing::free_port()) +
+  const auto two = run_command("bash -c '" + launch_ranks(2, short_run(runs.file("two"), device), runs.path(), testing::free_port()) +
                                "wait $pid0; s0=$?; wait $pid1; echo status=$s0,$?'");
   ASSERT_NE(two.output.find("status=0,0"), std::string::npos)
       << two.output << testing::read_text(runs.file("rank0.log")) << testing::read_text(runs.file("rank1.log"));
   expect_same_training(runs.file("one"), runs.file("two"));
   // Rank 0 reports; the others keep quiet unless something is wrong.
-  EXPECT_NE(testing::read_text(runs.file("rank0.log")).find("dist: rank 0 of 2 (torchrun, gloo"), std::string::npos);
+  EXPECT_NE(testing::read_text(runs.file("rank0.log")).find("dist: rank 0 of 2 (torchrun, " + backend), std::string::npos)
+      << testing::read_text(runs.file("rank0.log"));
   EXPECT_EQ(testing::read_text(runs.file("rank1.log")), "");
+}
+
+TEST(Distributed, TwoRanksTrainLikeOneProcessAccumulatingTwoMicroBatches) {
+  expect_two_ranks_train_like_one_accumulating("cpu", "gloo");
+}
+
+TEST(Distributed, TwoGpuRanksOverNcclTrainLikeOneGpuAccumulatingTwoMicroBatches) {
+  if (!has_two_gpus()) GTEST_SKIP() << "needs 2 CUDA GPUs";
+  expect_two_ranks_train_like_one_accumulating("cuda", "nccl");
 }
 
 TEST(Distributed, TorchrunLaunchesTheSameTraining) {
@@ -99,9 +113,9 @@ TEST(Distributed, TorchrunLaunchesTheSameTraining) {
 }
 
 // A rank killed mid-run: the survivor exits non-zero within dist.timeout_s, naming it.
-void expect_survivor_names(int killed, int survivor) {
+void expect_survivor_names(int killed, int survivor, const std::string& device = "cpu") {
   testing::TempDir runs;
-  const std::string command = short_run(runs.file("run")) + " --set train.steps=500 --set dist.timeout_s=60";
+  const std::string command = short_run(runs.file("run"), device) + " --set train.steps=500 --set dist.timeout_s=60";
   const std::string survivor_log = runs.file("rank" + std::to_string(survivor) + ".log");
   const auto result = run_command(
       "bash -c '" + launch_ranks(2, command, runs.path(), testing::free_port()) + "for i in $(seq 1200); do grep -q \"^step 2/\" " +
@@ -121,6 +135,12 @@ void expect_survivor_names(int killed, int survivor) {
 TEST(Distributed, AKilledRankMakesTheOtherExitNamingIt) { expect_survivor_names(1, 0); }
 
 TEST(Distributed, AKilledRankZeroMakesTheOtherExitNamingIt) { expect_survivor_names(0, 1); }
+
+// NCCL does not notice a dead peer; the heartbeats do (trainer/process_group.h).
+TEST(Distributed, AKilledGpuRankMakesTheOtherExitNamingItWithinSeconds) {
+  if (!has_two_gpus()) GTEST_SKIP() << "needs 2 CUDA GPUs";
+  expect_survivor_names(1, 0, "cuda");
+}
 
 }  // namespace
 }  // namespace qtrain

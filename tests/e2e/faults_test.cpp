@@ -48,18 +48,37 @@ TEST(Faults, AFullDiskDuringACheckpointIsOneErrorAndKeepsThePreviousCheckpoint) 
 }
 
 // tools/faults.py checks each promise and exits non-zero when one is broken; its lines say which.
-testing::CommandResult run_faults(const std::string& faults, const std::string& python) {
+testing::CommandResult run_faults(const std::string& faults, const std::string& python, const std::string& device = "cpu") {
   testing::TempDir work;
   return run_command("OMP_NUM_THREADS=1 QTRAIN_PYTHON='" + python + "' '" + python + "' " + testing::source_dir() +
-                     "/tools/faults.py --qtrain " + testing::qtrain_binary() + " --work " + work.path() + " " + faults +
-                     " 2>&1");
+                     "/tools/faults.py --device " + device + " --qtrain " + testing::qtrain_binary() + " --work " +
+                     work.path() + " " + faults + " 2>&1");
+}
+
+// A torchrun fault of tools/faults.py on `device` (cuda: one GPU per rank, NCCL), whose summary
+// line must start with `promise`.
+void expect_torchrun_fault_handled(const std::string& fault, const std::string& device, const std::string& promise) {
+  if (device == "cuda" && torch::cuda::device_count() < 2) GTEST_SKIP() << "needs 2 CUDA GPUs";
+  if (!testing::python_has("torch.distributed.run")) GTEST_SKIP() << "no torch in " << testing::python();
+  const auto result = run_faults(fault, testing::python(), device);
+  EXPECT_EQ(result.status, 0) << result.output;
+  EXPECT_NE(result.output.find("ok   " + promise), std::string::npos) << result.output;
 }
 
 TEST(Faults, ARankKilledUnderTorchrunEndsTheOthersAndTheRestartResumes) {
-  if (!testing::python_has("torch.distributed.run")) GTEST_SKIP() << "no torch in " << testing::python();
-  const auto result = run_faults("torchrun", testing::python());
-  EXPECT_EQ(result.status, 0) << result.output;
-  EXPECT_NE(result.output.find("ok   torchrun rank kill: 1 injected, 1 handled"), std::string::npos) << result.output;
+  expect_torchrun_fault_handled("torchrun", "cpu", "torchrun rank kill: 1 injected, 1 handled");
+}
+
+TEST(Faults, ARankKilledUnderTorchrunOverNcclEndsTheOthersAndTheRestartResumes) {
+  expect_torchrun_fault_handled("torchrun", "cuda", "torchrun rank kill: 1 injected, 1 handled");
+}
+
+TEST(Faults, AStopSignalToOneRankStopsEveryRankAfterTheSameStep) {
+  expect_torchrun_fault_handled("stop", "cpu", "stop signal to one rank: 1 injected, 1 handled");
+}
+
+TEST(Faults, AStopSignalToOneGpuRankStopsEveryRankAfterTheSameStep) {
+  expect_torchrun_fault_handled("stop", "cuda", "stop signal to one rank: 1 injected, 1 handled");
 }
 
 TEST(Faults, ANanStormStopsWithTheDocumentedMessage) {

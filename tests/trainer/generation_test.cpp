@@ -10,6 +10,7 @@
 #include <set>
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
 
 #include "kernels/error.h"
 #include "support.h"
@@ -69,6 +70,48 @@ TEST(KeyValueCache, DecodingTokenByTokenGivesTheFullForwardLogits) {
   const double error = (cached - full).abs().max().item<double>() / full.abs().max().item<double>();
   std::printf("[ measured ] KV-cache decoding vs full forward: %.3g relative\n", error);
   EXPECT_LE(error, 1e-5);
+}
+
+// What generate() runs on a GPU in bf16: the cache's growing key lengths through flash attention
+// (cuDNN's attention set aside), against the fp32 full forward on the CPU. Tolerance: bf16 keeps
+// 8 bits of mantissa, and three layers of bf16 matmuls and activations compound to a few 1e-2.
+TEST(KeyValueCache, DecodingInBf16OnCudaStaysWithinBf16RoundingOfTheFp32Forward) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU";
+  auto model = random_llama(5);
+  torch::NoGradGuard no_grad;
+  const auto ids = torch::randint(0, 97, {1, 40}, torch::kInt64);
+  LlamaInputs full_inputs;
+  full_inputs.input_ids = ids;
+  const auto full = model->forward(full_inputs);
+  model->to(torch::Device(torch::kCUDA, 0), torch::kBFloat16);
+  const WithoutCudnnAttention attention_for_growing_lengths;
+  KeyValueCache cache(3);
+  const auto on_gpu = ids.to(torch::kCUDA);
+  std::vector<torch::Tensor> pieces = {logits_with_cache(*model, on_gpu.narrow(1, 0, 7), cache)};
+  for (int64_t position = 7; position < 40; ++position) {
+    pieces.push_back(logits_with_cache(*model, on_gpu.narrow(1, position, 1), cache));
+  }
+  const auto cached = torch::cat(pieces, 1).to(torch::kCPU, torch::kFloat32);
+  const double error = (cached - full).abs().max().item<double>() / full.abs().max().item<double>();
+  std::printf("[ measured ] bf16 KV-cache decoding on CUDA vs fp32 full forward: %.3g relative\n", error);
+  EXPECT_LE(error, 5e-2);
+}
+
+TEST(Generate, PutsCudnnAttentionBackAsItFoundIt) {
+  auto model = random_llama(6);
+  GenerationOptions options;
+  options.max_new_tokens = 3;
+  const bool before = at::globalContext().userEnabledCuDNNSDP();
+  for (const bool enabled : {true, false}) {
+    at::globalContext().setSDPUseCuDNN(enabled);
+    {
+      const WithoutCudnnAttention inside;
+      EXPECT_FALSE(at::globalContext().userEnabledCuDNNSDP());
+    }
+    generate(*model, {3, 14, 15}, options);
+    EXPECT_EQ(at::globalContext().userEnabledCuDNNSDP(), enabled);
+  }
+  at::globalContext().setSDPUseCuDNN(before);
 }
 
 TEST(KeyValueCache, RefusesAnAttentionMask) {
