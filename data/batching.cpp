@@ -81,17 +81,19 @@ BatchStream::BatchStream(std::vector<Example> examples, const BatchStreamOptions
     throw Error(ErrorCode::kData, "rank " + std::to_string(options_.rank) + " is outside a world of " +
                 std::to_string(options_.world_size) + " processes");
   }
-  if (batches_per_epoch() == 0) {
-    throw Error(ErrorCode::kData, "the training data has " + std::to_string(examples_.size()) + " examples, fewer than one batch of " +
-                std::to_string(options_.batch_size) +
-                (options_.world_size > 1 ? " on each of " + std::to_string(options_.world_size) + " ranks" : "") +
-                "; add data or lower train.micro_batch_size");
+  const auto examples_per_rank = static_cast<int64_t>(examples_.size()) / options_.world_size;
+  if (examples_per_rank == 0) {
+    throw Error(ErrorCode::kData, "the training data has " + std::to_string(examples_.size()) + " examples, fewer than the " +
+                std::to_string(options_.world_size) + " ranks: each rank needs at least one; add data or run on fewer ranks");
   }
+  // Fewer examples than one batch: every batch holds all there are, as a loader without
+  // drop_last gives them (the loss is a per-token mean, so it needs no full batch).
+  rows_per_batch_ = std::min(options_.batch_size, examples_per_rank);
   order_epoch();
 }
 
 int64_t BatchStream::batches_per_epoch() const {
-  return static_cast<int64_t>(examples_.size()) / (options_.batch_size * options_.world_size);
+  return static_cast<int64_t>(examples_.size()) / (rows_per_batch_ * options_.world_size);
 }
 
 void BatchStream::order_epoch() {
@@ -145,7 +147,7 @@ std::vector<const Example*> BatchStream::next_rows() {
     batch_ = 0;
     order_epoch();
   }
-  const auto rows_per_batch = static_cast<size_t>(options_.batch_size);
+  const auto rows_per_batch = static_cast<size_t>(rows_per_batch_);
   const size_t first = (static_cast<size_t>(batch_ * options_.world_size + options_.rank)) * rows_per_batch;
   std::vector<const Example*> rows;
   rows.reserve(rows_per_batch);

@@ -53,7 +53,8 @@ struct LoaderState {
 // ranks; global batch b is its slice [b*W*B, (b+1)*W*B) and rank r takes the r-th B rows of it,
 // so the ranks see disjoint examples and together every example of the epoch once. The tail
 // that does not fill a global batch is left out of that epoch (it comes up in another order
-// in the next).
+// in the next). With fewer examples than one global batch, a batch holds all of them (an equal
+// share per rank); fewer examples than ranks is an error.
 class BatchStream {
  public:
   BatchStream(std::vector<Example> examples, const BatchStreamOptions& options);
@@ -61,6 +62,8 @@ class BatchStream {
   // The rows of the next batch, uncollated (for showing them); next() collates these.
   std::vector<const Example*> next_rows();
   int64_t batches_per_epoch() const;
+  // The batch size, or the examples per rank where there are fewer.
+  int64_t rows_per_batch() const { return rows_per_batch_; }
   LoaderState state() const;
   // Continues from `state`; Error when it was taken over other data or with other settings.
   void restore(const LoaderState& state);
@@ -70,6 +73,7 @@ class BatchStream {
   void order_epoch();
   std::vector<Example> examples_;
   BatchStreamOptions options_;
+  int64_t rows_per_batch_ = 1;
   std::vector<size_t> order_;
   int64_t epoch_ = 0;
   int64_t batch_ = 0;

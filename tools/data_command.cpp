@@ -67,6 +67,8 @@ int run_data(const Arguments& arguments) {
   for (const auto& message : dataset.stats.bad_record_messages) {
     std::fprintf(as_json ? stderr : stdout, "  skipped: %s\n", message.c_str());
   }
+  // Every example once at most: the first epoch's order.
+  count = std::min<int64_t>(count, static_cast<int64_t>(dataset.examples.size()));
   data::BatchStream stream(std::move(dataset.examples), trainer::batch_stream_options(recipe, tokenizer));
   if (!as_json) std::printf("text inside [[ ]] takes no part in the loss\n");
   for (int64_t shown = 0; shown < count;) {

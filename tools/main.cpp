@@ -8,6 +8,7 @@
 
 #include "tools/commands.h"
 #include "tools/fatal_errors.h"
+#include "trainer/cpu_threads.h"
 
 namespace po = boost::program_options;
 
@@ -84,6 +85,7 @@ int main(int argc, char** argv) {
     return kExitUserError;
   }
   install_fatal_error_handlers(name, debug);
+  qtrain::trainer::set_default_cpu_threads();
   try {
     return found->second.run(arguments);
   } catch (...) {

@@ -22,6 +22,7 @@
 #include "trainer/random_state.h"
 #include "trainer/recipe_data.h"
 #include "trainer/recipe_training.h"
+#include "trainer/cpu_threads.h"
 #include "trainer/stop_signal.h"
 #include "trainer/training_checkpoint.h"
 
@@ -164,6 +165,7 @@ void Finetune::setup_data() {
   has_eval_data_ = !eval.examples.empty();
   data::BatchStream stream(std::move(train.examples),
                            batch_stream_options(recipe_, tokenizer, launch_.rank, launch_.world_size));
+  const int64_t rows_per_batch = stream.rows_per_batch();
   train_batches_ = std::make_unique<data::DataLoader>(std::move(stream), recipe_.data.prefetch_batches);
   total_steps_ = recipe_.train.steps > 0
                      ? recipe_.train.steps
@@ -175,9 +177,13 @@ void Finetune::setup_data() {
   schedule_.total_steps = total_steps_;
   schedule_.min_lr_ratio = recipe_.schedule.min_lr_ratio;
   std::printf("data: %lld batches of %lld per epoch; %lld steps, %lld micro-batches each\n",
-              static_cast<long long>(train_batches_->batches_per_epoch()),
-              static_cast<long long>(recipe_.train.micro_batch_size), static_cast<long long>(total_steps_),
-              static_cast<long long>(recipe_.train.grad_accum_steps));
+              static_cast<long long>(train_batches_->batches_per_epoch()), static_cast<long long>(rows_per_batch),
+              static_cast<long long>(total_steps_), static_cast<long long>(recipe_.train.grad_accum_steps));
+  if (rows_per_batch < recipe_.train.micro_batch_size) {
+    std::printf("data: note: fewer examples than one micro-batch of %lld%s: each batch holds the %lld there are\n",
+                static_cast<long long>(recipe_.train.micro_batch_size),
+                launch_.world_size > 1 ? " on every rank" : "", static_cast<long long>(rows_per_batch));
+  }
 }
 
 StepResult Finetune::train_step(int64_t step) {
@@ -443,7 +449,9 @@ TrainSummary Finetune::train() {
   auto window_start = Clock::now();
   int64_t window_tokens = 0;
   double train_seconds = 0;
+  CpuThreadGovernor cpu_threads(device_.is_cpu());
   for (int64_t step = first_step_; step < total_steps_; ++step) {
+    cpu_threads.between_work();
     const StepResult result = train_step(step);
     window_tokens += result.tokens;
     const int64_t done = step + 1;

@@ -6,6 +6,7 @@
 #include <chrono>
 
 #include "kernels/error.h"
+#include "trainer/cpu_threads.h"
 
 namespace qtrain::trainer {
 
@@ -57,6 +58,7 @@ GenerationResult generate(LlamaForCausalLMImpl& model, const std::vector<int64_t
   // The whole sequence on the CPU, for the repetition penalty. [1, n] int64
   auto sequence = torch::tensor(prompt_ids, torch::kInt64).unsqueeze(0);
 
+  CpuThreadGovernor cpu_threads(device.is_cpu());
   GenerationResult result;
   auto start = Clock::now();
   auto logits = next_token_logits(model, sequence.to(device), cache);
@@ -74,6 +76,7 @@ GenerationResult generate(LlamaForCausalLMImpl& model, const std::vector<int64_t
       break;
     }
     if (static_cast<int64_t>(result.tokens.size()) == options.max_new_tokens) break;
+    cpu_threads.between_work();
     sequence = torch::cat({sequence, next.unsqueeze(0)}, 1);
     logits = next_token_logits(model, next.unsqueeze(0).to(device), cache);
   }

@@ -136,11 +136,40 @@ TEST(DataLoader, PrefetchingHandsOutTheStreamsBatchesAndResumes) {
   for (int i = 0; i < 6; ++i) EXPECT_TRUE(same_batch(replay.next(), loader.next())) << "after restore, batch " << i;
 }
 
-TEST(BatchStream, TooFewExamplesForOneBatchIsAnError) {
+// A loader without drop_last: fewer examples than one batch train as one smaller batch, each
+// rank taking an equal share.
+TEST(BatchStream, FewerExamplesThanOneBatchMakeOneBatchOfThemAll) {
   BatchStreamOptions options;
   options.batch_size = 4;
+  BatchStream alone(numbered_examples(2), options);
+  EXPECT_EQ(alone.rows_per_batch(), 2);
+  EXPECT_EQ(alone.batches_per_epoch(), 1);
+  for (int epoch = 0; epoch < 3; ++epoch) {
+    const auto ids = first_tokens(alone.next());
+    EXPECT_EQ(std::set<int64_t>(ids.begin(), ids.end()), (std::set<int64_t>{0, 1})) << "epoch " << epoch;
+  }
   options.world_size = 2;
-  EXPECT_THROW(BatchStream(numbered_examples(7), options), Error);
+  std::multiset<int64_t> seen;
+  for (int64_t rank = 0; rank < 2; ++rank) {
+    options.rank = rank;
+    BatchStream stream(numbered_examples(7), options);  // 3 per rank; the seventh waits for another epoch
+    EXPECT_EQ(stream.rows_per_batch(), 3);
+    for (const int64_t id : first_tokens(stream.next())) seen.insert(id);
+  }
+  EXPECT_EQ(seen.size(), 6u);
+  EXPECT_EQ(std::set<int64_t>(seen.begin(), seen.end()).size(), 6u);
+}
+
+TEST(BatchStream, FewerExamplesThanRanksIsAnErrorSayingSo) {
+  BatchStreamOptions options;
+  options.batch_size = 4;
+  options.world_size = 3;
+  try {
+    BatchStream(numbered_examples(2), options);
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("fewer than the 3 ranks"), std::string::npos) << error.what();
+  }
 }
 
 }  // namespace

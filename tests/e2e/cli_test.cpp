@@ -250,6 +250,30 @@ TEST(Cli, DataShowsWhatTheLossSeesAsTextAndAsJson) {
   EXPECT_EQ(examples, 2);
 }
 
+// Two alpaca records and the demo recipe's micro-batch of 4: showing them does not depend on the
+// batch size, and training takes the two as one batch.
+TEST(Cli, TwoExamplesShowAndTrainWithAMicroBatchOfFour) {
+  testing::TempDir directory;
+  {
+    std::ofstream data(directory.file("two.jsonl"));
+    data << R"({"instruction": "Name a colour.", "input": "", "output": "Blue."})" << "\n"
+         << R"({"instruction": "Add the numbers.", "input": "2 and 3", "output": "5."})" << "\n";
+  }
+  const std::string recipe = " --recipe " + testing::source_dir() + "/recipes/demo_tiny.yaml --set data.format=instruct" +
+                             " --set data.train=" + directory.file("two.jsonl") + " --set data.eval=";
+  auto shown = qtrain("data" + recipe + " -n 1");
+  ASSERT_EQ(shown.status, 0) << shown.output;
+  EXPECT_TRUE(shown.output.find("Name a colour.") != std::string::npos ||
+              shown.output.find("Add the numbers.") != std::string::npos)
+      << shown.output;
+  auto trained = qtrain("train" + recipe + " --set train.steps=2 --set checkpoint.every=0 --set train.output_dir=" +
+                        directory.file("run"));
+  ASSERT_EQ(trained.status, 0) << trained.output;
+  EXPECT_NE(trained.output.find("1 batches of 2 per epoch"), std::string::npos) << trained.output;
+  EXPECT_NE(trained.output.find("fewer examples than one micro-batch of 4"), std::string::npos) << trained.output;
+  EXPECT_NE(trained.output.find("done: 2 steps"), std::string::npos) << trained.output;
+}
+
 TEST(Cli, TokenizeWritesATokenFileThatTrainingReads) {
   testing::TempDir directory;
   const std::string model = testing::source_dir() + "/recipes/demo/tiny-llama";
