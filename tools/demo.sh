@@ -4,7 +4,8 @@
 # adapter evaluated on held-out Brown documents beside the base model.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-"$ROOT/tools/setup.sh"
+# Only the binary the demo runs; tools/run-tests.sh builds the rest (tests, fuzzers).
+QTRAIN_BUILD_TARGET=${QTRAIN_BUILD_TARGET:-qtrain} "$ROOT/tools/setup.sh"
 cd "$ROOT"
 set -x
 build/qtrain --recipe recipes/demo_tiny.yaml
