@@ -2,8 +2,9 @@
 // lane holds 8 of the block's values in registers from dequantization to requantization, the
 // block's new absmax values come from a shuffle reduction (max is exact, so its order is free),
 // and the codes are picked as kernels/blockwise_quantize.cu picks them.
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -119,7 +120,7 @@ void adamw8bit_step_cuda(at::Tensor& parameter, const at::Tensor& grad, at::Tens
   if (n == 0) return;
   const c10::cuda::CUDAGuard device_guard(parameter.device());
   const auto grid = static_cast<unsigned>(ceil_div(blocks, kWarpsPerCudaBlock));
-  adamw8bit_step_kernel<<<grid, kWarpSize * kWarpsPerCudaBlock, 0, at::cuda::getCurrentCUDAStream()>>>(
+  adamw8bit_step_kernel<<<grid, kWarpSize * kWarpsPerCudaBlock, 0, c10::cuda::getCurrentCUDAStream()>>>(
       parameter.data_ptr<float>(), grad.data_ptr<float>(), state1.data_ptr<uint8_t>(), absmax1.data_ptr<float>(),
       state2.data_ptr<uint8_t>(), absmax2.data_ptr<float>(), signed_map.data_ptr<float>(),
       unsigned_map.data_ptr<float>(), n, blocks, scalars);

@@ -4,8 +4,9 @@
 // One warp per quantization block: the 32 lanes stride over the block's elements (coalesced), take
 // max |w| with a shuffle reduction (max is exact, so its order is free), every lane forms the same
 // approximate reciprocal, and the lanes write the codes. Eight warps, eight blocks, per CUDA block.
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -137,7 +138,7 @@ BlockwiseCodes quantize_4bit_cuda(const at::Tensor& input, const FourBitQuantize
   BlockwiseCodes result{at::empty({ceil_div(n, 2)}, input.options().dtype(at::kByte)),
                         at::empty({blocks}, input.options().dtype(at::kFloat))};
   if (n == 0) return result;
-  const auto stream = at::cuda::getCurrentCUDAStream();
+  const auto stream = c10::cuda::getCurrentCUDAStream();
   const auto grid = static_cast<unsigned>(ceil_div(blocks, kWarpsPerCudaBlock));
   dispatch_float_type(input.scalar_type(), "quantize_4bit_cuda: input", [&](auto type_tag) {
     using scalar_t = decltype(type_tag);
@@ -164,7 +165,7 @@ BlockwiseCodes quantize_blockwise_8bit_cuda(const at::Tensor& input, const at::T
   BlockwiseCodes result{at::empty({n}, input.options().dtype(at::kByte)),
                         at::empty({blocks}, input.options().dtype(at::kFloat))};
   if (n == 0) return result;
-  const auto stream = at::cuda::getCurrentCUDAStream();
+  const auto stream = c10::cuda::getCurrentCUDAStream();
   const auto grid = static_cast<unsigned>(ceil_div(blocks, kWarpsPerCudaBlock));
   dispatch_float_type(input.scalar_type(), "quantize_blockwise_8bit_cuda: input", [&](auto type_tag) {
     using scalar_t = decltype(type_tag);

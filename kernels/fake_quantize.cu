@@ -1,7 +1,8 @@
 // The one-pass integer fake quantization of kernels/fake_quantize.h: one thread per value, the
 // block's scale and zero point read through the cache (a block's threads share them).
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -60,7 +61,7 @@ FakeQuantizedValues fake_quantize_int_cuda(const at::Tensor& blocks, const at::T
   const c10::cuda::CUDAGuard device_guard(blocks.device());
   const int64_t wanted = ceil_div(n, kThreads);
   const auto grid = static_cast<unsigned>(wanted < 65535 * 16 ? wanted : 65535 * 16);
-  fake_quantize_int_kernel<<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+  fake_quantize_int_kernel<<<grid, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
       blocks.data_ptr<float>(), scale.data_ptr<float>(), zero_point.data_ptr<float>(), n, block_length,
       static_cast<float>(quant_min), static_cast<float>(quant_max), result.values.data_ptr<float>(),
       result.inside.data_ptr<bool>());

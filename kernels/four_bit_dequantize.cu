@@ -5,8 +5,9 @@
 //
 // Each thread turns 4 packed bytes into 8 values: blocksizes are powers of two of at least 8, so
 // the 8 share one absmax, and a full group is one 32-bit load and one 16- or 32-byte store.
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -144,7 +145,7 @@ at::Tensor dequantize_4bit_cuda(const at::Tensor& packed, int64_t numel, int64_t
     using scalar_t = decltype(type_tag);
     out = at::empty({numel}, packed.options().dtype(dtype));
     if (numel == 0) return;
-    const auto stream = at::cuda::getCurrentCUDAStream();
+    const auto stream = c10::cuda::getCurrentCUDAStream();
     const auto grid = static_cast<unsigned>(ceil_div(ceil_div(numel, kValuesPerThread), kThreadsPerCudaBlock));
     const bool packed_word_aligned = reinterpret_cast<uintptr_t>(packed.data_ptr<uint8_t>()) % 4 == 0;
     const bool double_quantized = scales.nested_absmax.defined();

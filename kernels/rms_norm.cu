@@ -1,8 +1,9 @@
 // RMSNorm forward and backward, one CUDA block per row (kernels/llama_layers.h). The forward is
 // transformers' LlamaRMSNorm: fp32 normalization, rounded to the input dtype, times the weight in
 // that dtype; the backward differentiates exactly those roundings' chain in fp32.
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -97,7 +98,7 @@ std::pair<at::Tensor, at::Tensor> rms_norm_forward_cuda(const at::Tensor& x, con
   if (x.numel() == 0) return {out, rstd};
   dispatch_float_type(x.scalar_type(), "rms_norm_forward_cuda: x", [&](auto type_tag) {
     using scalar_t = decltype(type_tag);
-    rms_norm_forward_kernel<scalar_t><<<static_cast<unsigned>(x.size(0)), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+    rms_norm_forward_kernel<scalar_t><<<static_cast<unsigned>(x.size(0)), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
         x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), x.size(1), static_cast<float>(eps), out.data_ptr<scalar_t>(),
         rstd.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -120,7 +121,7 @@ at::Tensor rms_norm_backward_cuda(const at::Tensor& grad_output, const at::Tenso
   if (x.numel() == 0) return grad_x;
   dispatch_float_type(x.scalar_type(), "rms_norm_backward_cuda: x", [&](auto type_tag) {
     using scalar_t = decltype(type_tag);
-    rms_norm_backward_kernel<scalar_t><<<static_cast<unsigned>(x.size(0)), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+    rms_norm_backward_kernel<scalar_t><<<static_cast<unsigned>(x.size(0)), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
         grad_output.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), rstd.data_ptr<float>(),
         x.size(1), grad_x.data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();

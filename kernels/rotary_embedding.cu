@@ -1,8 +1,9 @@
 // The rotary embedding on the projection's [batch, seq, heads, head_dim] layout, one thread per
 // rotated pair (i, i + head_dim / 2) (kernels/llama_layers.h). transformers computes
 // x * cos + rotate_half(x) * sin in the model dtype: each product and the sum are rounded.
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -71,7 +72,7 @@ at::Tensor rotary_embedding_cuda(const at::Tensor& x, const at::Tensor& cos, con
   dispatch_float_type(x.scalar_type(), what + ": x", [&](auto type_tag) {
     using scalar_t = decltype(type_tag);
     auto kernel = inverse ? rotary_kernel<scalar_t, true> : rotary_kernel<scalar_t, false>;
-    kernel<<<static_cast<unsigned>(ceil_div(pairs, kThreads)), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+    kernel<<<static_cast<unsigned>(ceil_div(pairs, kThreads)), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
         x.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(), pairs, x.size(2), half,
         out.data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();

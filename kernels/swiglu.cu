@@ -1,7 +1,8 @@
 // SwiGLU, silu(gate) * up, and its backward as one kernel each (kernels/llama_layers.h), rounding
 // as torch's silu, mul and silu_backward do in the model dtype.
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -107,7 +108,7 @@ at::Tensor swiglu_forward_cuda(const at::Tensor& gate, const at::Tensor& up) {
   dispatch_float_type(gate.scalar_type(), "swiglu_forward_cuda: gate", [&](auto type_tag) {
     using scalar_t = decltype(type_tag);
     launch<scalar_t>(n, {gate.data_ptr(), up.data_ptr(), out.data_ptr()}, [&](auto vector, unsigned blocks) {
-      swiglu_forward_kernel<scalar_t, decltype(vector)::value><<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      swiglu_forward_kernel<scalar_t, decltype(vector)::value><<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
           gate.data_ptr<scalar_t>(), up.data_ptr<scalar_t>(), n, out.data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
@@ -129,7 +130,7 @@ std::pair<at::Tensor, at::Tensor> swiglu_backward_cuda(const at::Tensor& grad_ou
     launch<scalar_t>(n, {grad_output.data_ptr(), gate.data_ptr(), up.data_ptr(), grad_gate.data_ptr(), grad_up.data_ptr()},
                      [&](auto vector, unsigned blocks) {
                        swiglu_backward_kernel<scalar_t, decltype(vector)::value>
-                           <<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+                           <<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
                                grad_output.data_ptr<scalar_t>(), gate.data_ptr<scalar_t>(), up.data_ptr<scalar_t>(), n,
                                grad_gate.data_ptr<scalar_t>(), grad_up.data_ptr<scalar_t>());
                        C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "kernels/error.h"
+#include "trainer/attention_backends.h"
 #include "trainer/batch_inputs.h"
 #include "trainer/causal_lm_loss.h"
 #include "trainer/cpu_threads.h"
@@ -76,6 +77,7 @@ EvalResult evaluate(LlamaForCausalLMImpl& model, const std::vector<data::Example
   if (examples.empty()) throw Error(ErrorCode::kData, "evaluation data holds no example with a token to predict");
   if (options.batch_size < 1) throw Error(ErrorCode::kRecipe, "batch size must be at least 1");
   torch::NoGradGuard no_grad;
+  const WithoutCudnnAttention attention_for_varied_lengths;
   const bool was_training = model.is_training();
   model.eval();
   const auto device = model.model->embed_tokens->weight.device();

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <ATen/CPUGeneratorImpl.h>
-#include <ATen/Context.h>
 #include <chrono>
 
 #include "kernels/error.h"
@@ -27,12 +26,6 @@ torch::Tensor next_token_logits(LlamaForCausalLMImpl& model, const torch::Tensor
 }
 
 }  // namespace
-
-WithoutCudnnAttention::WithoutCudnnAttention() : was_enabled_(at::globalContext().userEnabledCuDNNSDP()) {
-  at::globalContext().setSDPUseCuDNN(false);
-}
-
-WithoutCudnnAttention::~WithoutCudnnAttention() { at::globalContext().setSDPUseCuDNN(was_enabled_); }
 
 double GenerationResult::decode_tokens_per_second() const {
   if (tokens.size() < 2 || decode_seconds <= 0) return 0;

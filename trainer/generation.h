@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "trainer/attention_backends.h"
 #include "trainer/llama.h"
 #include "trainer/logits_processors.h"
 
@@ -32,21 +33,6 @@ struct GenerationResult {
 // Called with each new token as soon as it is chosen (streaming).
 using TokenCallback = std::function<void(int64_t token)>;
 
-// SDPA prefers cuDNN's attention for bf16 / fp16 on Hopper, and cuDNN builds an execution plan
-// for every new key length: about 50 ms of host time per token on an H100 (decoding ran at 20
-// tokens/s in bf16 against 600 in fp32). While one of these lives, SDPA takes the next kernel in
-// its order (flash attention), which takes any length as it comes. generate() holds one;
-// training keeps cuDNN, whose shapes repeat.
-class WithoutCudnnAttention {
- public:
-  WithoutCudnnAttention();
-  ~WithoutCudnnAttention();
-  WithoutCudnnAttention(const WithoutCudnnAttention&) = delete;
-  WithoutCudnnAttention& operator=(const WithoutCudnnAttention&) = delete;
-
- private:
-  bool was_enabled_;
-};
 
 // Continues `prompt_ids` (non-empty) with `model` on its device, without gradients.
 GenerationResult generate(LlamaForCausalLMImpl& model, const std::vector<int64_t>& prompt_ids,
