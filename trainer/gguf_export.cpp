@@ -226,6 +226,12 @@ void write_gguf_model(const LlamaForCausalLMImpl& model, const HfModelConfig& co
   if (options.float_type != GgufTensorType::kF32 && options.float_type != GgufTensorType::kF16) {
     throw Error(ErrorCode::kInternal, "GGUF export: unquantized weights are written as F32 or F16");
   }
+  if (config.family == nullptr || config.family->gguf_architecture != "llama" || config.llama.sliding_window > 0) {
+    throw Error(ErrorCode::kUsage, "GGUF export writes llama.cpp's 'llama' architecture: Llama, and Mistral without a "
+                "sliding window; " + config.architecture + (config.llama.sliding_window > 0 ? " with sliding_window" : "") +
+                " is not supported yet (export safetensors-int or merged, and convert that with llama.cpp's "
+                "convert_hf_to_gguf.py)");
+  }
   const auto& llama = config.llama;
   std::map<std::string, std::shared_ptr<qat::QatLinear>> qat_layers;
   for (const auto& [name, layer] : qat::find_qat_layers(model)) qat_layers[name + ".weight"] = layer;

@@ -1,10 +1,12 @@
 #include "trainer/hf_config.h"
 
+#include <algorithm>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "kernels/error.h"
+#include "trainer/model_families.h"
 
 namespace qtrain::trainer {
 
@@ -34,6 +36,7 @@ class ConfigReader {
   ConfigReader(const json& object, std::string path) : object_(object), path_(std::move(path)) {}
 
   bool has(const std::string& key) const { return object_.contains(key) && !object_.at(key).is_null(); }
+  const json& value(const std::string& key) const { return object_.at(key); }
 
   int64_t positive_int(const std::string& key) const {
     if (!has(key)) fail("is missing the required key '" + key + "'");
@@ -154,6 +157,47 @@ RopeOptions read_rope(const ConfigReader& config, const std::string& path, std::
   return rope;
 }
 
+// The layers that slide and over how many keys, as the family spells them (see
+// SlidingWindowKeys). A layer type qtrain does not know is an error, never full attention.
+void read_sliding_window(const ConfigReader& reader, SlidingWindowKeys keys, LlamaOptions& llama) {
+  const auto layers = static_cast<size_t>(llama.num_hidden_layers);
+  switch (keys) {
+    case SlidingWindowKeys::kNone: return;
+    case SlidingWindowKeys::kEveryLayer:
+      if (!reader.has("sliding_window")) return;
+      llama.sliding_window = reader.positive_int("sliding_window");
+      llama.sliding_layers.assign(layers, true);
+      return;
+    case SlidingWindowKeys::kLayerTypes: break;
+  }
+  std::vector<bool> sliding(layers, false);
+  if (reader.has("layer_types")) {
+    const auto& types = reader.value("layer_types");
+    if (!types.is_array() || types.size() != layers) {
+      reader.fail("key 'layer_types' must list one of \"full_attention\" / \"sliding_attention\" for each of the " +
+                  std::to_string(layers) + " layers, got " + types.dump());
+    }
+    for (size_t layer = 0; layer < layers; ++layer) {
+      const auto& type = types.at(layer);
+      if (type == "sliding_attention") {
+        sliding[layer] = true;
+      } else if (type != "full_attention") {
+        reader.fail("key 'layer_types' entry " + std::to_string(layer) + " is " + type.dump() +
+                    "; qtrain implements \"full_attention\" and \"sliding_attention\"");
+      }
+    }
+  } else if (reader.bool_or("use_sliding_window", false)) {
+    const int64_t first = reader.positive_int_or("max_window_layers", 0);
+    for (size_t layer = 0; layer < layers; ++layer) sliding[layer] = static_cast<int64_t>(layer) >= first;
+  }
+  if (std::find(sliding.begin(), sliding.end(), true) == sliding.end()) return;
+  if (!reader.has("sliding_window")) {
+    reader.fail("has sliding-attention layers but no 'sliding_window' (how many keys they see)");
+  }
+  llama.sliding_window = reader.positive_int("sliding_window");
+  llama.sliding_layers = std::move(sliding);
+}
+
 }  // namespace
 
 HfModelConfig read_hf_config(const std::string& model_dir) {
@@ -186,14 +230,17 @@ HfModelConfig parse_hf_config(const std::string& text, const std::string& path) 
     architecture = architectures.at(0).get<std::string>();
   }
   const std::string model_type = reader.string_or("model_type", "");
-  if (architecture.empty() && model_type == "llama") architecture = "LlamaForCausalLM";
-  if (architecture != "LlamaForCausalLM") {
+  const ModelFamily* family = find_model_family(architecture, model_type);
+  if (family == nullptr) {
     reader.fail("unsupported architecture '" + (architecture.empty() ? model_type : architecture) +
-                "' (qtrain supports LlamaForCausalLM)");
+                "' (qtrain supports " + supported_architectures() + ")");
   }
-  config.architecture = architecture;
+  config.architecture = family->architecture;
+  config.family = family;
   const std::string activation = reader.string_or("hidden_act", "silu");
-  if (activation != "silu") reader.fail("hidden_act '" + activation + "' is not supported (Llama uses silu)");
+  if (activation != "silu") {
+    reader.fail("hidden_act '" + activation + "' is not supported (" + family->architecture + " uses silu)");
+  }
 
   auto& llama = config.llama;
   llama.vocab_size = reader.positive_int("vocab_size");
@@ -213,10 +260,18 @@ HfModelConfig parse_hf_config(const std::string& text, const std::string& path) 
   if (llama.head_dim % 2 != 0) reader.fail("head_dim must be even for rotary embeddings");
   llama.max_position_embeddings = reader.positive_int_or("max_position_embeddings", 2048);
   llama.rms_norm_eps = reader.number_or("rms_norm_eps", 1e-6);
-  llama.attention_bias = reader.bool_or("attention_bias", false);
+  switch (family->attention_bias) {
+    case AttentionBias::kFromConfig:
+      llama.attention_bias = llama.output_bias = reader.bool_or("attention_bias", false);
+      break;
+    case AttentionBias::kNone: break;
+    case AttentionBias::kQueryKeyValueOnly: llama.attention_bias = true; break;
+  }
   llama.mlp_bias = reader.bool_or("mlp_bias", false);
   llama.tie_word_embeddings = reader.bool_or("tie_word_embeddings", false);
   llama.rope = read_rope(reader, config.path, config.rope_type_name);
+  llama.query_key_norm = family->query_key_norm;
+  read_sliding_window(reader, family->sliding_window, llama);
 
   const std::string dtype_key = reader.has("dtype") ? "dtype" : "torch_dtype";
   config.stored_dtype = parse_dtype_name(reader.string_or(dtype_key, "float32"), config.path + ": key '" + dtype_key + "'",

@@ -1,5 +1,6 @@
 #pragma once
-// Hugging Face `config.json` (transformers 4.x and 5.x keys) turned into LlamaOptions.
+// Hugging Face `config.json` (transformers 4.x and 5.x keys) of a supported family
+// (trainer/model_families.h) turned into LlamaOptions.
 #include <c10/core/ScalarType.h>
 
 #include <optional>
@@ -8,12 +9,14 @@
 
 #include "kernels/error.h"
 #include "trainer/llama_options.h"
+#include "trainer/model_families.h"
 
 namespace qtrain::trainer {
 
 struct HfModelConfig {
   std::string path;          // the config.json read
   std::string architecture;  // e.g. LlamaForCausalLM
+  const ModelFamily* family = nullptr;  // its row of model_families()
   LlamaOptions llama;
   c10::ScalarType stored_dtype = c10::ScalarType::Float;  // `dtype` (5.x) or `torch_dtype` (4.x)
   std::optional<int64_t> bos_token_id;

@@ -116,10 +116,12 @@ void replace_projection(torch::nn::Module& owner, std::shared_ptr<qat::LinearLay
 }  // namespace
 
 LlamaAttentionImpl::LlamaAttentionImpl(const LlamaOptions& options, const std::string& prefix,
-                                       const LinearFactory& make_linear, torch::ScalarType dtype)
+                                       const LinearFactory& make_linear, torch::ScalarType dtype,
+                                       int64_t sliding_window)
     : num_heads_(options.num_attention_heads),
       num_key_value_heads_(options.num_key_value_heads),
-      head_dim_(options.head_dim) {
+      head_dim_(options.head_dim),
+      sliding_window_(sliding_window) {
   const int64_t hidden = options.hidden_size;
   const int64_t query_width = num_heads_ * head_dim_;
   const int64_t key_value_width = num_key_value_heads_ * head_dim_;
@@ -127,7 +129,12 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaOptions& options, const std::s
   q_proj = register_module("q_proj", make_linear(prefix + ".q_proj", linear_options(hidden, query_width, bias, dtype)));
   k_proj = register_module("k_proj", make_linear(prefix + ".k_proj", linear_options(hidden, key_value_width, bias, dtype)));
   v_proj = register_module("v_proj", make_linear(prefix + ".v_proj", linear_options(hidden, key_value_width, bias, dtype)));
-  o_proj = register_module("o_proj", make_linear(prefix + ".o_proj", linear_options(query_width, hidden, bias, dtype)));
+  o_proj = register_module("o_proj", make_linear(prefix + ".o_proj",
+                                                 linear_options(query_width, hidden, options.output_bias, dtype)));
+  if (options.query_key_norm) {
+    q_norm = register_module("q_norm", RMSNorm(head_dim_, options.rms_norm_eps, dtype));
+    k_norm = register_module("k_norm", RMSNorm(head_dim_, options.rms_norm_eps, dtype));
+  }
 }
 
 std::pair<torch::Tensor, torch::Tensor> LayerKeyValues::append(const torch::Tensor& key, const torch::Tensor& value) {
@@ -158,17 +165,22 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden, const tor
   const int64_t sequence = hidden.size(1);
   // [batch, seq, heads * head_dim] -> [batch, heads, seq, head_dim]
   // The rotary embedding runs on the projections' [batch, seq, heads, head_dim] layout.
-  auto query = rotary_embedding(q_proj->forward(hidden).view({batch, sequence, num_heads_, head_dim_}), cos, sin)
-                   .transpose(1, 2);
-  auto key = rotary_embedding(k_proj->forward(hidden).view({batch, sequence, num_key_value_heads_, head_dim_}), cos, sin)
-                 .transpose(1, 2);
+  auto query = q_proj->forward(hidden).view({batch, sequence, num_heads_, head_dim_});
+  auto key = k_proj->forward(hidden).view({batch, sequence, num_key_value_heads_, head_dim_});
+  if (q_norm) {
+    // Qwen3: each head's query and key normalised over head_dim before the rotation.
+    query = q_norm->forward(query);
+    key = k_norm->forward(key);
+  }
+  query = rotary_embedding(query, cos, sin).transpose(1, 2);
+  key = rotary_embedding(key, cos, sin).transpose(1, 2);
   auto value = v_proj->forward(hidden).view({batch, sequence, num_key_value_heads_, head_dim_}).transpose(1, 2);
   bool causal = !attention_mask.defined() && sequence > 1;
   std::optional<at::Tensor> mask =
       attention_mask.defined() ? std::optional<at::Tensor>(attention_mask) : std::nullopt;
+  const int64_t past = cache != nullptr ? cache->length() : 0;
   if (cache != nullptr) {
     if (attention_mask.defined()) throw Error(ErrorCode::kInternal, "an attention mask cannot be combined with a key/value cache");
-    const int64_t past = cache->length();
     std::tie(key, value) = cache->append(key, value);
     if (past > 0) {
       // SDPA's is_causal aligns the mask to the top left; with cached positions before the new
@@ -180,6 +192,16 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden, const tor
                (torch::arange(sequence, options) + past).unsqueeze(1);
       }
     }
+  }
+  if (sliding_window_ > 0 && past + sequence > sliding_window_) {
+    // Query i (at position past + i of the row) sees keys j with i - window < j <= i, as
+    // transformers' sliding-window mask; within a packed row also only its own sample's.
+    auto options = torch::TensorOptions().dtype(torch::kInt64).device(hidden.device());
+    const auto key_positions = torch::arange(past + sequence, options).unsqueeze(0);
+    const auto query_positions = (torch::arange(sequence, options) + past).unsqueeze(1);
+    auto window = (key_positions <= query_positions) & (key_positions > query_positions - sliding_window_);
+    mask = mask.has_value() ? (*mask & window) : window;
+    causal = false;
   }
   auto attended = at::scaled_dot_product_attention(query, key, value, mask, /*dropout_p=*/0.0, causal,
                                                    /*scale=*/std::pow(static_cast<double>(head_dim_), -0.5),
@@ -219,9 +241,11 @@ void LlamaMlpImpl::replace_linear(const std::string& child_name, std::shared_ptr
 }
 
 LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaOptions& options, const std::string& prefix,
-                                             const LinearFactory& make_linear, torch::ScalarType dtype) {
+                                             const LinearFactory& make_linear, torch::ScalarType dtype,
+                                             int64_t sliding_window) {
   input_layernorm = register_module("input_layernorm", RMSNorm(options.hidden_size, options.rms_norm_eps, dtype));
-  self_attn = register_module("self_attn", LlamaAttention(options, prefix + ".self_attn", make_linear, dtype));
+  self_attn = register_module("self_attn",
+                              LlamaAttention(options, prefix + ".self_attn", make_linear, dtype, sliding_window));
   post_attention_layernorm =
       register_module("post_attention_layernorm", RMSNorm(options.hidden_size, options.rms_norm_eps, dtype));
   mlp = register_module("mlp", LlamaMlp(options, prefix + ".mlp", make_linear, dtype));
@@ -241,7 +265,8 @@ LlamaBackboneImpl::LlamaBackboneImpl(const LlamaOptions& options, const LinearFa
   embed_tokens->weight.set_data(embed_tokens->weight.data().normal_(0.0, 0.02).to(dtype));
   layers = register_module("layers", torch::nn::ModuleList());
   for (int64_t index = 0; index < options.num_hidden_layers; ++index) {
-    layers->push_back(LlamaDecoderLayer(options, "model.layers." + std::to_string(index), make_linear, dtype));
+    layers->push_back(LlamaDecoderLayer(options, "model.layers." + std::to_string(index), make_linear, dtype,
+                                        options.layer_slides(index) ? options.sliding_window : 0));
   }
   norm = register_module("norm", RMSNorm(options.hidden_size, options.rms_norm_eps, dtype));
 }

@@ -1,6 +1,8 @@
 #pragma once
-// A Llama decoder (LlamaForCausalLM) as LibTorch modules. Parameter names are Hugging Face's
-// (`model.layers.3.self_attn.q_proj.weight`), so checkpoints and peft adapters map by name.
+// A Llama-style decoder as LibTorch modules: LlamaForCausalLM, and with the switches of
+// LlamaOptions the Mistral, Qwen2 and Qwen3 families (trainer/model_families.h). Parameter
+// names are Hugging Face's (`model.layers.3.self_attn.q_proj.weight`), so checkpoints and peft
+// adapters map by name.
 // The numerics follow transformers: RMSNorm and rotary tables in fp32, the residual stream in
 // the compute dtype, attention through scaled_dot_product_attention.
 #include <torch/torch.h>
@@ -80,8 +82,9 @@ class KeyValueCache {
 // QAT) updates the pointer forward() calls as well as the registered child.
 class LlamaAttentionImpl : public torch::nn::Module, public qat::LinearLayerOwner {
  public:
+  // sliding_window > 0: each query sees only the keys of the last sliding_window positions.
   LlamaAttentionImpl(const LlamaOptions& options, const std::string& prefix, const LinearFactory& make_linear,
-                     torch::ScalarType dtype);
+                     torch::ScalarType dtype, int64_t sliding_window = 0);
   // hidden [batch, seq, hidden]; attention_mask: undefined (causal) or a boolean/additive
   // mask broadcastable to [batch, heads, seq, seq]. With `cache`, the sequence continues the
   // cached one (causal over cached + new positions; no attention_mask then).
@@ -89,9 +92,11 @@ class LlamaAttentionImpl : public torch::nn::Module, public qat::LinearLayerOwne
                         const torch::Tensor& attention_mask, LayerKeyValues* cache = nullptr);
   void replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) override;
   std::shared_ptr<qat::LinearLayer> q_proj, k_proj, v_proj, o_proj;
+  RMSNorm q_norm{nullptr}, k_norm{nullptr};  // LlamaOptions::query_key_norm only
 
  private:
   int64_t num_heads_, num_key_value_heads_, head_dim_;
+  int64_t sliding_window_;
 };
 TORCH_MODULE(LlamaAttention);
 
@@ -108,7 +113,7 @@ TORCH_MODULE(LlamaMlp);
 class LlamaDecoderLayerImpl : public torch::nn::Module {
  public:
   LlamaDecoderLayerImpl(const LlamaOptions& options, const std::string& prefix, const LinearFactory& make_linear,
-                        torch::ScalarType dtype);
+                        torch::ScalarType dtype, int64_t sliding_window = 0);
   torch::Tensor forward(const torch::Tensor& hidden, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& attention_mask, LayerKeyValues* cache = nullptr);
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};

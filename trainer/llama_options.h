@@ -1,7 +1,9 @@
 #pragma once
-// The shape and rotary-embedding settings of a Llama model, as config.json gives them
-// (trainer/hf_config.h reads them). Plain data, free of LibTorch.
+// The shape and rotary-embedding settings of a Llama-style decoder, as config.json gives them
+// (trainer/hf_config.h reads them), with what the Mistral and Qwen families change in it
+// (trainer/model_families.h says which family sets what). Plain data, free of LibTorch.
 #include <cstdint>
+#include <vector>
 
 namespace qtrain::trainer {
 
@@ -26,10 +28,23 @@ struct LlamaOptions {
   int64_t head_dim = 0;
   int64_t max_position_embeddings = 2048;
   double rms_norm_eps = 1e-6;
-  bool attention_bias = false;
+  bool attention_bias = false;  // q_proj, k_proj and v_proj have a bias
+  bool output_bias = false;     // o_proj has one (Llama: as attention_bias; Qwen2: never)
   bool mlp_bias = false;
   bool tie_word_embeddings = false;
   RopeOptions rope;
+  // RMSNorm over each head's query and key (weights [head_dim], `self_attn.q_norm` / `k_norm`)
+  // before the rotary embedding (Qwen3).
+  bool query_key_norm = false;
+  // Layers whose queries see only the keys of the last `sliding_window` positions, themselves
+  // included (Mistral, Qwen's sliding layers); empty: every layer sees every earlier key.
+  int64_t sliding_window = 0;
+  std::vector<bool> sliding_layers;  // [num_hidden_layers] when not empty
+
+  bool layer_slides(int64_t layer) const {
+    return sliding_window > 0 && layer < static_cast<int64_t>(sliding_layers.size()) &&
+           sliding_layers[static_cast<size_t>(layer)];
+  }
 };
 
 }  // namespace qtrain::trainer

@@ -36,7 +36,7 @@ std::vector<Projection> decoder_projections(const LlamaOptions& model, int64_t l
       {attention + "q_proj", hidden, query, attention_bias, ProjectionInput::kNormedForAttention},
       {attention + "k_proj", hidden, key_value, attention_bias, ProjectionInput::kNormedForAttention},
       {attention + "v_proj", hidden, key_value, attention_bias, ProjectionInput::kNormedForAttention},
-      {attention + "o_proj", query, hidden, attention_bias, ProjectionInput::kAttentionOutput},
+      {attention + "o_proj", query, hidden, model.output_bias, ProjectionInput::kAttentionOutput},
       {mlp + "gate_proj", hidden, intermediate, mlp_bias, ProjectionInput::kNormedForMlp},
       {mlp + "up_proj", hidden, intermediate, mlp_bias, ProjectionInput::kNormedForMlp},
       {mlp + "down_proj", intermediate, hidden, mlp_bias, ProjectionInput::kMlpProduct},

@@ -34,6 +34,14 @@ VARIANTS = {
 }
 
 
+def randomize_norms_and_biases(model):
+    """Non-trivial norms and biases (ones and zeros by default), so every tensor matters."""
+    with torch.no_grad():
+        for parameter_name, parameter in model.named_parameters():
+            if "norm" in parameter_name or "bias" in parameter_name:
+                parameter.normal_(1.0 if "norm" in parameter_name else 0.0, 0.1)
+
+
 def to_transformers_4_keys(path):
     """Rewrites a 5.x config.json the way transformers 4.x wrote it."""
     with open(path) as f:
@@ -54,10 +62,7 @@ def main(out_dir):
     for name, (overrides, dtype, style, shard_size) in VARIANTS.items():
         directory = os.path.join(out_dir, name)
         model = LlamaForCausalLM(LlamaConfig(**{**BASE, **overrides})).to(dtype)
-        with torch.no_grad():  # non-trivial norms and biases, so every tensor matters
-            for parameter_name, parameter in model.named_parameters():
-                if "norm" in parameter_name or "bias" in parameter_name:
-                    parameter.normal_(1.0 if "norm" in parameter_name else 0.0, 0.1)
+        randomize_norms_and_biases(model)
         model.save_pretrained(directory, **({"max_shard_size": shard_size} if shard_size else {}))
         if style == "4.x":
             to_transformers_4_keys(os.path.join(directory, "config.json"))

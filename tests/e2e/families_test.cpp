@@ -1,0 +1,54 @@
+// A few QLoRA steps on each new family's fixture through the qtrain CLI, and the adapter they
+// write loaded by peft onto transformers' model of that family: the same logits as ours.
+#include <gtest/gtest.h>
+
+#include "support.h"
+#include "trainer/hf_checkpoint.h"
+#include "trainer/peft_adapter.h"
+#include "trainer/safetensors.h"
+
+namespace qtrain {
+namespace {
+
+class FamilyTraining : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(FamilyTraining, QloraStepsWriteAnAdapterPeftLoadsWithOurLogits) {
+  const auto python = testing::find_python_with("peft transformers safetensors");
+  if (python.empty()) GTEST_SKIP() << "no Python with peft and transformers (set QTRAIN_PYTHON)";
+  const std::string name = GetParam();
+  const std::string model_dir = testing::fixture("families/" + name);
+  testing::TempDir temp;
+  const auto trained = testing::run_command(
+      testing::qtrain_binary() + " --recipe " + testing::source_dir() + "/recipes/demo_tiny.yaml --set model.path=" +
+      model_dir + " --set train.steps=3 --set schedule.warmup_steps=0 --set eval.every=0 --set data.eval=" +
+      " --set checkpoint.every=0" +
+      " --set train.output_dir=" + temp.file("run") + " 2>&1");
+  ASSERT_EQ(trained.status, 0) << trained.output;
+  ASSERT_NE(trained.output.find("done: 3 steps"), std::string::npos) << trained.output;
+
+  const std::string reference = testing::fixture("families/" + name + "-reference.safetensors");
+  const std::string command = "'" + python + "' '" + testing::source_dir() + "/tests/interop/peft_logits.py' '" +
+                              model_dir + "' '" + temp.file("run/adapter") + "' '" + reference + "' input_ids '" +
+                              temp.file("peft_logits.safetensors") + "' 2>&1";
+  const auto peft = testing::run_command(command);
+  ASSERT_EQ(peft.status, 0) << command << "\n" << peft.output;
+
+  auto loaded = trainer::load_llama(model_dir);
+  trainer::apply_peft_adapter(*loaded.model, temp.file("run/adapter"));
+  torch::NoGradGuard no_grad;
+  trainer::LlamaInputs inputs;
+  inputs.input_ids = trainer::SafetensorsFile::open(reference).tensor("input_ids");
+  const auto ours = loaded.model->forward(inputs);
+  const auto theirs = trainer::SafetensorsFile::open(temp.file("peft_logits.safetensors")).tensor("logits");
+  const double error = (ours - theirs).abs().max().item<double>() / theirs.abs().max().item<double>();
+  std::printf("[ measured ] %s: peft on the trained adapter vs ours: %.3g relative\n", name.c_str(), error);
+  EXPECT_LE(error, 1e-5);
+  // Training moved the adapter away from its zero B: the logits are not the base's.
+  const auto base = trainer::SafetensorsFile::open(reference).tensor("logits");
+  EXPECT_GT((ours - base).abs().max().item<double>(), 1e-4);
+}
+
+INSTANTIATE_TEST_SUITE_P(MistralQwen2Qwen3, FamilyTraining, ::testing::Values("mistral", "qwen2", "qwen3"));
+
+}  // namespace
+}  // namespace qtrain

@@ -1,0 +1,84 @@
+"""Small random Mistral / Qwen2 / Qwen3 checkpoints with the switches the fixtures leave out
+(windows shorter than the input, sliding and full layers mixed, tied and untied embeddings,
+head_dim != hidden / heads, biases, bf16 and 4.x-style config keys) and transformers' fp32 CPU
+logits for them: the reference for tests/trainer/model_families_test.cpp.
+
+usage: python family_variants.py OUT_DIR
+Writes OUT_DIR/<variant>/ (an HF model directory) and OUT_DIR/<variant>/reference.safetensors
+(`input_ids` [2, 40] int64, `logits` [2, 40, vocab] fp32, and `full_attention_logits`: the same
+model with every layer attending to every earlier key, to show that the windows matter).
+"""
+import copy
+import json
+import os
+import sys
+
+import torch
+from safetensors.torch import save_file
+from llama_variants import randomize_norms_and_biases
+from transformers import (MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
+
+BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
+
+# name: (config class, model class, overrides, stored dtype, write transformers 4.x keys)
+VARIANTS = {
+    # Mistral 7B v0.1's every-layer window, here 8 keys for 40 positions; head_dim 24 != 64 / 4.
+    "mistral_window8_head_dim24": (MistralConfig, MistralForCausalLM,
+                                   dict(sliding_window=8, head_dim=24, tie_word_embeddings=False),
+                                   torch.float32, False),
+    # Qwen2: layers 1 and 2 slide over 6 keys (use_sliding_window, max_window_layers 1), tied, bf16.
+    "qwen2_layers_from_1_slide_tied_bf16_v4": (Qwen2Config, Qwen2ForCausalLM,
+                                               dict(use_sliding_window=True, sliding_window=6, max_window_layers=1,
+                                                    tie_word_embeddings=True),
+                                               torch.bfloat16, True),
+    # Qwen3: q/k norm with head_dim 32 != 16, attention_bias, explicit layer_types mixing both kinds.
+    "qwen3_head_dim32_bias_layer_types": (Qwen3Config, Qwen3ForCausalLM,
+                                          dict(head_dim=32, attention_bias=True, sliding_window=5,
+                                               use_sliding_window=True,
+                                               layer_types=["sliding_attention", "full_attention",
+                                                            "sliding_attention"],
+                                               tie_word_embeddings=False),
+                                          torch.float32, False),
+}
+
+
+def to_transformers_4_keys(path):
+    with open(path) as f:
+        config = json.load(f)
+    parameters = config.pop("rope_parameters")
+    config["rope_theta"] = parameters.pop("rope_theta")
+    config["torch_dtype"] = config.pop("dtype")
+    config.pop("layer_types", None)  # 4.x derived it from use_sliding_window / max_window_layers
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def main(out_dir):
+    torch.manual_seed(0)
+    input_ids = torch.randint(0, BASE["vocab_size"], (2, 40))
+    for name, (config_class, model_class, overrides, dtype, old_keys) in VARIANTS.items():
+        directory = os.path.join(out_dir, name)
+        model = model_class(config_class(**{**BASE, **overrides})).to(dtype)
+        randomize_norms_and_biases(model)
+        model.save_pretrained(directory)
+        if old_keys:
+            to_transformers_4_keys(os.path.join(directory, "config.json"))
+        reloaded = model_class.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager")
+        with torch.no_grad():
+            logits = reloaded(input_ids).logits.float().contiguous()
+        config = copy.deepcopy(reloaded.config)
+        config.sliding_window = None
+        if hasattr(config, "layer_types"):
+            config.layer_types = ["full_attention"] * config.num_hidden_layers
+        full = model_class(config).to(torch.float32)
+        full.load_state_dict(reloaded.state_dict())
+        with torch.no_grad():
+            full_attention_logits = full(input_ids).logits.float().contiguous()
+        save_file({"input_ids": input_ids, "logits": logits, "full_attention_logits": full_attention_logits},
+                  os.path.join(directory, "reference.safetensors"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
