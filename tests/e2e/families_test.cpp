@@ -48,6 +48,20 @@ TEST_P(FamilyTraining, QloraStepsWriteAnAdapterPeftLoadsWithOurLogits) {
   EXPECT_GT((ours - base).abs().max().item<double>(), 1e-4);
 }
 
+TEST_P(FamilyTraining, QloraStepsOnCudaInBf16RunWithFiniteLosses) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU";
+  testing::TempDir temp;
+  const auto trained = testing::run_command(
+      testing::qtrain_binary() + " --recipe " + testing::source_dir() + "/recipes/demo_tiny.yaml --set model.path=" +
+      testing::fixture("families/" + GetParam()) + " --set train.device=cuda --set train.dtype=bf16" +
+      " --set train.steps=5 --set log.every=1 --set eval.every=0 --set eval.max_batches=2 --set checkpoint.every=0" +
+      " --set train.gradient_checkpointing=true --set train.output_dir=" + temp.file("run") + " 2>&1");
+  ASSERT_EQ(trained.status, 0) << trained.output;
+  EXPECT_NE(trained.output.find("done: 5 steps"), std::string::npos) << trained.output;
+  EXPECT_EQ(trained.output.find("nan"), std::string::npos) << trained.output;
+  EXPECT_EQ(trained.output.find("skipped"), std::string::npos) << trained.output;
+}
+
 INSTANTIATE_TEST_SUITE_P(MistralQwen2Qwen3, FamilyTraining, ::testing::Values("mistral", "qwen2", "qwen3"));
 
 }  // namespace

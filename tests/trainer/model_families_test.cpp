@@ -68,6 +68,21 @@ TEST_P(FamilyFixture, GreedyTokensEqualTransformersGenerate) {
   EXPECT_EQ(generate(*loaded.model, prompt, options).tokens, expected);
 }
 
+// On the GPU the fused RMSNorm also normalises Qwen3's [batch, seq, heads, head_dim] q and k,
+// and the biases ride in cuBLAS's matmuls.
+TEST_P(FamilyFixture, CudaLogitsEqualTransformersInFp32) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU";
+  const std::string name = GetParam();
+  ModelLoadOptions options;
+  options.device = torch::Device(torch::kCUDA, 0);
+  auto loaded = load_llama(fixture("families/" + name), options);
+  const auto reference = SafetensorsFile::open(fixture("families/" + name + "-reference.safetensors"));
+  const auto logits = logits_of(*loaded.model, reference.tensor("input_ids").to(options.device)).cpu();
+  const double error = relative_error(logits, reference.tensor("logits"));
+  std::printf("[ measured ] %s fp32 logits on CUDA vs transformers: %.3g relative\n", name.c_str(), error);
+  EXPECT_LE(error, kOtherMachineTolerance);
+}
+
 INSTANTIATE_TEST_SUITE_P(MistralQwen2Qwen3, FamilyFixture, ::testing::Values("mistral", "qwen2", "qwen3"));
 
 const char* const kVariants[] = {"mistral_window8_head_dim24", "qwen2_layers_from_1_slide_tied_bf16_v4",
