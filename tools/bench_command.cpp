@@ -1,4 +1,4 @@
-// qtrain bench: training throughput and peak memory of a Llama-shaped model with random
+// qtrain bench: training throughput and peak memory of a Llama-, Qwen- or Mistral-shaped model with random
 // weights, built directly on the device (no checkpoint on disk): QLoRA (NF4 double-quant base),
 // LoRA on an LLM.int8 base (--quant int8) or LoRA (16-bit base), LoRA on all 7 projections, AdamW
 // (or --optim adamw8bit), random tokens.
@@ -78,11 +78,11 @@ qat::FourBitTensor random_four_bit(int64_t out, int64_t in, const qat::FourBitTe
 
 // A random LLM.int8 weight [out, in] on the device: int8 codes and a row absmax of about what a
 // 0.02-scaled weight has. Outlier columns come from the activations, not from here.
-std::shared_ptr<qat::Int8Linear> random_int8(int64_t out, int64_t in, const torch::Device& device,
-                                             torch::ScalarType dtype) {
+std::shared_ptr<qat::Int8Linear> random_int8(int64_t out, int64_t in, const torch::Tensor& bias,
+                                             const torch::Device& device, torch::ScalarType dtype) {
   const auto codes = torch::randint(-127, 128, {out, in}, torch::TensorOptions().dtype(torch::kChar).device(device));
   const auto absmax = torch::full({out}, 0.08, torch::TensorOptions().dtype(torch::kFloat32).device(device));
-  return std::make_shared<qat::Int8Linear>(codes, absmax, torch::Tensor(), /*threshold=*/6.0, dtype);
+  return std::make_shared<qat::Int8Linear>(codes, absmax, bias, /*threshold=*/6.0, dtype);
 }
 
 void synchronize(const torch::Device& device) {
@@ -99,7 +99,8 @@ int run_bench(const Arguments& arguments) {
   int64_t micro_batch = 0, sequence = 0, steps = 0, warmup = 0, lora_rank = 0, loss_chunk = 0, profile_steps = 0;
   po::options_description options("bench options");
   options.add_options()
-      ("shape", po::value(&shape)->default_value("llama3-8b"), "llama3-8b, llama3-1b or tiny (random weights)")
+      ("shape", po::value(&shape)->default_value("llama3-8b"),
+       "llama3-8b, llama3-1b, qwen3-8b, qwen2.5-7b, mistral-7b or tiny (random weights)")
       ("quant", po::value(&quant)->default_value("qlora"),
        "qlora (NF4 double-quant base), int8 (LLM.int8 base, threshold 6) or none (16-bit base)")
       ("optim", po::value(&optimizer_name)->default_value("adamw"), "adamw or adamw8bit")
@@ -139,11 +140,14 @@ int run_bench(const Arguments& arguments) {
   // Quantized projections are made on the device, one at a time: the 16-bit model never exists.
   const trainer::LinearFactory make_linear = [&](const std::string& name, const qat::DenseLinearOptions& linear)
       -> std::shared_ptr<qat::LinearLayer> {
+    // Qwen2.5's q/k/v biases stay 16-bit beside the quantized weight, as bitsandbytes keeps them.
+    const auto on_device = torch::TensorOptions().dtype(dtype).device(device);
+    const auto bias = linear.bias ? torch::randn({linear.out_features}, on_device) * 0.02 : torch::Tensor();
     if (quant == "qlora" && name != "lm_head") {
       return std::make_shared<qat::FourBitLinear>(
-          random_four_bit(linear.out_features, linear.in_features, tables, device, dtype), torch::Tensor(), dtype);
+          random_four_bit(linear.out_features, linear.in_features, tables, device, dtype), bias, dtype);
     }
-    if (quant == "int8" && name != "lm_head") return random_int8(linear.out_features, linear.in_features, device, dtype);
+    if (quant == "int8" && name != "lm_head") return random_int8(linear.out_features, linear.in_features, bias, device, dtype);
     return std::make_shared<qat::DenseLinear>(linear);
   };
   trainer::LlamaForCausalLM model(llama, dtype, make_linear);

@@ -1,5 +1,6 @@
 // qtrain inspect: what a Hugging Face Llama directory holds and what training it would need;
 // with a recipe, the peak memory of that recipe's run on its device.
+#include <algorithm>
 #include <cstdio>
 #include <map>
 #include <optional>
@@ -40,7 +41,15 @@ void print_model(const std::string& model_dir, const trainer::HfModelConfig& con
               static_cast<long long>(llama.num_attention_heads), static_cast<long long>(llama.num_key_value_heads),
               llama.num_key_value_heads == 1 ? "MQA"
               : llama.num_key_value_heads < llama.num_attention_heads ? "GQA" : "MHA",
-              static_cast<long long>(llama.head_dim), llama.attention_bias ? "yes" : "no");
+              static_cast<long long>(llama.head_dim),
+              llama.attention_bias ? (llama.output_bias ? "yes" : "q/k/v only") : "no");
+  if (llama.query_key_norm) std::printf("             RMSNorm on each head's query and key\n");
+  if (llama.sliding_window > 0) {
+    const auto sliding = std::count(llama.sliding_layers.begin(), llama.sliding_layers.end(), true);
+    std::printf("             sliding window of %lld keys in %lld of %lld layers\n",
+                static_cast<long long>(llama.sliding_window), static_cast<long long>(sliding),
+                static_cast<long long>(llama.num_hidden_layers));
+  }
   std::printf("rope         %s, theta %g, factor %g; max positions %lld\n", config.rope_type_name.c_str(),
               llama.rope.theta, llama.rope.factor, static_cast<long long>(llama.max_position_embeddings));
   std::printf("embeddings   %s, rms_norm_eps %g, mlp bias %s\n", llama.tie_word_embeddings ? "tied" : "untied",
