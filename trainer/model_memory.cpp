@@ -177,7 +177,8 @@ LlamaParameterCounts llama_parameter_counts(const LlamaOptions& options) {
     }
   }
   counts.embeddings = options.vocab_size * options.hidden_size * (options.tie_word_embeddings ? 1 : 2);
-  counts.norms = options.hidden_size * (2 * options.num_hidden_layers + 1);
+  counts.norms = options.hidden_size * (2 * options.num_hidden_layers + 1) +
+                 (options.query_key_norm ? 2 * options.head_dim * options.num_hidden_layers : 0);
   counts.total = counts.projections + counts.embeddings + counts.norms;
   return counts;
 }

@@ -13,6 +13,8 @@
 #include "trainer/gguf_export.h"
 #include "trainer/hf_checkpoint.h"
 #include "trainer/hf_config.h"
+#include "trainer/llama_shapes.h"
+#include "trainer/model_memory.h"
 #include "trainer/peft_adapter.h"
 #include "trainer/safetensors.h"
 
@@ -83,6 +85,17 @@ TEST_P(FamilyFixture, CudaLogitsEqualTransformersInFp32) {
   EXPECT_LE(error, kOtherMachineTolerance);
 }
 
+// What inspect and the memory estimate count is what transformers saved, q/k norms and biases
+// included.
+TEST_P(FamilyFixture, ParameterCountOfTheConfigIsTheCheckpoints) {
+  const std::string name = GetParam();
+  const auto loaded = load_llama(fixture("families/" + name));
+  int64_t stored = 0;
+  const auto weights = SafetensorsCheckpoint::open(fixture("families/" + name));
+  for (const auto& tensor : weights.names()) stored += weights.tensor(tensor).numel();
+  EXPECT_EQ(llama_parameter_counts(loaded.config.llama).total, stored);
+}
+
 INSTANTIATE_TEST_SUITE_P(MistralQwen2Qwen3, FamilyFixture, ::testing::Values("mistral", "qwen2", "qwen3"));
 
 const char* const kVariants[] = {"mistral_window8_head_dim24", "qwen2_layers_from_1_slide_tied_bf16_v4",
@@ -148,6 +161,15 @@ TEST(ModelFamilies, DecodingPastTheSlidingWindowGivesTheFullForwardLogits) {
   chunk.cache = &cache;
   pieces.push_back(model->forward(chunk));
   EXPECT_LE(relative_error(torch::cat(pieces, 1), full), 1e-5);
+}
+
+// The bench shapes are the real models: their parameter counts are the totals of the published
+// checkpoints (the safetensors index's total_size / 2 bytes, bf16).
+TEST(ModelFamilies, BenchShapesHaveThePublishedModelsParameterCounts) {
+  EXPECT_EQ(llama_parameter_counts(llama_shape("qwen3-8b")).total, 8190735360);     // Qwen/Qwen3-8B
+  EXPECT_EQ(llama_parameter_counts(llama_shape("qwen2.5-7b")).total, 7615616512);   // Qwen/Qwen2.5-7B
+  EXPECT_EQ(llama_parameter_counts(llama_shape("mistral-7b")).total, 7248023552);   // mistralai/Mistral-7B-v0.3
+  EXPECT_EQ(llama_parameter_counts(llama_shape("llama3-8b")).total, 8030261248);    // meta-llama/Meta-Llama-3-8B
 }
 
 std::string config_error(const std::string& json) {
