@@ -1,5 +1,6 @@
-// A few QLoRA steps on each new family's fixture through the qtrain CLI, and the adapter they
-// write loaded by peft onto transformers' model of that family: the same logits as ours.
+// A few QLoRA steps on each new family's fixture through the qtrain CLI: the adapter they write,
+// loaded by peft onto transformers' model of that family, and their merged export, loaded by
+// transformers, give the same logits as qtrain.
 #include <gtest/gtest.h>
 
 #include "support.h"
@@ -46,6 +47,25 @@ TEST_P(FamilyTraining, QloraStepsWriteAnAdapterPeftLoadsWithOurLogits) {
   // Training moved the adapter away from its zero B: the logits are not the base's.
   const auto base = trainer::SafetensorsFile::open(reference).tensor("logits");
   EXPECT_GT((ours - base).abs().max().item<double>(), 1e-4);
+
+  // The merged export (the adapter merged into the NF4 base the run trained on) is a plain
+  // checkpoint of the family: transformers loads it with every weight in place and gives the
+  // logits qtrain gives for it.
+  const auto merged = testing::run_command(testing::qtrain_binary() + " export --run " + temp.file("run") +
+                                           " --format merged --dtype fp32 --out " + temp.file("merged") + " 2>&1");
+  ASSERT_EQ(merged.status, 0) << merged.output;
+  const std::string load = "'" + python + "' '" + testing::source_dir() + "/tests/interop/merged_model.py' logits '" +
+                           temp.file("merged") + "' '" + reference + "' input_ids '" +
+                           temp.file("merged_logits.safetensors") + "' 2>&1";
+  const auto transformers = testing::run_command(load);
+  ASSERT_EQ(transformers.status, 0) << load << "\n" << transformers.output;
+  auto merged_model = trainer::load_llama(temp.file("merged"));
+  const auto our_merged = merged_model.model->forward(inputs);
+  const auto their_merged = trainer::SafetensorsFile::open(temp.file("merged_logits.safetensors")).tensor("logits");
+  const double merged_error =
+      (our_merged - their_merged).abs().max().item<double>() / their_merged.abs().max().item<double>();
+  std::printf("[ measured ] %s: transformers on the merged export vs ours: %.3g relative\n", name.c_str(), merged_error);
+  EXPECT_LE(merged_error, 1e-5);
 }
 
 TEST_P(FamilyTraining, QloraStepsOnCudaInBf16RunWithFiniteLosses) {
