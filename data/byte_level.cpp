@@ -31,7 +31,6 @@ const Alphabet& alphabet() {
 
 }  // namespace
 
-const std::string& character_for_byte(uint8_t byte) { return alphabet().character_of_byte[byte]; }
 
 std::string encode(std::string_view bytes) {
   const Alphabet& table = alphabet();

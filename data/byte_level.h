@@ -8,9 +8,6 @@
 
 namespace qtrain::data::byte_level {
 
-// The character (as UTF-8) that stands for one byte.
-const std::string& character_for_byte(uint8_t byte);
-
 // Each byte of `bytes` replaced by its character.
 std::string encode(std::string_view bytes);
 

@@ -86,13 +86,7 @@ std::pair<torch::Tensor, torch::Tensor> RotaryEmbedding::tables(const torch::Ten
   // product: the same bits as this multiply, without a batched matmul's launch cost per token.
   auto angles = position_ids.to(torch::kFloat32).unsqueeze(-1) * frequencies;
   auto embedding = torch::cat({angles, angles}, -1);
-  auto cos = embedding.cos();
-  auto sin = embedding.sin();
-  if (attention_scaling_ != 1.0) {
-    cos = cos * attention_scaling_;
-    sin = sin * attention_scaling_;
-  }
-  return {cos.to(dtype), sin.to(dtype)};
+  return {embedding.cos().to(dtype), embedding.sin().to(dtype)};
 }
 
 namespace {

@@ -47,7 +47,6 @@ class RotaryEmbedding {
   torch::Tensor inverse_frequencies(int64_t sequence_length, const torch::Device& device) const;
   LlamaOptions options_;
   torch::Tensor inverse_frequencies_;  // [head_dim / 2], fp32
-  double attention_scaling_ = 1.0;
 };
 
 // One decoder layer's keys and values of the positions processed so far, so that generation

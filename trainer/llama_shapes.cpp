@@ -27,12 +27,6 @@ const NamedShape kShapes[] = {
 
 }  // namespace
 
-std::vector<std::string> llama_shape_names() {
-  std::vector<std::string> names;
-  for (const auto& shape : kShapes) names.emplace_back(shape.name);
-  return names;
-}
-
 LlamaOptions llama_shape(const std::string& name) {
   for (const auto& shape : kShapes) {
     if (name != shape.name) continue;

@@ -11,6 +11,5 @@ namespace qtrain::trainer {
 
 // Error listing the known names for any other.
 LlamaOptions llama_shape(const std::string& name);
-std::vector<std::string> llama_shape_names();
 
 }  // namespace qtrain::trainer

@@ -185,7 +185,7 @@ LlamaParameterCounts llama_parameter_counts(const LlamaOptions& options) {
 
 TrainingMemorySetup training_memory_setup(const Recipe& recipe, const LlamaOptions& model) {
   if (recipe.quant == "qat") {
-    throw Error(ErrorCode::kRecipe, "quant: qat is not estimated yet (its fake quantizers arrive with QAT 6/11); use qlora or none");
+    throw Error(ErrorCode::kRecipe, "quant: qat is not estimated yet (its fake quantizers' memory is not modelled); estimate with quant qlora or none");
   }
   TrainingMemorySetup setup;
   setup.quant = recipe.quant;
