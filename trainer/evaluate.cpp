@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "kernels/error.h"
+#include "qat/qat_linear.h"
 #include "trainer/attention_backends.h"
 #include "trainer/batch_inputs.h"
 #include "trainer/causal_lm_loss.h"
@@ -52,6 +53,7 @@ void evaluate_side_by_side(LlamaForCausalLMImpl& model, const std::vector<data::
   for (int worker = 0; worker < workers; ++worker) {
     threads.emplace_back([&, worker] {
       try {
+        at::set_num_threads(1);      // OpenMP's thread count is per thread: one each
         torch::NoGradGuard no_grad;  // grad mode is per thread
         for (size_t index = next++; index < batches.size(); index = next++) {
           losses[index] = evaluate_batch(model, examples, batches[index].first, batches[index].second, device,
@@ -91,7 +93,9 @@ EvalResult evaluate(LlamaForCausalLMImpl& model, const std::vector<data::Example
   std::vector<BatchLoss> losses(batches.size());
   const CpuThreadGovernor cpu_threads(device.is_cpu());
   const int workers = std::min<int>(available_cpus(), static_cast<int>(batches.size()));
-  if (cpu_threads.active() && workers > 1) {
+  // QAT layers' observers and learned scales change state in their forward: one batch at a time.
+  const bool stateless_forward = qat::find_qat_layers(model).empty();
+  if (cpu_threads.active() && workers > 1 && stateless_forward) {
     evaluate_side_by_side(model, examples, batches, device, options.loss_chunk_tokens, workers, losses);
   } else {
     for (size_t index = 0; index < batches.size(); ++index) {
