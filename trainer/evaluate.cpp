@@ -45,15 +45,16 @@ BatchLoss evaluate_batch(LlamaForCausalLMImpl& model, const std::vector<data::Ex
 void evaluate_side_by_side(LlamaForCausalLMImpl& model, const std::vector<data::Example>& examples,
                            const std::vector<std::pair<size_t, size_t>>& batches, const torch::Device& device,
                            int64_t loss_chunk_tokens, int workers, std::vector<BatchLoss>& losses) {
+  // Each worker sets its own count to 1 (OpenMP's count is per thread), which also sets
+  // LibTorch's global default: put the caller's back afterwards.
   const int previous_threads = at::get_num_threads();
-  at::set_num_threads(1);
   std::atomic<size_t> next{0};
   std::vector<std::exception_ptr> errors(static_cast<size_t>(workers));
   std::vector<std::thread> threads;
   for (int worker = 0; worker < workers; ++worker) {
     threads.emplace_back([&, worker] {
       try {
-        at::set_num_threads(1);      // OpenMP's thread count is per thread: one each
+        at::set_num_threads(1);
         torch::NoGradGuard no_grad;  // grad mode is per thread
         for (size_t index = next++; index < batches.size(); index = next++) {
           losses[index] = evaluate_batch(model, examples, batches[index].first, batches[index].second, device,

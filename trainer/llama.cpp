@@ -100,6 +100,17 @@ qat::DenseLinearOptions linear_options(int64_t in, int64_t out, bool bias, torch
   return options;
 }
 
+// [sequence, past + sequence] bool: new query i (at position past + i) sees key j when j <= past + i
+// and, with a window, j > past + i - window, as transformers' causal and sliding-window masks.
+torch::Tensor visible_keys(int64_t past, int64_t sequence, int64_t window, const torch::Device& device) {
+  const auto options = torch::TensorOptions().dtype(torch::kInt64).device(device);
+  const auto key_positions = torch::arange(past + sequence, options).unsqueeze(0);
+  const auto query_positions = (torch::arange(sequence, options) + past).unsqueeze(1);
+  auto visible = key_positions <= query_positions;
+  if (window > 0) visible = visible & (key_positions > query_positions - window);
+  return visible;
+}
+
 // Points `slot` (the member forward() calls) and the registered child `child_name` at `layer`.
 void replace_projection(torch::nn::Module& owner, std::shared_ptr<qat::LinearLayer>* slot,
                         const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) {
@@ -169,33 +180,21 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden, const tor
   query = rotary_embedding(query, cos, sin).transpose(1, 2);
   key = rotary_embedding(key, cos, sin).transpose(1, 2);
   auto value = v_proj->forward(hidden).view({batch, sequence, num_key_value_heads_, head_dim_}).transpose(1, 2);
-  bool causal = !attention_mask.defined() && sequence > 1;
-  std::optional<at::Tensor> mask =
-      attention_mask.defined() ? std::optional<at::Tensor>(attention_mask) : std::nullopt;
   const int64_t past = cache != nullptr ? cache->length() : 0;
   if (cache != nullptr) {
     if (attention_mask.defined()) throw Error(ErrorCode::kInternal, "an attention mask cannot be combined with a key/value cache");
     std::tie(key, value) = cache->append(key, value);
-    if (past > 0) {
-      // SDPA's is_causal aligns the mask to the top left; with cached positions before the new
-      // ones, new token i (at position past + i) sees keys 0 .. past + i. One new token sees all.
-      causal = false;
-      if (sequence > 1) {
-        auto options = torch::TensorOptions().dtype(torch::kInt64).device(hidden.device());
-        mask = torch::arange(past + sequence, options).unsqueeze(0) <=
-               (torch::arange(sequence, options) + past).unsqueeze(1);
-      }
-    }
   }
-  if (sliding_window_ > 0 && past + sequence > sliding_window_) {
-    // Query i (at position past + i of the row) sees keys j with i - window < j <= i, as
-    // transformers' sliding-window mask; within a packed row also only its own sample's.
-    auto options = torch::TensorOptions().dtype(torch::kInt64).device(hidden.device());
-    const auto key_positions = torch::arange(past + sequence, options).unsqueeze(0);
-    const auto query_positions = (torch::arange(sequence, options) + past).unsqueeze(1);
-    auto window = (key_positions <= query_positions) & (key_positions > query_positions - sliding_window_);
-    mask = mask.has_value() ? (*mask & window) : window;
-    causal = false;
+  // SDPA's is_causal aligns its mask to the top left, right only without cached keys before the
+  // new queries and without a window that cuts keys off; otherwise the mask is written out.
+  // (One new token after the cache, within the window, sees every key: no mask at all.)
+  const bool window_cuts = sliding_window_ > 0 && past + sequence > sliding_window_;
+  const bool causal = !attention_mask.defined() && sequence > 1 && past == 0 && !window_cuts;
+  std::optional<at::Tensor> mask =
+      attention_mask.defined() ? std::optional<at::Tensor>(attention_mask) : std::nullopt;
+  if ((past > 0 && sequence > 1) || window_cuts) {
+    const auto visible = visible_keys(past, sequence, window_cuts ? sliding_window_ : 0, hidden.device());
+    mask = mask.has_value() ? (*mask & visible) : visible;  // within a packed row, its own sample's too
   }
   auto attended = at::scaled_dot_product_attention(query, key, value, mask, /*dropout_p=*/0.0, causal,
                                                    /*scale=*/std::pow(static_cast<double>(head_dim_), -0.5),
