@@ -13,7 +13,19 @@ namespace {
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
-std::string supported_list() { return "llama3, chatml"; }
+// A string literal of the template, with its newlines written as "\n" or as themselves.
+bool contains_literal(const std::string& text, const std::string& literal) {
+  std::string raw;
+  for (size_t i = 0; i < literal.size(); ++i) {
+    if (literal.compare(i, 2, "\\n") == 0) {
+      raw += '\n';
+      ++i;
+    } else {
+      raw += literal[i];
+    }
+  }
+  return contains(text, literal) || contains(text, raw);
+}
 
 // A newline inside a Jinja string literal is written either as itself or as "\n".
 size_t skip_newline(const std::string& text, size_t position) {
@@ -74,19 +86,164 @@ void check_roles(const std::vector<ChatMessage>& messages) {
   }
 }
 
+std::string lstrip_newlines(const std::string& text) {
+  const size_t begin = text.find_first_not_of('\n');
+  return begin == std::string::npos ? std::string() : text.substr(begin);
+}
+std::string rstrip_newlines(const std::string& text) {
+  const size_t end = text.find_last_not_of('\n');
+  return end == std::string::npos ? std::string() : text.substr(0, end + 1);
+}
+bool starts_with(const std::string& text, const std::string& prefix) { return text.compare(0, prefix.size(), prefix) == 0; }
+bool ends_with(const std::string& text, const std::string& suffix) {
+  return text.size() >= suffix.size() && text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+void render_llama3(const std::vector<ChatMessage>& messages, const std::string& bos_token, SegmentWriter& out) {
+  out.add(bos_token, false);
+  for (const ChatMessage& message : messages) {
+    out.add("<|start_header_id|>" + message.role + "<|end_header_id|>\n\n", false);
+    out.add(utf8::strip_python_space(message.content) + "<|eot_id|>", message.role == "assistant");
+  }
+}
+
+void render_chatml(const std::vector<ChatMessage>& messages, const std::optional<std::string>& default_system_prompt,
+                   SegmentWriter& out) {
+  if (default_system_prompt && (messages.empty() || messages.front().role != "system")) {
+    out.add("<|im_start|>system\n" + *default_system_prompt + "<|im_end|>\n", false);
+  }
+  for (const ChatMessage& message : messages) {
+    out.add("<|im_start|>" + message.role + "\n", false);
+    out.add(message.content + "<|im_end|>", message.role == "assistant");
+    out.add("\n", false);
+  }
+}
+
+// Qwen3's templates. `think_on_last_turn`: the final assistant turn always carries a think
+// block, empty without reasoning (the hybrid and Thinking templates); otherwise only turns with
+// reasoning do (Instruct-2507).
+void render_qwen3(const std::vector<ChatMessage>& messages, bool think_on_last_turn, SegmentWriter& out) {
+  const auto is_tool_response = [](const std::string& content) {
+    return starts_with(content, "<tool_response>") && ends_with(content, "</tool_response>");
+  };
+  // The last user message that is a query (not tool output pasted as a user turn).
+  size_t last_query = messages.empty() ? 0 : messages.size() - 1;
+  for (size_t index = messages.size(); index-- > 0;) {
+    if (messages[index].role == "user" && !is_tool_response(messages[index].content)) {
+      last_query = index;
+      break;
+    }
+  }
+  for (size_t index = 0; index < messages.size(); ++index) {
+    const ChatMessage& message = messages[index];
+    const bool last = index + 1 == messages.size();
+    if (message.role == "user" || message.role == "system") {
+      out.add("<|im_start|>" + message.role + "\n" + message.content + "<|im_end|>\n", false);
+    } else if (message.role == "assistant") {
+      std::string content = message.content, reasoning;
+      const std::string close = "</think>";
+      if (message.reasoning_content) {
+        reasoning = *message.reasoning_content;
+      } else if (contains(content, close)) {
+        // content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n')
+        const std::string before = rstrip_newlines(content.substr(0, content.find(close)));
+        const size_t open = before.rfind("<think>");
+        reasoning = lstrip_newlines(open == std::string::npos ? before : before.substr(open + 7));
+        content = lstrip_newlines(content.substr(content.rfind(close) + close.size()));
+      }
+      out.add("<|im_start|>assistant\n", false);
+      const bool think_block = index > last_query && (!reasoning.empty() || (think_on_last_turn && last));
+      if (think_block) {
+        out.add("<think>\n" + lstrip_newlines(rstrip_newlines(reasoning)) + "\n</think>\n\n" + lstrip_newlines(content), true);
+      } else {
+        out.add(content, true);
+      }
+      out.add("<|im_end|>", true);
+      out.add("\n", false);
+    } else if (message.role == "tool") {
+      if (index == 0 || messages[index - 1].role != "tool") out.add("<|im_start|>user", false);
+      out.add("\n<tool_response>\n" + message.content + "\n</tool_response>", false);
+      if (last || messages[index + 1].role != "tool") out.add("<|im_end|>\n", false);
+    } else {
+      throw Error(ErrorCode::kTokenizer, "chat message " + std::to_string(index) + " has role '" + message.role +
+                  "', which Qwen3's template does not render (system, user, assistant, tool)");
+    }
+  }
+}
+
+// Mistral's [INST] templates: after an optional system message, users and assistants alternate.
+void check_mistral_roles(const std::vector<ChatMessage>& messages, bool system_allowed) {
+  const size_t first = !messages.empty() && messages.front().role == "system" && system_allowed ? 1 : 0;
+  for (size_t index = first; index < messages.size(); ++index) {
+    const std::string expected = (index - first) % 2 == 0 ? "user" : "assistant";
+    if (messages[index].role != expected) {
+      throw Error(ErrorCode::kTokenizer, "chat message " + std::to_string(index) + " has role '" + messages[index].role +
+                  "' where Mistral's template needs '" + expected + "': " +
+                  (system_allowed ? "after an optional system message, " : "without a system message, ") +
+                  "user and assistant turns alternate");
+    }
+  }
+}
+
+void render_mistral_v1(const std::vector<ChatMessage>& messages, const std::string& bos_token,
+                       const std::string& eos_token, SegmentWriter& out) {
+  check_mistral_roles(messages, /*system_allowed=*/false);
+  out.add(bos_token, false);
+  for (const ChatMessage& message : messages) {
+    if (message.role == "user") {
+      out.add("[INST] " + message.content + " [/INST]", false);
+    } else {
+      out.add(message.content + eos_token, true);
+    }
+  }
+}
+
+void render_mistral_v3(const std::vector<ChatMessage>& messages, const std::string& bos_token,
+                       const std::string& eos_token, SegmentWriter& out) {
+  check_mistral_roles(messages, /*system_allowed=*/true);
+  const bool has_system = !messages.empty() && messages.front().role == "system";
+  size_t last_user = messages.size();
+  for (size_t index = 0; index < messages.size(); ++index) {
+    if (messages[index].role == "user") last_user = index;
+  }
+  out.add(bos_token, false);
+  for (size_t index = has_system ? 1 : 0; index < messages.size(); ++index) {
+    const ChatMessage& message = messages[index];
+    if (message.role == "user") {
+      const std::string system = has_system && index == last_user ? messages.front().content + "\n\n" : "";
+      out.add("[INST] " + system + message.content + "[/INST]", false);
+    } else {
+      out.add(" " + utf8::strip_python_space(message.content) + eos_token, true);
+    }
+  }
+}
+
 }  // namespace
 
-std::vector<std::string> ChatTemplate::supported_families() { return {"llama3", "chatml"}; }
+std::vector<std::string> ChatTemplate::supported_families() {
+  return {"llama3", "chatml", "qwen3", "qwen3-instruct", "qwen3-thinking", "mistral-v1", "mistral-v3"};
+}
 
-ChatTemplate ChatTemplate::named(const std::string& family, const std::string& bos_token) {
-  if (family == "llama3") return ChatTemplate(Family::kLlama3, bos_token, std::nullopt);
-  if (family == "chatml") return ChatTemplate(Family::kChatml, bos_token, std::nullopt);
+namespace {
+std::string supported_list() {
+  std::string list;
+  for (const auto& name : ChatTemplate::supported_families()) list += (list.empty() ? "" : ", ") + name;
+  return list;
+}
+}  // namespace
+
+ChatTemplate ChatTemplate::named(const std::string& family, const std::string& bos_token, const std::string& eos_token) {
+  const auto names = supported_families();
+  // supported_families() lists the enum's members in order.
+  for (size_t index = 0; index < names.size(); ++index) {
+    if (names[index] == family) return ChatTemplate(static_cast<Family>(index), bos_token, eos_token);
+  }
   throw Error(ErrorCode::kTokenizer, "data.chat_template: unknown chat template family '" + family + "' (supported: " + supported_list() +
               ")");
 }
 
 ChatTemplate ChatTemplate::from_template_text(const std::string& text, const std::string& source,
-                                              const std::string& bos_token) {
+                                              const std::string& bos_token, const std::string& eos_token) {
   const std::string force_hint = "; set data.chat_template to one of " + supported_list() +
                                  " to train with that format instead";
   if (contains(text, "<|start_header_id|>") && contains(text, "<|end_header_id|>") && contains(text, "<|eot_id|>")) {
@@ -94,14 +251,39 @@ ChatTemplate ChatTemplate::from_template_text(const std::string& text, const std
       throw Error(ErrorCode::kTokenizer, source + ": this Llama 3.1+ chat template adds a dated system header ('Cutting Knowledge Date') "
                   "that qtrain's llama3 family does not render" + force_hint);
     }
-    return ChatTemplate(Family::kLlama3, bos_token, std::nullopt);
+    return ChatTemplate(Family::kLlama3, bos_token, eos_token);
   }
   if (contains(text, "<|im_start|>") && contains(text, "<|im_end|>")) {
     if (contains(text, "<think>")) {
-      throw Error(ErrorCode::kTokenizer, source + ": this chatml template renders reasoning blocks (<think>), which qtrain's chatml family "
-                  "does not" + force_hint);
+      // Qwen3's three templates share their turns; they differ in when a think block is written.
+      const bool qwen3_turns = contains(text, "last_query_index") && contains(text, "reasoning_content") &&
+                               contains(text, "<tool_response>") && !contains(text, "|trim") && !contains(text, "image");
+      if (qwen3_turns && contains(text, "enable_thinking") && contains(text, "loop.last or (not loop.last and reasoning_content)")) {
+        return ChatTemplate(Family::kQwen3, bos_token, eos_token);
+      }
+      if (qwen3_turns && !contains(text, "enable_thinking") && contains_literal(text, "'<|im_start|>assistant\\n<think>\\n'")) {
+        return ChatTemplate(Family::kQwen3Thinking, bos_token, eos_token);
+      }
+      if (qwen3_turns && !contains(text, "enable_thinking") && !contains(text, "loop.last or (not loop.last")) {
+        return ChatTemplate(Family::kQwen3Instruct, bos_token, eos_token);
+      }
+      throw Error(ErrorCode::kTokenizer, source + ": this chatml template renders reasoning blocks (<think>) differently from "
+                  "Qwen3's templates (hybrid, Instruct-2507, Thinking-2507), the ones qtrain renders" + force_hint);
     }
-    return ChatTemplate(Family::kChatml, bos_token, chatml_default_system_prompt(text));
+    return ChatTemplate(Family::kChatml, bos_token, eos_token, chatml_default_system_prompt(text));
+  }
+  if (contains(text, "[INST]") && contains(text, "[/INST]")) {
+    if (contains(text, "'[INST] ' + message['content'] + ' [/INST]'") && contains(text, "message['content'] + eos_token") &&
+        !contains(text, "system")) {
+      return ChatTemplate(Family::kMistralV1, bos_token, eos_token);
+    }
+    if (contains(text, "\"[INST] \" + message[\"content\"] + \"[/INST]\"") &&
+        contains(text, "(message == user_messages[-1]) and system_message is defined") &&
+        contains(text, "\" \" + message[\"content\"]|trim + eos_token")) {
+      return ChatTemplate(Family::kMistralV3, bos_token, eos_token);
+    }
+    throw Error(ErrorCode::kTokenizer, source + ": this [INST] template is not one of Mistral's that qtrain renders (7B v0.1 / "
+                "v0.2: mistral-v1; v0.3: mistral-v3)" + force_hint);
   }
   throw Error(ErrorCode::kTokenizer, source + ": the chat template is not one qtrain recognises (supported families: " + supported_list() +
               "; qtrain renders templates without a Jinja engine)" + force_hint);
@@ -109,43 +291,50 @@ ChatTemplate ChatTemplate::from_template_text(const std::string& text, const std
 
 ChatTemplate ChatTemplate::from_model_dir(const std::string& model_dir, const std::string& forced_family) {
   const TokenizerConfig config = TokenizerConfig::read_from_model_dir(model_dir);
-  const std::string bos_token = config.bos_token.value_or("");
-  if (!forced_family.empty()) return named(forced_family, bos_token);
+  const std::string bos_token = config.bos_token.value_or(""), eos_token = config.eos_token.value_or("");
+  if (!forced_family.empty()) return named(forced_family, bos_token, eos_token);
   const std::string jinja_path = model_dir + "/chat_template.jinja";
-  if (std::filesystem::exists(jinja_path)) return from_template_text(read_text_file(jinja_path, "a Jinja chat template"), jinja_path, bos_token);
+  if (std::filesystem::exists(jinja_path)) {
+    return from_template_text(read_text_file(jinja_path, "a Jinja chat template"), jinja_path, bos_token, eos_token);
+  }
   if (config.chat_template) {
-    return from_template_text(*config.chat_template, model_dir + "/tokenizer_config.json: chat_template", bos_token);
+    return from_template_text(*config.chat_template, model_dir + "/tokenizer_config.json: chat_template", bos_token, eos_token);
   }
   throw Error(ErrorCode::kTokenizer, model_dir + ": no chat template (neither chat_template.jinja nor a \"chat_template\" in "
               "tokenizer_config.json); set data.chat_template to one of " + supported_list());
 }
 
-std::string ChatTemplate::family() const { return family_ == Family::kLlama3 ? "llama3" : "chatml"; }
+std::string ChatTemplate::family() const { return supported_families()[static_cast<size_t>(family_)]; }
 
 std::vector<ChatSegment> ChatTemplate::render_segments(const std::vector<ChatMessage>& messages,
                                                        bool add_generation_prompt) const {
   check_roles(messages);
   SegmentWriter out;
-  if (family_ == Family::kLlama3) {
-    out.add(bos_token_, false);
-    for (const ChatMessage& message : messages) {
-      const bool assistant = message.role == "assistant";
-      out.add("<|start_header_id|>" + message.role + "<|end_header_id|>\n\n", false);
-      out.add(utf8::strip_python_space(message.content) + "<|eot_id|>", assistant);
-    }
-    if (add_generation_prompt) out.add("<|start_header_id|>assistant<|end_header_id|>\n\n", false);
-  } else {
-    if (default_system_prompt_ && (messages.empty() || messages.front().role != "system")) {
-      out.add("<|im_start|>system\n" + *default_system_prompt_ + "<|im_end|>\n", false);
-    }
-    for (const ChatMessage& message : messages) {
-      const bool assistant = message.role == "assistant";
-      out.add("<|im_start|>" + message.role + "\n", false);
-      out.add(message.content + "<|im_end|>", assistant);
-      out.add("\n", false);
-    }
-    if (add_generation_prompt) out.add("<|im_start|>assistant\n", false);
+  std::string generation_prompt = "<|im_start|>assistant\n";
+  switch (family_) {
+    case Family::kLlama3:
+      render_llama3(messages, bos_token_, out);
+      generation_prompt = "<|start_header_id|>assistant<|end_header_id|>\n\n";
+      break;
+    case Family::kChatml:
+      render_chatml(messages, default_system_prompt_, out);
+      break;
+    case Family::kQwen3:
+    case Family::kQwen3Instruct:
+      render_qwen3(messages, /*think_on_last_turn=*/family_ == Family::kQwen3, out);
+      break;
+    case Family::kQwen3Thinking:
+      render_qwen3(messages, /*think_on_last_turn=*/true, out);
+      generation_prompt += "<think>\n";
+      break;
+    case Family::kMistralV1:
+    case Family::kMistralV3:
+      // The next turn starts with the user's [INST]: there is no assistant header to add.
+      (family_ == Family::kMistralV1 ? render_mistral_v1 : render_mistral_v3)(messages, bos_token_, eos_token_, out);
+      generation_prompt.clear();
+      break;
   }
+  if (add_generation_prompt) out.add(generation_prompt, false);
   return out.take();
 }
 

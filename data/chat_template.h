@@ -2,11 +2,20 @@
 // Chat templates without a Jinja engine: qtrain recognises the family a model's template
 // belongs to and renders that family in C++, character for character as transformers'
 // apply_chat_template renders the template. Families:
-//   llama3  {{bos}}<|start_header_id|>ROLE<|end_header_id|>\n\nCONTENT|trim<|eot_id|> ...
-//   chatml  <|im_start|>ROLE\nCONTENT<|im_end|>\n ...  (no BOS; optional default system
-//           prompt when the first message is not a system message, as Qwen's templates do)
-// Rendering in segments marks what a model learns to say: assistant content and its
-// end-of-turn token are trainable, everything else (headers, other roles) is not.
+//   llama3          {{bos}}<|start_header_id|>ROLE<|end_header_id|>\n\nCONTENT|trim<|eot_id|> ...
+//   chatml          <|im_start|>ROLE\nCONTENT<|im_end|>\n ...  (no BOS; optional default system
+//                   prompt when the first message is not a system message, as Qwen2.5's does)
+//   qwen3           chatml with reasoning: an assistant turn after the last user query carries
+//                   <think>\nREASONING\n</think>\n\n (always on the last turn; reasoning is read
+//                   from <think>...</think> in the content), earlier turns lose theirs; tool
+//                   results are user turns of <tool_response> blocks (Qwen3's hybrid template)
+//   qwen3-instruct  the same, with a think block only where there is reasoning (Qwen3-2507 Instruct)
+//   qwen3-thinking  the hybrid's turns; the generation prompt opens <think>\n (Qwen3-2507 Thinking)
+//   mistral-v1      {{bos}}[INST] USER [/INST]ASSISTANT{{eos}} ...  (Mistral 7B v0.1 / v0.2)
+//   mistral-v3      {{bos}}[INST] USER[/INST] ASSISTANT|trim{{eos}} ...; the system message opens
+//                   the last user turn (Mistral 7B v0.3)
+// Rendering in segments marks what a model learns to say: assistant content (with its reasoning)
+// and its end-of-turn token are trainable, everything else (headers, other roles) is not.
 #include <optional>
 #include <string>
 #include <vector>
@@ -16,6 +25,9 @@ namespace qtrain::data {
 struct ChatMessage {
   std::string role;  // "system", "user", "assistant", ...
   std::string content;
+  // An assistant's reasoning given apart from its content ("reasoning_content", as Qwen3's
+  // template reads it); the templates without reasoning ignore it, as transformers does.
+  std::optional<std::string> reasoning_content = std::nullopt;
 };
 
 struct ChatSegment {
@@ -32,9 +44,11 @@ class ChatTemplate {
   static ChatTemplate from_model_dir(const std::string& model_dir, const std::string& forced_family = "");
   // The family of a template's text; `source` names where it came from, for errors.
   static ChatTemplate from_template_text(const std::string& template_text, const std::string& source,
-                                         const std::string& bos_token);
-  // "llama3" | "chatml". bos_token is what the template's {{ bos_token }} renders.
-  static ChatTemplate named(const std::string& family, const std::string& bos_token = "<|begin_of_text|>");
+                                         const std::string& bos_token, const std::string& eos_token = "");
+  // One of supported_families(). bos_token / eos_token are what the template's {{ bos_token }} /
+  // {{ eos_token }} render.
+  static ChatTemplate named(const std::string& family, const std::string& bos_token = "<|begin_of_text|>",
+                            const std::string& eos_token = "");
 
   static std::vector<std::string> supported_families();
 
@@ -46,12 +60,17 @@ class ChatTemplate {
   std::string render(const std::vector<ChatMessage>& messages, bool add_generation_prompt) const;
 
  private:
-  enum class Family { kLlama3, kChatml };
-  ChatTemplate(Family family, std::string bos_token, std::optional<std::string> default_system_prompt)
-      : family_(family), bos_token_(std::move(bos_token)), default_system_prompt_(std::move(default_system_prompt)) {}
+  enum class Family { kLlama3, kChatml, kQwen3, kQwen3Instruct, kQwen3Thinking, kMistralV1, kMistralV3 };
+  ChatTemplate(Family family, std::string bos_token, std::string eos_token,
+               std::optional<std::string> default_system_prompt = std::nullopt)
+      : family_(family),
+        bos_token_(std::move(bos_token)),
+        eos_token_(std::move(eos_token)),
+        default_system_prompt_(std::move(default_system_prompt)) {}
 
   Family family_;
   std::string bos_token_;
+  std::string eos_token_;
   std::optional<std::string> default_system_prompt_;  // chatml only
 };
 

@@ -143,7 +143,12 @@ std::vector<ChatMessage> read_chat_messages(const JsonlRecord& record) {
                   "'; expected system, user, assistant, tool or ipython" +
                   (sharegpt ? " (ShareGPT: human, gpt, system)" : ""));
     }
-    messages.push_back({role, message[content_key].get<std::string>()});
+    ChatMessage chat_message{role, message[content_key].get<std::string>()};
+    if (const auto reasoning = message.find("reasoning_content"); reasoning != message.end() && !reasoning->is_null()) {
+      if (!reasoning->is_string()) record.fail(where + ": \"reasoning_content\" must be a string");
+      chat_message.reasoning_content = reasoning->get<std::string>();
+    }
+    messages.push_back(std::move(chat_message));
   }
   return messages;
 }

@@ -24,6 +24,16 @@ SHAPES = {
                       intermediate_size=8192, vocab_size=128256),
     "tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                  intermediate_size=688, vocab_size=32000),
+    # The families' shapes, as qtrain bench's (trainer/llama_shapes.cpp); config_class picks the model.
+    "qwen3-8b": dict(config_class="Qwen3Config", hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936,
+                     rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "qwen2.5-7b": dict(config_class="Qwen2Config", hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, intermediate_size=18944, vocab_size=152064, rope_theta=1000000.0,
+                       rms_norm_eps=1e-6),
+    "mistral-7b": dict(config_class="MistralConfig", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=14336, vocab_size=32768,
+                       rope_theta=1000000.0, rms_norm_eps=1e-5, sliding_window=None),
 }
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -63,12 +73,14 @@ def main():
     device = torch.device(args.device)
     dtype = torch.bfloat16
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**SHAPES[args.shape], max_position_embeddings=max(args.seq, 8192),
-                                      rope_theta=500000.0, tie_word_embeddings=False, attn_implementation="sdpa",
-                                      use_cache=False)
+    shape = dict(SHAPES[args.shape])
+    config_class = getattr(transformers, shape.pop("config_class", "LlamaConfig"))
+    shape.setdefault("rope_theta", 500000.0)
+    config = config_class(**shape, max_position_embeddings=max(args.seq, 8192), tie_word_embeddings=False,
+                          attn_implementation="sdpa", use_cache=False)
     start = time.time()
     with device:
-        model = transformers.LlamaForCausalLM(config).to(dtype)
+        model = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
     if args.quant == "qlora":
         quantize_projections(model, dtype)
     model.requires_grad_(False)

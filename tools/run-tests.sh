@@ -3,7 +3,9 @@
 #   tools/run-tests.sh [ctest arguments, e.g. -R Tokenizer]
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-"$ROOT/tools/setup.sh"
+# The tests also run our GGUF exports in llama.cpp: its Python binding is built once per Python
+# environment (QTRAIN_LLAMA_CPP=0 skips it, and those tests skip).
+QTRAIN_LLAMA_CPP=${QTRAIN_LLAMA_CPP:-1} "$ROOT/tools/setup.sh"
 # The reference outputs the tests compare against live beside the clone, in ../shared/fixtures.
 fixtures=${QTRAIN_FIXTURES:-$ROOT/../shared/fixtures}
 if [ ! -d "$fixtures" ]; then

@@ -3,8 +3,9 @@
 #
 #   tools/setup.sh            Debian packages, the pinned Python environment, Release build
 #   QTRAIN_OFFLINE=1 ...      install nothing; use the torch that `python3` imports (GPU machine)
-#   QTRAIN_LLAMA_CPP=1 ...    also llama-cpp-python (builds llama.cpp from source, CPU only, several
-#                             minutes) for the test that runs our GGUF export in llama.cpp
+#   QTRAIN_LLAMA_CPP=1 ...    also llama-cpp-python (builds llama.cpp from source, CPU only, a few
+#                             minutes once per Python environment) for the tests that run our GGUF
+#                             export in llama.cpp; tools/run-tests.sh sets it unless it is 0
 #
 # Idempotent: every step checks first and skips what is already there. The Python environment
 # (torch wheel ~4.7 GB with its CUDA libraries) lives outside the clone, keyed by the pinned
@@ -79,7 +80,9 @@ install_llama_cpp() {
     return
   fi
   log "llama-cpp-python: building $LLAMA_CPP_PIN (llama.cpp from source, CPU only; several minutes)"
-  CMAKE_ARGS="-DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_BLAS=OFF -DGGML_OPENMP=OFF -DLLAMA_CURL=OFF" \
+  # The library alone: no multimodal (mtmd) library, which llama_cpp imports only on use.
+  CMAKE_ARGS="-DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_BLAS=OFF -DGGML_OPENMP=OFF -DLLAMA_CURL=OFF -DLLAVA_BUILD=OFF \
+-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache" \
     CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
     "$VENV_DIR/bin/pip" install -q --no-cache-dir "$LLAMA_CPP_PIN"
 }

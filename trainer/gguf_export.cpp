@@ -1,5 +1,6 @@
 #include "trainer/gguf_export.h"
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -17,7 +18,8 @@ namespace qtrain::trainer {
 
 namespace {
 
-// llama.cpp's names for a Llama's tensors (gguf-py's tensor_mapping.py, MODEL_ARCH.LLAMA).
+// llama.cpp's names for a decoder's tensors (gguf-py's tensor_mapping.py: MODEL_ARCH.LLAMA, QWEN2,
+// QWEN3).
 struct NameMapping {
   const char* hf;
   const char* gguf;
@@ -32,8 +34,25 @@ constexpr NameMapping kLayerTensors[] = {
     {"self_attn.q_proj.", "attn_q."},   {"self_attn.k_proj.", "attn_k."},   {"self_attn.v_proj.", "attn_v."},
     {"self_attn.o_proj.", "attn_output."}, {"mlp.gate_proj.", "ffn_gate."}, {"mlp.up_proj.", "ffn_up."},
     {"mlp.down_proj.", "ffn_down."},   {"input_layernorm.", "attn_norm."}, {"post_attention_layernorm.", "ffn_norm."},
+    {"self_attn.q_norm.", "attn_q_norm."}, {"self_attn.k_norm.", "attn_k_norm."},
 };
 constexpr const char* kLayerPrefix = "model.layers.";
+
+// What llama.cpp reads for each architecture qtrain writes (llama-model.cpp's load_tensors and
+// its rope type per architecture).
+struct GgufArchitecture {
+  const char* name;  // general.architecture, and the prefix of the model's keys
+  // llama.cpp's "norm" rope rotates adjacent pairs, so convert_hf_to_gguf reorders q / k rows
+  // (Llama); its "neox" rope rotates halves as transformers does, and the rows stay (Qwen).
+  bool rope_rows_reordered;
+  bool reads_attention_bias;   // attn_q / k / v bias (and attn_output's, for llama)
+  bool reads_query_key_norm;   // attn_q_norm / attn_k_norm
+};
+constexpr GgufArchitecture kGgufArchitectures[] = {
+    {"llama", true, true, false},
+    {"qwen2", false, true, false},
+    {"qwen3", false, false, true},
+};
 
 // The pre-tokenizer regexes llama.cpp knows, by the name its tokenizer.ggml.pre gives them
 // (llama-vocab.cpp): Llama 3's and GPT-2's (ByteLevel's own regex).
@@ -104,30 +123,31 @@ torch::Tensor permute_rows(const torch::Tensor& tensor, int64_t heads) {
   return tensor.index_select(0, gguf_rope_row_order(tensor.size(0), heads).to(tensor.device()));
 }
 
-std::vector<std::pair<std::string, GgufValue>> model_metadata(const HfModelConfig& config, const std::string& name,
-                                                              uint32_t file_type) {
+std::vector<std::pair<std::string, GgufValue>> model_metadata(const HfModelConfig& config, const std::string& architecture,
+                                                              const std::string& name, uint32_t file_type) {
   const auto& llama = config.llama;
+  const std::string key = architecture + ".";
   std::vector<std::pair<std::string, GgufValue>> metadata = {
-      {"general.architecture", std::string("llama")},
+      {"general.architecture", architecture},
       {"general.type", std::string("model")},
       {"general.name", name},
       {"general.alignment", kGgufDefaultAlignment},
-      {"llama.vocab_size", static_cast<uint32_t>(llama.vocab_size)},
-      {"llama.context_length", static_cast<uint32_t>(llama.max_position_embeddings)},
-      {"llama.embedding_length", static_cast<uint32_t>(llama.hidden_size)},
-      {"llama.block_count", static_cast<uint32_t>(llama.num_hidden_layers)},
-      {"llama.feed_forward_length", static_cast<uint32_t>(llama.intermediate_size)},
-      {"llama.rope.dimension_count", static_cast<uint32_t>(llama.head_dim)},
-      {"llama.attention.head_count", static_cast<uint32_t>(llama.num_attention_heads)},
-      {"llama.attention.head_count_kv", static_cast<uint32_t>(llama.num_key_value_heads)},
-      {"llama.attention.key_length", static_cast<uint32_t>(llama.head_dim)},
-      {"llama.attention.value_length", static_cast<uint32_t>(llama.head_dim)},
-      {"llama.attention.layer_norm_rms_epsilon", static_cast<float>(llama.rms_norm_eps)},
-      {"llama.rope.freq_base", static_cast<float>(llama.rope.theta)},
+      {key + "vocab_size", static_cast<uint32_t>(llama.vocab_size)},
+      {key + "context_length", static_cast<uint32_t>(llama.max_position_embeddings)},
+      {key + "embedding_length", static_cast<uint32_t>(llama.hidden_size)},
+      {key + "block_count", static_cast<uint32_t>(llama.num_hidden_layers)},
+      {key + "feed_forward_length", static_cast<uint32_t>(llama.intermediate_size)},
+      {key + "rope.dimension_count", static_cast<uint32_t>(llama.head_dim)},
+      {key + "attention.head_count", static_cast<uint32_t>(llama.num_attention_heads)},
+      {key + "attention.head_count_kv", static_cast<uint32_t>(llama.num_key_value_heads)},
+      {key + "attention.key_length", static_cast<uint32_t>(llama.head_dim)},
+      {key + "attention.value_length", static_cast<uint32_t>(llama.head_dim)},
+      {key + "attention.layer_norm_rms_epsilon", static_cast<float>(llama.rms_norm_eps)},
+      {key + "rope.freq_base", static_cast<float>(llama.rope.theta)},
   };
   if (llama.rope.type == RopeType::kLinear) {
-    metadata.emplace_back("llama.rope.scaling.type", std::string("linear"));
-    metadata.emplace_back("llama.rope.scaling.factor", static_cast<float>(llama.rope.factor));
+    metadata.emplace_back(key + "rope.scaling.type", std::string("linear"));
+    metadata.emplace_back(key + "rope.scaling.factor", static_cast<float>(llama.rope.factor));
   } else if (llama.rope.type != RopeType::kDefault) {
     throw Error(ErrorCode::kModelConfig, config.path + ": rope type '" + config.rope_type_name +
                 "' is not supported by GGUF export yet (default and linear are)");
@@ -135,6 +155,36 @@ std::vector<std::pair<std::string, GgufValue>> model_metadata(const HfModelConfi
   metadata.emplace_back("general.file_type", file_type);
   metadata.emplace_back("general.quantization_version", kQuantizationVersion);
   return metadata;
+}
+
+// The architecture llama.cpp runs `config`'s model as, or an error naming what it cannot hold.
+const GgufArchitecture& gguf_architecture_for(const HfModelConfig& config) {
+  const GgufArchitecture* found = nullptr;
+  for (const auto& architecture : kGgufArchitectures) {
+    if (config.family != nullptr && config.family->gguf_architecture == architecture.name) found = &architecture;
+  }
+  const auto& llama = config.llama;
+  std::string problem;
+  if (found == nullptr) {
+    problem = config.architecture + " has no llama.cpp architecture qtrain writes";
+  } else if (llama.sliding_window > 0 && llama.sliding_window < llama.max_position_embeddings &&
+             std::find(llama.sliding_layers.begin(), llama.sliding_layers.end(), true) != llama.sliding_layers.end()) {
+    // llama.cpp's llama / qwen2 / qwen3 attend over every earlier key: beyond the window it would
+    // be a different model.
+    problem = config.architecture + " with sliding_window " + std::to_string(llama.sliding_window) + " (shorter than its " +
+              std::to_string(llama.max_position_embeddings) + " positions) runs with full attention in llama.cpp's '" +
+              found->name + "'";
+  } else if ((llama.attention_bias || llama.output_bias) && !found->reads_attention_bias) {
+    problem = config.architecture + " with attention_bias: llama.cpp's '" + std::string(found->name) + "' reads no biases";
+  } else if (llama.query_key_norm && !found->reads_query_key_norm) {
+    problem = config.architecture + " with q_norm / k_norm: llama.cpp's '" + std::string(found->name) + "' reads none";
+  }
+  if (!problem.empty()) {
+    throw Error(ErrorCode::kUsage, "GGUF export: " + problem + " (it writes Llama, Mistral without a window shorter than "
+                "the context, Qwen2 and Qwen3); export safetensors-int or merged, and convert that with llama.cpp's "
+                "convert_hf_to_gguf.py");
+  }
+  return *found;
 }
 
 }  // namespace
@@ -154,8 +204,8 @@ std::string gguf_tensor_name(const std::string& hf_name) {
       }
     }
   }
-  throw Error(ErrorCode::kInternal, "GGUF export: tensor '" + hf_name + "' has no place in llama.cpp's Llama (a LlamaForCausalLM has "
-              "embed_tokens, layers.N.self_attn / mlp projections, the norms and lm_head)");
+  throw Error(ErrorCode::kInternal, "GGUF export: tensor '" + hf_name + "' has no place in llama.cpp's decoders (they hold "
+              "embed_tokens, layers.N.self_attn / mlp projections, the norms, q_norm / k_norm and lm_head)");
 }
 
 torch::Tensor gguf_rope_row_order(int64_t rows, int64_t heads) {
@@ -226,17 +276,13 @@ void write_gguf_model(const LlamaForCausalLMImpl& model, const HfModelConfig& co
   if (options.float_type != GgufTensorType::kF32 && options.float_type != GgufTensorType::kF16) {
     throw Error(ErrorCode::kInternal, "GGUF export: unquantized weights are written as F32 or F16");
   }
-  if (config.family == nullptr || config.family->gguf_architecture != "llama" || config.llama.sliding_window > 0) {
-    throw Error(ErrorCode::kUsage, "GGUF export writes llama.cpp's 'llama' architecture: Llama, and Mistral without a "
-                "sliding window; " + config.architecture + (config.llama.sliding_window > 0 ? " with sliding_window" : "") +
-                " is not supported yet (export safetensors-int or merged, and convert that with llama.cpp's "
-                "convert_hf_to_gguf.py)");
-  }
+  const auto& architecture = gguf_architecture_for(config);
   const auto& llama = config.llama;
   std::map<std::string, std::shared_ptr<qat::QatLinear>> qat_layers;
   for (const auto& [name, layer] : qat::find_qat_layers(model)) qat_layers[name + ".weight"] = layer;
 
   auto heads_of = [&](const std::string& hf_name) -> int64_t {
+    if (!architecture.rope_rows_reordered) return 0;
     if (hf_name.find(".self_attn.q_proj.") != std::string::npos) return llama.num_attention_heads;
     if (hf_name.find(".self_attn.k_proj.") != std::string::npos) return llama.num_key_value_heads;
     return 0;  // no permutation
@@ -284,7 +330,7 @@ void write_gguf_model(const LlamaForCausalLMImpl& model, const HfModelConfig& co
     while (trimmed.size() > 1 && trimmed.back() == '/') trimmed.pop_back();
     name = trimmed.substr(trimmed.find_last_of('/') + 1);
   }
-  auto metadata = model_metadata(config, name, file_type);
+  auto metadata = model_metadata(config, architecture.name, name, file_type);
   for (auto& entry : gguf_tokenizer_metadata(config, base_dir)) metadata.push_back(std::move(entry));
   write_gguf(out_file, metadata, tensors);
 }

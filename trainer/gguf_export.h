@@ -1,17 +1,22 @@
 #pragma once
-// GGUF export: a (QAT-trained) Llama written as one GGUF v3 file that llama.cpp runs, laid out
-// as llama.cpp's convert_hf_to_gguf.py lays out a Llama:
-//   metadata   general.* (architecture llama, name, file_type), llama.* hyperparameters, and the
+// GGUF export: a (QAT-trained) model written as one GGUF v3 file that llama.cpp runs, laid out
+// as llama.cpp's convert_hf_to_gguf.py lays out its architecture (llama for Llama and Mistral,
+// qwen2, qwen3; ModelFamily::gguf_architecture):
+//   metadata   general.* (architecture, name, file_type), ARCH.* hyperparameters, and the
 //              tokenizer (tokenizer.ggml.*: Llama-3-style byte-level BPE as model "gpt2" with
 //              its pre-tokenizer, tokens, token types, merges, special ids, chat template)
 //   tensors    token_embd, blk.N.{attn_norm, attn_q, attn_k, attn_v, attn_output, ffn_norm,
-//              ffn_gate, ffn_up, ffn_down}, output_norm, output (absent with tied embeddings)
-// The rows of attn_q / attn_k are permuted as convert_hf_to_gguf's LlamaModel.permute does
-// (llama.cpp rotates adjacent pairs where transformers rotates halves). QAT layers whose weight
+//              ffn_gate, ffn_up, ffn_down} (+ attn_q/k/v biases for Qwen2, attn_q_norm /
+//              attn_k_norm for Qwen3), output_norm, output (absent with tied embeddings)
+// For llama, the rows of attn_q / attn_k are permuted as convert_hf_to_gguf's LlamaModel.permute
+// does (llama.cpp rotates adjacent pairs where transformers rotates halves); Qwen's architectures
+// rotate halves in llama.cpp too, and keep transformers' rows. QAT layers whose weight
 // scheme is GGUF's (qat::gguf_block_type_for: symmetric int4 / int8, groups of 32, fp16 scales)
 // are written as Q4_0 / Q8_0 blocks of their codes and scales: a row permutation moves whole
 // blocks, so the file dequantizes to the fake-quant weights bit for bit (rows permuted). Every
-// other tensor is F32 (exact), or F16 for 2-D weights when the options ask.
+// other tensor is F32 (exact), or F16 for 2-D weights when the options ask. What llama.cpp's
+// architecture cannot hold (a sliding window shorter than the context, biases or norms it does
+// not read) is an error.
 #include <string>
 #include <vector>
 

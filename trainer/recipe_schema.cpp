@@ -153,7 +153,8 @@ std::vector<RecipeKey> make_recipe_keys() {
       key("data.train_on_inputs", "false", QTRAIN_FIELD(data.train_on_inputs),
           "instruct and chat: learn the prompt and every turn too, not only the responses"),
       key("data.chat_template", "\"\"", QTRAIN_FIELD(data.chat_template),
-          "chat: the model's template when empty; llama3 or chatml forces one"),
+          "chat: the model's template when empty; a family name forces one (llama3, chatml, qwen3, "
+          "qwen3-instruct, qwen3-thinking, mistral-v1, mistral-v3)"),
       key("data.max_seq_len", "2048", QTRAIN_FIELD(data.max_seq_len), "tokens per sequence")
           .at_least(2),
       key("data.overlong", "truncate", QTRAIN_FIELD(data.overlong),

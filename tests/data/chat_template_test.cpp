@@ -130,8 +130,119 @@ TEST(ChatTemplate, UnknownTemplateIsAnErrorNamingFileAndFamilies) {
 }
 
 TEST(ChatTemplate, UnknownFamilyNameIsAnError) {
-  EXPECT_THROW(ChatTemplate::named("mistral"), qtrain::Error);
+  EXPECT_THROW(ChatTemplate::named("vicuna"), qtrain::Error);
+  for (const auto& family : ChatTemplate::supported_families()) EXPECT_EQ(ChatTemplate::named(family).family(), family);
 }
+
+// Released models' templates (tests/data/chat_templates): each is recognised as its family and
+// renders, over conversations that reach each branch of the template, the text and ids that
+// transformers' apply_chat_template renders from the same template text.
+struct ReleasedTemplate {
+  std::string file;
+  std::string family;
+};
+std::ostream& operator<<(std::ostream& out, const ReleasedTemplate& value) { return out << value.file; }
+
+struct ChatCase {
+  std::vector<ChatMessage> messages;
+  bool add_generation_prompt;
+};
+
+std::vector<ChatCase> cases_for(const std::string& family) {
+  const std::vector<ChatMessage> system_first = {
+      {"system", "You are terse."}, {"user", " Name a colour. "}, {"assistant", "  Blue.\n"}};
+  const std::vector<ChatMessage> two_turns = {{"user", "What is 2+2?"},
+                                              {"assistant", "<think>\nAdd them.\n</think>\n\n4"},
+                                              {"user", "And 3+3?"},
+                                              {"assistant", "<think>\n\nThree and three.\n\n</think>\n\n\n6"}};
+  const std::vector<ChatMessage> ends_with_user = {{"user", "Hi"}, {"assistant", "Hello!"}, {"user", "Bye"}};
+  std::vector<ChatCase> cases = {{system_first, false}, {two_turns, false}, {ends_with_user, true}, {system_first, true}};
+  if (family.rfind("qwen3", 0) == 0) {
+    // Tool output arrives as user turns of <tool_response> blocks; the query is the earlier user turn.
+    cases.push_back({{{"user", "Weather in Paris?"},
+                      {"assistant", "<think>Call the tool.</think>Checking."},
+                      {"tool", "{\"temp\": 21}"},
+                      {"tool", "{\"sky\": \"clear\"}"},
+                      {"assistant", "21 and clear."}},
+                     false});
+    cases.push_back({{{"user", "Plain?"}, {"assistant", "No reasoning here."}}, false});
+    // Reasoning given apart from the content wins over a think block inside it.
+    cases.push_back({{{"user", "Why?"}, {"assistant", "<think>ignored</think>Because.", "\nGiven apart.\n"}}, false});
+    cases.push_back({{{"system", "S"}, {"user", "a"}, {"assistant", "b"}, {"system", "late system"}, {"user", "c"}}, true});
+  } else {
+    cases.push_back({{{"system", "Be brief."}, {"user", "One"}, {"assistant", "1"}, {"user", "Two"}, {"assistant", "2"}}, false});
+    cases.push_back({{{"user", "a"}, {"user", "b"}}, false});  // not alternating: both refuse
+  }
+  return cases;
+}
+
+class ReleasedChatTemplate : public ::testing::TestWithParam<ReleasedTemplate> {};
+
+TEST_P(ReleasedChatTemplate, RendersTheTextAndIdsTransformersRenders) {
+  const std::string template_path = qtrain::testing::source_dir() + "/tests/data/chat_templates/" + GetParam().file;
+  const std::string tokenizer_dir = qtrain::testing::fixture("tiny-llama");
+  const auto config_bos = "<|begin_of_text|>", config_eos = "<|eot_id|>";  // tiny-llama's tokenizer_config.json
+  const ChatTemplate chat_template =
+      ChatTemplate::from_template_text(qtrain::testing::read_text(template_path), template_path, config_bos, config_eos);
+  ASSERT_EQ(chat_template.family(), GetParam().family);
+
+  const auto python = qtrain::testing::find_python_with("transformers jinja2");
+  if (python.empty()) GTEST_SKIP() << "no Python with transformers (set QTRAIN_PYTHON)";
+  const auto cases = cases_for(GetParam().family);
+  nlohmann::json request = {{"template", template_path}, {"cases", nlohmann::json::array()}};
+  for (const auto& chat_case : cases) {
+    nlohmann::json messages = nlohmann::json::array();
+    for (const auto& message : chat_case.messages) {
+      nlohmann::json entry = {{"role", message.role}, {"content", message.content}};
+      if (message.reasoning_content) entry["reasoning_content"] = *message.reasoning_content;
+      messages.push_back(entry);
+    }
+    request["cases"].push_back({{"messages", messages}, {"add_generation_prompt", chat_case.add_generation_prompt}});
+  }
+  qtrain::testing::TempDir temp;
+  temp.write("request.json", request.dump());
+  const std::string command = "'" + python + "' '" + qtrain::testing::source_dir() + "/tests/interop/render_chat_template.py' '" +
+                              tokenizer_dir + "' '" + temp.file("request.json") + "' '" + temp.file("rendered.json") + "' 2>&1";
+  const auto result = qtrain::testing::run_command(command);
+  ASSERT_EQ(result.status, 0) << command << "\n" << result.output;
+  const auto rendered = read_json(temp.file("rendered.json"));
+  const Tokenizer tokenizer = Tokenizer::from_model_dir(tokenizer_dir);
+  for (size_t index = 0; index < cases.size(); ++index) {
+    const auto& want = rendered["texts"][index];
+    SCOPED_TRACE("case " + std::to_string(index));
+    if (want.is_null()) {
+      EXPECT_THROW(chat_template.render(cases[index].messages, cases[index].add_generation_prompt), qtrain::Error);
+      continue;
+    }
+    const auto segments = chat_template.render_segments(cases[index].messages, cases[index].add_generation_prompt);
+    std::string text, trainable;
+    for (const auto& segment : segments) {
+      text += segment.text;
+      if (segment.trainable) trainable += segment.text;
+    }
+    EXPECT_EQ(text, want.get<std::string>());
+    EXPECT_EQ(tokenizer.encode(text, /*add_special_tokens=*/false), rendered["ids"][index].get<std::vector<int64_t>>());
+    // What is learned is what the assistant says: its last answer, never a user's words.
+    for (const auto& message : cases[index].messages) {
+      if (message.role == "user") EXPECT_EQ(trainable.find(message.content), std::string::npos) << message.content;
+    }
+    if (cases[index].messages.back().role == "assistant") EXPECT_FALSE(trainable.empty());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, ReleasedChatTemplate,
+                         ::testing::Values(ReleasedTemplate{"qwen3.jinja", "qwen3"},
+                                           ReleasedTemplate{"qwen3-instruct-2507.jinja", "qwen3-instruct"},
+                                           ReleasedTemplate{"qwen3-thinking-2507.jinja", "qwen3-thinking"},
+                                           ReleasedTemplate{"mistral-7b-v0.1.jinja", "mistral-v1"},
+                                           ReleasedTemplate{"mistral-7b-v0.3.jinja", "mistral-v3"}),
+                         [](const auto& info) {
+                           std::string name = info.param.family;
+                           for (auto& character : name) {
+                             if (character == '-') character = '_';
+                           }
+                           return name;
+                         });
 
 }  // namespace
 }  // namespace qtrain::data

@@ -1,11 +1,12 @@
 """What gguf-py and llama.cpp make of our GGUF export, for tests/trainer/gguf_export_test.cpp.
 
-    python gguf_model.py check MODEL.gguf EXPECTED.safetensors TOKENIZER_DIR
+    python gguf_model.py check MODEL.gguf EXPECTED.safetensors TOKENIZER_DIR ARCHITECTURE
         Opens MODEL.gguf with gguf-py's GGUFReader and checks, for every tensor of EXPECTED (under
         its GGUF name; its __metadata__ maps the name to the expected type, "Q4_0", "F32", ...):
         the type, the shape, and that gguf.quants.dequantize gives exactly the expected values;
         that the file has no other tensors; and the tokenizer metadata against TOKENIZER_DIR's
-        tokenizer.json as the tokenizers library reads it (tokens by id, merges, special ids).
+        tokenizer.json as the tokenizers library reads it (tokens by id, merges, special ids); and
+        that general.architecture is ARCHITECTURE (llama, qwen2, qwen3), which gguf-py knows.
         Prints what differs and exits 1 on any difference.
     python gguf_model.py llama-cpp MODEL.gguf TEXT OUT.safetensors
         Runs llama.cpp (llama-cpp-python) on TEXT tokenized by llama.cpp itself (BOS added as the
@@ -17,7 +18,7 @@ import sys
 import numpy as np
 
 
-def check(gguf_path: str, expected_path: str, tokenizer_dir: str) -> int:
+def check(gguf_path: str, expected_path: str, tokenizer_dir: str, architecture: str) -> int:
     import gguf
     from safetensors import safe_open
     from tokenizers import Tokenizer
@@ -55,8 +56,21 @@ def check(gguf_path: str, expected_path: str, tokenizer_dir: str) -> int:
             return None
         return value.contents()
 
+    # gguf-py's own table of the architecture's tensors: every one we wrote must be in it.
+    known = {arch_name: arch for arch, arch_name in gguf.MODEL_ARCH_NAMES.items()}
+    if architecture not in known:
+        problems.append(f"gguf-py knows no architecture {architecture!r}")
+    else:
+        architecture_tensors = {gguf.TENSOR_NAMES[tensor] for tensor in gguf.MODEL_TENSORS[known[architecture]]}
+        for name in tensors:
+            base = name.rsplit(".", 1)[0]
+            if "blk." in base:
+                base = "blk.{bid}." + base.split(".", 2)[2]
+            if base not in architecture_tensors:
+                problems.append(f"{name}: not a tensor of gguf-py's {architecture}")
+
     tokenizer = Tokenizer.from_file(f"{tokenizer_dir}/tokenizer.json")
-    vocab_size = int(field("llama.vocab_size"))
+    vocab_size = int(field(f"{architecture}.vocab_size"))
     by_id = {token_id: token for token, token_id in tokenizer.get_vocab(with_added_tokens=True).items()}
     tokens = field("tokenizer.ggml.tokens")
     want = [by_id.get(index, f"[PAD{index}]") for index in range(vocab_size)]
@@ -75,7 +89,7 @@ def check(gguf_path: str, expected_path: str, tokenizer_dir: str) -> int:
         if token_types[index] != gguf.TokenType.CONTROL:
             problems.append(f"token {index} is special but has type {token_types[index]}")
     for key, value in (("tokenizer.ggml.model", "gpt2"), ("tokenizer.ggml.pre", "llama-bpe"),
-                       ("general.architecture", "llama")):
+                       ("general.architecture", architecture)):
         if field(key) != value:
             problems.append(f"{key} = {field(key)!r}, expected {value!r}")
     with open(f"{tokenizer_dir}/tokenizer_config.json", encoding="utf-8") as file:

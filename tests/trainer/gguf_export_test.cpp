@@ -12,6 +12,7 @@
 #include "qat_model.h"
 #include "support.h"
 #include "trainer/gguf_export.h"
+#include "trainer/file_system.h"
 #include "trainer/gguf_file.h"
 #include "trainer/merged_export.h"
 #include "trainer/safetensors.h"
@@ -21,6 +22,7 @@ namespace {
 
 using testing::fixture;
 using testing::TempDir;
+using testing_qat::qat_model_of;
 using testing_qat::tiny_qat_llama;
 
 // convert_hf_to_gguf's LlamaModel.permute, written out on the tensor as it is there:
@@ -52,8 +54,10 @@ std::map<std::string, ExpectedTensor> expected_tensors(LoadedModel& loaded, Gguf
       values = layer->second->weight_fake_quant().forward(layer->second->inner()->dense_weight(torch::kFloat32));
       type = quantized_type;
     }
-    if (name.find("q_proj") != std::string::npos) values = llama_cpp_permute(values, options.num_attention_heads);
-    if (name.find("k_proj") != std::string::npos) values = llama_cpp_permute(values, options.num_key_value_heads);
+    // llama.cpp's Qwen architectures rotate halves, as transformers does: their rows stay.
+    const bool permuted = loaded.config.family->gguf_architecture == "llama";
+    if (permuted && name.find("q_proj") != std::string::npos) values = llama_cpp_permute(values, options.num_attention_heads);
+    if (permuted && name.find("k_proj") != std::string::npos) values = llama_cpp_permute(values, options.num_key_value_heads);
     expected[gguf_tensor_name(name)] = {values.contiguous(), type};
   }
   return expected;
@@ -67,6 +71,37 @@ class GgufExportScheme : public ::testing::TestWithParam<bool> {
   qat::GgufBlockType block_type() const { return q8() ? qat::GgufBlockType::kQ8_0 : qat::GgufBlockType::kQ4_0; }
 };
 
+// Checks that every tensor of `file` holds `expected`'s values exactly (blocks decoded); returns
+// how many were quantized.
+int expect_tensors_equal(const GgufFile& file, const std::map<std::string, ExpectedTensor>& expected,
+                         qat::GgufBlockType block_type) {
+  EXPECT_EQ(file.tensors().size(), expected.size());
+  int quantized = 0;
+  for (const auto& info : file.tensors()) {
+    if (!expected.count(info.name)) {
+      ADD_FAILURE() << "unexpected tensor " << info.name;
+      continue;
+    }
+    const auto& want = expected.at(info.name);
+    EXPECT_EQ(info.shape, want.values.sizes().vec()) << info.name;
+    if (info.type != want.type) {
+      ADD_FAILURE() << info.name << ": type " << gguf_tensor_type_info(info.type).name;
+      continue;
+    }
+    torch::Tensor values;
+    if (info.type == GgufTensorType::kF32) {
+      auto bytes = file.tensor_bytes(info.name);
+      values = torch::from_blob(bytes.data(), info.shape, torch::kFloat32).clone();
+    } else {
+      values = qat::decode_gguf_blocks(file.tensor_bytes(info.name), block_type, info.shape);
+      ++quantized;
+    }
+    EXPECT_TRUE(torch::equal(values, want.values)) << info.name << ": max |difference| "
+                                                   << (values - want.values).abs().max().item<float>();
+  }
+  return quantized;
+}
+
 TEST_P(GgufExportScheme, BlocksDecodeToTheFakeQuantWeightsExactly) {
   TempDir temp;
   auto loaded = tiny_qat_llama(spec());
@@ -74,25 +109,8 @@ TEST_P(GgufExportScheme, BlocksDecodeToTheFakeQuantWeightsExactly) {
   write_gguf_model(*loaded.model, loaded.config, fixture("tiny-llama"), path);
   const auto file = GgufFile::open(path);
   const auto expected = expected_tensors(loaded, type());
-  ASSERT_EQ(file.tensors().size(), expected.size());  // 4 layers x 9 + embeddings, final norm, output
-  EXPECT_EQ(expected.size(), 4u * 9 + 3);
-  int quantized = 0;
-  for (const auto& info : file.tensors()) {
-    ASSERT_TRUE(expected.count(info.name)) << info.name;
-    const auto& want = expected.at(info.name);
-    EXPECT_EQ(info.shape, want.values.sizes().vec()) << info.name;
-    ASSERT_EQ(info.type, want.type) << info.name;
-    torch::Tensor values;
-    if (info.type == GgufTensorType::kF32) {
-      auto bytes = file.tensor_bytes(info.name);
-      values = torch::from_blob(bytes.data(), info.shape, torch::kFloat32).clone();
-    } else {
-      values = qat::decode_gguf_blocks(file.tensor_bytes(info.name), block_type(), info.shape);
-      ++quantized;
-    }
-    EXPECT_TRUE(torch::equal(values, want.values)) << info.name << ": max |difference| "
-                                                   << (values - want.values).abs().max().item<float>();
-  }
+  EXPECT_EQ(expected.size(), 4u * 9 + 3);  // 4 layers x 9 + embeddings, final norm, output
+  const int quantized = expect_tensors_equal(file, expected, block_type());
   EXPECT_EQ(quantized, 4 * 7);
   EXPECT_EQ(file.value("general.architecture").as<std::string>("arch"), "llama");
   EXPECT_EQ(file.value("general.file_type").as<uint32_t>("ftype"), q8() ? 7u : 2u);
@@ -128,7 +146,7 @@ TEST_P(GgufExportScheme, GgufPyDequantizesToOurValuesAndReadsTheTokenizer) {
   }
   write_safetensors(temp.file("expected.safetensors"), values, types);
   const std::string command = "'" + python + "' '" + testing::source_dir() + "/tests/interop/gguf_model.py' check '" +
-                              path + "' '" + temp.file("expected.safetensors") + "' '" + fixture("tiny-llama") + "' 2>&1";
+                              path + "' '" + temp.file("expected.safetensors") + "' '" + fixture("tiny-llama") + "' llama 2>&1";
   const auto result = testing::run_command(command);
   EXPECT_EQ(result.status, 0) << command << "\n" << result.output;
   std::printf("[ measured ] %s", result.output.c_str());
@@ -174,19 +192,75 @@ TEST(GgufExport, TensorNamesAndRowOrderAreLlamaCpps) {
   EXPECT_TRUE(torch::equal(order, torch::tensor(want)));
 }
 
-// llama.cpp itself (through llama-cpp-python, opt-in: tools/setup.sh installs it with
-// QTRAIN_LLAMA_CPP=1) runs the file. Its Q4_0 / Q8_0 matmuls quantize the activations to Q8_0
-// blocks, so the logits are close to ours, not equal.
-TEST(GgufExport, LlamaCppRunsItWithOurLogits) {
+// Each family GGUF export writes, as llama.cpp's architecture for it: a fixture checkpoint and
+// the general.architecture llama.cpp runs it as (Mistral as llama, with its rows reordered;
+// Qwen2 with q / k / v biases and Qwen3 with q / k norms, rows as transformers has them).
+struct GgufModel {
+  std::string fixture_dir;
+  std::string architecture;
+};
+std::ostream& operator<<(std::ostream& out, const GgufModel& model) { return out << model.fixture_dir; }
+
+class GgufExportFamily : public ::testing::TestWithParam<GgufModel> {
+ protected:
+  std::string model_dir() const { return fixture(GetParam().fixture_dir); }
+};
+
+TEST_P(GgufExportFamily, TensorsAndHyperparametersAreTheArchitecturesOwn) {
+  TempDir temp;
+  auto loaded = qat_model_of(model_dir(), qat::QuantSpec::gguf_q4_0());
+  const auto path = temp.file("model.gguf");
+  write_gguf_model(*loaded.model, loaded.config, model_dir(), path);
+  const auto file = GgufFile::open(path);
+  const auto& options = loaded.config.llama;
+  const auto expected = expected_tensors(loaded, GgufTensorType::kQ4_0);
+  EXPECT_EQ(expect_tensors_equal(file, expected, qat::GgufBlockType::kQ4_0), 7 * options.num_hidden_layers);
+  const auto& architecture = GetParam().architecture;
+  EXPECT_EQ(file.value("general.architecture").as<std::string>("arch"), architecture);
+  EXPECT_EQ(file.value(architecture + ".block_count").as<uint32_t>("blocks"), options.num_hidden_layers);
+  EXPECT_EQ(file.value(architecture + ".attention.key_length").as<uint32_t>("head dim"), options.head_dim);
+  EXPECT_EQ(file.value(architecture + ".rope.freq_base").as<float>("theta"), static_cast<float>(options.rope.theta));
+  const bool has_bias = expected.count("blk.0.attn_q.bias") > 0, has_norm = expected.count("blk.0.attn_q_norm.weight") > 0;
+  EXPECT_EQ(has_bias, architecture == "qwen2");
+  EXPECT_EQ(has_norm, architecture == "qwen3");
+}
+
+TEST_P(GgufExportFamily, GgufPyReadsTheArchitecturesTensors) {
+  const auto python = testing::find_python_with("gguf numpy safetensors tokenizers");
+  if (python.empty()) GTEST_SKIP() << "no Python with gguf, safetensors and tokenizers (set QTRAIN_PYTHON)";
+  TempDir temp;
+  auto loaded = qat_model_of(model_dir(), qat::QuantSpec::gguf_q4_0());
+  const auto path = temp.file("model.gguf");
+  write_gguf_model(*loaded.model, loaded.config, model_dir(), path);
+  std::vector<std::pair<std::string, torch::Tensor>> values;
+  std::map<std::string, std::string> types;
+  for (const auto& [name, want] : expected_tensors(loaded, GgufTensorType::kQ4_0)) {
+    values.emplace_back(name, want.values);
+    types[name] = gguf_tensor_type_info(want.type).name;
+  }
+  write_safetensors(temp.file("expected.safetensors"), values, types);
+  const std::string command = "'" + python + "' '" + testing::source_dir() + "/tests/interop/gguf_model.py' check '" + path +
+                              "' '" + temp.file("expected.safetensors") + "' '" + model_dir() + "' " + GetParam().architecture +
+                              " 2>&1";
+  const auto result = testing::run_command(command);
+  EXPECT_EQ(result.status, 0) << command << "\n" << result.output;
+}
+
+// llama.cpp itself (through llama-cpp-python, which tools/setup.sh installs) runs the file. Its
+// Q4_0 / Q8_0 matmuls quantize the activations to Q8_0 blocks, so the logits are close to ours,
+// not equal.
+TEST_P(GgufExportFamily, LlamaCppRunsItWithOurLogits) {
   const auto python = testing::find_python_with("llama_cpp safetensors torch");
   if (python.empty()) {
-    GTEST_SKIP() << "no Python with llama_cpp: install it with QTRAIN_LLAMA_CPP=1 tools/setup.sh (builds llama.cpp "
-                    "from source, several minutes)";
+    GTEST_SKIP() << "no Python with llama_cpp: tools/setup.sh installs it (builds llama.cpp from source, several "
+                    "minutes); QTRAIN_LLAMA_CPP=0 skips it";
   }
   TempDir temp;
-  auto loaded = tiny_qat_llama(qat::QuantSpec::gguf_q4_0());
+  // The trained tiny-llama as it is; the random family fixtures with sharper attention.
+  const double query_key_scale = GetParam().fixture_dir == "tiny-llama" ? 1.0 : 6.0;
+  auto loaded = qat_model_of(model_dir(), qat::QuantSpec::gguf_q4_0(), std::nullopt, query_key_scale);
   const auto path = temp.file("model.gguf");
-  write_gguf_model(*loaded.model, loaded.config, fixture("tiny-llama"), path);
+  write_gguf_model(*loaded.model, loaded.config, model_dir(), path);
   const std::string text =
       "The jury further said in term-end presentments that the City Executive Committee, which had over-all charge "
       "of the election, deserves the praise and thanks of the City of Atlanta.";
@@ -197,7 +271,7 @@ TEST(GgufExport, LlamaCppRunsItWithOurLogits) {
   const auto theirs = SafetensorsCheckpoint::open(temp.file("llama_cpp.safetensors"));
   const auto input_ids = theirs.tensor("input_ids");
   // llama.cpp tokenized the text from the file's tokenizer metadata: the same ids as ours.
-  const auto ours_ids = data::Tokenizer::from_model_dir(fixture("tiny-llama")).encode(text);
+  const auto ours_ids = data::Tokenizer::from_model_dir(model_dir()).encode(text);
   EXPECT_EQ(std::vector<int64_t>(input_ids.data_ptr<int64_t>(), input_ids.data_ptr<int64_t>() + input_ids.numel()),
             ours_ids);
 
@@ -207,13 +281,35 @@ TEST(GgufExport, LlamaCppRunsItWithOurLogits) {
   const double max_abs = (ours - llama_cpp).abs().max().item<double>();
   const double relative = testing_outputs::max_relative_error(llama_cpp, ours);
   const double top1 = ours.argmax(-1).eq(llama_cpp.argmax(-1)).to(torch::kFloat64).mean().item<double>();
-  std::printf("[ measured ] llama.cpp vs our QAT model, %ld tokens: max |logit difference| %.4f (%.3g of the largest "
+  std::printf("[ measured ] llama.cpp vs our QAT %s, %ld tokens: max |logit difference| %.4f (%.3g of the largest "
               "logit), top-1 agreement %.1f%%\n",
-              static_cast<long>(input_ids.size(1)), max_abs, relative, 100 * top1);
+              GetParam().fixture_dir.c_str(), static_cast<long>(input_ids.size(1)), max_abs, relative, 100 * top1);
   // Q8_0 activations (8-bit blocks of 32) move logits by about 1% of their range; a wrong row
   // order, tensor or rope layout moves them by tens of percent and breaks the top-1 agreement.
   EXPECT_LT(relative, 0.05);
   EXPECT_GE(top1, 0.9);
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, GgufExportFamily,
+                         ::testing::Values(GgufModel{"tiny-llama", "llama"}, GgufModel{"families/mistral", "llama"},
+                                           GgufModel{"families/qwen2", "qwen2"}, GgufModel{"families/qwen3", "qwen3"}),
+                         [](const auto& info) {
+                           const auto& dir = info.param.fixture_dir;
+                           return dir == "tiny-llama" ? std::string("Llama") : dir.substr(dir.find('/') + 1);
+                         });
+
+// What llama.cpp's architectures cannot hold is refused, naming it.
+TEST(GgufExport, ASlidingWindowShorterThanTheContextIsRefused) {
+  TempDir temp;
+  auto loaded = qat_model_of(fixture("families/mistral"), qat::QuantSpec::gguf_q4_0());
+  loaded.config.llama.sliding_window = 16;
+  try {
+    write_gguf_model(*loaded.model, loaded.config, fixture("families/mistral"), temp.file("model.gguf"));
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("sliding_window 16"), std::string::npos) << error.what();
+  }
+  EXPECT_FALSE(is_regular_file(temp.file("model.gguf")));
 }
 
 }  // namespace
