@@ -55,7 +55,7 @@ constexpr GgufArchitecture kGgufArchitectures[] = {
 };
 
 // The pre-tokenizer regexes llama.cpp knows, by the name its tokenizer.ggml.pre gives them
-// (llama-vocab.cpp): Llama 3's and GPT-2's (ByteLevel's own regex).
+// (llama-vocab.cpp): Llama 3's, Qwen2's and GPT-2's (ByteLevel's own regex).
 struct PreTokenizerName {
   const char* regex;
   const char* gguf_pre;
@@ -64,6 +64,10 @@ const PreTokenizerName kPreTokenizers[] = {
     {"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|"
      "\\s+(?!\\S)|\\s+",
      "llama-bpe"},
+    // Qwen2 / Qwen2.5 / Qwen3: Llama 3's with single digits.
+    {"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|"
+     "\\s+(?!\\S)|\\s+",
+     "qwen2"},
 };
 constexpr const char* kGpt2ByteLevelPre = "gpt-2";
 
@@ -107,7 +111,7 @@ std::string pre_tokenizer_name(const std::string& tokenizer_path) {
   }
   if (regex.empty() && byte_level_regex) return kGpt2ByteLevelPre;
   throw Error(ErrorCode::kTokenizer, tokenizer_path + ": pre_tokenizer " + pre.dump().substr(0, 200) +
-              " is not one GGUF export knows (Llama 3's regex or GPT-2's byte-level); llama.cpp would tokenize "
+              " is not one GGUF export knows (Llama 3's or Qwen2's regex, or GPT-2's byte-level); llama.cpp would tokenize "
               "differently");
 }
 

@@ -1,6 +1,7 @@
 // A few QLoRA steps on each new family's fixture through the qtrain CLI: the adapter they write,
 // loaded by peft onto transformers' model of that family, and their merged export, loaded by
-// transformers, give the same logits as qtrain.
+// transformers, give the same logits as qtrain. A few QAT steps: their GGUF export runs in
+// llama.cpp with the logits of their safetensors-int export (the QAT model, exactly) in qtrain.
 #include <gtest/gtest.h>
 
 #include "support.h"
@@ -66,6 +67,42 @@ TEST_P(FamilyTraining, QloraStepsWriteAnAdapterPeftLoadsWithOurLogits) {
       (our_merged - their_merged).abs().max().item<double>() / their_merged.abs().max().item<double>();
   std::printf("[ measured ] %s: transformers on the merged export vs ours: %.3g relative\n", name.c_str(), merged_error);
   EXPECT_LE(merged_error, 1e-5);
+}
+
+TEST_P(FamilyTraining, QatStepsExportAGgufLlamaCppRunsWithOurLogits) {
+  const auto python = testing::find_python_with("llama_cpp safetensors torch");
+  if (python.empty()) GTEST_SKIP() << "no Python with llama_cpp (tools/run-tests.sh installs it)";
+  const std::string name = GetParam();
+  testing::TempDir temp;
+  const auto trained = testing::run_command(
+      testing::qtrain_binary() + " --recipe " + testing::source_dir() + "/recipes/demo_qat_tiny.yaml --set model.path=" +
+      testing::fixture("families/" + name) + " --set train.steps=3 --set eval.every=0 --set data.eval= --set checkpoint.every=0" +
+      " --set 'export.formats=[gguf, safetensors-int]' --set train.output_dir=" + temp.file("run") + " 2>&1");
+  ASSERT_EQ(trained.status, 0) << trained.output;
+  ASSERT_NE(trained.output.find("done: 3 steps"), std::string::npos) << trained.output;
+
+  const std::string text = "The Fulton County Grand Jury said Friday an investigation of the recent primary election in Atlanta "
+                           "produced no evidence that any irregularities took place.";
+  const std::string command = "'" + python + "' '" + testing::source_dir() + "/tests/interop/gguf_model.py' llama-cpp '" +
+                              temp.file("run/export/model.gguf") + "' '" + text + "' '" + temp.file("llama_cpp.safetensors") +
+                              "' 2>&1";
+  const auto result = testing::run_command(command);
+  ASSERT_EQ(result.status, 0) << command << "\n" << result.output;
+  const auto theirs = trainer::SafetensorsFile::open(temp.file("llama_cpp.safetensors"));
+  auto quantized = trainer::load_llama(temp.file("run/export/safetensors-int"));
+  torch::NoGradGuard no_grad;
+  trainer::LlamaInputs inputs;
+  inputs.input_ids = theirs.tensor("input_ids");
+  const auto ours = quantized.model->forward(inputs);
+  const auto llama_cpp = theirs.tensor("logits");
+  ASSERT_EQ(ours.sizes(), llama_cpp.sizes());
+  const double relative = (ours - llama_cpp).abs().max().item<double>() / llama_cpp.abs().max().item<double>();
+  const double top1 = ours.argmax(-1).eq(llama_cpp.argmax(-1)).to(torch::kFloat64).mean().item<double>();
+  std::printf("[ measured ] %s: llama.cpp on the QAT run's GGUF vs qtrain on its safetensors-int: %.3g relative, top-1 "
+              "%.1f%%\n", name.c_str(), relative, 100 * top1);
+  // llama.cpp quantizes the activations to Q8_0 blocks; everything else is the same model.
+  EXPECT_LT(relative, 0.05);
+  EXPECT_GE(top1, 0.9);
 }
 
 TEST_P(FamilyTraining, QloraStepsOnCudaInBf16RunWithFiniteLosses) {

@@ -3,7 +3,9 @@
 // runs it to our logits (up to its own activation quantization).
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <map>
+#include <nlohmann/json.hpp>
 
 #include "data/tokenizer.h"
 #include "kernels/error.h"
@@ -297,6 +299,41 @@ INSTANTIATE_TEST_SUITE_P(Families, GgufExportFamily,
                            const auto& dir = info.param.fixture_dir;
                            return dir == "tiny-llama" ? std::string("Llama") : dir.substr(dir.find('/') + 1);
                          });
+
+// Qwen's tokenizers split digits one by one (Llama 3's regex takes up to three): the file names
+// llama.cpp's "qwen2" pre-tokenizer, and llama.cpp tokenizes as qtrain does.
+TEST(GgufExport, QwenPreTokenizerIsLlamaCppsQwen2) {
+  TempDir temp;
+  std::filesystem::create_directories(temp.file("qwen"));
+  for (const auto& entry : std::filesystem::directory_iterator(fixture("families/qwen2"))) {
+    std::filesystem::copy_file(entry.path(), temp.file("qwen/" + entry.path().filename().string()),
+                               std::filesystem::copy_options::none);
+  }
+  auto tokenizer_json = nlohmann::json::parse(testing::read_text(temp.file("qwen/tokenizer.json")));
+  auto& regex = tokenizer_json["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"];
+  const auto llama3_regex = regex.get<std::string>();
+  const auto digits = llama3_regex.find("\\p{N}{1,3}");
+  ASSERT_NE(digits, std::string::npos);
+  regex = llama3_regex.substr(0, digits) + "\\p{N}" + llama3_regex.substr(digits + std::string("\\p{N}{1,3}").size());
+  temp.write("qwen/tokenizer.json", tokenizer_json.dump());
+
+  const std::string model_dir = temp.file("qwen");
+  auto loaded = qat_model_of(model_dir, qat::QuantSpec::gguf_q4_0());
+  write_gguf_model(*loaded.model, loaded.config, model_dir, temp.file("model.gguf"));
+  EXPECT_EQ(GgufFile::open(temp.file("model.gguf")).value("tokenizer.ggml.pre").as<std::string>("pre"), "qwen2");
+
+  const auto python = testing::find_python_with("llama_cpp safetensors torch");
+  if (python.empty()) GTEST_SKIP() << "no Python with llama_cpp (tools/run-tests.sh installs it)";
+  const std::string text = "In 1961, 12345 of the 67890 voters said 2024 would come.";
+  const std::string command = "'" + python + "' '" + testing::source_dir() + "/tests/interop/gguf_model.py' llama-cpp '" +
+                              temp.file("model.gguf") + "' '" + text + "' '" + temp.file("llama_cpp.safetensors") + "' 2>&1";
+  const auto result = testing::run_command(command);
+  ASSERT_EQ(result.status, 0) << command << "\n" << result.output;
+  const auto ids = SafetensorsCheckpoint::open(temp.file("llama_cpp.safetensors")).tensor("input_ids");
+  const std::vector<int64_t> theirs(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + ids.numel());
+  EXPECT_EQ(theirs, data::Tokenizer::from_model_dir(model_dir).encode(text));
+  EXPECT_NE(theirs, data::Tokenizer::from_model_dir(fixture("families/qwen2")).encode(text));  // the regex mattered
+}
 
 // What llama.cpp's architectures cannot hold is refused, naming it.
 TEST(GgufExport, ASlidingWindowShorterThanTheContextIsRefused) {
