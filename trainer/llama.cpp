@@ -7,6 +7,7 @@
 #include "kernels/error.h"
 #include "trainer/activation_checkpoint.h"
 #include "trainer/llama_layers.h"
+#include "trainer/sliding_window_attention.h"
 
 namespace qtrain::trainer {
 
@@ -185,10 +186,16 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden, const tor
     if (attention_mask.defined()) throw Error(ErrorCode::kInternal, "an attention mask cannot be combined with a key/value cache");
     std::tie(key, value) = cache->append(key, value);
   }
+  const double scale = std::pow(static_cast<double>(head_dim_), -0.5);
   // SDPA's is_causal aligns its mask to the top left, right only without cached keys before the
   // new queries and without a window that cuts keys off; otherwise the mask is written out.
   // (One new token after the cache, within the window, sees every key: no mask at all.)
   const bool window_cuts = sliding_window_ > 0 && past + sequence > sliding_window_;
+  if (window_cuts && past == 0 && !attention_mask.defined() && flash_window_attention_applies(query, key)) {
+    // Flash attention's own window: no [T, T] mask (trainer/sliding_window_attention.h).
+    const auto attended = flash_window_attention(query, key, value, sliding_window_, scale);
+    return o_proj->forward(attended.transpose(1, 2).reshape({batch, sequence, num_heads_ * head_dim_}));
+  }
   const bool causal = !attention_mask.defined() && sequence > 1 && past == 0 && !window_cuts;
   std::optional<at::Tensor> mask =
       attention_mask.defined() ? std::optional<at::Tensor>(attention_mask) : std::nullopt;
@@ -196,8 +203,7 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden, const tor
     const auto visible = visible_keys(past, sequence, window_cuts ? sliding_window_ : 0, hidden.device());
     mask = mask.has_value() ? (*mask & visible) : visible;  // within a packed row, its own sample's too
   }
-  auto attended = at::scaled_dot_product_attention(query, key, value, mask, /*dropout_p=*/0.0, causal,
-                                                   /*scale=*/std::pow(static_cast<double>(head_dim_), -0.5),
+  auto attended = at::scaled_dot_product_attention(query, key, value, mask, /*dropout_p=*/0.0, causal, scale,
                                                    /*enable_gqa=*/num_key_value_heads_ != num_heads_);
   return o_proj->forward(attended.transpose(1, 2).reshape({batch, sequence, num_heads_ * head_dim_}));
 }

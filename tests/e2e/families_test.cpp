@@ -4,6 +4,10 @@
 // llama.cpp with the logits of their safetensors-int export (the QAT model, exactly) in qtrain.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
 #include "support.h"
 #include "trainer/hf_checkpoint.h"
 #include "trainer/peft_adapter.h"
@@ -120,6 +124,45 @@ TEST_P(FamilyTraining, QloraStepsOnCudaInBf16RunWithFiniteLosses) {
 }
 
 INSTANTIATE_TEST_SUITE_P(MistralQwen2Qwen3, FamilyTraining, ::testing::Values("mistral", "qwen2", "qwen3"));
+
+// The loss of the first step (before any update), as the progress line prints it.
+double first_step_loss(const std::string& output) {
+  const auto at = output.find("step 1/");
+  const auto loss = output.find("| loss ", at);
+  if (at == std::string::npos || loss == std::string::npos) return std::nan("");
+  return std::stod(output.substr(loss + 7));
+}
+
+// A Mistral whose window (16) is shorter than the sequences (64): on CUDA in bf16 its sliding
+// layers run flash attention's window (trainer/sliding_window_attention.h), in fp32 SDPA over the
+// written-out mask; both train, and their first losses agree to bf16's precision.
+TEST(FamilySlidingWindow, CudaBf16FlashWindowTrainsWithTheMaskedPathsLoss) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU";
+  testing::TempDir temp;
+  std::filesystem::create_directories(temp.file("mistral"));
+  for (const auto& entry : std::filesystem::directory_iterator(testing::fixture("families/mistral"))) {
+    std::filesystem::copy_file(entry.path(), temp.file("mistral/" + entry.path().filename().string()));
+  }
+  auto config = nlohmann::json::parse(testing::read_text(temp.file("mistral/config.json")));
+  config["sliding_window"] = 16;
+  temp.write("mistral/config.json", config.dump());
+  double losses[2];
+  int index = 0;
+  for (const std::string dtype : {"bf16", "fp32"}) {
+    const auto trained = testing::run_command(
+        testing::qtrain_binary() + " --recipe " + testing::source_dir() + "/recipes/demo_tiny.yaml --set model.path=" +
+        temp.file("mistral") + " --set train.device=cuda --set train.dtype=" + dtype +
+        " --set train.steps=3 --set log.every=1 --set eval.every=0 --set data.eval= --set checkpoint.every=0" +
+        " --set train.micro_batch_size=1 --set data.max_seq_len=64 --set lora.dropout=0" +
+        " --set train.output_dir=" + temp.file("run-" + dtype) + " 2>&1");
+    ASSERT_EQ(trained.status, 0) << trained.output;
+    EXPECT_NE(trained.output.find("done: 3 steps"), std::string::npos) << trained.output;
+    losses[index++] = first_step_loss(trained.output);
+  }
+  std::printf("[ measured ] first loss, window 16 over 64 tokens: bf16 flash window %.5f, fp32 masked %.5f\n", losses[0],
+              losses[1]);
+  EXPECT_NEAR(losses[0], losses[1], 0.02 * losses[1]);
+}
 
 }  // namespace
 }  // namespace qtrain

@@ -1,0 +1,18 @@
+#pragma once
+// Causal attention over a sliding window on flash attention's own window (query i sees keys
+// i - window + 1 .. i), without the [T, T] mask SDPA would need: memory and time grow with
+// T x window instead of T x T. Flash attention runs on CUDA in bf16 / fp16 with head_dim a
+// multiple of 8 up to 256; flash_window_attention_applies() says when.
+#include <torch/torch.h>
+
+namespace qtrain::trainer {
+
+// query [batch, heads, T, head_dim], key / value [batch, key_value_heads, T, head_dim] (heads a
+// multiple of key_value_heads), every query at the position of its key (no cache before them).
+bool flash_window_attention_applies(const torch::Tensor& query, const torch::Tensor& key);
+
+// The attention output [batch, heads, T, head_dim]; differentiable in query, key and value.
+torch::Tensor flash_window_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
+                                     int64_t window, double scale);
+
+}  // namespace qtrain::trainer
