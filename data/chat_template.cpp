@@ -108,7 +108,14 @@ void render_llama3(const std::vector<ChatMessage>& messages, const std::string& 
 }
 
 void render_chatml(const std::vector<ChatMessage>& messages, const std::optional<std::string>& default_system_prompt,
-                   SegmentWriter& out) {
+                   bool tool_responses, SegmentWriter& out) {
+  for (size_t index = 0; index < messages.size(); ++index) {
+    if (tool_responses && messages[index].role == "tool") {
+      throw Error(ErrorCode::kTokenizer, "chat message " + std::to_string(index) + " is a tool result: this model's template "
+                  "renders those as <tool_response> blocks in user turns (Qwen2.5), which qtrain's chatml family does "
+                  "not render; leave tool messages out of the data");
+    }
+  }
   if (default_system_prompt && (messages.empty() || messages.front().role != "system")) {
     out.add("<|im_start|>system\n" + *default_system_prompt + "<|im_end|>\n", false);
   }
@@ -270,7 +277,9 @@ ChatTemplate ChatTemplate::from_template_text(const std::string& text, const std
       throw Error(ErrorCode::kTokenizer, source + ": this chatml template renders reasoning blocks (<think>) differently from "
                   "Qwen3's templates (hybrid, Instruct-2507, Thinking-2507), the ones qtrain renders" + force_hint);
     }
-    return ChatTemplate(Family::kChatml, bos_token, eos_token, chatml_default_system_prompt(text));
+    ChatTemplate chatml(Family::kChatml, bos_token, eos_token, chatml_default_system_prompt(text));
+    chatml.tool_responses_ = contains(text, "<tool_response>");
+    return chatml;
   }
   if (contains(text, "[INST]") && contains(text, "[/INST]")) {
     if (contains(text, "'[INST] ' + message['content'] + ' [/INST]'") && contains(text, "message['content'] + eos_token") &&
@@ -317,7 +326,7 @@ std::vector<ChatSegment> ChatTemplate::render_segments(const std::vector<ChatMes
       generation_prompt = "<|start_header_id|>assistant<|end_header_id|>\n\n";
       break;
     case Family::kChatml:
-      render_chatml(messages, default_system_prompt_, out);
+      render_chatml(messages, default_system_prompt_, tool_responses_, out);
       break;
     case Family::kQwen3:
     case Family::kQwen3Instruct:

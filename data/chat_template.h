@@ -72,6 +72,9 @@ class ChatTemplate {
   std::string bos_token_;
   std::string eos_token_;
   std::optional<std::string> default_system_prompt_;  // chatml only
+  // chatml: the template turns tool results into user turns of <tool_response> blocks (Qwen2.5),
+  // which the chatml family does not render: a tool message is an error.
+  bool tool_responses_ = false;
 };
 
 }  // namespace qtrain::data

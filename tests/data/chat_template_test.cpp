@@ -129,6 +129,23 @@ TEST(ChatTemplate, UnknownTemplateIsAnErrorNamingFileAndFamilies) {
   EXPECT_EQ(ChatTemplate::from_model_dir(model_dir.path(), "chatml").family(), "chatml");
 }
 
+// Qwen2.5's template turns tool results into <tool_response> user turns; the chatml family
+// would render "<|im_start|>tool", so a tool message is refused rather than rendered otherwise.
+TEST(ChatTemplate, ChatmlWithToolResponsesRefusesToolMessages) {
+  const ChatTemplate qwen25 = ChatTemplate::from_template_text(
+      kQwen2Template + "{% if message.role == 'tool' %}{{ '<tool_response>' }}{% endif %}", "qwen2.5", "");
+  EXPECT_EQ(qwen25.family(), "chatml");
+  EXPECT_NO_THROW(qwen25.render(kConversation, false));
+  try {
+    qwen25.render({{"user", "Weather?"}, {"assistant", "Calling."}, {"tool", "21"}, {"assistant", "21."}}, false);
+    FAIL() << "expected an error";
+  } catch (const qtrain::Error& error) {
+    EXPECT_NE(std::string(error.what()).find("chat message 2"), std::string::npos) << error.what();
+  }
+  // A plain chatml template renders the role as it is.
+  EXPECT_NE(ChatTemplate::named("chatml").render({{"tool", "21"}}, false).find("<|im_start|>tool\n21"), std::string::npos);
+}
+
 TEST(ChatTemplate, UnknownFamilyNameIsAnError) {
   EXPECT_THROW(ChatTemplate::named("vicuna"), qtrain::Error);
   for (const auto& family : ChatTemplate::supported_families()) EXPECT_EQ(ChatTemplate::named(family).family(), family);
