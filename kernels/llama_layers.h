@@ -5,7 +5,7 @@
 // docs/PERFORMANCE.md).
 //
 // Each kernel rounds where the torch operations of transformers' modeling_llama.py round (the
-// reference: trainer/llama_layers.cpp runs those operations on the CPU and for other dtypes), so
+// reference: trainer/model/llama_layers.cpp runs those operations on the CPU and for other dtypes), so
 // the results equal theirs up to the order of one fp32 sum (RMSNorm's mean) and the fused
 // multiply-adds the compiler chooses: within one step of the output dtype.
 //

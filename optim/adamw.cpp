@@ -11,7 +11,9 @@ void check_adamw_options(const AdamWOptions& options) {
     throw Error(ErrorCode::kRecipe, "optim.betas must both lie in [0, 1), got [" + std::to_string(options.beta1) + ", " +
                 std::to_string(options.beta2) + "]");
   }
-  if (!(options.eps >= 0.0)) throw Error(ErrorCode::kRecipe, "optim.eps must be >= 0, got " + std::to_string(options.eps));
+  // eps > 0, as the recipe's optim.eps allows: with 0, a parameter whose gradients are all zero
+  // divides 0 by 0.
+  if (!(options.eps > 0.0)) throw Error(ErrorCode::kRecipe, "optim.eps must be > 0, got " + std::to_string(options.eps));
   if (!(options.weight_decay >= 0.0)) {
     throw Error(ErrorCode::kRecipe, "optim.weight_decay must be >= 0, got " + std::to_string(options.weight_decay));
   }

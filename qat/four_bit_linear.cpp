@@ -31,7 +31,7 @@ FourBitLinear::FourBitLinear(FourBitTensor weight, const torch::Tensor& bias, to
 std::shared_ptr<FourBitLinear> FourBitLinear::from_dense(const torch::Tensor& weight, const torch::Tensor& bias,
                                                          const FourBitOptions& options) {
   if (weight.dim() != 2) throw Error(ErrorCode::kInternal, "FourBitLinear::from_dense: the weight must be 2-d [out, in]");
-  const auto type = parse_four_bit_type(options.quant_type, "qlora.quant_type");
+  const auto type = parse_four_bit_type(options.quant_type, "the 4-bit quant_type");
   return std::make_shared<FourBitLinear>(quantize_4bit(weight, type, options.blocksize, options.double_quant), bias,
                                          options.compute_dtype);
 }
@@ -65,7 +65,7 @@ void FourBitLinear::to(torch::Device device, torch::Dtype dtype, bool non_blocki
 
 std::vector<std::string> quantize_linear_layers(torch::nn::Module& root, const FourBitOptions& options,
                                                 const std::vector<std::string>& skip_modules) {
-  parse_four_bit_type(options.quant_type, "qlora.quant_type");
+  parse_four_bit_type(options.quant_type, "the 4-bit quant_type");
   check_four_bit_blocksize(options.blocksize);
   return replace_dense_linear_layers(root, skip_modules, [&](const DenseLinear& dense) {
     const auto on_device = [&](const torch::Tensor& tensor) {

@@ -101,7 +101,7 @@ void Int8Linear::to(torch::Device device, torch::Dtype dtype, bool non_blocking)
 std::vector<std::string> quantize_linear_layers_int8(torch::nn::Module& root, const Int8Options& options,
                                                      const std::vector<std::string>& skip_modules) {
   if (!(options.threshold >= 0.0)) {
-    throw Error(ErrorCode::kRecipe, "qlora.llm_int8_threshold must be >= 0 (0 turns the outlier decomposition off), got " +
+    throw Error(ErrorCode::kRecipe, "the LLM.int8 outlier threshold must be >= 0 (0 turns the outlier decomposition off), got " +
                 std::to_string(options.threshold));
   }
   return replace_dense_linear_layers(root, skip_modules, [&](const DenseLinear& dense) {

@@ -10,9 +10,9 @@ QatLinear::QatLinear(std::shared_ptr<LinearLayer> inner, const QatLinearOptions&
     : inner_(std::move(inner)) {
   if (!inner_) throw Error(ErrorCode::kInternal, "QatLinear needs a layer to quantize, got none");
   if (const auto* lora = dynamic_cast<const LoraLinear*>(inner_.get()); lora && lora->options().dropout > 0.0) {
-    throw Error(ErrorCode::kRecipe, "lora.dropout: " + std::to_string(lora->options().dropout) + " cannot apply under " + what +
+    throw Error(ErrorCode::kRecipe, "LoRA dropout " + std::to_string(lora->options().dropout) + " cannot apply under " + what +
                 ", which fake-quantizes the merged weight W + scale * B A (dropout acts on the LoRA branch's input, "
-                "which the merged weight has no place for); set lora.dropout: 0");
+                "which the merged weight has no place for); give the adapters no dropout");
   }
   // The inner layer's state under its own names (see the header), shared, not copied.
   for (const auto& item : inner_->named_parameters(/*recurse=*/false)) {

@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "trainer/file_system.h"
+#include "trainer/base/file_system.h"
 
 namespace qtrain::testing {
 

@@ -24,7 +24,7 @@ SHAPES = {
                       intermediate_size=8192, vocab_size=128256),
     "tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                  intermediate_size=688, vocab_size=32000),
-    # The families' shapes, as qtrain bench's (trainer/llama_shapes.cpp); config_class picks the model.
+    # The families' shapes, as qtrain bench's (trainer/model/llama_shapes.cpp); config_class picks the model.
     "qwen3-8b": dict(config_class="Qwen3Config", hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936,
                      rope_theta=1000000.0, rms_norm_eps=1e-6),

@@ -29,13 +29,13 @@
 #include "qat/qat_linear.h"
 #include "tools/commands.h"
 #include "tools/kernel_profile.h"
-#include "trainer/causal_lm_loss.h"
-#include "trainer/device.h"
-#include "trainer/hf_config.h"
-#include "trainer/llama.h"
-#include "trainer/llama_shapes.h"
-#include "trainer/memory_stats.h"
-#include "trainer/training_checkpoint.h"
+#include "trainer/model/causal_lm_loss.h"
+#include "trainer/base/device.h"
+#include "trainer/formats/hf_config.h"
+#include "trainer/model/llama.h"
+#include "trainer/model/llama_shapes.h"
+#include "trainer/base/memory_stats.h"
+#include "trainer/formats/training_checkpoint.h"
 
 namespace po = boost::program_options;
 
@@ -157,7 +157,7 @@ int run_bench(const Arguments& arguments) {
   lora.alpha = 2.0 * static_cast<double>(lora_rank);
   lora.dropout = 0.0;
   qat::LoraTargets targets;
-  targets.include.names = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+  targets.include.names = trainer::decoder_projection_names();
   qat::apply_lora(*model, targets, lora);
   const bool fake_quant = values["qat"].as<bool>();
   if (fake_quant) {

@@ -7,8 +7,8 @@
 
 #include "data/batching.h"
 #include "tools/commands.h"
-#include "trainer/recipe.h"
-#include "trainer/recipe_data.h"
+#include "trainer/recipe/recipe.h"
+#include "trainer/recipe/recipe_data.h"
 
 namespace po = boost::program_options;
 

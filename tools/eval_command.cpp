@@ -6,10 +6,10 @@
 #include "data/dataset.h"
 #include "data/tokenizer.h"
 #include "kernels/error.h"
-#include "trainer/device.h"
-#include "trainer/evaluate.h"
-#include "trainer/hf_checkpoint.h"
-#include "trainer/peft_adapter.h"
+#include "trainer/base/device.h"
+#include "trainer/model/evaluate.h"
+#include "trainer/formats/hf_checkpoint.h"
+#include "trainer/formats/peft_adapter.h"
 #include "tools/commands.h"
 
 namespace po = boost::program_options;

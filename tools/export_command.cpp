@@ -10,12 +10,12 @@
 
 #include "kernels/error.h"
 #include "tools/commands.h"
-#include "trainer/file_system.h"
-#include "trainer/gguf_export.h"
-#include "trainer/hf_checkpoint.h"
-#include "trainer/merged_export.h"
-#include "trainer/peft_adapter.h"
-#include "trainer/quantized_checkpoint.h"
+#include "trainer/base/file_system.h"
+#include "trainer/formats/gguf_export.h"
+#include "trainer/formats/hf_checkpoint.h"
+#include "trainer/formats/merged_export.h"
+#include "trainer/formats/peft_adapter.h"
+#include "trainer/formats/safetensors_int.h"
 #include "qat/qat_linear.h"
 #include "trainer/run_model.h"
 

@@ -1,5 +1,5 @@
 // qtrain generate: text from a Hugging Face model (optionally with a PEFT adapter), streamed to
-// stdout as it is generated; speed on stderr. The decoding itself is trainer/generation.h.
+// stdout as it is generated; speed on stderr. The decoding itself is trainer/model/generation.h.
 #include <cstdio>
 #include <iostream>
 #include <optional>
@@ -13,11 +13,11 @@
 #include "kernels/error.h"
 #include "tools/commands.h"
 #include "tools/kernel_profile.h"
-#include "trainer/device.h"
-#include "trainer/generation.h"
-#include "trainer/generation_config.h"
-#include "trainer/hf_checkpoint.h"
-#include "trainer/peft_adapter.h"
+#include "trainer/base/device.h"
+#include "trainer/model/generation.h"
+#include "trainer/formats/generation_config.h"
+#include "trainer/formats/hf_checkpoint.h"
+#include "trainer/formats/peft_adapter.h"
 
 namespace po = boost::program_options;
 

@@ -7,11 +7,11 @@
 
 #include "kernels/error.h"
 #include "tools/commands.h"
-#include "trainer/hf_config.h"
-#include "trainer/memory_stats.h"
-#include "trainer/model_memory.h"
-#include "trainer/recipe.h"
-#include "trainer/safetensors.h"
+#include "trainer/formats/hf_config.h"
+#include "trainer/base/memory_stats.h"
+#include "trainer/recipe/model_memory.h"
+#include "trainer/recipe/recipe.h"
+#include "trainer/formats/safetensors.h"
 
 namespace po = boost::program_options;
 
@@ -115,7 +115,7 @@ void print_peak_estimate(const std::string& recipe_path, const trainer::Training
               used(true), bytes(estimate.lowest_total()).c_str());
   std::printf("  * this recipe's settings. The total is the peak of the loss's backward or, with checkpointing,\n"
               "    of the layers' after it, which can be less than the sum. Not counted: the CUDA context (about\n"
-              "    500 MiB), allocator fragmentation, backward's transient gradients; see trainer/model_memory.h\n");
+              "    500 MiB), allocator fragmentation, backward's transient gradients; see trainer/recipe/model_memory.h\n");
 }
 
 }  // namespace

@@ -8,7 +8,7 @@
 
 #include "tools/commands.h"
 #include "tools/fatal_errors.h"
-#include "trainer/cpu_threads.h"
+#include "trainer/base/cpu_threads.h"
 
 namespace po = boost::program_options;
 

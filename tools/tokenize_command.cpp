@@ -11,9 +11,9 @@
 #include "data/tokenizer.h"
 #include "kernels/error.h"
 #include "tools/commands.h"
-#include "trainer/file_system.h"
-#include "trainer/recipe.h"
-#include "trainer/recipe_data.h"
+#include "trainer/base/file_system.h"
+#include "trainer/recipe/recipe.h"
+#include "trainer/recipe/recipe_data.h"
 
 namespace po = boost::program_options;
 

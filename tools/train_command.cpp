@@ -5,8 +5,8 @@
 
 #include "tools/commands.h"
 #include "trainer/finetune.h"
-#include "trainer/launch_environment.h"
-#include "trainer/recipe.h"
+#include "trainer/dist/launch_environment.h"
+#include "trainer/recipe/recipe.h"
 #include "trainer/stop_signal.h"
 
 namespace po = boost::program_options;

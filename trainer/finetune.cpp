@@ -11,20 +11,20 @@
 
 #include "kernels/error.h"
 #include "optim/grad_clip.h"
-#include "trainer/batch_inputs.h"
-#include "trainer/causal_lm_loss.h"
-#include "trainer/device.h"
-#include "trainer/evaluate.h"
-#include "trainer/file_system.h"
+#include "trainer/model/batch_inputs.h"
+#include "trainer/model/causal_lm_loss.h"
+#include "trainer/base/device.h"
+#include "trainer/model/evaluate.h"
+#include "trainer/base/file_system.h"
 #include "trainer/loss_scaler.h"
-#include "trainer/memory_stats.h"
-#include "trainer/model_exports.h"
-#include "trainer/random_state.h"
-#include "trainer/recipe_data.h"
-#include "trainer/recipe_training.h"
-#include "trainer/cpu_threads.h"
+#include "trainer/base/memory_stats.h"
+#include "trainer/formats/model_exports.h"
+#include "trainer/base/random_state.h"
+#include "trainer/recipe/recipe_data.h"
+#include "trainer/recipe/recipe_training.h"
+#include "trainer/base/cpu_threads.h"
 #include "trainer/stop_signal.h"
-#include "trainer/training_checkpoint.h"
+#include "trainer/formats/training_checkpoint.h"
 
 namespace qtrain::trainer {
 
@@ -405,18 +405,15 @@ bool Finetune::resume_if_asked() {
   }
   const auto checkpoint = read_training_checkpoint(path);
   const Recipe saved = load_recipe(path + "/recipe.yaml", {});
-  for (const char* key : {"model.path", "quant", "qlora.quant_type", "qlora.blocksize", "qlora.double_quant",
-                          "qlora.llm_int8_threshold", "lora.rank", "qat.weights", "qat.activations",
-                          "qat.target_modules"}) {
-    for (const auto& difference : recipe_differences(saved, recipe_)) {
-      if (difference.rfind(std::string(key) + ":", 0) == 0 || difference.rfind(std::string(key) + ".", 0) == 0) {
-        throw Error(ErrorCode::kCheckpoint, path + ": the checkpoint was trained with another model (" + difference +
-                    "); resume with the recipe it was written with");
-      }
+  const auto differences = recipe_differences(saved, recipe_);
+  for (const auto& difference : differences) {
+    if (difference.shapes_model) {
+      throw Error(ErrorCode::kCheckpoint, path + ": the checkpoint was trained with another model (" + difference.text +
+                  "); resume with the recipe it was written with");
     }
   }
-  for (const auto& difference : recipe_differences(saved, recipe_)) {
-    std::printf("resume: recipe changed since the checkpoint: %s\n", difference.c_str());
+  for (const auto& difference : differences) {
+    std::printf("resume: recipe changed since the checkpoint: %s\n", difference.text.c_str());
   }
   load_trainable_tensors(*loaded_.model, checkpoint.trainable,
                          trainable_.size() + qat_state_buffers(*loaded_.model).size(), path);

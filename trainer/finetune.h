@@ -6,11 +6,11 @@
 //   RUN/metrics.jsonl   one JSON object per logged step (and per evaluation)
 //   RUN/adapter/        the final PEFT adapter (runs that train adapters)
 //   RUN/export/<format> export.formats besides peft: merged, safetensors-int, gguf (export.out)
-//   RUN/checkpoints/    training-state checkpoints (trainer/training_checkpoint.h)
+//   RUN/checkpoints/    training-state checkpoints (trainer/formats/training_checkpoint.h)
 //
-// Under a launcher (trainer/launch_environment.h) every rank runs this same recipe on its own
+// Under a launcher (trainer/dist/launch_environment.h) every rank runs this same recipe on its own
 // slice of each global batch; gradients are summed over the ranks during backward
-// (trainer/gradient_buckets.h). Rank 0 alone writes the run directory; the others wait for it.
+// (trainer/dist/gradient_buckets.h). Rank 0 alone writes the run directory; the others wait for it.
 #include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -21,13 +21,13 @@
 #include "data/loader.h"
 #include "optim/lr_schedule.h"
 #include "optim/optimizer.h"
-#include "trainer/gradient_buckets.h"
-#include "trainer/hf_checkpoint.h"
-#include "trainer/launch_environment.h"
+#include "trainer/dist/gradient_buckets.h"
+#include "trainer/formats/hf_checkpoint.h"
+#include "trainer/dist/launch_environment.h"
 #include "trainer/loss_scaler.h"
-#include "trainer/peft_adapter.h"
-#include "trainer/process_group.h"
-#include "trainer/recipe.h"
+#include "trainer/formats/peft_adapter.h"
+#include "trainer/dist/process_group.h"
+#include "trainer/recipe/recipe.h"
 
 namespace qtrain::trainer {
 

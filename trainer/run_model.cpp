@@ -1,8 +1,8 @@
 #include "trainer/run_model.h"
 
 #include "kernels/error.h"
-#include "trainer/recipe_training.h"
-#include "trainer/training_checkpoint.h"
+#include "trainer/recipe/recipe_training.h"
+#include "trainer/formats/training_checkpoint.h"
 
 namespace qtrain::trainer {
 

@@ -1,14 +1,14 @@
 #pragma once
 // The model a run trained, rebuilt from its run directory for export: the base as training built
-// it (trainer/recipe_training.h) with the run's trained weights, either the final ones or those
+// it (trainer/recipe/recipe_training.h) with the run's trained weights, either the final ones or those
 // of a training-state checkpoint (RUN/checkpoints/step-N). The final weights of a LoRA run are
 // its adapter (RUN/adapter); those of a full-weights or QAT run, its last checkpoint (which also
 // holds the quantizers' state). A QAT run comes back with its QatLinear layers, fake quant on.
 #include <string>
 
-#include "trainer/hf_checkpoint.h"
-#include "trainer/peft_adapter.h"
-#include "trainer/recipe.h"
+#include "trainer/formats/hf_checkpoint.h"
+#include "trainer/formats/peft_adapter.h"
+#include "trainer/recipe/recipe.h"
 
 namespace qtrain::trainer {
 

@@ -8,8 +8,8 @@
 #include <nlohmann/json.hpp>
 
 #include "support.h"
-#include "trainer/safetensors.h"
-#include "trainer/training_checkpoint.h"
+#include "trainer/formats/safetensors.h"
+#include "trainer/formats/training_checkpoint.h"
 
 namespace qtrain {
 namespace {

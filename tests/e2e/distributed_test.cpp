@@ -5,7 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "support.h"
-#include "trainer/safetensors.h"
+#include "trainer/formats/safetensors.h"
 
 namespace qtrain {
 namespace {
@@ -136,7 +136,7 @@ TEST(Distributed, AKilledRankMakesTheOtherExitNamingIt) { expect_survivor_names(
 
 TEST(Distributed, AKilledRankZeroMakesTheOtherExitNamingIt) { expect_survivor_names(0, 1); }
 
-// NCCL does not notice a dead peer; the heartbeats do (trainer/process_group.h).
+// NCCL does not notice a dead peer; the heartbeats do (trainer/dist/process_group.h).
 TEST(Distributed, AKilledGpuRankMakesTheOtherExitNamingItWithinSeconds) {
   if (!has_two_gpus()) GTEST_SKIP() << "needs 2 CUDA GPUs";
   expect_survivor_names(1, 0, "cuda");

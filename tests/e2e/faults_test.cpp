@@ -7,7 +7,7 @@
 #include <algorithm>
 
 #include "support.h"
-#include "trainer/training_checkpoint.h"
+#include "trainer/formats/training_checkpoint.h"
 
 namespace qtrain {
 namespace {

@@ -1,11 +1,11 @@
-// A GGUF file's bytes (trainer/gguf_file.h): header, metadata values and arrays, tensor infos and
+// A GGUF file's bytes (trainer/formats/gguf_file.h): header, metadata values and arrays, tensor infos and
 // their offsets into the data section. Property: every accepted tensor lies inside the file, its
 // size is what its shape and type need, and its bytes can be read (AddressSanitizer watches).
 #include <cstdlib>
 #include <vector>
 
 #include "fuzz_support.h"
-#include "trainer/gguf_file.h"
+#include "trainer/formats/gguf_file.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   qtrain::fuzz::expect_only_qtrain_errors([&] {

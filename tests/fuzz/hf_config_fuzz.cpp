@@ -1,6 +1,6 @@
-// A model's config.json (trainer/hf_config.h): keys of transformers 4.x and 5.x, rope scaling.
+// A model's config.json (trainer/formats/hf_config.h): keys of transformers 4.x and 5.x, rope scaling.
 #include "fuzz_support.h"
-#include "trainer/hf_config.h"
+#include "trainer/formats/hf_config.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   qtrain::fuzz::expect_only_qtrain_errors([&] {

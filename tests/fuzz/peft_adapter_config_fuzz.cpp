@@ -1,7 +1,7 @@
-// A PEFT adapter's adapter_config.json (trainer/peft_adapter_config.h), then its rank_pattern
+// A PEFT adapter's adapter_config.json (trainer/formats/peft_adapter_config.h), then its rank_pattern
 // and alpha_pattern regexes applied to module names, as loading an adapter does.
 #include "fuzz_support.h"
-#include "trainer/peft_adapter_config.h"
+#include "trainer/formats/peft_adapter_config.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   qtrain::fuzz::expect_only_qtrain_errors([&] {

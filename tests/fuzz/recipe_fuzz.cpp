@@ -1,8 +1,8 @@
-// A recipe: YAML, then --set overrides (trainer/recipe.h). The input is the YAML text; after a
+// A recipe: YAML, then --set overrides (trainer/recipe/recipe.h). The input is the YAML text; after a
 // line "%%", each further line is one `key=value` override. An accepted recipe must print
 // (--print-recipe) as YAML that loads back to the same recipe.
 #include "fuzz_support.h"
-#include "trainer/recipe.h"
+#include "trainer/recipe/recipe.h"
 
 #include <sstream>
 #include <vector>

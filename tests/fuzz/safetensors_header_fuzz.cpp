@@ -1,7 +1,7 @@
 // The first bytes of a downloaded .safetensors file: the header length, the JSON header, and
-// data_offsets checked against the file's size (trainer/safetensors_header.h).
+// data_offsets checked against the file's size (trainer/formats/safetensors_header.h).
 #include "fuzz_support.h"
-#include "trainer/safetensors_header.h"
+#include "trainer/formats/safetensors_header.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   qtrain::fuzz::expect_only_qtrain_errors([&] {

@@ -1,15 +1,15 @@
 // Memory switches must not change what is learned: gradients with per-layer checkpointing and
 // with the chunked loss equal those of the plain path bitwise on a CPU in fp32 (tiny-llama with
 // LoRA and dropout, dense and NF4 bases).
-#include "trainer/activation_checkpoint.h"
+#include "trainer/model/activation_checkpoint.h"
 
 #include <gtest/gtest.h>
 
 #include "qat/four_bit_linear.h"
 #include "qat/lora_linear.h"
 #include "support.h"
-#include "trainer/causal_lm_loss.h"
-#include "trainer/hf_checkpoint.h"
+#include "trainer/model/causal_lm_loss.h"
+#include "trainer/formats/hf_checkpoint.h"
 
 namespace qtrain::trainer {
 namespace {

@@ -11,7 +11,7 @@
 #include "kernels/blockwise_8bit.h"
 #include "optim/adamw8bit.h"
 #include "support.h"
-#include "trainer/safetensors.h"
+#include "trainer/formats/safetensors.h"
 
 namespace qtrain::trainer {
 namespace {

@@ -11,9 +11,9 @@
 #include "qat/four_bit_codec.h"
 #include "qat/four_bit_linear.h"
 #include "support.h"
-#include "trainer/bnb_checkpoint.h"
-#include "trainer/hf_checkpoint.h"
-#include "trainer/safetensors.h"
+#include "trainer/formats/bnb_checkpoint.h"
+#include "trainer/formats/hf_checkpoint.h"
+#include "trainer/formats/safetensors.h"
 
 namespace qtrain::trainer {
 namespace {

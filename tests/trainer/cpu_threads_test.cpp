@@ -1,7 +1,7 @@
 // The CPU thread count: the cores other processes keep busy come off it, the user's
 // OMP_NUM_THREADS is never overridden. (How much speed this keeps beside a busy process is a
 // benchmark, tools/busy_cpu_check.sh, not a test.)
-#include "trainer/cpu_threads.h"
+#include "trainer/base/cpu_threads.h"
 
 #include <gtest/gtest.h>
 #include <sched.h>

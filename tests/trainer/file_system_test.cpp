@@ -1,5 +1,5 @@
 // Writes that a crash must never leave half done: whole files and whole directories.
-#include "trainer/file_system.h"
+#include "trainer/base/file_system.h"
 
 #include <gtest/gtest.h>
 

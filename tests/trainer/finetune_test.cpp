@@ -5,13 +5,15 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <set>
 #include <nlohmann/json.hpp>
 
 #include "kernels/error.h"
 #include "run_metrics.h"
 #include "support.h"
-#include "trainer/evaluate.h"
+#include "trainer/model/evaluate.h"
 #include "trainer/finetune.h"
+#include "trainer/recipe/recipe_schema.h"
 
 namespace qtrain::trainer {
 namespace {
@@ -152,6 +154,37 @@ TEST(Finetune, AResumedRunContinuesBitwiseExactly) {
     ASSERT_EQ(continued.size(), 2u) << dtype;
     for (size_t step = 0; step < 2; ++step) EXPECT_EQ(continued[step], whole[2 + step]) << dtype << ", step " << step + 3;
   }
+}
+
+// A checkpoint holds one model: a key the schema marks as shaping it (the base, its
+// quantization, the adapters' rank, the QAT schemes) must be what the checkpoint was written
+// with; any other key may change on resume and is reported.
+TEST(Finetune, ResumingUnderAnotherModelIsRefusedAndOtherChangesReported) {
+  testing::TempDir run;
+  Finetune first(small_recipe(run, {"train.steps=2", "checkpoint.every=2"}));
+  first.setup();
+  first.train();
+  Finetune other_rank(small_recipe(run, {"train.steps=4", "checkpoint.every=2", "lora.rank=8"}), "auto");
+  try {
+    other_rank.setup();
+    other_rank.train();
+    FAIL() << "a checkpoint of another lora.rank was resumed";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("another model (lora.rank: "), std::string::npos) << error.what();
+  }
+  std::set<std::string> shaping;
+  for (const auto& key : recipe_keys()) {
+    if (key.model_shaping) shaping.insert(key.name);
+  }
+  for (const char* name : {"model.path", "quant", "qlora.quant_type", "lora.rank", "qat.weights.bits", "qat.target_modules"}) {
+    EXPECT_TRUE(shaping.count(name)) << name;
+  }
+  for (const char* name : {"optim.lr", "train.steps", "lora.alpha", "lora.dropout", "data.train", "checkpoint.every"}) {
+    EXPECT_FALSE(shaping.count(name)) << name;
+  }
+  Finetune other_lr(small_recipe(run, {"train.steps=4", "checkpoint.every=2", "optim.lr=1e-4"}), "auto");
+  other_lr.setup();
+  EXPECT_EQ(other_lr.train().steps, 4);
 }
 
 TEST(Finetune, DamagedCheckpointsAreSkippedAndKeepLastPrunes) {

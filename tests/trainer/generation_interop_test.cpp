@@ -7,10 +7,10 @@
 
 #include "data/tokenizer.h"
 #include "support.h"
-#include "trainer/generation.h"
-#include "trainer/generation_config.h"
-#include "trainer/hf_checkpoint.h"
-#include "trainer/peft_adapter.h"
+#include "trainer/model/generation.h"
+#include "trainer/formats/generation_config.h"
+#include "trainer/formats/hf_checkpoint.h"
+#include "trainer/formats/peft_adapter.h"
 
 namespace qtrain::trainer {
 namespace {

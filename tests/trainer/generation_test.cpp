@@ -14,10 +14,10 @@
 
 #include "kernels/error.h"
 #include "support.h"
-#include "trainer/generation.h"
-#include "trainer/generation_config.h"
-#include "trainer/hf_config.h"
-#include "trainer/llama.h"
+#include "trainer/model/generation.h"
+#include "trainer/formats/generation_config.h"
+#include "trainer/formats/hf_config.h"
+#include "trainer/model/llama.h"
 
 namespace qtrain::trainer {
 namespace {

@@ -13,11 +13,11 @@
 #include "qat/gguf_block.h"
 #include "qat_model.h"
 #include "support.h"
-#include "trainer/gguf_export.h"
-#include "trainer/file_system.h"
-#include "trainer/gguf_file.h"
-#include "trainer/merged_export.h"
-#include "trainer/safetensors.h"
+#include "trainer/formats/gguf_export.h"
+#include "trainer/base/file_system.h"
+#include "trainer/formats/gguf_file.h"
+#include "trainer/formats/merged_export.h"
+#include "trainer/formats/safetensors.h"
 
 namespace qtrain::trainer {
 namespace {

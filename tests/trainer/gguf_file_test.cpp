@@ -6,7 +6,7 @@
 
 #include "kernels/error.h"
 #include "support.h"
-#include "trainer/gguf_file.h"
+#include "trainer/formats/gguf_file.h"
 
 namespace qtrain::trainer {
 namespace {

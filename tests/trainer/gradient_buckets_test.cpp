@@ -4,8 +4,8 @@
 #include <future>
 
 #include "support.h"
-#include "trainer/gradient_buckets.h"
-#include "trainer/process_group.h"
+#include "trainer/dist/gradient_buckets.h"
+#include "trainer/dist/process_group.h"
 
 namespace qtrain::trainer {
 namespace {

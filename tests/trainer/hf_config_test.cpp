@@ -7,7 +7,7 @@
 
 #include "kernels/error.h"
 #include "support.h"
-#include "trainer/hf_config.h"
+#include "trainer/formats/hf_config.h"
 
 namespace qtrain::trainer {
 namespace {

@@ -15,9 +15,9 @@
 #include "run_metrics.h"
 #include "support.h"
 #include "trainer/finetune.h"
-#include "trainer/hf_checkpoint.h"
-#include "trainer/recipe_training.h"
-#include "trainer/safetensors.h"
+#include "trainer/formats/hf_checkpoint.h"
+#include "trainer/recipe/recipe_training.h"
+#include "trainer/formats/safetensors.h"
 
 namespace qtrain::trainer {
 namespace {

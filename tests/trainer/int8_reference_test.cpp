@@ -15,10 +15,10 @@
 #include "qat/int8_linear.h"
 #include "qat/lora_linear.h"
 #include "support.h"
-#include "trainer/bnb_checkpoint.h"
-#include "trainer/hf_checkpoint.h"
-#include "trainer/merged_export.h"
-#include "trainer/safetensors.h"
+#include "trainer/formats/bnb_checkpoint.h"
+#include "trainer/formats/hf_checkpoint.h"
+#include "trainer/formats/merged_export.h"
+#include "trainer/formats/safetensors.h"
 
 namespace qtrain::trainer {
 namespace {
@@ -141,7 +141,7 @@ TEST(Int8Reference, NegativeThresholdIsAnError) {
     qat::quantize_linear_layers_int8(*model.model, options, {"lm_head"});
     FAIL() << "a negative threshold was accepted";
   } catch (const Error& error) {
-    EXPECT_NE(std::string(error.what()).find("qlora.llm_int8_threshold must be >= 0"), std::string::npos)
+    EXPECT_NE(std::string(error.what()).find("outlier threshold must be >= 0"), std::string::npos)
         << error.what();
   }
 }

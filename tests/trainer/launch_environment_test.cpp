@@ -4,7 +4,7 @@
 #include <map>
 
 #include "kernels/error.h"
-#include "trainer/launch_environment.h"
+#include "trainer/dist/launch_environment.h"
 
 namespace qtrain::trainer {
 namespace {

@@ -1,4 +1,4 @@
-// The fused CUDA RMSNorm, rotary embedding and SwiGLU (trainer/llama_layers.h) against the torch
+// The fused CUDA RMSNorm, rotary embedding and SwiGLU (trainer/model/llama_layers.h) against the torch
 // operations of transformers' modeling_llama.py on the same GPU, forward and backward, on fresh
 // random inputs in bf16, fp16 and fp32. Tolerance: one step of the dtype relative to each value
 // (the kernels round where the operations round; what may differ is the order of RMSNorm's fp32
@@ -14,7 +14,7 @@
 #include <string>
 
 #include "kernels/cuda_build.h"
-#include "trainer/llama_layers.h"
+#include "trainer/model/llama_layers.h"
 
 namespace qtrain::trainer {
 namespace {

@@ -2,9 +2,9 @@
 #include <gtest/gtest.h>
 
 #include "support.h"
-#include "trainer/causal_lm_loss.h"
-#include "trainer/hf_checkpoint.h"
-#include "trainer/safetensors.h"
+#include "trainer/model/causal_lm_loss.h"
+#include "trainer/formats/hf_checkpoint.h"
+#include "trainer/formats/safetensors.h"
 
 namespace qtrain::trainer {
 namespace {

@@ -5,8 +5,8 @@
 #include <gtest/gtest.h>
 
 #include "support.h"
-#include "trainer/hf_checkpoint.h"
-#include "trainer/safetensors.h"
+#include "trainer/formats/hf_checkpoint.h"
+#include "trainer/formats/safetensors.h"
 
 namespace qtrain::trainer {
 namespace {

@@ -11,10 +11,10 @@
 #include "qat/four_bit_linear.h"
 #include "support.h"
 #include "model_outputs.h"
-#include "trainer/hf_checkpoint.h"
-#include "trainer/merged_export.h"
-#include "trainer/peft_adapter.h"
-#include "trainer/safetensors.h"
+#include "trainer/formats/hf_checkpoint.h"
+#include "trainer/formats/merged_export.h"
+#include "trainer/formats/peft_adapter.h"
+#include "trainer/formats/safetensors.h"
 
 namespace qtrain::trainer {
 namespace {

@@ -9,14 +9,14 @@
 
 #include "kernels/error.h"
 #include "support.h"
-#include "trainer/generation.h"
-#include "trainer/gguf_export.h"
-#include "trainer/hf_checkpoint.h"
-#include "trainer/hf_config.h"
-#include "trainer/llama_shapes.h"
-#include "trainer/model_memory.h"
-#include "trainer/peft_adapter.h"
-#include "trainer/safetensors.h"
+#include "trainer/model/generation.h"
+#include "trainer/formats/gguf_export.h"
+#include "trainer/formats/hf_checkpoint.h"
+#include "trainer/formats/hf_config.h"
+#include "trainer/model/llama_shapes.h"
+#include "trainer/recipe/model_memory.h"
+#include "trainer/formats/peft_adapter.h"
+#include "trainer/formats/safetensors.h"
 
 namespace qtrain::trainer {
 namespace {
@@ -218,8 +218,6 @@ TEST(ModelFamilies, SwitchesQtrainDoesNotImplementAreErrorsNamingTheKey) {
   EXPECT_NE(no_window.find("sliding_window"), std::string::npos) << no_window;
 }
 
-// llama.cpp names Qwen's tensors and hyperparameters its own way (qwen2, qwen3): a file written
-// as 'llama' would load as another model, so GGUF export refuses them by name.
 // llama.cpp's qwen3 reads no attention biases: a Qwen3 with attention_bias would lose them.
 TEST(ModelFamilies, GgufExportRefusesWhatTheArchitectureCannotHold) {
   testing::TempDir temp;

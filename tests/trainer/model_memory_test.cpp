@@ -17,13 +17,13 @@
 #include "qat/int8_linear.h"
 #include "qat/lora_linear.h"
 #include "support.h"
-#include "trainer/batch_inputs.h"
-#include "trainer/causal_lm_loss.h"
-#include "trainer/hf_checkpoint.h"
-#include "trainer/llama_shapes.h"
-#include "trainer/memory_stats.h"
-#include "trainer/model_memory.h"
-#include "trainer/recipe.h"
+#include "trainer/model/batch_inputs.h"
+#include "trainer/model/causal_lm_loss.h"
+#include "trainer/formats/hf_checkpoint.h"
+#include "trainer/model/llama_shapes.h"
+#include "trainer/base/memory_stats.h"
+#include "trainer/recipe/model_memory.h"
+#include "trainer/recipe/recipe.h"
 
 namespace qtrain::trainer {
 namespace {

@@ -3,7 +3,7 @@
 // the largest reference logit.
 #include <torch/torch.h>
 
-#include "trainer/llama.h"
+#include "trainer/model/llama.h"
 
 namespace qtrain::trainer::testing_outputs {
 

@@ -5,9 +5,9 @@
 
 #include "data/packing.h"
 #include "support.h"
-#include "trainer/batch_inputs.h"
-#include "trainer/causal_lm_loss.h"
-#include "trainer/hf_checkpoint.h"
+#include "trainer/model/batch_inputs.h"
+#include "trainer/model/causal_lm_loss.h"
+#include "trainer/formats/hf_checkpoint.h"
 
 namespace qtrain::trainer {
 namespace {

@@ -16,10 +16,10 @@
 #include "kernels/error.h"
 #include "support.h"
 #include "model_outputs.h"
-#include "trainer/causal_lm_loss.h"
-#include "trainer/hf_checkpoint.h"
-#include "trainer/peft_adapter.h"
-#include "trainer/safetensors.h"
+#include "trainer/model/causal_lm_loss.h"
+#include "trainer/formats/hf_checkpoint.h"
+#include "trainer/formats/peft_adapter.h"
+#include "trainer/formats/safetensors.h"
 
 namespace qtrain::trainer {
 namespace {

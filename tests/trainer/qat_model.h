@@ -6,7 +6,7 @@
 
 #include "qat/qat_linear.h"
 #include "support.h"
-#include "trainer/hf_checkpoint.h"
+#include "trainer/formats/hf_checkpoint.h"
 
 namespace qtrain::trainer::testing_qat {
 

@@ -8,12 +8,12 @@
 #include "kernels/error.h"
 #include "run_metrics.h"
 #include "support.h"
-#include "trainer/evaluate.h"
+#include "trainer/model/evaluate.h"
 #include "trainer/finetune.h"
-#include "trainer/recipe_data.h"
-#include "trainer/recipe_training.h"
+#include "trainer/recipe/recipe_data.h"
+#include "trainer/recipe/recipe_training.h"
 #include "trainer/run_model.h"
-#include "trainer/training_checkpoint.h"
+#include "trainer/formats/training_checkpoint.h"
 
 namespace qtrain::trainer {
 namespace {

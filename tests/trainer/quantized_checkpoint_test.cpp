@@ -10,9 +10,9 @@
 #include "model_outputs.h"
 #include "qat_model.h"
 #include "support.h"
-#include "trainer/hf_checkpoint.h"
-#include "trainer/quantized_checkpoint.h"
-#include "trainer/safetensors.h"
+#include "trainer/formats/hf_checkpoint.h"
+#include "trainer/formats/safetensors_int.h"
+#include "trainer/formats/safetensors.h"
 
 namespace qtrain::trainer {
 namespace {

@@ -1,5 +1,5 @@
 // Recipes: YAML in, typed structs out, errors a user can act on.
-#include "trainer/recipe.h"
+#include "trainer/recipe/recipe.h"
 
 #include <gtest/gtest.h>
 
@@ -12,7 +12,7 @@
 
 #include "kernels/error.h"
 #include "support.h"
-#include "trainer/recipe_schema.h"
+#include "trainer/recipe/recipe_schema.h"
 
 namespace qtrain::trainer {
 

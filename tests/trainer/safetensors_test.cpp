@@ -1,6 +1,6 @@
 // safetensors read and write: the fixtures made by the Python stack, round trips of every dtype,
 // the Python library reading what we write, and damaged files giving errors that name them.
-#include "trainer/safetensors.h"
+#include "trainer/formats/safetensors.h"
 
 #include <gtest/gtest.h>
 
@@ -14,7 +14,7 @@
 
 #include "kernels/error.h"
 #include "support.h"
-#include "trainer/dtype_names.h"
+#include "trainer/base/dtype_names.h"
 
 namespace qtrain::trainer {
 namespace {

@@ -1,12 +1,12 @@
 // Flash attention's sliding window against SDPA over the written-out [T, T] window mask, in fp32
 // from the same bf16 inputs: outputs and the gradients of query, key and value (GPU only).
-#include "trainer/sliding_window_attention.h"
+#include "trainer/model/sliding_window_attention.h"
 
 #include <gtest/gtest.h>
 
 #include <chrono>
 
-#include "trainer/memory_stats.h"
+#include "trainer/base/memory_stats.h"
 
 namespace qtrain::trainer {
 namespace {

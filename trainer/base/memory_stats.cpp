@@ -1,0 +1,76 @@
+#include "trainer/base/memory_stats.h"
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#ifdef QTRAIN_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+namespace qtrain::trainer {
+
+namespace {
+
+// VmRSS / VmHWM of /proc/self/status, in bytes (0 where the file is not there).
+double proc_status_bytes(const std::string& key) {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind(key + ":", 0) == 0) {
+      std::istringstream fields(line.substr(key.size() + 1));
+      double kibibytes = 0;
+      fields >> kibibytes;
+      return kibibytes * 1024.0;
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+MemoryUsage memory_usage(const torch::Device& device) {
+  MemoryUsage usage;
+#ifdef QTRAIN_WITH_CUDA
+  if (device.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    const auto& allocated = stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)];
+    usage.current_bytes = static_cast<double>(allocated.current);
+    usage.peak_bytes = static_cast<double>(allocated.peak);
+    const auto& reserved = stats.reserved_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)];
+    usage.reserved_bytes = static_cast<double>(reserved.current);
+    return usage;
+  }
+#endif
+  usage.current_bytes = proc_status_bytes("VmRSS");
+  usage.peak_bytes = proc_status_bytes("VmHWM");
+  return usage;
+}
+
+void reset_peak_memory(const torch::Device& device) {
+#ifdef QTRAIN_WITH_CUDA
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+#else
+  (void)device;
+#endif
+}
+
+void release_cached_memory(const torch::Device& device) {
+#ifdef QTRAIN_WITH_CUDA
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
+#else
+  (void)device;
+#endif
+}
+
+std::string format_bytes(double bytes) {
+  char text[32];
+  if (bytes >= 1024.0 * 1024.0 * 1024.0) {
+    std::snprintf(text, sizeof text, "%.2f GiB", bytes / (1024.0 * 1024.0 * 1024.0));
+  } else {
+    std::snprintf(text, sizeof text, "%.1f MiB", bytes / (1024.0 * 1024.0));
+  }
+  return text;
+}
+
+}  // namespace qtrain::trainer

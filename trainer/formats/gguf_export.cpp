@@ -1,0 +1,342 @@
+#include "trainer/formats/gguf_export.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "data/tokenizer.h"
+#include "data/tokenizer_config.h"
+#include "data/text_file.h"
+#include "kernels/error.h"
+#include "qat/gguf_block.h"
+#include "qat/qat_linear.h"
+#include "trainer/base/file_system.h"
+#include "trainer/formats/merged_export.h"
+
+namespace qtrain::trainer {
+
+namespace {
+
+// llama.cpp's names for a decoder's tensors (gguf-py's tensor_mapping.py: MODEL_ARCH.LLAMA, QWEN2,
+// QWEN3).
+struct NameMapping {
+  const char* hf;
+  const char* gguf;
+};
+constexpr NameMapping kModelTensors[] = {
+    {"model.embed_tokens.", "token_embd."},
+    {"model.norm.", "output_norm."},
+    {"lm_head.", "output."},
+};
+// Inside model.layers.N. -> blk.N.
+constexpr NameMapping kLayerTensors[] = {
+    {"self_attn.q_proj.", "attn_q."},   {"self_attn.k_proj.", "attn_k."},   {"self_attn.v_proj.", "attn_v."},
+    {"self_attn.o_proj.", "attn_output."}, {"mlp.gate_proj.", "ffn_gate."}, {"mlp.up_proj.", "ffn_up."},
+    {"mlp.down_proj.", "ffn_down."},   {"input_layernorm.", "attn_norm."}, {"post_attention_layernorm.", "ffn_norm."},
+    {"self_attn.q_norm.", "attn_q_norm."}, {"self_attn.k_norm.", "attn_k_norm."},
+};
+constexpr const char* kLayerPrefix = "model.layers.";
+
+// What llama.cpp reads for each architecture qtrain writes (llama-model.cpp's load_tensors and
+// its rope type per architecture).
+struct GgufArchitecture {
+  const char* name;  // general.architecture, and the prefix of the model's keys
+  // llama.cpp's "norm" rope rotates adjacent pairs, so convert_hf_to_gguf reorders q / k rows
+  // (Llama); its "neox" rope rotates halves as transformers does, and the rows stay (Qwen).
+  bool rope_rows_reordered;
+  bool reads_attention_bias;   // attn_q / k / v bias (and attn_output's, for llama)
+  bool reads_query_key_norm;   // attn_q_norm / attn_k_norm
+};
+constexpr GgufArchitecture kGgufArchitectures[] = {
+    {"llama", true, true, false},
+    {"qwen2", false, true, false},
+    {"qwen3", false, false, true},
+};
+
+// The pre-tokenizer regexes llama.cpp knows, by the name its tokenizer.ggml.pre gives them
+// (llama-vocab.cpp): Llama 3's, Qwen2's and GPT-2's (ByteLevel's own regex).
+struct PreTokenizerName {
+  const char* regex;
+  const char* gguf_pre;
+};
+const PreTokenizerName kPreTokenizers[] = {
+    {"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|"
+     "\\s+(?!\\S)|\\s+",
+     "llama-bpe"},
+    // Qwen2 / Qwen2.5 / Qwen3: Llama 3's with single digits.
+    {"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|"
+     "\\s+(?!\\S)|\\s+",
+     "qwen2"},
+};
+constexpr const char* kGpt2ByteLevelPre = "gpt-2";
+
+// gguf-py's TokenType.
+enum TokenType : int32_t { kNormal = 1, kControl = 3, kUserDefined = 4, kUnused = 5 };
+// llama.cpp's llama_ftype for general.file_type.
+enum FileType : uint32_t { kAllF32 = 0, kMostlyF16 = 1, kMostlyQ4_0 = 2, kMostlyQ8_0 = 7 };
+constexpr uint32_t kQuantizationVersion = 2;  // GGML_QNT_VERSION
+
+bool starts_with(const std::string& text, const std::string& prefix) { return text.compare(0, prefix.size(), prefix) == 0; }
+
+
+// tokenizer.ggml.pre for tokenizer.json's pre_tokenizer.
+std::string pre_tokenizer_name(const std::string& tokenizer_path) {
+  const auto document = nlohmann::json::parse(data::read_text_file(tokenizer_path, "tokenizer.json"), nullptr, /*allow_exceptions=*/false);
+  if (document.is_discarded()) throw Error(ErrorCode::kTokenizer, tokenizer_path + ": not JSON");
+  const auto model = document.value("model", nlohmann::json::object());
+  if (model.value("byte_fallback", false)) {
+    throw Error(ErrorCode::kTokenizer, tokenizer_path + ": a sentencepiece-style tokenizer (byte_fallback, Llama 2 / Mistral); GGUF export "
+                "supports byte-level BPE tokenizers (Llama 3 style) only, for now");
+  }
+  nlohmann::json steps = nlohmann::json::array();
+  const auto pre = document.value("pre_tokenizer", nlohmann::json());
+  if (pre.is_object() && pre.value("type", "") == "Sequence") {
+    steps = pre.value("pretokenizers", nlohmann::json::array());
+  } else if (pre.is_object()) {
+    steps.push_back(pre);
+  }
+  std::string regex;
+  bool byte_level_regex = false;
+  for (const auto& step : steps) {
+    const auto type = step.value("type", "");
+    if (type == "Split" && step.contains("pattern") && step["pattern"].contains("Regex")) {
+      regex = step["pattern"]["Regex"].get<std::string>();
+    } else if (type == "ByteLevel") {
+      byte_level_regex = step.value("use_regex", true);
+    }
+  }
+  for (const auto& known : kPreTokenizers) {
+    if (regex == known.regex) return known.gguf_pre;
+  }
+  if (regex.empty() && byte_level_regex) return kGpt2ByteLevelPre;
+  throw Error(ErrorCode::kTokenizer, tokenizer_path + ": pre_tokenizer " + pre.dump().substr(0, 200) +
+              " is not one GGUF export knows (Llama 3's or Qwen2's regex, or GPT-2's byte-level); llama.cpp would tokenize "
+              "differently");
+}
+
+std::vector<uint8_t> tensor_bytes(const torch::Tensor& tensor) {
+  const auto contiguous = tensor.contiguous();
+  std::vector<uint8_t> bytes(contiguous.nbytes());
+  std::memcpy(bytes.data(), contiguous.data_ptr(), bytes.size());
+  return bytes;
+}
+
+// Rows of a q_proj / k_proj tensor (weight or bias) in llama.cpp's order.
+torch::Tensor permute_rows(const torch::Tensor& tensor, int64_t heads) {
+  return tensor.index_select(0, gguf_rope_row_order(tensor.size(0), heads).to(tensor.device()));
+}
+
+std::vector<std::pair<std::string, GgufValue>> model_metadata(const HfModelConfig& config, const std::string& architecture,
+                                                              const std::string& name, uint32_t file_type) {
+  const auto& llama = config.llama;
+  const std::string key = architecture + ".";
+  std::vector<std::pair<std::string, GgufValue>> metadata = {
+      {"general.architecture", architecture},
+      {"general.type", std::string("model")},
+      {"general.name", name},
+      {"general.alignment", kGgufDefaultAlignment},
+      {key + "vocab_size", static_cast<uint32_t>(llama.vocab_size)},
+      {key + "context_length", static_cast<uint32_t>(llama.max_position_embeddings)},
+      {key + "embedding_length", static_cast<uint32_t>(llama.hidden_size)},
+      {key + "block_count", static_cast<uint32_t>(llama.num_hidden_layers)},
+      {key + "feed_forward_length", static_cast<uint32_t>(llama.intermediate_size)},
+      {key + "rope.dimension_count", static_cast<uint32_t>(llama.head_dim)},
+      {key + "attention.head_count", static_cast<uint32_t>(llama.num_attention_heads)},
+      {key + "attention.head_count_kv", static_cast<uint32_t>(llama.num_key_value_heads)},
+      {key + "attention.key_length", static_cast<uint32_t>(llama.head_dim)},
+      {key + "attention.value_length", static_cast<uint32_t>(llama.head_dim)},
+      {key + "attention.layer_norm_rms_epsilon", static_cast<float>(llama.rms_norm_eps)},
+      {key + "rope.freq_base", static_cast<float>(llama.rope.theta)},
+  };
+  if (llama.rope.type == RopeType::kLinear) {
+    metadata.emplace_back(key + "rope.scaling.type", std::string("linear"));
+    metadata.emplace_back(key + "rope.scaling.factor", static_cast<float>(llama.rope.factor));
+  } else if (llama.rope.type != RopeType::kDefault) {
+    throw Error(ErrorCode::kModelConfig, config.path + ": rope type '" + config.rope_type_name +
+                "' is not supported by GGUF export yet (default and linear are)");
+  }
+  metadata.emplace_back("general.file_type", file_type);
+  metadata.emplace_back("general.quantization_version", kQuantizationVersion);
+  return metadata;
+}
+
+// The architecture llama.cpp runs `config`'s model as, or an error naming what it cannot hold.
+const GgufArchitecture& gguf_architecture_for(const HfModelConfig& config) {
+  const GgufArchitecture* found = nullptr;
+  for (const auto& architecture : kGgufArchitectures) {
+    if (config.family != nullptr && config.family->gguf_architecture == architecture.name) found = &architecture;
+  }
+  const auto& llama = config.llama;
+  std::string problem;
+  if (found == nullptr) {
+    problem = config.architecture + " has no llama.cpp architecture qtrain writes";
+  } else if (llama.sliding_window > 0 && llama.sliding_window < llama.max_position_embeddings &&
+             std::find(llama.sliding_layers.begin(), llama.sliding_layers.end(), true) != llama.sliding_layers.end()) {
+    // llama.cpp's llama / qwen2 / qwen3 attend over every earlier key: beyond the window it would
+    // be a different model.
+    problem = config.architecture + " with sliding_window " + std::to_string(llama.sliding_window) + " (shorter than its " +
+              std::to_string(llama.max_position_embeddings) + " positions) runs with full attention in llama.cpp's '" +
+              found->name + "'";
+  } else if ((llama.attention_bias || llama.output_bias) && !found->reads_attention_bias) {
+    problem = config.architecture + " with attention_bias: llama.cpp's '" + std::string(found->name) + "' reads no biases";
+  } else if (llama.query_key_norm && !found->reads_query_key_norm) {
+    problem = config.architecture + " with q_norm / k_norm: llama.cpp's '" + std::string(found->name) + "' reads none";
+  }
+  if (!problem.empty()) {
+    throw Error(ErrorCode::kUsage, "GGUF export: " + problem + " (it writes Llama, Mistral without a window shorter than "
+                "the context, Qwen2 and Qwen3); export safetensors-int or merged, and convert that with llama.cpp's "
+                "convert_hf_to_gguf.py");
+  }
+  return *found;
+}
+
+}  // namespace
+
+std::string gguf_tensor_name(const std::string& hf_name) {
+  for (const auto& mapping : kModelTensors) {
+    if (starts_with(hf_name, mapping.hf)) return mapping.gguf + hf_name.substr(std::strlen(mapping.hf));
+  }
+  if (starts_with(hf_name, kLayerPrefix)) {
+    const auto rest = hf_name.substr(std::strlen(kLayerPrefix));
+    const auto dot = rest.find('.');
+    const auto layer = rest.substr(0, dot);
+    if (dot != std::string::npos && !layer.empty() && layer.find_first_not_of("0123456789") == std::string::npos) {
+      const auto inner = rest.substr(dot + 1);
+      for (const auto& mapping : kLayerTensors) {
+        if (starts_with(inner, mapping.hf)) return "blk." + layer + "." + mapping.gguf + inner.substr(std::strlen(mapping.hf));
+      }
+    }
+  }
+  throw Error(ErrorCode::kInternal, "GGUF export: tensor '" + hf_name + "' has no place in llama.cpp's decoders (they hold "
+              "embed_tokens, layers.N.self_attn / mlp projections, the norms, q_norm / k_norm and lm_head)");
+}
+
+torch::Tensor gguf_rope_row_order(int64_t rows, int64_t heads) {
+  if (heads <= 0 || rows % (2 * heads) != 0) {
+    throw Error(ErrorCode::kModelConfig, "GGUF export: " + std::to_string(rows) + " rows do not split into " + std::to_string(heads) +
+                " heads of an even size");
+  }
+  // convert_hf_to_gguf: w.reshape(heads, 2, rows / heads / 2, ...).swapaxes(1, 2).reshape(w.shape)
+  return torch::arange(rows, torch::kInt64).view({heads, 2, rows / heads / 2}).transpose(1, 2).reshape({rows});
+}
+
+std::vector<std::pair<std::string, GgufValue>> gguf_tokenizer_metadata(const HfModelConfig& config,
+                                                                      const std::string& base_dir) {
+  const std::string tokenizer_path = base_dir + "/tokenizer.json";
+  const auto pre = pre_tokenizer_name(tokenizer_path);
+  const auto tokenizer = data::Tokenizer::from_model_dir(base_dir);
+  const int64_t vocab_size = config.llama.vocab_size;
+  if (tokenizer.vocab_size() > vocab_size) {
+    throw Error(ErrorCode::kTokenizer, tokenizer_path + ": " + std::to_string(tokenizer.vocab_size()) + " tokens, more than config.json's "
+                "vocab_size " + std::to_string(vocab_size));
+  }
+  // As convert_hf_to_gguf's get_vocab_base: ids the tokenizer lacks become unused [PADi] tokens.
+  std::vector<std::string> tokens;
+  std::vector<int32_t> types;
+  for (int64_t id = 0; id < vocab_size; ++id) {
+    const auto token = tokenizer.id_to_token(id);
+    if (!token) {
+      tokens.push_back("[PAD" + std::to_string(id) + "]");
+      types.push_back(kUnused);
+    } else {
+      tokens.push_back(*token);
+      types.push_back(tokenizer.is_special(id) ? kControl : tokenizer.is_added(id) ? kUserDefined : kNormal);
+    }
+  }
+  std::vector<std::string> merges;
+  for (const auto& [left, right] : tokenizer.merges()) merges.push_back(left + " " + right);
+
+  std::vector<std::pair<std::string, GgufValue>> metadata = {
+      {"tokenizer.ggml.model", std::string("gpt2")},
+      {"tokenizer.ggml.pre", pre},
+      {"tokenizer.ggml.tokens", GgufValue::strings(tokens)},
+      {"tokenizer.ggml.token_type", GgufValue::int32s(types)},
+      {"tokenizer.ggml.merges", GgufValue::strings(merges)},
+  };
+  const auto bos = tokenizer.bos_id() ? tokenizer.bos_id() : config.bos_token_id;
+  const auto eos = tokenizer.eos_id()                ? tokenizer.eos_id()
+                   : config.eos_token_ids.empty()    ? std::nullopt
+                                                     : std::optional<int64_t>(config.eos_token_ids.front());
+  const auto pad = tokenizer.pad_id() ? tokenizer.pad_id() : config.pad_token_id;
+  if (bos) metadata.emplace_back("tokenizer.ggml.bos_token_id", static_cast<uint32_t>(*bos));
+  if (eos) metadata.emplace_back("tokenizer.ggml.eos_token_id", static_cast<uint32_t>(*eos));
+  if (pad) metadata.emplace_back("tokenizer.ggml.padding_token_id", static_cast<uint32_t>(*pad));
+  // What the post-processor adds around a text, as transformers' add_special_tokens does.
+  const auto framed = tokenizer.encode("", /*add_special_tokens=*/true);
+  const bool add_bos = bos && !framed.empty() && framed.front() == *bos;
+  const bool add_eos = eos && !framed.empty() && framed.back() == *eos && (framed.size() > 1 || !add_bos);
+  metadata.emplace_back("tokenizer.ggml.add_bos_token", add_bos);
+  metadata.emplace_back("tokenizer.ggml.add_eos_token", add_eos);
+  const std::string jinja = base_dir + "/chat_template.jinja";
+  auto chat_template = is_regular_file(jinja) ? std::optional<std::string>(data::read_text_file(jinja, "a chat template"))
+                                          : data::TokenizerConfig::read_from_model_dir(base_dir).chat_template;
+  if (chat_template) metadata.emplace_back("tokenizer.chat_template", *chat_template);
+  return metadata;
+}
+
+void write_gguf_model(const LlamaForCausalLMImpl& model, const HfModelConfig& config, const std::string& base_dir,
+                      const std::string& out_file, const GgufExportOptions& options) {
+  if (options.float_type != GgufTensorType::kF32 && options.float_type != GgufTensorType::kF16) {
+    throw Error(ErrorCode::kInternal, "GGUF export: unquantized weights are written as F32 or F16");
+  }
+  const auto& architecture = gguf_architecture_for(config);
+  const auto& llama = config.llama;
+  std::map<std::string, std::shared_ptr<qat::QatLinear>> qat_layers;
+  for (const auto& [name, layer] : qat::find_qat_layers(model)) qat_layers[name + ".weight"] = layer;
+
+  auto heads_of = [&](const std::string& hf_name) -> int64_t {
+    if (!architecture.rope_rows_reordered) return 0;
+    if (hf_name.find(".self_attn.q_proj.") != std::string::npos) return llama.num_attention_heads;
+    if (hf_name.find(".self_attn.k_proj.") != std::string::npos) return llama.num_key_value_heads;
+    return 0;  // no permutation
+  };
+
+  std::vector<GgufTensorSource> tensors;
+  bool any_q4 = false, any_q8 = false;
+  for (const auto& [hf_name, value] : merged_weights(model, torch::kFloat32)) {
+    if (llama.tie_word_embeddings && hf_name == "lm_head.weight") continue;
+    GgufTensorSource tensor;
+    tensor.name = gguf_tensor_name(hf_name);
+    tensor.shape = value.sizes().vec();
+    const int64_t heads = heads_of(hf_name);
+    const auto qat_layer = qat_layers.find(hf_name);
+    if (qat_layer != qat_layers.end()) {
+      auto quantized = qat_layer->second->convert();
+      const auto block_type = qat::gguf_block_type_for(quantized.spec, options.weights_key);
+      if (heads > 0) {
+        // Whole rows move, and with them their blocks (which run along the row): codes and scales
+        // are permuted alike, so the values stay exact.
+        quantized.codes = permute_rows(quantized.codes, heads);
+        quantized.params.scale = permute_rows(quantized.params.scale, heads);
+        quantized.params.zero_point = permute_rows(quantized.params.zero_point, heads);
+      }
+      tensor.type = block_type == qat::GgufBlockType::kQ4_0 ? GgufTensorType::kQ4_0 : GgufTensorType::kQ8_0;
+      (block_type == qat::GgufBlockType::kQ4_0 ? any_q4 : any_q8) = true;
+      const std::string what = options.weights_key + " (" + hf_name + ")";
+      tensor.bytes = [quantized, what] { return qat::encode_gguf_blocks(quantized, what); };
+    } else {
+      const auto rows = heads > 0 ? permute_rows(value, heads) : value;
+      const bool half = options.float_type == GgufTensorType::kF16 && value.dim() == 2;
+      tensor.type = half ? GgufTensorType::kF16 : GgufTensorType::kF32;
+      tensor.bytes = [rows, half] { return tensor_bytes(half ? rows.to(torch::kFloat16) : rows); };
+    }
+    tensors.push_back(std::move(tensor));
+  }
+
+  const uint32_t file_type = any_q4                                        ? kMostlyQ4_0
+                             : any_q8                                      ? kMostlyQ8_0
+                             : options.float_type == GgufTensorType::kF16 ? kMostlyF16
+                                                                           : kAllF32;
+  std::string name = options.name;
+  if (name.empty()) {
+    auto trimmed = base_dir;
+    while (trimmed.size() > 1 && trimmed.back() == '/') trimmed.pop_back();
+    name = trimmed.substr(trimmed.find_last_of('/') + 1);
+  }
+  auto metadata = model_metadata(config, architecture.name, name, file_type);
+  for (auto& entry : gguf_tokenizer_metadata(config, base_dir)) metadata.push_back(std::move(entry));
+  write_gguf(out_file, metadata, tensors);
+}
+
+}  // namespace qtrain::trainer

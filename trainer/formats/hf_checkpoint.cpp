@@ -1,0 +1,83 @@
+#include "trainer/formats/hf_checkpoint.h"
+
+#include <set>
+#include <sstream>
+
+#include "kernels/error.h"
+#include "trainer/formats/bnb_checkpoint.h"
+#include "trainer/formats/safetensors_int.h"
+#include "trainer/formats/safetensors.h"
+
+namespace qtrain::trainer {
+
+namespace {
+
+// Tensors a checkpoint may hold that the model recomputes instead of loading.
+bool is_derived_tensor(const std::string& name, bool tie_word_embeddings) {
+  const std::string rotary_suffix = "rotary_emb.inv_freq";
+  if (name.size() >= rotary_suffix.size() &&
+      name.compare(name.size() - rotary_suffix.size(), rotary_suffix.size(), rotary_suffix) == 0) {
+    return true;
+  }
+  return tie_word_embeddings && name == "lm_head.weight";
+}
+
+}  // namespace
+
+void load_state(torch::nn::Module& model, const SafetensorsCheckpoint& weights, const std::string& source,
+                bool tie_word_embeddings, const std::set<std::string>& loaded_elsewhere) {
+  torch::NoGradGuard no_grad;
+  std::set<std::string> used = loaded_elsewhere;
+  auto load_into = [&](const std::string& name, torch::Tensor& target) {
+    if (loaded_elsewhere.count(name)) return;
+    if (!weights.contains(name)) {
+      throw Error(ErrorCode::kWeights, source + ": tensor '" + name + "' is missing (the model expects shape " +
+                  shape_text(target.sizes()) + ")");
+    }
+    auto stored = weights.tensor(name);
+    if (stored.sizes() != target.sizes()) {
+      throw Error(ErrorCode::kWeights, source + ": tensor '" + name + "' has shape " + shape_text(stored.sizes()) +
+                  ", config.json expects " + shape_text(target.sizes()));
+    }
+    if (!stored.is_floating_point()) {
+      throw Error(ErrorCode::kWeights, source + ": tensor '" + name + "' has dtype " + std::string(c10::toString(stored.scalar_type())) +
+                  ", expected floating point weights");
+    }
+    target.copy_(stored);
+    used.insert(name);
+  };
+  for (auto& item : model.named_parameters(/*recurse=*/true)) load_into(item.key(), item.value());
+  for (auto& item : model.named_buffers(/*recurse=*/true)) load_into(item.key(), item.value());
+
+  std::vector<std::string> unexpected;
+  for (const auto& name : weights.names()) {
+    if (!used.count(name) && !is_derived_tensor(name, tie_word_embeddings)) unexpected.push_back(name);
+  }
+  if (!unexpected.empty()) {
+    std::string listed;
+    for (size_t index = 0; index < unexpected.size() && index < 3; ++index) listed += " '" + unexpected[index] + "'";
+    throw Error(ErrorCode::kWeights, source + ": " + std::to_string(unexpected.size()) +
+                " tensor(s) the Llama model does not have:" + listed +
+                (unexpected.size() > 3 ? " ..." : "") + " (is this a LlamaForCausalLM checkpoint?)");
+  }
+}
+
+LoadedModel load_llama(const std::string& model_dir, const ModelLoadOptions& options) {
+  LoadedModel loaded;
+  loaded.config = read_hf_config(model_dir);
+  if (is_bnb_4bit_checkpoint(loaded.config)) return load_bnb_4bit_llama(model_dir, loaded.config, options);
+  if (is_bnb_8bit_checkpoint(loaded.config)) return load_bnb_8bit_llama(model_dir, loaded.config, options);
+  if (is_qtrain_quantized_checkpoint(loaded.config)) return load_qtrain_quantized_llama(model_dir, loaded.config, options);
+  if (loaded.config.has_quantization_config) {
+    throw Error(ErrorCode::kModelConfig, loaded.config.path +
+                ": this checkpoint is pre-quantized (quantization_config); load it as a QLoRA / int8 base");
+  }
+  auto weights = SafetensorsCheckpoint::open(model_dir);
+  loaded.model = LlamaForCausalLM(loaded.config.llama, options.dtype, options.make_linear);
+  load_state(*loaded.model, weights, model_dir, loaded.config.llama.tie_word_embeddings);
+  loaded.model->to(options.device);
+  loaded.model->eval();
+  return loaded;
+}
+
+}  // namespace qtrain::trainer

@@ -1,0 +1,139 @@
+#include "trainer/formats/merged_export.h"
+
+#include <algorithm>
+#include <cctype>
+#include <nlohmann/json.hpp>
+
+#include "data/text_file.h"
+#include "kernels/error.h"
+#include "qat/linear.h"
+#include "trainer/base/file_system.h"
+#include "trainer/formats/safetensors.h"
+
+namespace qtrain::trainer {
+
+namespace {
+
+// What transformers' save_pretrained copies beside the weights for a fast tokenizer (plus a
+// sentencepiece model when the base has one); absent ones are skipped.
+constexpr const char* kTokenizerFiles[] = {"tokenizer.json",         "tokenizer_config.json", "special_tokens_map.json",
+                                           "added_tokens.json",      "tokenizer.model",       "chat_template.jinja",
+                                           "chat_template.json"};
+
+std::string torch_dtype_name(torch::ScalarType dtype) {
+  switch (dtype) {
+    case torch::kBFloat16: return "bfloat16";
+    case torch::kFloat16: return "float16";
+    case torch::kFloat32: return "float32";
+    default: throw Error(ErrorCode::kUsage, "merged export: cannot write weights as " + std::string(c10::toString(dtype)) +
+                         " (use bf16, fp16 or fp32)");
+  }
+}
+
+// Walks the module tree in registration order (the order save_pretrained writes), taking each
+// linear layer whole, so a LoRA layer's base_layer / lora_A / lora_B become one weight.
+void collect(const torch::nn::Module& module, const std::string& prefix, torch::ScalarType dtype,
+             std::vector<std::pair<std::string, torch::Tensor>>& out) {
+  auto cpu = [dtype](const torch::Tensor& tensor) { return tensor.detach().to(torch::kCPU, dtype).contiguous(); };
+  if (const auto* linear = dynamic_cast<const qat::LinearLayer*>(&module)) {
+    // The merge and the dequantization run in fp32 whatever the output dtype, on the layer's device.
+    out.emplace_back(prefix + "weight", cpu(linear->dense_weight(torch::kFloat32)));
+    if (linear->bias().defined()) out.emplace_back(prefix + "bias", cpu(linear->bias()));
+    return;
+  }
+  for (const auto& parameter : module.named_parameters(/*recurse=*/false)) {
+    out.emplace_back(prefix + parameter.key(), cpu(parameter.value()));
+  }
+  for (const auto& child : module.named_children()) collect(*child.value(), prefix + child.key() + ".", dtype, out);
+}
+
+
+// generation_config.json of the base, or the token ids of its config.json as one.
+std::string generation_config_json(const HfModelConfig& base_config, const std::string& base_dir) {
+  const std::string path = base_dir + "/generation_config.json";
+  if (is_regular_file(path)) return data::read_text_file(path, "generation_config.json");
+  nlohmann::ordered_json generation = nlohmann::ordered_json::object();
+  if (base_config.bos_token_id) generation["bos_token_id"] = *base_config.bos_token_id;
+  if (base_config.eos_token_ids.size() == 1) generation["eos_token_id"] = base_config.eos_token_ids.front();
+  if (base_config.eos_token_ids.size() > 1) generation["eos_token_id"] = base_config.eos_token_ids;
+  if (base_config.pad_token_id) generation["pad_token_id"] = *base_config.pad_token_id;
+  return generation.dump(2) + "\n";
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, torch::Tensor>> merged_weights(const LlamaForCausalLMImpl& model,
+                                                                  torch::ScalarType dtype) {
+  torch_dtype_name(dtype);  // refuses what Hugging Face configs cannot name
+  torch::NoGradGuard no_grad;
+  std::vector<std::pair<std::string, torch::Tensor>> weights;
+  collect(model, "", dtype, weights);
+  return weights;
+}
+
+std::string merged_config_json(const HfModelConfig& base_config, torch::ScalarType dtype) {
+  auto config = nlohmann::ordered_json::parse(base_config.json);
+  config.erase("quantization_config");
+  const std::string name = torch_dtype_name(dtype);
+  bool named = false;
+  for (const char* key : {"dtype", "torch_dtype"}) {
+    if (config.contains(key)) {
+      config[key] = name;
+      named = true;
+    }
+  }
+  // transformers 4.x reads only torch_dtype; 5.x reads it too.
+  if (!named) config["torch_dtype"] = name;
+  return config.dump(2) + "\n";
+}
+
+uint64_t parse_byte_size(const std::string& text, const std::string& what) {
+  struct Unit {
+    const char* suffix;
+    uint64_t bytes;
+  };
+  // Longest suffixes first, so "GIB" is not read as "B".
+  static const Unit units[] = {{"GIB", 1ull << 30}, {"MIB", 1ull << 20}, {"KIB", 1ull << 10}, {"GB", 1'000'000'000},
+                               {"MB", 1'000'000},   {"KB", 1'000},       {"B", 1}};
+  std::string upper = text;
+  std::transform(upper.begin(), upper.end(), upper.begin(), [](unsigned char c) { return std::toupper(c); });
+  uint64_t multiplier = 1;
+  std::string number = upper;
+  for (const auto& unit : units) {
+    const std::string suffix = unit.suffix;
+    if (upper.size() > suffix.size() && upper.compare(upper.size() - suffix.size(), suffix.size(), suffix) == 0) {
+      multiplier = unit.bytes;
+      number = upper.substr(0, upper.size() - suffix.size());
+      break;
+    }
+  }
+  size_t used = 0;
+  double value = 0;
+  try {
+    value = std::stod(number, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != number.size() || number.empty() || !(value > 0)) {
+    throw Error(ErrorCode::kUsage, what + ": '" + text + "' is not a size (write it like 5GB, 500MB, 2GiB or a number of bytes)");
+  }
+  return static_cast<uint64_t>(value * static_cast<double>(multiplier));
+}
+
+void write_merged_model(const LlamaForCausalLMImpl& model, const HfModelConfig& base_config,
+                        const std::string& base_dir, const std::string& out_dir, const MergedExportOptions& options) {
+  write_safetensors_checkpoint(out_dir, merged_weights(model, options.dtype), options.max_shard_bytes);
+  write_file_atomically(out_dir + "/config.json", merged_config_json(base_config, options.dtype));
+  write_generation_config_and_tokenizer(base_config, base_dir, out_dir);
+}
+
+void write_generation_config_and_tokenizer(const HfModelConfig& base_config, const std::string& base_dir,
+                                           const std::string& out_dir) {
+  write_file_atomically(out_dir + "/generation_config.json", generation_config_json(base_config, base_dir));
+  for (const char* name : kTokenizerFiles) {
+    const std::string source = base_dir + "/" + name;
+    if (is_regular_file(source)) write_file_atomically(out_dir + "/" + name, data::read_text_file(source, "a tokenizer file"));
+  }
+}
+
+}  // namespace qtrain::trainer

@@ -1,0 +1,23 @@
+#pragma once
+// The exports a recipe's export.formats asks for, written from a live model into one directory
+// (export.out): what a run writes when it finishes and what `qtrain quantize` writes.
+//   OUT/merged/            plain Hugging Face model (trainer/formats/merged_export.h)
+//   OUT/safetensors-int/   QAT layers as integer codes + scales, the rest fp32 (safetensors_int.h)
+//   OUT/model.gguf         llama.cpp's GGUF with Q4_0 / Q8_0 QAT layers (gguf_export.h)
+// `peft` is not written here: an adapter run keeps it in RUN/adapter. Each export is staged
+// beside its target and renamed into place, so a crash leaves the previous one or none.
+#include <string>
+#include <vector>
+
+#include "trainer/formats/hf_config.h"
+#include "trainer/model/llama.h"
+
+namespace qtrain::trainer {
+
+// Writes every format of `formats` except peft into `out_dir` (created) and returns the paths
+// written. `base_dir` supplies the tokenizer and generation config.
+std::vector<std::string> write_model_exports(const LlamaForCausalLMImpl& model, const HfModelConfig& config,
+                                             const std::string& base_dir, const std::vector<std::string>& formats,
+                                             const std::string& out_dir);
+
+}  // namespace qtrain::trainer

@@ -1,0 +1,242 @@
+#include "trainer/formats/peft_adapter.h"
+
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <set>
+#include <sstream>
+
+#include "kernels/error.h"
+#include "qat/qat_linear.h"
+#include "trainer/base/file_system.h"
+#include "trainer/formats/safetensors.h"
+
+namespace qtrain::trainer {
+
+namespace fs = std::filesystem;
+using Json = nlohmann::ordered_json;  // keeps rank_pattern / alpha_pattern in file order, as peft reads them
+
+namespace {
+
+constexpr const char* kConfigFile = kPeftConfigFile;
+constexpr const char* kWeightsFile = kPeftWeightsFile;
+// peft saves the state dict of PeftModel -> LoraModel (`base_model`) -> the transformers model (`model`).
+constexpr const char* kPeftPrefix = "base_model.model.";
+
+std::string lora_A_name(const std::string& module_name) { return kPeftPrefix + module_name + ".lora_A.weight"; }
+std::string lora_B_name(const std::string& module_name) { return kPeftPrefix + module_name + ".lora_B.weight"; }
+
+std::vector<std::pair<std::string, std::shared_ptr<qat::LoraLinear>>> lora_layers(const torch::nn::Module& model) {
+  std::vector<std::pair<std::string, std::shared_ptr<qat::LoraLinear>>> layers;
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+    if (auto lora = std::dynamic_pointer_cast<qat::LoraLinear>(item.value())) layers.emplace_back(item.key(), lora);
+    // Under QAT the adapters sit inside the fake-quantizing layer, under the same names.
+    if (auto quantized = std::dynamic_pointer_cast<qat::QatLinear>(item.value())) {
+      if (auto lora = std::dynamic_pointer_cast<qat::LoraLinear>(quantized->inner())) layers.emplace_back(item.key(), lora);
+    }
+  }
+  return layers;
+}
+
+torch::Device device_of(const torch::nn::Module& model) {
+  for (const auto& parameter : model.parameters()) return parameter.device();
+  return torch::kCPU;
+}
+
+Json selector_json(const qat::ModuleSelector& selector) {
+  if (selector.regex) return *selector.regex;
+  return selector.names;
+}
+
+// Whether peft reads the targets as qtrain does. qtrain's list conveniences (regex entries,
+// "all-linear" inside a list) mean nothing to peft's list form; such adapters are written with
+// the exact names of the wrapped modules instead.
+bool peft_reads_targets_alike(const qat::LoraTargets& targets) {
+  for (const auto* selector : {&targets.include, &targets.exclude}) {
+    for (const auto& entry : selector->names) {
+      if (qat::ModuleSelector::is_extended_entry(entry)) return false;
+    }
+  }
+  return true;
+}
+
+std::string number_text(double value) {
+  std::ostringstream text;
+  text << value;
+  return text.str();
+}
+
+}  // namespace
+
+void apply_peft_adapter(LlamaForCausalLMImpl& model, const std::string& adapter_dir) {
+  const auto config = read_peft_adapter_config(adapter_dir);
+  const std::string config_path = (fs::path(adapter_dir) / kConfigFile).string();
+  const std::string weights_path = (fs::path(adapter_dir) / kWeightsFile).string();
+  if (!fs::exists(weights_path)) {
+    if (fs::exists(fs::path(adapter_dir) / "adapter_model.bin")) {
+      throw Error(ErrorCode::kAdapter, weights_path + ": not found, only a pickled adapter_model.bin; re-save the adapter with peft's "
+                                 "save_pretrained(..., safe_serialization=True)");
+    }
+    throw Error(ErrorCode::kAdapter, weights_path + ": not found (the adapter's weights)");
+  }
+  if (!lora_layers(model).empty()) {
+    throw Error(ErrorCode::kAdapter, adapter_dir + ": the model already has LoRA layers; apply one adapter to a plain base model");
+  }
+
+  // Check the whole file against the model before changing anything.
+  const auto targets = qat::find_lora_targets(model, config.targets);
+  if (targets.empty()) {
+    throw Error(ErrorCode::kAdapter, config_path + ": target_modules " + config.targets.include.describe() +
+                " matches no linear layer of the model (names look like 'model.layers.0.self_attn.q_proj')");
+  }
+  auto weights = SafetensorsCheckpoint::open(weights_path);
+  std::set<std::string> expected;
+  auto check = [&](const std::string& name, std::vector<int64_t> shape) {
+    if (!weights.contains(name)) {
+      throw Error(ErrorCode::kAdapter, weights_path + ": tensor '" + name + "' is missing (" + kConfigFile + " targets this module; expected shape " +
+                  shape_text(shape) + ")");
+    }
+    const auto stored = weights.info(name).shape;
+    if (std::vector<int64_t>(stored.begin(), stored.end()) != shape) {
+      throw Error(ErrorCode::kAdapter, weights_path + ": tensor '" + name + "' has shape " + shape_text(stored) + ", expected " +
+                  shape_text(shape) + " (r from " + kConfigFile + ", features from the model)");
+    }
+    expected.insert(name);
+  };
+  for (const auto& target : targets) {
+    const int64_t rank = config.options_for(target.name).rank;
+    check(lora_A_name(target.name), {rank, target.layer->in_features()});
+    check(lora_B_name(target.name), {target.layer->out_features(), rank});
+  }
+  std::vector<std::string> unexpected;
+  for (const auto& name : weights.names()) {
+    if (!expected.count(name)) unexpected.push_back(name);
+  }
+  if (!unexpected.empty()) {
+    std::string listed;
+    for (size_t index = 0; index < unexpected.size() && index < 3; ++index) listed += " '" + unexpected[index] + "'";
+    throw Error(ErrorCode::kAdapter, weights_path + ": " + std::to_string(unexpected.size()) + " tensor(s) that no target module of " +
+                kConfigFile + " takes:" + listed + (unexpected.size() > 3 ? " ..." : "") + " (target_modules " +
+                config.targets.include.describe() + ")");
+  }
+
+  qat::apply_lora(model, config.targets, [&](const std::string& name) { return config.options_for(name); });
+  torch::NoGradGuard no_grad;
+  for (const auto& [name, lora] : lora_layers(model)) {
+    for (const auto& [tensor_name, target] : {std::make_pair(lora_A_name(name), lora->lora_A()),
+                                              std::make_pair(lora_B_name(name), lora->lora_B())}) {
+      auto stored = weights.tensor(tensor_name);
+      if (!stored.is_floating_point()) {
+        throw Error(ErrorCode::kAdapter, weights_path + ": tensor '" + tensor_name + "' has dtype " +
+                    std::string(c10::toString(stored.scalar_type())) + ", expected floating point weights");
+      }
+      target.copy_(stored.to(torch::kFloat32));
+    }
+  }
+}
+
+void write_peft_adapter(const LlamaForCausalLMImpl& model, const PeftAdapterConfig& config, const std::string& out_dir,
+                        const std::string& base_model_name_or_path) {
+  fs::path out = fs::path(out_dir).lexically_normal();
+  if (!out.has_filename()) out = out.parent_path();
+  if (fs::exists(out)) {
+    throw Error(ErrorCode::kAdapter, out.string() + ": already exists; qtrain never overwrites an adapter (choose another directory or remove it)");
+  }
+  const auto layers = lora_layers(model);
+  if (layers.empty()) throw Error(ErrorCode::kAdapter, out.string() + ": the model has no LoRA layers to write as a PEFT adapter");
+
+  // The config must describe the model, or peft would build a different adapter from it.
+  std::vector<std::string> wrapped;
+  std::vector<std::pair<std::string, torch::Tensor>> tensors;
+  for (const auto& [name, lora] : layers) {
+    if (!config.targets.matches(name)) {
+      throw Error(ErrorCode::kAdapter, out.string() + ": module '" + name + "' has a LoRA layer but target_modules " +
+                  config.targets.include.describe() + " does not select it");
+    }
+    const auto expected = config.options_for(name);
+    const auto& actual = lora->options();
+    if (actual.rank != expected.rank || actual.alpha != expected.alpha || actual.rslora != expected.rslora) {
+      throw Error(ErrorCode::kAdapter, out.string() + ": module '" + name + "' has LoRA r=" + std::to_string(actual.rank) +
+                  " alpha=" + number_text(actual.alpha) + (actual.rslora ? " (rsLoRA)" : "") +
+                  " but the adapter config says r=" + std::to_string(expected.rank) + " alpha=" +
+                  number_text(expected.alpha) + (expected.rslora ? " (rsLoRA)" : ""));
+    }
+    wrapped.push_back(name);
+    tensors.emplace_back(lora_A_name(name), lora->lora_A().detach().to(torch::kCPU, torch::kFloat32).contiguous());
+    tensors.emplace_back(lora_B_name(name), lora->lora_B().detach().to(torch::kCPU, torch::kFloat32).contiguous());
+  }
+  const auto unwrapped = qat::find_lora_targets(model, config.targets);
+  if (!unwrapped.empty()) {
+    throw Error(ErrorCode::kAdapter, out.string() + ": module '" + unwrapped.front().name + "' matches target_modules " +
+                config.targets.include.describe() + " but has no LoRA layer");
+  }
+
+  // Written in file order: with several matching patterns peft takes the first.
+  Json rank_pattern = Json::object(), alpha_pattern = Json::object();
+  for (const auto& [pattern, rank] : config.rank_pattern) rank_pattern[pattern] = rank;
+  for (const auto& [pattern, alpha] : config.alpha_pattern) alpha_pattern[pattern] = alpha;
+  Json target_modules, exclude_modules;
+  if (peft_reads_targets_alike(config.targets)) {
+    target_modules = selector_json(config.targets.include);
+    if (!config.targets.exclude.empty()) exclude_modules = selector_json(config.targets.exclude);
+  } else {
+    target_modules = wrapped;
+  }
+  const double alpha = config.lora.alpha;
+  // The keys peft's LoraConfig has had since 0.10 (exclude_modules since 0.14, only when
+  // set), sorted as peft writes them; what is left out takes peft's defaults.
+  Json json = {
+      {"alpha_pattern", alpha_pattern},
+      {"auto_mapping", nullptr},
+      {"base_model_name_or_path", base_model_name_or_path},
+      {"bias", "none"},
+  };
+  if (!exclude_modules.is_null()) json["exclude_modules"] = exclude_modules;
+  json.update(Json{
+      {"fan_in_fan_out", false},
+      {"inference_mode", true},
+      {"init_lora_weights", true},
+      {"layers_pattern", nullptr},
+      {"layers_to_transform", nullptr},
+      {"lora_alpha", alpha == std::floor(alpha) ? Json(static_cast<int64_t>(alpha)) : Json(alpha)},
+      {"lora_dropout", config.lora.dropout},
+      {"modules_to_save", nullptr},
+      {"peft_type", "LORA"},
+      {"r", config.lora.rank},
+      {"rank_pattern", rank_pattern},
+      {"revision", nullptr},
+      {"target_modules", target_modules},
+      {"task_type", "CAUSAL_LM"},
+      {"use_dora", false},
+      {"use_rslora", config.lora.rslora},
+  });
+
+  // Everything goes into a hidden sibling first, so `out` appears whole or not at all.
+  const fs::path parent = out.has_parent_path() ? out.parent_path() : fs::path(".");
+  const fs::path staging = parent / ("." + out.filename().string() + ".tmp-" + std::to_string(::getpid()));
+  try {
+    fs::create_directories(parent);
+    remove_tree(staging.string());
+    fs::create_directory(staging);
+    {
+      std::ofstream stream(staging / kConfigFile);
+      stream << json.dump(2) << "\n";
+      stream.close();
+      if (!stream) throw Error(ErrorCode::kFileSystem, (staging / kConfigFile).string() + ": could not be written (disk full?)");
+    }
+    write_safetensors((staging / kWeightsFile).string(), tensors, {{"format", "pt"}});
+    fs::rename(staging, out);
+  } catch (const fs::filesystem_error& error) {
+    remove_tree(staging.string());
+    throw Error(ErrorCode::kFileSystem, out.string() + ": could not write the adapter (" + error.what() + ")");
+  } catch (...) {
+    remove_tree(staging.string());
+    throw;
+  }
+}
+
+}  // namespace qtrain::trainer

@@ -1,0 +1,254 @@
+#include "trainer/formats/safetensors_int.h"
+
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "kernels/error.h"
+#include "qat/input_quantized_linear.h"
+#include "qat/qat_linear.h"
+#include "trainer/base/file_system.h"
+#include "trainer/formats/merged_export.h"
+#include "trainer/formats/safetensors.h"
+
+namespace qtrain::trainer {
+
+namespace {
+
+constexpr const char* kQuantMethod = "qtrain";
+constexpr const char* kMetadataKey = "qtrain.quantization";
+constexpr const char* kScaleSuffix = ".weight_scale";
+constexpr const char* kZeroPointSuffix = ".weight_zero_point";
+
+const char* scale_dtype_name(torch::ScalarType dtype) { return dtype == torch::kFloat16 ? "float16" : "float32"; }
+
+nlohmann::ordered_json spec_json(const qat::QuantSpec& spec) {
+  nlohmann::ordered_json json;
+  json["format"] = qat::quant_format_name(spec.format);
+  json["bits"] = spec.bits;
+  json["symmetric"] = spec.symmetric;
+  json["granularity"] = qat::granularity_name(spec.granularity);
+  json["group_size"] = spec.group_size;
+  json["scale_dtype"] = scale_dtype_name(spec.scale_dtype);
+  return json;
+}
+
+// Reads one key of quantization_config.<section>, an Error naming it when absent or mistyped.
+template <typename T>
+T required(const nlohmann::json& section, const std::string& key, const std::string& what) {
+  if (!section.contains(key)) throw Error(ErrorCode::kModelConfig, what + "." + key + " is missing");
+  try {
+    return section.at(key).get<T>();
+  } catch (const nlohmann::json::exception&) {
+    throw Error(ErrorCode::kModelConfig, what + "." + key + " has the wrong type (" + section.at(key).dump() + ")");
+  }
+}
+
+qat::QuantSpec spec_from_json(const nlohmann::json& json, const std::string& what) {
+  if (!json.is_object()) throw Error(ErrorCode::kModelConfig, what + " must be an object describing a quantization scheme");
+  qat::QuantSpec spec;
+  try {
+    spec.format = qat::parse_quant_format(required<std::string>(json, "format", what), what + ".format");
+    spec.bits = required<int64_t>(json, "bits", what);
+    spec.symmetric = required<bool>(json, "symmetric", what);
+    spec.granularity = qat::parse_granularity(required<std::string>(json, "granularity", what), what + ".granularity");
+    spec.group_size = required<int64_t>(json, "group_size", what);
+    const auto scale_dtype = required<std::string>(json, "scale_dtype", what);
+    if (scale_dtype != "float16" && scale_dtype != "float32") {
+      throw Error(ErrorCode::kModelConfig, what + ".scale_dtype: '" + scale_dtype + "' is not float16 or float32");
+    }
+    spec.scale_dtype = scale_dtype == "float16" ? torch::kFloat16 : torch::kFloat32;
+    spec.validate(what);
+  } catch (const Error& error) {
+    // The shared scheme checks speak of recipe keys; this scheme is config.json's.
+    throw Error(ErrorCode::kModelConfig, error.what());
+  }
+  return spec;
+}
+
+// The quantization_config of a model whose QAT layers all share one scheme.
+nlohmann::ordered_json quantization_config(
+    const std::vector<std::pair<std::string, std::shared_ptr<qat::QatLinear>>>& layers) {
+  const auto& first = *layers.front().second;
+  const auto weights = first.weight_fake_quant().spec();
+  const auto* activations = first.activation_fake_quant();
+  for (const auto& [name, layer] : layers) {
+    const auto* layer_activations = layer->activation_fake_quant();
+    if (layer->weight_fake_quant().spec().describe() != weights.describe() ||
+        (layer_activations == nullptr) != (activations == nullptr) ||
+        (activations && layer_activations->spec().describe() != activations->spec().describe())) {
+      throw Error(ErrorCode::kRecipe, "safetensors-int export: layer '" + name + "' is quantized differently from '" +
+                  layers.front().first + "'; the format holds one scheme per model");
+    }
+  }
+  nlohmann::ordered_json config;
+  config["quant_method"] = kQuantMethod;
+  config["weights"] = spec_json(weights);
+  if (activations) {
+    const auto& options = activations->options();
+    if (options.observer != qat::ObserverKind::kDynamic || options.learned_scale) {
+      throw Error(ErrorCode::kRecipe, activations->what() + ": safetensors-int export holds dynamic activation quantization only "
+                  "(observer: dynamic, no learned scale); this model's activation scale is state ('" +
+                  qat::observer_kind_name(options.observer) + "'" + (options.learned_scale ? ", learned" : "") +
+                  ") the format cannot store yet");
+    }
+    config["activations"] = spec_json(activations->spec());
+    config["activations"]["observer"] = qat::observer_kind_name(options.observer);
+  } else {
+    config["activations"] = nullptr;
+  }
+  return config;
+}
+
+bool ends_with(const std::string& text, const std::string& suffix) {
+  return text.size() >= suffix.size() && text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+}  // namespace
+
+void write_quantized_model(const LlamaForCausalLMImpl& model, const HfModelConfig& base_config,
+                           const std::string& base_dir, const std::string& out_dir,
+                           const QuantizedExportOptions& options) {
+  const auto layers = qat::find_qat_layers(model);
+  if (layers.empty()) {
+    throw Error(ErrorCode::kUsage, "safetensors-int export: the model has no QAT layers (it was not trained with quant: qat); "
+                "export it with --format merged");
+  }
+  const auto scheme = quantization_config(layers);
+  std::map<std::string, std::shared_ptr<qat::QatLinear>> by_weight;
+  for (const auto& [name, layer] : layers) by_weight[name + ".weight"] = layer;
+
+  std::vector<std::pair<std::string, torch::Tensor>> tensors;
+  for (auto& [name, tensor] : merged_weights(model, options.dtype)) {
+    const auto layer = by_weight.find(name);
+    if (layer == by_weight.end()) {
+      tensors.emplace_back(name, std::move(tensor));
+      continue;
+    }
+    const auto quantized = layer->second->convert();
+    const auto& spec = quantized.spec;
+    const auto prefix = name.substr(0, name.size() - std::string(".weight").size());
+    tensors.emplace_back(name, quantized.codes.to(torch::kCPU, spec.is_integer() ? torch::kInt8 : torch::kUInt8));
+    tensors.emplace_back(prefix + kScaleSuffix, quantized.params.scale.to(torch::kCPU, spec.scale_dtype));
+    if (!spec.symmetric) tensors.emplace_back(prefix + kZeroPointSuffix, quantized.params.zero_point.to(torch::kCPU, torch::kInt8));
+  }
+  write_safetensors_checkpoint(out_dir, tensors, options.max_shard_bytes,
+                               {{"format", "pt"}, {kMetadataKey, scheme.dump()}});
+  auto config = nlohmann::ordered_json::parse(merged_config_json(base_config, options.dtype));
+  config["quantization_config"] = scheme;
+  write_file_atomically(out_dir + "/config.json", config.dump(2) + "\n");
+  write_generation_config_and_tokenizer(base_config, base_dir, out_dir);
+}
+
+bool is_qtrain_quantized_checkpoint(const HfModelConfig& config) {
+  if (!config.has_quantization_config) return false;
+  const auto json = nlohmann::json::parse(config.json, nullptr, /*allow_exceptions=*/false);
+  if (json.is_discarded() || !json.contains("quantization_config")) return false;
+  const auto& quantization = json.at("quantization_config");
+  return quantization.is_object() && quantization.value("quant_method", "") == kQuantMethod;
+}
+
+LoadedModel load_qtrain_quantized_llama(const std::string& model_dir, const HfModelConfig& config,
+                                        const ModelLoadOptions& options) {
+  const std::string what = config.path + ": quantization_config";
+  const auto quantization = nlohmann::json::parse(config.json).at("quantization_config");
+  const auto weight_spec = spec_from_json(quantization.value("weights", nlohmann::json()), what + ".weights");
+  std::optional<qat::FakeQuantizerOptions> activations;
+  if (quantization.contains("activations") && !quantization.at("activations").is_null()) {
+    const auto& section = quantization.at("activations");
+    qat::FakeQuantizerOptions activation_options;
+    activation_options.spec = spec_from_json(section, what + ".activations");
+    activation_options.observer = qat::parse_observer_kind(section.value("observer", "dynamic"), what + ".activations.observer");
+    if (activation_options.observer != qat::ObserverKind::kDynamic) {
+      throw Error(ErrorCode::kModelConfig, what + ".activations.observer: only 'dynamic' activation scales can be loaded");
+    }
+    activations = activation_options;
+  }
+
+  LoadedModel loaded;
+  loaded.config = config;
+  loaded.model = LlamaForCausalLM(config.llama, options.dtype, dense_linear_factory());
+  const auto weights = SafetensorsCheckpoint::open(model_dir);
+  std::map<std::string, torch::Tensor> parameters;
+  for (auto& item : loaded.model->named_parameters(/*recurse=*/true)) parameters[item.key()] = item.value();
+
+  torch::NoGradGuard no_grad;
+  std::set<std::string> loaded_elsewhere;
+  std::vector<std::string> quantized_layers;
+  for (const auto& scale_name : weights.names()) {
+    if (!ends_with(scale_name, kScaleSuffix)) continue;
+    const auto layer = scale_name.substr(0, scale_name.size() - std::string(kScaleSuffix).size());
+    const auto weight_name = layer + ".weight";
+    const auto target = parameters.find(weight_name);
+    if (target == parameters.end()) {
+      throw Error(ErrorCode::kWeights, weights.source() + ": '" + scale_name + "' belongs to no linear layer of the model (no '" +
+                  weight_name + "')");
+    }
+    const auto codes = weights.tensor(weight_name);
+    const auto expected_codes = weight_spec.is_integer() ? torch::kInt8 : torch::kUInt8;
+    if (codes.scalar_type() != expected_codes || codes.sizes() != target->second.sizes()) {
+      throw Error(ErrorCode::kWeights, weights.source() + ": tensor '" + weight_name + "' should hold " +
+                  std::string(c10::toString(expected_codes)) + " codes of shape " +
+                  shape_text(target->second.sizes()) + ", found " + std::string(c10::toString(codes.scalar_type())) +
+                  " " + shape_text(codes.sizes()));
+    }
+    weight_spec.validate_for_shape(what + ".weights", codes.sizes());
+    const auto params_shape = qat::params_shape(weight_spec, codes.sizes());
+    auto check_params = [&](const std::string& name, const torch::Tensor& tensor) {
+      if (tensor.sizes() != c10::IntArrayRef(params_shape)) {
+        throw Error(ErrorCode::kWeights, weights.source() + ": tensor '" + name + "' has shape " + shape_text(tensor.sizes()) + ", the " +
+                    weight_spec.describe() + " scheme of " + shape_text(codes.sizes()) + " expects " +
+                    shape_text(params_shape));
+      }
+    };
+    qat::QuantizedTensor quantized;
+    quantized.spec = weight_spec;
+    quantized.codes = codes;
+    const auto scale = weights.tensor(scale_name);
+    check_params(scale_name, scale);
+    quantized.params.scale = scale.to(torch::kFloat32);
+    const auto zero_point_name = layer + kZeroPointSuffix;
+    if (weight_spec.symmetric) {
+      if (weights.contains(zero_point_name)) {
+        throw Error(ErrorCode::kWeights, weights.source() + ": tensor '" + zero_point_name + "' is present but the scheme is symmetric");
+      }
+      quantized.params.zero_point = torch::zeros(params_shape, torch::kFloat32);
+    } else {
+      if (!weights.contains(zero_point_name)) {
+        throw Error(ErrorCode::kWeights, weights.source() + ": tensor '" + zero_point_name + "' is missing (the " + weight_spec.describe() +
+                    " scheme is asymmetric, so every quantized weight needs its zero points, shape " +
+                    shape_text(params_shape) + ")");
+      }
+      const auto zero_point = weights.tensor(zero_point_name);
+      check_params(zero_point_name, zero_point);
+      quantized.params.zero_point = zero_point.to(torch::kFloat32);
+      loaded_elsewhere.insert(zero_point_name);
+    }
+    target->second.copy_(quantized.dequantize());
+    loaded_elsewhere.insert(weight_name);
+    loaded_elsewhere.insert(scale_name);
+    quantized_layers.push_back(layer);
+  }
+  if (quantized_layers.empty()) {
+    throw Error(ErrorCode::kWeights, weights.source() + ": config.json says the model is quantized (quant_method qtrain) but no tensor "
+                "ends in '" + kScaleSuffix + "'");
+  }
+  load_state(*loaded.model, weights, model_dir, config.llama.tie_word_embeddings, loaded_elsewhere);
+
+  if (activations) {
+    std::map<std::string, std::shared_ptr<qat::LinearLayer>> linear_layers;
+    for (const auto& item : loaded.model->named_modules("", /*include_self=*/false)) {
+      if (auto linear = std::dynamic_pointer_cast<qat::LinearLayer>(item.value())) linear_layers[item.key()] = linear;
+    }
+    for (const auto& layer : quantized_layers) {
+      auto wrapped = std::make_shared<qat::InputQuantizedLinear>(linear_layers.at(layer), *activations,
+                                                                 what + ".activations");
+      qat::replace_linear_layer_at(*loaded.model, layer, wrapped);
+    }
+  }
+  loaded.model->to(options.device);
+  loaded.model->eval();
+  return loaded;
+}
+
+}  // namespace qtrain::trainer

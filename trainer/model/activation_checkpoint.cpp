@@ -1,0 +1,94 @@
+#include "trainer/model/activation_checkpoint.h"
+
+#include <torch/csrc/autograd/function.h>
+
+#include "kernels/error.h"
+#include "trainer/base/random_state.h"
+
+namespace qtrain::trainer {
+
+namespace {
+
+using torch::autograd::Edge;
+using torch::autograd::variable_list;
+
+// The backward of one checkpointed piece: rerun it with grad enabled and differentiate that.
+class CheckpointBackward : public torch::autograd::Node {
+ public:
+  CheckpointBackward(CheckpointedFunction function, std::vector<torch::Tensor> inputs,
+                     std::vector<torch::Tensor> parameters, RandomState random_state)
+      : function_(std::move(function)),
+        inputs_(std::move(inputs)),
+        parameters_(std::move(parameters)),
+        random_state_(std::move(random_state)) {}
+
+  std::string name() const override { return "qtrain::CheckpointBackward"; }
+
+  variable_list apply(variable_list&& output_grads) override {
+    if (!function_) throw Error(ErrorCode::kInternal, "a checkpointed piece of the model was differentiated twice (retain_graph is not supported)");
+    std::vector<torch::Tensor> inputs;
+    std::vector<torch::Tensor> differentiate;  // what requires grad, inputs first
+    for (const auto& input : inputs_) {
+      inputs.push_back(input.detach().requires_grad_(input.requires_grad()));
+      if (input.requires_grad()) differentiate.push_back(inputs.back());
+    }
+    for (const auto& parameter : parameters_) differentiate.push_back(parameter);
+    torch::Tensor output;
+    {
+      const auto now = RandomState::capture(random_state_.device_id);
+      random_state_.restore();
+      torch::AutoGradMode enable_grad(true);
+      output = function_(inputs);
+      now.restore();
+    }
+    const auto grads = torch::autograd::grad({output}, differentiate, {output_grads[0]}, /*retain_graph=*/false,
+                                             /*create_graph=*/false, /*allow_unused=*/true);
+    // One gradient per next edge, in the order the edges were made: inputs, then parameters.
+    variable_list result;
+    size_t next = 0;
+    for (const auto& input : inputs_) result.push_back(input.requires_grad() ? grads[next++] : torch::Tensor());
+    for (size_t index = 0; index < parameters_.size(); ++index) result.push_back(grads[next++]);
+    function_ = nullptr;  // the closure may hold large tensors; the graph is used once
+    inputs_.clear();
+    return result;
+  }
+
+ private:
+  CheckpointedFunction function_;
+  std::vector<torch::Tensor> inputs_;
+  std::vector<torch::Tensor> parameters_;
+  RandomState random_state_;
+};
+
+}  // namespace
+
+torch::Tensor checkpoint(const CheckpointedFunction& function, const std::vector<torch::Tensor>& inputs,
+                         const std::vector<torch::Tensor>& parameters) {
+  std::vector<torch::Tensor> trainable;
+  for (const auto& parameter : parameters) {
+    if (parameter.requires_grad()) trainable.push_back(parameter);
+  }
+  const bool any_input_needs_grad =
+      std::any_of(inputs.begin(), inputs.end(), [](const torch::Tensor& input) { return input.requires_grad(); });
+  if (!torch::GradMode::is_enabled() || (!any_input_needs_grad && trainable.empty())) return function(inputs);
+
+  const auto device = inputs.empty() ? torch::Device(torch::kCPU) : inputs.front().device();
+  const auto random_state = RandomState::capture(device);
+  torch::Tensor output;
+  {
+    torch::NoGradGuard no_grad;
+    output = function(inputs);
+  }
+  auto node = std::shared_ptr<CheckpointBackward>(new CheckpointBackward(function, inputs, trainable, random_state),
+                                                  torch::autograd::deleteNode);
+  torch::autograd::edge_list edges;
+  for (const auto& input : inputs) {
+    edges.push_back(input.requires_grad() ? torch::autograd::impl::gradient_edge(input) : Edge());
+  }
+  for (const auto& parameter : trainable) edges.push_back(torch::autograd::impl::gradient_edge(parameter));
+  node->set_next_edges(std::move(edges));
+  torch::autograd::create_gradient_edge(output, node);
+  return output;
+}
+
+}  // namespace qtrain::trainer

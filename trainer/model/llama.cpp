@@ -1,0 +1,329 @@
+#include "trainer/model/llama.h"
+
+#include <algorithm>
+#include <cmath>
+#include <tuple>
+
+#include "kernels/error.h"
+#include "trainer/model/activation_checkpoint.h"
+#include "trainer/model/llama_layers.h"
+#include "trainer/model/sliding_window_attention.h"
+
+namespace qtrain::trainer {
+
+namespace F = torch::nn::functional;
+
+LinearFactory dense_linear_factory() {
+  return [](const std::string&, const qat::DenseLinearOptions& options) -> std::shared_ptr<qat::LinearLayer> {
+    return std::make_shared<qat::DenseLinear>(options);
+  };
+}
+
+RMSNormImpl::RMSNormImpl(int64_t hidden_size, double eps, torch::ScalarType dtype) : eps_(eps) {
+  weight = register_parameter("weight", torch::ones({hidden_size}, torch::TensorOptions().dtype(dtype)));
+}
+
+torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) { return rms_norm(x, weight, eps_); }
+
+namespace {
+
+// 1 / theta^(2i / dim) for i < dim / 2, in fp32 exactly as transformers computes it.
+torch::Tensor default_inverse_frequencies(double theta, int64_t dim, const torch::Device& device) {
+  auto exponent = torch::arange(0, dim, 2, torch::TensorOptions().dtype(torch::kInt64).device(device))
+                      .to(torch::kFloat32) / static_cast<double>(dim);
+  return torch::reciprocal(torch::pow(theta, exponent));
+}
+
+// Llama 3.1's frequency-dependent scaling: long wavelengths divided by `factor`, short ones
+// kept, the band between interpolated smoothly.
+torch::Tensor llama3_inverse_frequencies(torch::Tensor inverse_frequencies, const RopeOptions& rope) {
+  const double old_context = static_cast<double>(rope.original_max_position_embeddings);
+  const double low_frequency_wavelength = old_context / rope.low_freq_factor;
+  const double high_frequency_wavelength = old_context / rope.high_freq_factor;
+  auto wavelength = 2.0 * M_PI / inverse_frequencies;
+  auto scaled = torch::where(wavelength > low_frequency_wavelength, inverse_frequencies / rope.factor,
+                             inverse_frequencies);
+  auto smooth = (old_context / wavelength - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor);
+  auto smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled;
+  auto is_medium = (wavelength >= high_frequency_wavelength).logical_and(wavelength <= low_frequency_wavelength);
+  return torch::where(is_medium, smoothed, scaled);
+}
+
+}  // namespace
+
+RotaryEmbedding::RotaryEmbedding(const LlamaOptions& options) : options_(options) {
+  if (options_.rope.original_max_position_embeddings <= 0) {
+    options_.rope.original_max_position_embeddings = options_.max_position_embeddings;
+  }
+  auto frequencies = default_inverse_frequencies(options_.rope.theta, options_.head_dim, torch::kCPU);
+  switch (options_.rope.type) {
+    case RopeType::kLinear: frequencies = frequencies / options_.rope.factor; break;
+    case RopeType::kLlama3: frequencies = llama3_inverse_frequencies(frequencies, options_.rope); break;
+    case RopeType::kDefault:
+    case RopeType::kDynamic: break;
+  }
+  inverse_frequencies_ = frequencies;
+}
+
+torch::Tensor RotaryEmbedding::inverse_frequencies(int64_t sequence_length, const torch::Device& device) const {
+  const auto& rope = options_.rope;
+  if (rope.type == RopeType::kDynamic && sequence_length > rope.original_max_position_embeddings) {
+    // Dynamic NTK: grow the base with the sequence, as transformers' dynamic_rope_update does.
+    const double dim = static_cast<double>(options_.head_dim);
+    const double ratio = rope.factor * static_cast<double>(sequence_length) /
+                             static_cast<double>(rope.original_max_position_embeddings) - (rope.factor - 1);
+    return default_inverse_frequencies(rope.theta * std::pow(ratio, dim / (dim - 2)), options_.head_dim, device);
+  }
+  return inverse_frequencies_.to(device);
+}
+
+std::pair<torch::Tensor, torch::Tensor> RotaryEmbedding::tables(const torch::Tensor& position_ids,
+                                                                torch::ScalarType dtype) const {
+  int64_t sequence_length = position_ids.size(1);
+  if (options_.rope.type == RopeType::kDynamic) sequence_length = position_ids.max().item<int64_t>() + 1;
+  auto frequencies = inverse_frequencies(sequence_length, position_ids.device());
+  // [batch, seq, 1] * [dim/2] -> [batch, seq, dim/2]: the outer product in fp32. transformers
+  // writes it as a matmul over an inner dimension of 1, whose every output is one rounded
+  // product: the same bits as this multiply, without a batched matmul's launch cost per token.
+  auto angles = position_ids.to(torch::kFloat32).unsqueeze(-1) * frequencies;
+  auto embedding = torch::cat({angles, angles}, -1);
+  return {embedding.cos().to(dtype), embedding.sin().to(dtype)};
+}
+
+namespace {
+
+qat::DenseLinearOptions linear_options(int64_t in, int64_t out, bool bias, torch::ScalarType dtype) {
+  qat::DenseLinearOptions options;
+  options.in_features = in;
+  options.out_features = out;
+  options.bias = bias;
+  options.dtype = dtype;
+  return options;
+}
+
+// [sequence, past + sequence] bool: new query i (at position past + i) sees key j when j <= past + i
+// and, with a window, j > past + i - window, as transformers' causal and sliding-window masks.
+torch::Tensor visible_keys(int64_t past, int64_t sequence, int64_t window, const torch::Device& device) {
+  const auto options = torch::TensorOptions().dtype(torch::kInt64).device(device);
+  const auto key_positions = torch::arange(past + sequence, options).unsqueeze(0);
+  const auto query_positions = (torch::arange(sequence, options) + past).unsqueeze(1);
+  auto visible = key_positions <= query_positions;
+  if (window > 0) visible = visible & (key_positions > query_positions - window);
+  return visible;
+}
+
+// Points `slot` (the member forward() calls) and the registered child `child_name` at `layer`.
+void replace_projection(torch::nn::Module& owner, std::shared_ptr<qat::LinearLayer>* slot,
+                        const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) {
+  if (slot == nullptr || !*slot) throw Error(ErrorCode::kInternal, owner.name() + " has no linear layer '" + child_name + "' to replace");
+  *slot = owner.replace_module(child_name, std::move(layer));
+}
+
+}  // namespace
+
+LlamaAttentionImpl::LlamaAttentionImpl(const LlamaOptions& options, const std::string& prefix,
+                                       const LinearFactory& make_linear, torch::ScalarType dtype,
+                                       int64_t sliding_window)
+    : num_heads_(options.num_attention_heads),
+      num_key_value_heads_(options.num_key_value_heads),
+      head_dim_(options.head_dim),
+      sliding_window_(sliding_window) {
+  const int64_t hidden = options.hidden_size;
+  const int64_t query_width = num_heads_ * head_dim_;
+  const int64_t key_value_width = num_key_value_heads_ * head_dim_;
+  const bool bias = options.attention_bias;
+  q_proj = register_module("q_proj", make_linear(prefix + ".q_proj", linear_options(hidden, query_width, bias, dtype)));
+  k_proj = register_module("k_proj", make_linear(prefix + ".k_proj", linear_options(hidden, key_value_width, bias, dtype)));
+  v_proj = register_module("v_proj", make_linear(prefix + ".v_proj", linear_options(hidden, key_value_width, bias, dtype)));
+  o_proj = register_module("o_proj", make_linear(prefix + ".o_proj",
+                                                 linear_options(query_width, hidden, options.output_bias, dtype)));
+  if (options.query_key_norm) {
+    q_norm = register_module("q_norm", RMSNorm(head_dim_, options.rms_norm_eps, dtype));
+    k_norm = register_module("k_norm", RMSNorm(head_dim_, options.rms_norm_eps, dtype));
+  }
+}
+
+std::pair<torch::Tensor, torch::Tensor> LayerKeyValues::append(const torch::Tensor& key, const torch::Tensor& value) {
+  const int64_t added = key.size(2);
+  const int64_t needed = length_ + added;
+  if (!keys_.defined() || needed > keys_.size(2)) {
+    // Doubling keeps the copies amortised O(1) per token; the views handed out before stay valid
+    // (they hold the old buffer).
+    const int64_t capacity = std::max<int64_t>(needed, keys_.defined() ? 2 * keys_.size(2) : 2 * added);
+    auto grow = [&](const torch::Tensor& old, const torch::Tensor& like) {
+      auto buffer = torch::empty({like.size(0), like.size(1), capacity, like.size(3)}, like.options());
+      if (length_ > 0) buffer.narrow(2, 0, length_).copy_(old.narrow(2, 0, length_));
+      return buffer;
+    };
+    keys_ = grow(keys_, key);
+    values_ = grow(values_, value);
+  }
+  keys_.narrow(2, length_, added).copy_(key);
+  values_.narrow(2, length_, added).copy_(value);
+  length_ = needed;
+  return {keys_.narrow(2, 0, length_), values_.narrow(2, 0, length_)};
+}
+
+torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden, const torch::Tensor& cos,
+                                          const torch::Tensor& sin, const torch::Tensor& attention_mask,
+                                          LayerKeyValues* cache) {
+  const int64_t batch = hidden.size(0);
+  const int64_t sequence = hidden.size(1);
+  // [batch, seq, heads * head_dim] -> [batch, heads, seq, head_dim]
+  // The rotary embedding runs on the projections' [batch, seq, heads, head_dim] layout.
+  auto query = q_proj->forward(hidden).view({batch, sequence, num_heads_, head_dim_});
+  auto key = k_proj->forward(hidden).view({batch, sequence, num_key_value_heads_, head_dim_});
+  if (q_norm) {
+    // Qwen3: each head's query and key normalised over head_dim before the rotation.
+    query = q_norm->forward(query);
+    key = k_norm->forward(key);
+  }
+  query = rotary_embedding(query, cos, sin).transpose(1, 2);
+  key = rotary_embedding(key, cos, sin).transpose(1, 2);
+  auto value = v_proj->forward(hidden).view({batch, sequence, num_key_value_heads_, head_dim_}).transpose(1, 2);
+  const int64_t past = cache != nullptr ? cache->length() : 0;
+  if (cache != nullptr) {
+    if (attention_mask.defined()) throw Error(ErrorCode::kInternal, "an attention mask cannot be combined with a key/value cache");
+    std::tie(key, value) = cache->append(key, value);
+  }
+  const double scale = std::pow(static_cast<double>(head_dim_), -0.5);
+  // SDPA's is_causal aligns its mask to the top left, right only without cached keys before the
+  // new queries and without a window that cuts keys off; otherwise the mask is written out.
+  // (One new token after the cache, within the window, sees every key: no mask at all.)
+  const bool window_cuts = sliding_window_ > 0 && past + sequence > sliding_window_;
+  if (window_cuts && past == 0 && !attention_mask.defined() && flash_window_attention_applies(query, key)) {
+    // Flash attention's own window: no [T, T] mask (trainer/model/sliding_window_attention.h).
+    const auto attended = flash_window_attention(query, key, value, sliding_window_, scale);
+    return o_proj->forward(attended.transpose(1, 2).reshape({batch, sequence, num_heads_ * head_dim_}));
+  }
+  const bool causal = !attention_mask.defined() && sequence > 1 && past == 0 && !window_cuts;
+  std::optional<at::Tensor> mask =
+      attention_mask.defined() ? std::optional<at::Tensor>(attention_mask) : std::nullopt;
+  if ((past > 0 && sequence > 1) || window_cuts) {
+    const auto visible = visible_keys(past, sequence, window_cuts ? sliding_window_ : 0, hidden.device());
+    mask = mask.has_value() ? (*mask & visible) : visible;  // within a packed row, its own sample's too
+  }
+  auto attended = at::scaled_dot_product_attention(query, key, value, mask, /*dropout_p=*/0.0, causal, scale,
+                                                   /*enable_gqa=*/num_key_value_heads_ != num_heads_);
+  return o_proj->forward(attended.transpose(1, 2).reshape({batch, sequence, num_heads_ * head_dim_}));
+}
+
+void LlamaAttentionImpl::replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) {
+  auto* slot = child_name == "q_proj" ? &q_proj
+               : child_name == "k_proj" ? &k_proj
+               : child_name == "v_proj" ? &v_proj
+               : child_name == "o_proj" ? &o_proj
+                                        : nullptr;
+  replace_projection(*this, slot, child_name, std::move(layer));
+}
+
+LlamaMlpImpl::LlamaMlpImpl(const LlamaOptions& options, const std::string& prefix, const LinearFactory& make_linear,
+                           torch::ScalarType dtype) {
+  const int64_t hidden = options.hidden_size;
+  const int64_t intermediate = options.intermediate_size;
+  const bool bias = options.mlp_bias;
+  gate_proj = register_module("gate_proj", make_linear(prefix + ".gate_proj", linear_options(hidden, intermediate, bias, dtype)));
+  up_proj = register_module("up_proj", make_linear(prefix + ".up_proj", linear_options(hidden, intermediate, bias, dtype)));
+  down_proj = register_module("down_proj", make_linear(prefix + ".down_proj", linear_options(intermediate, hidden, bias, dtype)));
+}
+
+torch::Tensor LlamaMlpImpl::forward(const torch::Tensor& hidden) {
+  return down_proj->forward(swiglu(gate_proj->forward(hidden), up_proj->forward(hidden)));
+}
+
+void LlamaMlpImpl::replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) {
+  auto* slot = child_name == "gate_proj" ? &gate_proj
+               : child_name == "up_proj" ? &up_proj
+               : child_name == "down_proj" ? &down_proj
+                                           : nullptr;
+  replace_projection(*this, slot, child_name, std::move(layer));
+}
+
+LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaOptions& options, const std::string& prefix,
+                                             const LinearFactory& make_linear, torch::ScalarType dtype,
+                                             int64_t sliding_window) {
+  input_layernorm = register_module("input_layernorm", RMSNorm(options.hidden_size, options.rms_norm_eps, dtype));
+  self_attn = register_module("self_attn",
+                              LlamaAttention(options, prefix + ".self_attn", make_linear, dtype, sliding_window));
+  post_attention_layernorm =
+      register_module("post_attention_layernorm", RMSNorm(options.hidden_size, options.rms_norm_eps, dtype));
+  mlp = register_module("mlp", LlamaMlp(options, prefix + ".mlp", make_linear, dtype));
+}
+
+torch::Tensor LlamaDecoderLayerImpl::forward(const torch::Tensor& hidden, const torch::Tensor& cos,
+                                             const torch::Tensor& sin, const torch::Tensor& attention_mask,
+                                             LayerKeyValues* cache) {
+  auto residual = hidden + self_attn->forward(input_layernorm->forward(hidden), cos, sin, attention_mask, cache);
+  return residual + mlp->forward(post_attention_layernorm->forward(residual));
+}
+
+LlamaBackboneImpl::LlamaBackboneImpl(const LlamaOptions& options, const LinearFactory& make_linear,
+                                     torch::ScalarType dtype)
+    : rotary_(options) {
+  embed_tokens = register_module("embed_tokens", torch::nn::Embedding(options.vocab_size, options.hidden_size));
+  embed_tokens->weight.set_data(embed_tokens->weight.data().normal_(0.0, 0.02).to(dtype));
+  layers = register_module("layers", torch::nn::ModuleList());
+  for (int64_t index = 0; index < options.num_hidden_layers; ++index) {
+    layers->push_back(LlamaDecoderLayer(options, "model.layers." + std::to_string(index), make_linear, dtype,
+                                        options.layer_slides(index) ? options.sliding_window : 0));
+  }
+  norm = register_module("norm", RMSNorm(options.hidden_size, options.rms_norm_eps, dtype));
+}
+
+torch::Tensor LlamaBackboneImpl::forward(const torch::Tensor& input_ids, const torch::Tensor& position_ids,
+                                         const torch::Tensor& attention_mask, KeyValueCache* cache) {
+  auto hidden = embed_tokens->forward(input_ids);
+  auto [cos, sin] = rotary_.tables(position_ids, hidden.scalar_type());
+  const bool checkpointing = checkpoint_every_ > 0 && is_training() && torch::GradMode::is_enabled();
+  for (size_t index = 0; index < layers->size(); ++index) {
+    auto* layer = layers[index]->as<LlamaDecoderLayer>();
+    if (checkpointing && static_cast<int64_t>(index) % checkpoint_every_ == 0) {
+      hidden = checkpoint(
+          [layer, cos = cos, sin = sin, attention_mask](const std::vector<torch::Tensor>& inputs) {
+            // Grad mode is on only in the recomputation, whose backward follows at once.
+            const qat::KeepBuiltWeights keep_dequantized(torch::GradMode::is_enabled());
+            return layer->forward(inputs[0], cos, sin, attention_mask);
+          },
+          {hidden}, layer->parameters());
+    } else {
+      hidden = layer->forward(hidden, cos, sin, attention_mask,
+                              cache ? &cache->layer(static_cast<int64_t>(index)) : nullptr);
+    }
+  }
+  return norm->forward(hidden);
+}
+
+LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaOptions& options, torch::ScalarType dtype,
+                                           const LinearFactory& make_linear)
+    : options_(options), dtype_(dtype) {
+  model = register_module("model", LlamaBackbone(options, make_linear, dtype));
+  if (!options.tie_word_embeddings) {
+    lm_head = register_module("lm_head",
+                              make_linear("lm_head", linear_options(options.hidden_size, options.vocab_size, false, dtype)));
+  }
+}
+
+torch::Tensor LlamaForCausalLMImpl::hidden_states(const LlamaInputs& inputs) {
+  auto position_ids = inputs.position_ids;
+  if (!position_ids.defined()) {
+    const int64_t past = inputs.cache ? inputs.cache->length() : 0;
+    position_ids = torch::arange(past, past + inputs.input_ids.size(1),
+                                 inputs.input_ids.options().dtype(torch::kInt64))
+                       .unsqueeze(0)
+                       .expand({inputs.input_ids.size(0), -1});
+  }
+  return model->forward(inputs.input_ids, position_ids, inputs.attention_mask, inputs.cache);
+}
+
+torch::Tensor LlamaForCausalLMImpl::logits(const torch::Tensor& hidden) {
+  if (lm_head) return lm_head->forward(hidden);
+  return F::linear(hidden, model->embed_tokens->weight);
+}
+
+void LlamaForCausalLMImpl::replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) {
+  replace_projection(*this, child_name == "lm_head" ? &lm_head : nullptr, child_name, std::move(layer));
+}
+
+torch::Tensor LlamaForCausalLMImpl::forward(const LlamaInputs& inputs) { return logits(hidden_states(inputs)); }
+
+}  // namespace qtrain::trainer

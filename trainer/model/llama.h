@@ -1,0 +1,175 @@
+#pragma once
+// A Llama-style decoder as LibTorch modules: LlamaForCausalLM, and with the switches of
+// LlamaOptions the Mistral, Qwen2 and Qwen3 families (trainer/model/model_families.h). Parameter
+// names are Hugging Face's (`model.layers.3.self_attn.q_proj.weight`), so checkpoints and peft
+// adapters map by name.
+// The numerics follow transformers: RMSNorm and rotary tables in fp32, the residual stream in
+// the compute dtype, attention through scaled_dot_product_attention.
+#include <torch/torch.h>
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "qat/linear.h"
+#include "trainer/model/llama_options.h"
+
+namespace qtrain::trainer {
+
+// Builds the projection a model position needs (`name` like "model.layers.0.self_attn.q_proj").
+// The default makes dense layers; QLoRA / QAT pass factories that make their own kinds.
+using LinearFactory = std::function<std::shared_ptr<qat::LinearLayer>(const std::string& name,
+                                                                      const qat::DenseLinearOptions&)>;
+LinearFactory dense_linear_factory();
+
+class RMSNormImpl : public torch::nn::Module {
+ public:
+  RMSNormImpl(int64_t hidden_size, double eps, torch::ScalarType dtype);
+  // x [..., hidden] in any dtype; normalised in fp32, scaled in x's dtype.
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor weight;
+
+ private:
+  double eps_;
+};
+TORCH_MODULE(RMSNorm);
+
+// cos and sin tables for rotary embeddings, computed in fp32 as transformers does.
+class RotaryEmbedding {
+ public:
+  RotaryEmbedding(const LlamaOptions& options);
+  // position_ids [batch, seq] -> (cos, sin) [batch, seq, head_dim] in `dtype`.
+  std::pair<torch::Tensor, torch::Tensor> tables(const torch::Tensor& position_ids, torch::ScalarType dtype) const;
+
+ private:
+  torch::Tensor inverse_frequencies(int64_t sequence_length, const torch::Device& device) const;
+  LlamaOptions options_;
+  torch::Tensor inverse_frequencies_;  // [head_dim / 2], fp32
+};
+
+// One decoder layer's keys and values of the positions processed so far, so that generation
+// runs each new token through the model alone (its query against every cached key).
+// Keys are stored after the rotary embedding, as transformers' cache holds them.
+class LayerKeyValues {
+ public:
+  // key, value [batch, kv_heads, new, head_dim] -> every position's keys and values
+  // [batch, kv_heads, length(), head_dim] (views into a buffer that grows by doubling).
+  std::pair<torch::Tensor, torch::Tensor> append(const torch::Tensor& key, const torch::Tensor& value);
+  int64_t length() const { return length_; }
+
+ private:
+  torch::Tensor keys_, values_;  // [batch, kv_heads, capacity, head_dim], the model's dtype
+  int64_t length_ = 0;
+};
+
+// The key/value cache of a whole model: one LayerKeyValues per decoder layer. A forward pass
+// given a cache (LlamaInputs::cache) continues the sequence it holds: positions start at
+// length() and the new tokens attend to the cached ones and causally among themselves.
+class KeyValueCache {
+ public:
+  explicit KeyValueCache(int64_t num_layers) : layers_(static_cast<size_t>(num_layers)) {}
+  LayerKeyValues& layer(int64_t index) { return layers_.at(static_cast<size_t>(index)); }
+  int64_t length() const { return layers_.empty() ? 0 : layers_.front().length(); }
+
+ private:
+  std::vector<LayerKeyValues> layers_;
+};
+
+// The blocks holding projections implement qat::LinearLayerOwner, so that swapping one (LoRA,
+// QAT) updates the pointer forward() calls as well as the registered child.
+class LlamaAttentionImpl : public torch::nn::Module, public qat::LinearLayerOwner {
+ public:
+  // sliding_window > 0: each query sees only the keys of the last sliding_window positions.
+  LlamaAttentionImpl(const LlamaOptions& options, const std::string& prefix, const LinearFactory& make_linear,
+                     torch::ScalarType dtype, int64_t sliding_window = 0);
+  // hidden [batch, seq, hidden]; attention_mask: undefined (causal) or a boolean/additive
+  // mask broadcastable to [batch, heads, seq, seq]. With `cache`, the sequence continues the
+  // cached one (causal over cached + new positions; no attention_mask then).
+  torch::Tensor forward(const torch::Tensor& hidden, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const torch::Tensor& attention_mask, LayerKeyValues* cache = nullptr);
+  void replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) override;
+  std::shared_ptr<qat::LinearLayer> q_proj, k_proj, v_proj, o_proj;
+  RMSNorm q_norm{nullptr}, k_norm{nullptr};  // LlamaOptions::query_key_norm only
+
+ private:
+  int64_t num_heads_, num_key_value_heads_, head_dim_;
+  int64_t sliding_window_;
+};
+TORCH_MODULE(LlamaAttention);
+
+class LlamaMlpImpl : public torch::nn::Module, public qat::LinearLayerOwner {
+ public:
+  LlamaMlpImpl(const LlamaOptions& options, const std::string& prefix, const LinearFactory& make_linear,
+               torch::ScalarType dtype);
+  torch::Tensor forward(const torch::Tensor& hidden);
+  void replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) override;
+  std::shared_ptr<qat::LinearLayer> gate_proj, up_proj, down_proj;
+};
+TORCH_MODULE(LlamaMlp);
+
+class LlamaDecoderLayerImpl : public torch::nn::Module {
+ public:
+  LlamaDecoderLayerImpl(const LlamaOptions& options, const std::string& prefix, const LinearFactory& make_linear,
+                        torch::ScalarType dtype, int64_t sliding_window = 0);
+  torch::Tensor forward(const torch::Tensor& hidden, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const torch::Tensor& attention_mask, LayerKeyValues* cache = nullptr);
+  RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
+  LlamaAttention self_attn{nullptr};
+  LlamaMlp mlp{nullptr};
+};
+TORCH_MODULE(LlamaDecoderLayer);
+
+// The `model.` part of LlamaForCausalLM: embeddings, decoder layers, final norm.
+class LlamaBackboneImpl : public torch::nn::Module {
+ public:
+  LlamaBackboneImpl(const LlamaOptions& options, const LinearFactory& make_linear, torch::ScalarType dtype);
+  // input_ids [batch, seq] int64 -> hidden [batch, seq, hidden] in the model dtype
+  torch::Tensor forward(const torch::Tensor& input_ids, const torch::Tensor& position_ids,
+                        const torch::Tensor& attention_mask, KeyValueCache* cache = nullptr);
+  // Recompute every k-th decoder layer in backward instead of keeping its activations
+  // (trainer/model/activation_checkpoint.h); 0 turns it off. Only while training with grad enabled.
+  void set_gradient_checkpointing(int64_t every_k_layers) { checkpoint_every_ = every_k_layers; }
+  torch::nn::Embedding embed_tokens{nullptr};
+  torch::nn::ModuleList layers{nullptr};
+  RMSNorm norm{nullptr};
+
+ private:
+  RotaryEmbedding rotary_;
+  int64_t checkpoint_every_ = 0;
+};
+TORCH_MODULE(LlamaBackbone);
+
+struct LlamaInputs {
+  torch::Tensor input_ids;       // [batch, seq] int64
+  torch::Tensor position_ids;    // [batch, seq] int64; undefined = 0..seq-1 for every row
+  torch::Tensor attention_mask;  // undefined = causal
+  // Generation: the keys and values of the tokens before input_ids, extended by the forward
+  // pass; default position_ids then start at cache->length(). Inference only.
+  KeyValueCache* cache = nullptr;
+};
+
+class LlamaForCausalLMImpl : public torch::nn::Module, public qat::LinearLayerOwner {
+ public:
+  LlamaForCausalLMImpl(const LlamaOptions& options, torch::ScalarType dtype,
+                       const LinearFactory& make_linear = dense_linear_factory());
+  // [batch, seq, hidden]: the final normed hidden states (the loss projects them in chunks).
+  torch::Tensor hidden_states(const LlamaInputs& inputs);
+  // [batch, seq, vocab] in the model dtype.
+  torch::Tensor forward(const LlamaInputs& inputs);
+  torch::Tensor logits(const torch::Tensor& hidden);
+  void replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) override;
+  const LlamaOptions& options() const { return options_; }
+  torch::ScalarType dtype() const { return dtype_; }
+
+  LlamaBackbone model{nullptr};
+  std::shared_ptr<qat::LinearLayer> lm_head;  // null when tied to model.embed_tokens
+
+ private:
+  LlamaOptions options_;
+  torch::ScalarType dtype_;
+};
+TORCH_MODULE(LlamaForCausalLM);
+
+}  // namespace qtrain::trainer

@@ -1,0 +1,127 @@
+#include "trainer/model/llama_layers.h"
+
+#include "kernels/cuda_build.h"
+#include "kernels/llama_layers.h"
+
+namespace qtrain::trainer {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+bool on_fused_kernels(const torch::Tensor& tensor) {
+  return kernels::kCudaKernelsBuilt && tensor.is_cuda() && tensor.is_floating_point() &&
+         tensor.scalar_type() != torch::kFloat64;
+}
+
+class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* context, const torch::Tensor& x, const torch::Tensor& weight,
+                               double eps) {
+    const auto rows = x.reshape({-1, x.size(-1)}).contiguous();
+    auto [out, rstd] = kernels::rms_norm_forward_cuda(rows, weight.contiguous(), eps);
+    context->save_for_backward({rows, weight, rstd});
+    return out.view(x.sizes());
+  }
+
+  static variable_list backward(AutogradContext* context, variable_list grads) {
+    const auto saved = context->get_saved_variables();
+    const auto& rows = saved[0];
+    const auto& weight = saved[1];
+    const auto& rstd = saved[2];
+    const auto grad_rows = grads[0].reshape(rows.sizes()).contiguous();
+    auto grad_x = kernels::rms_norm_backward_cuda(grad_rows, rows, weight.contiguous(), rstd);
+    torch::Tensor grad_weight;
+    if (context->needs_input_grad(1)) {
+      // Trained norms only (full fine-tuning): the weight's gradient is sum over rows of dy * n_t.
+      const auto normalized = (rows.to(torch::kFloat32) * rstd.unsqueeze(1)).to(rows.scalar_type());
+      grad_weight = (grad_rows.to(torch::kFloat32) * normalized.to(torch::kFloat32)).sum(0).to(weight.scalar_type());
+    }
+    return {grad_x.view(grads[0].sizes()), grad_weight, torch::Tensor()};
+  }
+};
+
+class RotaryFunction : public torch::autograd::Function<RotaryFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* context, const torch::Tensor& x, const torch::Tensor& cos,
+                               const torch::Tensor& sin) {
+    const auto cos_table = cos.contiguous();
+    const auto sin_table = sin.contiguous();
+    context->save_for_backward({cos_table, sin_table});
+    return kernels::rotary_embedding_cuda(x.contiguous(), cos_table, sin_table, /*inverse=*/false);
+  }
+
+  static variable_list backward(AutogradContext* context, variable_list grads) {
+    const auto saved = context->get_saved_variables();
+    return {kernels::rotary_embedding_cuda(grads[0].contiguous(), saved[0], saved[1], /*inverse=*/true),
+            torch::Tensor(), torch::Tensor()};
+  }
+};
+
+class SwigluFunction : public torch::autograd::Function<SwigluFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* context, const torch::Tensor& gate, const torch::Tensor& up) {
+    const auto gate_values = gate.contiguous();
+    const auto up_values = up.contiguous();
+    context->save_for_backward({gate_values, up_values});
+    return kernels::swiglu_forward_cuda(gate_values, up_values);
+  }
+
+  static variable_list backward(AutogradContext* context, variable_list grads) {
+    const auto saved = context->get_saved_variables();
+    auto [grad_gate, grad_up] = kernels::swiglu_backward_cuda(grads[0].contiguous(), saved[0], saved[1]);
+    return {grad_gate, grad_up};
+  }
+};
+
+torch::Tensor rotate_half(const torch::Tensor& x) {
+  auto halves = x.chunk(2, -1);
+  return torch::cat({-halves[1], halves[0]}, -1);
+}
+
+}  // namespace
+
+torch::Tensor rms_norm_reference(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  const auto input_dtype = x.scalar_type();
+  auto x32 = x.to(torch::kFloat32);
+  auto variance = x32.pow(2).mean(-1, /*keepdim=*/true);
+  x32 = x32 * torch::rsqrt(variance + eps);
+  return weight * x32.to(input_dtype);
+}
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  if (on_fused_kernels(x) && weight.scalar_type() == x.scalar_type() && weight.device() == x.device()) {
+    return RmsNormFunction::apply(x, weight, eps);
+  }
+  return rms_norm_reference(x, weight, eps);
+}
+
+torch::Tensor rotary_embedding_reference(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  // On transformers' [batch, heads, seq, head_dim] view, so that the result has the memory layout
+  // attention was always given (CPU attention kernels round differently on another layout).
+  const auto per_head = x.transpose(1, 2);
+  return (per_head * cos.unsqueeze(1) + rotate_half(per_head) * sin.unsqueeze(1)).transpose(1, 2);
+}
+
+torch::Tensor rotary_embedding(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  if (on_fused_kernels(x) && cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type() &&
+      cos.device() == x.device() && sin.device() == x.device()) {
+    return RotaryFunction::apply(x, cos, sin);
+  }
+  return rotary_embedding_reference(x, cos, sin);
+}
+
+torch::Tensor swiglu_reference(const torch::Tensor& gate, const torch::Tensor& up) {
+  return torch::nn::functional::silu(gate) * up;
+}
+
+torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tensor& up) {
+  if (on_fused_kernels(gate) && up.scalar_type() == gate.scalar_type() && up.device() == gate.device() &&
+      gate.sizes() == up.sizes()) {
+    return SwigluFunction::apply(gate, up);
+  }
+  return swiglu_reference(gate, up);
+}
+
+}  // namespace qtrain::trainer

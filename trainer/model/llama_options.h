@@ -1,0 +1,57 @@
+#pragma once
+// The shape and rotary-embedding settings of a Llama-style decoder, as config.json gives them
+// (trainer/formats/hf_config.h reads them), with what the Mistral and Qwen families change in it
+// (trainer/model/model_families.h says which family sets what). Plain data, free of LibTorch.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace qtrain::trainer {
+
+// The linear layers of each decoder block, by the names transformers and peft give them.
+inline const std::vector<std::string>& decoder_projection_names() {
+  static const std::vector<std::string> names = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+  return names;
+}
+
+enum class RopeType { kDefault, kLinear, kDynamic, kLlama3 };
+
+struct RopeOptions {
+  RopeType type = RopeType::kDefault;
+  double theta = 10000.0;
+  double factor = 1.0;                   // linear, dynamic, llama3
+  double low_freq_factor = 1.0;          // llama3
+  double high_freq_factor = 4.0;         // llama3
+  int64_t original_max_position_embeddings = 0;  // llama3, dynamic (0 = max_position_embeddings)
+};
+
+struct LlamaOptions {
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;
+  int64_t num_hidden_layers = 0;
+  int64_t num_attention_heads = 0;
+  int64_t num_key_value_heads = 0;
+  int64_t head_dim = 0;
+  int64_t max_position_embeddings = 2048;
+  double rms_norm_eps = 1e-6;
+  bool attention_bias = false;  // q_proj, k_proj and v_proj have a bias
+  bool output_bias = false;     // o_proj has one (Llama: as attention_bias; Qwen2: never)
+  bool mlp_bias = false;
+  bool tie_word_embeddings = false;
+  RopeOptions rope;
+  // RMSNorm over each head's query and key (weights [head_dim], `self_attn.q_norm` / `k_norm`)
+  // before the rotary embedding (Qwen3).
+  bool query_key_norm = false;
+  // Layers whose queries see only the keys of the last `sliding_window` positions, themselves
+  // included (Mistral, Qwen's sliding layers); empty: every layer sees every earlier key.
+  int64_t sliding_window = 0;
+  std::vector<bool> sliding_layers;  // [num_hidden_layers] when not empty
+
+  bool layer_slides(int64_t layer) const {
+    return sliding_window > 0 && layer < static_cast<int64_t>(sliding_layers.size()) &&
+           sliding_layers[static_cast<size_t>(layer)];
+  }
+};
+
+}  // namespace qtrain::trainer

@@ -1,0 +1,54 @@
+#include "trainer/model/llama_shapes.h"
+
+#include "kernels/error.h"
+
+namespace qtrain::trainer {
+
+namespace {
+
+struct NamedShape {
+  const char* name;
+  int64_t vocab, hidden, intermediate, layers, heads, kv_heads, head_dim;
+  bool tied;
+  double rope_theta, rms_norm_eps;
+  bool query_key_value_bias;  // Qwen2: q/k/v only
+  bool query_key_norm;        // Qwen3
+};
+
+// Each row is its model's config.json (head_dim = hidden / heads where the config omits it).
+const NamedShape kShapes[] = {
+    {"llama3-8b", 128256, 4096, 14336, 32, 32, 8, 128, false, 500000.0, 1e-5, false, false},
+    {"llama3-1b", 128256, 2048, 8192, 16, 32, 8, 64, true, 500000.0, 1e-5, false, false},  // Llama-3.2-1B
+    {"qwen3-8b", 151936, 4096, 12288, 36, 32, 8, 128, false, 1000000.0, 1e-6, false, true},
+    {"qwen2.5-7b", 152064, 3584, 18944, 28, 28, 4, 128, false, 1000000.0, 1e-6, true, false},
+    {"mistral-7b", 32768, 4096, 14336, 32, 32, 8, 128, false, 1000000.0, 1e-5, false, false},  // v0.3, no window
+    {"tiny", 8192, 256, 688, 4, 8, 2, 32, false, 500000.0, 1e-5, false, false},  // the shape of tests' tiny-llama
+};
+
+}  // namespace
+
+LlamaOptions llama_shape(const std::string& name) {
+  for (const auto& shape : kShapes) {
+    if (name != shape.name) continue;
+    LlamaOptions options;
+    options.vocab_size = shape.vocab;
+    options.hidden_size = shape.hidden;
+    options.intermediate_size = shape.intermediate;
+    options.num_hidden_layers = shape.layers;
+    options.num_attention_heads = shape.heads;
+    options.num_key_value_heads = shape.kv_heads;
+    options.head_dim = shape.head_dim;
+    options.tie_word_embeddings = shape.tied;
+    options.max_position_embeddings = 8192;
+    options.rms_norm_eps = shape.rms_norm_eps;
+    options.rope.theta = shape.rope_theta;
+    options.attention_bias = shape.query_key_value_bias;
+    options.query_key_norm = shape.query_key_norm;
+    return options;
+  }
+  std::string known;
+  for (const auto& shape : kShapes) known += (known.empty() ? "" : ", ") + std::string(shape.name);
+  throw Error(ErrorCode::kUsage, "unknown model shape '" + name + "' (known: " + known + ")");
+}
+
+}  // namespace qtrain::trainer

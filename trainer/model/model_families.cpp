@@ -1,0 +1,29 @@
+#include "trainer/model/model_families.h"
+
+namespace qtrain::trainer {
+
+const std::vector<ModelFamily>& model_families() {
+  static const std::vector<ModelFamily> families = {
+      {"LlamaForCausalLM", "llama", "llama", AttentionBias::kFromConfig, false, SlidingWindowKeys::kNone},
+      // Mistral 7B v0.1 slides over 4096 keys in every layer; v0.2+, Ministral and Nemo set null.
+      {"MistralForCausalLM", "mistral", "llama", AttentionBias::kNone, false, SlidingWindowKeys::kEveryLayer},
+      {"Qwen2ForCausalLM", "qwen2", "qwen2", AttentionBias::kQueryKeyValueOnly, false, SlidingWindowKeys::kLayerTypes},
+      {"Qwen3ForCausalLM", "qwen3", "qwen3", AttentionBias::kFromConfig, true, SlidingWindowKeys::kLayerTypes},
+  };
+  return families;
+}
+
+const ModelFamily* find_model_family(const std::string& architecture, const std::string& model_type) {
+  for (const auto& family : model_families()) {
+    if (architecture.empty() ? family.model_type == model_type : family.architecture == architecture) return &family;
+  }
+  return nullptr;
+}
+
+std::string supported_architectures() {
+  std::string names;
+  for (const auto& family : model_families()) names += (names.empty() ? "" : ", ") + family.architecture;
+  return names;
+}
+
+}  // namespace qtrain::trainer

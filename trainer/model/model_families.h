@@ -1,0 +1,42 @@
+#pragma once
+// The decoder families qtrain loads, one row each: how config.json names them and what each
+// changes in the Llama decoder (trainer/model/llama.h builds them all). Adding a family is adding a
+// row here and, where it needs new math, a switch in LlamaOptions.
+#include <string>
+#include <vector>
+
+namespace qtrain::trainer {
+
+// Which projections of the attention carry a bias.
+enum class AttentionBias {
+  kFromConfig,        // config.json's attention_bias, on q, k, v and o (Llama, Qwen3)
+  kNone,              // never (Mistral)
+  kQueryKeyValueOnly  // q, k and v always, o never (Qwen2)
+};
+
+// Where a family's sliding-window attention is set in config.json.
+enum class SlidingWindowKeys {
+  kNone,        // no sliding window (Llama)
+  kEveryLayer,  // sliding_window (null: none) applies to every layer (Mistral)
+  kLayerTypes   // layer_types ("sliding_attention" / "full_attention"), or else use_sliding_window
+                // with max_window_layers: layers from that index on slide (Qwen2, Qwen3)
+};
+
+struct ModelFamily {
+  std::string architecture;       // config.json's architectures[0]
+  std::string model_type;         // config.json's model_type
+  std::string gguf_architecture;  // llama.cpp's general.architecture for this family
+  AttentionBias attention_bias;
+  bool query_key_norm;            // RMSNorm on each head's q and k before rope (Qwen3)
+  SlidingWindowKeys sliding_window;
+};
+
+const std::vector<ModelFamily>& model_families();
+
+// The row for `architecture` (or, when that is empty, `model_type`); nullptr when none matches.
+const ModelFamily* find_model_family(const std::string& architecture, const std::string& model_type);
+
+// "LlamaForCausalLM, MistralForCausalLM, ...", for messages.
+std::string supported_architectures();
+
+}  // namespace qtrain::trainer

@@ -1,0 +1,339 @@
+#include "trainer/recipe/model_memory.h"
+
+#include <algorithm>
+#include <map>
+
+#include "kernels/error.h"
+#include "qat/four_bit_codec.h"
+#include "trainer/formats/hf_config.h"
+#include "trainer/recipe/recipe_training.h"
+
+namespace qtrain::trainer {
+
+namespace {
+
+// The tensor a projection reads; projections reading the same one share what is saved of it.
+enum class ProjectionInput { kNormedForAttention, kAttentionOutput, kNormedForMlp, kMlpProduct };
+
+struct Projection {
+  std::string name;  // the module's dotted path, e.g. "model.layers.3.self_attn.q_proj"
+  int64_t in = 0;
+  int64_t out = 0;
+  bool bias = false;
+  ProjectionInput input = ProjectionInput::kNormedForAttention;
+};
+
+std::vector<Projection> decoder_projections(const LlamaOptions& model, int64_t layer) {
+  const std::string attention = "model.layers." + std::to_string(layer) + ".self_attn.";
+  const std::string mlp = "model.layers." + std::to_string(layer) + ".mlp.";
+  const int64_t hidden = model.hidden_size;
+  const int64_t query = model.num_attention_heads * model.head_dim;
+  const int64_t key_value = model.num_key_value_heads * model.head_dim;
+  const int64_t intermediate = model.intermediate_size;
+  const bool attention_bias = model.attention_bias;
+  const bool mlp_bias = model.mlp_bias;
+  return {
+      {attention + "q_proj", hidden, query, attention_bias, ProjectionInput::kNormedForAttention},
+      {attention + "k_proj", hidden, key_value, attention_bias, ProjectionInput::kNormedForAttention},
+      {attention + "v_proj", hidden, key_value, attention_bias, ProjectionInput::kNormedForAttention},
+      {attention + "o_proj", query, hidden, model.output_bias, ProjectionInput::kAttentionOutput},
+      {mlp + "gate_proj", hidden, intermediate, mlp_bias, ProjectionInput::kNormedForMlp},
+      {mlp + "up_proj", hidden, intermediate, mlp_bias, ProjectionInput::kNormedForMlp},
+      {mlp + "down_proj", intermediate, hidden, mlp_bias, ProjectionInput::kMlpProduct},
+  };
+}
+
+// Every linear layer of the model: the decoder projections, then lm_head unless it is tied.
+std::vector<Projection> all_projections(const LlamaOptions& model) {
+  std::vector<Projection> projections;
+  for (int64_t layer = 0; layer < model.num_hidden_layers; ++layer) {
+    for (auto& projection : decoder_projections(model, layer)) projections.push_back(std::move(projection));
+  }
+  if (!model.tie_word_embeddings) projections.push_back({"lm_head", model.hidden_size, model.vocab_size, false, {}});
+  return projections;
+}
+
+// FourBitLinear's buffers for `elements` weights (qat/four_bit_linear.h): the packed codes, an
+// absmax per block (uint8 codes when double-quantized, else fp32), the 4-bit code table, and with
+// double quantization the fp32 absmax of every 256 absmax codes and their 256-entry table.
+double four_bit_bytes(int64_t elements, const qat::FourBitOptions& options) {
+  const int64_t blocks = (elements + options.blocksize - 1) / options.blocksize;
+  double bytes = static_cast<double>((elements + 1) / 2) + sizeof(qat::FourBitFormat::code);
+  if (options.double_quant) {
+    const int64_t nested_blocks = (blocks + qat::kNestedBlocksize - 1) / qat::kNestedBlocksize;
+    bytes += static_cast<double>(blocks) + 4.0 * static_cast<double>(nested_blocks) +
+             static_cast<double>(qat::signed_dynamic_map().nbytes());
+  } else {
+    bytes += 4.0 * static_cast<double>(blocks);
+  }
+  return bytes;
+}
+
+// Int8Linear's buffers (qat/int8_linear.h): one int8 code per weight, an fp32 absmax (SCB) per row.
+double int8_bytes(const Projection& projection) {
+  return static_cast<double>(projection.in * projection.out) + 4.0 * static_cast<double>(projection.out);
+}
+
+bool is_quantized(const Projection& projection, const TrainingMemorySetup& setup) {
+  return setup.quant == "qlora" && !qat::module_name_matches(projection.name, setup.skip_modules);
+}
+
+// The LoRA rank of the adapter on `projection`; 0: none.
+int64_t adapter_rank(const Projection& projection, const TrainingMemorySetup& setup) {
+  if (setup.full_finetune || !setup.adapter.targets.matches(projection.name)) return 0;
+  return setup.adapter.options_for(projection.name).rank;
+}
+
+double element_bytes(torch::ScalarType dtype) { return static_cast<double>(c10::elementSize(dtype)); }
+
+// One RMSNorm: its input in fp32 and 1 / rms per token; its normed output when its weight trains.
+double rms_norm_bytes(double tokens, int64_t hidden, double compute_bytes, bool weight_trains, bool fused) {
+  // The fused CUDA kernel (trainer/model/llama_layers.h) keeps its input and one fp32 rstd per row.
+  if (fused) return tokens * (static_cast<double>(hidden) * compute_bytes + 4.0);
+  return tokens * (4.0 * static_cast<double>(hidden) + 4.0) +
+         (weight_trains ? tokens * static_cast<double>(hidden) * compute_bytes : 0.0);
+}
+
+// PyTorch 2.11's scaled_dot_product_attention runs fp32 grouped-query attention on CUDA through
+// its math path (neither cuDNN, flash nor memory-efficient attention take it); everything else
+// this model runs goes to a fused kernel.
+bool uses_math_attention(const LlamaOptions& model, const TrainingMemorySetup& setup) {
+  return setup.device == torch::kCUDA && setup.compute_dtype == torch::kFloat32 &&
+         model.num_key_value_heads != model.num_attention_heads;
+}
+
+// What decoder layer `layer` saves for its backward, for one micro-batch (the model in the header).
+double decoder_layer_activation_bytes(const LlamaOptions& model, const TrainingMemorySetup& setup, int64_t layer) {
+  const double s = element_bytes(setup.compute_dtype);
+  const double sequence = static_cast<double>(setup.sequence_length);
+  const double tokens = static_cast<double>(setup.micro_batch_size) * sequence;
+  const double hidden = static_cast<double>(model.hidden_size);
+  const double heads = static_cast<double>(model.num_attention_heads);
+  const double query = heads * static_cast<double>(model.head_dim);
+  const double key_value = static_cast<double>(model.num_key_value_heads * model.head_dim);
+  const double intermediate = static_cast<double>(model.intermediate_size);
+  const double mask_bytes = setup.device == torch::kCUDA ? 1.0 : s;  // CUDA's fused dropout keeps a bool mask
+  const bool fused_layers = setup.device == torch::kCUDA;  // RMSNorm and SwiGLU kernels (trainer/model/llama_layers.h)
+  // The first layer's input comes from the frozen embeddings and does not require grad.
+  const bool input_requires_grad = layer > 0 || setup.full_finetune;
+
+  double bytes = rms_norm_bytes(tokens, model.hidden_size, s, setup.full_finetune, fused_layers);  // post_attention_layernorm
+  if (input_requires_grad) bytes += rms_norm_bytes(tokens, model.hidden_size, s, setup.full_finetune, fused_layers);
+  std::map<ProjectionInput, bool> input_saved;
+  for (const auto& projection : decoder_projections(model, layer)) {
+    const double in = static_cast<double>(projection.in);
+    const double out = static_cast<double>(projection.out);
+    const bool input_needs_grad = input_requires_grad || projection.input != ProjectionInput::kNormedForAttention;
+    // A 4-bit base keeps nothing: qat/four_bit_matmul.h dequantizes again in backward.
+    if (setup.full_finetune) {
+      input_saved[projection.input] = true;  // for the weight's gradient
+      continue;
+    }
+    const auto rank = static_cast<double>(adapter_rank(projection, setup));
+    if (rank == 0) continue;
+    bytes += tokens * rank * s;  // A's output, for B's gradient
+    const bool dropout = setup.adapter.options_for(projection.name).dropout > 0.0;
+    if (!setup.int8_base) {
+      // One fused node (qat/lora_matmul.h): the input, A and B cast, and dropout's mask as bytes.
+      if (setup.compute_dtype != torch::kFloat32) bytes += rank * (in + out) * s;
+      if (dropout) bytes += tokens * in;
+      input_saved[projection.input] = true;
+      continue;
+    }
+    if (setup.compute_dtype != torch::kFloat32) bytes += rank * ((input_needs_grad ? in : 0.0) + out) * s;  // A, B cast
+    if (dropout) {
+      bytes += tokens * in * (s + mask_bytes);  // its own dropped input and mask
+    } else {
+      input_saved[projection.input] = true;  // for A's gradient
+    }
+  }
+  const bool math_attention = uses_math_attention(model, setup);
+  if (input_saved[ProjectionInput::kNormedForAttention]) bytes += tokens * hidden * s;
+  // A fused kernel's output is o_proj's input as it is (a view); the math path's is a copy.
+  if (input_saved[ProjectionInput::kAttentionOutput] && math_attention) bytes += tokens * query * s;
+  if (input_saved[ProjectionInput::kNormedForMlp]) bytes += tokens * hidden * s;
+  if (input_saved[ProjectionInput::kMlpProduct]) bytes += tokens * intermediate * s;
+
+  if (math_attention) {
+    // softmax probabilities [batch, heads, seq, seq]; q, and k and v repeated to every head
+    bytes += tokens * (heads * sequence + 3.0 * query) * s;
+  } else {
+    // q and k after rotary, v, the output; the fp32 logsumexp [batch, heads, seq]; a mask
+    // becomes a [batch, 1, seq, seq] tensor of the compute dtype in every call.
+    bytes += tokens * ((2.0 * query + 2.0 * key_value) * s + 4.0 * heads) + (setup.packed ? tokens * sequence * s : 0.0);
+  }
+  // SwiGLU: the gate and up outputs, and the torch operations' silu(gate) too.
+  bytes += (fused_layers ? 2.0 : 3.0) * tokens * intermediate * s;
+  return bytes;
+}
+
+}  // namespace
+
+LlamaParameterCounts llama_parameter_counts(const LlamaOptions& options) {
+  LlamaParameterCounts counts;
+  for (int64_t layer = 0; layer < options.num_hidden_layers; ++layer) {
+    for (const auto& projection : decoder_projections(options, layer)) {
+      counts.projections += projection.in * projection.out + (projection.bias ? projection.out : 0);
+    }
+  }
+  counts.embeddings = options.vocab_size * options.hidden_size * (options.tie_word_embeddings ? 1 : 2);
+  counts.norms = options.hidden_size * (2 * options.num_hidden_layers + 1) +
+                 (options.query_key_norm ? 2 * options.head_dim * options.num_hidden_layers : 0);
+  counts.total = counts.projections + counts.embeddings + counts.norms;
+  return counts;
+}
+
+TrainingMemorySetup training_memory_setup(const Recipe& recipe, const LlamaOptions& model) {
+  if (recipe.quant == "qat") {
+    throw Error(ErrorCode::kRecipe, "quant: qat is not estimated yet (its fake quantizers' memory is not modelled); estimate with quant qlora or none");
+  }
+  TrainingMemorySetup setup;
+  setup.quant = recipe.quant;
+  setup.compute_dtype = parse_dtype_name(recipe.train.dtype, "train.dtype");
+  if (recipe.quant == "qlora" && recipe.qlora.quant_type == "int8") {
+    setup.int8_base = true;
+    setup.skip_modules = recipe.qlora.skip_modules;
+  } else if (recipe.quant == "qlora") {
+    qat::parse_four_bit_type(recipe.qlora.quant_type, "qlora.quant_type");
+    setup.four_bit.quant_type = recipe.qlora.quant_type;
+    setup.four_bit.blocksize = recipe.qlora.blocksize;
+    setup.four_bit.double_quant = recipe.qlora.double_quant;
+    setup.four_bit.compute_dtype = setup.compute_dtype;
+    setup.skip_modules = recipe.qlora.skip_modules;
+  }
+  setup.adapter = lora_adapter_config(recipe);
+  setup.full_finetune = recipe.lora.init_from.empty() && recipe.lora.rank == 0;
+  setup.device = recipe.train.device == "cpu" ? torch::kCPU : torch::kCUDA;  // auto: a GPU, where runs go
+  setup.micro_batch_size = recipe.train.micro_batch_size;
+  setup.sequence_length = recipe.data.max_seq_len;
+  setup.packed = recipe.data.pack;
+  setup.gradient_checkpointing = recipe.train.gradient_checkpointing;
+  setup.checkpoint_every = recipe.train.gradient_checkpointing_every;
+  setup.loss_chunk_tokens = loss_chunk_tokens(recipe, model.vocab_size);
+  return setup;
+}
+
+namespace {
+
+// The loss's backward runs first, over everything the forward kept; the layers' backward (and
+// their recomputation) after it, once the loss has let go of its logits.
+double peak_of(const PeakMemoryEstimate& estimate, bool checkpointing, bool chunking) {
+  const double logits = chunking ? estimate.chunked_logits_bytes : estimate.logits_bytes;
+  const double activations = checkpointing
+                                 ? std::max(estimate.checkpointed_saved_bytes + logits,
+                                            estimate.checkpointed_activation_bytes)
+                                 : estimate.activation_bytes + logits;
+  return estimate.frozen_weight_bytes + estimate.trainable_state_bytes + activations;
+}
+
+}  // namespace
+
+double PeakMemoryEstimate::total() const { return peak_of(*this, uses_checkpointing, uses_chunking); }
+
+double PeakMemoryEstimate::lowest_total() const { return peak_of(*this, true, true); }
+
+PeakMemoryEstimate estimate_peak_memory(const LlamaOptions& model, const TrainingMemorySetup& setup) {
+  const double s = element_bytes(setup.compute_dtype);
+  PeakMemoryEstimate estimate;
+
+  // Weights and trainable state.
+  bool lm_head_trains = setup.full_finetune;
+  for (const auto& projection : all_projections(model)) {
+    const int64_t weights = projection.in * projection.out;
+    const int64_t biases = projection.bias ? projection.out : 0;
+    if (setup.full_finetune) {
+      estimate.trainable_parameters += weights + biases;
+      continue;
+    }
+    const double quantized_bytes =
+        setup.int8_base ? int8_bytes(projection) : four_bit_bytes(weights, setup.four_bit);
+    estimate.frozen_weight_bytes += is_quantized(projection, setup) ? quantized_bytes + biases * s
+                                                                    : static_cast<double>(weights + biases) * s;
+    const int64_t rank = adapter_rank(projection, setup);
+    if (rank > 0) {
+      estimate.trainable_parameters += rank * (projection.in + projection.out);
+      ++estimate.adapted_layers;
+      lm_head_trains |= projection.name == "lm_head";
+    }
+  }
+  const int64_t embeddings_and_norms =
+      model.vocab_size * model.hidden_size + model.hidden_size * (2 * model.num_hidden_layers + 1);
+  if (setup.full_finetune) {
+    estimate.trainable_parameters += embeddings_and_norms;
+  } else {
+    estimate.frozen_weight_bytes += static_cast<double>(embeddings_and_norms) * s;
+  }
+  // fp32 LoRA weight, grad, exp_avg, exp_avg_sq; or, training every weight, a compute-dtype weight
+  // and grad, an fp32 master copy when those are 16-bit, and the two moments: 16 bytes either way.
+  constexpr double kTrainableStateBytes = 16.0;
+  estimate.trainable_state_bytes = static_cast<double>(estimate.trainable_parameters) * kTrainableStateBytes;
+
+  // Activations of one micro-batch.
+  const double tokens = static_cast<double>(setup.micro_batch_size * setup.sequence_length);
+  const double hidden = static_cast<double>(model.hidden_size);
+  const double per_micro_batch = tokens * 2.0 * static_cast<double>(model.head_dim) * s +  // rotary cos, sin
+                                 rms_norm_bytes(tokens, model.hidden_size, s, setup.full_finetune,
+                                                setup.device == torch::kCUDA) +  // final norm
+                                 (setup.packed ? tokens * static_cast<double>(setup.sequence_length) : 0.0);  // bool mask
+  // With checkpointing, backward walks the layers from the last: when it reaches layer j, the
+  // layers above have let go of theirs, those below still keep theirs, and a checkpointed j holds
+  // its recomputed activations on top of its input.
+  const int64_t every = std::max<int64_t>(setup.checkpoint_every, 1);
+  double kept_below = per_micro_batch;
+  estimate.activation_bytes = per_micro_batch;
+  estimate.checkpointed_activation_bytes = per_micro_batch;
+  for (int64_t layer = 0; layer < model.num_hidden_layers; ++layer) {
+    const double layer_bytes = decoder_layer_activation_bytes(model, setup, layer);
+    const bool checkpointed = layer % every == 0;
+    const double kept = checkpointed ? tokens * hidden * s : layer_bytes;  // a checkpointed layer keeps its input
+    // A recomputed layer keeps its dequantized 4-bit weights for its backward (qat::KeepBuiltWeights).
+    double built_weights = 0.0;
+    if (checkpointed && !setup.full_finetune && !setup.int8_base) {
+      for (const auto& projection : decoder_projections(model, layer)) {
+        if (is_quantized(projection, setup)) built_weights += static_cast<double>(projection.in * projection.out) * s;
+      }
+    }
+    estimate.activation_bytes += layer_bytes;
+    estimate.checkpointed_activation_bytes =
+        std::max(estimate.checkpointed_activation_bytes,
+                 kept_below + kept + (checkpointed ? layer_bytes + built_weights : 0.0));
+    kept_below += kept;
+  }
+  estimate.checkpointed_saved_bytes = kept_below;
+  estimate.attention_keeps_probabilities = uses_math_attention(model, setup);
+  estimate.uses_checkpointing = setup.gradient_checkpointing;
+
+  // The loss: three fp32 [tokens, vocab] tensors at the start of its backward.
+  estimate.predicted_tokens = setup.micro_batch_size * std::max<int64_t>(setup.sequence_length - 1, 0);
+  const double predicted = static_cast<double>(estimate.predicted_tokens);
+  const double logit_bytes_per_token = 3.0 * 4.0 * static_cast<double>(model.vocab_size);
+  const double final_states = predicted * hidden * s;  // [tokens, hidden], kept by chunks or a trained lm_head
+  estimate.logits_bytes = predicted * logit_bytes_per_token + (lm_head_trains ? final_states : 0.0);
+  estimate.loss_chunk_tokens = setup.loss_chunk_tokens > 0
+                                   ? std::min(setup.loss_chunk_tokens, estimate.predicted_tokens)
+                                   : estimate.predicted_tokens;
+  estimate.uses_chunking = estimate.loss_chunk_tokens < estimate.predicted_tokens;
+  estimate.chunked_logits_bytes =
+      estimate.uses_chunking
+          ? static_cast<double>(estimate.loss_chunk_tokens) * logit_bytes_per_token + final_states
+          : estimate.logits_bytes;
+  return estimate;
+}
+
+std::vector<MemoryEstimate> training_memory_estimates(const LlamaOptions& model, int64_t lora_rank) {
+  TrainingMemorySetup qlora;
+  qlora.adapter.lora.rank = lora_rank;
+  qlora.adapter.targets.include.names = default_recipe().lora.target_modules;
+  TrainingMemorySetup int8 = qlora;
+  int8.int8_base = true;
+  TrainingMemorySetup lora = qlora;
+  lora.quant = "none";
+  TrainingMemorySetup full = lora;
+  full.full_finetune = true;
+  return {{"qlora", estimate_peak_memory(model, qlora)},
+          {"int8", estimate_peak_memory(model, int8)},
+          {"lora", estimate_peak_memory(model, lora)},
+          {"full", estimate_peak_memory(model, full)}};
+}
+
+}  // namespace qtrain::trainer

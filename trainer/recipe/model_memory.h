@@ -1,0 +1,149 @@
+#pragma once
+// What a run needs in device memory, from the model's shape and the recipe alone, before
+// anything is loaded (`qtrain inspect`). Every figure follows what this code base allocates and
+// what autograd keeps for backward, read off trainer/model/llama.cpp, qat/lora_linear.cpp,
+// qat/four_bit_linear.cpp and trainer/model/causal_lm_loss.cpp; tests/trainer/model_memory_test.cpp
+// checks them against the tensors of a real model and the bytes a real step allocates.
+//
+// Counted, with s = bytes of the compute dtype (train.dtype), T = micro_batch_size x seq tokens:
+//
+//   frozen weights   4-bit projections (qlora; not in qlora.skip_modules) as FourBitLinear keeps
+//                    them: n/2 packed bytes, one absmax per block (1 byte when double-quantized,
+//                    else fp32), the 16-entry code table, and with double quantization an fp32
+//                    absmax per 256 blocks and the 256-entry nested table. An LLM.int8 base
+//                    (qlora.quant_type int8) as Int8Linear keeps it: one int8 code per weight and
+//                    an fp32 absmax per row. Everything else
+//                    (embeddings, norms, lm_head, skipped or unquantized projections) in s bytes:
+//                    the model is loaded in the compute dtype (model.dtype is not used).
+//   trainable state  16 bytes per trainable parameter: LoRA A and B are fp32, their fp32 grads,
+//                    AdamW's two fp32 moments. With lora.rank 0 every weight trains: s-byte
+//                    weight and grad, an fp32 master copy when s is 2, two fp32 moments: 16 again.
+//                    The optimizer is taken to be AdamW whatever optim.name says.
+//   activations      what autograd saves in the forward of one micro-batch, per decoder layer:
+//                      both RMSNorms: their input in fp32 (4H) and the fp32 1/rms (4);
+//                      the inputs the LoRA A matmuls save: the normed states (H s) for q/k/v and
+//                      for gate/up, the SwiGLU product (I s) for down (o reads the attention
+//                      output, kept anyway); with lora.dropout > 0 each adapted projection keeps
+//                      its own dropped input (in s) and mask (in bytes: bool on CUDA, s on the
+//                      CPU) instead; the A outputs (rank s); the s-byte copies of A and B when s
+//                      is 2; with lora.rank 0 the base matmuls save the same inputs and the norms
+//                      their normed output (H s);
+//                      nothing for a 4-bit or int8 base weight (dequantized again in backward);
+//                      attention: the fused kernels PyTorch 2.11 picks (cuDNN for bf16/fp16 on a
+//                      Hopper GPU, flash on the CPU, memory-efficient for fp32 multi-head; flash
+//                      on other GPUs keeps the same) save q, k, v, the output ((2 Q + 2 KV) s)
+//                      and the fp32 logsumexp (4 heads), plus, with data.pack, the mask as
+//                      [batch, 1, seq, seq] in s bytes per layer; fp32 with grouped-query
+//                      attention on CUDA falls to the math path, which keeps the softmax
+//                      probabilities [batch, heads, seq, seq], q, k, v expanded to every head and
+//                      a copy of its output for o_proj;
+//                      SwiGLU: gate output, silu(gate), up output (3 I s), the product above;
+//                    the first layer's input does not require grad (frozen embeddings), so its
+//                    first RMSNorm and the q/k/v base matmuls keep nothing. Once per micro-batch:
+//                    rotary cos and sin (2 head_dim s), the final RMSNorm (4H + 4), the bool mask
+//                    of a packed batch (seq bytes).
+//                    With gradient checkpointing every k-th layer (index % k == 0) keeps only its
+//                    input (H s); backward, walking down from the last layer, holds the layers
+//                    below j plus layer j recomputed: the figure is the largest such sum.
+//   loss logits      the peak of causal_lm_loss for N = batch x (seq - 1) predicted tokens and
+//                    vocabulary V, at the start of backward: three fp32 [N, V] tensors (the
+//                    saved log-probabilities, the gradient of nll_loss and that of log_softmax),
+//                    12 N V bytes. Chunked by C < N tokens, the same for one chunk, 12 C V bytes,
+//                    plus the [N, H] final states the checkpointed chunks keep (N H s).
+//
+// Not counted: the CUDA context and cuBLAS/cuDNN workspaces (about 500 MiB on a GPU), the
+// caching allocator's fragmentation and rounding, backward's transient gradients (a few
+// [T, intermediate] tensors during each layer's backward), the dequantization's temporaries,
+// the optimizer step's temporaries.
+//
+// The total is the larger of two moments: the loss's backward (weights, state, everything the
+// forward kept, the logits' peak) and, with checkpointing, the layers' backward after it (the
+// logits gone, one layer recomputed). So with checkpointing it can be less than the rows' sum.
+//
+// Accuracy: on the CPU, with the tiny model (tests/trainer/model_memory_test.cpp), the bytes a
+// forward keeps come within 2% of `activations`, and the peak of a training step within 4% of
+// the total, below or above. Not yet measured against a GPU step: there the caching allocator
+// reserves more than tensors use (rounding, fragmentation), so expect the GPU's memory in use to
+// exceed the total by that and the CUDA context. What autograd saves on CUDA (the attention
+// kernel PyTorch picks, bool dropout masks) was checked on an H100. Sequences are taken at
+// data.max_seq_len: batches of shorter samples (padded to their longest) need less.
+#include <string>
+#include <vector>
+
+#include "qat/four_bit_linear.h"
+#include "trainer/model/llama.h"
+#include "trainer/formats/peft_adapter.h"
+#include "trainer/recipe/recipe.h"
+
+namespace qtrain::trainer {
+
+struct LlamaParameterCounts {
+  int64_t total = 0;
+  int64_t projections = 0;  // the 7 linear layers of every decoder layer (what QLoRA quantizes)
+  int64_t embeddings = 0;   // embed_tokens (+ lm_head when untied)
+  int64_t norms = 0;
+};
+
+LlamaParameterCounts llama_parameter_counts(const LlamaOptions& options);
+
+// How a run trains, as far as its memory goes. training_memory_setup() fills it from a recipe
+// the way Finetune reads the recipe.
+struct TrainingMemorySetup {
+  std::string quant = "qlora";  // qlora: 4-bit frozen projections; none: every weight in the compute dtype
+  qat::FourBitOptions four_bit;  // qlora's quant_type, blocksize, double_quant
+  bool int8_base = false;        // qlora with quant_type int8: LLM.int8 rows instead of four_bit
+  std::vector<std::string> skip_modules = {"lm_head"};  // qlora: linear layers kept unquantized
+  bool full_finetune = false;    // lora.rank 0: every weight trains, no adapters
+  PeftAdapterConfig adapter;     // ranks, dropout and target modules of the adapters
+  torch::ScalarType compute_dtype = torch::kBFloat16;
+  torch::DeviceType device = torch::kCUDA;  // picks the attention kernel and the dropout mask's dtype
+  int64_t micro_batch_size = 1;
+  int64_t sequence_length = 2048;  // tokens per sequence (data.max_seq_len)
+  bool packed = false;             // data.pack: every attention gets a block-diagonal mask
+  bool gradient_checkpointing = false;
+  int64_t checkpoint_every = 1;    // checkpoint decoder layers 0, k, 2k, ...
+  int64_t loss_chunk_tokens = 0;   // <= 0: the whole micro-batch at once
+};
+
+// quant, qlora.*, lora.* (or the adapter of lora.init_from), train.dtype, train.device ('auto':
+// cuda), train.micro_batch_size, data.max_seq_len, data.pack, train.gradient_checkpointing[_every],
+// train.loss_chunk_tokens (0: auto_loss_chunk_tokens of the vocabulary). quant: qat is an Error:
+// it is not estimated.
+TrainingMemorySetup training_memory_setup(const Recipe& recipe, const LlamaOptions& model);
+
+struct PeakMemoryEstimate {
+  double frozen_weight_bytes = 0;
+  int64_t trainable_parameters = 0;
+  int64_t adapted_layers = 0;        // linear layers with a LoRA adapter
+  double trainable_state_bytes = 0;  // weights + grads + AdamW's moments (+ fp32 masters)
+  double activation_bytes = 0;       // every layer keeps what its backward needs
+  // With gradient checkpointing every checkpoint_every layers: the most alive while backward
+  // walks the layers (one of them recomputed), and what the forward leaves for the loss's backward.
+  double checkpointed_activation_bytes = 0;
+  double checkpointed_saved_bytes = 0;
+  double logits_bytes = 0;           // the loss over the whole micro-batch at once
+  double chunked_logits_bytes = 0;   // the loss in chunks (= logits_bytes when one chunk holds it all)
+  int64_t loss_chunk_tokens = 0;     // the chunk, or the micro-batch's predicted tokens when smaller
+  int64_t predicted_tokens = 0;      // batch x (seq - 1)
+  bool attention_keeps_probabilities = false;  // the math attention path (fp32 with GQA on CUDA)
+  bool uses_checkpointing = false;
+  bool uses_chunking = false;  // the chunk is smaller than the micro-batch's predicted tokens
+
+  // The peak: weights and trainable state, plus the larger of what the loss's backward needs on
+  // top of the saved activations and what the layers' backward needs once the loss is done.
+  double total() const;         // with the setup's own choices
+  double lowest_total() const;  // with gradient checkpointing and chunking
+};
+
+PeakMemoryEstimate estimate_peak_memory(const LlamaOptions& model, const TrainingMemorySetup& setup);
+
+// The weights and trainable state of four ways to train (`qtrain inspect --model`): qlora (NF4
+// double-quantized, blocks of 64, lm_head kept), int8 (qlora on an LLM.int8 base, lm_head kept),
+// lora (quant none) and full, all in bf16, with adapters of `lora_rank` on the 7 projections.
+struct MemoryEstimate {
+  std::string mode;  // qlora, int8, lora, full
+  PeakMemoryEstimate estimate;
+};
+std::vector<MemoryEstimate> training_memory_estimates(const LlamaOptions& model, int64_t lora_rank);
+
+}  // namespace qtrain::trainer

@@ -1,0 +1,188 @@
+#pragma once
+// A recipe: the YAML file a user points qtrain at, as typed structs, one per section.
+//
+// Every field is the recipe key of the same dotted name (`recipe.lora.rank` is `lora.rank`,
+// `recipe.qat.weights.bits` is `qat.weights.bits`). Defaults, allowed values and what each
+// key means live in one table, trainer/recipe/recipe_schema.cpp; `qtrain --print-recipe` prints it.
+// The structs carry no defaults of their own: start from default_recipe() or load_recipe().
+//
+// Paths (model.path, data.train, data.eval, lora.init_from, export.out, train.output_dir)
+// are stored absolute and lexically normal (data.train is a list of them; a single path
+// written for it is a list of one): a path written in a recipe file is relative to
+// that file's directory, one given with --set (or a default) to the current directory.
+// An empty path means "not set".
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace qtrain::trainer {
+
+struct ModelRecipe {
+  std::string path;   // Hugging Face checkpoint directory
+  std::string dtype;  // bf16 | fp16 | fp32: weights kept unquantized
+};
+
+// quant: qlora — the frozen base, as bitsandbytes stores it.
+struct QloraRecipe {
+  std::string quant_type;  // nf4 | fp4 | int8 (LLM.int8)
+  int64_t blocksize{};
+  bool double_quant{};
+  double llm_int8_threshold{};
+  std::vector<std::string> skip_modules;
+};
+
+struct LoraRecipe {
+  int64_t rank{};  // 0: no adapters, the full weights train
+  double alpha{};
+  double dropout{};
+  bool rslora{};
+  std::vector<std::string> target_modules;
+  std::string init_from;  // PEFT adapter directory; empty: fresh adapters
+};
+
+// One fake quantizer of quant: qat (qat.weights, qat.activations).
+struct QuantizerRecipe {
+  std::string format;  // int | fp8_e4m3 | fp8_e5m2 | fp4 | nf4
+  int64_t bits{};      // for format int; activations: 0 turns them off
+  bool symmetric{};
+  std::string granularity;  // per_tensor | per_channel | per_group | per_token
+  int64_t group_size{};
+  std::string scale_dtype;  // fp32 | fp16 (GGUF's d)
+  std::string observer;     // dynamic | minmax | moving_average
+  double momentum{};        // moving_average
+  bool learned_scale{};
+  std::string learned_scale_init;  // observer | paper
+};
+
+struct QatRecipe {
+  QuantizerRecipe weights;
+  QuantizerRecipe activations;
+  int64_t start_step{};
+  std::vector<std::string> target_modules;
+  int64_t calibration_batches{};  // qtrain quantize: batches that calibrate static activation ranges
+};
+
+struct DataRecipe {
+  std::vector<std::string> train;  // files or directories of shards
+  std::vector<double> weights;     // one per train source; empty: every sample once
+  std::string eval;
+  std::string format;  // text | instruct | chat | tokens
+  std::string text_field;
+  std::string prompt_template;  // instruct: a named template or a template text
+  bool train_on_inputs{};
+  std::string chat_template;  // chat: empty = the model's; llama3 | chatml
+  int64_t max_seq_len{};
+  std::string overlong;  // truncate | drop
+  bool pack{};
+  bool shuffle{};
+  bool skip_bad_records{};
+  int64_t prefetch_batches{};
+};
+
+struct OptimRecipe {
+  std::string name;  // adamw | adamw8bit | sgd
+  double lr{};
+  double weight_decay{};
+  std::vector<double> betas;  // [beta1, beta2]
+  double eps{};
+};
+
+struct ScheduleRecipe {
+  std::string name;  // cosine | linear | constant
+  int64_t warmup_steps{};
+  double min_lr_ratio{};
+};
+
+struct TrainRecipe {
+  int64_t steps{};  // optimizer steps; 0: run `epochs` epochs
+  int64_t epochs{};
+  int64_t micro_batch_size{};
+  int64_t grad_accum_steps{};
+  std::string dtype;   // fp32 | bf16 | fp16 compute
+  std::string device;  // cpu | cuda | auto
+  int64_t seed{};
+  double max_grad_norm{};  // 0: no clipping
+  bool gradient_checkpointing{};
+  int64_t gradient_checkpointing_every{};  // checkpoint every k-th decoder layer
+  int64_t loss_chunk_tokens{};             // 0: sized from the vocabulary
+  std::string nonfinite;                   // skip | abort
+  int64_t max_skipped_steps{};             // consecutive skipped steps before the run stops
+  int64_t empty_cache_steps{};             // 0: never
+  std::string output_dir;       // the run directory
+};
+
+struct CheckpointRecipe {
+  int64_t every{};      // steps; 0: only at the end
+  int64_t keep_last{};  // 0: keep all
+};
+
+struct EvalRecipe {
+  int64_t every{};        // steps; 0: only at the end
+  int64_t max_batches{};  // 0: the whole eval split
+};
+
+struct LogRecipe {
+  int64_t every{};
+};
+
+struct DistRecipe {
+  std::string backend;  // auto | nccl | gloo
+  int64_t timeout_s{};
+  int64_t bucket_mb{};
+};
+
+struct ExportRecipe {
+  std::vector<std::string> formats;  // peft | merged | gguf | safetensors-int
+  std::string out;                   // empty: <train.output_dir>/export
+};
+
+struct Recipe {
+  ModelRecipe model;
+  std::string quant;  // qlora | qat | none
+  QloraRecipe qlora;
+  LoraRecipe lora;
+  QatRecipe qat;
+  DataRecipe data;
+  OptimRecipe optim;
+  ScheduleRecipe schedule;
+  TrainRecipe train;
+  CheckpointRecipe checkpoint;
+  EvalRecipe eval;
+  LogRecipe log;
+  DistRecipe dist;
+  ExportRecipe export_;  // the `export` section (`export` is a C++ keyword)
+};
+
+// Every key at its default.
+Recipe default_recipe();
+
+// Reads the recipe at `path` (empty: defaults only), applies `set_overrides` in order
+// ("lora.rank=8", "lora.target_modules=[q_proj,v_proj]": the value is YAML), and checks
+// every value and the combination. Throws qtrain::Error naming the file and line (or the
+// --set argument), the key, what it expects and what it got.
+Recipe load_recipe(const std::string& path, const std::vector<std::string>& set_overrides);
+
+// One `key=value` override. Checks the key and its value; load_recipe also checks that the
+// keys agree with each other once every override is in.
+Recipe apply_override(Recipe recipe, const std::string& key_equals_value);
+
+// Every key, resolved, section by section, each with its doc as a comment. Loading the text
+// again gives the same Recipe.
+std::string recipe_to_yaml(const Recipe& recipe);
+
+// A key whose value differs between two recipes.
+struct RecipeDifference {
+  std::string text;           // "key: before -> after"
+  bool shapes_model = false;  // the key's RecipeKey::model_shaping
+};
+// The keys whose values differ, in table order.
+std::vector<RecipeDifference> recipe_differences(const Recipe& before, const Recipe& after);
+
+// Whether a run trains every weight (lora.rank 0 without an adapter to continue) rather than
+// adapters.
+bool trains_full_weights(const Recipe& recipe);
+
+bool operator==(const Recipe& a, const Recipe& b);
+inline bool operator!=(const Recipe& a, const Recipe& b) { return !(a == b); }
+
+}  // namespace qtrain::trainer

@@ -1,0 +1,378 @@
+// Every recipe key, its default and what it allows: the one place defaults live.
+#include "trainer/recipe/recipe_schema.h"
+
+#include "qat/lora_options.h"
+#include "trainer/model/llama_options.h"
+
+#include <algorithm>
+
+
+namespace qtrain::trainer {
+namespace {
+
+RecipeKey key(std::string name, std::string default_yaml, RecipeField (*field)(Recipe&),
+              std::string doc) {
+  RecipeKey entry;
+  entry.name = std::move(name);
+  entry.default_yaml = std::move(default_yaml);
+  entry.field = field;
+  entry.doc = std::move(doc);
+  return entry;
+}
+
+// The Recipe field of a key, as a function pointer the table can hold.
+#define QTRAIN_FIELD(member) [](Recipe& recipe) -> RecipeField { return &recipe.member; }
+
+// "[q_proj, k_proj, ...]": every projection of a decoder block, as a YAML list.
+std::string all_projections_yaml() {
+  std::string list;
+  for (const auto& name : decoder_projection_names()) list += (list.empty() ? "[" : ", ") + name;
+  return list + "]";
+}
+const std::vector<std::string> kDtypes = {"bf16", "fp16", "fp32"};
+const std::vector<std::string> kQuantizerFormats = {"int", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "fp4", "nf4"};
+const std::vector<std::string> kWeightBits = {"2", "3", "4", "5", "6", "7", "8"};
+const std::vector<std::string> kActivationBits = {"0", "2", "3", "4", "5", "6", "7", "8"};
+
+std::vector<RecipeKey> make_recipe_keys() {
+  return {
+      key("model.path", "\"\"", QTRAIN_FIELD(model.path),
+          "Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)").shapes_model()
+          .path(),
+      key("model.dtype", "bf16", QTRAIN_FIELD(model.dtype),
+          "dtype of the weights kept unquantized (all of them with quant: none)")
+          .one_of(kDtypes),
+
+      key("quant", "qlora", QTRAIN_FIELD(quant),
+          "qlora: frozen 4-bit/8-bit base + LoRA; qat: fake-quantized training; none: plain").shapes_model()
+          .one_of({"qlora", "qat", "none"}),
+
+      key("qlora.quant_type", "nf4", QTRAIN_FIELD(qlora.quant_type),
+          "base format: bitsandbytes NF4 or FP4, or int8 (LLM.int8 rows)").shapes_model()
+          .one_of({"nf4", "fp4", "int8"}),
+      key("qlora.blocksize", "64", QTRAIN_FIELD(qlora.blocksize),
+          "weights sharing one absmax (4-bit formats)").shapes_model()
+          .one_of({"64", "128", "256", "512", "1024", "2048", "4096"}),
+      key("qlora.double_quant", "true", QTRAIN_FIELD(qlora.double_quant),
+          "quantize the absmax too (8-bit, blocks of 256), as bnb_4bit_use_double_quant").shapes_model(),
+      key("qlora.llm_int8_threshold", "6.0", QTRAIN_FIELD(qlora.llm_int8_threshold),
+          "int8: input features above this magnitude run in 16-bit")
+          .at_least(0),
+      key("qlora.skip_modules", "[lm_head]", QTRAIN_FIELD(qlora.skip_modules),
+          "modules kept unquantized, by name pattern"),
+
+      key("lora.rank", std::to_string(qat::LoraOptions{}.rank), QTRAIN_FIELD(lora.rank),
+          "adapter rank r; 0 trains the full weights instead (not with quant: qlora)").shapes_model()
+          .at_least(0),
+      key("lora.alpha", std::to_string(static_cast<int64_t>(qat::LoraOptions{}.alpha)), QTRAIN_FIELD(lora.alpha),
+          "scaling numerator: alpha / r, or alpha / sqrt(r) with rslora")
+          .above(0),
+      key("lora.dropout", "0.05", QTRAIN_FIELD(lora.dropout), "dropout on the adapter input")
+          .at_least(0)
+          .below(1),
+      key("lora.rslora", "false", QTRAIN_FIELD(lora.rslora), "rank-stabilized scaling"),
+      key("lora.target_modules", all_projections_yaml(), QTRAIN_FIELD(lora.target_modules),
+          "modules that get adapters, by name pattern"),
+      key("lora.init_from", "\"\"", QTRAIN_FIELD(lora.init_from),
+          "PEFT adapter directory to start from; empty: fresh adapters")
+          .path(),
+
+      key("qat.weights.format", "int", QTRAIN_FIELD(qat.weights.format), "weight grid").shapes_model()
+          .one_of(kQuantizerFormats),
+      key("qat.weights.bits", "4", QTRAIN_FIELD(qat.weights.bits), "integer width (format int)").shapes_model()
+          .one_of(kWeightBits),
+      key("qat.weights.symmetric", "true", QTRAIN_FIELD(qat.weights.symmetric),
+          "no zero point (symmetric int4 groups of 32 are GGUF Q4_0)").shapes_model(),
+      key("qat.weights.granularity", "per_group", QTRAIN_FIELD(qat.weights.granularity),
+          "weights sharing one scale").shapes_model()
+          .one_of({"per_tensor", "per_channel", "per_group"}),
+      key("qat.weights.group_size", "32", QTRAIN_FIELD(qat.weights.group_size),
+          "input features per group (per_group)").shapes_model()
+          .at_least(1),
+      key("qat.weights.scale_dtype", "fp32", QTRAIN_FIELD(qat.weights.scale_dtype),
+          "dtype the scales are rounded to and stored in (fp16: GGUF's Q4_0 / Q8_0)").shapes_model()
+          .one_of({"fp32", "fp16"}),
+      key("qat.weights.observer", "dynamic", QTRAIN_FIELD(qat.weights.observer),
+          "dynamic: scale from the current weights at every step; minmax, moving_average: running range").shapes_model()
+          .one_of({"dynamic", "minmax", "moving_average"}),
+      key("qat.weights.momentum", "0.01", QTRAIN_FIELD(qat.weights.momentum),
+          "averaging constant of observer moving_average").shapes_model()
+          .above(0)
+          .at_most(1),
+      key("qat.weights.learned_scale", "false", QTRAIN_FIELD(qat.weights.learned_scale),
+          "train the scale (LSQ); needs observer minmax or moving_average").shapes_model(),
+      key("qat.weights.learned_scale_init", "observer", QTRAIN_FIELD(qat.weights.learned_scale_init),
+          "observer: the first scale from the observed range; paper: LSQ's 2 mean|w| / sqrt(Qp)").shapes_model()
+          .one_of({"observer", "paper"}),
+      key("qat.activations.format", "int", QTRAIN_FIELD(qat.activations.format), "activation grid").shapes_model()
+          .one_of(kQuantizerFormats),
+      key("qat.activations.bits", "0", QTRAIN_FIELD(qat.activations.bits),
+          "integer width (format int); 0: activations stay unquantized").shapes_model()
+          .one_of(kActivationBits),
+      key("qat.activations.symmetric", "false", QTRAIN_FIELD(qat.activations.symmetric),
+          "no zero point").shapes_model(),
+      key("qat.activations.granularity", "per_token", QTRAIN_FIELD(qat.activations.granularity),
+          "activations sharing one scale").shapes_model()
+          .one_of({"per_tensor", "per_token", "per_group"}),
+      key("qat.activations.group_size", "32", QTRAIN_FIELD(qat.activations.group_size),
+          "features per group (per_group)").shapes_model()
+          .at_least(1),
+      key("qat.activations.scale_dtype", "fp32", QTRAIN_FIELD(qat.activations.scale_dtype),
+          "dtype the scales are rounded to").shapes_model()
+          .one_of({"fp32", "fp16"}),
+      key("qat.activations.observer", "dynamic", QTRAIN_FIELD(qat.activations.observer),
+          "dynamic: scale from each batch; minmax, moving_average: calibrated, then fixed").shapes_model()
+          .one_of({"minmax", "moving_average", "dynamic"}),
+      key("qat.activations.momentum", "0.01", QTRAIN_FIELD(qat.activations.momentum),
+          "averaging constant of observer moving_average").shapes_model()
+          .above(0)
+          .at_most(1),
+      key("qat.activations.learned_scale", "false", QTRAIN_FIELD(qat.activations.learned_scale),
+          "train the scale (LSQ), starting from the observer's").shapes_model(),
+      key("qat.activations.learned_scale_init", "observer", QTRAIN_FIELD(qat.activations.learned_scale_init),
+          "observer: the first scale from the observed range; paper: LSQ's 2 mean|x| / sqrt(Qp)").shapes_model()
+          .one_of({"observer", "paper"}),
+      key("qat.start_step", "0", QTRAIN_FIELD(qat.start_step),
+          "optimizer step at which fake quantization turns on")
+          .at_least(0),
+      key("qat.target_modules", all_projections_yaml(), QTRAIN_FIELD(qat.target_modules),
+          "modules that get fake quantization, by name pattern").shapes_model(),
+      key("qat.calibration_batches", "16", QTRAIN_FIELD(qat.calibration_batches),
+          "qtrain quantize: training batches that calibrate static activation ranges (minmax, moving_average)")
+          .at_least(0),
+
+      key("data.train", "[]", QTRAIN_FIELD(data.train),
+          "training data: files or directories of shards (JSONL, .txt, or llm.c .bin for tokens)")
+          .path(),
+      key("data.weights", "[]", QTRAIN_FIELD(data.weights),
+          "share of each data.train source in the mixture; []: every sample once")
+          .at_least(0),
+      key("data.eval", "\"\"", QTRAIN_FIELD(data.eval),
+          "held-out data in the same format; empty: no evaluation")
+          .path(),
+      key("data.format", "text", QTRAIN_FIELD(data.format),
+          "text: {\"text\"}; instruct: alpaca fields, loss on the response; chat: {\"messages\"}; "
+          "tokens: llm.c .bin")
+          .one_of({"text", "instruct", "chat", "tokens"}),
+      key("data.text_field", "text", QTRAIN_FIELD(data.text_field), "the JSONL field holding the text (format text)"),
+      key("data.prompt_template", "alpaca", QTRAIN_FIELD(data.prompt_template),
+          "instruct: a named template, or a template text with {instruction} and {input}"),
+      key("data.train_on_inputs", "false", QTRAIN_FIELD(data.train_on_inputs),
+          "instruct and chat: learn the prompt and every turn too, not only the responses"),
+      key("data.chat_template", "\"\"", QTRAIN_FIELD(data.chat_template),
+          "chat: the model's template when empty; a family name forces one (llama3, chatml, qwen3, "
+          "qwen3-instruct, qwen3-thinking, mistral-v1, mistral-v3)"),
+      key("data.max_seq_len", "2048", QTRAIN_FIELD(data.max_seq_len), "tokens per sequence")
+          .at_least(2),
+      key("data.overlong", "truncate", QTRAIN_FIELD(data.overlong),
+          "instruct and chat samples over max_seq_len (text is cut into windows)")
+          .one_of({"truncate", "drop"}),
+      key("data.pack", "false", QTRAIN_FIELD(data.pack),
+          "concatenate samples into full sequences; attention stays within each sample"),
+      key("data.shuffle", "true", QTRAIN_FIELD(data.shuffle),
+          "seeded shuffle of the examples each epoch"),
+      key("data.skip_bad_records", "false", QTRAIN_FIELD(data.skip_bad_records),
+          "skip (and count) malformed records instead of stopping"),
+      key("data.prefetch_batches", "2", QTRAIN_FIELD(data.prefetch_batches),
+          "batches prepared ahead on a background thread; 0: none")
+          .at_least(0),
+
+      key("optim.name", "adamw", QTRAIN_FIELD(optim.name),
+          "adamw: fp32 states; adamw8bit: blockwise 8-bit states")
+          .one_of({"adamw", "adamw8bit", "sgd"}),
+      key("optim.lr", "2e-4", QTRAIN_FIELD(optim.lr), "peak learning rate").above(0),
+      key("optim.weight_decay", "0.0", QTRAIN_FIELD(optim.weight_decay), "decoupled weight decay")
+          .at_least(0),
+      key("optim.betas", "[0.9, 0.999]", QTRAIN_FIELD(optim.betas), "Adam's beta1, beta2")
+          .at_least(0)
+          .below(1)
+          .of_length(2),
+      key("optim.eps", "1e-8", QTRAIN_FIELD(optim.eps), "Adam's epsilon").above(0),
+
+      key("schedule.name", "cosine", QTRAIN_FIELD(schedule.name), "learning rate after warmup")
+          .one_of({"cosine", "linear", "constant"}),
+      key("schedule.warmup_steps", "100", QTRAIN_FIELD(schedule.warmup_steps),
+          "linear warmup from 0")
+          .at_least(0),
+      key("schedule.min_lr_ratio", "0.0", QTRAIN_FIELD(schedule.min_lr_ratio),
+          "final learning rate as a fraction of optim.lr")
+          .at_least(0)
+          .at_most(1),
+
+      key("train.steps", "0", QTRAIN_FIELD(train.steps),
+          "optimizer steps to run; 0: train.epochs passes over the data")
+          .at_least(0),
+      key("train.epochs", "1", QTRAIN_FIELD(train.epochs),
+          "passes over the data (when train.steps is 0)")
+          .at_least(0),
+      key("train.micro_batch_size", "1", QTRAIN_FIELD(train.micro_batch_size),
+          "sequences per forward pass, per rank")
+          .at_least(1),
+      key("train.grad_accum_steps", "1", QTRAIN_FIELD(train.grad_accum_steps),
+          "micro-batches per optimizer step")
+          .at_least(1),
+      key("train.dtype", "bf16", QTRAIN_FIELD(train.dtype),
+          "compute dtype; fp16 scales the loss dynamically")
+          .one_of(kDtypes),
+      key("train.device", "auto", QTRAIN_FIELD(train.device), "auto: cuda when there is one")
+          .one_of({"auto", "cpu", "cuda"}),
+      key("train.seed", "42", QTRAIN_FIELD(train.seed),
+          "seeds initialisation, dropout and shuffling")
+          .at_least(0),
+      key("train.max_grad_norm", "1.0", QTRAIN_FIELD(train.max_grad_norm),
+          "clip the global gradient norm to this; 0: no clipping")
+          .at_least(0),
+      key("train.gradient_checkpointing", "false", QTRAIN_FIELD(train.gradient_checkpointing),
+          "recompute decoder layers in backward instead of keeping their activations"),
+      key("train.gradient_checkpointing_every", "1", QTRAIN_FIELD(train.gradient_checkpointing_every),
+          "checkpoint every k-th decoder layer (1: all of them)")
+          .at_least(1),
+      key("train.loss_chunk_tokens", "0", QTRAIN_FIELD(train.loss_chunk_tokens),
+          "tokens whose fp32 logits exist at once in the loss; 0: sized from the vocabulary")
+          .at_least(0),
+      key("train.nonfinite", "skip", QTRAIN_FIELD(train.nonfinite),
+          "a NaN/inf loss or gradient: skip the step, or abort the run")
+          .one_of({"skip", "abort"}),
+      key("train.max_skipped_steps", "10", QTRAIN_FIELD(train.max_skipped_steps),
+          "skipped steps in a row after which the run stops (fp16 loss-scale backoffs count only below scale 1)")
+          .at_least(1),
+      key("train.empty_cache_steps", "0", QTRAIN_FIELD(train.empty_cache_steps),
+          "release the CUDA cache every N steps; 0: never")
+          .at_least(0),
+      key("train.output_dir", "runs/qtrain", QTRAIN_FIELD(train.output_dir),
+          "run directory: checkpoints, metrics.jsonl, exports")
+          .path(),
+
+      key("checkpoint.every", "500", QTRAIN_FIELD(checkpoint.every),
+          "save every N steps; 0: only at the end")
+          .at_least(0),
+      key("checkpoint.keep_last", "3", QTRAIN_FIELD(checkpoint.keep_last),
+          "checkpoints kept; 0: all")
+          .at_least(0),
+
+      key("eval.every", "500", QTRAIN_FIELD(eval.every),
+          "evaluate every N steps; 0: only at the end (needs data.eval)")
+          .at_least(0),
+      key("eval.max_batches", "0", QTRAIN_FIELD(eval.max_batches),
+          "eval batches per evaluation; 0: the whole eval split")
+          .at_least(0),
+
+      key("log.every", "10", QTRAIN_FIELD(log.every), "progress line and metrics every N steps")
+          .at_least(1),
+
+      key("dist.backend", "auto", QTRAIN_FIELD(dist.backend), "auto: nccl on GPUs, gloo on CPUs")
+          .one_of({"auto", "nccl", "gloo"}),
+      key("dist.timeout_s", "600", QTRAIN_FIELD(dist.timeout_s),
+          "seconds a collective may wait before the run fails")
+          .at_least(1),
+      key("dist.bucket_mb", "25", QTRAIN_FIELD(dist.bucket_mb),
+          "gradient all-reduce bucket size in MiB")
+          .at_least(1),
+
+      key("export.formats", "[peft]", QTRAIN_FIELD(export_.formats),
+          "written at the end of training and by `qtrain export`")
+          .one_of({"peft", "merged", "gguf", "safetensors-int"}),
+      key("export.out", "\"\"", QTRAIN_FIELD(export_.out),
+          "export directory; empty: <train.output_dir>/export")
+          .path(),
+  };
+}
+
+#undef QTRAIN_FIELD
+
+}  // namespace
+
+const std::vector<RecipeKey>& recipe_keys() {
+  static const std::vector<RecipeKey> keys = make_recipe_keys();
+  return keys;
+}
+
+std::optional<RecipeConflict> find_conflict(const Recipe& recipe) {
+  if (recipe.quant == "qlora" && recipe.lora.rank == 0) {
+    return RecipeConflict{"lora.rank",
+                          "quant: qlora trains adapters on a frozen base, so lora.rank must be at "
+                          "least 1 (quant: none or qat train the full weights with rank 0)"};
+  }
+  if (recipe.train.steps == 0 && recipe.train.epochs == 0) {
+    return RecipeConflict{"train.epochs",
+                          "train.steps and train.epochs are both 0: set how long to train"};
+  }
+  const std::pair<const char*, const QuantizerRecipe*> quantizers[] = {
+      {"qat.weights", &recipe.qat.weights}, {"qat.activations", &recipe.qat.activations}};
+  for (const auto& [section, quantizer] : quantizers) {
+    const std::string prefix = section;
+    if (quantizer->granularity == "per_token" && quantizer->observer != "dynamic") {
+      return RecipeConflict{prefix + ".observer",
+                            "'" + prefix + ".granularity: per_token' needs '" + prefix +
+                                ".observer: dynamic' (each token's scale comes from that token), "
+                                "got '" +
+                                quantizer->observer + "'"};
+    }
+    if (quantizer->learned_scale && quantizer->observer == "dynamic") {
+      return RecipeConflict{prefix + ".learned_scale",
+                            "'" + prefix +
+                                ".learned_scale: true' needs a fixed scale to learn: "
+                                "set '" +
+                                prefix + ".observer' to minmax or moving_average"};
+    }
+  }
+  const auto& formats = recipe.export_.formats;
+  const auto exports = [&](const char* format) { return std::find(formats.begin(), formats.end(), format) != formats.end(); };
+  if (recipe.quant != "qat" && (exports("gguf") || exports("safetensors-int"))) {
+    return RecipeConflict{"export.formats",
+                          "gguf and safetensors-int write the weights on a QAT grid, so they need quant: qat (to "
+                          "quantize a finished model, use qtrain quantize)"};
+  }
+  if (recipe.quant == "qat" && !trains_full_weights(recipe) && recipe.lora.dropout > 0) {
+    return RecipeConflict{"lora.dropout",
+                          "quant: qat fake-quantizes the merged weight W + scale * B A, which has no place for "
+                          "dropout on the adapters' input: set lora.dropout: 0"};
+  }
+  return std::nullopt;
+}
+
+const std::vector<std::pair<std::string, std::string>>& familiar_key_names() {
+  static const std::vector<std::pair<std::string, std::string>> names = {
+      {"base_model", "model.path"},
+      {"model_name_or_path", "model.path"},
+      {"torch_dtype", "model.dtype"},
+      {"r", "lora.rank"},
+      {"lora_r", "lora.rank"},
+      {"lora_alpha", "lora.alpha"},
+      {"lora_dropout", "lora.dropout"},
+      {"use_rslora", "lora.rslora"},
+      {"lora_target_modules", "lora.target_modules"},
+      {"bnb_4bit_quant_type", "qlora.quant_type"},
+      {"bnb_4bit_use_double_quant", "qlora.double_quant"},
+      {"llm_int8_skip_modules", "qlora.skip_modules"},
+      {"llm_int8_threshold", "qlora.llm_int8_threshold"},
+      {"sequence_len", "data.max_seq_len"},
+      {"max_length", "data.max_seq_len"},
+      {"sample_packing", "data.pack"},
+      {"datasets", "data.train"},
+      {"dataset", "data.train"},
+      {"train_on_input", "data.train_on_inputs"},
+      {"chat_template", "data.chat_template"},
+      {"packed", "data.pack"},
+      {"learning_rate", "optim.lr"},
+      {"optimizer", "optim.name"},
+      {"lr_scheduler", "schedule.name"},
+      {"lr_scheduler_type", "schedule.name"},
+      {"num_warmup_steps", "schedule.warmup_steps"},
+      {"max_steps", "train.steps"},
+      {"num_epochs", "train.epochs"},
+      {"num_train_epochs", "train.epochs"},
+      {"batch_size", "train.micro_batch_size"},
+      {"per_device_train_batch_size", "train.micro_batch_size"},
+      {"gradient_accumulation_steps", "train.grad_accum_steps"},
+      {"max_grad_norm", "train.max_grad_norm"},
+      {"enable_activation_checkpointing", "train.gradient_checkpointing"},
+      {"save_steps", "checkpoint.every"},
+      {"save_total_limit", "checkpoint.keep_last"},
+      {"eval_steps", "eval.every"},
+      {"logging_steps", "log.every"},
+  };
+  return names;
+}
+
+}  // namespace qtrain::trainer

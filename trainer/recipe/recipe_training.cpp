@@ -1,0 +1,110 @@
+#include "trainer/recipe/recipe_training.h"
+
+#include "qat/four_bit_linear.h"
+#include "qat/int8_linear.h"
+#include "qat/quant_format.h"
+#include "trainer/model/causal_lm_loss.h"
+#include "trainer/formats/hf_config.h"
+
+namespace qtrain::trainer {
+
+PeftAdapterConfig lora_adapter_config(const Recipe& recipe) {
+  if (!recipe.lora.init_from.empty()) return read_peft_adapter_config(recipe.lora.init_from);
+  PeftAdapterConfig config;
+  config.lora.rank = recipe.lora.rank;
+  config.lora.alpha = recipe.lora.alpha;
+  config.lora.dropout = recipe.lora.dropout;
+  config.lora.rslora = recipe.lora.rslora;
+  config.targets.include.names = recipe.lora.target_modules;
+  return config;
+}
+
+LoadedModel load_base_model(const Recipe& recipe, torch::ScalarType dtype, const torch::Device& device,
+                            bool quantize_base) {
+  ModelLoadOptions options;
+  options.dtype = dtype;
+  auto loaded = load_llama(recipe.model.path, options);
+  if (quantize_base && recipe.quant == "qlora" && recipe.qlora.quant_type == "int8") {
+    qat::Int8Options int8;
+    int8.threshold = recipe.qlora.llm_int8_threshold;
+    int8.compute_dtype = dtype;
+    int8.device = device;
+    qat::quantize_linear_layers_int8(*loaded.model, int8, recipe.qlora.skip_modules);
+  } else if (quantize_base && recipe.quant == "qlora") {
+    qat::FourBitOptions four_bit;
+    four_bit.quant_type = recipe.qlora.quant_type;
+    four_bit.blocksize = recipe.qlora.blocksize;
+    four_bit.double_quant = recipe.qlora.double_quant;
+    four_bit.compute_dtype = dtype;
+    four_bit.device = device;
+    qat::quantize_linear_layers(*loaded.model, four_bit, recipe.qlora.skip_modules);
+  }
+  return loaded;
+}
+
+namespace {
+
+qat::FakeQuantizerOptions fake_quantizer_options(const QuantizerRecipe& quantizer, const std::string& what) {
+  qat::FakeQuantizerOptions options;
+  auto& spec = options.spec;
+  spec.format = qat::parse_quant_format(quantizer.format, what + ".format");
+  spec.bits = spec.is_integer() ? quantizer.bits : spec.format_info().bits;
+  spec.symmetric = quantizer.symmetric;
+  spec.granularity = qat::parse_granularity(quantizer.granularity, what + ".granularity");
+  spec.group_size = quantizer.group_size;
+  spec.scale_dtype = parse_dtype_name(quantizer.scale_dtype, what + ".scale_dtype");
+  spec.validate(what);
+  options.observer = qat::parse_observer_kind(quantizer.observer, what + ".observer");
+  options.momentum = quantizer.momentum;
+  options.learned_scale = quantizer.learned_scale;
+  options.learned_scale_init =
+      quantizer.learned_scale_init == "paper" ? qat::LearnedScaleInit::kPaper : qat::LearnedScaleInit::kObserver;
+  return options;
+}
+
+}  // namespace
+
+qat::QatLinearOptions qat_linear_options(const Recipe& recipe) {
+  qat::QatLinearOptions options;
+  options.weights = fake_quantizer_options(recipe.qat.weights, "qat.weights");
+  if (recipe.qat.activations.bits != 0) {
+    options.activations = fake_quantizer_options(recipe.qat.activations, "qat.activations");
+  }
+  return options;
+}
+
+std::vector<std::string> apply_recipe_qat(torch::nn::Module& model, const Recipe& recipe) {
+  if (recipe.quant != "qat") return {};
+  qat::LoraTargets targets;
+  targets.include.names = recipe.qat.target_modules;
+  return qat::apply_qat(model, targets, qat_linear_options(recipe), "qat");
+}
+
+namespace {
+
+bool is_fake_quant_state(const std::string& name) {
+  return name.find("weight_fake_quant.") != std::string::npos ||
+         name.find("activation_fake_quant.") != std::string::npos;
+}
+
+}  // namespace
+
+bool is_trained_parameter(const Recipe& recipe, const std::string& name) {
+  if (trains_full_weights(recipe)) return true;
+  return name.find(".lora_A.") != std::string::npos || name.find(".lora_B.") != std::string::npos ||
+         is_fake_quant_state(name);
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> qat_state_buffers(const torch::nn::Module& model) {
+  std::vector<std::pair<std::string, torch::Tensor>> buffers;
+  for (const auto& item : model.named_buffers()) {
+    if (is_fake_quant_state(item.key())) buffers.emplace_back(item.key(), item.value());
+  }
+  return buffers;
+}
+
+int64_t loss_chunk_tokens(const Recipe& recipe, int64_t vocab_size) {
+  return recipe.train.loss_chunk_tokens > 0 ? recipe.train.loss_chunk_tokens : auto_loss_chunk_tokens(vocab_size);
+}
+
+}  // namespace qtrain::trainer

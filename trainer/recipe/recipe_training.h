@@ -1,0 +1,49 @@
+#pragma once
+// Recipe sections that Finetune and the memory estimate (trainer/recipe/model_memory.h) must read the
+// same way, in one place.
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "qat/qat_linear.h"
+#include "trainer/formats/hf_checkpoint.h"
+#include "trainer/formats/peft_adapter.h"
+#include "trainer/recipe/recipe.h"
+
+namespace qtrain::trainer {
+
+// The adapters a run trains: lora.init_from's own configuration when it is set, else the
+// recipe's lora section.
+PeftAdapterConfig lora_adapter_config(const Recipe& recipe);
+
+// The frozen base of a run as training builds it: model.path loaded on the CPU in `dtype`, and
+// for quant: qlora its linear layers quantized with the qlora section's format on `device`
+// (where the packed weights stay; the rest of the model is still on the CPU). quantize_base
+// false skips that, for callers that only need the model's shapes and names.
+LoadedModel load_base_model(const Recipe& recipe, torch::ScalarType dtype, const torch::Device& device = torch::kCPU,
+                            bool quantize_base = true);
+
+// quant: qat: the fake quantizers of the qat section (a float format takes its own width; an
+// activations width of 0 quantizes no inputs). Error naming the key (`qat.weights.bits`) when a
+// spec cannot work (Finetune and qtrain quantize call it before loading the model, to fail fast).
+qat::QatLinearOptions qat_linear_options(const Recipe& recipe);
+
+// For quant: qat, wraps the qat.target_modules of `model` in fake quantizers (LoRA layers as a
+// whole, so the merged weight is what is quantized: apply LoRA first) and returns their names;
+// for other quant modes, nothing.
+std::vector<std::string> apply_recipe_qat(torch::nn::Module& model, const Recipe& recipe);
+
+// Whether the parameter `name` trains in a run of `recipe`: every parameter when the run trains
+// the full weights, else the LoRA adapters'; and the learned QAT scales either way.
+bool is_trained_parameter(const Recipe& recipe, const std::string& name);
+
+// What a checkpoint must carry besides the trained parameters for a QAT run to continue (or be
+// exported) as it was: the quantizers' buffers (observer ranges, zero points, whether a learned
+// scale was initialised), by name, in module order.
+std::vector<std::pair<std::string, torch::Tensor>> qat_state_buffers(const torch::nn::Module& model);
+
+// train.loss_chunk_tokens, or the automatic chunk for the model's vocabulary when it is 0.
+int64_t loss_chunk_tokens(const Recipe& recipe, int64_t vocab_size);
+
+}  // namespace qtrain::trainer
