@@ -11,11 +11,10 @@
 #include "kernels/error.h"
 #include "tools/commands.h"
 #include "trainer/base/file_system.h"
-#include "trainer/formats/gguf_export.h"
 #include "trainer/formats/hf_checkpoint.h"
-#include "trainer/formats/merged_export.h"
 #include "trainer/formats/peft_adapter.h"
-#include "trainer/formats/safetensors_int.h"
+#include "trainer/formats/merged_export.h"
+#include "trainer/formats/model_exports.h"
 #include "qat/qat_linear.h"
 #include "trainer/run_model.h"
 
@@ -43,29 +42,19 @@ ExportSource model_with_adapter(const std::string& model_dir, const std::string&
 }
 
 // --format gguf | safetensors-int: the QAT layers of the run, as their codes and scales.
-int export_quantized(const std::string& run_dir, const std::string& checkpoint, const std::string& format,
-                     const std::string& dtype_name, uint64_t max_shard_bytes, const std::string& staged,
-                     const std::string& out_path) {
+int export_quantized(const std::string& run_dir, const std::string& checkpoint, const trainer::ExportFormatRow& format,
+                     const std::string& dtype_name, uint64_t max_shard_bytes, const std::string& out_path) {
   auto run = trainer::load_run_model(run_dir, checkpoint, /*quantize_base=*/true);
   const auto& model = *run.loaded.model;
   if (qat::find_qat_layers(model).empty()) {
     throw Error(ErrorCode::kUsage, run_dir + ": the run was not trained with quant: qat, so it has no quantized weights to export as " +
-                format + " (use --format merged or peft)");
+                format.name + " (use --format merged or peft)");
   }
-  const auto& base_dir = run.recipe.model.path;
-  if (format == "gguf") {
-    // One file, written beside itself and renamed into place.
-    trainer::write_gguf_model(model, run.loaded.config, base_dir, out_path);
-    std::printf("export: QAT model of %s written as GGUF to %s\n", run_dir.c_str(), out_path.c_str());
-    return 0;
-  }
-  trainer::QuantizedExportOptions options;
+  trainer::ModelExportOptions options;
   options.dtype = dtype_name == "base" ? run.loaded.config.stored_dtype : trainer::parse_dtype_name(dtype_name, "--dtype");
   options.max_shard_bytes = max_shard_bytes;
-  trainer::write_quantized_model(model, run.loaded.config, base_dir, staged, options);
-  trainer::replace_directory(staged, out_path);
-  std::printf("export: QAT model of %s written with integer weights (safetensors-int) to %s\n", run_dir.c_str(),
-              out_path.c_str());
+  trainer::write_model_export(format, model, run.loaded.config, run.recipe.model.path, out_path, options);
+  std::printf("export: QAT model of %s written as %s to %s\n", run_dir.c_str(), format.name, out_path.c_str());
   return 0;
 }
 
@@ -98,33 +87,35 @@ int run_export(const Arguments& arguments) {
                           options, arguments, values)) {
     return 0;
   }
-  const bool quantized_format = format == "gguf" || format == "safetensors-int";
-  if (format != "peft" && format != "merged" && !quantized_format) {
-    throw Error(ErrorCode::kUsage, "--format " + format + " is not one of peft, merged, gguf, safetensors-int");
-  }
+  const auto& export_format = trainer::find_export_format(format, "--format");
+  const bool quantized_format = export_format.needs_qat_layers;
   if (run_dir.empty() == model_dir.empty()) throw Error(ErrorCode::kUsage, "give either --run DIR or --model DIR (not both)");
-  if (!model_dir.empty() && format != "merged") {
+  const bool merged_format = export_format.format == trainer::ExportFormat::kMerged;
+  const bool peft_format = export_format.format == trainer::ExportFormat::kPeft;
+  if (!model_dir.empty() && !merged_format) {
     throw Error(ErrorCode::kUsage, "--model exports only --format merged (a PEFT adapter is already its own export; gguf and "
                 "safetensors-int take a QAT run, --run DIR)");
   }
   if (!adapter_dir.empty() && model_dir.empty()) throw Error(ErrorCode::kUsage, "--adapter goes with --model; a run's adapter is found from --run");
   if (!checkpoint.empty() && run_dir.empty()) throw Error(ErrorCode::kUsage, "--checkpoint goes with --run");
-  trainer::MergedExportOptions merged;
-  merged.max_shard_bytes = trainer::parse_byte_size(shard_size, "--shard-size");
+  trainer::ModelExportOptions export_options;
+  export_options.max_shard_bytes = trainer::parse_byte_size(shard_size, "--shard-size");
   const bool force = values["force"].as<bool>();
   if (std::filesystem::exists(out_dir) && !force) {
     throw Error(ErrorCode::kUsage, out_dir + ": already exists; choose another --out or pass --force to replace it");
   }
-  const std::string staged = out_dir + ".staging";
-  trainer::remove_tree(staged);
-  if (quantized_format) return export_quantized(run_dir, checkpoint, format, dtype_name, merged.max_shard_bytes, staged, out_dir);
+  if (quantized_format) {
+    return export_quantized(run_dir, checkpoint, export_format, dtype_name, *export_options.max_shard_bytes, out_dir);
+  }
 
   ExportSource source;
   if (!run_dir.empty()) {
     // A merge needs the base the adapter was trained on (quantized, for QLoRA); a PEFT export
     // only checks the adapter against the base's names and shapes.
-    auto run = trainer::load_run_model(run_dir, checkpoint, /*quantize_base=*/format == "merged");
-    if (format == "peft") {
+    auto run = trainer::load_run_model(run_dir, checkpoint, /*quantize_base=*/merged_format);
+    if (peft_format) {
+      const std::string staged = out_dir + ".staging";
+      trainer::remove_tree(staged);
       trainer::write_peft_adapter(*run.loaded.model, run.adapter, staged, run.recipe.model.path);
       trainer::replace_directory(staged, out_dir);
       std::printf("export: PEFT adapter of %s written to %s\n", run_dir.c_str(), out_dir.c_str());
@@ -136,12 +127,12 @@ int run_export(const Arguments& arguments) {
   } else {
     source = model_with_adapter(model_dir, adapter_dir);
   }
-  merged.dtype = dtype_name == "base" ? source.loaded.config.stored_dtype
-                                      : trainer::parse_dtype_name(dtype_name, "--dtype");
-  trainer::write_merged_model(*source.loaded.model, source.loaded.config, source.base_dir, staged, merged);
-  trainer::replace_directory(staged, out_dir);
+  export_options.dtype = dtype_name == "base" ? source.loaded.config.stored_dtype
+                                              : trainer::parse_dtype_name(dtype_name, "--dtype");
+  trainer::write_model_export(export_format, *source.loaded.model, source.loaded.config, source.base_dir, out_dir,
+                              export_options);
   std::printf("export: %s merged into a %s Hugging Face model in %s\n", source.description.c_str(),
-              trainer::dtype_short_name(merged.dtype).c_str(), out_dir.c_str());
+              trainer::dtype_short_name(*export_options.dtype).c_str(), out_dir.c_str());
   return 0;
 }
 

@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -12,6 +13,7 @@
 
 #include "kernels/error.h"
 #include "support.h"
+#include "trainer/formats/export_formats.h"
 #include "trainer/recipe/recipe_schema.h"
 
 namespace qtrain::trainer {
@@ -439,5 +441,26 @@ TEST(RecipeQat, NestedWeightAndActivationKeysReachTheirFields) {
                 "per_group, got 'per_token'");
 }
 
+// One table of export formats: the recipe's export.formats accepts exactly its names, and an
+// unknown name is an error listing them.
+TEST(ExportFormats, TheRecipeAndTheCommandsReadOneTable) {
+  const auto& keys = recipe_keys();
+  const auto formats = std::find_if(keys.begin(), keys.end(), [](const RecipeKey& key) { return key.name == "export.formats"; });
+  ASSERT_NE(formats, keys.end());
+  EXPECT_EQ(formats->choices, export_format_names());
+  EXPECT_TRUE(find_export_format("gguf", "--format").single_file);
+  EXPECT_TRUE(find_export_format("safetensors-int", "--format").needs_qat_layers);
+  EXPECT_FALSE(find_export_format("merged", "--format").needs_qat_layers);
+  try {
+    find_export_format("onnx", "--format");
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    const std::string message = error.what();
+    EXPECT_NE(message.find("--format: unknown format 'onnx'"), std::string::npos) << message;
+    for (const auto& name : export_format_names()) EXPECT_NE(message.find(name), std::string::npos) << message;
+  }
+}
+
 }  // namespace
 }  // namespace qtrain::trainer
+

@@ -2,6 +2,7 @@
 #include "trainer/recipe/recipe_schema.h"
 
 #include "qat/lora_options.h"
+#include "trainer/formats/export_formats.h"
 #include "trainer/model/llama_options.h"
 
 #include <algorithm>
@@ -271,7 +272,7 @@ std::vector<RecipeKey> make_recipe_keys() {
 
       key("export.formats", "[peft]", QTRAIN_FIELD(export_.formats),
           "written at the end of training and by `qtrain export`")
-          .one_of({"peft", "merged", "gguf", "safetensors-int"}),
+          .one_of(export_format_names()),
       key("export.out", "\"\"", QTRAIN_FIELD(export_.out),
           "export directory; empty: <train.output_dir>/export")
           .path(),
