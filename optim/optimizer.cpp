@@ -146,13 +146,9 @@ void Optimizer::load_state(const NamedTensors& state) {
 }
 
 std::unique_ptr<Optimizer> make_optimizer(const std::string& name, std::vector<torch::Tensor> parameters, double lr,
-                                          double weight_decay, const std::vector<double>& betas, double eps,
+                                          double weight_decay, const std::array<double, 2>& betas, double eps,
                                           double momentum) {
   if (name == "adamw" || name == "adamw8bit") {
-    if (betas.size() != 2) {
-      throw Error(ErrorCode::kRecipe, "optim.betas must be a list of two numbers [beta1, beta2], got " + std::to_string(betas.size()) +
-                  " numbers");
-    }
     AdamWOptions options;
     options.lr = lr;
     options.beta1 = betas[0];

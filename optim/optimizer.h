@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include <map>
+#include <array>
 #include <memory>
 #include <string>
 #include <utility>
@@ -76,9 +77,11 @@ class Optimizer {
 };
 
 // The optimizer a recipe's `optim` section names: "adamw", "adamw8bit" or "sgd". betas =
-// [beta1, beta2] and eps are AdamW's; SGD ignores them and takes `momentum` (0 = plain SGD).
+// [beta1, beta2] and eps are AdamW's (their bounds: check_adamw_options; the recipe's key table
+// checks optim.betas' length and bounds for the user); SGD ignores them and takes `momentum`
+// (0 = plain SGD).
 std::unique_ptr<Optimizer> make_optimizer(const std::string& name, std::vector<torch::Tensor> parameters, double lr,
-                                          double weight_decay, const std::vector<double>& betas, double eps,
+                                          double weight_decay, const std::array<double, 2>& betas, double eps,
                                           double momentum = 0.0);
 
 }  // namespace qtrain::optim

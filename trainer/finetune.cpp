@@ -146,8 +146,10 @@ void Finetune::setup_adapters() {
 }
 
 void Finetune::setup_optimizer() {
+  // The key table has checked that optim.betas holds two numbers.
+  const auto& betas = recipe_.optim.betas;
   optimizer_ = optim::make_optimizer(recipe_.optim.name, trainable_, recipe_.optim.lr, recipe_.optim.weight_decay,
-                                     recipe_.optim.betas, recipe_.optim.eps);
+                                     {betas.at(0), betas.at(1)}, recipe_.optim.eps);
 }
 
 void Finetune::setup_data() {
