@@ -227,8 +227,20 @@ void render_mistral_v3(const std::vector<ChatMessage>& messages, const std::stri
 
 }  // namespace
 
+const std::vector<std::pair<ChatTemplate::Family, const char*>>& ChatTemplate::family_names() {
+  static const std::vector<std::pair<Family, const char*>> names = {
+      {Family::kLlama3, "llama3"},         {Family::kChatml, "chatml"},
+      {Family::kQwen3, "qwen3"},           {Family::kQwen3Instruct, "qwen3-instruct"},
+      {Family::kQwen3Thinking, "qwen3-thinking"}, {Family::kMistralV1, "mistral-v1"},
+      {Family::kMistralV3, "mistral-v3"},
+  };
+  return names;
+}
+
 std::vector<std::string> ChatTemplate::supported_families() {
-  return {"llama3", "chatml", "qwen3", "qwen3-instruct", "qwen3-thinking", "mistral-v1", "mistral-v3"};
+  std::vector<std::string> names;
+  for (const auto& [family, name] : family_names()) names.emplace_back(name);
+  return names;
 }
 
 namespace {
@@ -240,10 +252,8 @@ std::string supported_list() {
 }  // namespace
 
 ChatTemplate ChatTemplate::named(const std::string& family, const std::string& bos_token, const std::string& eos_token) {
-  const auto names = supported_families();
-  // supported_families() lists the enum's members in order.
-  for (size_t index = 0; index < names.size(); ++index) {
-    if (names[index] == family) return ChatTemplate(static_cast<Family>(index), bos_token, eos_token);
+  for (const auto& [member, name] : family_names()) {
+    if (family == name) return ChatTemplate(member, bos_token, eos_token);
   }
   throw Error(ErrorCode::kTokenizer, "data.chat_template: unknown chat template family '" + family + "' (supported: " + supported_list() +
               ")");
@@ -313,7 +323,12 @@ ChatTemplate ChatTemplate::from_model_dir(const std::string& model_dir, const st
               "tokenizer_config.json); set data.chat_template to one of " + supported_list());
 }
 
-std::string ChatTemplate::family() const { return supported_families()[static_cast<size_t>(family_)]; }
+std::string ChatTemplate::family() const {
+  for (const auto& [member, name] : family_names()) {
+    if (member == family_) return name;
+  }
+  throw Error(ErrorCode::kInternal, "ChatTemplate: a family without a name");
+}
 
 std::vector<ChatSegment> ChatTemplate::render_segments(const std::vector<ChatMessage>& messages,
                                                        bool add_generation_prompt) const {

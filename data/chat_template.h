@@ -18,6 +18,7 @@
 // and its end-of-turn token are trainable, everything else (headers, other roles) is not.
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace qtrain::data {
@@ -61,6 +62,8 @@ class ChatTemplate {
 
  private:
   enum class Family { kLlama3, kChatml, kQwen3, kQwen3Instruct, kQwen3Thinking, kMistralV1, kMistralV3 };
+  // Each family with the name data.chat_template gives it.
+  static const std::vector<std::pair<Family, const char*>>& family_names();
   ChatTemplate(Family family, std::string bos_token, std::string eos_token,
                std::optional<std::string> default_system_prompt = std::nullopt)
       : family_(family),
