@@ -108,6 +108,12 @@ inline std::string find_python_with(const std::string& modules) {
   return "";
 }
 
+// Runs tests/interop/`script` with the interop Python and `arguments`; its output (stdout and
+// stderr) comes back for the failure message.
+inline CommandResult run_interop_script(const std::string& script, const std::string& arguments) {
+  return run_command(python() + " " + source_dir() + "/tests/interop/" + script + " " + arguments + " 2>&1");
+}
+
 // A fresh directory under the system's temp dir, removed when the object goes.
 class TempDir {
  public:

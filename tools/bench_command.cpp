@@ -1,7 +1,8 @@
 // qtrain bench: training throughput and peak memory of a Llama-, Qwen- or Mistral-shaped model with random
 // weights, built directly on the device (no checkpoint on disk): QLoRA (NF4 double-quant base),
 // LoRA on an LLM.int8 base (--quant int8) or LoRA (16-bit base), LoRA on all 7 projections, AdamW
-// (or --optim adamw8bit), random tokens.
+// (or --optim adamw8bit), random tokens. The step is a run's (trainer/training_step.h), with
+// the trained parameters, optimizer and loss chunk a recipe of these settings gives.
 //
 // Model FLOPs per token (what MFU counts; recomputation under checkpointing is not counted):
 //   matmuls: forward 2 N, backward 2 N (gradients to the inputs only: the base is frozen and
@@ -21,21 +22,20 @@
 #endif
 
 #include "kernels/error.h"
-#include "optim/grad_clip.h"
-#include "optim/optimizer.h"
+#include "data/batching.h"
 #include "qat/four_bit_linear.h"
 #include "qat/int8_linear.h"
 #include "qat/lora_linear.h"
-#include "qat/qat_linear.h"
 #include "tools/commands.h"
 #include "tools/kernel_profile.h"
-#include "trainer/model/causal_lm_loss.h"
 #include "trainer/base/device.h"
-#include "trainer/formats/hf_config.h"
-#include "trainer/model/llama.h"
-#include "trainer/model/llama_shapes.h"
 #include "trainer/base/memory_stats.h"
 #include "trainer/formats/training_checkpoint.h"
+#include "trainer/model/llama.h"
+#include "trainer/model/llama_shapes.h"
+#include "trainer/recipe/base_quantization.h"
+#include "trainer/recipe/recipe_training.h"
+#include "trainer/training_step.h"
 
 namespace po = boost::program_options;
 
@@ -92,6 +92,33 @@ void synchronize(const torch::Device& device) {
   (void)device;
 }
 
+// The run a bench measures, as a recipe: what Finetune would build from it decides what trains,
+// the optimizer and the step (trainer/training_step.h).
+trainer::Recipe bench_recipe(const trainer::BaseQuantizationRow& base, bool fake_quant, int64_t lora_rank,
+                             const std::string& optimizer_name, bool checkpointing, int64_t loss_chunk) {
+  auto recipe = trainer::default_recipe();
+  recipe.quant = fake_quant ? "qat" : base.kind == trainer::BaseQuantization::kNone ? "none" : "qlora";
+  if (base.kind != trainer::BaseQuantization::kNone) recipe.qlora.quant_type = base.name;
+  recipe.qat.weights.scale_dtype = "fp16";  // GGUF Q4_0's grid: int4, groups of 32, fp16 scales
+  recipe.lora.rank = lora_rank;
+  recipe.lora.alpha = 2.0 * static_cast<double>(lora_rank);
+  recipe.lora.dropout = 0.0;
+  recipe.optim.name = optimizer_name;
+  recipe.train.gradient_checkpointing = checkpointing;
+  recipe.train.loss_chunk_tokens = std::max<int64_t>(loss_chunk, 0);
+  return recipe;
+}
+
+// One micro-batch of random tokens, on the CPU as the data loader hands them out.
+data::Batch random_batch(int64_t micro_batch, int64_t sequence, int64_t vocab_size) {
+  data::Batch batch;
+  batch.input_ids = torch::randint(vocab_size, {micro_batch, sequence}, torch::kInt64);
+  batch.labels = batch.input_ids.clone();
+  batch.input_tokens = micro_batch * sequence;
+  batch.predicted_tokens = micro_batch * (sequence - 1);
+  return batch;
+}
+
 }  // namespace
 
 int run_bench(const Arguments& arguments) {
@@ -102,7 +129,7 @@ int run_bench(const Arguments& arguments) {
       ("shape", po::value(&shape)->default_value("llama3-8b"),
        "llama3-8b, llama3-1b, qwen3-8b, qwen2.5-7b, mistral-7b or tiny (random weights)")
       ("quant", po::value(&quant)->default_value("qlora"),
-       "qlora (NF4 double-quant base), int8 (LLM.int8 base, threshold 6) or none (16-bit base)")
+       "the frozen base: qlora (= nf4, double-quant), nf4, fp4, int8 (LLM.int8, threshold 6) or none (16-bit)")
       ("optim", po::value(&optimizer_name)->default_value("adamw"), "adamw or adamw8bit")
       ("micro-batch", po::value(&micro_batch)->default_value(1), "sequences per step")
       ("seq", po::value(&sequence)->default_value(2048), "tokens per sequence")
@@ -124,18 +151,22 @@ int run_bench(const Arguments& arguments) {
                           options, arguments, values)) {
     return 0;
   }
-  if (quant != "qlora" && quant != "int8" && quant != "none") {
-    throw Error(ErrorCode::kUsage, "--quant must be qlora, int8 or none, got '" + quant + "'");
-  }
+  const auto& base = trainer::base_quantization_named(quant == "qlora" ? "nf4" : quant, "--quant");
   if (steps < 1 || micro_batch < 1 || sequence < 2) throw Error(ErrorCode::kUsage, "--steps, --micro-batch must be >= 1 and --seq >= 2");
+  const bool fake_quant = values["qat"].as<bool>();
+  if (fake_quant && base.kind != trainer::BaseQuantization::kNone) {
+    throw Error(ErrorCode::kUsage, "--qat trains through a fake-quantized 16-bit base: use it with --quant none");
+  }
   const auto device = trainer::resolve_device(device_name);
   const auto dtype = trainer::parse_dtype_name(dtype_name, "--dtype");
   const bool checkpointing = values["checkpointing"].as<bool>();
   const auto llama = trainer::llama_shape(shape);
+  auto recipe = bench_recipe(base, fake_quant, lora_rank, optimizer_name, checkpointing, loss_chunk);
 
   torch::manual_seed(0);
-  const auto tables = qat::quantize_4bit(torch::randn({4096}) * 0.02, qat::FourBitType::kNf4, 64,
-                                         /*double_quant=*/true);
+  const auto tables = qat::quantize_4bit(
+      torch::randn({4096}) * 0.02, base.kind == trainer::BaseQuantization::kFp4 ? qat::FourBitType::kFp4 : qat::FourBitType::kNf4,
+      recipe.qlora.blocksize, recipe.qlora.double_quant);
   const auto build_start = std::chrono::steady_clock::now();
   // Quantized projections are made on the device, one at a time: the 16-bit model never exists.
   const trainer::LinearFactory make_linear = [&](const std::string& name, const qat::DenseLinearOptions& linear)
@@ -143,61 +174,46 @@ int run_bench(const Arguments& arguments) {
     // Qwen2.5's q/k/v biases stay 16-bit beside the quantized weight, as bitsandbytes keeps them.
     const auto on_device = torch::TensorOptions().dtype(dtype).device(device);
     const auto bias = linear.bias ? torch::randn({linear.out_features}, on_device) * 0.02 : torch::Tensor();
-    if (quant == "qlora" && name != "lm_head") {
-      return std::make_shared<qat::FourBitLinear>(
-          random_four_bit(linear.out_features, linear.in_features, tables, device, dtype), bias, dtype);
+    if (qat::module_name_matches(name, recipe.qlora.skip_modules)) return std::make_shared<qat::DenseLinear>(linear);
+    switch (base.kind) {
+      case trainer::BaseQuantization::kNf4:
+      case trainer::BaseQuantization::kFp4:
+        return std::make_shared<qat::FourBitLinear>(
+            random_four_bit(linear.out_features, linear.in_features, tables, device, dtype), bias, dtype);
+      case trainer::BaseQuantization::kInt8:
+        return random_int8(linear.out_features, linear.in_features, bias, device, dtype);
+      case trainer::BaseQuantization::kNone:
+        break;
     }
-    if (quant == "int8" && name != "lm_head") return random_int8(linear.out_features, linear.in_features, bias, device, dtype);
     return std::make_shared<qat::DenseLinear>(linear);
   };
   trainer::LlamaForCausalLM model(llama, dtype, make_linear);
   model->to(device);
-  qat::LoraOptions lora;
-  lora.rank = lora_rank;
-  lora.alpha = 2.0 * static_cast<double>(lora_rank);
-  lora.dropout = 0.0;
-  qat::LoraTargets targets;
-  targets.include.names = trainer::decoder_projection_names();
-  qat::apply_lora(*model, targets, lora);
-  const bool fake_quant = values["qat"].as<bool>();
-  if (fake_quant) {
-    if (quant != "none") throw Error(ErrorCode::kUsage, "--qat trains through a fake-quantized 16-bit base: use it with --quant none");
-    qat::QatLinearOptions qat_options;
-    qat_options.weights.spec = qat::QuantSpec::gguf_q4_0();
-    qat::apply_qat(*model, targets, qat_options);
-  }
-  std::vector<torch::Tensor> trainable;
-  for (auto& item : model->named_parameters()) {
-    const bool trains = item.key().find(".lora_") != std::string::npos;
-    item.value().set_requires_grad(trains);
-    if (trains) trainable.push_back(item.value());
-  }
+  const auto adapters = trainer::lora_adapter_config(recipe);
+  qat::apply_lora(*model, adapters.targets, adapters.lora);
+  trainer::apply_recipe_qat(*model, recipe);
+  auto trained = trainer::mark_trained_parameters(*model, recipe);
   model->train();
   model->model->set_gradient_checkpointing(checkpointing ? 1 : 0);
-  auto optimizer = optim::make_optimizer(optimizer_name, trainable, 1e-4, 0.0, {0.9, 0.999}, 1e-8);
+  auto optimizer = trainer::recipe_optimizer(recipe, trained.tensors);
+  trainer::LossScaler scaler(/*enabled=*/dtype == torch::kFloat16);
+  auto step_options = trainer::training_step_options(recipe, llama.vocab_size, device);
+  if (loss_chunk < 0) step_options.loss_chunk_tokens = -1;
+  const int64_t chunk = step_options.loss_chunk_tokens;
+  trainer::TrainingStep train_step(*model, trained.tensors, *optimizer, scaler, step_options);
   synchronize(device);
   std::printf("bench: model built in %.1f s\n",
               std::chrono::duration<double>(std::chrono::steady_clock::now() - build_start).count());
   std::fflush(stdout);
-  const int64_t chunk = loss_chunk == 0 ? trainer::auto_loss_chunk_tokens(llama.vocab_size) : loss_chunk;
 
-  const auto input_ids = torch::randint(llama.vocab_size, {micro_batch, sequence},
-                                        torch::TensorOptions().dtype(torch::kInt64).device(device));
-  const auto train_step = [&] {
-    auto hidden = model->hidden_states({input_ids, {}, {}});
-    auto loss = trainer::causal_lm_loss(*model, hidden, input_ids, chunk);
-    (loss.loss_sum / static_cast<double>(micro_batch * (sequence - 1))).backward();
-    optim::clip_grad_norm(trainable, 1.0);
-    optimizer->step();
-    optimizer->zero_grad();
-  };
+  const std::vector<data::Batch> batches = {random_batch(micro_batch, sequence, llama.vocab_size)};
   std::vector<double> step_seconds;
   trainer::reset_peak_memory(device);
   for (int64_t step = 0; step < warmup + steps; ++step) {
     if (step == warmup) trainer::reset_peak_memory(device);
     synchronize(device);
     const auto start = std::chrono::steady_clock::now();
-    train_step();
+    train_step.run(batches, step);
     synchronize(device);
     if (step >= warmup) {
       step_seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
@@ -206,7 +222,7 @@ int run_bench(const Arguments& arguments) {
   const auto memory = trainer::memory_usage(device);
   if (profile_steps > 0) {
     KernelProfile profile(device.is_cuda());
-    for (int64_t step = 0; step < profile_steps; ++step) train_step();
+    for (int64_t step = 0; step < profile_steps; ++step) train_step.run(batches, warmup + steps + step);
     synchronize(device);
     profile.finish(trace_path, profile_steps, 25, std::cout);
   }
@@ -215,8 +231,8 @@ int run_bench(const Arguments& arguments) {
     // What a run's checkpoint holds for this model: LoRA weights and AdamW moments (the random,
     // loader and recipe parts are a few kilobytes).
     trainer::TrainingCheckpoint checkpoint;
-    for (auto& item : model->named_parameters()) {
-      if (item.value().requires_grad()) checkpoint.trainable.emplace_back(item.key(), item.value());
+    for (size_t index = 0; index < trained.names.size(); ++index) {
+      checkpoint.trainable.emplace_back(trained.names[index], trained.tensors[index]);
     }
     checkpoint.optimizer = optimizer->state();
     checkpoint.state = {{"step", warmup + steps}};
@@ -240,6 +256,7 @@ int run_bench(const Arguments& arguments) {
   const double peak = peak_flops(device);
   const double mfu = peak > 0 ? tokens_per_second * flops_per_token / peak : 0.0;
 
+  quant = base.kind == trainer::BaseQuantization::kNf4 ? "qlora" : base.name;  // as tools/bench.sh names rows
   if (fake_quant) quant += "+qat";
   std::printf("bench: %s %s + %s, %s compute on %s, micro-batch %lld x %lld, checkpointing %s, loss chunk %lld\n",
               shape.c_str(), quant.c_str(), optimizer_name.c_str(), dtype_name.c_str(), device.str().c_str(), static_cast<long long>(micro_batch),

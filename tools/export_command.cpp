@@ -16,7 +16,7 @@
 #include "trainer/formats/merged_export.h"
 #include "trainer/formats/model_exports.h"
 #include "qat/qat_linear.h"
-#include "trainer/run_model.h"
+#include "trainer/trained_run.h"
 
 namespace po = boost::program_options;
 
@@ -44,7 +44,7 @@ ExportSource model_with_adapter(const std::string& model_dir, const std::string&
 // --format gguf | safetensors-int: the QAT layers of the run, as their codes and scales.
 int export_quantized(const std::string& run_dir, const std::string& checkpoint, const trainer::ExportFormatRow& format,
                      const std::string& dtype_name, uint64_t max_shard_bytes, const std::string& out_path) {
-  auto run = trainer::load_run_model(run_dir, checkpoint, /*quantize_base=*/true);
+  auto run = trainer::load_trained_run(run_dir, checkpoint, /*quantize_base=*/true);
   const auto& model = *run.loaded.model;
   if (qat::find_qat_layers(model).empty()) {
     throw Error(ErrorCode::kUsage, run_dir + ": the run was not trained with quant: qat, so it has no quantized weights to export as " +
@@ -112,7 +112,7 @@ int run_export(const Arguments& arguments) {
   if (!run_dir.empty()) {
     // A merge needs the base the adapter was trained on (quantized, for QLoRA); a PEFT export
     // only checks the adapter against the base's names and shapes.
-    auto run = trainer::load_run_model(run_dir, checkpoint, /*quantize_base=*/merged_format);
+    auto run = trainer::load_trained_run(run_dir, checkpoint, /*quantize_base=*/merged_format);
     if (peft_format) {
       const std::string staged = out_dir + ".staging";
       trainer::remove_tree(staged);

@@ -79,10 +79,10 @@ void print_peak_estimate(const std::string& recipe_path, const trainer::Training
   const auto estimate = trainer::estimate_peak_memory(llama, setup);
   const auto bytes = [](double value) { return trainer::format_bytes(value); };
 
-  const std::string training = setup.quant == "qlora" ? "qlora " + (setup.int8_base ? std::string("int8")
-                                                                                      : setup.four_bit.quant_type)
-                               : setup.full_finetune  ? "full finetune"
-                                                      : "quant " + setup.quant;
+  const auto& base = trainer::base_quantization_row(setup.base.kind);
+  const std::string training = setup.full_finetune                              ? "full finetune"
+                               : base.kind == trainer::BaseQuantization::kNone ? "quant none"
+                                                                               : "qlora " + std::string(base.name);
   std::printf("\npeak memory estimate for %s on %s (%s, compute %s, micro-batch %lld x %lld tokens%s%s):\n",
               recipe_path.c_str(), setup.device == torch::kCUDA ? "cuda" : "cpu", training.c_str(),
               trainer::dtype_short_name(setup.compute_dtype).c_str(), static_cast<long long>(setup.micro_batch_size),

@@ -23,7 +23,7 @@
 #include "trainer/recipe/recipe.h"
 #include "trainer/recipe/recipe_data.h"
 #include "trainer/recipe/recipe_training.h"
-#include "trainer/run_model.h"
+#include "trainer/trained_run.h"
 
 namespace po = boost::program_options;
 
@@ -70,9 +70,9 @@ int run_quantize(const Arguments& arguments) {
     return 0;
   }
   if (!model_dir.empty() && !run_dir.empty()) throw Error(ErrorCode::kUsage, "give --model DIR or --run DIR, not both");
-  std::optional<trainer::RunModel> run;
+  std::optional<trainer::TrainedRun> run;
   if (!run_dir.empty()) {
-    run = trainer::load_run_model(run_dir, "", /*quantize_base=*/true);
+    run = trainer::load_trained_run(run_dir, "", /*quantize_base=*/true);
     if (run->recipe.quant != "none") {
       throw Error(ErrorCode::kUsage, run_dir + ": the run trained with quant: " + run->recipe.quant +
                   "; PTQ starts from a float model (a run with quant: none, or a Hugging Face directory)");

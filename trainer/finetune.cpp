@@ -95,6 +95,7 @@ void Finetune::setup() {
     // Rank 0's weights everywhere, whatever each rank initialised or read.
     group_->broadcast(trainable_, 0, "the broadcast of the initial weights");
     gradient_buckets_ = std::make_unique<GradientBuckets>(trainable_, *group_, recipe_.dist.bucket_mb << 20);
+    step_->set_ranks(group_.get(), gradient_buckets_.get());
   }
 }
 
@@ -103,7 +104,6 @@ void Finetune::setup_model() {
   loaded_.model->to(device_);
   loaded_.model->model->set_gradient_checkpointing(
       recipe_.train.gradient_checkpointing ? recipe_.train.gradient_checkpointing_every : 0);
-  loss_chunk_tokens_ = loss_chunk_tokens(recipe_, loaded_.config.llama.vocab_size);
 }
 
 void Finetune::setup_adapters() {
@@ -126,30 +126,22 @@ void Finetune::setup_adapters() {
                 static_cast<long long>(recipe_.qat.start_step));
   }
   // Adapters (or every weight) and learned QAT scales train; the rest stays frozen.
-  int64_t trainable_count = 0;
-  for (auto& item : model.named_parameters()) {
-    const bool trains = is_trained_parameter(recipe_, item.key());
-    item.value().set_requires_grad(trains);
-    if (trains) {
-      trainable_.push_back(item.value());
-      trainable_names_.push_back(item.key());
-      trainable_count += item.value().numel();
-    }
-  }
+  auto trained = mark_trained_parameters(model, recipe_);
+  trainable_ = std::move(trained.tensors);
+  trainable_names_ = std::move(trained.names);
   const std::string what_trains = trains_full_weights(recipe_)
                                       ? std::string("full weights")
                                       : "LoRA r=" + std::to_string(adapter_config_.lora.rank);
   std::printf("model: %s, quant %s, compute %s on %s; trainable %.3fM parameters (%s)\n",
               recipe_.model.path.c_str(), recipe_.quant.c_str(), dtype_short_name(compute_dtype_).c_str(),
-              device_.str().c_str(), trainable_count / 1e6, what_trains.c_str());
+              device_.str().c_str(), trained.count / 1e6, what_trains.c_str());
   model.train();
 }
 
 void Finetune::setup_optimizer() {
-  // The key table has checked that optim.betas holds two numbers.
-  const auto& betas = recipe_.optim.betas;
-  optimizer_ = optim::make_optimizer(recipe_.optim.name, trainable_, recipe_.optim.lr, recipe_.optim.weight_decay,
-                                     {betas.at(0), betas.at(1)}, recipe_.optim.eps);
+  optimizer_ = recipe_optimizer(recipe_, trainable_);
+  step_ = std::make_unique<TrainingStep>(*loaded_.model, trainable_, *optimizer_, scaler_,
+                                         training_step_options(recipe_, loaded_.config.llama.vocab_size, device_));
 }
 
 void Finetune::setup_data() {
@@ -189,66 +181,22 @@ void Finetune::setup_data() {
 }
 
 StepResult Finetune::train_step(int64_t step) {
-  auto& model = *loaded_.model;
-  StepResult result;
   const auto position = train_batches_->state();
-  result.epoch = position.epoch;
-  result.batch_in_epoch = position.batch_in_epoch;
   // QAT: observers may run before qat.start_step; the rounding starts there (train() sets the
   // state the run starts or resumes in).
-  if (recipe_.quant == "qat" && step == recipe_.qat.start_step) qat::set_fake_quant_enabled(model, true);
+  if (recipe_.quant == "qat" && step == recipe_.qat.start_step) qat::set_fake_quant_enabled(*loaded_.model, true);
   // The schedule follows optimizer steps taken: a skipped step does not advance it.
   optimizer_->set_learning_rate(optim::learning_rate_at(schedule_, optimizer_steps_));
   std::vector<data::Batch> micro_batches;
-  double predicted_tokens = 0;
-  double input_tokens = 0;
-  for (int64_t index = 0; index < recipe_.train.grad_accum_steps; ++index) {
-    micro_batches.push_back(train_batches_->next());
-    predicted_tokens += static_cast<double>(micro_batches.back().predicted_tokens);
-    input_tokens += static_cast<double>(micro_batches.back().input_tokens);
-  }
-  if (group_) {
-    const auto totals = group_->sum({predicted_tokens, input_tokens}, "the token count of the step");
-    predicted_tokens = totals[0];
-    input_tokens = totals[1];
-  }
-  result.tokens = static_cast<int64_t>(input_tokens);
-  // The loss is token-weighted over the whole accumulation window (of every rank), as if it
-  // were one batch; fp16 scales it so that small gradients survive.
-  const double loss_weight = scaler_.scale() / std::max(predicted_tokens, 1.0);
-  double loss_sum = 0;
-  for (size_t index = 0; index < micro_batches.size(); ++index) {
-    const auto& batch = micro_batches[index];
-    auto labels = batch.labels.to(device_);
-    auto hidden = model.hidden_states(model_inputs(batch, device_));
-    auto loss = causal_lm_loss(model, hidden, labels, loss_chunk_tokens_);
-    // Ranks exchange gradients only in the window's last backward, overlapped with it.
-    if (gradient_buckets_ && index + 1 == micro_batches.size()) gradient_buckets_->arm();
-    (loss.loss_sum * loss_weight).backward();
-    loss_sum += loss.loss_sum.item<double>();
-  }
-  if (gradient_buckets_) {
-    gradient_buckets_->finish();
-    loss_sum = group_->sum({loss_sum}, "the loss of the step")[0];
-  }
-  result.loss = loss_sum / std::max(predicted_tokens, 1.0);
-  if (after_backward_) after_backward_(step, trainable_);
-
-  const bool loss_finite = std::isfinite(result.loss);
-  const bool gradients_finite = scaler_.unscale_and_check(trainable_);
-  if (!loss_finite || !gradients_finite) {
-    optimizer_->zero_grad();
-    scaler_.update(/*skipped=*/true);
-    result.skipped = true;
-    result.skip_reason = !loss_finite ? "the loss is " + std::to_string(result.loss) : "a gradient is inf or NaN";
-    handle_skipped_step(step, result, /*scale_overflow=*/loss_finite && scaler_.enabled());
+  for (int64_t index = 0; index < recipe_.train.grad_accum_steps; ++index) micro_batches.push_back(train_batches_->next());
+  StepResult result = step_->run(micro_batches, step, after_backward_);
+  result.epoch = position.epoch;
+  result.batch_in_epoch = position.batch_in_epoch;
+  if (result.skipped) {
+    handle_skipped_step(step, result, /*scale_overflow=*/std::isfinite(result.loss) && scaler_.enabled());
     return result;
   }
   consecutive_skips_ = 0;
-  result.grad_norm = optim::clip_grad_norm(trainable_, recipe_.train.max_grad_norm);
-  optimizer_->step();
-  optimizer_->zero_grad();
-  scaler_.update(/*skipped=*/false);
   ++optimizer_steps_;
   return result;
 }

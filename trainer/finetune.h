@@ -28,6 +28,7 @@
 #include "trainer/formats/peft_adapter.h"
 #include "trainer/dist/process_group.h"
 #include "trainer/recipe/recipe.h"
+#include "trainer/training_step.h"
 
 namespace qtrain::trainer {
 
@@ -42,17 +43,6 @@ struct TrainSummary {
   std::string checkpoint_dir;  // the last checkpoint written
 };
 
-// What one optimizer step did.
-struct StepResult {
-  double loss = 0;  // mean over the learned tokens of the accumulation window
-  double grad_norm = 0;
-  int64_t tokens = 0;
-  bool skipped = false;  // a non-finite loss or gradient: no update
-  std::string skip_reason;
-  int64_t epoch = 0;  // where in the data the step's batches began
-  int64_t batch_in_epoch = 0;
-};
-
 class Finetune {
  public:
   // resume: "" starts fresh; "auto" continues from the newest valid checkpoint of the run
@@ -61,9 +51,7 @@ class Finetune {
   void setup();
   TrainSummary train();
 
-  // Called after each step's backward, before the gradients are checked and applied: a seam
-  // for tests (inject a NaN) and for tools that look at gradients.
-  using AfterBackward = std::function<void(int64_t step, const std::vector<torch::Tensor>& trainable)>;
+  // The training step's seam (trainer/training_step.h): after each step's backward.
   void set_after_backward(AfterBackward hook) { after_backward_ = std::move(hook); }
 
  private:
@@ -71,8 +59,8 @@ class Finetune {
   void setup_adapters();
   void setup_optimizer();
   void setup_data();
-  // One optimiser step over grad_accum_steps micro-batches: forward, loss, scaled backward,
-  // unscale and check, clip, step (or skip).
+  // One optimiser step over grad_accum_steps micro-batches (trainer/training_step.h), at the
+  // schedule's learning rate.
   StepResult train_step(int64_t step);
   void handle_skipped_step(int64_t step, const StepResult& result, bool scale_overflow);
   double evaluate_and_log(int64_t step);
@@ -105,7 +93,7 @@ class Finetune {
   bool has_eval_data_ = false;
   int64_t total_steps_ = 0;
   LossScaler scaler_{false};
-  int64_t loss_chunk_tokens_ = 0;
+  std::unique_ptr<TrainingStep> step_;
   int64_t optimizer_steps_ = 0;  // steps applied (skipped ones are not)
   int64_t skipped_steps_ = 0;
   int64_t consecutive_skips_ = 0;

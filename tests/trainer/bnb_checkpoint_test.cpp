@@ -61,13 +61,28 @@ std::vector<CodecCase> codec_cases(const SafetensorsFile& file) {
   return cases;
 }
 
+// The quantization state bnb wrote for `item`: its code table and absmax, double-quantized or not.
+void expect_state_equals_bnb(const qat::FourBitQuantState& ours, const SafetensorsFile& file, const CodecCase& item) {
+  auto tensor = [&](const std::string& field) { return file.tensor(item.prefix + "." + field); };
+  EXPECT_TRUE(same_bits(ours.code.cpu(), tensor("code")));
+  if (!item.double_quant) {
+    EXPECT_TRUE(same_bits(ours.absmax.cpu(), tensor("absmax")));
+    return;
+  }
+  EXPECT_TRUE(same_bits(ours.absmax.cpu(), tensor("absmax_q")))
+      << (ours.absmax.cpu() != tensor("absmax_q")).sum().item<int64_t>() << " absmax codes differ";
+  EXPECT_TRUE(same_bits(ours.nested_absmax.cpu(), tensor("nested_absmax")));
+  EXPECT_TRUE(same_bits(ours.nested_code.cpu(), tensor("nested_code")));
+  EXPECT_EQ(ours.offset, tensor("offset").item<float>());
+}
+
 TEST(Bnb4bitReference, AllCasesEqualBitsandbytesBitForBit) {
   const auto file = SafetensorsFile::open(fixture("bnb-4bit-reference.safetensors"));
   const auto cases = codec_cases(file);
   ASSERT_EQ(cases.size(), 24u);
   for (const auto& item : cases) {
     SCOPED_TRACE(item.prefix);
-    auto tensor = [&](const std::string& field) { return file.tensor(item.prefix + "." + field); };
+    const auto tensor = [&](const std::string& field) { return file.tensor(item.prefix + "." + field); };
     const auto input = file.tensor(item.weight + ".input");
     const auto ours = qat::quantize_4bit(input, item.type, item.blocksize, item.double_quant);
     // bitsandbytes' CUDA build takes 1 / absmax with the GPU's approximate reciprocal (within one
@@ -93,16 +108,7 @@ TEST(Bnb4bitReference, AllCasesEqualBitsandbytesBitForBit) {
                 static_cast<long long>(differing.numel()), static_cast<long long>(input.numel()));
     EXPECT_LE(differing.numel(), input.numel() / 5000);  // measured: at most 16 of 131072 (FP4), 0 for NF4
     if (item.type == qat::FourBitType::kNf4) EXPECT_EQ(differing.numel(), 0);
-    EXPECT_TRUE(same_bits(ours.state.code, tensor("code")));
-    if (item.double_quant) {
-      EXPECT_TRUE(same_bits(ours.state.absmax, tensor("absmax_q")))
-          << (ours.state.absmax != tensor("absmax_q")).sum().item<int64_t>() << " absmax codes differ";
-      EXPECT_TRUE(same_bits(ours.state.nested_absmax, tensor("nested_absmax")));
-      EXPECT_TRUE(same_bits(ours.state.nested_code, tensor("nested_code")));
-      EXPECT_EQ(ours.state.offset, tensor("offset").item<float>());
-    } else {
-      EXPECT_TRUE(same_bits(ours.state.absmax, tensor("absmax")));
-    }
+    expect_state_equals_bnb(ours.state, file, item);
     // Dequantizing: bitwise equal wherever the codes agree.
     const auto agree = (ours_codes == bnb_codes).view(input.sizes());
     const auto dequantized = qat::dequantize_4bit(ours.packed, ours.state, torch::kBFloat16);
@@ -156,30 +162,19 @@ TEST(Bnb4bitReference, CudaQuantizeEqualsBitsandbytesBitForBit) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU on this machine";
   const torch::Device cuda(torch::kCUDA, 0);
   const auto file = SafetensorsFile::open(fixture("bnb-4bit-reference.safetensors"));
-  const auto cases = codec_cases(file);
-  ASSERT_EQ(cases.size(), 24u);
-  for (const auto& item : cases) {
+  for (const auto& item : codec_cases(file)) {
     SCOPED_TRACE(item.prefix);
-    auto tensor = [&](const std::string& field) { return file.tensor(item.prefix + "." + field); };
+    const auto packed = file.tensor(item.prefix + ".packed");
     const auto input = file.tensor(item.weight + ".input").to(cuda);
     const auto ours = qat::quantize_4bit(input, item.type, item.blocksize, item.double_quant);
     ASSERT_TRUE(ours.packed.is_cuda() && ours.state.absmax.is_cuda());
-    EXPECT_TRUE(same_bits(ours.packed.cpu(), tensor("packed")))
-        << (unpack(ours.packed.cpu(), input.numel()) != unpack(tensor("packed"), input.numel())).sum().item<int64_t>()
+    EXPECT_TRUE(same_bits(ours.packed.cpu(), packed))
+        << (unpack(ours.packed.cpu(), input.numel()) != unpack(packed, input.numel())).sum().item<int64_t>()
         << " codes differ";
-    EXPECT_TRUE(same_bits(ours.state.code.cpu(), tensor("code")));
-    if (item.double_quant) {
-      EXPECT_TRUE(same_bits(ours.state.absmax.cpu(), tensor("absmax_q")))
-          << (ours.state.absmax.cpu() != tensor("absmax_q")).sum().item<int64_t>() << " absmax codes differ";
-      EXPECT_TRUE(same_bits(ours.state.nested_absmax.cpu(), tensor("nested_absmax")));
-      EXPECT_TRUE(same_bits(ours.state.nested_code.cpu(), tensor("nested_code")));
-      EXPECT_EQ(ours.state.offset, tensor("offset").item<float>());
-    } else {
-      EXPECT_TRUE(same_bits(ours.state.absmax.cpu(), tensor("absmax")));
-    }
+    expect_state_equals_bnb(ours.state, file, item);
     const auto dequantized = qat::dequantize_4bit(ours.packed, ours.state, torch::kBFloat16);
     ASSERT_TRUE(dequantized.is_cuda());
-    EXPECT_TRUE(same_bits(dequantized.cpu(), tensor("dequant")));
+    EXPECT_TRUE(same_bits(dequantized.cpu(), file.tensor(item.prefix + ".dequant")));
   }
 }
 

@@ -18,6 +18,7 @@
 #include "trainer/formats/generation_config.h"
 #include "trainer/formats/hf_config.h"
 #include "trainer/model/llama.h"
+#include "small_llama.h"
 
 namespace qtrain::trainer {
 namespace {
@@ -25,14 +26,7 @@ namespace {
 // A fresh random Llama with GQA, biases and a non-trivial norm, fp32 on the CPU.
 LlamaForCausalLM random_llama(uint64_t seed) {
   torch::manual_seed(seed);
-  LlamaOptions options;
-  options.vocab_size = 97;
-  options.hidden_size = 64;
-  options.intermediate_size = 96;
-  options.num_hidden_layers = 3;
-  options.num_attention_heads = 4;
-  options.num_key_value_heads = 2;
-  options.head_dim = 16;
+  auto options = testing::small_llama_options(/*hidden_size=*/64, /*layers=*/3);
   options.attention_bias = true;
   options.rope.theta = 500000.0;
   LlamaForCausalLM model(options, torch::kFloat32);

@@ -49,6 +49,14 @@ TEST(Int8Reference, VectorwiseQuantizeEqualsBitsandbytesAtThresholds0And6) {
 // layer's threshold: CB and SCB equal bnb's exactly. The output is fp16: within one fp16 step of
 // bnb's (2^-10 relative to the value, plus 2^-24 absolute for values near zero), since the int8
 // part rounds once from the same fp32 numbers and the outlier part sums in another order.
+// The reference layer's settings: fp16 compute, outliers at `threshold`.
+qat::Int8Options fp16_options(double threshold) {
+  qat::Int8Options options;
+  options.threshold = threshold;
+  options.compute_dtype = torch::kHalf;
+  return options;
+}
+
 TEST(Int8Reference, LinearWeightCodesAndOutputMatchLinear8bitLt) {
   const auto file = reference_file();
   const auto weight = file.tensor("linear.weight");
@@ -57,9 +65,7 @@ TEST(Int8Reference, LinearWeightCodesAndOutputMatchLinear8bitLt) {
   for (const int threshold : {0, 6}) {
     const std::string prefix = "linear.t" + std::to_string(threshold) + ".";
     SCOPED_TRACE(prefix);
-    qat::Int8Options options;
-    options.threshold = threshold;
-    options.compute_dtype = torch::kHalf;
+    const auto options = fp16_options(threshold);
     const auto layer = qat::Int8Linear::from_dense(weight, bias, options);
     EXPECT_TRUE(torch::equal(layer->codes(), file.tensor(prefix + "CB")));
     EXPECT_TRUE(torch::equal(layer->absmax(), file.tensor(prefix + "SCB")));
@@ -89,9 +95,7 @@ TEST(Int8Reference, CudaLinearOutputMatchesLinear8bitLt) {
   for (const int threshold : {0, 6}) {
     const std::string prefix = "linear.t" + std::to_string(threshold) + ".";
     SCOPED_TRACE(prefix);
-    qat::Int8Options options;
-    options.threshold = threshold;
-    options.compute_dtype = torch::kHalf;
+    const auto options = fp16_options(threshold);
     const auto layer = qat::Int8Linear::from_dense(file.tensor("linear.weight").to(cuda),
                                                    file.tensor("linear.bias").to(cuda), options);
     EXPECT_TRUE(torch::equal(layer->codes().cpu(), file.tensor(prefix + "CB")));

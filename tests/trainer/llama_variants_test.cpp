@@ -16,8 +16,7 @@ TEST(LlamaVariants, LogitsEqualTransformersInFp32) {
     GTEST_SKIP() << testing::python() << " lacks torch/transformers/safetensors (run tools/setup.sh)";
   }
   testing::TempDir directory;
-  const auto built = testing::run_command(testing::python() + " " + testing::source_dir() +
-                                          "/tests/interop/llama_variants.py " + directory.path() + " 2>&1");
+  const auto built = testing::run_interop_script("llama_variants.py", directory.path());
   ASSERT_EQ(built.status, 0) << built.output;
   for (const char* variant : {"gqa_bias_tied_v4", "mqa_llama3_sharded", "linear_rope_fp16_v4", "dynamic_rope"}) {
     SCOPED_TRACE(variant);

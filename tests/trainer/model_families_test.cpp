@@ -8,6 +8,7 @@
 #include <filesystem>
 
 #include "kernels/error.h"
+#include "small_llama.h"
 #include "support.h"
 #include "trainer/model/generation.h"
 #include "trainer/formats/gguf_export.h"
@@ -107,8 +108,7 @@ TEST(ModelFamilies, HeldOutVariantsEqualTransformersInFp32AndTheirWindowsMatter)
     GTEST_SKIP() << testing::python() << " lacks torch/transformers/safetensors (run tools/setup.sh)";
   }
   testing::TempDir directory;
-  const auto built = testing::run_command(testing::python() + " " + testing::source_dir() +
-                                          "/tests/interop/family_variants.py " + directory.path() + " 2>&1");
+  const auto built = testing::run_interop_script("family_variants.py", directory.path());
   ASSERT_EQ(built.status, 0) << built.output;
   for (const char* variant : kVariants) {
     SCOPED_TRACE(variant);
@@ -128,14 +128,7 @@ TEST(ModelFamilies, HeldOutVariantsEqualTransformersInFp32AndTheirWindowsMatter)
 // every key and the mask hides those that left the window.
 TEST(ModelFamilies, DecodingPastTheSlidingWindowGivesTheFullForwardLogits) {
   torch::manual_seed(7);
-  LlamaOptions options;
-  options.vocab_size = 97;
-  options.hidden_size = 32;
-  options.intermediate_size = 48;
-  options.num_hidden_layers = 2;
-  options.num_attention_heads = 4;
-  options.num_key_value_heads = 2;
-  options.head_dim = 8;
+  auto options = testing::small_llama_options(/*hidden_size=*/32, /*layers=*/2);
   options.query_key_norm = true;
   options.sliding_window = 5;
   options.sliding_layers = {true, false};

@@ -115,11 +115,7 @@ LlamaForCausalLM build_model(const TrainingMemorySetup& setup, bool with_adapter
   ModelLoadOptions options;
   options.dtype = setup.compute_dtype;
   auto model = load_llama(fixture("tiny-llama"), options).model;
-  if (setup.quant == "qlora" && setup.int8_base) {
-    qat::quantize_linear_layers_int8(*model, qat::Int8Options{}, setup.skip_modules);
-  } else if (setup.quant == "qlora") {
-    qat::quantize_linear_layers(*model, setup.four_bit, setup.skip_modules);
-  }
+  base_quantization_row(setup.base.kind).quantize(*model, setup.base);
   if (with_adapters) qat::apply_lora(*model, setup.adapter.targets, setup.adapter.lora);
   for (auto& parameter : model->named_parameters()) {
     const bool adapter = parameter.key().find(".lora_") != std::string::npos;
@@ -152,31 +148,29 @@ torch::Tensor random_tokens(const TrainingMemorySetup& setup, int64_t vocab_size
 TEST(ModelMemory, FrozenWeightBytesEqualTheQuantizedModelsTensors) {
   const auto model_options = tiny_llama_options();
   struct Case {
-    std::string quant;
-    std::string quant_type;
+    BaseQuantization base;
     int64_t blocksize;
     bool double_quant;
     torch::ScalarType dtype;
   };
-  for (const auto& test : std::vector<Case>{{"qlora", "nf4", 64, true, torch::kFloat32},
-                                            {"qlora", "fp4", 128, false, torch::kBFloat16},
-                                            {"qlora", "nf4", 4096, true, torch::kBFloat16},
-                                            {"qlora", "int8", 0, false, torch::kBFloat16},
-                                            {"none", "", 0, false, torch::kBFloat16}}) {
+  for (const auto& test : std::vector<Case>{{BaseQuantization::kNf4, 64, true, torch::kFloat32},
+                                            {BaseQuantization::kFp4, 128, false, torch::kBFloat16},
+                                            {BaseQuantization::kNf4, 4096, true, torch::kBFloat16},
+                                            {BaseQuantization::kInt8, 0, false, torch::kBFloat16},
+                                            {BaseQuantization::kNone, 0, false, torch::kBFloat16}}) {
     auto setup = tiny_setup();
-    setup.quant = test.quant;
     setup.compute_dtype = test.dtype;
-    if (test.quant_type == "int8") {
-      setup.int8_base = true;
-    } else if (test.quant == "qlora") {
-      setup.four_bit.quant_type = test.quant_type;
-      setup.four_bit.blocksize = test.blocksize;
-      setup.four_bit.double_quant = test.double_quant;
-    }
+    setup.base.kind = test.base;
+    setup.base.compute_dtype = test.dtype;
+    setup.base.four_bit.compute_dtype = test.dtype;
+    setup.base.int8.compute_dtype = test.dtype;
+    if (test.blocksize > 0) setup.base.four_bit.blocksize = test.blocksize;
+    setup.base.four_bit.double_quant = test.double_quant;
     auto model = build_model(setup, /*with_adapters=*/false);
     const double actual = tensor_bytes(*model);
     const double estimated = estimate_peak_memory(model_options, setup).frozen_weight_bytes;
-    EXPECT_NEAR(estimated, actual, 0.01 * actual) << test.quant << " " << test.quant_type << " " << test.blocksize;
+    const std::string name = base_quantization_row(test.base).name;
+    EXPECT_NEAR(estimated, actual, 0.01 * actual) << name << " " << test.blocksize;
   }
 }
 
@@ -281,11 +275,10 @@ TEST(ModelMemory, SetupReadsTheRecipeAsFinetuneDoes) {
                                    "lora.target_modules=[q_proj, v_proj]", "data.pack=true"});
   const auto model_options = tiny_llama_options();
   const auto setup = training_memory_setup(recipe, model_options);
-  EXPECT_EQ(setup.quant, recipe.quant);
-  EXPECT_EQ(setup.four_bit.quant_type, recipe.qlora.quant_type);
-  EXPECT_EQ(setup.four_bit.blocksize, recipe.qlora.blocksize);
-  EXPECT_EQ(setup.four_bit.double_quant, recipe.qlora.double_quant);
-  EXPECT_EQ(setup.skip_modules, recipe.qlora.skip_modules);
+  EXPECT_EQ(base_quantization_row(setup.base.kind).name, recipe.quant == "qlora" ? recipe.qlora.quant_type : "none");
+  EXPECT_EQ(setup.base.four_bit.blocksize, recipe.qlora.blocksize);
+  EXPECT_EQ(setup.base.four_bit.double_quant, recipe.qlora.double_quant);
+  EXPECT_EQ(setup.base.skip_modules, recipe.qlora.skip_modules);
   EXPECT_FALSE(setup.full_finetune);
   EXPECT_EQ(setup.adapter.lora.rank, recipe.lora.rank);
   EXPECT_EQ(setup.adapter.lora.dropout, recipe.lora.dropout);
@@ -303,7 +296,9 @@ TEST(ModelMemory, SetupReadsTheRecipeAsFinetuneDoes) {
                                             model_options);
   EXPECT_EQ(on_gpu.device, torch::kCUDA);
   EXPECT_EQ(on_gpu.loss_chunk_tokens, 512);
-  EXPECT_TRUE(training_memory_setup(load_recipe("", {"qlora.quant_type=int8"}), model_options).int8_base);
+  EXPECT_EQ(training_memory_setup(load_recipe("", {"qlora.quant_type=int8"}), model_options).base.kind,
+            BaseQuantization::kInt8);
+  EXPECT_EQ(training_memory_setup(load_recipe("", {"quant=none"}), model_options).base.kind, BaseQuantization::kNone);
   EXPECT_THROW(training_memory_setup(load_recipe("", {"quant=qat"}), model_options), Error);
 }
 

@@ -12,7 +12,7 @@
 #include "trainer/finetune.h"
 #include "trainer/recipe/recipe_data.h"
 #include "trainer/recipe/recipe_training.h"
-#include "trainer/run_model.h"
+#include "trainer/trained_run.h"
 #include "trainer/formats/training_checkpoint.h"
 
 namespace qtrain::trainer {
@@ -153,7 +153,7 @@ TEST(QatTraining, LoraUnderQatWritesItsAdapterAndExportsThatReload) {
                            "export/safetensors-int/model.safetensors"}) {
     EXPECT_TRUE(std::filesystem::exists(run.file(file))) << file;
   }
-  auto rebuilt = load_run_model(run.path(), "", /*quantize_base=*/true);
+  auto rebuilt = load_trained_run(run.path(), "", /*quantize_base=*/true);
   EXPECT_EQ(qat::find_qat_layers(*rebuilt.loaded.model).size(), 4u * 7u);
   const auto recipe = load_recipe("", overrides);
   const auto tokenizer = data::Tokenizer::from_model_dir(recipe.model.path);
@@ -181,7 +181,7 @@ TEST(QatTraining, QatEndsBelowFineTuneThenPtq) {
   float_settings.push_back("quant=none");
   const auto plain = train(qat_settings(float_run, float_settings));
 
-  auto fine_tuned = load_run_model(float_run.path(), "", /*quantize_base=*/true);
+  auto fine_tuned = load_trained_run(float_run.path(), "", /*quantize_base=*/true);
   const auto qat_recipe = load_recipe("", qat_settings(qat_run, settings));
   apply_recipe_qat(*fine_tuned.loaded.model, qat_recipe);
   const auto tokenizer = data::Tokenizer::from_model_dir(qat_recipe.model.path);

@@ -4,7 +4,6 @@
 #include <map>
 
 #include "kernels/error.h"
-#include "qat/four_bit_codec.h"
 #include "trainer/formats/hf_config.h"
 #include "trainer/recipe/recipe_training.h"
 
@@ -53,29 +52,8 @@ std::vector<Projection> all_projections(const LlamaOptions& model) {
   return projections;
 }
 
-// FourBitLinear's buffers for `elements` weights (qat/four_bit_linear.h): the packed codes, an
-// absmax per block (uint8 codes when double-quantized, else fp32), the 4-bit code table, and with
-// double quantization the fp32 absmax of every 256 absmax codes and their 256-entry table.
-double four_bit_bytes(int64_t elements, const qat::FourBitOptions& options) {
-  const int64_t blocks = (elements + options.blocksize - 1) / options.blocksize;
-  double bytes = static_cast<double>((elements + 1) / 2) + sizeof(qat::FourBitFormat::code);
-  if (options.double_quant) {
-    const int64_t nested_blocks = (blocks + qat::kNestedBlocksize - 1) / qat::kNestedBlocksize;
-    bytes += static_cast<double>(blocks) + 4.0 * static_cast<double>(nested_blocks) +
-             static_cast<double>(qat::signed_dynamic_map().nbytes());
-  } else {
-    bytes += 4.0 * static_cast<double>(blocks);
-  }
-  return bytes;
-}
-
-// Int8Linear's buffers (qat/int8_linear.h): one int8 code per weight, an fp32 absmax (SCB) per row.
-double int8_bytes(const Projection& projection) {
-  return static_cast<double>(projection.in * projection.out) + 4.0 * static_cast<double>(projection.out);
-}
-
 bool is_quantized(const Projection& projection, const TrainingMemorySetup& setup) {
-  return setup.quant == "qlora" && !qat::module_name_matches(projection.name, setup.skip_modules);
+  return setup.base.kind != BaseQuantization::kNone && !qat::module_name_matches(projection.name, setup.base.skip_modules);
 }
 
 // The LoRA rank of the adapter on `projection`; 0: none.
@@ -133,7 +111,7 @@ double decoder_layer_activation_bytes(const LlamaOptions& model, const TrainingM
     if (rank == 0) continue;
     bytes += tokens * rank * s;  // A's output, for B's gradient
     const bool dropout = setup.adapter.options_for(projection.name).dropout > 0.0;
-    if (!setup.int8_base) {
+    if (base_quantization_row(setup.base.kind).fused_lora) {
       // One fused node (qat/lora_matmul.h): the input, A and B cast, and dropout's mask as bytes.
       if (setup.compute_dtype != torch::kFloat32) bytes += rank * (in + out) * s;
       if (dropout) bytes += tokens * in;
@@ -188,19 +166,8 @@ TrainingMemorySetup training_memory_setup(const Recipe& recipe, const LlamaOptio
     throw Error(ErrorCode::kRecipe, "quant: qat is not estimated yet (its fake quantizers' memory is not modelled); estimate with quant qlora or none");
   }
   TrainingMemorySetup setup;
-  setup.quant = recipe.quant;
   setup.compute_dtype = parse_dtype_name(recipe.train.dtype, "train.dtype");
-  if (recipe.quant == "qlora" && recipe.qlora.quant_type == "int8") {
-    setup.int8_base = true;
-    setup.skip_modules = recipe.qlora.skip_modules;
-  } else if (recipe.quant == "qlora") {
-    qat::parse_four_bit_type(recipe.qlora.quant_type, "qlora.quant_type");
-    setup.four_bit.quant_type = recipe.qlora.quant_type;
-    setup.four_bit.blocksize = recipe.qlora.blocksize;
-    setup.four_bit.double_quant = recipe.qlora.double_quant;
-    setup.four_bit.compute_dtype = setup.compute_dtype;
-    setup.skip_modules = recipe.qlora.skip_modules;
-  }
+  setup.base = base_quantization(recipe, setup.compute_dtype);
   setup.adapter = lora_adapter_config(recipe);
   setup.full_finetune = recipe.lora.init_from.empty() && recipe.lora.rank == 0;
   setup.device = recipe.train.device == "cpu" ? torch::kCPU : torch::kCUDA;  // auto: a GPU, where runs go
@@ -245,8 +212,7 @@ PeakMemoryEstimate estimate_peak_memory(const LlamaOptions& model, const Trainin
       estimate.trainable_parameters += weights + biases;
       continue;
     }
-    const double quantized_bytes =
-        setup.int8_base ? int8_bytes(projection) : four_bit_bytes(weights, setup.four_bit);
+    const double quantized_bytes = base_quantization_row(setup.base.kind).weight_bytes(projection.out, projection.in, setup.base);
     estimate.frozen_weight_bytes += is_quantized(projection, setup) ? quantized_bytes + biases * s
                                                                     : static_cast<double>(weights + biases) * s;
     const int64_t rank = adapter_rank(projection, setup);
@@ -288,7 +254,7 @@ PeakMemoryEstimate estimate_peak_memory(const LlamaOptions& model, const Trainin
     const double kept = checkpointed ? tokens * hidden * s : layer_bytes;  // a checkpointed layer keeps its input
     // A recomputed layer keeps its dequantized 4-bit weights for its backward (qat::KeepBuiltWeights).
     double built_weights = 0.0;
-    if (checkpointed && !setup.full_finetune && !setup.int8_base) {
+    if (checkpointed && !setup.full_finetune && base_quantization_row(setup.base.kind).keeps_built_weights) {
       for (const auto& projection : decoder_projections(model, layer)) {
         if (is_quantized(projection, setup)) built_weights += static_cast<double>(projection.in * projection.out) * s;
       }
@@ -325,9 +291,9 @@ std::vector<MemoryEstimate> training_memory_estimates(const LlamaOptions& model,
   qlora.adapter.lora.rank = lora_rank;
   qlora.adapter.targets.include.names = default_recipe().lora.target_modules;
   TrainingMemorySetup int8 = qlora;
-  int8.int8_base = true;
+  int8.base.kind = BaseQuantization::kInt8;
   TrainingMemorySetup lora = qlora;
-  lora.quant = "none";
+  lora.base.kind = BaseQuantization::kNone;
   TrainingMemorySetup full = lora;
   full.full_finetune = true;
   return {{"qlora", estimate_peak_memory(model, qlora)},

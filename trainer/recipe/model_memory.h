@@ -70,9 +70,9 @@
 #include <string>
 #include <vector>
 
-#include "qat/four_bit_linear.h"
 #include "trainer/model/llama.h"
 #include "trainer/formats/peft_adapter.h"
+#include "trainer/recipe/base_quantization.h"
 #include "trainer/recipe/recipe.h"
 
 namespace qtrain::trainer {
@@ -89,10 +89,8 @@ LlamaParameterCounts llama_parameter_counts(const LlamaOptions& options);
 // How a run trains, as far as its memory goes. training_memory_setup() fills it from a recipe
 // the way Finetune reads the recipe.
 struct TrainingMemorySetup {
-  std::string quant = "qlora";  // qlora: 4-bit frozen projections; none: every weight in the compute dtype
-  qat::FourBitOptions four_bit;  // qlora's quant_type, blocksize, double_quant
-  bool int8_base = false;        // qlora with quant_type int8: LLM.int8 rows instead of four_bit
-  std::vector<std::string> skip_modules = {"lm_head"};  // qlora: linear layers kept unquantized
+  // The frozen base (QLoRA's NF4 unless set): its kind, settings and skip_modules.
+  BaseQuantizationSettings base{BaseQuantization::kNf4};
   bool full_finetune = false;    // lora.rank 0: every weight trains, no adapters
   PeftAdapterConfig adapter;     // ranks, dropout and target modules of the adapters
   torch::ScalarType compute_dtype = torch::kBFloat16;

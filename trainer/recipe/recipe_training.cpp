@@ -1,10 +1,9 @@
 #include "trainer/recipe/recipe_training.h"
 
-#include "qat/four_bit_linear.h"
-#include "qat/int8_linear.h"
 #include "qat/quant_format.h"
 #include "trainer/model/causal_lm_loss.h"
 #include "trainer/formats/hf_config.h"
+#include "trainer/recipe/base_quantization.h"
 
 namespace qtrain::trainer {
 
@@ -24,20 +23,9 @@ LoadedModel load_base_model(const Recipe& recipe, torch::ScalarType dtype, const
   ModelLoadOptions options;
   options.dtype = dtype;
   auto loaded = load_llama(recipe.model.path, options);
-  if (quantize_base && recipe.quant == "qlora" && recipe.qlora.quant_type == "int8") {
-    qat::Int8Options int8;
-    int8.threshold = recipe.qlora.llm_int8_threshold;
-    int8.compute_dtype = dtype;
-    int8.device = device;
-    qat::quantize_linear_layers_int8(*loaded.model, int8, recipe.qlora.skip_modules);
-  } else if (quantize_base && recipe.quant == "qlora") {
-    qat::FourBitOptions four_bit;
-    four_bit.quant_type = recipe.qlora.quant_type;
-    four_bit.blocksize = recipe.qlora.blocksize;
-    four_bit.double_quant = recipe.qlora.double_quant;
-    four_bit.compute_dtype = dtype;
-    four_bit.device = device;
-    qat::quantize_linear_layers(*loaded.model, four_bit, recipe.qlora.skip_modules);
+  if (quantize_base) {
+    const auto base = base_quantization(recipe, dtype, device);
+    base_quantization_row(base.kind).quantize(*loaded.model, base);
   }
   return loaded;
 }
@@ -93,6 +81,25 @@ bool is_trained_parameter(const Recipe& recipe, const std::string& name) {
   if (trains_full_weights(recipe)) return true;
   return name.find(".lora_A.") != std::string::npos || name.find(".lora_B.") != std::string::npos ||
          is_fake_quant_state(name);
+}
+
+TrainedParameters mark_trained_parameters(torch::nn::Module& model, const Recipe& recipe) {
+  TrainedParameters trained;
+  for (auto& item : model.named_parameters()) {
+    const bool trains = is_trained_parameter(recipe, item.key());
+    item.value().set_requires_grad(trains);
+    if (!trains) continue;
+    trained.names.push_back(item.key());
+    trained.tensors.push_back(item.value());
+    trained.count += item.value().numel();
+  }
+  return trained;
+}
+
+std::unique_ptr<optim::Optimizer> recipe_optimizer(const Recipe& recipe, std::vector<torch::Tensor> parameters) {
+  const auto& optim = recipe.optim;
+  return optim::make_optimizer(optim.name, std::move(parameters), optim.lr, optim.weight_decay,
+                               {optim.betas.at(0), optim.betas.at(1)}, optim.eps);
 }
 
 std::vector<std::pair<std::string, torch::Tensor>> qat_state_buffers(const torch::nn::Module& model) {

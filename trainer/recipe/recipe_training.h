@@ -2,10 +2,12 @@
 // Recipe sections that Finetune and the memory estimate (trainer/recipe/model_memory.h) must read the
 // same way, in one place.
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "optim/optimizer.h"
 #include "qat/qat_linear.h"
 #include "trainer/formats/hf_checkpoint.h"
 #include "trainer/formats/peft_adapter.h"
@@ -37,6 +39,18 @@ std::vector<std::string> apply_recipe_qat(torch::nn::Module& model, const Recipe
 // Whether the parameter `name` trains in a run of `recipe`: every parameter when the run trains
 // the full weights, else the LoRA adapters'; and the learned QAT scales either way.
 bool is_trained_parameter(const Recipe& recipe, const std::string& name);
+
+// Sets requires_grad on every parameter of `model` by is_trained_parameter and returns the
+// trained ones, by name, in module order (what the optimizer steps and a checkpoint saves).
+struct TrainedParameters {
+  std::vector<std::string> names;
+  std::vector<torch::Tensor> tensors;
+  int64_t count = 0;  // elements
+};
+TrainedParameters mark_trained_parameters(torch::nn::Module& model, const Recipe& recipe);
+
+// The optim section's optimizer over `parameters` (the key table has checked optim.betas' length).
+std::unique_ptr<optim::Optimizer> recipe_optimizer(const Recipe& recipe, std::vector<torch::Tensor> parameters);
 
 // What a checkpoint must carry besides the trained parameters for a QAT run to continue (or be
 // exported) as it was: the quantizers' buffers (observer ranges, zero points, whether a learned

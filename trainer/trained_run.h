@@ -12,7 +12,7 @@
 
 namespace qtrain::trainer {
 
-struct RunModel {
+struct TrainedRun {
   Recipe recipe;               // the run's (or the checkpoint's) resolved recipe
   LoadedModel loaded;          // on the CPU, in train.dtype, LoRA layers in place
   PeftAdapterConfig adapter;   // what the LoRA layers are, for writing them as a PEFT adapter
@@ -23,6 +23,6 @@ struct RunModel {
 // RUN/checkpoints, or a path. quantize_base as in load_base_model: a merge needs the base the
 // adapter was trained on, a PEFT export only its shapes. Every LoRA tensor is checked against
 // the base (name and shape); Error naming the directory otherwise.
-RunModel load_run_model(const std::string& run_dir, const std::string& checkpoint, bool quantize_base);
+TrainedRun load_trained_run(const std::string& run_dir, const std::string& checkpoint, bool quantize_base);
 
 }  // namespace qtrain::trainer

@@ -1,4 +1,4 @@
-#include "trainer/run_model.h"
+#include "trainer/trained_run.h"
 
 #include "kernels/error.h"
 #include "trainer/recipe/recipe_training.h"
@@ -24,8 +24,8 @@ std::string final_weights_source(const std::string& run_dir, const Recipe& recip
 
 }  // namespace
 
-RunModel load_run_model(const std::string& run_dir, const std::string& checkpoint, bool quantize_base) {
-  RunModel run;
+TrainedRun load_trained_run(const std::string& run_dir, const std::string& checkpoint, bool quantize_base) {
+  TrainedRun run;
   if (checkpoint.empty()) {
     run.recipe = load_recipe(run_dir + "/recipe.yaml", {});
     run.adapter_source = final_weights_source(run_dir, run.recipe);

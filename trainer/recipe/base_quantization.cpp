@@ -1,0 +1,96 @@
+#include "trainer/recipe/base_quantization.h"
+
+#include "kernels/error.h"
+#include "qat/four_bit_codec.h"
+#include "qat/four_bit_format.h"
+
+namespace qtrain::trainer {
+
+namespace {
+
+void keep_dense(LlamaForCausalLMImpl&, const BaseQuantizationSettings&) {}
+
+void quantize_four_bit(LlamaForCausalLMImpl& model, const BaseQuantizationSettings& settings) {
+  auto options = settings.four_bit;
+  options.quant_type = base_quantization_row(settings.kind).name;
+  qat::quantize_linear_layers(model, options, settings.skip_modules);
+}
+
+void quantize_int8(LlamaForCausalLMImpl& model, const BaseQuantizationSettings& settings) {
+  qat::quantize_linear_layers_int8(model, settings.int8, settings.skip_modules);
+}
+
+double dense_bytes(int64_t out, int64_t in, const BaseQuantizationSettings& settings) {
+  return static_cast<double>(out * in) * static_cast<double>(c10::elementSize(settings.compute_dtype));
+}
+
+// FourBitLinear's buffers (qat/four_bit_linear.h): the packed codes, an absmax per block (uint8
+// codes when double-quantized, else fp32), the 4-bit code table, and with double quantization the
+// fp32 absmax of every 256 absmax codes and their 256-entry table.
+double four_bit_bytes(int64_t out, int64_t in, const BaseQuantizationSettings& settings) {
+  const auto& options = settings.four_bit;
+  const int64_t elements = out * in;
+  const int64_t blocks = (elements + options.blocksize - 1) / options.blocksize;
+  double bytes = static_cast<double>((elements + 1) / 2) + sizeof(qat::FourBitFormat::code);
+  if (options.double_quant) {
+    const int64_t nested_blocks = (blocks + qat::kNestedBlocksize - 1) / qat::kNestedBlocksize;
+    bytes += static_cast<double>(blocks) + 4.0 * static_cast<double>(nested_blocks) +
+             static_cast<double>(qat::signed_dynamic_map().nbytes());
+  } else {
+    bytes += 4.0 * static_cast<double>(blocks);
+  }
+  return bytes;
+}
+
+// Int8Linear's buffers (qat/int8_linear.h): one int8 code per weight, an fp32 absmax (SCB) per row.
+double int8_bytes(int64_t out, int64_t in, const BaseQuantizationSettings&) {
+  return static_cast<double>(in * out) + 4.0 * static_cast<double>(out);
+}
+
+}  // namespace
+
+const std::vector<BaseQuantizationRow>& base_quantizations() {
+  static const std::vector<BaseQuantizationRow> rows = {
+      {BaseQuantization::kNone, "none", "16-bit base", keep_dense, dense_bytes, true, false},
+      {BaseQuantization::kNf4, "nf4", "NF4 base (bitsandbytes Linear4bit)", quantize_four_bit, four_bit_bytes, true, true},
+      {BaseQuantization::kFp4, "fp4", "FP4 base (bitsandbytes Linear4bit)", quantize_four_bit, four_bit_bytes, true, true},
+      {BaseQuantization::kInt8, "int8", "LLM.int8 base (bitsandbytes Linear8bitLt)", quantize_int8, int8_bytes, false,
+       false},
+  };
+  return rows;
+}
+
+const BaseQuantizationRow& base_quantization_row(BaseQuantization kind) {
+  for (const auto& row : base_quantizations()) {
+    if (row.kind == kind) return row;
+  }
+  throw Error(ErrorCode::kInternal, "base quantization kind " + std::to_string(static_cast<int>(kind)) + " has no row");
+}
+
+const BaseQuantizationRow& base_quantization_named(const std::string& name, const std::string& what, ErrorCode code) {
+  std::string names;
+  for (const auto& row : base_quantizations()) {
+    if (row.name == name) return row;
+    names += (names.empty() ? "" : ", ") + std::string(row.name);
+  }
+  throw Error(code, what + ": '" + name + "' is not a base quantization (one of " + names + ")");
+}
+
+BaseQuantizationSettings base_quantization(const Recipe& recipe, torch::ScalarType compute_dtype,
+                                           const torch::Device& device) {
+  BaseQuantizationSettings settings;
+  settings.compute_dtype = compute_dtype;
+  settings.four_bit.compute_dtype = compute_dtype;
+  settings.int8.compute_dtype = compute_dtype;
+  if (recipe.quant != "qlora") return settings;
+  settings.kind = base_quantization_named(recipe.qlora.quant_type, "qlora.quant_type", ErrorCode::kRecipe).kind;
+  settings.skip_modules = recipe.qlora.skip_modules;
+  settings.four_bit.blocksize = recipe.qlora.blocksize;
+  settings.four_bit.double_quant = recipe.qlora.double_quant;
+  settings.four_bit.device = device;
+  settings.int8.threshold = recipe.qlora.llm_int8_threshold;
+  settings.int8.device = device;
+  return settings;
+}
+
+}  // namespace qtrain::trainer

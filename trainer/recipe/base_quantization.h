@@ -1,0 +1,57 @@
+#pragma once
+// The frozen base's storage, one row per kind: what QLoRA keeps its projections in. Everything
+// that depends on the kind — loading (quantizing the linear layers), the memory estimate, what
+// `qtrain inspect` and `qtrain bench` print — reads the row instead of comparing strings.
+// The recipe spells it `quant: qlora` + `qlora.quant_type: nf4 | fp4 | int8`; `quant: none` and
+// `quant: qat` keep a 16-bit base (QAT's fake quantization wraps the layers afterwards).
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+#include "kernels/error.h"
+#include "qat/four_bit_linear.h"
+#include "qat/int8_linear.h"
+#include "trainer/model/llama.h"
+#include "trainer/recipe/recipe.h"
+
+namespace qtrain::trainer {
+
+enum class BaseQuantization { kNone, kNf4, kFp4, kInt8 };
+
+// A base's settings, from the recipe's qlora section.
+struct BaseQuantizationSettings {
+  BaseQuantization kind = BaseQuantization::kNone;
+  torch::ScalarType compute_dtype = torch::kBFloat16;  // of the dense weights and the biases
+  qat::FourBitOptions four_bit;  // nf4 / fp4: blocksize, double_quant (its quant_type is ignored: kind says it)
+  qat::Int8Options int8;         // int8: llm_int8_threshold
+  std::vector<std::string> skip_modules = {"lm_head"};  // linear layers kept in the compute dtype
+};
+
+struct BaseQuantizationRow {
+  BaseQuantization kind;
+  const char* name;         // qlora.quant_type's spelling ("none": a 16-bit base)
+  const char* description;  // for bench and inspect lines
+  // Replaces every linear layer of `model` not in skip_modules by this kind's frozen layer,
+  // quantized from its weight in `compute_dtype` on `device`, one layer at a time.
+  void (*quantize)(LlamaForCausalLMImpl& model, const BaseQuantizationSettings& settings);
+  // Bytes of the frozen buffers of one [out, in] weight (the bias, in the compute dtype, apart).
+  double (*weight_bytes)(int64_t out, int64_t in, const BaseQuantizationSettings& settings);
+  // The LoRA path runs as one fused node over the base's matmul (qat/lora_matmul.h).
+  bool fused_lora;
+  // A checkpointed layer's recomputation keeps its dequantized weights for its backward
+  // (qat::KeepBuiltWeights).
+  bool keeps_built_weights;
+};
+
+const std::vector<BaseQuantizationRow>& base_quantizations();
+const BaseQuantizationRow& base_quantization_row(BaseQuantization kind);
+// By name ("nf4", ...); anything else is an Error (`code`) naming `what` and listing the names.
+const BaseQuantizationRow& base_quantization_named(const std::string& name, const std::string& what,
+                                                   ErrorCode code = ErrorCode::kUsage);
+
+// The recipe's base: quant qlora -> qlora.quant_type's row with qlora.*'s settings; otherwise none.
+BaseQuantizationSettings base_quantization(const Recipe& recipe, torch::ScalarType compute_dtype,
+                                           const torch::Device& device = torch::kCPU);
+
+}  // namespace qtrain::trainer

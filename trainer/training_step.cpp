@@ -1,0 +1,86 @@
+#include "trainer/training_step.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "optim/grad_clip.h"
+#include "trainer/model/batch_inputs.h"
+#include "trainer/model/causal_lm_loss.h"
+#include "trainer/recipe/recipe_training.h"
+
+namespace qtrain::trainer {
+
+TrainingStepOptions training_step_options(const Recipe& recipe, int64_t vocab_size, const torch::Device& device) {
+  TrainingStepOptions options;
+  options.device = device;
+  options.loss_chunk_tokens = loss_chunk_tokens(recipe, vocab_size);
+  options.max_grad_norm = recipe.train.max_grad_norm;
+  return options;
+}
+
+TrainingStep::TrainingStep(LlamaForCausalLMImpl& model, std::vector<torch::Tensor> trainable,
+                           optim::Optimizer& optimizer, LossScaler& scaler, TrainingStepOptions options)
+    : model_(model),
+      trainable_(std::move(trainable)),
+      optimizer_(optimizer),
+      scaler_(scaler),
+      options_(std::move(options)) {}
+
+void TrainingStep::set_ranks(ProcessGroup* group, GradientBuckets* buckets) {
+  group_ = group;
+  buckets_ = buckets;
+}
+
+StepResult TrainingStep::run(const std::vector<data::Batch>& micro_batches, int64_t step,
+                             const AfterBackward& after_backward) {
+  StepResult result;
+  double predicted_tokens = 0;
+  double input_tokens = 0;
+  for (const auto& batch : micro_batches) {
+    predicted_tokens += static_cast<double>(batch.predicted_tokens);
+    input_tokens += static_cast<double>(batch.input_tokens);
+  }
+  if (group_) {
+    const auto totals = group_->sum({predicted_tokens, input_tokens}, "the token count of the step");
+    predicted_tokens = totals[0];
+    input_tokens = totals[1];
+  }
+  result.tokens = static_cast<int64_t>(input_tokens);
+  // The loss is token-weighted over the whole accumulation window (of every rank), as if it
+  // were one batch; fp16 scales it so that small gradients survive.
+  const double loss_weight = scaler_.scale() / std::max(predicted_tokens, 1.0);
+  double loss_sum = 0;
+  for (size_t index = 0; index < micro_batches.size(); ++index) {
+    const auto& batch = micro_batches[index];
+    auto labels = batch.labels.to(options_.device);
+    auto hidden = model_.hidden_states(model_inputs(batch, options_.device));
+    auto loss = causal_lm_loss(model_, hidden, labels, options_.loss_chunk_tokens);
+    // Ranks exchange gradients only in the window's last backward, overlapped with it.
+    if (buckets_ && index + 1 == micro_batches.size()) buckets_->arm();
+    (loss.loss_sum * loss_weight).backward();
+    loss_sum += loss.loss_sum.item<double>();
+  }
+  if (buckets_) {
+    buckets_->finish();
+    loss_sum = group_->sum({loss_sum}, "the loss of the step")[0];
+  }
+  result.loss = loss_sum / std::max(predicted_tokens, 1.0);
+  if (after_backward) after_backward(step, trainable_);
+
+  const bool loss_finite = std::isfinite(result.loss);
+  const bool gradients_finite = scaler_.unscale_and_check(trainable_);
+  if (!loss_finite || !gradients_finite) {
+    optimizer_.zero_grad();
+    scaler_.update(/*skipped=*/true);
+    result.skipped = true;
+    result.skip_reason = !loss_finite ? "the loss is " + std::to_string(result.loss) : "a gradient is inf or NaN";
+    return result;
+  }
+  result.grad_norm = optim::clip_grad_norm(trainable_, options_.max_grad_norm);
+  optimizer_.step();
+  optimizer_.zero_grad();
+  scaler_.update(/*skipped=*/false);
+  return result;
+}
+
+}  // namespace qtrain::trainer

@@ -1,0 +1,74 @@
+#pragma once
+// One optimizer step over a window of micro-batches: the arithmetic a run takes (Finetune) and
+// the one `qtrain bench` times, so that the benchmark measures the code users run.
+//   forward, chunked loss, backward of the loss scaled by (loss scale / predicted tokens of the
+//   window), gradients summed over the ranks during the window's last backward, unscale and
+//   check, clip, optimizer step — or, on a non-finite loss or gradient, no update at all.
+// What a run adds around it (the learning-rate schedule, the data position, QAT's start step,
+// counting and logging skipped steps) stays in Finetune.
+#include <torch/torch.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "data/batching.h"
+#include "optim/optimizer.h"
+#include "trainer/dist/gradient_buckets.h"
+#include "trainer/dist/process_group.h"
+#include "trainer/loss_scaler.h"
+#include "trainer/model/llama.h"
+#include "trainer/recipe/recipe.h"
+
+namespace qtrain::trainer {
+
+// What one optimizer step did.
+struct StepResult {
+  double loss = 0;  // mean over the learned tokens of the accumulation window
+  double grad_norm = 0;
+  int64_t tokens = 0;
+  bool skipped = false;  // a non-finite loss or gradient: no update
+  std::string skip_reason;
+  int64_t epoch = 0;  // where in the data the step's batches began
+  int64_t batch_in_epoch = 0;
+};
+
+struct TrainingStepOptions {
+  torch::Device device{torch::kCPU};  // the model's
+  int64_t loss_chunk_tokens = 0;      // causal_lm_loss's chunk
+  double max_grad_norm = 1.0;     // <= 0: no clipping (the norm is still measured)
+};
+
+// train.loss_chunk_tokens (sized from the vocabulary when 0) and train.max_grad_norm.
+TrainingStepOptions training_step_options(const Recipe& recipe, int64_t vocab_size, const torch::Device& device);
+
+// Called after the window's backward, before the gradients are checked and applied: a seam
+// for tests (inject a NaN) and for tools that look at gradients.
+using AfterBackward = std::function<void(int64_t step, const std::vector<torch::Tensor>& trainable)>;
+
+class TrainingStep {
+ public:
+  // Holds references: the model, optimizer and scaler outlive the step.
+  TrainingStep(LlamaForCausalLMImpl& model, std::vector<torch::Tensor> trainable, optim::Optimizer& optimizer,
+               LossScaler& scaler, TrainingStepOptions options);
+
+  // More than one rank: `group` sums the token counts and the loss, `buckets` the gradients.
+  void set_ranks(ProcessGroup* group, GradientBuckets* buckets);
+
+  // Batches on the CPU (as the data loader hands them out); they move to the model's device here.
+  // A skipped step has cleared the gradients and backed the loss scale off.
+  StepResult run(const std::vector<data::Batch>& micro_batches, int64_t step, const AfterBackward& after_backward = {});
+
+  const std::vector<torch::Tensor>& trainable() const { return trainable_; }
+
+ private:
+  LlamaForCausalLMImpl& model_;
+  std::vector<torch::Tensor> trainable_;
+  optim::Optimizer& optimizer_;
+  LossScaler& scaler_;
+  TrainingStepOptions options_;
+  ProcessGroup* group_ = nullptr;
+  GradientBuckets* buckets_ = nullptr;
+};
+
+}  // namespace qtrain::trainer
