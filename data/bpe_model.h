@@ -11,19 +11,23 @@
 #include <optional>
 #include <shared_mutex>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
+#include "data/flat_hash_map.h"
 #include "data/json_node.h"
+#include "data/tokenizer_file.h"
 
 namespace qtrain::data {
 
 class BpeModel {
  public:
-  // The "model" value of tokenizer.json. Error naming the key for a model type other than
-  // BPE or an option we do not implement (dropout, subword prefixes).
-  explicit BpeModel(const JsonNode& config);
+  // The "model" value of tokenizer.json and its vocab and merges (read_tokenizer_file keeps
+  // them out of the JSON document). Error naming the key for a model type other than BPE or
+  // an option we do not implement (dropout, subword prefixes).
+  BpeModel(const JsonNode& config, BpeTables tables);
   BpeModel(const BpeModel&) = delete;
   BpeModel& operator=(const BpeModel&) = delete;
 
@@ -48,14 +52,14 @@ class BpeModel {
   static uint64_t pair_key(int32_t left, int32_t right) {
     return (static_cast<uint64_t>(static_cast<uint32_t>(left)) << 32) | static_cast<uint32_t>(right);
   }
-  void read_merges(const JsonNode& merges);
+  void read_merges(const JsonNode& merges, const std::vector<std::pair<std::string, std::string>>& pairs);
   std::vector<int32_t> merge_word(const std::string& piece) const;
 
-  std::unordered_map<std::string, int32_t> vocab_;
+  FlatHashMap<std::string, int32_t, std::hash<std::string_view>> vocab_;
   std::vector<std::string> tokens_;   // by id
   std::vector<bool> id_in_vocab_;     // false for holes in the id range
   std::array<int32_t, 512> single_character_id_;  // id of each one-character token below U+0200, else -1
-  std::unordered_map<uint64_t, Merge> merges_;     // (left id, right id) -> rank and merged id
+  FlatHashMap<uint64_t, Merge> merges_;           // (left id, right id) -> rank and merged id
   std::vector<std::pair<int32_t, int32_t>> merge_list_;  // (left id, right id) by rank, as in the file
   bool ignore_merges_ = false;
   std::optional<int32_t> unknown_id_;
