@@ -11,6 +11,13 @@
 
 namespace qtrain::data {
 
+namespace {
+
+// Sentencepiece's word marker, U+2581, which stands for a space in sentencepiece-style vocabularies.
+constexpr std::string_view kWordMarker = "\u2581";
+
+}  // namespace
+
 BpeModel::BpeModel(const JsonNode& config, BpeTables tables) {
   const JsonNode type = config.at("type");
   if (type.as_string() != "BPE") {
@@ -65,6 +72,7 @@ BpeModel::BpeModel(const JsonNode& config, BpeTables tables) {
     unknown_id_ = *id;
   }
   read_merges(config.at("merges"), tables.merges);
+  find_word_cuts_joined_in_tokens();
 }
 
 void BpeModel::read_merges(const JsonNode& merges, const std::vector<std::pair<std::string, std::string>>& pairs) {
@@ -107,7 +115,7 @@ const std::string* BpeModel::id_to_token(int64_t id) const {
   return &tokens_[id];
 }
 
-std::vector<int32_t> BpeModel::merge_word(const std::string& piece) const {
+std::vector<int32_t> BpeModel::merge_word(std::string_view piece) const {
   // The word as a doubly linked list of symbols; merged-away symbols get length 0.
   struct Symbol {
     int32_t id;
@@ -128,7 +136,7 @@ std::vector<int32_t> BpeModel::merge_word(const std::string& piece) const {
     const utf8::Character character = utf8::character_at(piece, position);
     int32_t id = character.code_point < single_character_id_.size() ? single_character_id_[character.code_point] : -1;
     if (id < 0 && character.code_point >= single_character_id_.size()) {
-      const int32_t* found = vocab_.find(std::string_view(piece).substr(position, character.length));
+      const int32_t* found = vocab_.find(piece.substr(position, character.length));
       if (found != nullptr) id = *found;
     }
     const std::string_view bytes(piece.data() + position, character.length);
@@ -204,20 +212,64 @@ void BpeModel::encode(const std::string& piece, std::vector<int64_t>& ids) const
       return;
     }
   }
-  const bool cacheable = piece.size() <= kCacheMaxWordBytes;
+  if (!cuts_words_) {
+    encode_word(piece, ids);
+    return;
+  }
+  // Without a pre-tokenizer (Gemma's and Llama 2's files) a piece is all the text between two
+  // added tokens. Cut into words it gives the same ids, as no merge can cross a cut (no token
+  // spans one), and each word is short and repeats: it is merged once and then cached.
+  const std::string_view text(piece);
+  size_t word_begin = 0;
+  for (size_t marker = text.find(kWordMarker, 1); marker != std::string_view::npos;
+       marker = text.find(kWordMarker, marker + kWordMarker.size())) {
+    if (!is_word_cut(text, marker)) continue;
+    encode_word(text.substr(word_begin, marker - word_begin), ids);
+    word_begin = marker;
+  }
+  encode_word(text.substr(word_begin), ids);
+}
+
+void BpeModel::encode_word(std::string_view word, std::vector<int64_t>& ids) const {
+  const bool cacheable = word.size() <= kCacheMaxWordBytes;
+  std::string key;
   if (cacheable) {
+    key.assign(word);
     std::shared_lock lock(cache_mutex_);
-    if (auto hit = cache_.find(piece); hit != cache_.end()) {
+    if (auto hit = cache_.find(key); hit != cache_.end()) {
       ids.insert(ids.end(), hit->second.begin(), hit->second.end());
       return;
     }
   }
-  std::vector<int32_t> word = merge_word(piece);
-  ids.insert(ids.end(), word.begin(), word.end());
+  std::vector<int32_t> word_ids = merge_word(word);
+  ids.insert(ids.end(), word_ids.begin(), word_ids.end());
   if (cacheable) {
     std::unique_lock lock(cache_mutex_);
-    if (cache_.size() < kCacheCapacity) cache_.emplace(piece, std::move(word));
+    if (cache_.size() < kCacheCapacity) cache_.emplace(std::move(key), std::move(word_ids));
   }
+}
+
+void BpeModel::find_word_cuts_joined_in_tokens() {
+  cuts_words_ = vocab_.find(kWordMarker) != nullptr;
+  for (const auto& [token, id] : vocab_.entries()) {
+    for (size_t marker = token.find(kWordMarker, 1); marker != std::string::npos;
+         marker = token.find(kWordMarker, marker + kWordMarker.size())) {
+      const size_t previous = utf8::start_of_character_before(token, marker);
+      const char32_t character = utf8::character_at(token, previous).code_point;
+      if (token.compare(previous, kWordMarker.size(), kWordMarker) != 0) characters_joined_to_word_marker_.insert(character);
+    }
+  }
+}
+
+bool BpeModel::is_word_cut(std::string_view piece, size_t position) const {
+  // The character before must be a token of its own: one that falls back to bytes or to
+  // unk_token could join the next symbol (byte tokens, fused unknowns).
+  const size_t previous = utf8::start_of_character_before(piece, position);
+  const utf8::Character character = utf8::character_at(piece, previous);
+  if (previous + character.length != position || piece.compare(previous, kWordMarker.size(), kWordMarker) == 0) return false;
+  if (characters_joined_to_word_marker_.count(character.code_point) > 0) return false;
+  if (character.code_point < single_character_id_.size()) return single_character_id_[character.code_point] >= 0;
+  return vocab_.find(piece.substr(previous, character.length)) != nullptr;
 }
 
 }  // namespace qtrain::data

@@ -13,6 +13,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -53,7 +54,12 @@ class BpeModel {
     return (static_cast<uint64_t>(static_cast<uint32_t>(left)) << 32) | static_cast<uint32_t>(right);
   }
   void read_merges(const JsonNode& merges, const std::vector<std::pair<std::string, std::string>>& pairs);
-  std::vector<int32_t> merge_word(const std::string& piece) const;
+  std::vector<int32_t> merge_word(std::string_view word) const;
+  // Appends the ids of a word that merges on its own, through the cache.
+  void encode_word(std::string_view word, std::vector<int64_t>& ids) const;
+  void find_word_cuts_joined_in_tokens();
+  // Whether a piece may be cut before the word marker at `position` (see encode).
+  bool is_word_cut(std::string_view piece, size_t position) const;
 
   FlatHashMap<std::string, int32_t, std::hash<std::string_view>> vocab_;
   std::vector<std::string> tokens_;   // by id
@@ -66,6 +72,10 @@ class BpeModel {
   bool fuse_unknown_ = false;
   bool byte_fallback_ = false;
   std::array<int32_t, 256> byte_token_id_;  // id of "<0xXX>" for each byte, -1 when not in the vocab
+  // Sentencepiece's word marker "▁" is a token, so pieces are cut into words before it...
+  bool cuts_words_ = false;
+  // ...except after these characters, which precede "▁" inside some token (Gemma: ">", of ">▁</").
+  std::unordered_set<char32_t> characters_joined_to_word_marker_;
 
   // Pre-tokens repeat a lot in natural text; their ids are kept (up to kCacheCapacity words).
   static constexpr size_t kCacheCapacity = 100000;
