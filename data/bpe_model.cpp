@@ -75,12 +75,17 @@ BpeModel::BpeModel(const JsonNode& config, BpeTables tables) {
   find_word_cuts_joined_in_tokens();
 }
 
-void BpeModel::read_merges(const JsonNode& merges, const std::vector<std::pair<std::string, std::string>>& pairs) {
+void BpeModel::read_merges(const JsonNode& merges, const std::deque<std::pair<std::string, std::string>>& pairs) {
   if (!merges.value().is_array()) merges.fail("must be a JSON array of merges, got " + std::string(merges.value().type_name()));
   const size_t count = pairs.size();
   merges_.reserve(count);
   merge_list_.reserve(count);
+  constexpr size_t kPrefetchDistance = 8;  // merges ahead
   for (size_t rank = 0; rank < count; ++rank) {
+    if (rank + kPrefetchDistance < count) {
+      vocab_.prefetch(std::string_view(pairs[rank + kPrefetchDistance].first));
+      vocab_.prefetch(std::string_view(pairs[rank + kPrefetchDistance].second));
+    }
     const auto& [left, right] = pairs[rank];
     const auto left_id = token_to_id(left);
     const auto right_id = token_to_id(right);

@@ -53,7 +53,7 @@ class BpeModel {
   static uint64_t pair_key(int32_t left, int32_t right) {
     return (static_cast<uint64_t>(static_cast<uint32_t>(left)) << 32) | static_cast<uint32_t>(right);
   }
-  void read_merges(const JsonNode& merges, const std::vector<std::pair<std::string, std::string>>& pairs);
+  void read_merges(const JsonNode& merges, const std::deque<std::pair<std::string, std::string>>& pairs);
   std::vector<int32_t> merge_word(std::string_view word) const;
   // Appends the ids of a word that merges on its own, through the cache.
   void encode_word(std::string_view word, std::vector<int64_t>& ids) const;

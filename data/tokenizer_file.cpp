@@ -1,5 +1,6 @@
 #include "data/tokenizer_file.h"
 
+#include "data/json_events.h"
 #include "data/text_file.h"
 #include "kernels/error.h"
 
@@ -179,7 +180,7 @@ TokenizerFile read_tokenizer_file(const std::string& path) {
   const std::string text = read_text_file(path, "a tokenizer.json file");
   TokenizerFile file;
   TokenizerFileParser parser(path, file);
-  if (!Json::sax_parse(text, &parser)) {
+  if (!read_json_events(text, parser)) {
     if (!parser.error().empty()) throw Error(ErrorCode::kTokenizer, parser.error());
     throw Error(ErrorCode::kTokenizer, path + ": not valid JSON (is the file complete?)");
   }

@@ -5,17 +5,18 @@
 // So the parse is streamed: model.vocab and model.merges go straight into flat lists, every
 // other key into a small JSON document that the pipeline's parts read through JsonNode.
 #include <cstdint>
+#include <deque>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
-#include <vector>
 
 namespace qtrain::data {
 
-// model.vocab and model.merges, as the file lists them.
+// model.vocab and model.merges, as the file lists them. Deques: they grow to 500k entries
+// without moving them all at each doubling.
 struct BpeTables {
-  std::vector<std::pair<std::string, int64_t>> vocab;      // (token, id) in file order
-  std::vector<std::pair<std::string, std::string>> merges;  // (left, right) by rank
+  std::deque<std::pair<std::string, int64_t>> vocab;      // (token, id) in file order
+  std::deque<std::pair<std::string, std::string>> merges;  // (left, right) by rank
 };
 
 struct TokenizerFile {

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <deque>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -61,7 +62,7 @@ TEST(TokenizerFile, MergeLinesAndEscapesAreRead) {
               "merges": ["a \"b\\"], "dropout": null},
     "extra": [1, -2, 0.5, true, null, {"nested": ["x"]}]})");
   const TokenizerFile file = read_tokenizer_file(path);
-  const std::vector<std::pair<std::string, int64_t>> vocab = {{"a", 0}, {"\"b\\", 1}, {"a\"b\\", 2}, {"\xF0\x9F\x98\x80", 3}};
+  const std::deque<std::pair<std::string, int64_t>> vocab = {{"a", 0}, {"\"b\\", 1}, {"a\"b\\", 2}, {"\xF0\x9F\x98\x80", 3}};
   EXPECT_EQ(file.tables.vocab, vocab);
   ASSERT_EQ(file.tables.merges.size(), 1u);
   EXPECT_EQ(file.tables.merges[0], std::make_pair(std::string("a"), std::string("\"b\\")));
