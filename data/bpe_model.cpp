@@ -78,13 +78,19 @@ BpeModel::BpeModel(const JsonNode& config, BpeTables tables) {
 void BpeModel::read_merges(const JsonNode& merges, const std::deque<std::pair<std::string, std::string>>& pairs) {
   if (!merges.value().is_array()) merges.fail("must be a JSON array of merges, got " + std::string(merges.value().type_name()));
   const size_t count = pairs.size();
-  merges_.reserve(count);
+  // Each lookup below waits on memory (the vocabulary and the merge table are megabytes), so
+  // the slots wanted a few merges ahead are requested while the current one is looked up.
+  constexpr size_t kPrefetchDistance = 8;
+  std::string merged_ahead;
+  std::vector<int32_t> merged_ids(count);
   merge_list_.reserve(count);
-  constexpr size_t kPrefetchDistance = 8;  // merges ahead
   for (size_t rank = 0; rank < count; ++rank) {
     if (rank + kPrefetchDistance < count) {
-      vocab_.prefetch(std::string_view(pairs[rank + kPrefetchDistance].first));
-      vocab_.prefetch(std::string_view(pairs[rank + kPrefetchDistance].second));
+      const auto& [left_ahead, right_ahead] = pairs[rank + kPrefetchDistance];
+      merged_ahead.assign(left_ahead).append(right_ahead);
+      vocab_.prefetch(std::string_view(left_ahead));
+      vocab_.prefetch(std::string_view(right_ahead));
+      vocab_.prefetch(std::string_view(merged_ahead));
     }
     const auto& [left, right] = pairs[rank];
     const auto left_id = token_to_id(left);
@@ -96,9 +102,17 @@ void BpeModel::read_merges(const JsonNode& merges, const std::deque<std::pair<st
       entry.fail("merges '" + left + "' and '" + right + "', but '" + missing + "' is not in model.vocab");
     }
     merge_list_.emplace_back(static_cast<int32_t>(*left_id), static_cast<int32_t>(*right_id));
+    merged_ids[rank] = static_cast<int32_t>(*merged_id);
+  }
+  merges_.reserve(count);
+  for (size_t rank = 0; rank < count; ++rank) {
+    if (rank + kPrefetchDistance < count) {
+      const auto& [left_ahead, right_ahead] = merge_list_[rank + kPrefetchDistance];
+      merges_.prefetch(pair_key(left_ahead, right_ahead));
+    }
     // A repeated pair keeps its last rank, as tokenizers' HashMap collect does.
-    merges_.insert_or_assign(pair_key(static_cast<int32_t>(*left_id), static_cast<int32_t>(*right_id)),
-                             Merge{static_cast<int32_t>(rank), static_cast<int32_t>(*merged_id)});
+    merges_.insert_or_assign(pair_key(merge_list_[rank].first, merge_list_[rank].second),
+                             Merge{static_cast<int32_t>(rank), merged_ids[rank]});
   }
 }
 

@@ -1,6 +1,7 @@
 #include "data/json_events.h"
 
 #include <cerrno>
+#include <cstdint>
 #include <cstdlib>
 #include <limits>
 #include <string>
@@ -130,12 +131,18 @@ class JsonEventReader {
     out.clear();
     ++position_;  // '"'
     while (true) {
-      // The plain run up to the next quote, backslash, control or non-ASCII byte, copied at once.
+      // The plain run up to the next quote, backslash or control byte, copied at once.
       const size_t run_begin = position_;
       while (position_ < text_.size()) {
         const auto byte = static_cast<unsigned char>(text_[position_]);
-        if (byte == '"' || byte == '\\' || byte < 0x20 || byte >= 0x80) break;
-        ++position_;
+        if (byte == '"' || byte == '\\' || byte < 0x20) break;
+        if (byte < 0x80) {
+          ++position_;
+          continue;
+        }
+        const utf8::Character character = utf8::character_at(text_, position_);
+        if (character.code_point == utf8::kInvalid) return false;
+        position_ += character.length;
       }
       out.append(text_.data() + run_begin, position_ - run_begin);
       if (position_ >= text_.size()) return false;
@@ -145,13 +152,6 @@ class JsonEventReader {
         return true;
       }
       if (byte < 0x20) return false;
-      if (byte >= 0x80) {
-        const utf8::Character character = utf8::character_at(text_, position_);
-        if (character.code_point == utf8::kInvalid) return false;
-        out.append(text_.data() + position_, character.length);
-        position_ += character.length;
-        continue;
-      }
       if (!read_escape(out)) return false;
     }
   }
@@ -206,6 +206,12 @@ class JsonEventReader {
       ++position_;
       if (!consume('+')) consume('-');
       if (digits() == 0) return false;
+    }
+    // Vocabulary ids: up to 18 digits cannot overflow 64 bits, so no strtoull is needed.
+    if (is_integer && !negative && integer_digits <= 18) {
+      uint64_t value = 0;
+      for (size_t i = position_ - integer_digits; i < position_; ++i) value = value * 10 + static_cast<uint64_t>(text_[i] - '0');
+      return handler_.number_unsigned(value);
     }
     const std::string number(text_.substr(begin, position_ - begin));
     if (is_integer) {
