@@ -149,6 +149,19 @@ class MetaspaceStep : public DecoderStep {
   TextPattern replacement_;
 };
 
+// Models whose merges end words with a suffix ("</w>": CLIP, the original GPT): the suffix is
+// a space between words, and nothing at the very end.
+class BpeSuffixStep : public DecoderStep {
+ public:
+  explicit BpeSuffixStep(const JsonNode& config) : suffix_(TextPattern::literal(config.string_or("suffix", "</w>"))) {}
+  void apply(std::vector<std::string>& tokens) const override {
+    for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = replace_all(tokens[i], suffix_, i + 1 == tokens.size() ? "" : " ");
+  }
+
+ private:
+  TextPattern suffix_;
+};
+
 void add_steps(const JsonNode& config, std::vector<std::shared_ptr<const DecoderStep>>& steps) {
   const JsonNode type_node = config.at("type");
   const std::string type = type_node.as_string();
@@ -167,9 +180,15 @@ void add_steps(const JsonNode& config, std::vector<std::shared_ptr<const Decoder
     steps.push_back(std::make_shared<StripStep>(config));
   } else if (type == "Metaspace") {
     steps.push_back(std::make_shared<MetaspaceStep>(config));
+  } else if (type == "BPEDecoder") {
+    steps.push_back(std::make_shared<BpeSuffixStep>(config));
+  } else if (type == "WordPiece" || type == "CTC") {
+    type_node.fail("'" + type + "' is not supported (it comes with " +
+                   (type == "WordPiece" ? "BERT's WordPiece models" : "CTC speech models (wav2vec2)") +
+                   ", and qtrain reads BPE models only)");
   } else {
     type_node.fail("'" + type + "' is not supported (supported decoders: ByteLevel, Replace, ByteFallback, Fuse, "
-                   "Strip, Metaspace, a Sequence of these, or null)");
+                   "Strip, Metaspace, BPEDecoder, a Sequence of these, or null)");
   }
 }
 

@@ -2,7 +2,8 @@
 // HF tokenizers' decoders: they turn the token strings of a list of ids back into text.
 // Supported: ByteLevel (byte-level BPE: Llama 3, GPT-2, Qwen), the sentencepiece-style steps
 // Replace, ByteFallback ("<0xE6>" tokens back to bytes), Fuse, Strip and Metaspace (Llama 2,
-// Mistral), and Sequence of these; without a decoder the tokens are joined with spaces. As in
+// Mistral), BPEDecoder (an end-of-word suffix such as "</w>"), and Sequence of these; WordPiece
+// and CTC are refused (not BPE's); without a decoder the tokens are joined with spaces. As in
 // tokenizers, each step maps the list of token strings to a new list, and the last list is
 // concatenated.
 #include <memory>

@@ -1,7 +1,9 @@
 #include "data/normalizer.h"
 
+#include "data/byte_level.h"
 #include "data/text_pattern.h"
 #include "data/unicode_normalization.h"
+#include "data/utf8.h"
 
 namespace qtrain::data {
 
@@ -10,6 +12,56 @@ namespace {
 class NfcStep : public NormalizerStep {
  public:
   void apply(std::string& text) const override { text = normalize_nfc(text); }
+};
+
+class NfdStep : public NormalizerStep {
+ public:
+  void apply(std::string& text) const override { text = normalize_nfd(text); }
+};
+
+// Drops every mark (Mn, Mc, Me) as tokenizers' StripAccents does; files put NFD before it so
+// that "é" is "e" + U+0301 by then.
+class StripAccentsStep : public NormalizerStep {
+ public:
+  explicit StripAccentsStep(const JsonNode& config)
+      : marks_(TextPattern::regex(R"(\p{M}+)", config.file() + ": " + config.path() + " (StripAccents)")) {}
+  void apply(std::string& text) const override { text = replace_all(text, marks_, ""); }
+
+ private:
+  TextPattern marks_;
+};
+
+// Whitespace (Rust's char::is_whitespace) off the start and/or the end.
+class StripStep : public NormalizerStep {
+ public:
+  explicit StripStep(const JsonNode& config)
+      : strip_left_(config.bool_or("strip_left", true)), strip_right_(config.bool_or("strip_right", true)) {}
+  void apply(std::string& text) const override {
+    size_t end = text.size();
+    while (strip_right_ && end > 0) {
+      const size_t start = utf8::start_of_character_before(text, end);
+      if (!utf8::is_whitespace(utf8::character_at(text, start).code_point)) break;
+      end = start;
+    }
+    size_t begin = 0;
+    while (strip_left_ && begin < end) {
+      const utf8::Character character = utf8::character_at(text, begin);
+      if (!utf8::is_whitespace(character.code_point)) break;
+      begin += character.length;
+    }
+    text = text.substr(begin, end - begin);
+  }
+
+ private:
+  bool strip_left_;
+  bool strip_right_;
+};
+
+// Every byte as its character of GPT-2's byte-level alphabet, as the ByteLevel pre-tokenizer
+// maps it.
+class ByteLevelStep : public NormalizerStep {
+ public:
+  void apply(std::string& text) const override { text = byte_level::encode(text); }
 };
 
 // As tokenizers' Prepend: an empty stretch stays empty (no lone "▁" between two added tokens).
@@ -36,6 +88,8 @@ class ReplaceStep : public NormalizerStep {
 };
 
 void add_steps(const JsonNode& config, std::vector<std::shared_ptr<const NormalizerStep>>& steps) {
+  static const std::string kSupported =
+      "supported normalizers: NFC, NFD, StripAccents, Strip, Prepend, Replace, ByteLevel, a Sequence of these, or null";
   const JsonNode type_node = config.at("type");
   const std::string type = type_node.as_string();
   if (type == "Sequence") {
@@ -47,9 +101,23 @@ void add_steps(const JsonNode& config, std::vector<std::shared_ptr<const Normali
     steps.push_back(std::make_shared<PrependStep>(config));
   } else if (type == "Replace") {
     steps.push_back(std::make_shared<ReplaceStep>(config));
+  } else if (type == "NFD") {
+    steps.push_back(std::make_shared<NfdStep>());
+  } else if (type == "StripAccents") {
+    steps.push_back(std::make_shared<StripAccentsStep>(config));
+  } else if (type == "Strip") {
+    steps.push_back(std::make_shared<StripStep>(config));
+  } else if (type == "ByteLevel") {
+    steps.push_back(std::make_shared<ByteLevelStep>());
+  } else if (type == "BertNormalizer" || type == "Nmt" || type == "Precompiled") {
+    type_node.fail("'" + type + "' is not supported (it comes with " +
+                   (type == "BertNormalizer" ? "BERT's WordPiece models" : "sentencepiece Unigram models (T5, ALBERT)") +
+                   ", and qtrain reads BPE models only)");
+  } else if (type == "Lowercase" || type == "NFKC" || type == "NFKD") {
+    type_node.fail("'" + type + "' is not supported yet (it needs Unicode " + (type == "Lowercase" ? "case" : "compatibility") +
+                   " tables that qtrain does not carry; " + kSupported + ")");
   } else {
-    type_node.fail("'" + type + "' is not supported (supported normalizers: NFC, Prepend, Replace, a Sequence of "
-                   "these, or null)");
+    type_node.fail("'" + type + "' is not supported (" + kSupported + ")");
   }
 }
 

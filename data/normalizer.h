@@ -1,8 +1,10 @@
 #pragma once
 // HF tokenizers' normalizers: they rewrite each stretch of text between added tokens before
-// the pre-tokenizer sees it. Supported: NFC (Qwen), Prepend and Replace (sentencepiece-style
-// files: Llama 2 writes Prepend("▁") then Replace(" " -> "▁")), and Sequence of these, applied
-// in order. Kept apart from tokenizer.cpp because added tokens with normalized = true are
+// the pre-tokenizer sees it. Supported: NFC (Qwen), NFD, StripAccents, Strip, ByteLevel,
+// Prepend and Replace (sentencepiece-style files: Llama 2 writes Prepend("▁") then
+// Replace(" " -> "▁"), Gemma Replace alone), and Sequence of these, applied in order. Not yet:
+// Lowercase, NFKC, NFKD (they need Unicode case and compatibility tables); refused as not BPE's:
+// BertNormalizer (WordPiece), Nmt and Precompiled (sentencepiece Unigram). Kept apart from tokenizer.cpp because added tokens with normalized = true are
 // matched in their normalized form, so the added vocabulary needs the normalizer too.
 #include <memory>
 #include <optional>

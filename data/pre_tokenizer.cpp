@@ -15,6 +15,17 @@ namespace {
 constexpr const char* kGpt2Pattern =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 
+// The character classes of tokenizers' fixed splits, for PCRE2 with UCP. Whitespace is Rust's
+// char::is_whitespace (Unicode White_Space), which also is Oniguruma's \s.
+constexpr const char* kWhitespaceCharacters = R"(\t-\r \x{85}\x{A0}\x{1680}\x{2000}-\x{200A}\x{2028}\x{2029}\x{202F}\x{205F}\x{3000})";
+// Oniguruma's Unicode \w, as tokenizers' Whitespace pattern uses it: alphabetic characters
+// (letters, letter numbers such as U+2167, circled letters), marks, decimal digits, connector
+// punctuation ("_"), and the joiners U+200C, U+200D; not other numbers such as "²" or "½".
+constexpr const char* kWordCharacters = R"(\p{Alphabetic}\p{M}\p{Nd}\p{Pc}\x{200C}\x{200D})";
+// tokenizers' is_punc: Unicode punctuation (P*) or ASCII punctuation, which takes in the ASCII
+// symbols $ + < = > ^ ` | ~.
+constexpr const char* kPunctuationCharacters = R"(\p{P}!-\/:-@\[-`{-~)";
+
 // What Split does with the matches of its pattern (tokenizers' SplitDelimiterBehavior).
 enum class Behavior { kRemoved, kIsolated, kMergedWithPrevious, kMergedWithNext, kContiguous };
 
@@ -126,10 +137,12 @@ bool append_spans(std::string_view piece, const std::vector<TextSpan>& spans, st
 
 class SplitStep : public PreTokenizerStep {
  public:
-  explicit SplitStep(const JsonNode& config)
-      : behavior_(parse_behavior(config.at("behavior"))),
-        pattern_(config.at("pattern")),
-        invert_(config.bool_or("invert", false)) {}
+  SplitStep(TextPattern pattern, Behavior behavior, bool invert = false)
+      : behavior_(behavior), pattern_(std::move(pattern)), invert_(invert) {}
+  static std::shared_ptr<SplitStep> from_json(const JsonNode& config) {
+    return std::make_shared<SplitStep>(TextPattern(config.at("pattern")), parse_behavior(config.at("behavior")),
+                                       config.bool_or("invert", false));
+  }
 
   void apply(PreTokenizedText& text) const override {
     split_each(text, [&](const std::string& piece, bool, std::vector<std::string>& out) {
@@ -226,6 +239,37 @@ class MetaspaceStep : public PreTokenizerStep {
   TextPattern replacement_;
 };
 
+// tokenizers' pre-tokenizers that are a Split by a fixed pattern, each matching character on
+// its own (a char-predicate pattern in tokenizers: "..." is three matches).
+void add_fixed_split_steps(const JsonNode& config, const std::string& type,
+                           std::vector<std::shared_ptr<const PreTokenizerStep>>& steps) {
+  const std::string where = config.file() + ": " + config.path() + " (" + type + ")";
+  auto one_of = [&](const std::string& characters) { return TextPattern::regex("[" + characters + "]", where); };
+  if (type == "Punctuation") {  // Falcon's
+    const std::optional<JsonNode> behavior = config.find("behavior");
+    steps.push_back(std::make_shared<SplitStep>(one_of(kPunctuationCharacters),
+                                                behavior ? parse_behavior(*behavior) : Behavior::kIsolated));
+  } else if (type == "Whitespace") {
+    // Keeps the matches of \w+|[^\w\s]+: runs of word characters, runs of other non-spaces.
+    const std::string words = kWordCharacters;
+    steps.push_back(std::make_shared<SplitStep>(
+        TextPattern::regex("[" + words + "]+|[^" + words + kWhitespaceCharacters + "]+", where), Behavior::kRemoved,
+        /*invert=*/true));
+  } else if (type == "WhitespaceSplit") {
+    steps.push_back(std::make_shared<SplitStep>(one_of(kWhitespaceCharacters), Behavior::kRemoved));
+  } else if (type == "BertPreTokenizer") {
+    steps.push_back(std::make_shared<SplitStep>(one_of(kWhitespaceCharacters), Behavior::kRemoved));
+    steps.push_back(std::make_shared<SplitStep>(one_of(kPunctuationCharacters), Behavior::kIsolated));
+  } else {  // CharDelimiterSplit
+    const JsonNode delimiter = config.at("delimiter");
+    const std::string character = delimiter.as_string();
+    if (character.empty() || utf8::character_at(character, 0).length != character.size()) {
+      delimiter.fail("must be one character, got '" + character + "'");
+    }
+    steps.push_back(std::make_shared<SplitStep>(TextPattern::literal(character), Behavior::kRemoved));
+  }
+}
+
 void add_steps(const JsonNode& config, std::vector<std::shared_ptr<const PreTokenizerStep>>& steps) {
   const JsonNode type_node = config.at("type");
   const std::string type = type_node.as_string();
@@ -233,16 +277,25 @@ void add_steps(const JsonNode& config, std::vector<std::shared_ptr<const PreToke
     const JsonNode members = config.at("pretokenizers");
     for (size_t i = 0; i < members.size(); ++i) add_steps(members.at(i), steps);
   } else if (type == "Split") {
-    steps.push_back(std::make_shared<SplitStep>(config));
+    steps.push_back(SplitStep::from_json(config));
+  } else if (type == "Punctuation" || type == "Whitespace" || type == "WhitespaceSplit" || type == "BertPreTokenizer" ||
+             type == "CharDelimiterSplit") {
+    add_fixed_split_steps(config, type, steps);
   } else if (type == "ByteLevel") {
     steps.push_back(std::make_shared<ByteLevelStep>(config));
   } else if (type == "Digits") {
     steps.push_back(std::make_shared<DigitsStep>(config));
   } else if (type == "Metaspace") {
     steps.push_back(std::make_shared<MetaspaceStep>(config));
+  } else if (type == "UnicodeScripts") {
+    type_node.fail("'UnicodeScripts' is not supported (it cuts where the Unicode script changes; no released "
+                   "model's tokenizer.json uses it)");
+  } else if (type == "FixedLength") {
+    type_node.fail("'FixedLength' is not supported (it cuts text into pieces of a fixed number of characters, "
+                   "for DNA and protein models, not language models)");
   } else {
-    type_node.fail("'" + type +
-                   "' is not supported (supported pre-tokenizers: Sequence, Split, ByteLevel, Digits, Metaspace)");
+    type_node.fail("'" + type + "' is not supported (supported pre-tokenizers: Sequence, Split, ByteLevel, Digits, "
+                   "Metaspace, Punctuation, Whitespace, WhitespaceSplit, BertPreTokenizer, CharDelimiterSplit)");
   }
 }
 

@@ -4,8 +4,10 @@
 // behavior, invert), ByteLevel (add_prefix_space, use_regex = GPT-2's pattern), Digits,
 // Metaspace (spaces become "▁", a "▁" prepended, optionally split before each "▁": the
 // sentencepiece style of Mistral and transformers' legacy=false Llama files), and Sequence of
-// these. Steps run in order on every piece, as in tokenizers: a step after ByteLevel sees the
-// byte-level characters.
+// these, and tokenizers' fixed splits: Punctuation (Falcon), Whitespace, WhitespaceSplit,
+// BertPreTokenizer, CharDelimiterSplit. UnicodeScripts and FixedLength, which no language
+// model's file uses, are refused by name. Steps run in order on every piece, as in
+// tokenizers: a step after ByteLevel sees the byte-level characters.
 #include <memory>
 #include <optional>
 #include <string>

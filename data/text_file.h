@@ -1,5 +1,5 @@
 #pragma once
-// A whole file into memory, for the small text files data/ reads (JSON, templates, .txt data).
+// A whole file into memory, for the text files data/ reads (JSON, templates, .txt data).
 #include <string>
 
 namespace qtrain::data {

@@ -12,6 +12,12 @@ TextPattern::TextPattern(const JsonNode& pattern) {
   }
 }
 
+TextPattern TextPattern::regex(const std::string& pattern, const std::string& where) {
+  TextPattern compiled;
+  compiled.regex_ = std::make_shared<UnicodeRegex>(pattern, where);
+  return compiled;
+}
+
 TextPattern TextPattern::literal(std::string text) {
   TextPattern pattern;
   pattern.literal_ = std::move(text);

@@ -19,6 +19,9 @@ class TextPattern {
   // does not compile.
   explicit TextPattern(const JsonNode& pattern);
   static TextPattern literal(std::string text);
+  // A pattern of our own (the fixed ones of tokenizers' Whitespace, Punctuation...); `where`
+  // names it in the error should it not compile.
+  static TextPattern regex(const std::string& pattern, const std::string& where);
 
   // The non-overlapping, non-empty matches, left to right. An empty literal matches nothing.
   std::vector<TextSpan> find_all(std::string_view text) const;

@@ -10,6 +10,7 @@
 #include "data/normalizer.h"
 #include "data/pre_tokenizer.h"
 #include "data/tokenizer_config.h"
+#include "data/tokenizer_file.h"
 #include "kernels/error.h"
 
 namespace qtrain::data {
@@ -103,13 +104,13 @@ struct Tokenizer::Impl {
       }
       throw Error(ErrorCode::kTokenizer, path + ": not found (qtrain needs the Hugging Face fast-tokenizer file tokenizer.json)");
     }
-    const nlohmann::json document = JsonNode::parse_file(path);
-    const JsonNode root(document, path);
-    if (!document.is_object()) root.fail("must be a JSON object");
+    TokenizerFile file = read_tokenizer_file(path);
+    const JsonNode root(file.document, path);
+    if (!file.document.is_object()) root.fail("must be a JSON object");
     auto impl = std::make_shared<Impl>();
     try {
       impl->normalizer = Normalizer::from_json(root.find("normalizer"));
-      impl->model = std::make_unique<BpeModel>(root.at("model"));
+      impl->model = std::make_unique<BpeModel>(root.at("model"), std::move(file.tables));
       impl->added_vocabulary = AddedVocabulary::from_json(root.find("added_tokens"), *impl->model, impl->normalizer);
       impl->pre_tokenizer = PreTokenizer::from_json(root.find("pre_tokenizer"));
       if (auto post_processor = root.find("post_processor")) {

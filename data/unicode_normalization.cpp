@@ -85,24 +85,29 @@ char32_t compose(char32_t first, char32_t second) {
   return it->composite;
 }
 
-// Text whose code points are all below U+0300 is already in NFC (nothing there combines).
-bool is_trivially_nfc(std::string_view text) {
+// Text whose code points are all below U+0300 is already in NFC (nothing there combines), and
+// below U+00C0 in NFD too (nothing there decomposes canonically).
+constexpr char32_t kFirstCombining = 0x300, kFirstCanonicallyDecomposable = 0xC0;
+bool all_code_points_below(std::string_view text, char32_t limit) {
   for (size_t position = 0; position < text.size();) {
     const utf8::Character c = utf8::character_at(text, position);
-    if (c.code_point >= 0x300) return false;  // also catches invalid bytes (kInvalid)
+    if (c.code_point >= limit) return false;  // also catches invalid bytes (kInvalid)
     position += c.length;
   }
   return true;
 }
 
-}  // namespace
-
-std::string normalize_nfc(std::string_view text) {
-  if (is_trivially_nfc(text)) return std::string(text);
-
-  // 1. Full canonical decomposition.
+// Canonical decomposition and ordering: NFD, as code points with their combining classes.
+struct Decomposed {
   std::vector<char32_t> code_points;
+  std::vector<uint8_t> classes;
+};
+
+Decomposed decompose_canonically(std::string_view text) {
+  Decomposed decomposed;
+  std::vector<char32_t>& code_points = decomposed.code_points;
   code_points.reserve(text.size());
+  // 1. Full canonical decomposition.
   for (size_t position = 0; position < text.size();) {
     const utf8::Character c = utf8::character_at(text, position);
     if (c.code_point == utf8::kInvalid) {
@@ -113,7 +118,8 @@ std::string normalize_nfc(std::string_view text) {
     position += c.length;
   }
   // 2. Canonical ordering: every run of non-starters sorted stably by combining class.
-  std::vector<uint8_t> classes(code_points.size());
+  std::vector<uint8_t>& classes = decomposed.classes;
+  classes.resize(code_points.size());
   for (size_t i = 0; i < code_points.size(); ++i) {
     classes[i] = code_points[i] >= kRawByteBase ? 0 : combining_class(code_points[i]);
   }
@@ -130,6 +136,34 @@ std::string normalize_nfc(std::string_view text) {
     for (size_t i = begin; i < end; ++i) std::tie(classes[i], code_points[i]) = run[i - begin];
     begin = end;
   }
+  return decomposed;
+}
+
+std::string encode(const std::vector<char32_t>& code_points, size_t size_hint) {
+  std::string out;
+  out.reserve(size_hint);
+  for (const char32_t code_point : code_points) {
+    if (code_point >= kRawByteBase) {
+      out += static_cast<char>(code_point - kRawByteBase);
+    } else {
+      utf8::append(out, code_point);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string normalize_nfd(std::string_view text) {
+  if (all_code_points_below(text, kFirstCanonicallyDecomposable)) return std::string(text);
+  return encode(decompose_canonically(text).code_points, text.size());
+}
+
+std::string normalize_nfc(std::string_view text) {
+  if (all_code_points_below(text, kFirstCombining)) return std::string(text);
+  const Decomposed decomposed = decompose_canonically(text);
+  const std::vector<char32_t>& code_points = decomposed.code_points;
+  const std::vector<uint8_t>& classes = decomposed.classes;
   // 3. Canonical composition: a character joins the last starter unless a character of
   // the same or higher class (or a starter) stands between them.
   std::vector<char32_t> composed;
@@ -150,17 +184,7 @@ std::string normalize_nfc(std::string_view text) {
     last_class = current_class;
     composed.push_back(code_point);
   }
-
-  std::string out;
-  out.reserve(text.size());
-  for (const char32_t code_point : composed) {
-    if (code_point >= kRawByteBase) {
-      out += static_cast<char>(code_point - kRawByteBase);
-    } else {
-      utf8::append(out, code_point);
-    }
-  }
-  return out;
+  return encode(composed, text.size());
 }
 
 }  // namespace qtrain::data

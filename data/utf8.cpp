@@ -57,6 +57,17 @@ Character character_at(std::string_view text, size_t position) {
   return {result.code_point, result.length};
 }
 
+size_t start_of_character_before(std::string_view text, size_t position) {
+  for (size_t length = 1; length <= 4 && length <= position; ++length) {
+    const size_t start = position - length;
+    const auto byte = static_cast<unsigned char>(text[start]);
+    if ((byte & 0xC0) == 0x80) continue;  // a continuation byte: the start lies further back
+    const Scan result = scan(text, start);
+    return result.valid && result.length == length ? start : position - 1;
+  }
+  return position - 1;
+}
+
 void append(std::string& out, char32_t code_point) {
   if (code_point < 0x80) {
     out += static_cast<char>(code_point);

@@ -19,6 +19,10 @@ struct Character {
 };
 Character character_at(std::string_view text, size_t position);
 
+// Where the character that ends at `position` (> 0) starts: the start of a valid sequence
+// ending there, else position - 1 (an invalid byte is a character of its own).
+size_t start_of_character_before(std::string_view text, size_t position);
+
 // Appends the UTF-8 encoding of a code point (< 0x110000) to out.
 void append(std::string& out, char32_t code_point);
 
