@@ -1,4 +1,4 @@
-// qtrain bench: training throughput and peak memory of a Llama-, Qwen- or Mistral-shaped model with random
+// qtrain bench: training throughput and peak memory of a Llama-, Qwen-, Mistral- or Gemma-shaped model with random
 // weights, built directly on the device (no checkpoint on disk): QLoRA (NF4 double-quant base),
 // LoRA on an LLM.int8 base (--quant int8) or LoRA (16-bit base), LoRA on all 7 projections, AdamW
 // (or --optim adamw8bit), random tokens. The step is a run's (trainer/training_step.h), with
@@ -127,7 +127,7 @@ int run_bench(const Arguments& arguments) {
   po::options_description options("bench options");
   options.add_options()
       ("shape", po::value(&shape)->default_value("llama3-8b"),
-       "llama3-8b, llama3-1b, qwen3-8b, qwen2.5-7b, mistral-7b or tiny (random weights)")
+       "llama3-8b, llama3-1b, qwen3-8b, qwen2.5-7b, mistral-7b, gemma2-9b, gemma3-12b or tiny (random weights)")
       ("quant", po::value(&quant)->default_value("qlora"),
        "the frozen base: qlora (= nf4, double-quant), nf4, fp4, int8 (LLM.int8, threshold 6) or none (16-bit)")
       ("optim", po::value(&optimizer_name)->default_value("adamw"), "adamw or adamw8bit")

@@ -73,7 +73,10 @@ TEST_P(FamilyTraining, QloraStepsWriteAnAdapterPeftLoadsWithOurLogits) {
   EXPECT_LE(merged_error, 1e-5);
 }
 
-TEST_P(FamilyTraining, QatStepsExportAGgufLlamaCppRunsWithOurLogits) {
+// The families llama.cpp has a row for in trainer/formats/gguf_export.cpp.
+class FamilyGgufTraining : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(FamilyGgufTraining, QatStepsExportAGgufLlamaCppRunsWithOurLogits) {
   const auto python = testing::find_python_with("llama_cpp safetensors torch");
   if (python.empty()) GTEST_SKIP() << "no Python with llama_cpp (tools/run-tests.sh installs it)";
   const std::string name = GetParam();
@@ -123,7 +126,8 @@ TEST_P(FamilyTraining, QloraStepsOnCudaInBf16RunWithFiniteLosses) {
   EXPECT_EQ(trained.output.find("skipped"), std::string::npos) << trained.output;
 }
 
-INSTANTIATE_TEST_SUITE_P(MistralQwen2Qwen3, FamilyTraining, ::testing::Values("mistral", "qwen2", "qwen3"));
+INSTANTIATE_TEST_SUITE_P(Families, FamilyTraining, ::testing::Values("mistral", "qwen2", "qwen3", "gemma2", "gemma3"));
+INSTANTIATE_TEST_SUITE_P(MistralQwen2Qwen3, FamilyGgufTraining, ::testing::Values("mistral", "qwen2", "qwen3"));
 
 // The loss of the first step (before any update), as the progress line prints it.
 double first_step_loss(const std::string& output) {

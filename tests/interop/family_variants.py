@@ -1,4 +1,4 @@
-"""Small random Mistral / Qwen2 / Qwen3 checkpoints with the switches the fixtures leave out
+"""Small random Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 checkpoints with the switches the fixtures leave out
 (windows shorter than the input, sliding and full layers mixed, tied and untied embeddings,
 head_dim != hidden / heads, biases, bf16 and 4.x-style config keys) and transformers' fp32 CPU
 logits for them: the reference for tests/trainer/model_families_test.cpp.
@@ -16,8 +16,8 @@ import sys
 import torch
 from safetensors.torch import save_file
 from llama_variants import randomize_norms_and_biases
-from transformers import (MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM)
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig,
+                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
@@ -41,6 +41,25 @@ VARIANTS = {
                                                             "sliding_attention"],
                                                tie_word_embeddings=False),
                                           torch.float32, False),
+    # Gemma 2: caps low enough to bend the scores and logits (2 and 3), query_pre_attn_scalar 20 !=
+    # head_dim 24, an 8-key window on the sliding layers (0 and 2), GeGLU, sandwich norms, tied.
+    "gemma2_window8_softcap2_scalar20": (Gemma2Config, Gemma2ForCausalLM,
+                                         dict(sliding_window=8, head_dim=24, query_pre_attn_scalar=20,
+                                              attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                                              hidden_activation="gelu_pytorch_tanh"),
+                                         torch.float32, False),
+    # Gemma 3 with transformers 4.x's keys: rope_theta / rope_local_base_freq / rope_scaling (linear x4
+    # on full layers), sliding_window_pattern 2 instead of layer_types, a 6-key window, bf16.
+    "gemma3_pattern2_linear_rope_bf16_v4": (Gemma3TextConfig, Gemma3ForCausalLM,
+                                            dict(sliding_window=6, head_dim=16, query_pre_attn_scalar=16,
+                                                 layer_types=["sliding_attention", "full_attention",
+                                                              "sliding_attention"],
+                                                 rope_parameters={
+                                                     "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                        "rope_theta": 1000000.0},
+                                                     "sliding_attention": {"rope_type": "default",
+                                                                           "rope_theta": 10000.0}}),
+                                            torch.bfloat16, True),
 }
 
 
@@ -48,9 +67,17 @@ def to_transformers_4_keys(path):
     with open(path) as f:
         config = json.load(f)
     parameters = config.pop("rope_parameters")
-    config["rope_theta"] = parameters.pop("rope_theta")
+    if "full_attention" in parameters:  # Gemma 3
+        full, sliding = parameters["full_attention"], parameters["sliding_attention"]
+        config["rope_theta"] = full.pop("rope_theta")
+        config["rope_local_base_freq"] = sliding["rope_theta"]
+        if full.get("rope_type", "default") != "default":
+            config["rope_scaling"] = full
+        config["sliding_window_pattern"] = 2
+    else:
+        config["rope_theta"] = parameters.pop("rope_theta")
     config["torch_dtype"] = config.pop("dtype")
-    config.pop("layer_types", None)  # 4.x derived it from use_sliding_window / max_window_layers
+    config.pop("layer_types", None)  # 4.x derived it (use_sliding_window / max_window_layers, sliding_window_pattern)
     with open(path, "w") as f:
         json.dump(config, f, indent=2)
 
@@ -69,9 +96,14 @@ def main(out_dir):
         with torch.no_grad():
             logits = reloaded(input_ids).logits.float().contiguous()
         config = copy.deepcopy(reloaded.config)
-        config.sliding_window = None
-        if hasattr(config, "layer_types"):
-            config.layer_types = ["full_attention"] * config.num_hidden_layers
+        if config.model_type.startswith("gemma"):
+            # Gemma builds a sliding mask whatever the types, and Gemma 3 picks a layer's rope by its
+            # type: keep the types, widen the window past the input.
+            config.sliding_window = 4096
+        else:
+            config.sliding_window = None
+            if hasattr(config, "layer_types"):
+                config.layer_types = ["full_attention"] * config.num_hidden_layers
         full = model_class(config).to(torch.float32)
         full.load_state_dict(reloaded.state_dict())
         with torch.no_grad():

@@ -13,10 +13,12 @@ import sys
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
+from peft_logits import attention_for
 
 
 def logits(model_dir: str, inputs_path: str, input_key: str, out_path: str) -> int:
-    model, info = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, output_loading_info=True)
+    model, info = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, output_loading_info=True,
+                                                       **attention_for(model_dir))
     problems = {key: value for key, value in info.items() if value}
     if problems:
         print(f"transformers loaded {model_dir} with problems: {problems}", file=sys.stderr)

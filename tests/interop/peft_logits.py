@@ -7,7 +7,10 @@ int64 [batch, seq] tensor INPUT_KEY of INPUTS.safetensors through it and writes 
 (fp32 [batch, seq, vocab]) to OUT.safetensors. Exits 1 when peft's model and the adapter file
 disagree on which LoRA tensors exist or what they hold (a key peft skipped or could not place).
 Used by tests/trainer/peft_adapter_test.cpp to check that qtrain's adapters load in peft.
+A model whose config soft-caps its attention scores (Gemma 2) runs transformers' eager attention,
+the only one that caps them (SDPA leaves them uncapped).
 """
+import json
 import sys
 
 import torch
@@ -16,9 +19,16 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 
+def attention_for(model_dir):
+    """Eager attention where the config soft-caps the scores (SDPA would not cap them)."""
+    with open(f"{model_dir}/config.json") as f:
+        capped = json.load(f).get("attn_logit_softcapping") is not None
+    return {"attn_implementation": "eager"} if capped else {}
+
+
 def main() -> int:
     base_dir, adapter_dir, inputs_path, input_key, out_path = sys.argv[1:6]
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, **attention_for(base_dir))
     model = PeftModel.from_pretrained(model, adapter_dir)
     model.eval()
 

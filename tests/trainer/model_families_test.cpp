@@ -43,6 +43,15 @@ class FamilyFixture : public ::testing::TestWithParam<std::string> {};
 // held-out variants below, whose references are computed here, hold qtrain to 1e-5.
 constexpr double kOtherMachineTolerance = 3e-5;
 
+// The Gemma fixtures are further from transformers 5.17 as it runs here: its own fp32 logits for
+// them land 7.3e-4 (Gemma 2; 1.4e-3 with the adapter) and 2.3e-3 (Gemma 3) from the stored ones, and ours within 1e-5 of
+// transformers here (GemmaFixturesEqualTransformersAndPeftRunHere). The fixture bound is that spread.
+double fixture_tolerance(const std::string& family) {
+  if (family == "gemma2") return 2e-3;  // 1.4e-3 with the adapter
+  if (family == "gemma3") return 3e-3;
+  return kOtherMachineTolerance;
+}
+
 TEST_P(FamilyFixture, LogitsEqualTransformersInFp32WithAndWithoutTheAdapter) {
   const std::string name = GetParam();
   auto loaded = load_llama(fixture("families/" + name));
@@ -50,12 +59,12 @@ TEST_P(FamilyFixture, LogitsEqualTransformersInFp32WithAndWithoutTheAdapter) {
   const auto input_ids = reference.tensor("input_ids");
   const double base_error = relative_error(logits_of(*loaded.model, input_ids), reference.tensor("logits"));
   std::printf("[ measured ] %s fp32 logits vs transformers: %.3g relative\n", name.c_str(), base_error);
-  EXPECT_LE(base_error, kOtherMachineTolerance);
+  EXPECT_LE(base_error, fixture_tolerance(name));
 
   apply_peft_adapter(*loaded.model, fixture("families/" + name + "-lora"));
   const double adapter_error = relative_error(logits_of(*loaded.model, input_ids), reference.tensor("lora.logits"));
   std::printf("[ measured ] %s + peft adapter: %.3g relative\n", name.c_str(), adapter_error);
-  EXPECT_LE(adapter_error, kOtherMachineTolerance);
+  EXPECT_LE(adapter_error, fixture_tolerance(name));
 }
 
 TEST_P(FamilyFixture, GreedyTokensEqualTransformersGenerate) {
@@ -83,7 +92,7 @@ TEST_P(FamilyFixture, CudaLogitsEqualTransformersInFp32) {
   const auto logits = logits_of(*loaded.model, reference.tensor("input_ids").to(options.device)).cpu();
   const double error = relative_error(logits, reference.tensor("logits"));
   std::printf("[ measured ] %s fp32 logits on CUDA vs transformers: %.3g relative\n", name.c_str(), error);
-  EXPECT_LE(error, kOtherMachineTolerance);
+  EXPECT_LE(error, fixture_tolerance(name));
 }
 
 // What inspect and the memory estimate count is what transformers saved, q/k norms and biases
@@ -97,10 +106,35 @@ TEST_P(FamilyFixture, ParameterCountOfTheConfigIsTheCheckpoints) {
   EXPECT_EQ(llama_parameter_counts(loaded.config.llama).total, stored);
 }
 
-INSTANTIATE_TEST_SUITE_P(MistralQwen2Qwen3, FamilyFixture, ::testing::Values("mistral", "qwen2", "qwen3"));
+INSTANTIATE_TEST_SUITE_P(Families, FamilyFixture, ::testing::Values("mistral", "qwen2", "qwen3", "gemma2", "gemma3"));
+
+// The Gemma fixtures through transformers and peft on this machine (tests/interop/peft_logits.py:
+// the base in fp32, eager attention where scores are soft-capped, with the fixture's adapter): ours
+// equal theirs to fp32's rounding.
+TEST(ModelFamilies, GemmaFixturesEqualTransformersAndPeftRunHere) {
+  if (!testing::python_has("torch transformers peft safetensors")) {
+    GTEST_SKIP() << testing::python() << " lacks torch/transformers/peft/safetensors (run tools/setup.sh)";
+  }
+  testing::TempDir directory;
+  for (const std::string name : {"gemma2", "gemma3"}) {
+    SCOPED_TRACE(name);
+    const std::string reference = fixture("families/" + name + "-reference.safetensors");
+    const auto run = testing::run_interop_script(
+        "peft_logits.py", fixture("families/" + name) + " " + fixture("families/" + name + "-lora") + " " + reference +
+                              " input_ids " + directory.file(name + ".safetensors"));
+    ASSERT_EQ(run.status, 0) << run.output;
+    auto loaded = load_llama(fixture("families/" + name));
+    apply_peft_adapter(*loaded.model, fixture("families/" + name + "-lora"));
+    const auto ours = logits_of(*loaded.model, SafetensorsFile::open(reference).tensor("input_ids"));
+    const double error = relative_error(ours, SafetensorsFile::open(directory.file(name + ".safetensors")).tensor("logits"));
+    std::printf("[ measured ] %s + adapter vs peft here: %.3g relative\n", name.c_str(), error);
+    EXPECT_LE(error, 1e-5);
+  }
+}
 
 const char* const kVariants[] = {"mistral_window8_head_dim24", "qwen2_layers_from_1_slide_tied_bf16_v4",
-                                 "qwen3_head_dim32_bias_layer_types"};
+                                 "qwen3_head_dim32_bias_layer_types", "gemma2_window8_softcap2_scalar20",
+                                 "gemma3_pattern2_linear_rope_bf16_v4"};
 
 // One test for all the variants: building them costs one Python start.
 TEST(ModelFamilies, HeldOutVariantsEqualTransformersInFp32AndTheirWindowsMatter) {
@@ -163,6 +197,7 @@ TEST(ModelFamilies, BenchShapesHaveThePublishedModelsParameterCounts) {
   EXPECT_EQ(llama_parameter_counts(llama_shape("qwen2.5-7b")).total, 7615616512);   // Qwen/Qwen2.5-7B
   EXPECT_EQ(llama_parameter_counts(llama_shape("mistral-7b")).total, 7248023552);   // mistralai/Mistral-7B-v0.3
   EXPECT_EQ(llama_parameter_counts(llama_shape("llama3-8b")).total, 8030261248);    // meta-llama/Meta-Llama-3-8B
+  EXPECT_EQ(llama_parameter_counts(llama_shape("gemma2-9b")).total, 9241705984);    // google/gemma-2-9b
 }
 
 std::string config_error(const std::string& json) {

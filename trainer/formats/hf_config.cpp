@@ -88,6 +88,7 @@ class ConfigReader {
   }
 
   const json& object() const { return object_; }
+  const std::string& path() const { return path_; }
 
   [[noreturn]] void fail(const std::string& what) const { throw Error(ErrorCode::kModelConfig, path_ + ": " + what); }
 
@@ -110,22 +111,14 @@ class ConfigReader {
   std::string path_;
 };
 
-// transformers 5.x writes `rope_parameters` {rope_theta, rope_type, ...}; 4.x writes
-// `rope_theta` beside an optional `rope_scaling` {type | rope_type, factor, ...}.
-RopeOptions read_rope(const ConfigReader& config, const std::string& path, std::string& type_name) {
+// One rope settings object: `parameters` (named `parameters_key` in messages) with its theta
+// falling back to `theta`.
+RopeOptions read_rope_settings(const ConfigReader& config, const json& parameters, const std::string& parameters_key,
+                               double theta, std::string& type_name) {
   RopeOptions rope;
-  json parameters = json::object();
-  std::string parameters_key;
-  for (const char* key : {"rope_parameters", "rope_scaling"}) {
-    if (config.has(key)) {
-      parameters = config.object().at(key);
-      parameters_key = key;
-      break;
-    }
-  }
   if (!parameters.is_object()) config.fail("key '" + parameters_key + "' must be an object, got " + parameters.dump());
-  ConfigReader scaling(parameters, path + " (" + parameters_key + ")");
-  rope.theta = scaling.number_or("rope_theta", config.number_or("rope_theta", 10000.0));
+  ConfigReader scaling(parameters, config.path() + " (" + parameters_key + ")");
+  rope.theta = scaling.number_or("rope_theta", theta);
   type_name = scaling.string_or("rope_type", scaling.string_or("type", "default"));
   if (type_name == "default") {
     rope.type = RopeType::kDefault;
@@ -157,18 +150,49 @@ RopeOptions read_rope(const ConfigReader& config, const std::string& path, std::
   return rope;
 }
 
+// The rope of every layer, and of the sliding layers where they have their own.
+// transformers 5.x writes `rope_parameters` {rope_theta, rope_type, ...}, per layer type
+// ({full_attention: {...}, sliding_attention: {...}}) for Gemma 3; 4.x writes `rope_theta` beside
+// an optional `rope_scaling` {type | rope_type, factor, ...}, and Gemma 3's sliding layers' theta
+// as `rope_local_base_freq`.
+void read_rope(const ConfigReader& config, const ModelFamily& family, LlamaOptions& llama, std::string& type_name) {
+  json parameters = json::object();
+  std::string parameters_key = "rope_parameters";
+  for (const char* key : {"rope_parameters", "rope_scaling"}) {
+    if (config.has(key)) {
+      parameters = config.object().at(key);
+      parameters_key = key;
+      break;
+    }
+  }
+  if (!family.rope_per_layer_type) {
+    llama.rope = read_rope_settings(config, parameters, parameters_key, config.number_or("rope_theta", 10000.0), type_name);
+    return;
+  }
+  // transformers' defaults for Gemma 3: theta 1M on full layers (and rope_scaling there), 10k on sliding ones.
+  const bool per_type = parameters.is_object() && parameters.contains("full_attention");
+  std::string sliding_type;
+  llama.rope = read_rope_settings(config, per_type ? parameters.at("full_attention") : parameters,
+                                  per_type ? parameters_key + ".full_attention" : parameters_key,
+                                  config.number_or("rope_theta", 1000000.0), type_name);
+  llama.sliding_rope = read_rope_settings(
+      config, per_type && parameters.contains("sliding_attention") ? parameters.at("sliding_attention") : json::object(),
+      parameters_key + ".sliding_attention", config.number_or("rope_local_base_freq", 10000.0), sliding_type);
+}
+
 // The layers that slide and over how many keys, as the family spells them (see
 // SlidingWindowKeys). A layer type qtrain does not know is an error, never full attention.
-void read_sliding_window(const ConfigReader& reader, SlidingWindowKeys keys, LlamaOptions& llama) {
+void read_sliding_window(const ConfigReader& reader, const ModelFamily& family, LlamaOptions& llama) {
   const auto layers = static_cast<size_t>(llama.num_hidden_layers);
-  switch (keys) {
+  switch (family.sliding_window) {
     case SlidingWindowKeys::kNone: return;
     case SlidingWindowKeys::kEveryLayer:
       if (!reader.has("sliding_window")) return;
       llama.sliding_window = reader.positive_int("sliding_window");
       llama.sliding_layers.assign(layers, true);
       return;
-    case SlidingWindowKeys::kLayerTypes: break;
+    case SlidingWindowKeys::kLayerTypes:
+    case SlidingWindowKeys::kLayerTypesOrPattern: break;
   }
   std::vector<bool> sliding(layers, false);
   if (reader.has("layer_types")) {
@@ -186,6 +210,11 @@ void read_sliding_window(const ConfigReader& reader, SlidingWindowKeys keys, Lla
                     "; qtrain implements \"full_attention\" and \"sliding_attention\"");
       }
     }
+  } else if (family.sliding_window == SlidingWindowKeys::kLayerTypesOrPattern) {
+    // As transformers fills layer_types in: every pattern-th layer (1-based) attends fully.
+    const int64_t pattern = reader.positive_int_or(
+        "sliding_window_pattern", reader.positive_int_or("_sliding_window_pattern", family.sliding_pattern));
+    for (size_t layer = 0; layer < layers; ++layer) sliding[layer] = (static_cast<int64_t>(layer) + 1) % pattern != 0;
   } else if (reader.bool_or("use_sliding_window", false)) {
     const int64_t first = reader.positive_int_or("max_window_layers", 0);
     for (size_t layer = 0; layer < layers; ++layer) sliding[layer] = static_cast<int64_t>(layer) >= first;
@@ -196,6 +225,29 @@ void read_sliding_window(const ConfigReader& reader, SlidingWindowKeys keys, Lla
   }
   llama.sliding_window = reader.positive_int("sliding_window");
   llama.sliding_layers = std::move(sliding);
+}
+
+// Gemma's block switches. The soft-caps have family defaults in transformers (Gemma 2: 50 and 30,
+// Gemma 3: none), so a config must say them: absent is an error, null is none.
+void read_gemma_block(const ConfigReader& reader, LlamaOptions& llama) {
+  llama.norm_style = NormStyle::kGemma;
+  llama.sandwich_norms = true;
+  llama.scale_embeddings = true;
+  llama.query_pre_attn_scalar = reader.number_or("query_pre_attn_scalar", 256.0);
+  if (llama.query_pre_attn_scalar <= 0) reader.fail("key 'query_pre_attn_scalar' must be positive");
+  const auto softcap = [&](const std::string& key) {
+    if (!reader.object().contains(key)) {
+      reader.fail("is missing the key '" + key + "' (Gemma 2 caps at 50 / 30 and Gemma 3 not at all: write the number, or null for none)");
+    }
+    const double cap = reader.number_or(key, 0.0);
+    if (cap < 0) reader.fail("key '" + key + "' must be positive or null, got " + std::to_string(cap));
+    return cap;
+  };
+  llama.attention_softcap = softcap("attn_logit_softcapping");
+  llama.final_logit_softcap = softcap("final_logit_softcapping");
+  if (reader.bool_or("use_bidirectional_attention", false)) {
+    reader.fail("use_bidirectional_attention is true (an encoder-style Gemma); qtrain trains causal decoders only");
+  }
 }
 
 }  // namespace
@@ -237,12 +289,17 @@ HfModelConfig parse_hf_config(const std::string& text, const std::string& path) 
   }
   config.architecture = family->architecture;
   config.family = family;
-  const std::string activation = reader.string_or("hidden_act", "silu");
-  if (activation != "silu") {
-    reader.fail("hidden_act '" + activation + "' is not supported (" + family->architecture + " uses silu)");
-  }
-
   auto& llama = config.llama;
+  // Gemma names the MLP's activation hidden_activation (its hidden_act, where present, is ignored).
+  const std::string activation_key = family->gemma_block && reader.has("hidden_activation") ? "hidden_activation" : "hidden_act";
+  const std::string activation = reader.string_or(activation_key, "silu");
+  if (activation == "silu") {
+    llama.activation = Activation::kSilu;
+  } else if (activation == "gelu_pytorch_tanh") {
+    llama.activation = Activation::kGeluTanh;
+  } else {
+    reader.fail(activation_key + " '" + activation + "' is not supported (supported: silu, gelu_pytorch_tanh)");
+  }
   llama.vocab_size = reader.positive_int("vocab_size");
   llama.hidden_size = reader.positive_int("hidden_size");
   llama.intermediate_size = reader.positive_int("intermediate_size");
@@ -269,9 +326,10 @@ HfModelConfig parse_hf_config(const std::string& text, const std::string& path) 
   }
   llama.mlp_bias = reader.bool_or("mlp_bias", false);
   llama.tie_word_embeddings = reader.bool_or("tie_word_embeddings", false);
-  llama.rope = read_rope(reader, config.path, config.rope_type_name);
+  read_rope(reader, *family, llama, config.rope_type_name);
   llama.query_key_norm = family->query_key_norm;
-  read_sliding_window(reader, family->sliding_window, llama);
+  read_sliding_window(reader, *family, llama);
+  if (family->gemma_block) read_gemma_block(reader, llama);
 
   const std::string dtype_key = reader.has("dtype") ? "dtype" : "torch_dtype";
   config.stored_dtype = parse_dtype_name(reader.string_or(dtype_key, "float32"), config.path + ": key '" + dtype_key + "'",

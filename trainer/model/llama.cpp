@@ -8,6 +8,7 @@
 #include "trainer/model/activation_checkpoint.h"
 #include "trainer/model/llama_layers.h"
 #include "trainer/model/sliding_window_attention.h"
+#include "trainer/model/softcapped_attention.h"
 
 namespace qtrain::trainer {
 
@@ -19,11 +20,16 @@ LinearFactory dense_linear_factory() {
   };
 }
 
-RMSNormImpl::RMSNormImpl(int64_t hidden_size, double eps, torch::ScalarType dtype) : eps_(eps) {
-  weight = register_parameter("weight", torch::ones({hidden_size}, torch::TensorOptions().dtype(dtype)));
+RMSNormImpl::RMSNormImpl(int64_t hidden_size, double eps, torch::ScalarType dtype, NormStyle style)
+    : eps_(eps), style_(style) {
+  const auto options = torch::TensorOptions().dtype(dtype);
+  weight = register_parameter("weight", style == NormStyle::kGemma ? torch::zeros({hidden_size}, options)
+                                                                   : torch::ones({hidden_size}, options));
 }
 
-torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) { return rms_norm(x, weight, eps_); }
+torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
+  return style_ == NormStyle::kGemma ? unit_offset_rms_norm(x, weight, eps_) : rms_norm(x, weight, eps_);
+}
 
 namespace {
 
@@ -51,7 +57,8 @@ torch::Tensor llama3_inverse_frequencies(torch::Tensor inverse_frequencies, cons
 
 }  // namespace
 
-RotaryEmbedding::RotaryEmbedding(const LlamaOptions& options) : options_(options) {
+RotaryEmbedding::RotaryEmbedding(const LlamaOptions& options, const RopeOptions& rope) : options_(options) {
+  options_.rope = rope;
   if (options_.rope.original_max_position_embeddings <= 0) {
     options_.rope.original_max_position_embeddings = options_.max_position_embeddings;
   }
@@ -127,7 +134,9 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaOptions& options, const std::s
     : num_heads_(options.num_attention_heads),
       num_key_value_heads_(options.num_key_value_heads),
       head_dim_(options.head_dim),
-      sliding_window_(sliding_window) {
+      sliding_window_(sliding_window),
+      scale_(options.attention_scale()),
+      softcap_(options.attention_softcap) {
   const int64_t hidden = options.hidden_size;
   const int64_t query_width = num_heads_ * head_dim_;
   const int64_t key_value_width = num_key_value_heads_ * head_dim_;
@@ -138,8 +147,8 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaOptions& options, const std::s
   o_proj = register_module("o_proj", make_linear(prefix + ".o_proj",
                                                  linear_options(query_width, hidden, options.output_bias, dtype)));
   if (options.query_key_norm) {
-    q_norm = register_module("q_norm", RMSNorm(head_dim_, options.rms_norm_eps, dtype));
-    k_norm = register_module("k_norm", RMSNorm(head_dim_, options.rms_norm_eps, dtype));
+    q_norm = register_module("q_norm", RMSNorm(head_dim_, options.rms_norm_eps, dtype, options.norm_style));
+    k_norm = register_module("k_norm", RMSNorm(head_dim_, options.rms_norm_eps, dtype, options.norm_style));
   }
 }
 
@@ -186,11 +195,20 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden, const tor
     if (attention_mask.defined()) throw Error(ErrorCode::kInternal, "an attention mask cannot be combined with a key/value cache");
     std::tie(key, value) = cache->append(key, value);
   }
-  const double scale = std::pow(static_cast<double>(head_dim_), -0.5);
+  const double scale = scale_;
+  const bool window_cuts = sliding_window_ > 0 && past + sequence > sliding_window_;
+  if (softcap_ > 0) {
+    // Gemma 2: no SDPA kernel soft-caps its scores; the visible keys are written out.
+    auto visible = visible_keys(past, sequence, window_cuts ? sliding_window_ : 0, hidden.device());
+    if (attention_mask.defined()) {
+      visible = visible & (attention_mask.scalar_type() == torch::kBool ? attention_mask : attention_mask.eq(0));
+    }
+    const auto attended = softcapped_attention(query, key, value, visible, scale, softcap_);
+    return o_proj->forward(attended.transpose(1, 2).reshape({batch, sequence, num_heads_ * head_dim_}));
+  }
   // SDPA's is_causal aligns its mask to the top left, right only without cached keys before the
   // new queries and without a window that cuts keys off; otherwise the mask is written out.
   // (One new token after the cache, within the window, sees every key: no mask at all.)
-  const bool window_cuts = sliding_window_ > 0 && past + sequence > sliding_window_;
   if (window_cuts && past == 0 && !attention_mask.defined() && flash_window_attention_applies(query, key)) {
     // Flash attention's own window: no [T, T] mask (trainer/model/sliding_window_attention.h).
     const auto attended = flash_window_attention(query, key, value, sliding_window_, scale);
@@ -218,7 +236,8 @@ void LlamaAttentionImpl::replace_linear(const std::string& child_name, std::shar
 }
 
 LlamaMlpImpl::LlamaMlpImpl(const LlamaOptions& options, const std::string& prefix, const LinearFactory& make_linear,
-                           torch::ScalarType dtype) {
+                           torch::ScalarType dtype)
+    : activation_(options.activation) {
   const int64_t hidden = options.hidden_size;
   const int64_t intermediate = options.intermediate_size;
   const bool bias = options.mlp_bias;
@@ -228,7 +247,9 @@ LlamaMlpImpl::LlamaMlpImpl(const LlamaOptions& options, const std::string& prefi
 }
 
 torch::Tensor LlamaMlpImpl::forward(const torch::Tensor& hidden) {
-  return down_proj->forward(swiglu(gate_proj->forward(hidden), up_proj->forward(hidden)));
+  const auto gate = gate_proj->forward(hidden);
+  const auto up = up_proj->forward(hidden);
+  return down_proj->forward(activation_ == Activation::kGeluTanh ? geglu(gate, up) : swiglu(gate, up));
 }
 
 void LlamaMlpImpl::replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) {
@@ -242,24 +263,35 @@ void LlamaMlpImpl::replace_linear(const std::string& child_name, std::shared_ptr
 LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaOptions& options, const std::string& prefix,
                                              const LinearFactory& make_linear, torch::ScalarType dtype,
                                              int64_t sliding_window) {
-  input_layernorm = register_module("input_layernorm", RMSNorm(options.hidden_size, options.rms_norm_eps, dtype));
+  const auto norm = [&] { return RMSNorm(options.hidden_size, options.rms_norm_eps, dtype, options.norm_style); };
+  input_layernorm = register_module("input_layernorm", norm());
   self_attn = register_module("self_attn",
                               LlamaAttention(options, prefix + ".self_attn", make_linear, dtype, sliding_window));
-  post_attention_layernorm =
-      register_module("post_attention_layernorm", RMSNorm(options.hidden_size, options.rms_norm_eps, dtype));
+  post_attention_layernorm = register_module("post_attention_layernorm", norm());
+  if (options.sandwich_norms) {
+    pre_feedforward_layernorm = register_module("pre_feedforward_layernorm", norm());
+    post_feedforward_layernorm = register_module("post_feedforward_layernorm", norm());
+  }
   mlp = register_module("mlp", LlamaMlp(options, prefix + ".mlp", make_linear, dtype));
 }
 
 torch::Tensor LlamaDecoderLayerImpl::forward(const torch::Tensor& hidden, const torch::Tensor& cos,
                                              const torch::Tensor& sin, const torch::Tensor& attention_mask,
                                              LayerKeyValues* cache) {
-  auto residual = hidden + self_attn->forward(input_layernorm->forward(hidden), cos, sin, attention_mask, cache);
-  return residual + mlp->forward(post_attention_layernorm->forward(residual));
+  auto attended = self_attn->forward(input_layernorm->forward(hidden), cos, sin, attention_mask, cache);
+  if (!pre_feedforward_layernorm) {
+    auto residual = hidden + attended;
+    return residual + mlp->forward(post_attention_layernorm->forward(residual));
+  }
+  // Gemma: each sublayer's output is normed before it joins the residual stream.
+  auto residual = hidden + post_attention_layernorm->forward(attended);
+  return residual + post_feedforward_layernorm->forward(mlp->forward(pre_feedforward_layernorm->forward(residual)));
 }
 
 LlamaBackboneImpl::LlamaBackboneImpl(const LlamaOptions& options, const LinearFactory& make_linear,
                                      torch::ScalarType dtype)
-    : rotary_(options) {
+    : options_(options), rotary_(options, options.rope) {
+  if (options.sliding_rope) sliding_rotary_.emplace(options, *options.sliding_rope);
   embed_tokens = register_module("embed_tokens", torch::nn::Embedding(options.vocab_size, options.hidden_size));
   embed_tokens->weight.set_data(embed_tokens->weight.data().normal_(0.0, 0.02).to(dtype));
   layers = register_module("layers", torch::nn::ModuleList());
@@ -267,16 +299,26 @@ LlamaBackboneImpl::LlamaBackboneImpl(const LlamaOptions& options, const LinearFa
     layers->push_back(LlamaDecoderLayer(options, "model.layers." + std::to_string(index), make_linear, dtype,
                                         options.layer_slides(index) ? options.sliding_window : 0));
   }
-  norm = register_module("norm", RMSNorm(options.hidden_size, options.rms_norm_eps, dtype));
+  norm = register_module("norm", RMSNorm(options.hidden_size, options.rms_norm_eps, dtype, options.norm_style));
 }
 
 torch::Tensor LlamaBackboneImpl::forward(const torch::Tensor& input_ids, const torch::Tensor& position_ids,
                                          const torch::Tensor& attention_mask, KeyValueCache* cache) {
   auto hidden = embed_tokens->forward(input_ids);
-  auto [cos, sin] = rotary_.tables(position_ids, hidden.scalar_type());
+  if (options_.scale_embeddings) {
+    // Gemma: sqrt(hidden) as an fp32 scalar rounded to the model dtype, as transformers' buffer is.
+    const auto scale = torch::scalar_tensor(std::sqrt(static_cast<double>(options_.hidden_size)), torch::kFloat32);
+    hidden = hidden * scale.to(hidden.scalar_type()).to(hidden.device());
+  }
+  const auto [full_cos, full_sin] = rotary_.tables(position_ids, hidden.scalar_type());
+  torch::Tensor sliding_cos, sliding_sin;
+  if (sliding_rotary_) std::tie(sliding_cos, sliding_sin) = sliding_rotary_->tables(position_ids, hidden.scalar_type());
   const bool checkpointing = checkpoint_every_ > 0 && is_training() && torch::GradMode::is_enabled();
   for (size_t index = 0; index < layers->size(); ++index) {
     auto* layer = layers[index]->as<LlamaDecoderLayer>();
+    const bool own_rope = sliding_rotary_ && options_.layer_slides(static_cast<int64_t>(index));
+    const auto& cos = own_rope ? sliding_cos : full_cos;
+    const auto& sin = own_rope ? sliding_sin : full_sin;
     if (checkpointing && static_cast<int64_t>(index) % checkpoint_every_ == 0) {
       hidden = checkpoint(
           [layer, cos = cos, sin = sin, attention_mask](const std::vector<torch::Tensor>& inputs) {
@@ -316,8 +358,10 @@ torch::Tensor LlamaForCausalLMImpl::hidden_states(const LlamaInputs& inputs) {
 }
 
 torch::Tensor LlamaForCausalLMImpl::logits(const torch::Tensor& hidden) {
-  if (lm_head) return lm_head->forward(hidden);
-  return F::linear(hidden, model->embed_tokens->weight);
+  auto logits = lm_head ? lm_head->forward(hidden) : F::linear(hidden, model->embed_tokens->weight);
+  const double cap = options_.final_logit_softcap;
+  if (cap > 0) logits = torch::tanh(logits / cap) * cap;  // Gemma 2, in the model dtype as transformers
+  return logits;
 }
 
 void LlamaForCausalLMImpl::replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) {

@@ -26,20 +26,23 @@ LinearFactory dense_linear_factory();
 
 class RMSNormImpl : public torch::nn::Module {
  public:
-  RMSNormImpl(int64_t hidden_size, double eps, torch::ScalarType dtype);
-  // x [..., hidden] in any dtype; normalised in fp32, scaled in x's dtype.
+  // The weight starts at the identity: ones (Llama) or zeros (Gemma's 1 + w).
+  RMSNormImpl(int64_t hidden_size, double eps, torch::ScalarType dtype, NormStyle style = NormStyle::kLlama);
+  // x [..., hidden] in any dtype; normalised in fp32, scaled as `style` says (llama_options.h).
   torch::Tensor forward(const torch::Tensor& x);
   torch::Tensor weight;
 
  private:
   double eps_;
+  NormStyle style_;
 };
 TORCH_MODULE(RMSNorm);
 
 // cos and sin tables for rotary embeddings, computed in fp32 as transformers does.
 class RotaryEmbedding {
  public:
-  RotaryEmbedding(const LlamaOptions& options);
+  // `rope`: the settings of the layers it serves (options.rope, or options.sliding_rope).
+  RotaryEmbedding(const LlamaOptions& options, const RopeOptions& rope);
   // position_ids [batch, seq] -> (cos, sin) [batch, seq, head_dim] in `dtype`.
   std::pair<torch::Tensor, torch::Tensor> tables(const torch::Tensor& position_ids, torch::ScalarType dtype) const;
 
@@ -96,6 +99,8 @@ class LlamaAttentionImpl : public torch::nn::Module, public qat::LinearLayerOwne
  private:
   int64_t num_heads_, num_key_value_heads_, head_dim_;
   int64_t sliding_window_;
+  double scale_;    // of the scores
+  double softcap_;  // 0: none
 };
 TORCH_MODULE(LlamaAttention);
 
@@ -106,6 +111,9 @@ class LlamaMlpImpl : public torch::nn::Module, public qat::LinearLayerOwner {
   torch::Tensor forward(const torch::Tensor& hidden);
   void replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) override;
   std::shared_ptr<qat::LinearLayer> gate_proj, up_proj, down_proj;
+
+ private:
+  Activation activation_;
 };
 TORCH_MODULE(LlamaMlp);
 
@@ -116,6 +124,8 @@ class LlamaDecoderLayerImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& hidden, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& attention_mask, LayerKeyValues* cache = nullptr);
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
+  // LlamaOptions::sandwich_norms only (Gemma): around the MLP.
+  RMSNorm pre_feedforward_layernorm{nullptr}, post_feedforward_layernorm{nullptr};
   LlamaAttention self_attn{nullptr};
   LlamaMlp mlp{nullptr};
 };
@@ -136,7 +146,9 @@ class LlamaBackboneImpl : public torch::nn::Module {
   RMSNorm norm{nullptr};
 
  private:
+  LlamaOptions options_;
   RotaryEmbedding rotary_;
+  std::optional<RotaryEmbedding> sliding_rotary_;  // LlamaOptions::sliding_rope
   int64_t checkpoint_every_ = 0;
 };
 TORCH_MODULE(LlamaBackbone);
@@ -158,6 +170,7 @@ class LlamaForCausalLMImpl : public torch::nn::Module, public qat::LinearLayerOw
   torch::Tensor hidden_states(const LlamaInputs& inputs);
   // [batch, seq, vocab] in the model dtype.
   torch::Tensor forward(const LlamaInputs& inputs);
+  // hidden [..., hidden] -> [..., vocab], soft-capped where the family caps them (Gemma 2).
   torch::Tensor logits(const torch::Tensor& hidden);
   void replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) override;
   const LlamaOptions& options() const { return options_; }

@@ -90,6 +90,12 @@ torch::Tensor rms_norm_reference(const torch::Tensor& x, const torch::Tensor& we
   return weight * x32.to(input_dtype);
 }
 
+torch::Tensor unit_offset_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  auto x32 = x.to(torch::kFloat32);
+  x32 = x32 * torch::rsqrt(x32.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return (x32 * (1.0 + weight.to(torch::kFloat32))).to(x.scalar_type());
+}
+
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   if (on_fused_kernels(x) && weight.scalar_type() == x.scalar_type() && weight.device() == x.device()) {
     return RmsNormFunction::apply(x, weight, eps);
@@ -122,6 +128,10 @@ torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tensor& up) {
     return SwigluFunction::apply(gate, up);
   }
   return swiglu_reference(gate, up);
+}
+
+torch::Tensor geglu(const torch::Tensor& gate, const torch::Tensor& up) {
+  return torch::gelu(gate, "tanh") * up;
 }
 
 }  // namespace qtrain::trainer

@@ -13,6 +13,9 @@ namespace qtrain::trainer {
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor rms_norm_reference(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 
+// Gemma's: to(x dtype)(x32 / sqrt(mean(x32^2) + eps) * (1 + weight32)), torch operations.
+torch::Tensor unit_offset_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+
 // x [batch, seq, heads, head_dim] (the projection's output viewed per head), cos/sin
 // [batch, seq, head_dim] in x's dtype -> x * cos + rotate_half(x) * sin, same layout.
 torch::Tensor rotary_embedding(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
@@ -21,5 +24,8 @@ torch::Tensor rotary_embedding_reference(const torch::Tensor& x, const torch::Te
 // silu(gate) * up.
 torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tensor& up);
 torch::Tensor swiglu_reference(const torch::Tensor& gate, const torch::Tensor& up);
+
+// gelu_tanh(gate) * up (Gemma's GeGLU), torch operations.
+torch::Tensor geglu(const torch::Tensor& gate, const torch::Tensor& up);
 
 }  // namespace qtrain::trainer

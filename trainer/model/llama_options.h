@@ -2,7 +2,9 @@
 // The shape and rotary-embedding settings of a Llama-style decoder, as config.json gives them
 // (trainer/formats/hf_config.h reads them), with what the Mistral and Qwen families change in it
 // (trainer/model/model_families.h says which family sets what). Plain data, free of LibTorch.
+#include <cmath>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -15,6 +17,14 @@ inline const std::vector<std::string>& decoder_projection_names() {
 }
 
 enum class RopeType { kDefault, kLinear, kDynamic, kLlama3 };
+
+// The MLP's gate activation: silu (SwiGLU: Llama, Mistral, Qwen) or tanh-approximated GELU
+// (GeGLU, transformers' gelu_pytorch_tanh: Gemma).
+enum class Activation { kSilu, kGeluTanh };
+
+// RMSNorm's scale: Llama's casts the normed fp32 rows to the input dtype and multiplies by the
+// weight there; Gemma's multiplies the fp32 rows by (1 + weight) and casts the product.
+enum class NormStyle { kLlama, kGemma };
 
 struct RopeOptions {
   RopeType type = RopeType::kDefault;
@@ -47,6 +57,32 @@ struct LlamaOptions {
   // included (Mistral, Qwen's sliding layers); empty: every layer sees every earlier key.
   int64_t sliding_window = 0;
   std::vector<bool> sliding_layers;  // [num_hidden_layers] when not empty
+  // The rotary settings of the sliding layers where they have their own (Gemma 3: theta 10k on
+  // sliding layers, 1M and a linear scaling on full ones); unset: `rope` everywhere.
+  std::optional<RopeOptions> sliding_rope;
+
+  // Gemma: RMSNorm as x * (1 + w) in fp32, every sublayer's output normed too
+  // (post_attention_layernorm on the attention's output, pre_ / post_feedforward_layernorm
+  // around the MLP) before its residual add, embeddings scaled by sqrt(hidden_size) rounded to
+  // the model dtype, and the score scale query_pre_attn_scalar^-1/2 instead of head_dim's.
+  NormStyle norm_style = NormStyle::kLlama;
+  bool sandwich_norms = false;
+  bool scale_embeddings = false;
+  Activation activation = Activation::kSilu;
+  double query_pre_attn_scalar = 0;  // 0: scores scaled by head_dim^-1/2
+  // Gemma 2's soft-capping, cap * tanh(x / cap), of the attention scores (before the mask) and
+  // of the final logits; 0: none.
+  double attention_softcap = 0;
+  double final_logit_softcap = 0;
+
+  double attention_scale() const {
+    // pow, as Python's ** computes transformers' scaling.
+    return std::pow(query_pre_attn_scalar > 0 ? query_pre_attn_scalar : static_cast<double>(head_dim), -0.5);
+  }
+  // The rotary settings of `layer`.
+  const RopeOptions& layer_rope(int64_t layer) const {
+    return sliding_rope && layer_slides(layer) ? *sliding_rope : rope;
+  }
 
   bool layer_slides(int64_t layer) const {
     return sliding_window > 0 && layer < static_cast<int64_t>(sliding_layers.size()) &&

@@ -23,7 +23,44 @@ const NamedShape kShapes[] = {
     {"qwen2.5-7b", 152064, 3584, 18944, 28, 28, 4, 128, false, 1000000.0, 1e-6, true, false},
     {"mistral-7b", 32768, 4096, 14336, 32, 32, 8, 128, false, 1000000.0, 1e-5, false, false},  // v0.3, no window
     {"tiny", 8192, 256, 688, 4, 8, 2, 32, false, 500000.0, 1e-5, false, false},  // the shape of tests' tiny-llama
+    {"gemma2-9b", 256000, 3584, 14336, 42, 16, 8, 256, true, 10000.0, 1e-6, false, false},
+    {"gemma3-12b", 262208, 3840, 15360, 48, 16, 8, 256, true, 1000000.0, 1e-6, false, true},
 };
+
+// What Gemma's rows add (llama_options.h): the block, the score scale, the caps and the windows.
+struct GemmaShape {
+  const char* name;
+  double query_pre_attn_scalar, attention_softcap, final_logit_softcap;
+  int64_t sliding_window, full_every;  // every full_every-th layer attends fully
+  double sliding_theta;                // 0: the rows' theta; Gemma 3's full layers scale linearly x8
+};
+
+const GemmaShape kGemmaShapes[] = {
+    {"gemma2-9b", 256.0, 50.0, 30.0, 4096, 2, 0.0},
+    {"gemma3-12b", 256.0, 0.0, 0.0, 1024, 6, 10000.0},
+};
+
+void apply_gemma_shape(const GemmaShape& gemma, LlamaOptions& options) {
+  options.norm_style = NormStyle::kGemma;
+  options.sandwich_norms = true;
+  options.scale_embeddings = true;
+  options.activation = Activation::kGeluTanh;
+  options.query_pre_attn_scalar = gemma.query_pre_attn_scalar;
+  options.attention_softcap = gemma.attention_softcap;
+  options.final_logit_softcap = gemma.final_logit_softcap;
+  options.sliding_window = gemma.sliding_window;
+  options.sliding_layers.clear();
+  for (int64_t layer = 0; layer < options.num_hidden_layers; ++layer) {
+    options.sliding_layers.push_back((layer + 1) % gemma.full_every != 0);
+  }
+  if (gemma.sliding_theta > 0) {
+    RopeOptions sliding;
+    sliding.theta = gemma.sliding_theta;
+    options.sliding_rope = sliding;
+    options.rope.type = RopeType::kLinear;
+    options.rope.factor = 8.0;
+  }
+}
 
 }  // namespace
 
@@ -44,6 +81,9 @@ LlamaOptions llama_shape(const std::string& name) {
     options.rope.theta = shape.rope_theta;
     options.attention_bias = shape.query_key_value_bias;
     options.query_key_norm = shape.query_key_norm;
+    for (const auto& gemma : kGemmaShapes) {
+      if (name == gemma.name) apply_gemma_shape(gemma, options);
+    }
     return options;
   }
   std::string known;

@@ -9,6 +9,11 @@ const std::vector<ModelFamily>& model_families() {
       {"MistralForCausalLM", "mistral", "llama", AttentionBias::kNone, false, SlidingWindowKeys::kEveryLayer},
       {"Qwen2ForCausalLM", "qwen2", "qwen2", AttentionBias::kQueryKeyValueOnly, false, SlidingWindowKeys::kLayerTypes},
       {"Qwen3ForCausalLM", "qwen3", "qwen3", AttentionBias::kFromConfig, true, SlidingWindowKeys::kLayerTypes},
+      // Gemma 2 alternates sliding and full layers; Gemma 3 slides five in six, with a rope of their own.
+      {"Gemma2ForCausalLM", "gemma2", "gemma2", AttentionBias::kFromConfig, false, SlidingWindowKeys::kLayerTypesOrPattern,
+       /*gemma_block=*/true, /*sliding_pattern=*/2, /*rope_per_layer_type=*/false},
+      {"Gemma3ForCausalLM", "gemma3_text", "gemma3", AttentionBias::kFromConfig, true,
+       SlidingWindowKeys::kLayerTypesOrPattern, /*gemma_block=*/true, /*sliding_pattern=*/6, /*rope_per_layer_type=*/true},
   };
   return families;
 }

@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include "trainer/model/llama_options.h"
+
 namespace qtrain::trainer {
 
 // Which projections of the attention carry a bias.
@@ -18,8 +20,10 @@ enum class AttentionBias {
 enum class SlidingWindowKeys {
   kNone,        // no sliding window (Llama)
   kEveryLayer,  // sliding_window (null: none) applies to every layer (Mistral)
-  kLayerTypes   // layer_types ("sliding_attention" / "full_attention"), or else use_sliding_window
+  kLayerTypes,  // layer_types ("sliding_attention" / "full_attention"), or else use_sliding_window
                 // with max_window_layers: layers from that index on slide (Qwen2, Qwen3)
+  kLayerTypesOrPattern  // layer_types, or else every layer slides but each sliding_window_pattern-th
+                        // (ModelFamily::sliding_pattern by default) (Gemma 2, Gemma 3)
 };
 
 struct ModelFamily {
@@ -27,8 +31,14 @@ struct ModelFamily {
   std::string model_type;         // config.json's model_type
   std::string gguf_architecture;  // llama.cpp's general.architecture for this family
   AttentionBias attention_bias;
-  bool query_key_norm;            // RMSNorm on each head's q and k before rope (Qwen3)
+  bool query_key_norm;            // RMSNorm on each head's q and k before rope (Qwen3, Gemma 3)
   SlidingWindowKeys sliding_window;
+  // Gemma's block (llama_options.h): (1 + w) RMSNorm, sandwich norms, scaled embeddings, and the
+  // config keys hidden_activation, query_pre_attn_scalar, attn_logit_softcapping,
+  // final_logit_softcapping.
+  bool gemma_block = false;
+  int64_t sliding_pattern = 0;       // kLayerTypesOrPattern's default
+  bool rope_per_layer_type = false;  // rope_parameters.{sliding,full}_attention (Gemma 3)
 };
 
 const std::vector<ModelFamily>& model_families();

@@ -52,6 +52,14 @@ std::vector<Projection> all_projections(const LlamaOptions& model) {
   return projections;
 }
 
+// Every RMSNorm's weight: two per block (four with Gemma's sandwich norms), the final one, and
+// the per-head q/k norms.
+int64_t norm_parameters(const LlamaOptions& options) {
+  const int64_t per_block = options.sandwich_norms ? 4 : 2;
+  return options.hidden_size * (per_block * options.num_hidden_layers + 1) +
+         (options.query_key_norm ? 2 * options.head_dim * options.num_hidden_layers : 0);
+}
+
 bool is_quantized(const Projection& projection, const TrainingMemorySetup& setup) {
   return setup.base.kind != BaseQuantization::kNone && !qat::module_name_matches(projection.name, setup.base.skip_modules);
 }
@@ -155,8 +163,7 @@ LlamaParameterCounts llama_parameter_counts(const LlamaOptions& options) {
     }
   }
   counts.embeddings = options.vocab_size * options.hidden_size * (options.tie_word_embeddings ? 1 : 2);
-  counts.norms = options.hidden_size * (2 * options.num_hidden_layers + 1) +
-                 (options.query_key_norm ? 2 * options.head_dim * options.num_hidden_layers : 0);
+  counts.norms = norm_parameters(options);
   counts.total = counts.projections + counts.embeddings + counts.norms;
   return counts;
 }
@@ -223,7 +230,7 @@ PeakMemoryEstimate estimate_peak_memory(const LlamaOptions& model, const Trainin
     }
   }
   const int64_t embeddings_and_norms =
-      model.vocab_size * model.hidden_size + model.hidden_size * (2 * model.num_hidden_layers + 1);
+      model.vocab_size * model.hidden_size + norm_parameters(model);
   if (setup.full_finetune) {
     estimate.trainable_parameters += embeddings_and_norms;
   } else {

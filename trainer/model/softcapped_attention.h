@@ -1,0 +1,18 @@
+#pragma once
+// Attention with Gemma 2's soft-capped scores, written out as transformers' eager attention
+// computes it (no SDPA kernel caps its scores):
+//   scores = cap * tanh((q k^T * scale) / cap), hidden keys at -inf, softmax in fp32 cast back to
+//   q's dtype, times v.
+// It materialises [batch, heads, T, keys] scores: memory grows with T^2 (checkpointing keeps it
+// to one layer's at a time).
+#include <torch/torch.h>
+
+namespace qtrain::trainer {
+
+// query [batch, heads, T, head_dim]; key / value [batch, key_value_heads, keys, head_dim] (heads a
+// multiple of key_value_heads); visible: bool, broadcastable to [batch, heads, T, keys], true where
+// a query may attend to a key. Returns [batch, heads, T, head_dim]; differentiable.
+torch::Tensor softcapped_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
+                                   const torch::Tensor& visible, double scale, double softcap);
+
+}  // namespace qtrain::trainer
