@@ -225,6 +225,27 @@ void render_mistral_v3(const std::vector<ChatMessage>& messages, const std::stri
   }
 }
 
+// Gemma's template (Gemma 1 and 2 -it): no system message; users on even turns, the assistant
+// (named "model") or any other role on odd ones; each turn's content trimmed as Jinja's trim does.
+void render_gemma(const std::vector<ChatMessage>& messages, const std::string& bos_token, SegmentWriter& out) {
+  if (!messages.empty() && messages.front().role == "system") {
+    throw Error(ErrorCode::kTokenizer, "chat message 0 is a system message: Gemma's template has no system role (it raises "
+                "'System role not supported'); fold the instructions into the first user turn");
+  }
+  out.add(bos_token, false);
+  for (size_t index = 0; index < messages.size(); ++index) {
+    const ChatMessage& message = messages[index];
+    if ((message.role == "user") != (index % 2 == 0)) {
+      throw Error(ErrorCode::kTokenizer, "chat message " + std::to_string(index) + " has role '" + message.role +
+                  "': Gemma's template needs user and assistant turns to alternate, starting with the user");
+    }
+    const bool assistant = message.role == "assistant";
+    out.add("<start_of_turn>" + (assistant ? std::string("model") : message.role) + "\n", false);
+    out.add(utf8::strip_python_space(message.content) + "<end_of_turn>", assistant);
+    out.add("\n", false);
+  }
+}
+
 }  // namespace
 
 const std::vector<std::pair<ChatTemplate::Family, const char*>>& ChatTemplate::family_names() {
@@ -232,7 +253,7 @@ const std::vector<std::pair<ChatTemplate::Family, const char*>>& ChatTemplate::f
       {Family::kLlama3, "llama3"},         {Family::kChatml, "chatml"},
       {Family::kQwen3, "qwen3"},           {Family::kQwen3Instruct, "qwen3-instruct"},
       {Family::kQwen3Thinking, "qwen3-thinking"}, {Family::kMistralV1, "mistral-v1"},
-      {Family::kMistralV3, "mistral-v3"},
+      {Family::kMistralV3, "mistral-v3"},     {Family::kGemma, "gemma"},
   };
   return names;
 }
@@ -304,6 +325,14 @@ ChatTemplate ChatTemplate::from_template_text(const std::string& text, const std
     throw Error(ErrorCode::kTokenizer, source + ": this [INST] template is not one of Mistral's that qtrain renders (7B v0.1 / "
                 "v0.2: mistral-v1; v0.3: mistral-v3)" + force_hint);
   }
+  if (contains(text, "<start_of_turn>") && contains(text, "<end_of_turn>")) {
+    if (contains(text, "raise_exception('System role not supported')") && contains(text, "{% set role = 'model' %}") &&
+        contains(text, "message['content'] | trim + '<end_of_turn>") && !contains(text, "image")) {
+      return ChatTemplate(Family::kGemma, bos_token, eos_token);
+    }
+    throw Error(ErrorCode::kTokenizer, source + ": this <start_of_turn> template is not Gemma 1 / 2's, the one qtrain renders "
+                "(Gemma 3's folds the system message into the first turn and takes image content)" + force_hint);
+  }
   throw Error(ErrorCode::kTokenizer, source + ": the chat template is not one qtrain recognises (supported families: " + supported_list() +
               "; qtrain renders templates without a Jinja engine)" + force_hint);
 }
@@ -356,6 +385,10 @@ std::vector<ChatSegment> ChatTemplate::render_segments(const std::vector<ChatMes
       // The next turn starts with the user's [INST]: there is no assistant header to add.
       (family_ == Family::kMistralV1 ? render_mistral_v1 : render_mistral_v3)(messages, bos_token_, eos_token_, out);
       generation_prompt.clear();
+      break;
+    case Family::kGemma:
+      render_gemma(messages, bos_token_, out);
+      generation_prompt = "<start_of_turn>model\n";
       break;
   }
   if (add_generation_prompt) out.add(generation_prompt, false);

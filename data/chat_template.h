@@ -14,6 +14,8 @@
 //   mistral-v1      {{bos}}[INST] USER [/INST]ASSISTANT{{eos}} ...  (Mistral 7B v0.1 / v0.2)
 //   mistral-v3      {{bos}}[INST] USER[/INST] ASSISTANT|trim{{eos}} ...; the system message opens
 //                   the last user turn (Mistral 7B v0.3)
+//   gemma           {{bos}}<start_of_turn>user\nCONTENT|trim<end_of_turn>\n<start_of_turn>model\n ...;
+//                   no system message, turns alternate (Gemma 1 and Gemma 2 -it)
 // Rendering in segments marks what a model learns to say: assistant content (with its reasoning)
 // and its end-of-turn token are trainable, everything else (headers, other roles) is not.
 #include <optional>
@@ -61,7 +63,7 @@ class ChatTemplate {
   std::string render(const std::vector<ChatMessage>& messages, bool add_generation_prompt) const;
 
  private:
-  enum class Family { kLlama3, kChatml, kQwen3, kQwen3Instruct, kQwen3Thinking, kMistralV1, kMistralV3 };
+  enum class Family { kLlama3, kChatml, kQwen3, kQwen3Instruct, kQwen3Thinking, kMistralV1, kMistralV3, kGemma };
   // Each family with the name data.chat_template gives it.
   static const std::vector<std::pair<Family, const char*>>& family_names();
   ChatTemplate(Family family, std::string bos_token, std::string eos_token,

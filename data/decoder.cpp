@@ -162,34 +162,47 @@ class BpeSuffixStep : public DecoderStep {
   TextPattern suffix_;
 };
 
+using DecoderRow = std::pair<const char*, std::shared_ptr<const DecoderStep> (*)(const JsonNode& config)>;
+
+// The decoders qtrain implements, by tokenizer.json's type name.
+const std::vector<DecoderRow>& decoder_rows() {
+  static const std::vector<DecoderRow> rows = {
+      {"ByteLevel", [](const JsonNode&) -> std::shared_ptr<const DecoderStep> { return std::make_shared<ByteLevelStep>(); }},
+      {"Replace", [](const JsonNode& config) -> std::shared_ptr<const DecoderStep> { return std::make_shared<ReplaceStep>(config); }},
+      {"ByteFallback", [](const JsonNode&) -> std::shared_ptr<const DecoderStep> { return std::make_shared<ByteFallbackStep>(); }},
+      {"Fuse", [](const JsonNode&) -> std::shared_ptr<const DecoderStep> { return std::make_shared<FuseStep>(); }},
+      {"Strip", [](const JsonNode& config) -> std::shared_ptr<const DecoderStep> { return std::make_shared<StripStep>(config); }},
+      {"Metaspace", [](const JsonNode& config) -> std::shared_ptr<const DecoderStep> {
+         return std::make_shared<MetaspaceStep>(config);
+       }},
+      {"BPEDecoder", [](const JsonNode& config) -> std::shared_ptr<const DecoderStep> {
+         return std::make_shared<BpeSuffixStep>(config);
+       }},
+  };
+  return rows;
+}
+
 void add_steps(const JsonNode& config, std::vector<std::shared_ptr<const DecoderStep>>& steps) {
   const JsonNode type_node = config.at("type");
   const std::string type = type_node.as_string();
   if (type == "Sequence") {
     const JsonNode members = config.at("decoders");
     for (size_t i = 0; i < members.size(); ++i) add_steps(members.at(i), steps);
-  } else if (type == "ByteLevel") {
-    steps.push_back(std::make_shared<ByteLevelStep>());
-  } else if (type == "Replace") {
-    steps.push_back(std::make_shared<ReplaceStep>(config));
-  } else if (type == "ByteFallback") {
-    steps.push_back(std::make_shared<ByteFallbackStep>());
-  } else if (type == "Fuse") {
-    steps.push_back(std::make_shared<FuseStep>());
-  } else if (type == "Strip") {
-    steps.push_back(std::make_shared<StripStep>(config));
-  } else if (type == "Metaspace") {
-    steps.push_back(std::make_shared<MetaspaceStep>(config));
-  } else if (type == "BPEDecoder") {
-    steps.push_back(std::make_shared<BpeSuffixStep>(config));
-  } else if (type == "WordPiece" || type == "CTC") {
+    return;
+  }
+  for (const auto& [name, make] : decoder_rows()) {
+    if (type == name) {
+      steps.push_back(make(config));
+      return;
+    }
+  }
+  if (type == "WordPiece" || type == "CTC") {
     type_node.fail("'" + type + "' is not supported (it comes with " +
                    (type == "WordPiece" ? "BERT's WordPiece models" : "CTC speech models (wav2vec2)") +
                    ", and qtrain reads BPE models only)");
-  } else {
-    type_node.fail("'" + type + "' is not supported (supported decoders: ByteLevel, Replace, ByteFallback, Fuse, "
-                   "Strip, Metaspace, BPEDecoder, a Sequence of these, or null)");
   }
+  type_node.fail("'" + type + "' is not supported (supported decoders: ByteLevel, Replace, ByteFallback, Fuse, "
+                 "Strip, Metaspace, BPEDecoder, a Sequence of these, or null)");
 }
 
 }  // namespace

@@ -87,6 +87,28 @@ class ReplaceStep : public NormalizerStep {
   std::string content_;
 };
 
+using NormalizerRow = std::pair<const char*, std::shared_ptr<const NormalizerStep> (*)(const JsonNode& config)>;
+
+// The normalizers qtrain implements, by tokenizer.json's type name.
+const std::vector<NormalizerRow>& normalizer_rows() {
+  static const std::vector<NormalizerRow> rows = {
+      {"NFC", [](const JsonNode&) -> std::shared_ptr<const NormalizerStep> { return std::make_shared<NfcStep>(); }},
+      {"NFD", [](const JsonNode&) -> std::shared_ptr<const NormalizerStep> { return std::make_shared<NfdStep>(); }},
+      {"StripAccents", [](const JsonNode& config) -> std::shared_ptr<const NormalizerStep> {
+         return std::make_shared<StripAccentsStep>(config);
+       }},
+      {"Strip", [](const JsonNode& config) -> std::shared_ptr<const NormalizerStep> { return std::make_shared<StripStep>(config); }},
+      {"Prepend", [](const JsonNode& config) -> std::shared_ptr<const NormalizerStep> {
+         return std::make_shared<PrependStep>(config);
+       }},
+      {"Replace", [](const JsonNode& config) -> std::shared_ptr<const NormalizerStep> {
+         return std::make_shared<ReplaceStep>(config);
+       }},
+      {"ByteLevel", [](const JsonNode&) -> std::shared_ptr<const NormalizerStep> { return std::make_shared<ByteLevelStep>(); }},
+  };
+  return rows;
+}
+
 void add_steps(const JsonNode& config, std::vector<std::shared_ptr<const NormalizerStep>>& steps) {
   static const std::string kSupported =
       "supported normalizers: NFC, NFD, StripAccents, Strip, Prepend, Replace, ByteLevel, a Sequence of these, or null";
@@ -95,30 +117,24 @@ void add_steps(const JsonNode& config, std::vector<std::shared_ptr<const Normali
   if (type == "Sequence") {
     const JsonNode members = config.at("normalizers");
     for (size_t i = 0; i < members.size(); ++i) add_steps(members.at(i), steps);
-  } else if (type == "NFC") {
-    steps.push_back(std::make_shared<NfcStep>());
-  } else if (type == "Prepend") {
-    steps.push_back(std::make_shared<PrependStep>(config));
-  } else if (type == "Replace") {
-    steps.push_back(std::make_shared<ReplaceStep>(config));
-  } else if (type == "NFD") {
-    steps.push_back(std::make_shared<NfdStep>());
-  } else if (type == "StripAccents") {
-    steps.push_back(std::make_shared<StripAccentsStep>(config));
-  } else if (type == "Strip") {
-    steps.push_back(std::make_shared<StripStep>(config));
-  } else if (type == "ByteLevel") {
-    steps.push_back(std::make_shared<ByteLevelStep>());
-  } else if (type == "BertNormalizer" || type == "Nmt" || type == "Precompiled") {
+    return;
+  }
+  for (const auto& [name, make] : normalizer_rows()) {
+    if (type == name) {
+      steps.push_back(make(config));
+      return;
+    }
+  }
+  if (type == "BertNormalizer" || type == "Nmt" || type == "Precompiled") {
     type_node.fail("'" + type + "' is not supported (it comes with " +
                    (type == "BertNormalizer" ? "BERT's WordPiece models" : "sentencepiece Unigram models (T5, ALBERT)") +
                    ", and qtrain reads BPE models only)");
-  } else if (type == "Lowercase" || type == "NFKC" || type == "NFKD") {
+  }
+  if (type == "Lowercase" || type == "NFKC" || type == "NFKD") {
     type_node.fail("'" + type + "' is not supported yet (it needs Unicode " + (type == "Lowercase" ? "case" : "compatibility") +
                    " tables that qtrain does not carry; " + kSupported + ")");
-  } else {
-    type_node.fail("'" + type + "' is not supported (" + kSupported + ")");
   }
+  type_node.fail("'" + type + "' is not supported (" + kSupported + ")");
 }
 
 }  // namespace

@@ -186,6 +186,10 @@ std::vector<ChatCase> cases_for(const std::string& family) {
     // Reasoning given apart from the content wins over a think block inside it.
     cases.push_back({{{"user", "Why?"}, {"assistant", "<think>ignored</think>Because.", "\nGiven apart.\n"}}, false});
     cases.push_back({{{"system", "S"}, {"user", "a"}, {"assistant", "b"}, {"system", "late system"}, {"user", "c"}}, true});
+  } else if (family == "gemma") {
+    // No system role; an odd turn of another role renders under its own name.
+    cases.push_back({{{"user", "One"}, {"assistant", " 1 "}, {"user", "Two"}, {"assistant", "\t2\n"}}, false});
+    cases.push_back({{{"user", "a"}, {"user", "b"}}, false});  // not alternating: both refuse
   } else {
     cases.push_back({{{"system", "Be brief."}, {"user", "One"}, {"assistant", "1"}, {"user", "Two"}, {"assistant", "2"}}, false});
     cases.push_back({{{"user", "a"}, {"user", "b"}}, false});  // not alternating: both refuse
@@ -252,7 +256,8 @@ INSTANTIATE_TEST_SUITE_P(Models, ReleasedChatTemplate,
                                            ReleasedTemplate{"qwen3-instruct-2507.jinja", "qwen3-instruct"},
                                            ReleasedTemplate{"qwen3-thinking-2507.jinja", "qwen3-thinking"},
                                            ReleasedTemplate{"mistral-7b-v0.1.jinja", "mistral-v1"},
-                                           ReleasedTemplate{"mistral-7b-v0.3.jinja", "mistral-v3"}),
+                                           ReleasedTemplate{"mistral-7b-v0.3.jinja", "mistral-v3"},
+                                           ReleasedTemplate{"gemma-2.jinja", "gemma"}),
                          [](const auto& info) {
                            std::string name = info.param.family;
                            for (auto& character : name) {

@@ -3,6 +3,8 @@
 // tests/data/pipeline/make_reference.py.
 #include <gtest/gtest.h>
 
+#include <functional>
+
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -29,28 +31,31 @@ const nlohmann::json& reference() {
 
 const std::string kFile = "reference.json";
 
-TEST(PipelineSteps, PreTokenizersCutAsHuggingFaceTokenizers) {
+// The reference's texts, each through every step of `section` (`count` of them): `output` gives
+// the step's result, which must equal the reference's `field` for that text.
+template <typename Step>
+void expect_each_text_as_reference(const std::string& section, size_t count, const std::string& field,
+                                   const std::function<nlohmann::json(const Step&, const std::string&)>& output) {
   const Strings texts = reference()["texts"];
-  ASSERT_EQ(reference()["pre_tokenizers"].size(), 11u);
-  for (const auto& entry : reference()["pre_tokenizers"]) {
-    const PreTokenizer pre_tokenizer = PreTokenizer::from_json(JsonNode(entry["config"], kFile));
+  ASSERT_EQ(reference()[section].size(), count);
+  for (const auto& entry : reference()[section]) {
+    const Step step = Step::from_json(JsonNode(entry["config"], kFile));
     for (size_t i = 0; i < texts.size(); ++i) {
-      EXPECT_EQ(pre_tokenizer.split(texts[i], /*starts_input=*/true), entry["pieces"][i].get<Strings>())
-          << entry["config"].dump() << " on '" << texts[i] << "'";
+      EXPECT_EQ(output(step, texts[i]), entry[field][i]) << entry["config"].dump() << " on '" << texts[i] << "'";
     }
   }
 }
 
+TEST(PipelineSteps, PreTokenizersCutAsHuggingFaceTokenizers) {
+  expect_each_text_as_reference<PreTokenizer>("pre_tokenizers", 11, "pieces", [](const PreTokenizer& step, const std::string& text) {
+    return nlohmann::json(step.split(text, /*starts_input=*/true));
+  });
+}
+
 TEST(PipelineSteps, NormalizersEqualHuggingFaceTokenizers) {
-  const Strings texts = reference()["texts"];
-  ASSERT_EQ(reference()["normalizers"].size(), 6u);
-  for (const auto& entry : reference()["normalizers"]) {
-    const Normalizer normalizer = Normalizer::from_json(JsonNode(entry["config"], kFile));
-    for (size_t i = 0; i < texts.size(); ++i) {
-      EXPECT_EQ(normalizer.normalize(texts[i]), entry["normalized"][i].get<std::string>())
-          << entry["config"].dump() << " on '" << texts[i] << "'";
-    }
-  }
+  expect_each_text_as_reference<Normalizer>("normalizers", 6, "normalized", [](const Normalizer& step, const std::string& text) {
+    return nlohmann::json(step.normalize(text));
+  });
 }
 
 TEST(PipelineSteps, DecodersEqualHuggingFaceTokenizers) {

@@ -247,8 +247,10 @@ LlamaMlpImpl::LlamaMlpImpl(const LlamaOptions& options, const std::string& prefi
 }
 
 torch::Tensor LlamaMlpImpl::forward(const torch::Tensor& hidden) {
-  const auto gate = gate_proj->forward(hidden);
+  // up before gate: the order GCC evaluated them in as arguments of one call, which LoRA
+  // dropout's masks draw their random numbers in (runs keep the numbers they always had).
   const auto up = up_proj->forward(hidden);
+  const auto gate = gate_proj->forward(hidden);
   return down_proj->forward(activation_ == Activation::kGeluTanh ? geglu(gate, up) : swiglu(gate, up));
 }
 
