@@ -18,6 +18,7 @@
 #include "trainer/base/file_system.h"
 #include "trainer/loss_scaler.h"
 #include "trainer/base/memory_stats.h"
+#include "trainer/formats/gguf_export.h"
 #include "trainer/formats/model_exports.h"
 #include "trainer/base/random_state.h"
 #include "trainer/recipe/recipe_data.h"
@@ -101,6 +102,10 @@ void Finetune::setup() {
 
 void Finetune::setup_model() {
   loaded_ = load_base_model(recipe_, compute_dtype_, device_);
+  const auto& formats = recipe_.export_.formats;
+  if (std::find(formats.begin(), formats.end(), "gguf") != formats.end()) {
+    require_gguf_exportable(loaded_.config, recipe_.model.path);  // before the run, not after it
+  }
   loaded_.model->to(device_);
   loaded_.model->model->set_gradient_checkpointing(
       recipe_.train.gradient_checkpointing ? recipe_.train.gradient_checkpointing_every : 0);

@@ -112,6 +112,17 @@ TEST_P(FamilyGgufTraining, QatStepsExportAGgufLlamaCppRunsWithOurLogits) {
   EXPECT_GE(top1, 0.9);
 }
 
+// A run whose export.formats holds a format the model cannot take stops before it trains.
+TEST(FamilyRuns, AGgufExportOfAGemmaRunIsRefusedBeforeTheFirstStep) {
+  testing::TempDir temp;
+  const auto run = testing::run_command(
+      testing::qtrain_binary() + " --recipe " + testing::source_dir() + "/recipes/demo_qat_tiny.yaml --set model.path=" +
+      testing::fixture("families/gemma2") + " --set train.steps=3 --set train.output_dir=" + temp.file("run") + " 2>&1");
+  EXPECT_NE(run.status, 0) << run.output;
+  EXPECT_NE(run.output.find("GGUF export: Gemma2ForCausalLM has no llama.cpp architecture"), std::string::npos) << run.output;
+  EXPECT_EQ(run.output.find("step 1/"), std::string::npos) << run.output;
+}
+
 TEST_P(FamilyTraining, QloraStepsOnCudaInBf16RunWithFiniteLosses) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU";
   testing::TempDir temp;

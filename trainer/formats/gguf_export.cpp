@@ -275,6 +275,11 @@ std::vector<std::pair<std::string, GgufValue>> gguf_tokenizer_metadata(const HfM
   return metadata;
 }
 
+void require_gguf_exportable(const HfModelConfig& config, const std::string& base_dir) {
+  gguf_architecture_for(config);
+  gguf_tokenizer_metadata(config, base_dir);
+}
+
 void write_gguf_model(const LlamaForCausalLMImpl& model, const HfModelConfig& config, const std::string& base_dir,
                       const std::string& out_file, const GgufExportOptions& options) {
   if (options.float_type != GgufTensorType::kF32 && options.float_type != GgufTensorType::kF16) {

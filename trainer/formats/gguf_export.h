@@ -46,6 +46,10 @@ torch::Tensor gguf_rope_row_order(int64_t rows, int64_t heads);
 std::vector<std::pair<std::string, GgufValue>> gguf_tokenizer_metadata(const HfModelConfig& config,
                                                                       const std::string& base_dir);
 
+// Error, as write_gguf_model would give it, when a model of `config` with `base_dir`'s tokenizer
+// cannot be written as GGUF: for runs to check before they train, not after.
+void require_gguf_exportable(const HfModelConfig& config, const std::string& base_dir);
+
 // Writes `model` as the GGUF file `out_file`. `base_dir` supplies the tokenizer files.
 void write_gguf_model(const LlamaForCausalLMImpl& model, const HfModelConfig& config, const std::string& base_dir,
                       const std::string& out_file, const GgufExportOptions& options = {});
