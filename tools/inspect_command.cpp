@@ -50,8 +50,20 @@ void print_model(const std::string& model_dir, const trainer::HfModelConfig& con
                 static_cast<long long>(llama.sliding_window), static_cast<long long>(sliding),
                 static_cast<long long>(llama.num_hidden_layers));
   }
+  if (llama.query_pre_attn_scalar > 0) std::printf("             scores scaled by %g^-1/2\n", llama.query_pre_attn_scalar);
+  if (llama.attention_softcap > 0) std::printf("             scores soft-capped at %g\n", llama.attention_softcap);
   std::printf("rope         %s, theta %g, factor %g; max positions %lld\n", config.rope_type_name.c_str(),
               llama.rope.theta, llama.rope.factor, static_cast<long long>(llama.max_position_embeddings));
+  if (llama.sliding_rope) {
+    std::printf("             sliding layers: theta %g, factor %g\n", llama.sliding_rope->theta, llama.sliding_rope->factor);
+  }
+  if (llama.norm_style == trainer::NormStyle::kGemma) {
+    std::printf("block        Gemma: RMSNorm x (1 + w), %s, %s, embeddings x sqrt(hidden)",
+                llama.sandwich_norms ? "4 norms per layer" : "2 norms per layer",
+                llama.activation == trainer::Activation::kGeluTanh ? "GeGLU" : "SwiGLU");
+    if (llama.final_logit_softcap > 0) std::printf(", logits soft-capped at %g", llama.final_logit_softcap);
+    std::printf("\n");
+  }
   std::printf("embeddings   %s, rms_norm_eps %g, mlp bias %s\n", llama.tie_word_embeddings ? "tied" : "untied",
               llama.rms_norm_eps, llama.mlp_bias ? "yes" : "no");
   std::printf("parameters   %.3fM (config), %.3fM stored in %zu tensors\n", sizes.total / 1e6, stored_elements / 1e6,

@@ -131,6 +131,21 @@ TEST(Cli, InspectDescribesTheModel) {
   }
 }
 
+// Gemma's switches, each from the fixture's config.json.
+TEST(Cli, InspectDescribesGemmasBlock) {
+  auto result = qtrain("inspect --model " + fixture("families/gemma2"));
+  ASSERT_EQ(result.status, 0) << result.output;
+  for (const char* fact : {"Gemma2ForCausalLM", "sliding window of 32 keys in 1 of 2 layers", "scores scaled by 16^-1/2",
+                           "scores soft-capped at 50", "RMSNorm x (1 + w), 4 norms per layer, GeGLU",
+                           "logits soft-capped at 30"}) {
+    EXPECT_NE(result.output.find(fact), std::string::npos) << fact << "\n" << result.output;
+  }
+  result = qtrain("inspect --model " + fixture("families/gemma3"));
+  ASSERT_EQ(result.status, 0) << result.output;
+  EXPECT_NE(result.output.find("sliding layers: theta 10000"), std::string::npos) << result.output;
+  EXPECT_EQ(result.output.find("soft-capped"), std::string::npos) << result.output;
+}
+
 TEST(Cli, PrintRecipeParsesBackToTheSameRecipe) {
   auto first = qtrain("--recipe " + testing::source_dir() + "/recipes/demo_tiny.yaml --set optim.lr=0.001 --print-recipe");
   ASSERT_EQ(first.status, 0) << first.output;
