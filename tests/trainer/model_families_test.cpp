@@ -1,4 +1,4 @@
-// The Mistral, Qwen2 and Qwen3 families against transformers: the fixtures' fp32 CPU logits with
+// The Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 families against transformers: the fixtures' fp32 CPU logits with
 // and without their peft adapters and their greedy tokens (../shared/fixtures/families), held-out
 // checkpoints with the switches the fixtures leave out (tests/interop/family_variants.py: windows
 // shorter than the input, sliding and full layers mixed, tied embeddings, head_dim != hidden /
