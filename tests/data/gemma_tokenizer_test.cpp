@@ -1,6 +1,6 @@
 // A Gemma-layout tokenizer.json (no pre-tokenizer in effect: BPE sees all the text between
 // added tokens at once) against the ids and decoded text of HF tokenizers, recorded in
-// tests/data/gemma/reference.json by tests/data/gemma/make_reference.py.
+// tests/data/gemma/reference.json by tests/interop/make_gemma_tokenizer_reference.py.
 #include <gtest/gtest.h>
 
 #include <fstream>

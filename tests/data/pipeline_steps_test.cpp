@@ -1,6 +1,6 @@
 // Pre-tokenizers, normalizers and decoders one by one against what HF tokenizers gives for the
 // same config, recorded in tests/data/pipeline/reference.json by
-// tests/data/pipeline/make_reference.py.
+// tests/interop/make_pipeline_steps_reference.py.
 #include <gtest/gtest.h>
 
 #include <functional>

@@ -2,7 +2,7 @@
 texts (and token lists) chosen to reach every branch: the reference for
 tests/data/pipeline_steps_test.cpp.
 
-usage: python tests/data/pipeline/make_reference.py   (writes reference.json beside itself)
+usage: python tests/interop/make_pipeline_steps_reference.py   (writes tests/data/pipeline/reference.json)
 
 Each entry is one step's tokenizer.json config, as the library serialises it, and its outputs:
 pre-tokenizers the pieces of pre_tokenize_str, normalizers normalize_str, decoders decode.
@@ -13,7 +13,8 @@ import os
 import tokenizers
 from tokenizers import decoders, normalizers, pre_tokenizers
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tests", "data",
+                    "pipeline")  # where reference.json goes
 
 TEXTS = [
     "", " ", "Hello, world!", "  two  spaces\tand\ttabs\nnew\r\nlines  ", "It's 3.14 -- isn't it?!...",

@@ -1,7 +1,7 @@
 """A Gemma-layout tokenizer.json and the ids and decoded text the tokenizers library gives for
 it: the reference for tests/data/gemma_tokenizer_test.cpp.
 
-usage: python tests/data/gemma/make_reference.py   (writes beside itself)
+usage: python tests/interop/make_gemma_tokenizer_reference.py   (writes tests/data/gemma/)
 
 Gemma's files (transformers' GemmaTokenizer) are sentencepiece-style BPE with byte_fallback and
 fuse_unk, normalizer Replace(" " -> "▁"), pre-tokenizer Split(" ", merged_with_previous), which
@@ -14,11 +14,9 @@ that long input into words. Deterministic: the same files on every run.
 """
 import json
 import os
-import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
-sys.path.insert(0, os.path.join(ROOT, "tests", "interop"))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.join(ROOT, "tests", "data", "gemma")  # where the files go
 import make_sentencepiece_reference as sentencepiece  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
