@@ -59,8 +59,6 @@ class TrainingStep {
   // A skipped step has cleared the gradients and backed the loss scale off.
   StepResult run(const std::vector<data::Batch>& micro_batches, int64_t step, const AfterBackward& after_backward = {});
 
-  const std::vector<torch::Tensor>& trainable() const { return trainable_; }
-
  private:
   LlamaForCausalLMImpl& model_;
   std::vector<torch::Tensor> trainable_;

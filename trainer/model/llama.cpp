@@ -195,7 +195,6 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden, const tor
     if (attention_mask.defined()) throw Error(ErrorCode::kInternal, "an attention mask cannot be combined with a key/value cache");
     std::tie(key, value) = cache->append(key, value);
   }
-  const double scale = scale_;
   const bool window_cuts = sliding_window_ > 0 && past + sequence > sliding_window_;
   if (softcap_ > 0) {
     // Gemma 2: no SDPA kernel soft-caps its scores; the visible keys are written out.
@@ -203,7 +202,7 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden, const tor
     if (attention_mask.defined()) {
       visible = visible & (attention_mask.scalar_type() == torch::kBool ? attention_mask : attention_mask.eq(0));
     }
-    const auto attended = softcapped_attention(query, key, value, visible, scale, softcap_);
+    const auto attended = softcapped_attention(query, key, value, visible, scale_, softcap_);
     return o_proj->forward(attended.transpose(1, 2).reshape({batch, sequence, num_heads_ * head_dim_}));
   }
   // SDPA's is_causal aligns its mask to the top left, right only without cached keys before the
@@ -211,7 +210,7 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden, const tor
   // (One new token after the cache, within the window, sees every key: no mask at all.)
   if (window_cuts && past == 0 && !attention_mask.defined() && flash_window_attention_applies(query, key)) {
     // Flash attention's own window: no [T, T] mask (trainer/model/sliding_window_attention.h).
-    const auto attended = flash_window_attention(query, key, value, sliding_window_, scale);
+    const auto attended = flash_window_attention(query, key, value, sliding_window_, scale_);
     return o_proj->forward(attended.transpose(1, 2).reshape({batch, sequence, num_heads_ * head_dim_}));
   }
   const bool causal = !attention_mask.defined() && sequence > 1 && past == 0 && !window_cuts;
@@ -221,7 +220,7 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden, const tor
     const auto visible = visible_keys(past, sequence, window_cuts ? sliding_window_ : 0, hidden.device());
     mask = mask.has_value() ? (*mask & visible) : visible;  // within a packed row, its own sample's too
   }
-  auto attended = at::scaled_dot_product_attention(query, key, value, mask, /*dropout_p=*/0.0, causal, scale,
+  auto attended = at::scaled_dot_product_attention(query, key, value, mask, /*dropout_p=*/0.0, causal, scale_,
                                                    /*enable_gqa=*/num_key_value_heads_ != num_heads_);
   return o_proj->forward(attended.transpose(1, 2).reshape({batch, sequence, num_heads_ * head_dim_}));
 }
@@ -308,9 +307,12 @@ torch::Tensor LlamaBackboneImpl::forward(const torch::Tensor& input_ids, const t
                                          const torch::Tensor& attention_mask, KeyValueCache* cache) {
   auto hidden = embed_tokens->forward(input_ids);
   if (options_.scale_embeddings) {
-    // Gemma: sqrt(hidden) as an fp32 scalar rounded to the model dtype, as transformers' buffer is.
-    const auto scale = torch::scalar_tensor(std::sqrt(static_cast<double>(options_.hidden_size)), torch::kFloat32);
-    hidden = hidden * scale.to(hidden.scalar_type()).to(hidden.device());
+    // Gemma: sqrt(hidden) as an fp32 scalar rounded to the model dtype, as transformers' buffer is;
+    // rounded on the host and multiplied as a scalar (no copy to the device per forward).
+    const double scale = torch::scalar_tensor(std::sqrt(static_cast<double>(options_.hidden_size)), torch::kFloat32)
+                             .to(hidden.scalar_type())
+                             .item<double>();
+    hidden = hidden * scale;
   }
   const auto [full_cos, full_sin] = rotary_.tables(position_ids, hidden.scalar_type());
   torch::Tensor sliding_cos, sliding_sin;
