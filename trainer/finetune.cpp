@@ -119,8 +119,10 @@ void Finetune::setup_adapters() {
     std::printf("lora: continuing from the adapter in %s (its r, alpha and targets apply)\n",
                 recipe_.lora.init_from.c_str());
   } else if (!trains_full_weights(recipe_)) {
+    require_model_projections(model.options(), recipe_.lora.target_modules, "lora.target_modules");
     qat::apply_lora(model, adapter_config_.targets, adapter_config_.lora);
   }
+  if (recipe_.quant == "qat") require_model_projections(model.options(), recipe_.qat.target_modules, "qat.target_modules");
   // After LoRA, so that QAT fake-quantizes the merged weight a merged export writes.
   const auto quantized = apply_recipe_qat(model, recipe_);
   if (!quantized.empty()) {

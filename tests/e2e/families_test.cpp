@@ -18,6 +18,13 @@ namespace {
 
 class FamilyTraining : public ::testing::TestWithParam<std::string> {};
 
+// The demo recipes target Llama's seven projections; Phi-3 has four, two of them fused.
+std::string family_targets(const std::string& family) {
+  if (family != "phi3") return "";
+  return " --set 'lora.target_modules=[qkv_proj, o_proj, gate_up_proj, down_proj]'"
+         " --set 'qat.target_modules=[qkv_proj, o_proj, gate_up_proj, down_proj]'";
+}
+
 TEST_P(FamilyTraining, QloraStepsWriteAnAdapterPeftLoadsWithOurLogits) {
   const auto python = testing::find_python_with("peft transformers safetensors");
   if (python.empty()) GTEST_SKIP() << "no Python with peft and transformers (set QTRAIN_PYTHON)";
@@ -26,7 +33,7 @@ TEST_P(FamilyTraining, QloraStepsWriteAnAdapterPeftLoadsWithOurLogits) {
   testing::TempDir temp;
   const auto trained = testing::run_command(
       testing::qtrain_binary() + " --recipe " + testing::source_dir() + "/recipes/demo_tiny.yaml --set model.path=" +
-      model_dir + " --set train.steps=3 --set schedule.warmup_steps=0 --set eval.every=0 --set data.eval=" +
+      model_dir + family_targets(name) + " --set train.steps=3 --set schedule.warmup_steps=0 --set eval.every=0 --set data.eval=" +
       " --set checkpoint.every=0" +
       " --set train.output_dir=" + temp.file("run") + " 2>&1");
   ASSERT_EQ(trained.status, 0) << trained.output;
@@ -83,7 +90,8 @@ TEST_P(FamilyGgufTraining, QatStepsExportAGgufLlamaCppRunsWithOurLogits) {
   testing::TempDir temp;
   const auto trained = testing::run_command(
       testing::qtrain_binary() + " --recipe " + testing::source_dir() + "/recipes/demo_qat_tiny.yaml --set model.path=" +
-      testing::fixture("families/" + name) + " --set train.steps=3 --set eval.every=0 --set data.eval= --set checkpoint.every=0" +
+      testing::fixture("families/" + name) + family_targets(name) +
+      " --set train.steps=3 --set eval.every=0 --set data.eval= --set checkpoint.every=0" +
       " --set 'export.formats=[gguf, safetensors-int]' --set train.output_dir=" + temp.file("run") + " 2>&1");
   ASSERT_EQ(trained.status, 0) << trained.output;
   ASSERT_NE(trained.output.find("done: 3 steps"), std::string::npos) << trained.output;
@@ -123,12 +131,25 @@ TEST(FamilyRuns, AGgufExportOfAGemmaRunIsRefusedBeforeTheFirstStep) {
   EXPECT_EQ(run.output.find("step 1/"), std::string::npos) << run.output;
 }
 
+// Llama's target names on Phi-3 would leave q, k, v, gate and up unadapted: the run stops and
+// names the fused projections.
+TEST(FamilyRuns, LlamaTargetNamesOnPhi3AreRefusedNamingTheFusedProjections) {
+  testing::TempDir temp;
+  const auto run = testing::run_command(
+      testing::qtrain_binary() + " --recipe " + testing::source_dir() + "/recipes/demo_tiny.yaml --set model.path=" +
+      testing::fixture("families/phi3") + " --set train.steps=3 --set train.output_dir=" + temp.file("run") + " 2>&1");
+  EXPECT_NE(run.status, 0) << run.output;
+  EXPECT_NE(run.output.find("lora.target_modules names 'q_proj'"), std::string::npos) << run.output;
+  EXPECT_NE(run.output.find("[qkv_proj, o_proj, gate_up_proj, down_proj]"), std::string::npos) << run.output;
+  EXPECT_EQ(run.output.find("step 1/"), std::string::npos) << run.output;
+}
+
 TEST_P(FamilyTraining, QloraStepsOnCudaInBf16RunWithFiniteLosses) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU";
   testing::TempDir temp;
   const auto trained = testing::run_command(
       testing::qtrain_binary() + " --recipe " + testing::source_dir() + "/recipes/demo_tiny.yaml --set model.path=" +
-      testing::fixture("families/" + GetParam()) + " --set train.device=cuda --set train.dtype=bf16" +
+      testing::fixture("families/" + GetParam()) + family_targets(GetParam()) + " --set train.device=cuda --set train.dtype=bf16" +
       " --set train.steps=5 --set log.every=1 --set eval.every=0 --set eval.max_batches=2 --set checkpoint.every=0" +
       " --set train.gradient_checkpointing=true --set train.output_dir=" + temp.file("run") + " 2>&1");
   ASSERT_EQ(trained.status, 0) << trained.output;
@@ -137,7 +158,8 @@ TEST_P(FamilyTraining, QloraStepsOnCudaInBf16RunWithFiniteLosses) {
   EXPECT_EQ(trained.output.find("skipped"), std::string::npos) << trained.output;
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, FamilyTraining, ::testing::Values("mistral", "qwen2", "qwen3", "gemma2", "gemma3"));
+INSTANTIATE_TEST_SUITE_P(Families, FamilyTraining,
+                         ::testing::Values("mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"));
 INSTANTIATE_TEST_SUITE_P(MistralQwen2Qwen3, FamilyGgufTraining, ::testing::Values("mistral", "qwen2", "qwen3"));
 
 // The loss of the first step (before any update), as the progress line prints it.

@@ -1,11 +1,12 @@
-"""Small random Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 checkpoints with the switches the fixtures leave out
-(windows shorter than the input, sliding and full layers mixed, tied and untied embeddings,
-head_dim != hidden / heads, biases, bf16 and 4.x-style config keys) and transformers' fp32 CPU
-logits for them: the reference for tests/trainer/model_families_test.cpp.
+"""Small random Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 / Phi-3 checkpoints with the switches the fixtures leave
+out (windows shorter than the input, sliding and full layers mixed, tied and untied embeddings,
+head_dim != hidden / heads, biases, partial rotary, longrope, bf16 and 4.x-style config keys) and transformers'
+fp32 CPU logits for them: the reference for tests/trainer/model_families_test.cpp.
 
 usage: python family_variants.py OUT_DIR
 Writes OUT_DIR/<variant>/ (an HF model directory) and OUT_DIR/<variant>/reference.safetensors
-(`input_ids` [2, 40] int64, `logits` [2, 40, vocab] fp32, and `full_attention_logits`: the same
+(`input_ids` [2, 40] int64, `logits` [2, 40, vocab] fp32, `prefix_logits` of the first 12 positions alone
+(longrope's short factors: 12 is within its original context), and `full_attention_logits`: the same
 model with every layer attending to every earlier key, to show that the windows matter).
 """
 import copy
@@ -17,10 +18,14 @@ import torch
 from safetensors.torch import save_file
 from llama_variants import randomize_norms_and_biases
 from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig,
-                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+                          MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
 
 BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
+
+# Phi3Config's default ids (pad 32000) lie past this vocabulary.
+PHI3_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 # name: (config class, model class, overrides, stored dtype, write transformers 4.x keys)
 VARIANTS = {
@@ -60,6 +65,22 @@ VARIANTS = {
                                                      "sliding_attention": {"rope_type": "default",
                                                                            "rope_theta": 10000.0}}),
                                             torch.bfloat16, True),
+    # Phi-3 with Phi-4-mini's partial rotary (0.75 of head_dim 24 != 64 / 4), an 8-key window, tied.
+    "phi3_head_dim24_partial_rotary_window8_tied": (Phi3Config, Phi3ForCausalLM,
+                                                    dict(sliding_window=8, head_dim=24, tie_word_embeddings=True, **PHI3_IDS,
+                                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                          "partial_rotary_factor": 0.75}),
+                                                    torch.float32, False),
+    # Phi-3 128k-style longrope with 4.x keys (rope_scaling, partial_rotary_factor and
+    # original_max_position_embeddings beside it): pre-trained on 16 positions, extended to 256, so
+    # the 40-token input takes the long factors and the 12-token prefix the short ones; window 8, bf16.
+    "phi3_longrope_partial_half_window8_bf16_v4": (
+        Phi3Config, Phi3ForCausalLM,
+        dict(sliding_window=8, original_max_position_embeddings=16, **PHI3_IDS,
+             rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                              "original_max_position_embeddings": 16,
+                              "short_factor": [1.0, 1.5, 2.5, 4.0], "long_factor": [1.25, 3.0, 7.0, 16.0]}),
+        torch.bfloat16, True),
 }
 
 
@@ -76,6 +97,13 @@ def to_transformers_4_keys(path):
         config["sliding_window_pattern"] = 2
     else:
         config["rope_theta"] = parameters.pop("rope_theta")
+        if "partial_rotary_factor" in parameters:  # Phi-3 4.x: beside rope_scaling
+            config["partial_rotary_factor"] = parameters.pop("partial_rotary_factor")
+        if parameters.get("rope_type", "default") == "longrope":
+            parameters.pop("original_max_position_embeddings", None)  # 4.x: top-level only
+            parameters["type"] = "longrope"  # as Phi-3-mini-128k-instruct writes it
+            del parameters["rope_type"]
+            config["rope_scaling"] = parameters
     config["torch_dtype"] = config.pop("dtype")
     config.pop("layer_types", None)  # 4.x derived it (use_sliding_window / max_window_layers, sliding_window_pattern)
     with open(path, "w") as f:
@@ -95,6 +123,7 @@ def main(out_dir):
         reloaded = model_class.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager")
         with torch.no_grad():
             logits = reloaded(input_ids).logits.float().contiguous()
+            prefix_logits = reloaded(input_ids[:, :12]).logits.float().contiguous()
         config = copy.deepcopy(reloaded.config)
         if config.model_type.startswith("gemma"):
             # Gemma builds a sliding mask whatever the types, and Gemma 3 picks a layer's rope by its
@@ -108,7 +137,8 @@ def main(out_dir):
         full.load_state_dict(reloaded.state_dict())
         with torch.no_grad():
             full_attention_logits = full(input_ids).logits.float().contiguous()
-        save_file({"input_ids": input_ids, "logits": logits, "full_attention_logits": full_attention_logits},
+        save_file({"input_ids": input_ids, "logits": logits, "prefix_logits": prefix_logits,
+                   "full_attention_logits": full_attention_logits},
                   os.path.join(directory, "reference.safetensors"))
 
 

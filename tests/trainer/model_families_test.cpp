@@ -1,4 +1,4 @@
-// The Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 families against transformers: the fixtures' fp32 CPU logits with
+// The Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 and Phi-3 families against transformers: the fixtures' fp32 CPU logits with
 // and without their peft adapters and their greedy tokens (../shared/fixtures/families), held-out
 // checkpoints with the switches the fixtures leave out (tests/interop/family_variants.py: windows
 // shorter than the input, sliding and full layers mixed, tied embeddings, head_dim != hidden /
@@ -45,7 +45,7 @@ constexpr double kOtherMachineTolerance = 3e-5;
 
 // The Gemma fixtures are further from transformers 5.17 as it runs here: its own fp32 logits for
 // them land 7.3e-4 (Gemma 2; 1.4e-3 with the adapter) and 2.3e-3 (Gemma 3) from the stored ones, and ours within 1e-5 of
-// transformers here (GemmaFixturesEqualTransformersAndPeftRunHere). The fixture bound is that spread.
+// transformers here (GemmaAndPhi3FixturesEqualTransformersAndPeftRunHere). The fixture bound is that spread.
 double fixture_tolerance(const std::string& family) {
   if (family == "gemma2") return 2e-3;  // 1.4e-3 with the adapter
   if (family == "gemma3") return 3e-3;
@@ -106,17 +106,18 @@ TEST_P(FamilyFixture, ParameterCountOfTheConfigIsTheCheckpoints) {
   EXPECT_EQ(llama_parameter_counts(loaded.config.llama).total, stored);
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, FamilyFixture, ::testing::Values("mistral", "qwen2", "qwen3", "gemma2", "gemma3"));
+INSTANTIATE_TEST_SUITE_P(Families, FamilyFixture,
+                         ::testing::Values("mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"));
 
-// The Gemma fixtures through transformers and peft on this machine (tests/interop/peft_logits.py:
-// the base in fp32, eager attention where scores are soft-capped, with the fixture's adapter): ours
-// equal theirs to fp32's rounding.
-TEST(ModelFamilies, GemmaFixturesEqualTransformersAndPeftRunHere) {
+// The Gemma and Phi-3 fixtures through transformers and peft on this machine
+// (tests/interop/peft_logits.py: the base in fp32, eager attention where scores are soft-capped,
+// with the fixture's adapter): ours equal theirs to fp32's rounding.
+TEST(ModelFamilies, GemmaAndPhi3FixturesEqualTransformersAndPeftRunHere) {
   if (!testing::python_has("torch transformers peft safetensors")) {
     GTEST_SKIP() << testing::python() << " lacks torch/transformers/peft/safetensors (run tools/setup.sh)";
   }
   testing::TempDir directory;
-  for (const std::string name : {"gemma2", "gemma3"}) {
+  for (const std::string name : {"gemma2", "gemma3", "phi3"}) {
     SCOPED_TRACE(name);
     const std::string reference = fixture("families/" + name + "-reference.safetensors");
     const auto run = testing::run_interop_script(
@@ -134,7 +135,8 @@ TEST(ModelFamilies, GemmaFixturesEqualTransformersAndPeftRunHere) {
 
 const char* const kVariants[] = {"mistral_window8_head_dim24", "qwen2_layers_from_1_slide_tied_bf16_v4",
                                  "qwen3_head_dim32_bias_layer_types", "gemma2_window8_softcap2_scalar20",
-                                 "gemma3_pattern2_linear_rope_bf16_v4"};
+                                 "gemma3_pattern2_linear_rope_bf16_v4", "phi3_head_dim24_partial_rotary_window8_tied",
+                                 "phi3_longrope_partial_half_window8_bf16_v4"};
 
 // One test for all the variants: building them costs one Python start.
 TEST(ModelFamilies, HeldOutVariantsEqualTransformersInFp32AndTheirWindowsMatter) {
@@ -153,6 +155,9 @@ TEST(ModelFamilies, HeldOutVariantsEqualTransformersInFp32AndTheirWindowsMatter)
     const double error = relative_error(ours, reference.tensor("logits"));
     std::printf("[ measured ] %s: %.3g relative\n", variant, error);
     EXPECT_LE(error, 1e-5);
+    // 12 positions alone: within longrope's original context, its short factors.
+    const auto prefix = logits_of(*loaded.model, reference.tensor("input_ids").narrow(1, 0, 12));
+    EXPECT_LE(relative_error(prefix, reference.tensor("prefix_logits")), 1e-5);
     // The windows are shorter than the input: without them the logits would differ.
     EXPECT_GT(relative_error(reference.tensor("full_attention_logits"), reference.tensor("logits")), 1e-2);
   }

@@ -1,6 +1,7 @@
 #include "trainer/formats/hf_config.h"
 
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -128,9 +129,12 @@ RopeOptions read_rope_settings(const ConfigReader& config, const json& parameter
     rope.type = RopeType::kDynamic;
   } else if (type_name == "llama3") {
     rope.type = RopeType::kLlama3;
+  } else if (type_name == "longrope") {
+    rope.type = RopeType::kLongRope;
   } else {
-    config.fail("rope type '" + type_name + "' is not supported (supported: default, linear, dynamic, llama3)");
+    config.fail("rope type '" + type_name + "' is not supported (supported: default, linear, dynamic, llama3, longrope)");
   }
+  if (rope.type == RopeType::kLongRope) return rope;  // read_longrope reads the rest
   if (rope.type != RopeType::kDefault) {
     if (!scaling.has("factor")) config.fail("rope type '" + type_name + "' needs a 'factor' in " + parameters_key);
     rope.factor = scaling.number_or("factor", 1.0);
@@ -150,6 +154,42 @@ RopeOptions read_rope_settings(const ConfigReader& config, const json& parameter
   return rope;
 }
 
+std::vector<double> number_list(const ConfigReader& scaling, const std::string& key, size_t length) {
+  if (!scaling.has(key) || !scaling.value(key).is_array()) scaling.fail("rope type 'longrope' needs the list '" + key + "'");
+  std::vector<double> numbers;
+  for (const auto& value : scaling.value(key)) {
+    if (!value.is_number()) scaling.fail("'" + key + "' must list numbers, got " + value.dump());
+    numbers.push_back(value.get<double>());
+  }
+  if (numbers.size() != length) {
+    scaling.fail("'" + key + "' must list " + std::to_string(length) + " numbers (half the rotary dimensions), got " +
+                 std::to_string(numbers.size()));
+  }
+  return numbers;
+}
+
+// Phi-3's longrope, as transformers' _compute_longrope_parameters reads it: the factors per
+// rotary frequency, the pre-training context (in the rope parameters or, 4.x, beside them), and
+// the cos / sin scale: attention_factor, or else sqrt(1 + ln(factor) / ln(original context)) with
+// factor = max_position_embeddings / original context unless given.
+void read_longrope(const ConfigReader& config, const json& parameters, const std::string& parameters_key,
+                   LlamaOptions& llama) {
+  ConfigReader scaling(parameters, config.path() + " (" + parameters_key + ")");
+  auto& rope = llama.rope;
+  const auto half = static_cast<size_t>(llama.rotary_dim() / 2);
+  rope.short_factor = number_list(scaling, "short_factor", half);
+  rope.long_factor = number_list(scaling, "long_factor", half);
+  rope.original_max_position_embeddings =
+      scaling.positive_int_or("original_max_position_embeddings", config.positive_int_or("original_max_position_embeddings", 0));
+  if (rope.original_max_position_embeddings == 0) {
+    config.fail("rope type 'longrope' needs 'original_max_position_embeddings' (the pre-training context)");
+  }
+  const double original = static_cast<double>(rope.original_max_position_embeddings);
+  rope.factor = scaling.number_or("factor", static_cast<double>(llama.max_position_embeddings) / original);
+  rope.attention_factor = scaling.number_or(
+      "attention_factor", rope.factor <= 1.0 ? 1.0 : std::sqrt(1 + std::log(rope.factor) / std::log(original)));
+}
+
 // The rope of every layer, and of the sliding layers where they have their own.
 // transformers 5.x writes `rope_parameters` {rope_theta, rope_type, ...}, per layer type
 // ({full_attention: {...}, sliding_attention: {...}}) for Gemma 3; 4.x writes `rope_theta` beside
@@ -166,7 +206,22 @@ void read_rope(const ConfigReader& config, const ModelFamily& family, LlamaOptio
     }
   }
   if (!family.rope_per_layer_type) {
-    llama.rope = read_rope_settings(config, parameters, parameters_key, config.number_or("rope_theta", 10000.0), type_name);
+    json settings = parameters;
+    if (family.phi3_block && settings.is_object()) {
+      // transformers' Phi3Config reads these older names of longrope as longrope.
+      for (const char* key : {"rope_type", "type"}) {
+        if (settings.contains(key) && (settings[key] == "su" || settings[key] == "yarn")) settings[key] = "longrope";
+      }
+    }
+    // 5.x keeps partial_rotary_factor in rope_parameters, 4.x beside it.
+    llama.partial_rotary_factor = ConfigReader(settings.is_object() ? settings : json::object(), config.path())
+                                      .number_or("partial_rotary_factor", config.number_or("partial_rotary_factor", 1.0));
+    if (llama.partial_rotary_factor <= 0 || llama.partial_rotary_factor > 1 || llama.rotary_dim() % 2 != 0) {
+      config.fail("partial_rotary_factor " + std::to_string(llama.partial_rotary_factor) +
+                  " must be in (0, 1] and turn an even number of each head's " + std::to_string(llama.head_dim) + " dimensions");
+    }
+    llama.rope = read_rope_settings(config, settings, parameters_key, config.number_or("rope_theta", 10000.0), type_name);
+    if (llama.rope.type == RopeType::kLongRope) read_longrope(config, settings, parameters_key, llama);
     return;
   }
   // transformers' defaults for Gemma 3: theta 1M on full layers (and rope_scaling there), 10k on sliding ones.
@@ -225,6 +280,17 @@ void read_sliding_window(const ConfigReader& reader, const ModelFamily& family, 
   }
   llama.sliding_window = reader.positive_int("sliding_window");
   llama.sliding_layers = std::move(sliding);
+}
+
+// Phi-3's block: fused projections, and dropout keys that must be off (qtrain trains without them).
+void read_phi3_block(const ConfigReader& reader, LlamaOptions& llama) {
+  llama.fused_projections = true;
+  for (const char* key : {"embd_pdrop", "resid_pdrop", "attention_dropout"}) {
+    if (reader.number_or(key, 0.0) != 0.0) {
+      reader.fail(std::string("key '") + key + "' is " + reader.value(key).dump() +
+                  "; qtrain implements Phi-3 without dropout in the model (set it to 0.0; LoRA has its own lora.dropout)");
+    }
+  }
 }
 
 // Gemma's block switches. The soft-caps have family defaults in transformers (Gemma 2: 50 and 30,
@@ -330,6 +396,7 @@ HfModelConfig parse_hf_config(const std::string& text, const std::string& path) 
   llama.query_key_norm = family->query_key_norm;
   read_sliding_window(reader, *family, llama);
   if (family->gemma_block) read_gemma_block(reader, llama);
+  if (family->phi3_block) read_phi3_block(reader, llama);
 
   const std::string dtype_key = reader.has("dtype") ? "dtype" : "torch_dtype";
   config.stored_dtype = parse_dtype_name(reader.string_or(dtype_key, "float32"), config.path + ": key '" + dtype_key + "'",

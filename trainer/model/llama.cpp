@@ -55,6 +55,13 @@ torch::Tensor llama3_inverse_frequencies(torch::Tensor inverse_frequencies, cons
   return torch::where(is_medium, smoothed, scaled);
 }
 
+// longrope: 1 / (factor_i * theta^(2i / dim)), one factor per frequency, in fp32 as transformers.
+torch::Tensor longrope_inverse_frequencies(const std::vector<double>& factors, double theta, int64_t dim) {
+  const auto factor_tensor = torch::tensor(factors, torch::kFloat64).to(torch::kFloat32);
+  auto exponent = torch::arange(0, dim, 2, torch::kInt64).to(torch::kFloat32) / static_cast<double>(dim);
+  return torch::reciprocal(factor_tensor * torch::pow(theta, exponent));
+}
+
 }  // namespace
 
 RotaryEmbedding::RotaryEmbedding(const LlamaOptions& options, const RopeOptions& rope) : options_(options) {
@@ -62,10 +69,15 @@ RotaryEmbedding::RotaryEmbedding(const LlamaOptions& options, const RopeOptions&
   if (options_.rope.original_max_position_embeddings <= 0) {
     options_.rope.original_max_position_embeddings = options_.max_position_embeddings;
   }
-  auto frequencies = default_inverse_frequencies(options_.rope.theta, options_.head_dim, torch::kCPU);
+  auto frequencies = default_inverse_frequencies(options_.rope.theta, options_.rotary_dim(), torch::kCPU);
   switch (options_.rope.type) {
     case RopeType::kLinear: frequencies = frequencies / options_.rope.factor; break;
     case RopeType::kLlama3: frequencies = llama3_inverse_frequencies(frequencies, options_.rope); break;
+    case RopeType::kLongRope:
+      frequencies = longrope_inverse_frequencies(options_.rope.short_factor, options_.rope.theta, options_.rotary_dim());
+      long_inverse_frequencies_ =
+          longrope_inverse_frequencies(options_.rope.long_factor, options_.rope.theta, options_.rotary_dim());
+      break;
     case RopeType::kDefault:
     case RopeType::kDynamic: break;
   }
@@ -76,10 +88,13 @@ torch::Tensor RotaryEmbedding::inverse_frequencies(int64_t sequence_length, cons
   const auto& rope = options_.rope;
   if (rope.type == RopeType::kDynamic && sequence_length > rope.original_max_position_embeddings) {
     // Dynamic NTK: grow the base with the sequence, as transformers' dynamic_rope_update does.
-    const double dim = static_cast<double>(options_.head_dim);
+    const double dim = static_cast<double>(options_.rotary_dim());
     const double ratio = rope.factor * static_cast<double>(sequence_length) /
                              static_cast<double>(rope.original_max_position_embeddings) - (rope.factor - 1);
-    return default_inverse_frequencies(rope.theta * std::pow(ratio, dim / (dim - 2)), options_.head_dim, device);
+    return default_inverse_frequencies(rope.theta * std::pow(ratio, dim / (dim - 2)), options_.rotary_dim(), device);
+  }
+  if (rope.type == RopeType::kLongRope && sequence_length > rope.original_max_position_embeddings) {
+    return long_inverse_frequencies_.to(device);
   }
   return inverse_frequencies_.to(device);
 }
@@ -87,13 +102,17 @@ torch::Tensor RotaryEmbedding::inverse_frequencies(int64_t sequence_length, cons
 std::pair<torch::Tensor, torch::Tensor> RotaryEmbedding::tables(const torch::Tensor& position_ids,
                                                                 torch::ScalarType dtype) const {
   int64_t sequence_length = position_ids.size(1);
-  if (options_.rope.type == RopeType::kDynamic) sequence_length = position_ids.max().item<int64_t>() + 1;
+  if (options_.rope.type == RopeType::kDynamic || options_.rope.type == RopeType::kLongRope) {
+    sequence_length = position_ids.max().item<int64_t>() + 1;  // as transformers' dynamic_rope_update
+  }
   auto frequencies = inverse_frequencies(sequence_length, position_ids.device());
   // [batch, seq, 1] * [dim/2] -> [batch, seq, dim/2]: the outer product in fp32. transformers
   // writes it as a matmul over an inner dimension of 1, whose every output is one rounded
   // product: the same bits as this multiply, without a batched matmul's launch cost per token.
   auto angles = position_ids.to(torch::kFloat32).unsqueeze(-1) * frequencies;
   auto embedding = torch::cat({angles, angles}, -1);
+  const double scale = options_.rope.type == RopeType::kLongRope ? options_.rope.attention_factor : 1.0;
+  if (scale != 1.0) return {(embedding.cos() * scale).to(dtype), (embedding.sin() * scale).to(dtype)};
   return {embedding.cos().to(dtype), embedding.sin().to(dtype)};
 }
 
@@ -141,9 +160,14 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaOptions& options, const std::s
   const int64_t query_width = num_heads_ * head_dim_;
   const int64_t key_value_width = num_key_value_heads_ * head_dim_;
   const bool bias = options.attention_bias;
-  q_proj = register_module("q_proj", make_linear(prefix + ".q_proj", linear_options(hidden, query_width, bias, dtype)));
-  k_proj = register_module("k_proj", make_linear(prefix + ".k_proj", linear_options(hidden, key_value_width, bias, dtype)));
-  v_proj = register_module("v_proj", make_linear(prefix + ".v_proj", linear_options(hidden, key_value_width, bias, dtype)));
+  if (options.fused_projections) {
+    qkv_proj = register_module("qkv_proj", make_linear(prefix + ".qkv_proj",
+                                                       linear_options(hidden, query_width + 2 * key_value_width, bias, dtype)));
+  } else {
+    q_proj = register_module("q_proj", make_linear(prefix + ".q_proj", linear_options(hidden, query_width, bias, dtype)));
+    k_proj = register_module("k_proj", make_linear(prefix + ".k_proj", linear_options(hidden, key_value_width, bias, dtype)));
+    v_proj = register_module("v_proj", make_linear(prefix + ".v_proj", linear_options(hidden, key_value_width, bias, dtype)));
+  }
   o_proj = register_module("o_proj", make_linear(prefix + ".o_proj",
                                                  linear_options(query_width, hidden, options.output_bias, dtype)));
   if (options.query_key_norm) {
@@ -180,8 +204,20 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden, const tor
   const int64_t sequence = hidden.size(1);
   // [batch, seq, heads * head_dim] -> [batch, heads, seq, head_dim]
   // The rotary embedding runs on the projections' [batch, seq, heads, head_dim] layout.
-  auto query = q_proj->forward(hidden).view({batch, sequence, num_heads_, head_dim_});
-  auto key = k_proj->forward(hidden).view({batch, sequence, num_key_value_heads_, head_dim_});
+  const int64_t query_width = num_heads_ * head_dim_;
+  const int64_t key_value_width = num_key_value_heads_ * head_dim_;
+  torch::Tensor query, key, value;
+  if (qkv_proj) {
+    const auto fused = qkv_proj->forward(hidden);
+    query = fused.narrow(-1, 0, query_width);
+    key = fused.narrow(-1, query_width, key_value_width);
+    value = fused.narrow(-1, query_width + key_value_width, key_value_width);
+  } else {
+    query = q_proj->forward(hidden);
+    key = k_proj->forward(hidden);
+  }
+  query = query.view({batch, sequence, num_heads_, head_dim_});
+  key = key.view({batch, sequence, num_key_value_heads_, head_dim_});
   if (q_norm) {
     // Qwen3: each head's query and key normalised over head_dim before the rotation.
     query = q_norm->forward(query);
@@ -189,7 +225,8 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden, const tor
   }
   query = rotary_embedding(query, cos, sin).transpose(1, 2);
   key = rotary_embedding(key, cos, sin).transpose(1, 2);
-  auto value = v_proj->forward(hidden).view({batch, sequence, num_key_value_heads_, head_dim_}).transpose(1, 2);
+  if (!qkv_proj) value = v_proj->forward(hidden);
+  value = value.view({batch, sequence, num_key_value_heads_, head_dim_}).transpose(1, 2);
   const int64_t past = cache != nullptr ? cache->length() : 0;
   if (cache != nullptr) {
     if (attention_mask.defined()) throw Error(ErrorCode::kInternal, "an attention mask cannot be combined with a key/value cache");
@@ -227,6 +264,7 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden, const tor
 
 void LlamaAttentionImpl::replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) {
   auto* slot = child_name == "q_proj" ? &q_proj
+               : child_name == "qkv_proj" ? &qkv_proj
                : child_name == "k_proj" ? &k_proj
                : child_name == "v_proj" ? &v_proj
                : child_name == "o_proj" ? &o_proj
@@ -240,21 +278,35 @@ LlamaMlpImpl::LlamaMlpImpl(const LlamaOptions& options, const std::string& prefi
   const int64_t hidden = options.hidden_size;
   const int64_t intermediate = options.intermediate_size;
   const bool bias = options.mlp_bias;
-  gate_proj = register_module("gate_proj", make_linear(prefix + ".gate_proj", linear_options(hidden, intermediate, bias, dtype)));
-  up_proj = register_module("up_proj", make_linear(prefix + ".up_proj", linear_options(hidden, intermediate, bias, dtype)));
+  if (options.fused_projections) {
+    gate_up_proj = register_module("gate_up_proj", make_linear(prefix + ".gate_up_proj",
+                                                               linear_options(hidden, 2 * intermediate, bias, dtype)));
+  } else {
+    gate_proj = register_module("gate_proj", make_linear(prefix + ".gate_proj", linear_options(hidden, intermediate, bias, dtype)));
+    up_proj = register_module("up_proj", make_linear(prefix + ".up_proj", linear_options(hidden, intermediate, bias, dtype)));
+  }
   down_proj = register_module("down_proj", make_linear(prefix + ".down_proj", linear_options(intermediate, hidden, bias, dtype)));
 }
 
 torch::Tensor LlamaMlpImpl::forward(const torch::Tensor& hidden) {
   // up before gate: the order GCC evaluated them in as arguments of one call, which LoRA
   // dropout's masks draw their random numbers in (runs keep the numbers they always had).
-  const auto up = up_proj->forward(hidden);
-  const auto gate = gate_proj->forward(hidden);
+  torch::Tensor gate, up;
+  if (gate_up_proj) {
+    const auto fused = gate_up_proj->forward(hidden);  // gate's half first, as Phi-3's chunk(2)
+    const int64_t intermediate = fused.size(-1) / 2;
+    gate = fused.narrow(-1, 0, intermediate);
+    up = fused.narrow(-1, intermediate, intermediate);
+  } else {
+    up = up_proj->forward(hidden);
+    gate = gate_proj->forward(hidden);
+  }
   return down_proj->forward(activation_ == Activation::kGeluTanh ? geglu(gate, up) : swiglu(gate, up));
 }
 
 void LlamaMlpImpl::replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) {
   auto* slot = child_name == "gate_proj" ? &gate_proj
+               : child_name == "gate_up_proj" ? &gate_up_proj
                : child_name == "up_proj" ? &up_proj
                : child_name == "down_proj" ? &down_proj
                                            : nullptr;

@@ -1,6 +1,6 @@
 #pragma once
 // A Llama-style decoder as LibTorch modules: LlamaForCausalLM, and with the switches of
-// LlamaOptions the Mistral, Qwen2 and Qwen3 families (trainer/model/model_families.h). Parameter
+// LlamaOptions the Mistral, Qwen, Gemma and Phi-3 families (trainer/model/model_families.h). Parameter
 // names are Hugging Face's (`model.layers.3.self_attn.q_proj.weight`), so checkpoints and peft
 // adapters map by name.
 // The numerics follow transformers: RMSNorm and rotary tables in fp32, the residual stream in
@@ -43,13 +43,14 @@ class RotaryEmbedding {
  public:
   // `rope`: the settings of the layers it serves (options.rope, or options.sliding_rope).
   RotaryEmbedding(const LlamaOptions& options, const RopeOptions& rope);
-  // position_ids [batch, seq] -> (cos, sin) [batch, seq, head_dim] in `dtype`.
+  // position_ids [batch, seq] -> (cos, sin) [batch, seq, rotary_dim] in `dtype`.
   std::pair<torch::Tensor, torch::Tensor> tables(const torch::Tensor& position_ids, torch::ScalarType dtype) const;
 
  private:
   torch::Tensor inverse_frequencies(int64_t sequence_length, const torch::Device& device) const;
   LlamaOptions options_;
-  torch::Tensor inverse_frequencies_;  // [head_dim / 2], fp32
+  torch::Tensor inverse_frequencies_;       // [rotary_dim / 2], fp32
+  torch::Tensor long_inverse_frequencies_;  // longrope's beyond the original context
 };
 
 // One decoder layer's keys and values of the positions processed so far, so that generation
@@ -94,6 +95,7 @@ class LlamaAttentionImpl : public torch::nn::Module, public qat::LinearLayerOwne
                         const torch::Tensor& attention_mask, LayerKeyValues* cache = nullptr);
   void replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) override;
   std::shared_ptr<qat::LinearLayer> q_proj, k_proj, v_proj, o_proj;
+  std::shared_ptr<qat::LinearLayer> qkv_proj;  // instead of q, k and v: LlamaOptions::fused_projections
   RMSNorm q_norm{nullptr}, k_norm{nullptr};  // LlamaOptions::query_key_norm only
 
  private:
@@ -111,6 +113,7 @@ class LlamaMlpImpl : public torch::nn::Module, public qat::LinearLayerOwner {
   torch::Tensor forward(const torch::Tensor& hidden);
   void replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) override;
   std::shared_ptr<qat::LinearLayer> gate_proj, up_proj, down_proj;
+  std::shared_ptr<qat::LinearLayer> gate_up_proj;  // instead of gate and up: LlamaOptions::fused_projections
 
  private:
   Activation activation_;

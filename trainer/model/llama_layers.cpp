@@ -111,6 +111,14 @@ torch::Tensor rotary_embedding_reference(const torch::Tensor& x, const torch::Te
 }
 
 torch::Tensor rotary_embedding(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  const int64_t rotary_dim = cos.size(-1);
+  if (rotary_dim < x.size(-1)) {
+    // Partial rotary (Phi-4-mini): the leading rotary_dim dimensions of each head turn, the rest pass.
+    // Joined on the [batch, heads, seq, head_dim] view, the layout transformers' result has.
+    const auto turned = rotary_embedding(x.narrow(-1, 0, rotary_dim), cos, sin);
+    const auto passed = x.narrow(-1, rotary_dim, x.size(-1) - rotary_dim);
+    return torch::cat({turned.transpose(1, 2), passed.transpose(1, 2)}, -1).transpose(1, 2);
+  }
   if (on_fused_kernels(x) && cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type() &&
       cos.device() == x.device() && sin.device() == x.device()) {
     return RotaryFunction::apply(x, cos, sin);

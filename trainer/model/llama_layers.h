@@ -17,7 +17,8 @@ torch::Tensor rms_norm_reference(const torch::Tensor& x, const torch::Tensor& we
 torch::Tensor unit_offset_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 
 // x [batch, seq, heads, head_dim] (the projection's output viewed per head), cos/sin
-// [batch, seq, head_dim] in x's dtype -> x * cos + rotate_half(x) * sin, same layout.
+// [batch, seq, head_dim] in x's dtype -> x * cos + rotate_half(x) * sin, same layout. Tables
+// narrower than head_dim (partial rotary) turn the leading dimensions and pass the rest.
 torch::Tensor rotary_embedding(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 torch::Tensor rotary_embedding_reference(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 

@@ -15,8 +15,15 @@ inline const std::vector<std::string>& decoder_projection_names() {
   static const std::vector<std::string> names = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
   return names;
 }
+// Phi-3's: q, k and v as one projection, gate and up as another.
+inline const std::vector<std::string>& fused_decoder_projection_names() {
+  static const std::vector<std::string> names = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"};
+  return names;
+}
 
-enum class RopeType { kDefault, kLinear, kDynamic, kLlama3 };
+// kLongRope: Phi-3's, frequencies divided per dimension by short_factor, or by long_factor once a
+// position passes original_max_position_embeddings, and cos / sin scaled by attention_factor.
+enum class RopeType { kDefault, kLinear, kDynamic, kLlama3, kLongRope };
 
 // The MLP's gate activation: silu (SwiGLU: Llama, Mistral, Qwen) or tanh-approximated GELU
 // (GeGLU, transformers' gelu_pytorch_tanh: Gemma).
@@ -32,7 +39,9 @@ struct RopeOptions {
   double factor = 1.0;                   // linear, dynamic, llama3
   double low_freq_factor = 1.0;          // llama3
   double high_freq_factor = 4.0;         // llama3
-  int64_t original_max_position_embeddings = 0;  // llama3, dynamic (0 = max_position_embeddings)
+  int64_t original_max_position_embeddings = 0;  // llama3, dynamic, longrope (0 = max_position_embeddings)
+  std::vector<double> short_factor, long_factor;   // longrope: [rotary dims / 2] each
+  double attention_factor = 1.0;                   // longrope: multiplies cos and sin
 };
 
 struct LlamaOptions {
@@ -50,6 +59,12 @@ struct LlamaOptions {
   bool mlp_bias = false;
   bool tie_word_embeddings = false;
   RopeOptions rope;
+  // The leading fraction of each head the rotary embedding turns; the rest passes unrotated
+  // (Phi-4-mini: 0.75). rotary_dim() is int(head_dim * factor), as transformers truncates it.
+  double partial_rotary_factor = 1.0;
+  // Phi-3: q, k and v come from one projection `qkv_proj` (rows in that order), gate and up from
+  // `gate_up_proj` (gate's rows first); peft adapts and bitsandbytes quantizes them fused.
+  bool fused_projections = false;
   // RMSNorm over each head's query and key (weights [head_dim], `self_attn.q_norm` / `k_norm`)
   // before the rotary embedding (Qwen3).
   bool query_key_norm = false;
@@ -75,6 +90,10 @@ struct LlamaOptions {
   double attention_softcap = 0;
   double final_logit_softcap = 0;
 
+  int64_t rotary_dim() const { return static_cast<int64_t>(static_cast<double>(head_dim) * partial_rotary_factor); }
+  const std::vector<std::string>& projection_names() const {
+    return fused_projections ? fused_decoder_projection_names() : decoder_projection_names();
+  }
   double attention_scale() const {
     // pow, as Python's ** computes transformers' scaling.
     return std::pow(query_pre_attn_scalar > 0 ? query_pre_attn_scalar : static_cast<double>(head_dim), -0.5);

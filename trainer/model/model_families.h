@@ -39,6 +39,10 @@ struct ModelFamily {
   bool gemma_block = false;
   int64_t sliding_pattern = 0;       // kLayerTypesOrPattern's default
   bool rope_per_layer_type = false;  // rope_parameters.{sliding,full}_attention (Gemma 3)
+  // Phi-3: qkv_proj and gate_up_proj (LlamaOptions::fused_projections); rope types "su" and "yarn"
+  // are read as "longrope", as transformers' Phi3Config renames them; the dropout keys
+  // embd_pdrop / resid_pdrop / attention_dropout must be 0.
+  bool phi3_block = false;
 };
 
 const std::vector<ModelFamily>& model_families();

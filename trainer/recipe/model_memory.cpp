@@ -31,6 +31,14 @@ std::vector<Projection> decoder_projections(const LlamaOptions& model, int64_t l
   const int64_t intermediate = model.intermediate_size;
   const bool attention_bias = model.attention_bias;
   const bool mlp_bias = model.mlp_bias;
+  if (model.fused_projections) {
+    return {
+        {attention + "qkv_proj", hidden, query + 2 * key_value, attention_bias, ProjectionInput::kNormedForAttention},
+        {attention + "o_proj", query, hidden, model.output_bias, ProjectionInput::kAttentionOutput},
+        {mlp + "gate_up_proj", hidden, 2 * intermediate, mlp_bias, ProjectionInput::kNormedForMlp},
+        {mlp + "down_proj", intermediate, hidden, mlp_bias, ProjectionInput::kMlpProduct},
+    };
+  }
   return {
       {attention + "q_proj", hidden, query, attention_bias, ProjectionInput::kNormedForAttention},
       {attention + "k_proj", hidden, key_value, attention_bias, ProjectionInput::kNormedForAttention},

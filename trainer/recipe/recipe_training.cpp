@@ -1,5 +1,6 @@
 #include "trainer/recipe/recipe_training.h"
 
+#include "kernels/error.h"
 #include "qat/quant_format.h"
 #include "trainer/model/causal_lm_loss.h"
 #include "trainer/formats/hf_config.h"
@@ -16,6 +17,23 @@ PeftAdapterConfig lora_adapter_config(const Recipe& recipe) {
   config.lora.rslora = recipe.lora.rslora;
   config.targets.include.names = recipe.lora.target_modules;
   return config;
+}
+
+void require_model_projections(const LlamaOptions& model, const std::vector<std::string>& target_modules,
+                               const std::string& key) {
+  if (!model.fused_projections) return;
+  for (const auto& entry : target_modules) {
+    for (const char* fused_away : {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}) {
+      const std::string name = fused_away;
+      const bool names_it = entry == name || (entry.size() > name.size() && entry.compare(entry.size() - name.size() - 1,
+                                                                                          std::string::npos, "." + name) == 0);
+      if (!names_it) continue;
+      throw Error(ErrorCode::kRecipe,
+                  key + " names '" + entry + "', which this model does not have: Phi-3 fuses q_proj, k_proj and v_proj "
+                  "into qkv_proj and gate_proj and up_proj into gate_up_proj. Target [qkv_proj, o_proj, gate_up_proj, "
+                  "down_proj] (peft's names for Phi-3, as recipes/qlora_phi3.yaml does) or all-linear");
+    }
+  }
 }
 
 LoadedModel load_base_model(const Recipe& recipe, torch::ScalarType dtype, const torch::Device& device,

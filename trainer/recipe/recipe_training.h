@@ -19,6 +19,12 @@ namespace qtrain::trainer {
 // recipe's lora section.
 PeftAdapterConfig lora_adapter_config(const Recipe& recipe);
 
+// A recipe's target list (`key`: lora.target_modules or qat.target_modules) must not name a
+// projection the model fused (Phi-3's q/k/v_proj in qkv_proj, gate/up_proj in gate_up_proj):
+// those would match nothing and leave the model partly unadapted. Error naming the fused names.
+void require_model_projections(const LlamaOptions& model, const std::vector<std::string>& target_modules,
+                               const std::string& key);
+
 // The frozen base of a run as training builds it: model.path loaded on the CPU in `dtype`, and
 // for quant: qlora its linear layers quantized with the qlora section's format on `device`
 // (where the packed weights stay; the rest of the model is still on the CPU). quantize_base
