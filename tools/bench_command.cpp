@@ -1,4 +1,4 @@
-// qtrain bench: training throughput and peak memory of a Llama-, Qwen-, Mistral- or Gemma-shaped model with random
+// qtrain bench: training throughput and peak memory of a Llama-, Qwen-, Mistral-, Gemma- or Phi-3-shaped model with random
 // weights, built directly on the device (no checkpoint on disk): QLoRA (NF4 double-quant base),
 // LoRA on an LLM.int8 base (--quant int8) or LoRA (16-bit base), LoRA on all 7 projections, AdamW
 // (or --optim adamw8bit), random tokens. The step is a run's (trainer/training_step.h), with
@@ -127,7 +127,7 @@ int run_bench(const Arguments& arguments) {
   po::options_description options("bench options");
   options.add_options()
       ("shape", po::value(&shape)->default_value("llama3-8b"),
-       "llama3-8b, llama3-1b, qwen3-8b, qwen2.5-7b, mistral-7b, gemma2-9b, gemma3-12b or tiny (random weights)")
+       "llama3-8b, llama3-1b, qwen3-8b, qwen2.5-7b, mistral-7b, gemma2-9b, gemma3-12b, phi4-mini or tiny (random weights)")
       ("quant", po::value(&quant)->default_value("qlora"),
        "the frozen base: qlora (= nf4, double-quant), nf4, fp4, int8 (LLM.int8, threshold 6) or none (16-bit)")
       ("optim", po::value(&optimizer_name)->default_value("adamw"), "adamw or adamw8bit")
@@ -162,6 +162,8 @@ int run_bench(const Arguments& arguments) {
   const bool checkpointing = values["checkpointing"].as<bool>();
   const auto llama = trainer::llama_shape(shape);
   auto recipe = bench_recipe(base, fake_quant, lora_rank, optimizer_name, checkpointing, loss_chunk);
+  // Every projection of the shape's block: Phi-3's fused ones by their own names.
+  recipe.lora.target_modules = recipe.qat.target_modules = llama.projection_names();
 
   torch::manual_seed(0);
   const auto tables = qat::quantize_4bit(

@@ -44,6 +44,7 @@ void print_model(const std::string& model_dir, const trainer::HfModelConfig& con
               static_cast<long long>(llama.head_dim),
               llama.attention_bias ? (llama.output_bias ? "yes" : "q/k/v only") : "no");
   if (llama.query_key_norm) std::printf("             RMSNorm on each head's query and key\n");
+  if (llama.fused_projections) std::printf("             q, k and v from one qkv_proj; gate and up from one gate_up_proj\n");
   if (llama.sliding_window > 0) {
     const auto sliding = std::count(llama.sliding_layers.begin(), llama.sliding_layers.end(), true);
     std::printf("             sliding window of %lld keys in %lld of %lld layers\n",
@@ -54,6 +55,14 @@ void print_model(const std::string& model_dir, const trainer::HfModelConfig& con
   if (llama.attention_softcap > 0) std::printf("             scores soft-capped at %g\n", llama.attention_softcap);
   std::printf("rope         %s, theta %g, factor %g; max positions %lld\n", config.rope_type_name.c_str(),
               llama.rope.theta, llama.rope.factor, static_cast<long long>(llama.max_position_embeddings));
+  if (llama.rotary_dim() < llama.head_dim) {
+    std::printf("             rotary on %lld of each head's %lld dimensions (partial_rotary_factor %g)\n",
+                static_cast<long long>(llama.rotary_dim()), static_cast<long long>(llama.head_dim), llama.partial_rotary_factor);
+  }
+  if (llama.rope.type == trainer::RopeType::kLongRope) {
+    std::printf("             longrope: short factors to position %lld, long ones past it; cos and sin x %g\n",
+                static_cast<long long>(llama.rope.original_max_position_embeddings), llama.rope.attention_factor);
+  }
   if (llama.sliding_rope) {
     std::printf("             sliding layers: theta %g, factor %g\n", llama.sliding_rope->theta, llama.sliding_rope->factor);
   }

@@ -44,7 +44,7 @@ const std::map<std::string, Command>& commands() {
       {"tokenize", {run_tokenize, "text to token ids (JSONL on stdin, or a dataset into an llm.c .bin file)"}},
       {"data", {run_data, "the first training examples as the model sees them (masked spans marked)"}},
       {"inspect", {run_inspect, "architecture, sizes and memory needs of a Hugging Face model"}},
-      {"bench", {run_bench, "training tokens/s and peak memory of a random Llama-, Qwen- or Mistral-shaped model"}},
+      {"bench", {run_bench, "training tokens/s and peak memory of a random Llama-, Qwen-, Mistral-, Gemma- or Phi-3-shaped model"}},
       {"generate", {run_generate, "text from a model (and adapter): greedy or sampled, streamed, with a KV cache"}},
       {"quantize", {run_quantize, "post-training quantization with a QAT recipe's scheme (PTQ), exported"}},
       {"export", {run_export, "a run's PEFT adapter, or its model with the adapter merged, into a new directory"}},
@@ -53,7 +53,7 @@ const std::map<std::string, Command>& commands() {
 }
 
 void print_overview() {
-  std::cout << "qtrain: QLoRA and quantization-aware training for Llama, Mistral and Qwen models\n\n"
+  std::cout << "qtrain: QLoRA and quantization-aware training for Llama, Mistral, Qwen, Gemma and Phi-3 models\n\n"
                "usage: qtrain [train] --recipe FILE [--set key=value ...] [--print-recipe]\n"
                "       qtrain COMMAND [options]     (qtrain COMMAND --help lists its options)\n\ncommands:\n";
   for (const auto& [name, command] : commands()) {

@@ -1,7 +1,10 @@
 // The qtrain executable as a user runs it: subcommands, --help, results and error messages.
 #include <gtest/gtest.h>
 
+#include <filesystem>
+
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <random>
 #include <sstream>
@@ -144,6 +147,27 @@ TEST(Cli, InspectDescribesGemmasBlock) {
   ASSERT_EQ(result.status, 0) << result.output;
   EXPECT_NE(result.output.find("sliding layers: theta 10000"), std::string::npos) << result.output;
   EXPECT_EQ(result.output.find("soft-capped"), std::string::npos) << result.output;
+}
+
+// Phi-3's fused projections, and Phi-4-mini's partial rotary with a 128k model's longrope, from a
+// copy of the fixture whose config.json says so; the recipe's estimate runs with the fused targets.
+TEST(Cli, InspectDescribesPhi3sBlock) {
+  testing::TempDir directory;
+  std::filesystem::copy(fixture("families/phi3"), directory.file("phi3"));
+  auto config = nlohmann::json::parse(std::ifstream(directory.file("phi3/config.json")));
+  config["rope_parameters"] = {{"rope_type", "longrope"}, {"rope_theta", 10000.0}, {"partial_rotary_factor", 0.5},
+                               {"short_factor", {1.0, 1.0, 1.0, 1.0}}, {"long_factor", {1.0, 2.0, 4.0, 8.0}},
+                               {"original_max_position_embeddings", 256}};
+  std::ofstream(directory.file("phi3/config.json")) << config.dump();
+  auto result = qtrain("inspect --recipe " + testing::source_dir() + "/recipes/qlora_phi3.yaml --set model.path=" +
+                       directory.file("phi3"));
+  ASSERT_EQ(result.status, 0) << result.output;
+  // attention factor sqrt(1 + ln(512 / 256) / ln(256))
+  for (const char* fact : {"Phi3ForCausalLM", "q, k and v from one qkv_proj; gate and up from one gate_up_proj",
+                           "rotary on 8 of each head's 16 dimensions (partial_rotary_factor 0.5)",
+                           "longrope: short factors to position 256, long ones past it; cos and sin x 1.06066"}) {
+    EXPECT_NE(result.output.find(fact), std::string::npos) << fact << "\n" << result.output;
+  }
 }
 
 TEST(Cli, PrintRecipeParsesBackToTheSameRecipe) {

@@ -160,7 +160,7 @@ TEST_P(FamilyTraining, QloraStepsOnCudaInBf16RunWithFiniteLosses) {
 
 INSTANTIATE_TEST_SUITE_P(Families, FamilyTraining,
                          ::testing::Values("mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"));
-INSTANTIATE_TEST_SUITE_P(MistralQwen2Qwen3, FamilyGgufTraining, ::testing::Values("mistral", "qwen2", "qwen3"));
+INSTANTIATE_TEST_SUITE_P(MistralQwen2Qwen3Phi3, FamilyGgufTraining, ::testing::Values("mistral", "qwen2", "qwen3", "phi3"));
 
 // The loss of the first step (before any update), as the progress line prints it.
 double first_step_loss(const std::string& output) {

@@ -1,6 +1,7 @@
 #include "trainer/formats/gguf_export.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cstring>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -19,7 +20,8 @@ namespace qtrain::trainer {
 namespace {
 
 // llama.cpp's names for a decoder's tensors (gguf-py's tensor_mapping.py: MODEL_ARCH.LLAMA, QWEN2,
-// QWEN3).
+// QWEN3, PHI3). Phi-3's fused projections stay fused: attn_qkv, and ffn_up holding gate's rows then
+// up's, which llama.cpp's SwiGLU splits in that order.
 struct NameMapping {
   const char* hf;
   const char* gguf;
@@ -35,6 +37,7 @@ constexpr NameMapping kLayerTensors[] = {
     {"self_attn.o_proj.", "attn_output."}, {"mlp.gate_proj.", "ffn_gate."}, {"mlp.up_proj.", "ffn_up."},
     {"mlp.down_proj.", "ffn_down."},   {"input_layernorm.", "attn_norm."}, {"post_attention_layernorm.", "ffn_norm."},
     {"self_attn.q_norm.", "attn_q_norm."}, {"self_attn.k_norm.", "attn_k_norm."},
+    {"self_attn.qkv_proj.", "attn_qkv."},  {"mlp.gate_up_proj.", "ffn_up."},
 };
 constexpr const char* kLayerPrefix = "model.layers.";
 
@@ -47,11 +50,16 @@ struct GgufArchitecture {
   bool rope_rows_reordered;
   bool reads_attention_bias;   // attn_q / k / v bias (and attn_output's, for llama)
   bool reads_query_key_norm;   // attn_q_norm / attn_k_norm
+  // Phi-3's longrope: rope_factors_long / _short tensors and rope.scaling.attn_factor; llama.cpp
+  // takes the long factors when its context (not, as transformers, the sequence) passes
+  // rope.scaling.original_context_length.
+  bool reads_rope_factors;
 };
 constexpr GgufArchitecture kGgufArchitectures[] = {
-    {"llama", true, true, false},
-    {"qwen2", false, true, false},
-    {"qwen3", false, false, true},
+    {"llama", true, true, false, false},
+    {"qwen2", false, true, false, false},
+    {"qwen3", false, false, true, false},
+    {"phi3", false, false, false, true},
 };
 
 // The pre-tokenizer regexes llama.cpp knows, by the name its tokenizer.ggml.pre gives them
@@ -127,12 +135,13 @@ torch::Tensor permute_rows(const torch::Tensor& tensor, int64_t heads) {
   return tensor.index_select(0, gguf_rope_row_order(tensor.size(0), heads).to(tensor.device()));
 }
 
-std::vector<std::pair<std::string, GgufValue>> model_metadata(const HfModelConfig& config, const std::string& architecture,
+std::vector<std::pair<std::string, GgufValue>> model_metadata(const HfModelConfig& config,
+                                                              const GgufArchitecture& architecture,
                                                               const std::string& name, uint32_t file_type) {
   const auto& llama = config.llama;
-  const std::string key = architecture + ".";
+  const std::string key = std::string(architecture.name) + ".";
   std::vector<std::pair<std::string, GgufValue>> metadata = {
-      {"general.architecture", architecture},
+      {"general.architecture", std::string(architecture.name)},
       {"general.type", std::string("model")},
       {"general.name", name},
       {"general.alignment", kGgufDefaultAlignment},
@@ -141,7 +150,7 @@ std::vector<std::pair<std::string, GgufValue>> model_metadata(const HfModelConfi
       {key + "embedding_length", static_cast<uint32_t>(llama.hidden_size)},
       {key + "block_count", static_cast<uint32_t>(llama.num_hidden_layers)},
       {key + "feed_forward_length", static_cast<uint32_t>(llama.intermediate_size)},
-      {key + "rope.dimension_count", static_cast<uint32_t>(llama.head_dim)},
+      {key + "rope.dimension_count", static_cast<uint32_t>(llama.rotary_dim())},  // partial rotary: the turned part
       {key + "attention.head_count", static_cast<uint32_t>(llama.num_attention_heads)},
       {key + "attention.head_count_kv", static_cast<uint32_t>(llama.num_key_value_heads)},
       {key + "attention.key_length", static_cast<uint32_t>(llama.head_dim)},
@@ -152,9 +161,13 @@ std::vector<std::pair<std::string, GgufValue>> model_metadata(const HfModelConfi
   if (llama.rope.type == RopeType::kLinear) {
     metadata.emplace_back(key + "rope.scaling.type", std::string("linear"));
     metadata.emplace_back(key + "rope.scaling.factor", static_cast<float>(llama.rope.factor));
+  } else if (llama.rope.type == RopeType::kLongRope && architecture.reads_rope_factors) {
+    metadata.emplace_back(key + "rope.scaling.attn_factor", static_cast<float>(llama.rope.attention_factor));
+    metadata.emplace_back(key + "rope.scaling.original_context_length",
+                          static_cast<uint32_t>(llama.rope.original_max_position_embeddings));
   } else if (llama.rope.type != RopeType::kDefault) {
     throw Error(ErrorCode::kModelConfig, config.path + ": rope type '" + config.rope_type_name +
-                "' is not supported by GGUF export yet (default and linear are)");
+                "' is not supported by GGUF export of '" + architecture.name + "' yet (default and linear are; longrope on phi3)");
   }
   metadata.emplace_back("general.file_type", file_type);
   metadata.emplace_back("general.quantization_version", kQuantizationVersion);
@@ -173,8 +186,8 @@ const GgufArchitecture& gguf_architecture_for(const HfModelConfig& config) {
     problem = config.architecture + " has no llama.cpp architecture qtrain writes";
   } else if (llama.sliding_window > 0 && llama.sliding_window < llama.max_position_embeddings &&
              std::find(llama.sliding_layers.begin(), llama.sliding_layers.end(), true) != llama.sliding_layers.end()) {
-    // llama.cpp's llama / qwen2 / qwen3 attend over every earlier key: beyond the window it would
-    // be a different model.
+    // llama.cpp's llama / qwen2 / qwen3 attend over every earlier key, and its phi3 reads
+    // sliding_window but turns it off: beyond the window it would be a different model.
     problem = config.architecture + " with sliding_window " + std::to_string(llama.sliding_window) + " (shorter than its " +
               std::to_string(llama.max_position_embeddings) + " positions) runs with full attention in llama.cpp's '" +
               found->name + "'";
@@ -184,8 +197,8 @@ const GgufArchitecture& gguf_architecture_for(const HfModelConfig& config) {
     problem = config.architecture + " with q_norm / k_norm: llama.cpp's '" + std::string(found->name) + "' reads none";
   }
   if (!problem.empty()) {
-    throw Error(ErrorCode::kUsage, "GGUF export: " + problem + " (it writes Llama, Mistral without a window shorter than "
-                "the context, Qwen2 and Qwen3); export safetensors-int or merged, and convert that with llama.cpp's "
+    throw Error(ErrorCode::kUsage, "GGUF export: " + problem + " (it writes Llama, Mistral and Phi-3 without a window "
+                "shorter than the context, Qwen2 and Qwen3); export safetensors-int or merged, and convert that with llama.cpp's "
                 "convert_hf_to_gguf.py");
   }
   return *found;
@@ -275,8 +288,33 @@ std::vector<std::pair<std::string, GgufValue>> gguf_tokenizer_metadata(const HfM
   return metadata;
 }
 
+namespace {
+
+// llama.cpp sets token attributes by general.name: a name holding "phi3" or "phi-3" makes it look
+// up "</s>", "<unk>", "<s>" and "<|endoftext|>" (Phi-3's sentencepiece tokens), and a vocabulary
+// without one of them fails to load. Such a name is written with "phi_3" instead.
+std::string name_llama_cpp_loads(std::string name, const std::string& base_dir) {
+  std::string lower = name;
+  std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
+  const bool phi3_rule = lower.find("phi3") != std::string::npos || lower.find("phi-3") != std::string::npos;
+  if (!phi3_rule) return name;
+  const auto tokenizer = data::Tokenizer::from_model_dir(base_dir);
+  bool has_all = true;
+  for (const char* token : {"</s>", "<unk>", "<s>", "<|endoftext|>"}) has_all = has_all && tokenizer.token_to_id(token).has_value();
+  if (has_all) return name;
+  for (const std::string spelling : {"phi3", "phi-3"}) {
+    for (auto at = lower.find(spelling); at != std::string::npos; at = lower.find(spelling, at + 1)) {
+      name.replace(at, spelling.size(), "phi_3");
+      lower.replace(at, spelling.size(), "phi_3");
+    }
+  }
+  return name;
+}
+
+}  // namespace
+
 void require_gguf_exportable(const HfModelConfig& config, const std::string& base_dir) {
-  gguf_architecture_for(config);
+  model_metadata(config, gguf_architecture_for(config), "", kAllF32);  // its rope too
   gguf_tokenizer_metadata(config, base_dir);
 }
 
@@ -328,6 +366,18 @@ void write_gguf_model(const LlamaForCausalLMImpl& model, const HfModelConfig& co
     }
     tensors.push_back(std::move(tensor));
   }
+  if (llama.rope.type == RopeType::kLongRope) {
+    for (const auto& [gguf_name, factors] : {std::pair{"rope_factors_long.weight", llama.rope.long_factor},
+                                             std::pair{"rope_factors_short.weight", llama.rope.short_factor}}) {
+      GgufTensorSource tensor;
+      tensor.name = gguf_name;
+      const auto values = torch::tensor(factors, torch::kFloat64).to(torch::kFloat32);
+      tensor.shape = values.sizes().vec();
+      tensor.type = GgufTensorType::kF32;
+      tensor.bytes = [values] { return tensor_bytes(values); };
+      tensors.push_back(std::move(tensor));
+    }
+  }
 
   const uint32_t file_type = any_q4                                        ? kMostlyQ4_0
                              : any_q8                                      ? kMostlyQ8_0
@@ -339,7 +389,8 @@ void write_gguf_model(const LlamaForCausalLMImpl& model, const HfModelConfig& co
     while (trimmed.size() > 1 && trimmed.back() == '/') trimmed.pop_back();
     name = trimmed.substr(trimmed.find_last_of('/') + 1);
   }
-  auto metadata = model_metadata(config, architecture.name, name, file_type);
+  name = name_llama_cpp_loads(name, base_dir);
+  auto metadata = model_metadata(config, architecture, name, file_type);
   for (auto& entry : gguf_tokenizer_metadata(config, base_dir)) metadata.push_back(std::move(entry));
   write_gguf(out_file, metadata, tensors);
 }

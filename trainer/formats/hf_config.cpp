@@ -233,6 +233,9 @@ void read_rope(const ConfigReader& config, const ModelFamily& family, LlamaOptio
   llama.sliding_rope = read_rope_settings(
       config, per_type && parameters.contains("sliding_attention") ? parameters.at("sliding_attention") : json::object(),
       parameters_key + ".sliding_attention", config.number_or("rope_local_base_freq", 10000.0), sliding_type);
+  if (llama.rope.type == RopeType::kLongRope || llama.sliding_rope->type == RopeType::kLongRope) {
+    config.fail("rope type 'longrope' per layer type is not supported (Phi-3's longrope is)");
+  }
 }
 
 // The layers that slide and over how many keys, as the family spells them (see

@@ -25,6 +25,17 @@ const NamedShape kShapes[] = {
     {"tiny", 8192, 256, 688, 4, 8, 2, 32, false, 500000.0, 1e-5, false, false},  // the shape of tests' tiny-llama
     {"gemma2-9b", 256000, 3584, 14336, 42, 16, 8, 256, true, 10000.0, 1e-6, false, false},
     {"gemma3-12b", 262208, 3840, 15360, 48, 16, 8, 256, true, 1000000.0, 1e-6, false, true},
+    {"phi4-mini", 200064, 3072, 8192, 32, 24, 8, 128, true, 10000.0, 1e-5, false, false},  // Phi-4-mini-instruct
+};
+
+// Phi-3's rows: fused projections and the rotated fraction of each head. (Their longrope factors
+// change the rotary tables' values, not the work: the rows keep the default rope.)
+struct Phi3Shape {
+  const char* name;
+  double partial_rotary_factor;
+};
+const Phi3Shape kPhi3Shapes[] = {
+    {"phi4-mini", 0.75},
 };
 
 // What Gemma's rows add (llama_options.h): the block, the score scale, the caps and the windows.
@@ -83,6 +94,11 @@ LlamaOptions llama_shape(const std::string& name) {
     options.query_key_norm = shape.query_key_norm;
     for (const auto& gemma : kGemmaShapes) {
       if (name == gemma.name) apply_gemma_shape(gemma, options);
+    }
+    for (const auto& phi3 : kPhi3Shapes) {
+      if (name != phi3.name) continue;
+      options.fused_projections = true;
+      options.partial_rotary_factor = phi3.partial_rotary_factor;
     }
     return options;
   }

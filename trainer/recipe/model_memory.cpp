@@ -185,6 +185,9 @@ TrainingMemorySetup training_memory_setup(const Recipe& recipe, const LlamaOptio
   setup.base = base_quantization(recipe, setup.compute_dtype);
   setup.adapter = lora_adapter_config(recipe);
   setup.full_finetune = recipe.lora.init_from.empty() && recipe.lora.rank == 0;
+  if (recipe.lora.init_from.empty() && !setup.full_finetune) {
+    require_model_projections(model, recipe.lora.target_modules, "lora.target_modules");
+  }
   setup.device = recipe.train.device == "cpu" ? torch::kCPU : torch::kCUDA;  // auto: a GPU, where runs go
   setup.micro_batch_size = recipe.train.micro_batch_size;
   setup.sequence_length = recipe.data.max_seq_len;
@@ -304,7 +307,7 @@ PeakMemoryEstimate estimate_peak_memory(const LlamaOptions& model, const Trainin
 std::vector<MemoryEstimate> training_memory_estimates(const LlamaOptions& model, int64_t lora_rank) {
   TrainingMemorySetup qlora;
   qlora.adapter.lora.rank = lora_rank;
-  qlora.adapter.targets.include.names = default_recipe().lora.target_modules;
+  qlora.adapter.targets.include.names = model.projection_names();  // every projection, fused ones by their names
   TrainingMemorySetup int8 = qlora;
   int8.base.kind = BaseQuantization::kInt8;
   TrainingMemorySetup lora = qlora;
