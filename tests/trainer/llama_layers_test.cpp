@@ -135,6 +135,37 @@ TEST(LlamaLayersCuda, SwigluMatchesTheReferenceForwardAndBackward) {
   }
 }
 
+// Phi-4-mini's partial rotary, written as transformers' apply_rotary_pos_emb: the leading
+// rotary_dim dimensions of each head turn (cos / sin as wide as them), the rest pass unchanged;
+// forward and backward, on the CPU and, through the fused kernel, on CUDA (bf16: equal).
+TEST(LlamaLayers, PartialRotaryTurnsTheLeadingDimensionsAndPassesTheRest) {
+  const auto transformers_partial = [](const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+    const int64_t rotary_dim = cos.size(-1);
+    const auto turned = x.narrow(-1, 0, rotary_dim);
+    const auto halves = turned.chunk(2, -1);
+    const auto rotated_half = torch::cat({-halves[1], halves[0]}, -1);
+    const auto c = cos.unsqueeze(2), s = sin.unsqueeze(2);  // [batch, seq, 1, rotary_dim] over the heads
+    return torch::cat({turned * c + rotated_half * s, x.narrow(-1, rotary_dim, x.size(-1) - rotary_dim)}, -1);
+  };
+  std::vector<torch::Device> devices = {torch::kCPU};
+  if (kernels::kCudaKernelsBuilt && torch::cuda::is_available()) devices.emplace_back(torch::kCUDA);
+  for (const auto& device : devices) {
+    const auto dtype = device.is_cuda() ? torch::kBFloat16 : torch::kFloat32;
+    const auto options = torch::TensorOptions().dtype(dtype).device(device);
+    torch::manual_seed(25);
+    const auto x = torch::randn({2, 9, 4, 24}).to(options);
+    const auto angles = torch::rand({2, 9, 9}) * 20;  // 18 of 24 dimensions turn (0.75)
+    const auto cos = torch::cat({angles.cos(), angles.cos()}, -1).to(options);
+    const auto sin = torch::cat({angles.sin(), angles.sin()}, -1).to(options);
+    const auto grad = torch::randn({2, 9, 4, 24}).to(options);
+    const auto ours = run([&](const auto& in) { return rotary_embedding(in[0], cos, sin); }, {x}, grad);
+    const auto theirs = run([&](const auto& in) { return transformers_partial(in[0], cos, sin); }, {x}, grad);
+    EXPECT_TRUE(torch::equal(ours.output, theirs.output)) << device;
+    EXPECT_TRUE(torch::equal(ours.grads[0], theirs.grads[0])) << device;
+    EXPECT_TRUE(torch::equal(ours.output.narrow(-1, 18, 6), x.narrow(-1, 18, 6))) << device;
+  }
+}
+
 TEST(LlamaLayers, OnTheCpuEachFunctionIsItsReference) {
   torch::manual_seed(24);
   const auto x = torch::randn({2, 3, 4, 8});
