@@ -246,6 +246,34 @@ void render_gemma(const std::vector<ChatMessage>& messages, const std::string& b
   }
 }
 
+// Phi-3 / Phi-3.5-mini's template: system, user and assistant turns as <|ROLE|>\nCONTENT<|end|>\n
+// (other roles render nothing, as the template's if-chain has no branch for them); Phi-3.5's skips a
+// system message with empty content. Without a generation prompt the text ends with eos_token.
+void render_phi3(const std::vector<ChatMessage>& messages, bool skip_empty_system, const std::string& eos_token,
+                 bool add_generation_prompt, SegmentWriter& out) {
+  for (const ChatMessage& message : messages) {
+    if (message.role != "system" && message.role != "user" && message.role != "assistant") continue;
+    if (message.role == "system" && skip_empty_system && message.content.empty()) continue;
+    const bool assistant = message.role == "assistant";
+    out.add("<|" + message.role + "|>\n", false);
+    out.add(message.content + "<|end|>", assistant);
+    out.add("\n", false);
+  }
+  if (!add_generation_prompt) out.add(eos_token, false);
+}
+
+// Phi-4-mini's: every message as <|ROLE|>CONTENT<|end|>, no newlines (a system message's tools are
+// not part of ChatMessage: the template's tools branch never applies). Ends as Phi-3's.
+void render_phi4_mini(const std::vector<ChatMessage>& messages, const std::string& eos_token,
+                      bool add_generation_prompt, SegmentWriter& out) {
+  for (const ChatMessage& message : messages) {
+    const bool assistant = message.role == "assistant";
+    out.add("<|" + message.role + "|>", false);
+    out.add(message.content + "<|end|>", assistant);
+  }
+  if (!add_generation_prompt) out.add(eos_token, false);
+}
+
 }  // namespace
 
 const std::vector<std::pair<ChatTemplate::Family, const char*>>& ChatTemplate::family_names() {
@@ -254,6 +282,8 @@ const std::vector<std::pair<ChatTemplate::Family, const char*>>& ChatTemplate::f
       {Family::kQwen3, "qwen3"},           {Family::kQwen3Instruct, "qwen3-instruct"},
       {Family::kQwen3Thinking, "qwen3-thinking"}, {Family::kMistralV1, "mistral-v1"},
       {Family::kMistralV3, "mistral-v3"},     {Family::kGemma, "gemma"},
+      {Family::kPhi3, "phi3"},                {Family::kPhi35, "phi3.5"},
+      {Family::kPhi4Mini, "phi4-mini"},
   };
   return names;
 }
@@ -333,6 +363,24 @@ ChatTemplate ChatTemplate::from_template_text(const std::string& text, const std
     throw Error(ErrorCode::kTokenizer, source + ": this <start_of_turn> template is not Gemma 1 / 2's, the one qtrain renders "
                 "(Gemma 3's folds the system message into the first turn and takes image content)" + force_hint);
   }
+  if (contains(text, "<|end|>") && contains(text, "add_generation_prompt") && contains(text, "eos_token") &&
+      !contains(text, "bos_token")) {
+    const bool turns_with_newlines = contains_literal(text, "'<|user|>\\n' + message['content'] + '<|end|>\\n'") &&
+                                     contains_literal(text, "'<|assistant|>\\n' + message['content'] + '<|end|>\\n'") &&
+                                     contains_literal(text, "{{ '<|assistant|>\\n' }}");
+    if (turns_with_newlines && contains(text, "message['role'] == 'system' and message['content'] %}")) {
+      return ChatTemplate(Family::kPhi35, bos_token, eos_token);
+    }
+    if (turns_with_newlines && contains(text, "message['role'] == 'system' %}")) {
+      return ChatTemplate(Family::kPhi3, bos_token, eos_token);
+    }
+    if (contains(text, "'<|' + message['role'] + '|>' + message['content'] + '<|end|>'") &&
+        contains(text, "{{ '<|assistant|>' }}")) {
+      return ChatTemplate(Family::kPhi4Mini, bos_token, eos_token);
+    }
+    throw Error(ErrorCode::kTokenizer, source + ": this <|end|> template is not one of Phi's that qtrain renders (Phi-3-mini: "
+                "phi3; Phi-3.5-mini: phi3.5; Phi-4-mini: phi4-mini)" + force_hint);
+  }
   throw Error(ErrorCode::kTokenizer, source + ": the chat template is not one qtrain recognises (supported families: " + supported_list() +
               "; qtrain renders templates without a Jinja engine)" + force_hint);
 }
@@ -389,6 +437,15 @@ std::vector<ChatSegment> ChatTemplate::render_segments(const std::vector<ChatMes
     case Family::kGemma:
       render_gemma(messages, bos_token_, out);
       generation_prompt = "<start_of_turn>model\n";
+      break;
+    case Family::kPhi3:
+    case Family::kPhi35:
+      render_phi3(messages, /*skip_empty_system=*/family_ == Family::kPhi35, eos_token_, add_generation_prompt, out);
+      generation_prompt = "<|assistant|>\n";
+      break;
+    case Family::kPhi4Mini:
+      render_phi4_mini(messages, eos_token_, add_generation_prompt, out);
+      generation_prompt = "<|assistant|>";
       break;
   }
   if (add_generation_prompt) out.add(generation_prompt, false);

@@ -16,6 +16,10 @@
 //                   the last user turn (Mistral 7B v0.3)
 //   gemma           {{bos}}<start_of_turn>user\nCONTENT|trim<end_of_turn>\n<start_of_turn>model\n ...;
 //                   no system message, turns alternate (Gemma 1 and Gemma 2 -it)
+//   phi3            <|ROLE|>\nCONTENT<|end|>\n for system / user / assistant, then {{eos}} or the
+//                   generation prompt <|assistant|>\n (Phi-3-mini); phi3.5 skips an empty system
+//                   message (Phi-3.5-mini)
+//   phi4-mini       <|ROLE|>CONTENT<|end|> for every message, then {{eos}} or <|assistant|>
 // Rendering in segments marks what a model learns to say: assistant content (with its reasoning)
 // and its end-of-turn token are trainable, everything else (headers, other roles) is not.
 #include <optional>
@@ -63,7 +67,9 @@ class ChatTemplate {
   std::string render(const std::vector<ChatMessage>& messages, bool add_generation_prompt) const;
 
  private:
-  enum class Family { kLlama3, kChatml, kQwen3, kQwen3Instruct, kQwen3Thinking, kMistralV1, kMistralV3, kGemma };
+  enum class Family {
+    kLlama3, kChatml, kQwen3, kQwen3Instruct, kQwen3Thinking, kMistralV1, kMistralV3, kGemma, kPhi3, kPhi35, kPhi4Mini
+  };
   // Each family with the name data.chat_template gives it.
   static const std::vector<std::pair<Family, const char*>>& family_names();
   ChatTemplate(Family family, std::string bos_token, std::string eos_token,

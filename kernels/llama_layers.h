@@ -1,6 +1,6 @@
 #pragma once
 // The elementwise and per-row pieces of a Llama decoder layer as single CUDA kernels, forward and
-// backward: RMSNorm, the rotary embedding and SwiGLU. Left to torch operations each is 4-10
+// backward: RMSNorm (Llama's and Gemma's), the rotary embedding, SwiGLU and GeGLU. Left to torch operations each is 4-10
 // kernels and as many round trips through memory (35% of an 8B LoRA step on an H100 went to them,
 // docs/PERFORMANCE.md).
 //
@@ -18,11 +18,12 @@
 namespace qtrain::kernels {
 
 // x [rows, width], weight [width] (x's dtype) -> (weight * dtype(x32 * rstd), rstd fp32 [rows]) with
-// rstd = 1 / sqrt(mean(x32^2) + eps).
-std::pair<at::Tensor, at::Tensor> rms_norm_forward_cuda(const at::Tensor& x, const at::Tensor& weight, double eps);
+// rstd = 1 / sqrt(mean(x32^2) + eps); unit_offset (Gemma): dtype(x32 * rstd * (1 + weight32)).
+std::pair<at::Tensor, at::Tensor> rms_norm_forward_cuda(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                                        bool unit_offset = false);
 // The gradient to x of the forward above, given its output's gradient and the saved rstd.
 at::Tensor rms_norm_backward_cuda(const at::Tensor& grad_output, const at::Tensor& x, const at::Tensor& weight,
-                                  const at::Tensor& rstd);
+                                  const at::Tensor& rstd, bool unit_offset = false);
 
 // x [batch, seq, heads, head_dim] (the projection's layout), cos/sin [batch, seq, head_dim] ->
 // x * cos + rotate_half(x) * sin, each product and the sum rounded to x's dtype. With `inverse`
@@ -34,5 +35,11 @@ at::Tensor swiglu_forward_cuda(const at::Tensor& gate, const at::Tensor& up);
 // (grad gate, grad up) of the forward above.
 std::pair<at::Tensor, at::Tensor> swiglu_backward_cuda(const at::Tensor& grad_output, const at::Tensor& gate,
                                                        const at::Tensor& up);
+
+// gelu_tanh(gate) * up (GeGLU, Gemma's), the GELU rounded to the dtype before the product, and
+// its backward.
+at::Tensor geglu_forward_cuda(const at::Tensor& gate, const at::Tensor& up);
+std::pair<at::Tensor, at::Tensor> geglu_backward_cuda(const at::Tensor& grad_output, const at::Tensor& gate,
+                                                      const at::Tensor& up);
 
 }  // namespace qtrain::kernels

@@ -8,10 +8,10 @@
 
 namespace qtrain::kernels {
 
-std::pair<at::Tensor, at::Tensor> rms_norm_forward_cuda(const at::Tensor&, const at::Tensor&, double) {
+std::pair<at::Tensor, at::Tensor> rms_norm_forward_cuda(const at::Tensor&, const at::Tensor&, double, bool) {
   no_cuda_kernels("rms_norm_forward_cuda");
 }
-at::Tensor rms_norm_backward_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+at::Tensor rms_norm_backward_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, bool) {
   no_cuda_kernels("rms_norm_backward_cuda");
 }
 at::Tensor rotary_embedding_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool) {
@@ -20,6 +20,10 @@ at::Tensor rotary_embedding_cuda(const at::Tensor&, const at::Tensor&, const at:
 at::Tensor swiglu_forward_cuda(const at::Tensor&, const at::Tensor&) { no_cuda_kernels("swiglu_forward_cuda"); }
 std::pair<at::Tensor, at::Tensor> swiglu_backward_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
   no_cuda_kernels("swiglu_backward_cuda");
+}
+at::Tensor geglu_forward_cuda(const at::Tensor&, const at::Tensor&) { no_cuda_kernels("geglu_forward_cuda"); }
+std::pair<at::Tensor, at::Tensor> geglu_backward_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  no_cuda_kernels("geglu_backward_cuda");
 }
 
 }  // namespace qtrain::kernels

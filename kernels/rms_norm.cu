@@ -1,6 +1,7 @@
 // RMSNorm forward and backward, one CUDA block per row (kernels/llama_layers.h). The forward is
 // transformers' LlamaRMSNorm: fp32 normalization, rounded to the input dtype, times the weight in
-// that dtype; the backward differentiates exactly those roundings' chain in fp32.
+// that dtype; or, kUnitOffset, Gemma's: the fp32 normalization times (1 + weight) in fp32, rounded
+// once. The backward differentiates exactly those roundings' chain in fp32.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAStream.h>
@@ -8,6 +9,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <string>
+#include <type_traits>
 
 #include "kernels/cuda_entry.cuh"
 #include "kernels/llama_layers.h"
@@ -34,7 +36,7 @@ __device__ float block_sum(float value) {
   return total;
 }
 
-template <typename scalar_t>
+template <typename scalar_t, bool kUnitOffset>
 __global__ void rms_norm_forward_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ weight,
                                         int64_t width, float eps, scalar_t* __restrict__ out,
                                         float* __restrict__ rstd_out) {
@@ -49,14 +51,27 @@ __global__ void rms_norm_forward_kernel(const scalar_t* __restrict__ x, const sc
   const float rstd = rsqrtf(mean + eps);
   if (threadIdx.x == 0) rstd_out[row] = rstd;
   for (int64_t i = threadIdx.x; i < width; i += kThreads) {
-    const scalar_t normalized = static_cast<scalar_t>(static_cast<float>(row_x[i]) * rstd);
-    out[row * width + i] = static_cast<scalar_t>(static_cast<float>(weight[i]) * static_cast<float>(normalized));
+    if constexpr (kUnitOffset) {
+      const float normalized = static_cast<float>(row_x[i]) * rstd;
+      out[row * width + i] = static_cast<scalar_t>(normalized * (1.0f + static_cast<float>(weight[i])));
+    } else {
+      const scalar_t normalized = static_cast<scalar_t>(static_cast<float>(row_x[i]) * rstd);
+      out[row * width + i] = static_cast<scalar_t>(static_cast<float>(weight[i]) * static_cast<float>(normalized));
+    }
   }
 }
 
+// The gradient reaching the fp32 normalized value: Llama's rounds dy * w to the dtype (its
+// product's rounding); Gemma's multiplies by (1 + w) in fp32.
+template <typename scalar_t, bool kUnitOffset>
+__device__ __forceinline__ float normalized_gradient(scalar_t grad_output, scalar_t weight) {
+  if constexpr (kUnitOffset) return static_cast<float>(grad_output) * (1.0f + static_cast<float>(weight));
+  return static_cast<float>(static_cast<scalar_t>(static_cast<float>(grad_output) * static_cast<float>(weight)));
+}
+
 // y = w * n_t, n_t = dtype(n), n = x * r, r = rsqrt(mean(x^2) + eps):
-// dn = dtype(dy * w) (the product's rounding), dx = r dn - x r^3 mean(dn x).
-template <typename scalar_t>
+// dn = dtype(dy * w) (the product's rounding; Gemma's: dy (1 + w)), dx = r dn - x r^3 mean(dn x).
+template <typename scalar_t, bool kUnitOffset>
 __global__ void rms_norm_backward_kernel(const scalar_t* __restrict__ grad_output, const scalar_t* __restrict__ x,
                                          const scalar_t* __restrict__ weight, const float* __restrict__ rstd,
                                          int64_t width, scalar_t* __restrict__ grad_x) {
@@ -64,15 +79,13 @@ __global__ void rms_norm_backward_kernel(const scalar_t* __restrict__ grad_outpu
   const int64_t offset = row * width;
   float dot = 0.0f;
   for (int64_t i = threadIdx.x; i < width; i += kThreads) {
-    const float grad_normalized =
-        static_cast<float>(static_cast<scalar_t>(static_cast<float>(grad_output[offset + i]) * static_cast<float>(weight[i])));
+    const float grad_normalized = normalized_gradient<scalar_t, kUnitOffset>(grad_output[offset + i], weight[i]);
     dot += grad_normalized * static_cast<float>(x[offset + i]);
   }
   const float r = rstd[row];
   const float correction = block_sum(dot) / static_cast<float>(width) * r * r * r;
   for (int64_t i = threadIdx.x; i < width; i += kThreads) {
-    const float grad_normalized =
-        static_cast<float>(static_cast<scalar_t>(static_cast<float>(grad_output[offset + i]) * static_cast<float>(weight[i])));
+    const float grad_normalized = normalized_gradient<scalar_t, kUnitOffset>(grad_output[offset + i], weight[i]);
     grad_x[offset + i] = static_cast<scalar_t>(r * grad_normalized - static_cast<float>(x[offset + i]) * correction);
   }
 }
@@ -88,9 +101,20 @@ void check_rows(const at::Tensor& x, const at::Tensor& weight, const std::string
   }
 }
 
+// Runs body with the kernels' kUnitOffset as a compile-time constant.
+template <typename Body>
+void with_unit_offset(bool unit_offset, const Body& body) {
+  if (unit_offset) {
+    body(std::true_type{});
+  } else {
+    body(std::false_type{});
+  }
+}
+
 }  // namespace
 
-std::pair<at::Tensor, at::Tensor> rms_norm_forward_cuda(const at::Tensor& x, const at::Tensor& weight, double eps) {
+std::pair<at::Tensor, at::Tensor> rms_norm_forward_cuda(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                                        bool unit_offset) {
   check_rows(x, weight, "rms_norm_forward_cuda");
   const c10::cuda::CUDAGuard device_guard(x.device());
   auto out = at::empty_like(x);
@@ -98,16 +122,19 @@ std::pair<at::Tensor, at::Tensor> rms_norm_forward_cuda(const at::Tensor& x, con
   if (x.numel() == 0) return {out, rstd};
   dispatch_float_type(x.scalar_type(), "rms_norm_forward_cuda: x", [&](auto type_tag) {
     using scalar_t = decltype(type_tag);
-    rms_norm_forward_kernel<scalar_t><<<static_cast<unsigned>(x.size(0)), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), x.size(1), static_cast<float>(eps), out.data_ptr<scalar_t>(),
-        rstd.data_ptr<float>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    with_unit_offset(unit_offset, [&](auto offset) {
+      rms_norm_forward_kernel<scalar_t, decltype(offset)::value>
+          <<<static_cast<unsigned>(x.size(0)), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+              x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), x.size(1), static_cast<float>(eps),
+              out.data_ptr<scalar_t>(), rstd.data_ptr<float>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
   });
   return {out, rstd};
 }
 
 at::Tensor rms_norm_backward_cuda(const at::Tensor& grad_output, const at::Tensor& x, const at::Tensor& weight,
-                                  const at::Tensor& rstd) {
+                                  const at::Tensor& rstd, bool unit_offset) {
   check_rows(x, weight, "rms_norm_backward_cuda");
   check_cuda_tensor(grad_output, "rms_norm_backward_cuda: grad_output");
   check_cuda_tensor(rstd, "rms_norm_backward_cuda: rstd");
@@ -121,10 +148,13 @@ at::Tensor rms_norm_backward_cuda(const at::Tensor& grad_output, const at::Tenso
   if (x.numel() == 0) return grad_x;
   dispatch_float_type(x.scalar_type(), "rms_norm_backward_cuda: x", [&](auto type_tag) {
     using scalar_t = decltype(type_tag);
-    rms_norm_backward_kernel<scalar_t><<<static_cast<unsigned>(x.size(0)), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        grad_output.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), rstd.data_ptr<float>(),
-        x.size(1), grad_x.data_ptr<scalar_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    with_unit_offset(unit_offset, [&](auto offset) {
+      rms_norm_backward_kernel<scalar_t, decltype(offset)::value>
+          <<<static_cast<unsigned>(x.size(0)), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+              grad_output.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
+              rstd.data_ptr<float>(), x.size(1), grad_x.data_ptr<scalar_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
   });
   return grad_x;
 }

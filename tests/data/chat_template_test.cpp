@@ -190,6 +190,11 @@ std::vector<ChatCase> cases_for(const std::string& family) {
     // No system role; an odd turn of another role renders under its own name.
     cases.push_back({{{"user", "One"}, {"assistant", " 1 "}, {"user", "Two"}, {"assistant", "\t2\n"}}, false});
     cases.push_back({{{"user", "a"}, {"user", "b"}}, false});  // not alternating: both refuse
+  } else if (family.rfind("phi", 0) == 0) {
+    // An empty system message (Phi-3.5 drops it), a role the template has no branch for (Phi-3
+    // renders nothing of it, Phi-4-mini its <|tool|> turn), turns in any order.
+    cases.push_back({{{"system", ""}, {"user", "One"}, {"assistant", "1"}, {"tool", "{\"x\": 1}"}, {"assistant", "2"}}, false});
+    cases.push_back({{{"user", "a"}, {"user", "b"}}, true});
   } else {
     cases.push_back({{{"system", "Be brief."}, {"user", "One"}, {"assistant", "1"}, {"user", "Two"}, {"assistant", "2"}}, false});
     cases.push_back({{{"user", "a"}, {"user", "b"}}, false});  // not alternating: both refuse
@@ -257,11 +262,14 @@ INSTANTIATE_TEST_SUITE_P(Models, ReleasedChatTemplate,
                                            ReleasedTemplate{"qwen3-thinking-2507.jinja", "qwen3-thinking"},
                                            ReleasedTemplate{"mistral-7b-v0.1.jinja", "mistral-v1"},
                                            ReleasedTemplate{"mistral-7b-v0.3.jinja", "mistral-v3"},
-                                           ReleasedTemplate{"gemma-2.jinja", "gemma"}),
+                                           ReleasedTemplate{"gemma-2.jinja", "gemma"},
+                                           ReleasedTemplate{"phi-3-mini-4k.jinja", "phi3"},
+                                           ReleasedTemplate{"phi-3.5-mini.jinja", "phi3.5"},
+                                           ReleasedTemplate{"phi-4-mini.jinja", "phi4-mini"}),
                          [](const auto& info) {
                            std::string name = info.param.family;
                            for (auto& character : name) {
-                             if (character == '-') character = '_';
+                             if (character == '-' || character == '.') character = '_';
                            }
                            return name;
                          });

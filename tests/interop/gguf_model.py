@@ -6,7 +6,7 @@
         the type, the shape, and that gguf.quants.dequantize gives exactly the expected values;
         that the file has no other tensors; and the tokenizer metadata against TOKENIZER_DIR's
         tokenizer.json as the tokenizers library reads it (tokens by id, merges, special ids); and
-        that general.architecture is ARCHITECTURE (llama, qwen2, qwen3), which gguf-py knows.
+        that general.architecture is ARCHITECTURE (llama, qwen2, qwen3, phi3, gemma2, gemma3), which gguf-py knows.
         Prints what differs and exits 1 on any difference.
     python gguf_model.py llama-cpp MODEL.gguf TEXT OUT.safetensors
         Runs llama.cpp (llama-cpp-python) on TEXT tokenized by llama.cpp itself (BOS added as the

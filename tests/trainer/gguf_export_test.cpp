@@ -56,11 +56,15 @@ std::map<std::string, ExpectedTensor> expected_tensors(LoadedModel& loaded, Gguf
       values = layer->second->weight_fake_quant().forward(layer->second->inner()->dense_weight(torch::kFloat32));
       type = quantized_type;
     }
-    // llama.cpp's Qwen architectures rotate halves, as transformers does: their rows stay.
-    const bool permuted = loaded.config.family->gguf_architecture == "llama";
+    // llama.cpp's Qwen, Phi-3 and Gemma architectures rotate halves, as transformers does: their rows stay.
+    const auto& architecture = loaded.config.family->gguf_architecture;
+    const bool permuted = architecture == "llama";
     if (permuted && name.find("q_proj") != std::string::npos) values = llama_cpp_permute(values, options.num_attention_heads);
     if (permuted && name.find("k_proj") != std::string::npos) values = llama_cpp_permute(values, options.num_key_value_heads);
-    expected[gguf_tensor_name(name)] = {values.contiguous(), type};
+    // Gemma's norms as llama.cpp multiplies them: 1 + w (convert_hf_to_gguf adds the 1).
+    const bool norm = name.size() > 11 && name.compare(name.size() - 11, 11, "norm.weight") == 0;
+    if (options.norm_style == NormStyle::kGemma && norm) values = values + 1;
+    expected[gguf_tensor_name(name, architecture)] = {values.contiguous(), type};
   }
   return expected;
 }
@@ -216,7 +220,8 @@ TEST_P(GgufExportFamily, TensorsAndHyperparametersAreTheArchitecturesOwn) {
   const auto file = GgufFile::open(path);
   const auto& options = loaded.config.llama;
   const auto expected = expected_tensors(loaded, GgufTensorType::kQ4_0);
-  EXPECT_EQ(expect_tensors_equal(file, expected, qat::GgufBlockType::kQ4_0), 7 * options.num_hidden_layers);
+  EXPECT_EQ(expect_tensors_equal(file, expected, qat::GgufBlockType::kQ4_0),
+            static_cast<int64_t>(options.projection_names().size()) * options.num_hidden_layers);
   const auto& architecture = GetParam().architecture;
   EXPECT_EQ(file.value("general.architecture").as<std::string>("arch"), architecture);
   EXPECT_EQ(file.value(architecture + ".block_count").as<uint32_t>("blocks"), options.num_hidden_layers);
@@ -224,7 +229,18 @@ TEST_P(GgufExportFamily, TensorsAndHyperparametersAreTheArchitecturesOwn) {
   EXPECT_EQ(file.value(architecture + ".rope.freq_base").as<float>("theta"), static_cast<float>(options.rope.theta));
   const bool has_bias = expected.count("blk.0.attn_q.bias") > 0, has_norm = expected.count("blk.0.attn_q_norm.weight") > 0;
   EXPECT_EQ(has_bias, architecture == "qwen2");
-  EXPECT_EQ(has_norm, architecture == "qwen3");
+  EXPECT_EQ(has_norm, architecture == "qwen3" || architecture == "gemma3");
+  // Phi-3's fused projections stay fused; Gemma's sandwich norms take llama.cpp's names.
+  EXPECT_EQ(expected.count("blk.0.attn_qkv.weight") > 0, architecture == "phi3");
+  EXPECT_EQ(expected.count("blk.0.post_ffw_norm.weight") > 0, architecture == "gemma2" || architecture == "gemma3");
+  if (architecture == "gemma2") {
+    EXPECT_EQ(file.value("gemma2.attn_logit_softcapping").as<float>("cap"), static_cast<float>(options.attention_softcap));
+    EXPECT_EQ(file.value("gemma2.final_logit_softcapping").as<float>("cap"), static_cast<float>(options.final_logit_softcap));
+  }
+  if (architecture == "gemma2" || architecture == "gemma3") {
+    EXPECT_EQ(file.value(architecture + ".attention.sliding_window").as<uint32_t>("window"), options.sliding_window);
+    EXPECT_EQ(file.value(architecture + ".attention.sliding_window_pattern").as<uint32_t>("pattern"), 2u);  // slide, full
+  }
 }
 
 TEST_P(GgufExportFamily, GgufPyReadsTheArchitecturesTensors) {
@@ -258,8 +274,12 @@ TEST_P(GgufExportFamily, LlamaCppRunsItWithOurLogits) {
                     "minutes); QTRAIN_LLAMA_CPP=0 skips it";
   }
   TempDir temp;
-  // The trained tiny-llama as it is; the random family fixtures with sharper attention.
-  const double query_key_scale = GetParam().fixture_dir == "tiny-llama" ? 1.0 : 6.0;
+  // The trained tiny-llama as it is; the random family fixtures with sharper attention, except
+  // Gemma's: llama.cpp's Q8_0 activations move Gemma's logits more the sharper its attention is
+  // (2% of the range as they are, 25-40% with queries and keys x6), where its F32 export below
+  // agrees with ours to 1e-3 with them x6.
+  const bool gemma = GetParam().architecture.rfind("gemma", 0) == 0;
+  const double query_key_scale = GetParam().fixture_dir == "tiny-llama" || gemma ? 1.0 : 6.0;
   auto loaded = qat_model_of(model_dir(), qat::QuantSpec::gguf_q4_0(), std::nullopt, query_key_scale);
   const auto path = temp.file("model.gguf");
   write_gguf_model(*loaded.model, loaded.config, model_dir(), path);
@@ -292,9 +312,38 @@ TEST_P(GgufExportFamily, LlamaCppRunsItWithOurLogits) {
   EXPECT_GE(top1, 0.9);
 }
 
+// The layout alone, without llama.cpp's Q8_0 activations: the model unquantized, written F32,
+// attention sharpened so that a wrong rope layout, norm or score scale shows (tens of percent).
+// llama.cpp's F32 matmuls and F16 KV cache round differently from ours: 2e-4 to 4e-4 of the logits'
+// range. Gemma's GeGLU adds llama.cpp's CPU GELU, which rounds its input to fp16 and reads a table
+// (ggml-cpu's GGML_GELU_FP16): 6.5e-3 (Gemma 2) and 1.3e-2 (Gemma 3) here, 6e-4 unsharpened.
+TEST_P(GgufExportFamily, LlamaCppRunsTheF32ExportWithOurLogits) {
+  const auto python = testing::find_python_with("llama_cpp safetensors torch");
+  if (python.empty()) GTEST_SKIP() << "no Python with llama_cpp (tools/run-tests.sh installs it)";
+  TempDir temp;
+  auto loaded = load_llama(model_dir());
+  testing_qat::sharpen_attention(loaded, GetParam().fixture_dir == "tiny-llama" ? 1.0 : 6.0);
+  loaded.model->eval();
+  write_gguf_model(*loaded.model, loaded.config, model_dir(), temp.file("model.gguf"));
+  const std::string text = "The jury further said in term-end presentments that the City Executive Committee, which had "
+                           "over-all charge of the election, deserves the praise and thanks of the City of Atlanta.";
+  const std::string command = "'" + python + "' '" + testing::source_dir() + "/tests/interop/gguf_model.py' llama-cpp '" +
+                              temp.file("model.gguf") + "' '" + text + "' '" + temp.file("llama_cpp.safetensors") + "' 2>&1";
+  const auto result = testing::run_command(command);
+  ASSERT_EQ(result.status, 0) << command << "\n" << result.output;
+  const auto theirs = SafetensorsCheckpoint::open(temp.file("llama_cpp.safetensors"));
+  const auto ours = testing_outputs::logits_of(*loaded.model, theirs.tensor("input_ids"));
+  const double relative = testing_outputs::max_relative_error(theirs.tensor("logits"), ours);
+  std::printf("[ measured ] llama.cpp vs ours, F32 export of %s: %.3g of the largest logit\n", GetParam().fixture_dir.c_str(),
+              relative);
+  EXPECT_LT(relative, GetParam().architecture.rfind("gemma", 0) == 0 ? 2e-2 : 3e-3);
+}
+
 INSTANTIATE_TEST_SUITE_P(Families, GgufExportFamily,
                          ::testing::Values(GgufModel{"tiny-llama", "llama"}, GgufModel{"families/mistral", "llama"},
-                                           GgufModel{"families/qwen2", "qwen2"}, GgufModel{"families/qwen3", "qwen3"}),
+                                           GgufModel{"families/qwen2", "qwen2"}, GgufModel{"families/qwen3", "qwen3"},
+                                           GgufModel{"families/phi3", "phi3"}, GgufModel{"families/gemma2", "gemma2"},
+                                           GgufModel{"families/gemma3", "gemma3"}),
                          [](const auto& info) {
                            const auto& dir = info.param.fixture_dir;
                            return dir == "tiny-llama" ? std::string("Llama") : dir.substr(dir.find('/') + 1);

@@ -1,4 +1,4 @@
-// The fused CUDA RMSNorm, rotary embedding and SwiGLU (trainer/model/llama_layers.h) against the torch
+// The fused CUDA RMSNorm (Llama's and Gemma's), rotary embedding, SwiGLU and GeGLU (trainer/model/llama_layers.h) against the torch
 // operations of transformers' modeling_llama.py on the same GPU, forward and backward, on fresh
 // random inputs in bf16, fp16 and fp32. Tolerance: one step of the dtype relative to each value
 // (the kernels round where the operations round; what may differ is the order of RMSNorm's fp32
@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <tuple>
 #include <utility>
 #include <string>
 
@@ -93,6 +94,30 @@ TEST(LlamaLayersCuda, RmsNormMatchesTheReferenceForwardAndBackward) {
   }
 }
 
+// Gemma's (1 + w) RMSNorm: one rounding (the product, in fp32, to the dtype), so one step; the
+// input gradient as Llama's. The weight gradient (full fine-tuning) is held to the float64 sum of
+// dy * n with n unrounded, as autograd differentiates the fp32 product.
+TEST(LlamaLayersCuda, GemmaRmsNormMatchesTheReferenceForwardAndBackward) {
+  SKIP_WITHOUT_CUDA();
+  for (const auto dtype : kDtypes) {
+    torch::manual_seed(26);
+    const auto x = (torch::randn({3, 37, 1000}) * 3).to(on_cuda(dtype));
+    const auto weight = (0.3 * torch::randn({1000})).to(on_cuda(dtype));  // around Gemma's zero init
+    const auto grad = torch::randn({3, 37, 1000}).to(on_cuda(dtype));
+    const auto fused = run([](const auto& in) { return unit_offset_rms_norm(in[0], in[1], 1e-6); }, {x, weight}, grad);
+    const auto expected =
+        run([](const auto& in) { return unit_offset_rms_norm_reference(in[0], in[1], 1e-6); }, {x, weight}, grad);
+    const std::string name = c10::toString(dtype);
+    expect_within_steps(fused.output, expected.output, fp32_spread(dtype, 0.0), "Gemma RMSNorm output " + name);
+    expect_within_steps(fused.grads[0], expected.grads[0], fp32_spread(dtype, 0.05), "Gemma RMSNorm input gradient " + name);
+    const auto normalized = x.to(torch::kFloat32).reshape({-1, 1000}) *
+                            torch::rsqrt(x.to(torch::kFloat32).reshape({-1, 1000}).pow(2).mean(-1, true) + 1e-6);
+    const auto exact = (grad.reshape({-1, 1000}).to(torch::kFloat64) * normalized.to(torch::kFloat64)).sum(0);
+    expect_within_steps(fused.grads[1], exact.to(dtype), dtype == torch::kFloat32 ? 1.0 : 0.01,
+                        "Gemma RMSNorm weight gradient " + name);
+  }
+}
+
 TEST(LlamaLayersCuda, RotaryEmbeddingEqualsTheReferenceForwardAndBackward) {
   SKIP_WITHOUT_CUDA();
   for (const auto dtype : kDtypes) {
@@ -116,22 +141,27 @@ TEST(LlamaLayersCuda, RotaryEmbeddingEqualsTheReferenceForwardAndBackward) {
   }
 }
 
-TEST(LlamaLayersCuda, SwigluMatchesTheReferenceForwardAndBackward) {
+// SwiGLU and Gemma's GeGLU: the activation rounded to the dtype, then the product.
+TEST(LlamaLayersCuda, GatedActivationsMatchTheReferenceForwardAndBackward) {
   SKIP_WITHOUT_CUDA();
-  // 999 columns take the one-value kernel, 1024 the 16-byte one.
-  for (const auto& [dtype, width] : {std::pair{torch::kBFloat16, 999}, std::pair{torch::kBFloat16, 1024},
-                                     std::pair{torch::kHalf, 1024}, std::pair{torch::kFloat32, 999},
-                                     std::pair{torch::kFloat32, 1024}}) {
-    torch::manual_seed(23);
-    const auto gate = (torch::randn({5, width}) * 4).to(on_cuda(dtype));
-    const auto up = torch::randn({5, width}).to(on_cuda(dtype));
-    const auto grad = torch::randn({5, width}).to(on_cuda(dtype));
-    const auto fused = run([](const auto& in) { return swiglu(in[0], in[1]); }, {gate, up}, grad);
-    const auto expected = run([](const auto& in) { return swiglu_reference(in[0], in[1]); }, {gate, up}, grad);
-    const std::string name = std::string(c10::toString(dtype)) + " x " + std::to_string(width);
-    expect_within_steps(fused.output, expected.output, fp32_spread(dtype, 0.0), "SwiGLU output " + name);
-    expect_within_steps(fused.grads[0], expected.grads[0], fp32_spread(dtype, 1e-3), "SwiGLU gate gradient " + name);
-    expect_within_steps(fused.grads[1], expected.grads[1], fp32_spread(dtype, 0.0), "SwiGLU up gradient " + name);
+  using Gated = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&);
+  for (const auto& [name, fused_path, reference] : {std::tuple<std::string, Gated, Gated>{"SwiGLU", swiglu, swiglu_reference},
+                                                   std::tuple<std::string, Gated, Gated>{"GeGLU", geglu, geglu_reference}}) {
+    // 999 columns take the one-value kernel, 1024 the 16-byte one.
+    for (const auto& [dtype, width] : {std::pair{torch::kBFloat16, 999}, std::pair{torch::kBFloat16, 1024},
+                                       std::pair{torch::kHalf, 1024}, std::pair{torch::kFloat32, 999},
+                                       std::pair{torch::kFloat32, 1024}}) {
+      torch::manual_seed(23);
+      const auto gate = (torch::randn({5, width}) * 4).to(on_cuda(dtype));
+      const auto up = torch::randn({5, width}).to(on_cuda(dtype));
+      const auto grad = torch::randn({5, width}).to(on_cuda(dtype));
+      const auto fused = run([&](const auto& in) { return fused_path(in[0], in[1]); }, {gate, up}, grad);
+      const auto expected = run([&](const auto& in) { return reference(in[0], in[1]); }, {gate, up}, grad);
+      const std::string what = name + " " + c10::toString(dtype) + " x " + std::to_string(width);
+      expect_within_steps(fused.output, expected.output, fp32_spread(dtype, 0.0), what + " output");
+      expect_within_steps(fused.grads[0], expected.grads[0], fp32_spread(dtype, 1e-3), what + " gate gradient");
+      expect_within_steps(fused.grads[1], expected.grads[1], fp32_spread(dtype, 0.0), what + " up gradient");
+    }
   }
 }
 
@@ -176,6 +206,8 @@ TEST(LlamaLayers, OnTheCpuEachFunctionIsItsReference) {
   const auto weight = torch::rand({8});
   EXPECT_TRUE(torch::equal(rms_norm(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6)));
   EXPECT_TRUE(torch::equal(swiglu(x, x * 2), swiglu_reference(x, x * 2)));
+  EXPECT_TRUE(torch::equal(geglu(x, x * 2), geglu_reference(x, x * 2)));
+  EXPECT_TRUE(torch::equal(unit_offset_rms_norm(x, weight, 1e-6), unit_offset_rms_norm_reference(x, weight, 1e-6)));
   // The rotation keeps each pair's norm: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s).
   const auto rotated = rotary_embedding_reference(x, cos, sin);
   const auto norms = [](const torch::Tensor& t) {

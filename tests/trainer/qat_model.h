@@ -10,21 +10,36 @@
 
 namespace qtrain::trainer::testing_qat {
 
-// `query_key_scale` multiplies the q / k projections (and biases) first: the family fixtures'
-// random weights attend almost uniformly, and under uniform attention a wrong rotary layout
-// hardly shows in the logits.
+// Multiplies every query and key by `query_key_scale` (the q / k projections and biases, or, where
+// q / k norms follow them, those norms): the family fixtures' random weights attend almost
+// uniformly, and under uniform attention a wrong rotary layout hardly shows in the logits.
+inline void sharpen_attention(LoadedModel& loaded, double query_key_scale) {
+  if (query_key_scale != 1.0) {
+    torch::NoGradGuard no_grad;
+    const auto& options = loaded.config.llama;
+    const bool normed = options.query_key_norm;  // the norm undoes a scaled projection: scale after it
+    for (auto& item : loaded.model->named_parameters()) {
+      const auto& name = item.key();
+      if (normed && (name.find("q_norm.") != std::string::npos || name.find("k_norm.") != std::string::npos)) {
+        // Llama's x w, Gemma's x (1 + w): both come out query_key_scale times larger.
+        auto& weight = item.value();
+        weight.copy_(options.norm_style == NormStyle::kGemma ? (weight + 1) * query_key_scale - 1 : weight * query_key_scale);
+      } else if (!normed && (name.find("q_proj.") != std::string::npos || name.find("k_proj.") != std::string::npos)) {
+        item.value().mul_(query_key_scale);
+      } else if (!normed && name.find("qkv_proj.") != std::string::npos) {
+        // Phi-3's fused rows: q's and k's, not v's.
+        item.value().narrow(0, 0, (options.num_attention_heads + options.num_key_value_heads) * options.head_dim).mul_(query_key_scale);
+      }
+    }
+  }
+}
+
+// `model_dir`'s model, attention sharpened (above), every linear layer fake-quantized.
 inline LoadedModel qat_model_of(const std::string& model_dir, const qat::QuantSpec& weights,
                                 const std::optional<qat::QuantSpec>& activations = std::nullopt,
                                 double query_key_scale = 1.0) {
   auto loaded = load_llama(model_dir);
-  if (query_key_scale != 1.0) {
-    torch::NoGradGuard no_grad;
-    for (auto& item : loaded.model->named_parameters()) {
-      if (item.key().find("q_proj.") != std::string::npos || item.key().find("k_proj.") != std::string::npos) {
-        item.value().mul_(query_key_scale);
-      }
-    }
-  }
+  sharpen_attention(loaded, query_key_scale);
   qat::QatLinearOptions options;
   options.weights.spec = weights;
   if (activations) {

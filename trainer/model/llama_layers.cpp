@@ -18,10 +18,11 @@ bool on_fused_kernels(const torch::Tensor& tensor) {
 class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
  public:
   static torch::Tensor forward(AutogradContext* context, const torch::Tensor& x, const torch::Tensor& weight,
-                               double eps) {
+                               double eps, bool unit_offset) {
     const auto rows = x.reshape({-1, x.size(-1)}).contiguous();
-    auto [out, rstd] = kernels::rms_norm_forward_cuda(rows, weight.contiguous(), eps);
+    auto [out, rstd] = kernels::rms_norm_forward_cuda(rows, weight.contiguous(), eps, unit_offset);
     context->save_for_backward({rows, weight, rstd});
+    context->saved_data["unit_offset"] = unit_offset;
     return out.view(x.sizes());
   }
 
@@ -30,15 +31,18 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
     const auto& rows = saved[0];
     const auto& weight = saved[1];
     const auto& rstd = saved[2];
+    const bool unit_offset = context->saved_data["unit_offset"].toBool();
     const auto grad_rows = grads[0].reshape(rows.sizes()).contiguous();
-    auto grad_x = kernels::rms_norm_backward_cuda(grad_rows, rows, weight.contiguous(), rstd);
+    auto grad_x = kernels::rms_norm_backward_cuda(grad_rows, rows, weight.contiguous(), rstd, unit_offset);
     torch::Tensor grad_weight;
     if (context->needs_input_grad(1)) {
-      // Trained norms only (full fine-tuning): the weight's gradient is sum over rows of dy * n_t.
-      const auto normalized = (rows.to(torch::kFloat32) * rstd.unsqueeze(1)).to(rows.scalar_type());
-      grad_weight = (grad_rows.to(torch::kFloat32) * normalized.to(torch::kFloat32)).sum(0).to(weight.scalar_type());
+      // Trained norms only (full fine-tuning): the weight's gradient is sum over rows of dy * n_t
+      // (Gemma's: of dy * n, its normalized value never rounded).
+      auto normalized = rows.to(torch::kFloat32) * rstd.unsqueeze(1);
+      if (!unit_offset) normalized = normalized.to(rows.scalar_type()).to(torch::kFloat32);
+      grad_weight = (grad_rows.to(torch::kFloat32) * normalized).sum(0).to(weight.scalar_type());
     }
-    return {grad_x.view(grads[0].sizes()), grad_weight, torch::Tensor()};
+    return {grad_x.view(grads[0].sizes()), grad_weight, torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -59,21 +63,37 @@ class RotaryFunction : public torch::autograd::Function<RotaryFunction> {
   }
 };
 
-class SwigluFunction : public torch::autograd::Function<SwigluFunction> {
+// act(gate) * up through one kernel each way: SwiGLU's or GeGLU's (kernels/llama_layers.h).
+struct SiluKernels {
+  static constexpr auto forward = kernels::swiglu_forward_cuda;
+  static constexpr auto backward = kernels::swiglu_backward_cuda;
+};
+struct GeluTanhKernels {
+  static constexpr auto forward = kernels::geglu_forward_cuda;
+  static constexpr auto backward = kernels::geglu_backward_cuda;
+};
+
+template <typename Kernels>
+class GatedActivationFunction : public torch::autograd::Function<GatedActivationFunction<Kernels>> {
  public:
   static torch::Tensor forward(AutogradContext* context, const torch::Tensor& gate, const torch::Tensor& up) {
     const auto gate_values = gate.contiguous();
     const auto up_values = up.contiguous();
     context->save_for_backward({gate_values, up_values});
-    return kernels::swiglu_forward_cuda(gate_values, up_values);
+    return Kernels::forward(gate_values, up_values);
   }
 
   static variable_list backward(AutogradContext* context, variable_list grads) {
     const auto saved = context->get_saved_variables();
-    auto [grad_gate, grad_up] = kernels::swiglu_backward_cuda(grads[0].contiguous(), saved[0], saved[1]);
+    auto [grad_gate, grad_up] = Kernels::backward(grads[0].contiguous(), saved[0], saved[1]);
     return {grad_gate, grad_up};
   }
 };
+
+bool kernels_take_pair(const torch::Tensor& gate, const torch::Tensor& up) {
+  return on_fused_kernels(gate) && up.scalar_type() == gate.scalar_type() && up.device() == gate.device() &&
+         gate.sizes() == up.sizes();
+}
 
 torch::Tensor rotate_half(const torch::Tensor& x) {
   auto halves = x.chunk(2, -1);
@@ -90,7 +110,7 @@ torch::Tensor rms_norm_reference(const torch::Tensor& x, const torch::Tensor& we
   return weight * x32.to(input_dtype);
 }
 
-torch::Tensor unit_offset_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+torch::Tensor unit_offset_rms_norm_reference(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   auto x32 = x.to(torch::kFloat32);
   x32 = x32 * torch::rsqrt(x32.pow(2).mean(-1, /*keepdim=*/true) + eps);
   return (x32 * (1.0 + weight.to(torch::kFloat32))).to(x.scalar_type());
@@ -98,9 +118,16 @@ torch::Tensor unit_offset_rms_norm(const torch::Tensor& x, const torch::Tensor& 
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   if (on_fused_kernels(x) && weight.scalar_type() == x.scalar_type() && weight.device() == x.device()) {
-    return RmsNormFunction::apply(x, weight, eps);
+    return RmsNormFunction::apply(x, weight, eps, /*unit_offset=*/false);
   }
   return rms_norm_reference(x, weight, eps);
+}
+
+torch::Tensor unit_offset_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  if (on_fused_kernels(x) && weight.scalar_type() == x.scalar_type() && weight.device() == x.device()) {
+    return RmsNormFunction::apply(x, weight, eps, /*unit_offset=*/true);
+  }
+  return unit_offset_rms_norm_reference(x, weight, eps);
 }
 
 torch::Tensor rotary_embedding_reference(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
@@ -131,15 +158,17 @@ torch::Tensor swiglu_reference(const torch::Tensor& gate, const torch::Tensor& u
 }
 
 torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tensor& up) {
-  if (on_fused_kernels(gate) && up.scalar_type() == gate.scalar_type() && up.device() == gate.device() &&
-      gate.sizes() == up.sizes()) {
-    return SwigluFunction::apply(gate, up);
-  }
+  if (kernels_take_pair(gate, up)) return GatedActivationFunction<SiluKernels>::apply(gate, up);
   return swiglu_reference(gate, up);
 }
 
-torch::Tensor geglu(const torch::Tensor& gate, const torch::Tensor& up) {
+torch::Tensor geglu_reference(const torch::Tensor& gate, const torch::Tensor& up) {
   return torch::gelu(gate, "tanh") * up;
+}
+
+torch::Tensor geglu(const torch::Tensor& gate, const torch::Tensor& up) {
+  if (kernels_take_pair(gate, up)) return GatedActivationFunction<GeluTanhKernels>::apply(gate, up);
+  return geglu_reference(gate, up);
 }
 
 }  // namespace qtrain::trainer

@@ -1,6 +1,6 @@
 #pragma once
-// The differentiable per-row and elementwise pieces of a Llama decoder layer: RMSNorm, the rotary
-// embedding and SwiGLU. On CUDA each is one fused kernel forward and one backward
+// The differentiable per-row and elementwise pieces of a Llama decoder layer: RMSNorm (and Gemma's
+// (1 + w) one), the rotary embedding, SwiGLU and GeGLU. On CUDA each is one fused kernel forward and one backward
 // (kernels/llama_layers.h), saving less for backward than autograd would (the fp32 copies of the
 // residual stream, silu's output); elsewhere, and for the dtype mixes the kernels do not take,
 // they are the torch operations of transformers' modeling_llama.py, the reference the kernels
@@ -13,8 +13,9 @@ namespace qtrain::trainer {
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor rms_norm_reference(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 
-// Gemma's: to(x dtype)(x32 / sqrt(mean(x32^2) + eps) * (1 + weight32)), torch operations.
+// Gemma's: to(x dtype)(x32 / sqrt(mean(x32^2) + eps) * (1 + weight32)).
 torch::Tensor unit_offset_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+torch::Tensor unit_offset_rms_norm_reference(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 
 // x [batch, seq, heads, head_dim] (the projection's output viewed per head), cos/sin
 // [batch, seq, head_dim] in x's dtype -> x * cos + rotate_half(x) * sin, same layout. Tables
@@ -26,7 +27,8 @@ torch::Tensor rotary_embedding_reference(const torch::Tensor& x, const torch::Te
 torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tensor& up);
 torch::Tensor swiglu_reference(const torch::Tensor& gate, const torch::Tensor& up);
 
-// gelu_tanh(gate) * up (Gemma's GeGLU), torch operations.
+// gelu_tanh(gate) * up (Gemma's GeGLU).
 torch::Tensor geglu(const torch::Tensor& gate, const torch::Tensor& up);
+torch::Tensor geglu_reference(const torch::Tensor& gate, const torch::Tensor& up);
 
 }  // namespace qtrain::trainer
