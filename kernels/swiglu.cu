@@ -38,20 +38,25 @@ struct Silu {
 };
 
 // torch's gelu(approximate="tanh"): 0.5 g (1 + tanh(b (g + k g^3))), b = sqrt(2 / pi), k = 0.044715,
-// and its gelu_backward.
+// and its gelu_backward, each product grouped as torch's CUDA kernels group them.
 struct GeluTanh {
   static constexpr float kBeta = 0.7978845608028654f;
   static constexpr float kKappa = 0.044715f;
   static __device__ __forceinline__ float value(float g) {
-    const float inner = kBeta * (g + kKappa * g * g * g);
+    const float cube = g * g * g;
+    const float inner = kBeta * (g + kKappa * cube);
     return 0.5f * g * (1.0f + tanhf(inner));
   }
   static __device__ __forceinline__ float derivative(float g) {
-    const float g_squared = g * g;
-    const float tanh_inner = tanhf(kBeta * (g + kKappa * g_squared * g));
+    const float square = g * g;
+    const float cube = square * g;
+    const float tanh_inner = tanhf(kBeta * (g + kKappa * cube));
     const float left = 0.5f * g;
     const float right = 1.0f + tanh_inner;
-    return 0.5f * right + left * (1.0f - tanh_inner * tanh_inner) * kBeta * (1.0f + 3.0f * kKappa * g_squared);
+    const float left_derivative = 0.5f * right;
+    const float tanh_derivative = 1.0f - tanh_inner * tanh_inner;
+    const float inner_derivative = kBeta * (1.0f + 3.0f * kKappa * square);
+    return left_derivative + left * tanh_derivative * inner_derivative;
   }
 };
 

@@ -10,6 +10,8 @@
 #include <limits>
 
 #include "kernels/error.h"
+#include "trainer/formats/hf_config.h"
+#include "trainer/model/model_families.h"
 #include "optim/grad_clip.h"
 #include "trainer/model/batch_inputs.h"
 #include "trainer/model/causal_lm_loss.h"
@@ -64,6 +66,14 @@ void Finetune::setup() {
   if (recipe_.quant == "qat") qat_linear_options(recipe_);  // the scheme, checked before minutes of loading
   device_ = resolve_device(recipe_.train.device, launch_.local_rank);
   compute_dtype_ = parse_dtype_name(recipe_.train.dtype, "train.dtype");
+  if (compute_dtype_ == torch::kFloat16) {
+    const auto* family = read_hf_config(recipe_.model.path).family;
+    if (family->fp16_overflows) {
+      throw Error(ErrorCode::kRecipe, "train.dtype: fp16 with " + family->architecture + " (" + recipe_.model.path +
+                  "): its activations pass fp16's largest value (65,504) and the run would go to inf / NaN; "
+                  "train in bf16, or fp32 on GPUs without bf16");
+    }
+  }
   if (compute_dtype_ == torch::kFloat16 && device_.is_cpu()) {
     throw Error(ErrorCode::kRecipe, "train.dtype fp16 is not supported on the CPU; use bf16 or fp32");
   }

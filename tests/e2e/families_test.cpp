@@ -149,6 +149,18 @@ TEST(FamilyRuns, LlamaTargetNamesOnPhi3AreRefusedNamingTheFusedProjections) {
   EXPECT_EQ(run.output.find("step 1/"), std::string::npos) << run.output;
 }
 
+// Gemma 3 in fp16 overflows; the run says so before it trains.
+TEST(FamilyRuns, Gemma3InFp16IsRefusedNamingTrainDtype) {
+  testing::TempDir temp;
+  const auto run = testing::run_command(
+      testing::qtrain_binary() + " --recipe " + testing::source_dir() + "/recipes/demo_tiny.yaml --set model.path=" +
+      testing::fixture("families/gemma3") + " --set train.dtype=fp16 --set train.steps=3 --set train.output_dir=" +
+      temp.file("run") + " 2>&1");
+  EXPECT_NE(run.status, 0) << run.output;
+  EXPECT_NE(run.output.find("train.dtype: fp16 with Gemma3ForCausalLM"), std::string::npos) << run.output;
+  EXPECT_EQ(run.output.find("step 1/"), std::string::npos) << run.output;
+}
+
 TEST_P(FamilyTraining, QloraStepsOnCudaInBf16RunWithFiniteLosses) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU";
   testing::TempDir temp;

@@ -233,6 +233,12 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden, const tor
     std::tie(key, value) = cache->append(key, value);
   }
   const bool window_cuts = sliding_window_ > 0 && past + sequence > sliding_window_;
+  if (softcap_ > 0 && !attention_mask.defined() && softcapped_kernel_applies(query)) {
+    // Gemma 2 on CUDA: the cap, the causal / window mask and the softmax as one kernel.
+    const auto attended = softcapped_causal_attention(query, key, value, past, window_cuts ? sliding_window_ : 0,
+                                                      scale_, softcap_);
+    return o_proj->forward(attended.transpose(1, 2).reshape({batch, sequence, num_heads_ * head_dim_}));
+  }
   if (softcap_ > 0) {
     // Gemma 2: no SDPA kernel soft-caps its scores; the visible keys are written out.
     auto visible = visible_keys(past, sequence, window_cuts ? sliding_window_ : 0, hidden.device());

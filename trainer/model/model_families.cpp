@@ -13,7 +13,8 @@ const std::vector<ModelFamily>& model_families() {
       {"Gemma2ForCausalLM", "gemma2", "gemma2", AttentionBias::kFromConfig, false, SlidingWindowKeys::kLayerTypesOrPattern,
        /*gemma_block=*/true, /*sliding_pattern=*/2, /*rope_per_layer_type=*/false},
       {"Gemma3ForCausalLM", "gemma3_text", "gemma3", AttentionBias::kFromConfig, true,
-       SlidingWindowKeys::kLayerTypesOrPattern, /*gemma_block=*/true, /*sliding_pattern=*/6, /*rope_per_layer_type=*/true},
+       SlidingWindowKeys::kLayerTypesOrPattern, /*gemma_block=*/true, /*sliding_pattern=*/6, /*rope_per_layer_type=*/true,
+       /*phi3_block=*/false, /*fp16_overflows=*/true},
       // Phi-3, Phi-3.5 and Phi-4(-mini): fused projections, partial rotary and longrope; Phi-3-mini
       // slides over 2047 keys in every layer.
       {"Phi3ForCausalLM", "phi3", "phi3", AttentionBias::kNone, false, SlidingWindowKeys::kEveryLayer,

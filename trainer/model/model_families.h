@@ -43,6 +43,9 @@ struct ModelFamily {
   // are read as "longrope", as transformers' Phi3Config renames them; the dropout keys
   // embd_pdrop / resid_pdrop / attention_dropout must be 0.
   bool phi3_block = false;
+  // The released checkpoints' activations pass fp16's 65,504 (Gemma 3: transformers#36822; Unsloth
+  // and onnxruntime-genai move such runs off fp16): training in fp16 is refused.
+  bool fp16_overflows = false;
 };
 
 const std::vector<ModelFamily>& model_families();

@@ -2,17 +2,87 @@
 
 #include <limits>
 
+#include "kernels/cuda_build.h"
+#include "kernels/softcapped_softmax.h"
+
 namespace qtrain::trainer {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Keys and values repeated to every query head (transformers' repeat_kv).
+std::pair<torch::Tensor, torch::Tensor> per_query_head(const torch::Tensor& query, const torch::Tensor& key,
+                                                       const torch::Tensor& value) {
+  const int64_t groups = query.size(1) / key.size(1);
+  if (groups == 1) return {key, value};
+  return {key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)};
+}
+
+kernels::SoftcappedScores options_of(AutogradContext* context) {
+  kernels::SoftcappedScores options;
+  options.queries = context->saved_data["queries"].toInt();
+  options.past = context->saved_data["past"].toInt();
+  options.window = context->saved_data["window"].toInt();
+  options.scale = context->saved_data["scale"].toDouble();
+  options.cap = context->saved_data["cap"].toDouble();
+  return options;
+}
+
+// scores [batch, heads, T, keys] -> probabilities, through kernels/softcapped_softmax.h.
+class SoftcappedSoftmaxFunction : public torch::autograd::Function<SoftcappedSoftmaxFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* context, const torch::Tensor& scores, int64_t past, int64_t window,
+                               double scale, double cap) {
+    kernels::SoftcappedScores options;
+    options.queries = scores.size(2);
+    options.past = past;
+    options.window = window;
+    options.scale = scale;
+    options.cap = cap;
+    const auto rows = scores.reshape({-1, scores.size(3)}).contiguous();
+    auto [probabilities, probabilities32, tanh_output] = kernels::softcapped_softmax_forward_cuda(rows, options);
+    context->save_for_backward({probabilities32, tanh_output});
+    context->saved_data["queries"] = options.queries;
+    context->saved_data["past"] = past;
+    context->saved_data["window"] = window;
+    context->saved_data["scale"] = scale;
+    context->saved_data["cap"] = cap;
+    return probabilities.view(scores.sizes());
+  }
+
+  static variable_list backward(AutogradContext* context, variable_list grads) {
+    const auto saved = context->get_saved_variables();
+    const auto grad_rows = grads[0].reshape(saved[0].sizes()).contiguous();
+    auto grad_scores = kernels::softcapped_softmax_backward_cuda(grad_rows, saved[0], saved[1], options_of(context));
+    return {grad_scores.view(grads[0].sizes()), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+}  // namespace
 
 torch::Tensor softcapped_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
                                    const torch::Tensor& visible, double scale, double softcap) {
-  const int64_t groups = query.size(1) / key.size(1);
-  const auto keys = groups > 1 ? key.repeat_interleave(groups, 1) : key;
-  const auto values = groups > 1 ? value.repeat_interleave(groups, 1) : value;
+  const auto [keys, values] = per_query_head(query, key, value);
   auto scores = torch::matmul(query, keys.transpose(2, 3)) * scale;
   scores = torch::tanh(scores / softcap) * softcap;
   scores = scores.masked_fill(visible.logical_not(), -std::numeric_limits<double>::infinity());
   const auto probabilities = torch::softmax(scores, -1, torch::kFloat32).to(query.scalar_type());
+  return torch::matmul(probabilities, values);
+}
+
+bool softcapped_kernel_applies(const torch::Tensor& query) {
+  return kernels::kCudaKernelsBuilt && query.is_cuda() && query.is_floating_point() &&
+         query.scalar_type() != torch::kFloat64;
+}
+
+torch::Tensor softcapped_causal_attention(const torch::Tensor& query, const torch::Tensor& key,
+                                          const torch::Tensor& value, int64_t past, int64_t window, double scale,
+                                          double softcap) {
+  const auto [keys, values] = per_query_head(query, key, value);
+  const auto scores = torch::matmul(query, keys.transpose(2, 3));
+  const auto probabilities = SoftcappedSoftmaxFunction::apply(scores, past, window, scale, softcap);
   return torch::matmul(probabilities, values);
 }
 

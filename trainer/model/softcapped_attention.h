@@ -15,4 +15,13 @@ namespace qtrain::trainer {
 torch::Tensor softcapped_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
                                    const torch::Tensor& visible, double scale, double softcap);
 
+// The same for causal attention (the query at row i sits at position past + i and sees keys
+// j <= past + i, with window > 0 only j > past + i - window), the scores' cap, mask and softmax
+// as one CUDA kernel each way (kernels/softcapped_softmax.h): no mask tensor, no fp32 copy of the
+// scores beyond the probabilities the backward reads. CUDA only: softcapped_kernel_applies.
+bool softcapped_kernel_applies(const torch::Tensor& query);
+torch::Tensor softcapped_causal_attention(const torch::Tensor& query, const torch::Tensor& key,
+                                          const torch::Tensor& value, int64_t past, int64_t window, double scale,
+                                          double softcap);
+
 }  // namespace qtrain::trainer
