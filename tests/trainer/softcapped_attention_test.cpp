@@ -12,19 +12,10 @@
 #include <string>
 
 #include "kernels/cuda_build.h"
+#include "trainer/model/sliding_window_attention.h"
 
 namespace qtrain::trainer {
 namespace {
-
-// Query i (at position past + i) sees key j when j <= past + i and, with a window, j > past + i - window.
-torch::Tensor visible_keys(int64_t past, int64_t queries, int64_t window, const torch::Device& device) {
-  const auto options = torch::TensorOptions().dtype(torch::kInt64).device(device);
-  const auto keys = torch::arange(past + queries, options).unsqueeze(0);
-  const auto positions = (torch::arange(queries, options) + past).unsqueeze(1);
-  auto visible = keys <= positions;
-  if (window > 0) visible = visible & (keys > positions - window);
-  return visible;
-}
 
 struct Attended {
   torch::Tensor out, grad_q, grad_k, grad_v;

@@ -127,17 +127,6 @@ qat::DenseLinearOptions linear_options(int64_t in, int64_t out, bool bias, torch
   return options;
 }
 
-// [sequence, past + sequence] bool: new query i (at position past + i) sees key j when j <= past + i
-// and, with a window, j > past + i - window, as transformers' causal and sliding-window masks.
-torch::Tensor visible_keys(int64_t past, int64_t sequence, int64_t window, const torch::Device& device) {
-  const auto options = torch::TensorOptions().dtype(torch::kInt64).device(device);
-  const auto key_positions = torch::arange(past + sequence, options).unsqueeze(0);
-  const auto query_positions = (torch::arange(sequence, options) + past).unsqueeze(1);
-  auto visible = key_positions <= query_positions;
-  if (window > 0) visible = visible & (key_positions > query_positions - window);
-  return visible;
-}
-
 // Points `slot` (the member forward() calls) and the registered child `child_name` at `layer`.
 void replace_projection(torch::nn::Module& owner, std::shared_ptr<qat::LinearLayer>* slot,
                         const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) {

@@ -58,4 +58,13 @@ torch::Tensor flash_window_attention(const torch::Tensor& query, const torch::Te
   return FlashWindowAttention::apply(query, key, value, window, scale);
 }
 
+torch::Tensor visible_keys(int64_t past, int64_t sequence, int64_t window, const torch::Device& device) {
+  const auto options = torch::TensorOptions().dtype(torch::kInt64).device(device);
+  const auto key_positions = torch::arange(past + sequence, options).unsqueeze(0);
+  const auto query_positions = (torch::arange(sequence, options) + past).unsqueeze(1);
+  auto visible = key_positions <= query_positions;
+  if (window > 0) visible = visible & (key_positions > query_positions - window);
+  return visible;
+}
+
 }  // namespace qtrain::trainer

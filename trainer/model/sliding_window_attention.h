@@ -11,6 +11,11 @@ namespace qtrain::trainer {
 // multiple of key_value_heads), every query at the position of its key (no cache before them).
 bool flash_window_attention_applies(const torch::Tensor& query, const torch::Tensor& key);
 
+// [sequence, past + sequence] bool: new query i (at position past + i) sees key j when j <= past + i
+// and, with a window, j > past + i - window, as transformers' causal and sliding-window masks
+// (the mask the other attention paths write out).
+torch::Tensor visible_keys(int64_t past, int64_t sequence, int64_t window, const torch::Device& device);
+
 // The attention output [batch, heads, T, head_dim]; differentiable in query, key and value.
 torch::Tensor flash_window_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
                                      int64_t window, double scale);
