@@ -41,6 +41,10 @@ LoraLinear::LoraLinear(std::shared_ptr<LinearLayer> base, const LoraOptions& opt
   lora_B_ = register_module("lora_B", torch::nn::Linear(torch::nn::LinearOptions(options_.rank, out_features()).bias(false)));
   lora_A_->to(device, torch::kFloat32);
   lora_B_->to(device, torch::kFloat32);
+  if (options_.dora) {
+    magnitude_ = register_parameter("lora_magnitude_vector",
+                                    torch::empty({out_features()}, torch::TensorOptions().dtype(torch::kFloat32).device(device)));
+  }
   reset();
 }
 
@@ -48,9 +52,37 @@ void LoraLinear::reset() {
   torch::NoGradGuard no_grad;
   torch::nn::init::kaiming_uniform_(lora_A_->weight, /*a=*/std::sqrt(5.0));
   lora_B_->weight.zero_();
+  // peft's update_layer: the norms of the adapted weight as the adapter starts (B = 0: W's).
+  if (magnitude_.defined()) magnitude_.copy_(adapted_row_norms(torch::kFloat32));
+}
+
+torch::Tensor LoraLinear::adapted_row_norms(torch::ScalarType dtype) const {
+  torch::NoGradGuard no_grad;
+  const auto lora_weight = torch::matmul(lora_B_->weight, lora_A_->weight).to(dtype);
+  const auto adapted = base_->dense_weight(dtype) + scale_ * lora_weight;
+  return torch::linalg_vector_norm(adapted, 2, /*dim=*/1, /*keepdim=*/false, /*dtype=*/std::nullopt).to(dtype);
+}
+
+torch::Tensor LoraLinear::dora_forward(const torch::Tensor& input) {
+  const auto dtype = input.scalar_type();
+  const bool dropping = options_.dropout > 0.0 && is_training();
+  const auto lora_input = dropping ? F::dropout(input, F::DropoutFuncOptions().p(options_.dropout).training(true)) : input;
+  auto result = base_->forward(input);
+  // The base's product without its bias, on the adapter's input.
+  torch::Tensor base_product;
+  if (dropping) {
+    base_product = F::linear(lora_input, base_->dense_weight(dtype));
+  } else {
+    const auto bias = base_->bias();
+    base_product = bias.defined() ? result - bias.to(dtype) : result;
+  }
+  const auto scale_rows = magnitude_.to(dtype) / adapted_row_norms(dtype);  // [out]
+  const auto update = F::linear(F::linear(lora_input, lora_A_->weight.to(dtype)), lora_B_->weight.to(dtype));
+  return result + ((scale_rows - 1) * base_product + scale_rows * update * scale_);
 }
 
 torch::Tensor LoraLinear::forward(const torch::Tensor& input) {
+  if (options_.dora) return dora_forward(input);
   if (base_->matmul_weight_kind() != MatmulWeight::kNone) {
     return lora_matmul(input, base_, lora_A_->weight, lora_B_->weight, scale_, is_training() ? options_.dropout : 0.0);
   }
@@ -64,13 +96,14 @@ torch::Tensor LoraLinear::forward(const torch::Tensor& input) {
 
 torch::Tensor LoraLinear::dense_weight(torch::ScalarType dtype) const {
   auto merged = base_->dense_weight(torch::kFloat32) + scale_ * torch::matmul(lora_B_->weight, lora_A_->weight);
+  if (magnitude_.defined()) merged = (magnitude_ / adapted_row_norms(torch::kFloat32)).unsqueeze(1) * merged;
   return merged.to(dtype);
 }
 
 void LoraLinear::pretty_print(std::ostream& stream) const {
   stream << "qtrain::qat::LoraLinear(in_features=" << in_features() << ", out_features=" << out_features()
          << ", rank=" << options_.rank << ", alpha=" << options_.alpha << ", scale=" << scale_
-         << ", dropout=" << options_.dropout << (options_.rslora ? ", rslora" : "") << ")";
+         << ", dropout=" << options_.dropout << (options_.rslora ? ", rslora" : "") << (options_.dora ? ", dora" : "") << ")";
 }
 
 namespace {

@@ -8,6 +8,16 @@
 // with A and B kept as fp32 master weights whatever the base's dtype. The module tree mirrors
 // peft's (`q_proj.base_layer.weight`, `q_proj.lora_A.weight`, `q_proj.lora_B.weight`), so
 // named_parameters() gives the names peft saves, without its `.default` adapter name.
+//
+// DoRA (Liu et al. 2024; LoraOptions::dora, peft's use_dora) adds a trained magnitude m [out]
+// (`q_proj.lora_magnitude_vector`, initialised to the row norms of W + scale B A) and rescales
+// each output row of the adapted weight to it, as peft's DoraLinearLayer computes:
+//
+//     n = ||W + scale * B A||_row  (in the input's dtype, no gradient: the paper's section 4.3)
+//     y = base(x) + (m / n - 1) * (x W^T) + (m / n) * scale * (dropout(x) A^T) B^T
+//
+// where x W^T is the base's output without its bias (or, with dropout active, the dropped
+// input's product, as peft). The merged weight is (m / n) * (W + scale B A).
 #include <torch/torch.h>
 
 #include <functional>
@@ -46,11 +56,17 @@ class LoraLinear : public LinearLayer {
   const std::shared_ptr<LinearLayer>& base_layer() const { return base_; }
   const torch::Tensor& lora_A() const { return lora_A_->weight; }  // [rank, in], fp32
   const torch::Tensor& lora_B() const { return lora_B_->weight; }  // [out, rank], fp32
+  const torch::Tensor& lora_magnitude() const { return magnitude_; }  // [out], fp32; undefined without DoRA
 
  private:
+  // ||W + scale B A|| per output row, in `dtype`, without gradient.
+  torch::Tensor adapted_row_norms(torch::ScalarType dtype) const;
+  torch::Tensor dora_forward(const torch::Tensor& input);
+
   std::shared_ptr<LinearLayer> base_;
   torch::nn::Linear lora_A_{nullptr};
   torch::nn::Linear lora_B_{nullptr};
+  torch::Tensor magnitude_;
   LoraOptions options_;
   double scale_;
 };

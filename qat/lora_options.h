@@ -18,6 +18,7 @@ struct LoraOptions {
   double alpha = 32.0;   // peft's `lora_alpha`
   double dropout = 0.0;  // on the LoRA branch's input, in training only
   bool rslora = false;   // scale by alpha / sqrt(rank) instead of alpha / rank
+  bool dora = false;     // peft's use_dora: the weight-decomposed update (qat/lora_linear.h)
   double scale() const;
 };
 

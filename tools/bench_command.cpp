@@ -134,6 +134,7 @@ int run_bench(const Arguments& arguments) {
       ("micro-batch", po::value(&micro_batch)->default_value(1), "sequences per step")
       ("seq", po::value(&sequence)->default_value(2048), "tokens per sequence")
       ("checkpointing", po::bool_switch(), "recompute every decoder layer in backward")
+      ("dora", po::bool_switch(), "DoRA adapters (lora.use_dora) instead of LoRA")
       ("qat", po::bool_switch(), "with --quant none: fake-quantize the merged weights (int4, groups of 32), as quant: qat")
       ("loss-chunk", po::value(&loss_chunk)->default_value(0), "loss chunk tokens; 0 automatic, -1 unchunked")
       ("dtype", po::value(&dtype_name)->default_value("bf16"), "compute dtype: bf16, fp16 or fp32")
@@ -164,6 +165,7 @@ int run_bench(const Arguments& arguments) {
   auto recipe = bench_recipe(base, fake_quant, lora_rank, optimizer_name, checkpointing, loss_chunk);
   // Every projection of the shape's block: Phi-3's fused ones by their own names.
   recipe.lora.target_modules = recipe.qat.target_modules = llama.projection_names();
+  recipe.lora.use_dora = values["dora"].as<bool>();
 
   torch::manual_seed(0);
   const auto tables = qat::quantize_4bit(
@@ -260,6 +262,7 @@ int run_bench(const Arguments& arguments) {
 
   quant = base.kind == trainer::BaseQuantization::kNf4 ? "qlora" : base.name;  // as tools/bench.sh names rows
   if (fake_quant) quant += "+qat";
+  if (recipe.lora.use_dora) quant += "+dora";
   std::printf("bench: %s %s + %s, %s compute on %s, micro-batch %lld x %lld, checkpointing %s, loss chunk %lld\n",
               shape.c_str(), quant.c_str(), optimizer_name.c_str(), dtype_name.c_str(), device.str().c_str(), static_cast<long long>(micro_batch),
               static_cast<long long>(sequence), checkpointing ? "on" : "off", static_cast<long long>(chunk));
@@ -273,6 +276,7 @@ int run_bench(const Arguments& arguments) {
                                 {"micro_batch", micro_batch},
                                 {"seq", sequence},
                                 {"checkpointing", checkpointing},
+                                {"dora", recipe.lora.use_dora},
                                 {"loss_chunk_tokens", chunk},
                                 {"tokens_per_second", tokens_per_second},
                                 {"mfu", mfu},

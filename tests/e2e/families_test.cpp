@@ -25,23 +25,26 @@ std::string family_targets(const std::string& family) {
          " --set 'qat.target_modules=[qkv_proj, o_proj, gate_up_proj, down_proj]'";
 }
 
-TEST_P(FamilyTraining, QloraStepsWriteAnAdapterPeftLoadsWithOurLogits) {
+// A few QLoRA steps through the CLI on `model_dir` (with `flags`), then: peft on the adapter they
+// wrote gives our logits, and transformers on their merged export gives ours for it.
+// `reference` holds the inputs under `input_key` and the base's logits under `logits_key`.
+void expect_trained_adapter_and_merge_match_peft(const std::string& name, const std::string& model_dir,
+                                                 const std::string& reference, const std::string& flags,
+                                                 const std::string& input_key = "input_ids",
+                                                 const std::string& logits_key = "logits") {
   const auto python = testing::find_python_with("peft transformers safetensors");
   if (python.empty()) GTEST_SKIP() << "no Python with peft and transformers (set QTRAIN_PYTHON)";
-  const std::string name = GetParam();
-  const std::string model_dir = testing::fixture("families/" + name);
   testing::TempDir temp;
   const auto trained = testing::run_command(
       testing::qtrain_binary() + " --recipe " + testing::source_dir() + "/recipes/demo_tiny.yaml --set model.path=" +
-      model_dir + family_targets(name) + " --set train.steps=3 --set schedule.warmup_steps=0 --set eval.every=0 --set data.eval=" +
+      model_dir + flags + " --set train.steps=3 --set schedule.warmup_steps=0 --set eval.every=0 --set data.eval=" +
       " --set checkpoint.every=0" +
       " --set train.output_dir=" + temp.file("run") + " 2>&1");
   ASSERT_EQ(trained.status, 0) << trained.output;
   ASSERT_NE(trained.output.find("done: 3 steps"), std::string::npos) << trained.output;
 
-  const std::string reference = testing::fixture("families/" + name + "-reference.safetensors");
   const std::string command = "'" + python + "' '" + testing::source_dir() + "/tests/interop/peft_logits.py' '" +
-                              model_dir + "' '" + temp.file("run/adapter") + "' '" + reference + "' input_ids '" +
+                              model_dir + "' '" + temp.file("run/adapter") + "' '" + reference + "' " + input_key + " '" +
                               temp.file("peft_logits.safetensors") + "' 2>&1";
   const auto peft = testing::run_command(command);
   ASSERT_EQ(peft.status, 0) << command << "\n" << peft.output;
@@ -50,14 +53,14 @@ TEST_P(FamilyTraining, QloraStepsWriteAnAdapterPeftLoadsWithOurLogits) {
   trainer::apply_peft_adapter(*loaded.model, temp.file("run/adapter"));
   torch::NoGradGuard no_grad;
   trainer::LlamaInputs inputs;
-  inputs.input_ids = trainer::SafetensorsFile::open(reference).tensor("input_ids");
+  inputs.input_ids = trainer::SafetensorsFile::open(reference).tensor(input_key);
   const auto ours = loaded.model->forward(inputs);
   const auto theirs = trainer::SafetensorsFile::open(temp.file("peft_logits.safetensors")).tensor("logits");
   const double error = (ours - theirs).abs().max().item<double>() / theirs.abs().max().item<double>();
   std::printf("[ measured ] %s: peft on the trained adapter vs ours: %.3g relative\n", name.c_str(), error);
   EXPECT_LE(error, 1e-5);
   // Training moved the adapter away from its zero B: the logits are not the base's.
-  const auto base = trainer::SafetensorsFile::open(reference).tensor("logits");
+  const auto base = trainer::SafetensorsFile::open(reference).tensor(logits_key);
   EXPECT_GT((ours - base).abs().max().item<double>(), 1e-4);
 
   // The merged export (the adapter merged into the NF4 base the run trained on) is a plain
@@ -67,7 +70,7 @@ TEST_P(FamilyTraining, QloraStepsWriteAnAdapterPeftLoadsWithOurLogits) {
                                            " --format merged --dtype fp32 --out " + temp.file("merged") + " 2>&1");
   ASSERT_EQ(merged.status, 0) << merged.output;
   const std::string load = "'" + python + "' '" + testing::source_dir() + "/tests/interop/merged_model.py' logits '" +
-                           temp.file("merged") + "' '" + reference + "' input_ids '" +
+                           temp.file("merged") + "' '" + reference + "' " + input_key + " '" +
                            temp.file("merged_logits.safetensors") + "' 2>&1";
   const auto transformers = testing::run_command(load);
   ASSERT_EQ(transformers.status, 0) << load << "\n" << transformers.output;
@@ -78,6 +81,24 @@ TEST_P(FamilyTraining, QloraStepsWriteAnAdapterPeftLoadsWithOurLogits) {
       (our_merged - their_merged).abs().max().item<double>() / their_merged.abs().max().item<double>();
   std::printf("[ measured ] %s: transformers on the merged export vs ours: %.3g relative\n", name.c_str(), merged_error);
   EXPECT_LE(merged_error, 1e-5);
+}
+
+TEST_P(FamilyTraining, QloraStepsWriteAnAdapterPeftLoadsWithOurLogits) {
+  const std::string name = GetParam();
+  expect_trained_adapter_and_merge_match_peft(name, testing::fixture("families/" + name),
+                                              testing::fixture("families/" + name + "-reference.safetensors"),
+                                              family_targets(name));
+}
+
+// DoRA (lora.use_dora): peft builds its DoRA layers from the adapter's use_dora and magnitude
+// vectors, on Llama and on Phi-3's fused projections.
+TEST(DoraRuns, QloraStepsWriteADoraAdapterPeftLoadsWithOurLogits) {
+  expect_trained_adapter_and_merge_match_peft("tiny-llama DoRA", testing::fixture("tiny-llama"),
+                                              testing::fixture("tiny-llama-reference.safetensors"),
+                                              " --set lora.use_dora=true", "base.input_ids", "base.logits");
+  expect_trained_adapter_and_merge_match_peft("phi3 DoRA", testing::fixture("families/phi3"),
+                                              testing::fixture("families/phi3-reference.safetensors"),
+                                              family_targets("phi3") + " --set lora.use_dora=true");
 }
 
 // The families llama.cpp has a row for in trainer/formats/gguf_export.cpp.

@@ -34,6 +34,9 @@ def main() -> int:
 
     saved = load_file(f"{adapter_dir}/adapter_model.safetensors")
     loaded = {name.replace(".default.", "."): tensor for name, tensor in model.named_parameters() if ".lora_" in name}
+    # DoRA's magnitude is a DoraLinearLayer's weight in the model, saved without ".weight" (peft's format).
+    loaded = {name[:-len(".weight")] if name.endswith("lora_magnitude_vector.weight") else name: tensor
+              for name, tensor in loaded.items()}
     if set(saved) != set(loaded):
         print("adapter tensors peft did not place:", sorted(set(saved) - set(loaded))[:5], file=sys.stderr)
         print("LoRA tensors the adapter lacks:", sorted(set(loaded) - set(saved))[:5], file=sys.stderr)

@@ -222,6 +222,63 @@ LoraTargets targets_of(std::vector<std::string> names) {
   return targets;
 }
 
+// DoRA, from peft's DoraLinearLayer written out in float64: the magnitude m starts at the row
+// norms of W (B = 0), then y = x W^T + b + (m / n - 1) x W^T + (m / n) scale x A^T B^T with
+// n = ||W + scale B A||_row, the merged weight (m / n)(W + scale B A).
+LoraOptions dora_options(int64_t rank, double alpha, double dropout = 0.0) {
+  auto options = lora_options(rank, alpha, dropout);
+  options.dora = true;
+  return options;
+}
+
+TEST(DoraLinear, MagnitudeStartsAtTheRowNormsAndTheOutputAtTheBases) {
+  torch::manual_seed(11);
+  auto base = dense(64, 48);
+  LoraLinear lora(base, dora_options(8, 16));
+  ASSERT_TRUE(lora.lora_magnitude().defined());
+  EXPECT_LT(max_relative_error(lora.lora_magnitude(), base->weight().to(torch::kFloat64).norm(2, {1})), 1e-6);
+  const auto x = torch::randn({3, 5, 64});
+  EXPECT_LT(max_relative_error(lora.forward(x), base->forward(x)), 1e-6);
+}
+
+TEST(DoraLinear, ForwardAndMergedWeightEqualFloat64Reference) {
+  torch::manual_seed(12);
+  auto base = dense(96, 80);
+  LoraLinear lora(base, dora_options(8, 16));
+  randomise_B(lora);
+  {
+    torch::NoGradGuard no_grad;
+    lora.lora_magnitude().mul_(torch::rand({80}) + 0.5);  // a trained magnitude
+  }
+  const auto x = torch::randn({4, 7, 96});
+  const auto W = base->weight().to(torch::kFloat64), A = lora.lora_A().to(torch::kFloat64),
+             B = lora.lora_B().to(torch::kFloat64), m = lora.lora_magnitude().to(torch::kFloat64);
+  const auto adapted = W + lora.scale() * torch::matmul(B, A);
+  const auto factor = m / adapted.norm(2, {1});
+  const auto x64 = x.to(torch::kFloat64);
+  const auto expected = torch::matmul(x64, (factor.unsqueeze(1) * adapted).t()) + base->bias().to(torch::kFloat64);
+  EXPECT_LT(max_relative_error(lora.forward(x), expected), 1e-6);
+  EXPECT_LT(max_relative_error(lora.dense_weight(torch::kFloat32), factor.unsqueeze(1) * adapted), 1e-6);
+}
+
+TEST(DoraLinear, GradientsReachTheMagnitudeAAndBButNotTheNorm) {
+  torch::manual_seed(13);
+  auto base = dense(32, 24, /*bias=*/false);
+  LoraLinear lora(base, dora_options(4, 8));
+  randomise_B(lora);
+  const auto x = torch::randn({6, 32});
+  lora.forward(x).sum().backward();
+  for (const auto* tensor : {&lora.lora_A(), &lora.lora_B(), &lora.lora_magnitude()}) {
+    ASSERT_TRUE(tensor->grad().defined());
+    EXPECT_GT(tensor->grad().abs().max().item<double>(), 0.0);
+  }
+  EXPECT_FALSE(base->weight().grad().defined());
+  // With n detached, y is linear in m: dL/dm_o = sum over rows of (x (W + scale B A)^T)_o / n_o.
+  const auto adapted = base->weight() + lora.scale() * torch::matmul(lora.lora_B(), lora.lora_A());
+  const auto expected = (torch::matmul(x, adapted.t()) / adapted.norm(2, {1})).sum(0);
+  EXPECT_LT(max_relative_error(lora.lora_magnitude().grad(), expected.detach()), 1e-5);
+}
+
 TEST(ApplyLora, ListEntriesMatchTheNameOrADottedSuffix) {
   ToyModel model;
   EXPECT_EQ(names_of(find_lora_targets(model, targets_of({"q_proj"}))),

@@ -307,7 +307,8 @@ TEST(PeftAdapter, AnUnexpectedTensorIsAnError) {
 
 TEST(PeftAdapter, UnsupportedSettingsAreErrorsNamingTheKey) {
   const std::vector<std::pair<std::function<void(nlohmann::json&)>, std::string>> cases = {
-      {[](nlohmann::json& c) { c["use_dora"] = true; }, "'use_dora'"},
+      // DoRA reads; an adapter that says use_dora without its magnitudes is an error naming them.
+      {[](nlohmann::json& c) { c["use_dora"] = true; }, "lora_magnitude_vector' is missing"},
       {[](nlohmann::json& c) { c["bias"] = "all"; }, "'bias'"},
       {[](nlohmann::json& c) { c["modules_to_save"] = {"lm_head"}; }, "'modules_to_save'"},
       {[](nlohmann::json& c) { c["peft_type"] = "IA3"; }, "'peft_type'"},

@@ -29,6 +29,10 @@ constexpr const char* kPeftPrefix = "base_model.model.";
 
 std::string lora_A_name(const std::string& module_name) { return kPeftPrefix + module_name + ".lora_A.weight"; }
 std::string lora_B_name(const std::string& module_name) { return kPeftPrefix + module_name + ".lora_B.weight"; }
+// DoRA's magnitude: peft saves its DoraLinearLayer's weight without the ".weight".
+std::string magnitude_name(const std::string& module_name) {
+  return kPeftPrefix + module_name + ".lora_magnitude_vector";
+}
 
 std::vector<std::pair<std::string, std::shared_ptr<qat::LoraLinear>>> lora_layers(const torch::nn::Module& model) {
   std::vector<std::pair<std::string, std::shared_ptr<qat::LoraLinear>>> layers;
@@ -111,6 +115,7 @@ void apply_peft_adapter(LlamaForCausalLMImpl& model, const std::string& adapter_
     const int64_t rank = config.options_for(target.name).rank;
     check(lora_A_name(target.name), {rank, target.layer->in_features()});
     check(lora_B_name(target.name), {target.layer->out_features(), rank});
+    if (config.options_for(target.name).dora) check(magnitude_name(target.name), {target.layer->out_features()});
   }
   std::vector<std::string> unexpected;
   for (const auto& name : weights.names()) {
@@ -127,8 +132,10 @@ void apply_peft_adapter(LlamaForCausalLMImpl& model, const std::string& adapter_
   qat::apply_lora(model, config.targets, [&](const std::string& name) { return config.options_for(name); });
   torch::NoGradGuard no_grad;
   for (const auto& [name, lora] : lora_layers(model)) {
-    for (const auto& [tensor_name, target] : {std::make_pair(lora_A_name(name), lora->lora_A()),
-                                              std::make_pair(lora_B_name(name), lora->lora_B())}) {
+    std::vector<std::pair<std::string, torch::Tensor>> parts = {{lora_A_name(name), lora->lora_A()},
+                                                                {lora_B_name(name), lora->lora_B()}};
+    if (lora->options().dora) parts.emplace_back(magnitude_name(name), lora->lora_magnitude());
+    for (const auto& [tensor_name, target] : parts) {
       auto stored = weights.tensor(tensor_name);
       if (!stored.is_floating_point()) {
         throw Error(ErrorCode::kAdapter, weights_path + ": tensor '" + tensor_name + "' has dtype " +
@@ -159,15 +166,19 @@ void write_peft_adapter(const LlamaForCausalLMImpl& model, const PeftAdapterConf
     }
     const auto expected = config.options_for(name);
     const auto& actual = lora->options();
-    if (actual.rank != expected.rank || actual.alpha != expected.alpha || actual.rslora != expected.rslora) {
+    if (actual.rank != expected.rank || actual.alpha != expected.alpha || actual.rslora != expected.rslora ||
+        actual.dora != expected.dora) {
       throw Error(ErrorCode::kAdapter, out.string() + ": module '" + name + "' has LoRA r=" + std::to_string(actual.rank) +
-                  " alpha=" + number_text(actual.alpha) + (actual.rslora ? " (rsLoRA)" : "") +
+                  " alpha=" + number_text(actual.alpha) + (actual.rslora ? " (rsLoRA)" : "") + (actual.dora ? " (DoRA)" : "") +
                   " but the adapter config says r=" + std::to_string(expected.rank) + " alpha=" +
-                  number_text(expected.alpha) + (expected.rslora ? " (rsLoRA)" : ""));
+                  number_text(expected.alpha) + (expected.rslora ? " (rsLoRA)" : "") + (expected.dora ? " (DoRA)" : ""));
     }
     wrapped.push_back(name);
     tensors.emplace_back(lora_A_name(name), lora->lora_A().detach().to(torch::kCPU, torch::kFloat32).contiguous());
     tensors.emplace_back(lora_B_name(name), lora->lora_B().detach().to(torch::kCPU, torch::kFloat32).contiguous());
+    if (actual.dora) {
+      tensors.emplace_back(magnitude_name(name), lora->lora_magnitude().detach().to(torch::kCPU, torch::kFloat32).contiguous());
+    }
   }
   const auto unwrapped = qat::find_lora_targets(model, config.targets);
   if (!unwrapped.empty()) {
@@ -211,7 +222,7 @@ void write_peft_adapter(const LlamaForCausalLMImpl& model, const PeftAdapterConf
       {"revision", nullptr},
       {"target_modules", target_modules},
       {"task_type", "CAUSAL_LM"},
-      {"use_dora", false},
+      {"use_dora", config.lora.dora},
       {"use_rslora", config.lora.rslora},
   });
 

@@ -164,7 +164,6 @@ PeftAdapterConfig parse_peft_adapter_config(const std::string& text, const std::
   if (task_type != "CAUSAL_LM") config.fail("task_type", "is '" + task_type + "'; qtrain's Llama is a CAUSAL_LM model");
   const std::string bias = config.string("bias", "none");
   if (bias != "none") config.fail("bias", "is '" + bias + "'; only \"none\" is supported (no trained biases)");
-  config.require_unset("use_dora", "DoRA");
   config.require_unset("lora_bias", "a bias on lora_B");
   config.require_unset("fan_in_fan_out", "transposed Conv1D weights; Llama uses nn.Linear");
   config.require_unset("use_qalora", "QALoRA");
@@ -198,6 +197,7 @@ PeftAdapterConfig parse_peft_adapter_config(const std::string& text, const std::
     config.fail("lora_dropout", "must be in [0, 1), got " + config.at("lora_dropout").dump());
   }
   result.lora.rslora = config.boolean("use_rslora", false);
+  result.lora.dora = config.boolean("use_dora", false);
   result.targets.include = config.selector("target_modules");
   if (result.targets.include.empty()) {
     config.fail("target_modules", "is missing or empty; name the adapted modules, e.g. [\"q_proj\", \"v_proj\"]");

@@ -180,6 +180,10 @@ TrainingMemorySetup training_memory_setup(const Recipe& recipe, const LlamaOptio
   if (recipe.quant == "qat") {
     throw Error(ErrorCode::kRecipe, "quant: qat is not estimated yet (its fake quantizers' memory is not modelled); estimate with quant qlora or none");
   }
+  if (recipe.lora.use_dora) {
+    throw Error(ErrorCode::kRecipe, "lora.use_dora is not estimated yet (DoRA's per-layer weight norms are not modelled); "
+                "estimate without it and measure with qtrain bench --dora");
+  }
   TrainingMemorySetup setup;
   setup.compute_dtype = parse_dtype_name(recipe.train.dtype, "train.dtype");
   setup.base = base_quantization(recipe, setup.compute_dtype);

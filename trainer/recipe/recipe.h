@@ -36,6 +36,7 @@ struct LoraRecipe {
   double alpha{};
   double dropout{};
   bool rslora{};
+  bool use_dora{};  // peft's use_dora (DoRA)
   std::vector<std::string> target_modules;
   std::string init_from;  // PEFT adapter directory; empty: fresh adapters
 };

@@ -72,6 +72,8 @@ std::vector<RecipeKey> make_recipe_keys() {
           .at_least(0)
           .below(1),
       key("lora.rslora", "false", QTRAIN_FIELD(lora.rslora), "rank-stabilized scaling"),
+      key("lora.use_dora", "false", QTRAIN_FIELD(lora.use_dora),
+          "DoRA (peft's use_dora): a trained magnitude per output row rescales the adapted weight"),
       key("lora.target_modules", all_projections_yaml(), QTRAIN_FIELD(lora.target_modules),
           "modules that get adapters, by name pattern"),
       key("lora.init_from", "\"\"", QTRAIN_FIELD(lora.init_from),
@@ -293,6 +295,11 @@ std::optional<RecipeConflict> find_conflict(const Recipe& recipe) {
     return RecipeConflict{"lora.rank",
                           "quant: qlora trains adapters on a frozen base, so lora.rank must be at "
                           "least 1 (quant: none or qat train the full weights with rank 0)"};
+  }
+  if (recipe.lora.use_dora && recipe.quant == "qat") {
+    return RecipeConflict{"lora.use_dora",
+                          "DoRA under quant: qat is not implemented yet (the fake quantizer would see DoRA's "
+                          "rescaled weight, untested); train DoRA with quant: qlora or none"};
   }
   if (recipe.train.steps == 0 && recipe.train.epochs == 0) {
     return RecipeConflict{"train.epochs",

@@ -15,6 +15,7 @@ PeftAdapterConfig lora_adapter_config(const Recipe& recipe) {
   config.lora.alpha = recipe.lora.alpha;
   config.lora.dropout = recipe.lora.dropout;
   config.lora.rslora = recipe.lora.rslora;
+  config.lora.dora = recipe.lora.use_dora;
   config.targets.include.names = recipe.lora.target_modules;
   return config;
 }
@@ -98,6 +99,7 @@ bool is_fake_quant_state(const std::string& name) {
 bool is_trained_parameter(const Recipe& recipe, const std::string& name) {
   if (trains_full_weights(recipe)) return true;
   return name.find(".lora_A.") != std::string::npos || name.find(".lora_B.") != std::string::npos ||
+         name.find(".lora_magnitude_vector") != std::string::npos ||
          is_fake_quant_state(name);
 }
 
