@@ -225,22 +225,28 @@ void render_mistral_v3(const std::vector<ChatMessage>& messages, const std::stri
   }
 }
 
-// Gemma's template (Gemma 1 and 2 -it): no system message; users on even turns, the assistant
-// (named "model") or any other role on odd ones; each turn's content trimmed as Jinja's trim does.
-void render_gemma(const std::vector<ChatMessage>& messages, const std::string& bos_token, SegmentWriter& out) {
-  if (!messages.empty() && messages.front().role == "system") {
+// Gemma's templates: users on even turns, the assistant (named "model") or any other role on odd
+// ones; each turn's content trimmed as Jinja's trim does. Gemma 1 / 2 -it refuse a system message;
+// Gemma 3 -it takes a first one as a prefix of the first turn's text (CONTENT + "\n\n", untrimmed).
+void render_gemma(const std::vector<ChatMessage>& messages, const std::string& bos_token, bool system_prefix,
+                  SegmentWriter& out) {
+  const bool has_system = !messages.empty() && messages.front().role == "system";
+  if (has_system && !system_prefix) {
     throw Error(ErrorCode::kTokenizer, "chat message 0 is a system message: Gemma's template has no system role (it raises "
                 "'System role not supported'); fold the instructions into the first user turn");
   }
+  const std::string prefix = has_system ? messages.front().content + "\n\n" : "";
+  const size_t first = has_system ? 1 : 0;
   out.add(bos_token, false);
-  for (size_t index = 0; index < messages.size(); ++index) {
+  for (size_t index = first; index < messages.size(); ++index) {
     const ChatMessage& message = messages[index];
-    if ((message.role == "user") != (index % 2 == 0)) {
+    if ((message.role == "user") != ((index - first) % 2 == 0)) {
       throw Error(ErrorCode::kTokenizer, "chat message " + std::to_string(index) + " has role '" + message.role +
                   "': Gemma's template needs user and assistant turns to alternate, starting with the user");
     }
     const bool assistant = message.role == "assistant";
-    out.add("<start_of_turn>" + (assistant ? std::string("model") : message.role) + "\n", false);
+    out.add("<start_of_turn>" + (assistant ? std::string("model") : message.role) + "\n" + (index == first ? prefix : ""),
+            false);
     out.add(utf8::strip_python_space(message.content) + "<end_of_turn>", assistant);
     out.add("\n", false);
   }
@@ -282,7 +288,7 @@ const std::vector<std::pair<ChatTemplate::Family, const char*>>& ChatTemplate::f
       {Family::kQwen3, "qwen3"},           {Family::kQwen3Instruct, "qwen3-instruct"},
       {Family::kQwen3Thinking, "qwen3-thinking"}, {Family::kMistralV1, "mistral-v1"},
       {Family::kMistralV3, "mistral-v3"},     {Family::kGemma, "gemma"},
-      {Family::kPhi3, "phi3"},                {Family::kPhi35, "phi3.5"},
+      {Family::kGemma3, "gemma3"},            {Family::kPhi3, "phi3"},                {Family::kPhi35, "phi3.5"},
       {Family::kPhi4Mini, "phi4-mini"},
   };
   return names;
@@ -356,12 +362,17 @@ ChatTemplate ChatTemplate::from_template_text(const std::string& text, const std
                 "v0.2: mistral-v1; v0.3: mistral-v3)" + force_hint);
   }
   if (contains(text, "<start_of_turn>") && contains(text, "<end_of_turn>")) {
+    if (contains(text, "first_user_prefix") && contains_literal(text, "messages[0]['content'] + '\\n\\n'") &&
+        contains(text, "(first_user_prefix if loop.first else \"\")") && contains(text, "{%- set role = \"model\" -%}") &&
+        contains(text, "message['content'] | trim")) {
+      return ChatTemplate(Family::kGemma3, bos_token, eos_token);
+    }
     if (contains(text, "raise_exception('System role not supported')") && contains(text, "{% set role = 'model' %}") &&
         contains(text, "message['content'] | trim + '<end_of_turn>") && !contains(text, "image")) {
       return ChatTemplate(Family::kGemma, bos_token, eos_token);
     }
-    throw Error(ErrorCode::kTokenizer, source + ": this <start_of_turn> template is not Gemma 1 / 2's, the one qtrain renders "
-                "(Gemma 3's folds the system message into the first turn and takes image content)" + force_hint);
+    throw Error(ErrorCode::kTokenizer, source + ": this <start_of_turn> template is not Gemma's that qtrain renders (Gemma 1 / "
+                "2 -it: gemma; Gemma 3 -it: gemma3)" + force_hint);
   }
   if (contains(text, "<|end|>") && contains(text, "add_generation_prompt") && contains(text, "eos_token") &&
       !contains(text, "bos_token")) {
@@ -435,7 +446,8 @@ std::vector<ChatSegment> ChatTemplate::render_segments(const std::vector<ChatMes
       generation_prompt.clear();
       break;
     case Family::kGemma:
-      render_gemma(messages, bos_token_, out);
+    case Family::kGemma3:
+      render_gemma(messages, bos_token_, /*system_prefix=*/family_ == Family::kGemma3, out);
       generation_prompt = "<start_of_turn>model\n";
       break;
     case Family::kPhi3:

@@ -16,6 +16,8 @@
 //                   the last user turn (Mistral 7B v0.3)
 //   gemma           {{bos}}<start_of_turn>user\nCONTENT|trim<end_of_turn>\n<start_of_turn>model\n ...;
 //                   no system message, turns alternate (Gemma 1 and Gemma 2 -it)
+//   gemma3          gemma's turns; a first system message opens the first turn's text, SYSTEM\n\n
+//                   (Gemma 3 -it; text content only)
 //   phi3            <|ROLE|>\nCONTENT<|end|>\n for system / user / assistant, then {{eos}} or the
 //                   generation prompt <|assistant|>\n (Phi-3-mini); phi3.5 skips an empty system
 //                   message (Phi-3.5-mini)
@@ -68,7 +70,8 @@ class ChatTemplate {
 
  private:
   enum class Family {
-    kLlama3, kChatml, kQwen3, kQwen3Instruct, kQwen3Thinking, kMistralV1, kMistralV3, kGemma, kPhi3, kPhi35, kPhi4Mini
+    kLlama3, kChatml, kQwen3, kQwen3Instruct, kQwen3Thinking, kMistralV1, kMistralV3, kGemma, kGemma3, kPhi3, kPhi35,
+    kPhi4Mini
   };
   // Each family with the name data.chat_template gives it.
   static const std::vector<std::pair<Family, const char*>>& family_names();

@@ -186,6 +186,11 @@ std::vector<ChatCase> cases_for(const std::string& family) {
     // Reasoning given apart from the content wins over a think block inside it.
     cases.push_back({{{"user", "Why?"}, {"assistant", "<think>ignored</think>Because.", "\nGiven apart.\n"}}, false});
     cases.push_back({{{"system", "S"}, {"user", "a"}, {"assistant", "b"}, {"system", "late system"}, {"user", "c"}}, true});
+  } else if (family == "gemma3") {
+    // The system message opens the first turn, untrimmed; an odd turn of another role keeps its name.
+    cases.push_back({{{"system", "  Be brief. "}, {"user", " One"}, {"assistant", " 1 "}, {"tool", "{}"}}, false});
+    cases.push_back({{{"system", "Alone"}}, true});
+    cases.push_back({{{"system", "S"}, {"assistant", "a"}}, false});  // not alternating: both refuse
   } else if (family == "gemma") {
     // No system role; an odd turn of another role renders under its own name.
     cases.push_back({{{"user", "One"}, {"assistant", " 1 "}, {"user", "Two"}, {"assistant", "\t2\n"}}, false});
@@ -263,6 +268,7 @@ INSTANTIATE_TEST_SUITE_P(Models, ReleasedChatTemplate,
                                            ReleasedTemplate{"mistral-7b-v0.1.jinja", "mistral-v1"},
                                            ReleasedTemplate{"mistral-7b-v0.3.jinja", "mistral-v3"},
                                            ReleasedTemplate{"gemma-2.jinja", "gemma"},
+                                           ReleasedTemplate{"gemma-3-it.jinja", "gemma3"},
                                            ReleasedTemplate{"phi-3-mini-4k.jinja", "phi3"},
                                            ReleasedTemplate{"phi-3.5-mini.jinja", "phi3.5"},
                                            ReleasedTemplate{"phi-4-mini.jinja", "phi4-mini"}),

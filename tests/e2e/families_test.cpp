@@ -182,18 +182,27 @@ TEST(FamilyRuns, Gemma3InFp16IsRefusedNamingTrainDtype) {
   EXPECT_EQ(run.output.find("step 1/"), std::string::npos) << run.output;
 }
 
-TEST_P(FamilyTraining, QloraStepsOnCudaInBf16RunWithFiniteLosses) {
+// Five bf16 QLoRA steps on CUDA, checkpointed: finite losses, none skipped.
+void expect_cuda_bf16_steps_finite(const std::string& model_dir, const std::string& flags) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU";
   testing::TempDir temp;
   const auto trained = testing::run_command(
       testing::qtrain_binary() + " --recipe " + testing::source_dir() + "/recipes/demo_tiny.yaml --set model.path=" +
-      testing::fixture("families/" + GetParam()) + family_targets(GetParam()) + " --set train.device=cuda --set train.dtype=bf16" +
+      model_dir + flags + " --set train.device=cuda --set train.dtype=bf16" +
       " --set train.steps=5 --set log.every=1 --set eval.every=0 --set eval.max_batches=2 --set checkpoint.every=0" +
       " --set train.gradient_checkpointing=true --set train.output_dir=" + temp.file("run") + " 2>&1");
   ASSERT_EQ(trained.status, 0) << trained.output;
   EXPECT_NE(trained.output.find("done: 5 steps"), std::string::npos) << trained.output;
   EXPECT_EQ(trained.output.find("nan"), std::string::npos) << trained.output;
   EXPECT_EQ(trained.output.find("skipped"), std::string::npos) << trained.output;
+}
+
+TEST_P(FamilyTraining, QloraStepsOnCudaInBf16RunWithFiniteLosses) {
+  expect_cuda_bf16_steps_finite(testing::fixture("families/" + GetParam()), family_targets(GetParam()));
+}
+
+TEST(DoraRuns, QloraStepsOnCudaInBf16RunWithFiniteLosses) {
+  expect_cuda_bf16_steps_finite(testing::fixture("tiny-llama"), " --set lora.use_dora=true");
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, FamilyTraining,
