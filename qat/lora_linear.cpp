@@ -63,32 +63,49 @@ torch::Tensor LoraLinear::adapted_row_norms(torch::ScalarType dtype) const {
   return torch::linalg_vector_norm(adapted, 2, /*dim=*/1, /*keepdim=*/false, /*dtype=*/std::nullopt).to(dtype);
 }
 
+torch::Tensor LoraLinear::adapted_row_norms_from_factors(torch::ScalarType dtype) {
+  torch::NoGradGuard no_grad;
+  if (!base_row_squares_.defined()) {
+    base_row_squares_ = base_->dense_weight(torch::kFloat32).pow(2).sum(1);  // once: W is frozen
+  }
+  const auto& A = lora_A_->weight;
+  const auto& B = lora_B_->weight;
+  auto a_products = base_->forward(A.to(dtype));  // [rank, out] = A W^T + b
+  const auto bias = base_->bias();
+  if (bias.defined()) a_products = a_products - bias.to(dtype);
+  const auto cross = (B * a_products.t().to(torch::kFloat32)).sum(1);
+  const auto quadratic = (torch::matmul(B, torch::matmul(A, A.t())) * B).sum(1);
+  const auto squares = base_row_squares_.to(B.device()) + 2.0 * scale_ * cross + scale_ * scale_ * quadratic;
+  return squares.clamp_min(0).sqrt().to(dtype);
+}
+
 torch::Tensor LoraLinear::dora_forward(const torch::Tensor& input) {
   const auto dtype = input.scalar_type();
-  const bool dropping = options_.dropout > 0.0 && is_training();
-  const auto lora_input = dropping ? F::dropout(input, F::DropoutFuncOptions().p(options_.dropout).training(true)) : input;
-  auto result = base_->forward(input);
-  // The base's product without its bias, on the adapter's input.
-  torch::Tensor base_product;
-  if (dropping) {
-    base_product = F::linear(lora_input, base_->dense_weight(dtype));
-  } else {
+  const auto scale_rows = magnitude_.to(dtype) / adapted_row_norms_from_factors(dtype);  // [out]
+  if (!(options_.dropout > 0.0 && is_training())) {
+    // (m / n)(x W^T + scale x A^T B^T) + b: LoRA's output rescaled.
     const auto bias = base_->bias();
-    base_product = bias.defined() ? result - bias.to(dtype) : result;
+    const auto adapted = lora_forward(input, 0.0);
+    return bias.defined() ? (adapted - bias.to(dtype)) * scale_rows + bias.to(dtype) : adapted * scale_rows;
   }
-  const auto scale_rows = magnitude_.to(dtype) / adapted_row_norms(dtype);  // [out]
+  // Dropout: peft multiplies the dropped input by W for the rescaled part.
+  const auto lora_input = F::dropout(input, F::DropoutFuncOptions().p(options_.dropout).training(true));
+  const auto base_product = F::linear(lora_input, base_->dense_weight(dtype));
   const auto update = F::linear(F::linear(lora_input, lora_A_->weight.to(dtype)), lora_B_->weight.to(dtype));
-  return result + ((scale_rows - 1) * base_product + scale_rows * update * scale_);
+  return base_->forward(input) + ((scale_rows - 1) * base_product + scale_rows * update * scale_);
 }
 
 torch::Tensor LoraLinear::forward(const torch::Tensor& input) {
   if (options_.dora) return dora_forward(input);
+  return lora_forward(input, is_training() ? options_.dropout : 0.0);
+}
+
+torch::Tensor LoraLinear::lora_forward(const torch::Tensor& input, double dropout) {
   if (base_->matmul_weight_kind() != MatmulWeight::kNone) {
-    return lora_matmul(input, base_, lora_A_->weight, lora_B_->weight, scale_, is_training() ? options_.dropout : 0.0);
+    return lora_matmul(input, base_, lora_A_->weight, lora_B_->weight, scale_, dropout);
   }
   const auto dtype = input.scalar_type();
-  auto lora_input = options_.dropout > 0.0 ? F::dropout(input, F::DropoutFuncOptions().p(options_.dropout).training(is_training()))
-                                           : input;
+  auto lora_input = dropout > 0.0 ? F::dropout(input, F::DropoutFuncOptions().p(dropout).training(true)) : input;
   // [..., in] -> [..., rank] -> [..., out], the order peft multiplies in: lora_B(lora_A(x)) * scale.
   auto update = F::linear(F::linear(lora_input, lora_A_->weight.to(dtype)), lora_B_->weight.to(dtype));
   return base_->forward(input) + update * scale_;

@@ -18,6 +18,13 @@
 //
 // where x W^T is the base's output without its bias (or, with dropout active, the dropped
 // input's product, as peft). The merged weight is (m / n) * (W + scale B A).
+//
+// Without dropout that is (m / n) * (x W^T + scale x A^T B^T) + b: LoRA's own output (the fused
+// node on a 4-bit base) rescaled per row. n is taken without a copy of W per step:
+// n^2 = ||W||^2 + 2 scale <W, B A> + scale^2 ||B A||^2 per row, with ||W||^2 kept from the first
+// step (W is frozen), <W, B A>_o = sum_k B[o, k] (A W^T)[k, o] from the base's own product of the
+// r rows of A, and ||B A||^2_o = (B (A A^T) B^T)_oo, in fp32. peft materialises W + scale B A in
+// the input's dtype instead: the two agree to fp32 rounding (bf16's, where peft rounds in bf16).
 #include <torch/torch.h>
 
 #include <functional>
@@ -59,14 +66,18 @@ class LoraLinear : public LinearLayer {
   const torch::Tensor& lora_magnitude() const { return magnitude_; }  // [out], fp32; undefined without DoRA
 
  private:
-  // ||W + scale B A|| per output row, in `dtype`, without gradient.
+  // ||W + scale B A|| per output row, in `dtype`, without gradient: from the dense weight (the
+  // magnitude's start, the merge) or from the factors (every step; above).
   torch::Tensor adapted_row_norms(torch::ScalarType dtype) const;
+  torch::Tensor adapted_row_norms_from_factors(torch::ScalarType dtype);
+  torch::Tensor lora_forward(const torch::Tensor& input, double dropout);
   torch::Tensor dora_forward(const torch::Tensor& input);
 
   std::shared_ptr<LinearLayer> base_;
   torch::nn::Linear lora_A_{nullptr};
   torch::nn::Linear lora_B_{nullptr};
   torch::Tensor magnitude_;
+  torch::Tensor base_row_squares_;  // DoRA: ||W||^2 per row, fp32, from the first step
   LoraOptions options_;
   double scale_;
 };
