@@ -217,7 +217,7 @@ TEST(RecipeErrors, WrongTypeNamesFileLineAndExpectedType) {
             path + ":2: 'optim.betas' expects 2 numbers, e.g. [0.9, 0.999], got 1");
   EXPECT_EQ(error_for("lora: 5\n"),
             path +
-                ":1: 'lora' is a map of keys (rank, alpha, dropout, rslora, target_modules, "
+                ":1: 'lora' is a map of keys (rank, alpha, dropout, rslora, use_dora, target_modules, "
                 "init_from), got '5'");
   EXPECT_EQ(error_for("lora:\n  rank:\n"),
             path + ":2: 'lora.rank' expects an integer, got nothing");
