@@ -279,6 +279,31 @@ TEST(DoraLinear, GradientsReachTheMagnitudeAAndBButNotTheNorm) {
   EXPECT_LT(max_relative_error(lora.lora_magnitude().grad(), expected.detach()), 1e-5);
 }
 
+// With dropout in training, peft's DoRA multiplies the dropped input by W for the rescaled part:
+// y = x W^T + b + (m / n - 1) d W^T + (m / n) scale d A^T B^T, d = dropout(x), one mask (the
+// layer's only random draw: the same seed gives the reference the same d).
+TEST(DoraLinear, DropoutRescalesTheDroppedInputsProductAsPeft) {
+  torch::manual_seed(14);
+  auto base = dense(40, 24);
+  LoraLinear lora(base, dora_options(4, 8, /*dropout=*/0.5));
+  randomise_B(lora);
+  lora.train();
+  const auto x = torch::randn({5, 40});
+  torch::manual_seed(99);
+  const auto ours = lora.forward(x);
+  torch::manual_seed(99);
+  const auto dropped = torch::nn::functional::dropout(x, torch::nn::functional::DropoutFuncOptions().p(0.5).training(true));
+  const auto W = base->weight().to(torch::kFloat64), A = lora.lora_A().to(torch::kFloat64),
+             B = lora.lora_B().to(torch::kFloat64), m = lora.lora_magnitude().to(torch::kFloat64);
+  const auto factor = m / (W + lora.scale() * torch::matmul(B, A)).norm(2, {1});
+  const auto x64 = x.to(torch::kFloat64), d64 = dropped.to(torch::kFloat64);
+  const auto expected = torch::matmul(x64, W.t()) + base->bias().to(torch::kFloat64) +
+                         (factor - 1) * torch::matmul(d64, W.t()) +
+                         factor * lora.scale() * torch::matmul(torch::matmul(d64, A.t()), B.t());
+  EXPECT_LT(max_relative_error(ours, expected), 1e-6);
+  EXPECT_GT((dropped - x).abs().max().item<double>(), 0.0);  // the mask dropped something
+}
+
 TEST(ApplyLora, ListEntriesMatchTheNameOrADottedSuffix) {
   ToyModel model;
   EXPECT_EQ(names_of(find_lora_targets(model, targets_of({"q_proj"}))),
