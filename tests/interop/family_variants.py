@@ -6,7 +6,8 @@ fp32 CPU logits for them: the reference for tests/trainer/model_families_test.cp
 usage: python family_variants.py OUT_DIR
 Writes OUT_DIR/<variant>/ (an HF model directory) and OUT_DIR/<variant>/reference.safetensors
 (`input_ids` [2, 40] int64, `logits` [2, 40, vocab] fp32, `prefix_logits` of the first 12 positions alone
-(longrope's short factors: 12 is within its original context), and `full_attention_logits`: the same
+(longrope's short factors: 12 is within its original context), `greedy`: the 20 tokens greedy
+decoding appends to the first 8 ids, and `full_attention_logits`: the same
 model with every layer attending to every earlier key, to show that the windows matter).
 """
 import copy
@@ -137,8 +138,17 @@ def main(out_dir):
         full.load_state_dict(reloaded.state_dict())
         with torch.no_grad():
             full_attention_logits = full(input_ids).logits.float().contiguous()
+        # Greedy decoding from 8 tokens to 28, past a longrope model's 16-position original context,
+        # each token from the whole sequence's forward (no cache). transformers 5.17's generate() leaves
+        # that at longrope's switch (its Phi-3 drops the cache there, and the next token differs from
+        # the uncached forward's); qtrain's cached decoding must give the uncached tokens.
+        sequence = input_ids[:1, :8]
+        with torch.no_grad():
+            for _ in range(20):
+                sequence = torch.cat([sequence, reloaded(sequence).logits[:, -1].argmax(-1, keepdim=True)], 1)
+        greedy = sequence[0, 8:].contiguous()
         save_file({"input_ids": input_ids, "logits": logits, "prefix_logits": prefix_logits,
-                   "full_attention_logits": full_attention_logits},
+                   "full_attention_logits": full_attention_logits, "greedy": greedy},
                   os.path.join(directory, "reference.safetensors"))
 
 

@@ -158,6 +158,13 @@ TEST(ModelFamilies, HeldOutVariantsEqualTransformersInFp32AndTheirWindowsMatter)
     // 12 positions alone: within longrope's original context, its short factors.
     const auto prefix = logits_of(*loaded.model, reference.tensor("input_ids").narrow(1, 0, 12));
     EXPECT_LE(relative_error(prefix, reference.tensor("prefix_logits")), 1e-5);
+    // Greedy decoding through the key/value cache, past the window (and longrope's switch).
+    const auto first = reference.tensor("input_ids")[0].narrow(0, 0, 8).contiguous();
+    const auto greedy = reference.tensor("greedy").contiguous();
+    GenerationOptions options;
+    options.max_new_tokens = greedy.numel();
+    EXPECT_EQ(generate(*loaded.model, std::vector<int64_t>(first.data_ptr<int64_t>(), first.data_ptr<int64_t>() + 8), options).tokens,
+              std::vector<int64_t>(greedy.data_ptr<int64_t>(), greedy.data_ptr<int64_t>() + greedy.numel()));
     // The windows are shorter than the input: without them the logits would differ.
     EXPECT_GT(relative_error(reference.tensor("full_attention_logits"), reference.tensor("logits")), 1e-2);
   }

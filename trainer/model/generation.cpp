@@ -71,6 +71,15 @@ GenerationResult generate(LlamaForCausalLMImpl& model, const std::vector<int64_t
     if (static_cast<int64_t>(result.tokens.size()) == options.max_new_tokens) break;
     cpu_threads.between_work();
     sequence = torch::cat({sequence, next.unsqueeze(0)}, 1);
+    const auto& rope = model.options().rope;
+    if (rope.type == RopeType::kLongRope && sequence.size(1) > rope.original_max_position_embeddings &&
+        cache.length() <= rope.original_max_position_embeddings) {
+      // longrope switches to its long factors here: the cached keys were turned by the short ones,
+      // so the whole sequence runs again, as transformers' Phi-3 drops its cache at this point.
+      cache = KeyValueCache(model.options().num_hidden_layers);
+      logits = next_token_logits(model, sequence.to(device), cache);
+      continue;
+    }
     logits = next_token_logits(model, next.unsqueeze(0).to(device), cache);
   }
   if (!result.tokens.empty()) result.decode_seconds = seconds_since(start);
