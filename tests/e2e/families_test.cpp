@@ -141,6 +141,19 @@ TEST_P(FamilyGgufTraining, QatStepsExportAGgufLlamaCppRunsWithOurLogits) {
   EXPECT_GE(top1, 0.9);
 }
 
+// A run of `recipe` (in recipes/) on `model_dir` with `flags` stops before its first step with an
+// error holding every one of `needles`.
+void expect_refused_before_training(const std::string& recipe, const std::string& model_dir, const std::string& flags,
+                                    const std::vector<std::string>& needles) {
+  testing::TempDir temp;
+  const auto run = testing::run_command(testing::qtrain_binary() + " --recipe " + testing::source_dir() + "/recipes/" +
+                                        recipe + " --set model.path=" + model_dir + flags +
+                                        " --set train.steps=3 --set train.output_dir=" + temp.file("run") + " 2>&1");
+  EXPECT_NE(run.status, 0) << run.output;
+  for (const auto& needle : needles) EXPECT_NE(run.output.find(needle), std::string::npos) << needle << "\n" << run.output;
+  EXPECT_EQ(run.output.find("step 1/"), std::string::npos) << run.output;
+}
+
 // A run whose export.formats holds a format the model cannot take stops before it trains: here a
 // Gemma 2 whose query_pre_attn_scalar is not the one llama.cpp's gemma2 fixes for its shape.
 TEST(FamilyRuns, AGgufExportLlamaCppCannotHoldIsRefusedBeforeTheFirstStep) {
@@ -149,37 +162,21 @@ TEST(FamilyRuns, AGgufExportLlamaCppCannotHoldIsRefusedBeforeTheFirstStep) {
   auto config = nlohmann::json::parse(testing::read_text(temp.file("gemma2/config.json")));
   config["query_pre_attn_scalar"] = 20;
   temp.write("gemma2/config.json", config.dump());
-  const auto run = testing::run_command(
-      testing::qtrain_binary() + " --recipe " + testing::source_dir() + "/recipes/demo_qat_tiny.yaml --set model.path=" +
-      temp.file("gemma2") + " --set train.steps=3 --set train.output_dir=" + temp.file("run") + " 2>&1");
-  EXPECT_NE(run.status, 0) << run.output;
-  EXPECT_NE(run.output.find("GGUF export: Gemma2ForCausalLM with query_pre_attn_scalar 20"), std::string::npos) << run.output;
-  EXPECT_EQ(run.output.find("step 1/"), std::string::npos) << run.output;
+  expect_refused_before_training("demo_qat_tiny.yaml", temp.file("gemma2"), "",
+                                 {"GGUF export: Gemma2ForCausalLM with query_pre_attn_scalar 20"});
 }
 
 // Llama's target names on Phi-3 would leave q, k, v, gate and up unadapted: the run stops and
 // names the fused projections.
 TEST(FamilyRuns, LlamaTargetNamesOnPhi3AreRefusedNamingTheFusedProjections) {
-  testing::TempDir temp;
-  const auto run = testing::run_command(
-      testing::qtrain_binary() + " --recipe " + testing::source_dir() + "/recipes/demo_tiny.yaml --set model.path=" +
-      testing::fixture("families/phi3") + " --set train.steps=3 --set train.output_dir=" + temp.file("run") + " 2>&1");
-  EXPECT_NE(run.status, 0) << run.output;
-  EXPECT_NE(run.output.find("lora.target_modules names 'q_proj'"), std::string::npos) << run.output;
-  EXPECT_NE(run.output.find("[qkv_proj, o_proj, gate_up_proj, down_proj]"), std::string::npos) << run.output;
-  EXPECT_EQ(run.output.find("step 1/"), std::string::npos) << run.output;
+  expect_refused_before_training("demo_tiny.yaml", testing::fixture("families/phi3"), "",
+                                 {"lora.target_modules names 'q_proj'", "[qkv_proj, o_proj, gate_up_proj, down_proj]"});
 }
 
 // Gemma 3 in fp16 overflows; the run says so before it trains.
 TEST(FamilyRuns, Gemma3InFp16IsRefusedNamingTrainDtype) {
-  testing::TempDir temp;
-  const auto run = testing::run_command(
-      testing::qtrain_binary() + " --recipe " + testing::source_dir() + "/recipes/demo_tiny.yaml --set model.path=" +
-      testing::fixture("families/gemma3") + " --set train.dtype=fp16 --set train.steps=3 --set train.output_dir=" +
-      temp.file("run") + " 2>&1");
-  EXPECT_NE(run.status, 0) << run.output;
-  EXPECT_NE(run.output.find("train.dtype: fp16 with Gemma3ForCausalLM"), std::string::npos) << run.output;
-  EXPECT_EQ(run.output.find("step 1/"), std::string::npos) << run.output;
+  expect_refused_before_training("demo_tiny.yaml", testing::fixture("families/gemma3"), " --set train.dtype=fp16",
+                                 {"train.dtype: fp16 with Gemma3ForCausalLM"});
 }
 
 // Five bf16 QLoRA steps on CUDA, checkpointed: finite losses, none skipped.

@@ -10,10 +10,6 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-bool on_fused_kernels(const torch::Tensor& tensor) {
-  return kernels::kCudaKernelsBuilt && tensor.is_cuda() && tensor.is_floating_point() &&
-         tensor.scalar_type() != torch::kFloat64;
-}
 
 class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
  public:
@@ -101,6 +97,11 @@ torch::Tensor rotate_half(const torch::Tensor& x) {
 }
 
 }  // namespace
+
+bool on_fused_kernels(const torch::Tensor& tensor) {
+  return kernels::kCudaKernelsBuilt && tensor.is_cuda() && tensor.is_floating_point() &&
+         tensor.scalar_type() != torch::kFloat64;
+}
 
 torch::Tensor rms_norm_reference(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   const auto input_dtype = x.scalar_type();

@@ -9,6 +9,10 @@
 
 namespace qtrain::trainer {
 
+// Whether the fused CUDA kernels (ours, kernels/*.cu) take `tensor`: built with them, on CUDA, in
+// fp32 / fp16 / bf16.
+bool on_fused_kernels(const torch::Tensor& tensor);
+
 // x [..., width]; weight [width]: weight * to(x dtype)(x32 / sqrt(mean(x32^2) + eps)).
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor rms_norm_reference(const torch::Tensor& x, const torch::Tensor& weight, double eps);

@@ -2,8 +2,8 @@
 
 #include <limits>
 
-#include "kernels/cuda_build.h"
 #include "kernels/softcapped_softmax.h"
+#include "trainer/model/llama_layers.h"
 
 namespace qtrain::trainer {
 
@@ -72,10 +72,7 @@ torch::Tensor softcapped_attention(const torch::Tensor& query, const torch::Tens
   return torch::matmul(probabilities, values);
 }
 
-bool softcapped_kernel_applies(const torch::Tensor& query) {
-  return kernels::kCudaKernelsBuilt && query.is_cuda() && query.is_floating_point() &&
-         query.scalar_type() != torch::kFloat64;
-}
+bool softcapped_kernel_applies(const torch::Tensor& query) { return on_fused_kernels(query); }
 
 torch::Tensor softcapped_causal_attention(const torch::Tensor& query, const torch::Tensor& key,
                                           const torch::Tensor& value, int64_t past, int64_t window, double scale,
