@@ -74,8 +74,8 @@ torch::Tensor fake_quantize(const torch::Tensor& x, const QuantSpec& spec, const
 torch::Tensor fake_quantize_learned_scale(const torch::Tensor& x, const torch::Tensor& scale,
                                           const torch::Tensor& zero_point, const QuantSpec& spec,
                                           double gradient_scale) {
-  if (!spec.is_integer()) {
-    throw Error(ErrorCode::kRecipe, "learned scales (LSQ) need an int format, got " + spec.describe());
+  if (!spec.has_integer_zero_point()) {
+    throw Error(ErrorCode::kRecipe, "learned scales (LSQ) need an int format with an integer zero point, got " + spec.describe());
   }
   return LearnedStepSizeFakeQuantize::apply(x, scale, zero_point, spec, gradient_scale);
 }

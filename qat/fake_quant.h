@@ -9,7 +9,7 @@
 // that the rounding is a noisy copy of.
 //
 // fake_quantize_learned_scale: LSQ (Esser et al. 2020, "Learned Step Size Quantization"), int
-// formats only. With u = x / s, the grid's ends in steps -Qn = quant_min - z, Qp = quant_max - z,
+// formats with an integer zero point only. With u = x / s, the grid's ends in steps -Qn = quant_min - z, Qp = quant_max - z,
 // and x^ = round(clamp(u, -Qn, Qp)) * s (the same value as the int formula of quant_spec.h):
 //   dx^/dx = 1 if -Qn < u < Qp, else 0
 //   dx^/ds = round(u) - u if -Qn < u < Qp;  -Qn if u <= -Qn;  Qp if u >= Qp

@@ -22,8 +22,9 @@ FakeQuantizer::FakeQuantizer(const FakeQuantizerOptions& options, std::string wh
                 " for activations, whose number of tokens changes from batch to batch (use per_tensor, or observer "
                 "dynamic without learned_scale for per-token scales)");
   }
-  if (options_.learned_scale && !spec.is_integer()) {
-    throw Error(ErrorCode::kRecipe, what_ + ".learned_scale: learned scales (LSQ) need format int, got " + spec.describe());
+  if (options_.learned_scale && !spec.has_integer_zero_point()) {
+    throw Error(ErrorCode::kRecipe, what_ + ".learned_scale: learned scales (LSQ) need format int with zero_point_domain int, "
+                "got " + spec.describe());
   }
   const auto shape = fixed_shape_.empty() ? std::vector<int64_t>{1} : params_shape(spec, fixed_shape_);
   if (is_static) {

@@ -7,7 +7,7 @@
 namespace qtrain::qat {
 
 QatLinear::QatLinear(std::shared_ptr<LinearLayer> inner, const QatLinearOptions& options, const std::string& what)
-    : inner_(std::move(inner)) {
+    : inner_(std::move(inner)), lora_gradient_(options.lora_gradient) {
   if (!inner_) throw Error(ErrorCode::kInternal, "QatLinear needs a layer to quantize, got none");
   if (const auto* lora = dynamic_cast<const LoraLinear*>(inner_.get()); lora && lora->options().dropout > 0.0) {
     throw Error(ErrorCode::kRecipe, "LoRA dropout " + std::to_string(lora->options().dropout) + " cannot apply under " + what +
@@ -28,12 +28,20 @@ QatLinear::QatLinear(std::shared_ptr<LinearLayer> inner, const QatLinearOptions&
     activation_fake_quant_ =
         register_module("activation_fake_quant", std::make_shared<FakeQuantizer>(*options.activations, what + ".activations"));
   }
+  if (auto lora = std::dynamic_pointer_cast<LoraLinear>(inner_); lora && fuses_merged_fake_quant(*lora, options.weights)) {
+    fused_lora_ = std::move(lora);
+  }
   // The quantizers' state lives where the weight does.
   weight_fake_quant_->to(weight.device());
   if (activation_fake_quant_) activation_fake_quant_->to(weight.device());
 }
 
 torch::Tensor QatLinear::forward(const torch::Tensor& input) {
+  if (fused_lora_) {
+    const auto quantized_input = activation_fake_quant_ ? activation_fake_quant_->forward(input) : input;
+    if (!fake_quant_enabled()) return fused_lora_->forward(quantized_input);
+    return qat_lora_matmul(quantized_input, fused_lora_, weight_fake_quant_->spec(), lora_gradient_);
+  }
   const auto dtype = input.scalar_type();
   const auto weight = weight_fake_quant_->forward(inner_->dense_weight(torch::kFloat32));
   const auto quantized_input = activation_fake_quant_ ? activation_fake_quant_->forward(input) : input;
@@ -49,6 +57,9 @@ torch::Tensor QatLinear::dense_weight(torch::ScalarType dtype) const {
 
 QuantizedTensor QatLinear::convert() const {
   torch::NoGradGuard no_grad;
+  if (fused_lora_) {
+    return fake_quantize_merged(*fused_lora_, weight_fake_quant_->spec(), torch::kFloat32, false, true, false).quantized;
+  }
   return weight_fake_quant_->quantize_tensor(inner_->dense_weight(torch::kFloat32));
 }
 
@@ -66,6 +77,7 @@ void QatLinear::pretty_print(std::ostream& stream) const {
   stream << "qtrain::qat::QatLinear(in_features=" << in_features() << ", out_features=" << out_features()
          << ", weights=" << weight_fake_quant_->spec().describe();
   if (activation_fake_quant_) stream << ", activations=" << activation_fake_quant_->spec().describe();
+  if (fused_lora_) stream << ", merged in one pass, lora_gradient=" << lora_gradient_name(lora_gradient_);
   stream << (fake_quant_enabled() ? "" : ", fake quant disabled") << ")";
 }
 

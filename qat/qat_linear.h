@@ -16,6 +16,11 @@
 //
 // `convert()` gives the weight's integer codes and scales (+ zero points) exactly as the forward
 // used them: convert().dequantize() equals the fake-quantized weight bit for bit.
+//
+// A LoRA layer whose weight quantizer qat/qat_lora_matmul.h takes (integer grid, dynamic
+// per-group or per-channel scales) runs as that one node instead of the composition above: the
+// merged weight built and rounded in one pass, no fp32 copy, and the LoRA gradient the options
+// name. convert() then reads the same builder.
 #include <torch/torch.h>
 
 #include <memory>
@@ -26,12 +31,14 @@
 #include "qat/fake_quantizer.h"
 #include "qat/linear.h"
 #include "qat/lora_linear.h"
+#include "qat/qat_lora_matmul.h"
 
 namespace qtrain::qat {
 
 struct QatLinearOptions {
   FakeQuantizerOptions weights;                     // recipe `qat.weights`
   std::optional<FakeQuantizerOptions> activations;  // recipe `qat.activations`; none: inputs unquantized
+  LoraGradient lora_gradient = LoraGradient::kIdentity;  // recipe `qat.lora_gradient` (qat/qat_lora_matmul.h)
 };
 
 class QatLinear : public LinearLayer {
@@ -64,6 +71,8 @@ class QatLinear : public LinearLayer {
 
  private:
   std::shared_ptr<LinearLayer> inner_;
+  std::shared_ptr<LoraLinear> fused_lora_;  // inner_ when qat_lora_matmul takes it, else null
+  LoraGradient lora_gradient_;
   std::shared_ptr<FakeQuantizer> weight_fake_quant_;
   std::shared_ptr<FakeQuantizer> activation_fake_quant_;  // null when inputs are not quantized
 };

@@ -16,6 +16,11 @@ const std::array<std::pair<Granularity, const char*>, 4> kGranularityNames = {{
     {Granularity::kPerGroup, "per_group"},
 }};
 
+const std::array<std::pair<ZeroPointDomain, const char*>, 2> kZeroPointDomainNames = {{
+    {ZeroPointDomain::kInt, "int"},
+    {ZeroPointDomain::kFloat, "float"},
+}};
+
 constexpr int64_t kMinIntBits = 2;
 
 }  // namespace
@@ -34,6 +39,20 @@ const char* granularity_name(Granularity granularity) {
     if (candidate == granularity) return text;
   }
   throw Error(ErrorCode::kInternal, "unknown granularity (internal error)");
+}
+
+ZeroPointDomain parse_zero_point_domain(const std::string& name, const std::string& what) {
+  for (const auto& [domain, text] : kZeroPointDomainNames) {
+    if (name == text) return domain;
+  }
+  throw Error(ErrorCode::kRecipe, what + ": unknown zero point domain '" + name + "' (expected int or float)");
+}
+
+const char* zero_point_domain_name(ZeroPointDomain domain) {
+  for (const auto& [candidate, text] : kZeroPointDomainNames) {
+    if (candidate == domain) return text;
+  }
+  throw Error(ErrorCode::kInternal, "unknown zero point domain (internal error)");
 }
 
 int64_t QuantSpec::quant_min() const { return -(int64_t{1} << (bits - 1)); }
@@ -63,6 +82,12 @@ void QuantSpec::validate(const std::string& what) const {
     throw Error(ErrorCode::kRecipe, what + ".scale_dtype: " + std::string(c10::toString(scale_dtype)) +
                 " is not supported (expected fp32, or fp16 as GGUF stores it)");
   }
+  if (zero_point_domain == ZeroPointDomain::kFloat) {
+    const std::string reason = what + ".zero_point_domain: float (torchao's int4 weight-only grid) needs ";
+    if (!is_integer()) throw Error(ErrorCode::kRecipe, reason + "format int, got " + info.name);
+    if (symmetric) throw Error(ErrorCode::kRecipe, reason + "symmetric: false (its zero point offsets each block's own range)");
+    if (scale_dtype != torch::kFloat32) throw Error(ErrorCode::kRecipe, reason + "scale_dtype fp32");
+  }
 }
 
 void QuantSpec::validate_for_shape(const std::string& what, c10::IntArrayRef shape) const {
@@ -81,6 +106,7 @@ std::string QuantSpec::describe() const {
   text += granularity_name(granularity);
   if (granularity == Granularity::kPerGroup) text += "(" + std::to_string(group_size) + ")";
   text += scale_dtype == torch::kFloat16 ? " scale fp16" : " scale fp32";
+  if (zero_point_domain != ZeroPointDomain::kInt) text += std::string(" zero_point ") + zero_point_domain_name(zero_point_domain);
   return text;
 }
 
@@ -110,6 +136,13 @@ QuantSpec QuantSpec::int8_dynamic_per_token_activation() {
   spec.bits = 8;
   spec.symmetric = false;
   spec.granularity = Granularity::kPerToken;
+  return spec;
+}
+
+QuantSpec QuantSpec::int4_weight_only(int64_t group_size) {
+  QuantSpec spec = int4_weight(group_size);
+  spec.symmetric = false;
+  spec.zero_point_domain = ZeroPointDomain::kFloat;
   return spec;
 }
 

@@ -15,7 +15,8 @@
 //   range        q in [quant_min, quant_max] = [-2^(bits-1), 2^(bits-1) - 1], signed for both
 //                mappings (int4: [-8, 7], int8: [-128, 127])
 //   quantize     q = clamp(round(x / s) + z, quant_min, quant_max), x / s a true fp32 division,
-//                round half to even
+//                round half to even (torchao multiplies by the fp32 reciprocal 1 / s instead: the
+//                two round apart, by one step, only where x / s lies within an ulp of a tie)
 //   dequantize   x^ = (q - z) * s, fp32
 //   symmetric    z = 0, s = max(-min(x), max(x)) / ((quant_max - quant_min) / 2)   (int4: absmax / 7.5)
 //                so -absmax maps to quant_min and +absmax to quant_max + 0.5, which rounds (to
@@ -24,12 +25,26 @@
 //   asymmetric   s = (max(max(x), 0) - min(min(x), 0)) / (quant_max - quant_min),
 //                z = clamp(quant_min - round(min(min(x), 0) / s), quant_min, quant_max), an integer
 //                (the range always holds 0, so 0 is exact)
+//   arithmetic   s and z are computed in x's dtype when x is bf16 or fp16, every operation rounded
+//                to it, as torchao's choose_qparams_affine computes them (a bf16 activation's fp32
+//                scale holds a bf16 value); in fp32 otherwise, and from an observer's fp32 range.
+// Float zero-point domain (zero_point_domain float: torchao's int4 weight-only QAT,
+// QATConfig(Int4WeightOnlyConfig(group_size)), whose Int4WeightFakeQuantizer emulates MSLK's
+// int4_row_quantize_zp). Asymmetric int grids only, fp32 scales, computed in fp32 whatever x's
+// dtype. The grid spans the block's own range [m, M] = [min(x), max(x)]; 0 need not be exact:
+//   s  = max(M - m, 1e-6) / (quant_max - quant_min)        (its eps, on the range)
+//   q  = clamp(round((x - m) / s) + quant_min, quant_min, quant_max)
+//   x^ = q * s + z,  z = m - quant_min * s                  (torchao's float zero point, the value
+//                                                            of code 0; each operation fp32)
+// The quantizer keeps m as its zero point (QuantParams), so codes and values are torchao's bits.
 // Float grids (minifloats and bitsandbytes' tables) are symmetric only: z = 0,
 //   s = absmax / max_value, x^ = grid(x / s) * s; the tables take x * (1 / s) as bitsandbytes does.
-// Every scale is at least eps = 2^-23 (fp32's machine epsilon, torchao's), so an all-zero block
-// quantizes to zeros. With scale_dtype fp16 the scale is then clamped to fp16's range and rounded
-// to fp16, and that rounded value is the scale the forward uses: it is what GGUF's Q4_0 / Q8_0
-// store as the block's `d`, so an exported file dequantizes to exactly the fake-quant weights.
+// Every other scale is at least eps = 2^-23 (fp32's machine epsilon, torchao's for 8da4w
+// activations; its weights take fp32's smallest normal number, which only blocks within 2^-20 of
+// zero tell apart), so an all-zero block quantizes to zeros. With scale_dtype fp16 the
+// scale is then clamped to fp16's range and rounded to fp16, and that rounded value is the scale
+// the forward uses: it is what GGUF's Q4_0 / Q8_0 store as the block's `d`, so an exported file
+// dequantizes to exactly the fake-quant weights.
 #include <c10/core/ScalarType.h>
 #include <c10/util/ArrayRef.h>
 
@@ -43,9 +58,16 @@ namespace qtrain::qat {
 
 enum class Granularity { kPerTensor, kPerChannel, kPerToken, kPerGroup };
 
+// Where the zero point acts (torchao's ZeroPointDomain): on the integer codes, or as a float
+// offset of the block's range (see above).
+enum class ZeroPointDomain { kInt, kFloat };
+
 // "per_tensor" | "per_channel" | "per_token" | "per_group"; anything else is an Error naming `what`.
 Granularity parse_granularity(const std::string& name, const std::string& what);
 const char* granularity_name(Granularity granularity);
+// "int" | "float"; anything else is an Error naming `what`.
+ZeroPointDomain parse_zero_point_domain(const std::string& name, const std::string& what);
+const char* zero_point_domain_name(ZeroPointDomain domain);
 
 struct QuantSpec {
   QuantFormat format = QuantFormat::kInt;
@@ -54,11 +76,14 @@ struct QuantSpec {
   Granularity granularity = Granularity::kPerGroup;
   int64_t group_size = 32;  // per_group only
   torch::ScalarType scale_dtype = torch::kFloat32;  // kFloat32, or kFloat16 (GGUF's d)
+  ZeroPointDomain zero_point_domain = ZeroPointDomain::kInt;  // kFloat: asymmetric int, fp32 scales
 
   // The integer grid's ends (int format only): [-2^(bits-1), 2^(bits-1) - 1].
   int64_t quant_min() const;
   int64_t quant_max() const;
   bool is_integer() const { return format == QuantFormat::kInt; }
+  // Integer codes with an integer zero point: the grids kernels/fake_quantize.h computes.
+  bool has_integer_zero_point() const { return is_integer() && zero_point_domain == ZeroPointDomain::kInt; }
   const QuantFormatInfo& format_info() const { return quant_format_info(format); }
 
   // The spec alone makes sense; an Error naming `what` (the recipe key of the spec, such as
@@ -67,7 +92,8 @@ struct QuantSpec {
   // And it applies to a tensor of `shape`: a group size must divide the last dimension.
   void validate_for_shape(const std::string& what, c10::IntArrayRef shape) const;
 
-  // "int4 symmetric per_group(32) scale fp16": for messages and files' metadata.
+  // "int4 symmetric per_group(32) scale fp16" (+ " zero_point float"): for messages and files'
+  // metadata.
   std::string describe() const;
 
   // The schemes GGUF holds exactly: symmetric int4 / int8 in groups of 32, fp16 scales.
@@ -77,6 +103,9 @@ struct QuantSpec {
   // pass yours), int8 asymmetric activations per token, computed on every call.
   static QuantSpec int4_weight(int64_t group_size);
   static QuantSpec int8_dynamic_per_token_activation();
+  // torchao's int4 weight-only QAT, QATConfig(Int4WeightOnlyConfig(group_size)): asymmetric int4
+  // per group, float zero point (its default group 128).
+  static QuantSpec int4_weight_only(int64_t group_size);
 };
 
 // Shapes of the blocks view and of the parameters (scale, zero point) for `shape` (see above).

@@ -14,6 +14,8 @@ namespace {
 // torchao's eps: fp32's machine epsilon, 2^-23 (also exact in fp16, as a subnormal).
 constexpr double kScaleEps = 1.1920928955078125e-07;
 constexpr double kFp16Max = 65504.0;
+// The float zero point's eps, on the block's range before the division (MSLK's, torchao's).
+constexpr double kRangeEps = 1e-6;
 
 torch::Tensor to_blocks(const QuantSpec& spec, const torch::Tensor& x) {
   return x.to(torch::kFloat32).reshape(block_view_shape(spec, x.sizes()));
@@ -93,9 +95,11 @@ Quantized quantize_blocks(const QuantSpec& spec, const torch::Tensor& blocks, co
   switch (info.kind) {
     case GridKind::kInteger: {
       const auto zero_point = params.zero_point.unsqueeze(-1);
-      const auto unclamped = torch::round(blocks / scale) + zero_point;
       const double quant_min = static_cast<double>(spec.quant_min());
       const double quant_max = static_cast<double>(spec.quant_max());
+      // A float zero point holds the block's minimum m: codes count steps up from it.
+      const auto unclamped = spec.has_integer_zero_point() ? torch::round(blocks / scale) + zero_point
+                                                           : torch::round((blocks - zero_point) / scale) + quant_min;
       return {unclamped.clamp(quant_min, quant_max).to(torch::kInt8), (unclamped >= quant_min) & (unclamped <= quant_max)};
     }
     case GridKind::kMinifloat: {
@@ -125,7 +129,12 @@ Quantized quantize_blocks(const QuantSpec& spec, const torch::Tensor& blocks, co
 
 torch::Tensor dequantize_blocks(const QuantSpec& spec, const torch::Tensor& codes, const QuantParams& params) {
   const auto scale = params.scale.unsqueeze(-1);
-  if (spec.is_integer()) return (codes.to(torch::kFloat32) - params.zero_point.unsqueeze(-1)) * scale;
+  if (spec.has_integer_zero_point()) return (codes.to(torch::kFloat32) - params.zero_point.unsqueeze(-1)) * scale;
+  if (spec.is_integer()) {
+    // torchao's float zero point z = m + s * -quant_min, then q * s + z: its operations, in its order.
+    const auto float_zero_point = params.zero_point.unsqueeze(-1) + scale * static_cast<double>(-spec.quant_min());
+    return codes.to(torch::kFloat32) * scale + float_zero_point;
+  }
   const auto grid = float_grid_values(spec.format).to(codes.device());
   return grid.index({codes.to(torch::kInt64)}) * scale;
 }
@@ -135,7 +144,9 @@ torch::Tensor dequantize_blocks(const QuantSpec& spec, const torch::Tensor& code
 BlockMinMax block_min_max(const QuantSpec& spec, const torch::Tensor& x) {
   torch::NoGradGuard no_grad;
   const auto [min, max] = torch::aminmax(to_blocks(spec, x.detach()), -1);  // one pass over x
-  return {min, max};
+  const auto dtype = x.scalar_type();
+  const bool reduced_float = dtype == torch::kBFloat16 || dtype == torch::kFloat16;
+  return {min, max, reduced_float ? dtype : torch::kFloat32};
 }
 
 torch::Tensor effective_scale(const QuantSpec& spec, const torch::Tensor& scale) {
@@ -146,22 +157,29 @@ torch::Tensor effective_scale(const QuantSpec& spec, const torch::Tensor& scale)
 
 QuantParams choose_qparams(const QuantSpec& spec, const BlockMinMax& range) {
   torch::NoGradGuard no_grad;
-  const auto min_negative = range.min.to(torch::kFloat32).clamp_max(0.0);
-  const auto max_positive = range.max.to(torch::kFloat32).clamp_min(0.0);
-  const auto zeros = torch::zeros_like(min_negative);
+  const double quant_min = static_cast<double>(spec.quant_min());
+  const double quant_max = static_cast<double>(spec.quant_max());
+  if (spec.is_integer() && !spec.has_integer_zero_point()) {
+    // The float zero point: the block's own range, in fp32 whatever x's dtype, its eps on the range.
+    const auto min = range.min.to(torch::kFloat32);
+    return {(range.max.to(torch::kFloat32) - min).clamp_min(kRangeEps) / (quant_max - quant_min), min};
+  }
+  // Integer grids compute in the range's dtype (quant_spec.h), float grids in fp32.
+  const auto dtype = spec.is_integer() ? range.dtype : torch::kFloat32;
+  const auto min_negative = range.min.to(dtype).clamp_max(0.0);
+  const auto max_positive = range.max.to(dtype).clamp_min(0.0);
+  const auto zeros = torch::zeros(min_negative.sizes(), min_negative.options().dtype(torch::kFloat32));
   if (!spec.is_integer()) {
     const auto absmax = torch::maximum(-min_negative, max_positive);
     return {effective_scale(spec, absmax / spec.format_info().max_value), zeros};
   }
-  const double quant_min = static_cast<double>(spec.quant_min());
-  const double quant_max = static_cast<double>(spec.quant_max());
   if (spec.symmetric) {
     const auto absmax = torch::maximum(-min_negative, max_positive);
     return {effective_scale(spec, absmax / ((quant_max - quant_min) / 2.0)), zeros};
   }
   const auto scale = effective_scale(spec, (max_positive - min_negative) / (quant_max - quant_min));
-  const auto zero_point = (quant_min - torch::round(min_negative / scale)).clamp(quant_min, quant_max);
-  return {scale, zero_point};
+  const auto zero_point = (quant_min - torch::round(min_negative / scale.to(dtype))).clamp(quant_min, quant_max);
+  return {scale, zero_point.to(torch::kFloat32)};
 }
 
 torch::Tensor quantize(const QuantSpec& spec, const torch::Tensor& x, const QuantParams& params) {
@@ -178,7 +196,9 @@ torch::Tensor dequantize(const QuantSpec& spec, const torch::Tensor& codes, cons
 }
 
 FakeQuantized fake_quantize_values(const QuantSpec& spec, const torch::Tensor& x, const QuantParams& params) {
-  if (!(kernels::kCudaKernelsBuilt && x.is_cuda() && spec.is_integer())) return fake_quantize_values_reference(spec, x, params);
+  if (!(kernels::kCudaKernelsBuilt && x.is_cuda() && spec.has_integer_zero_point())) {
+    return fake_quantize_values_reference(spec, x, params);
+  }
   check_params(spec, x, params);
   torch::NoGradGuard no_grad;
   auto fused = kernels::fake_quantize_int_cuda(

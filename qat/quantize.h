@@ -12,14 +12,19 @@ namespace qtrain::qat {
 struct BlockMinMax {
   torch::Tensor min;  // fp32, params_shape(spec, x.shape)
   torch::Tensor max;
+  // The dtype an integer zero point's scale and zero point are computed in (quant_spec.h): x's
+  // when it is bf16 or fp16, as torchao's choose_qparams_affine does; fp32 otherwise.
+  torch::ScalarType dtype = torch::kFloat32;
 };
 
 struct QuantParams {
-  torch::Tensor scale;       // fp32, params_shape; each value exactly representable in spec.scale_dtype
-  torch::Tensor zero_point;  // fp32 holding integers, params_shape; zeros for symmetric specs
+  torch::Tensor scale;  // fp32, params_shape; each value exactly representable in spec.scale_dtype
+  // fp32, params_shape: integers z (zeros for symmetric specs); with a float zero point the
+  // block's minimum m, the value code quant_min starts from (quant_spec.h).
+  torch::Tensor zero_point;
 };
 
-// Per block min and max of x (detached, in fp32).
+// Per block min and max of x (detached, in fp32), and the dtype its parameters are computed in.
 BlockMinMax block_min_max(const QuantSpec& spec, const torch::Tensor& x);
 
 // The scale and zero point for blocks spanning [min, max] (quant_spec.h's formulas).
@@ -33,18 +38,21 @@ torch::Tensor effective_scale(const QuantSpec& spec, const torch::Tensor& scale)
 // pattern (sign, exponent, mantissa: for fp8 the bytes of torch's float8 dtypes) or the index
 // into bitsandbytes' 4-bit table.
 torch::Tensor quantize(const QuantSpec& spec, const torch::Tensor& x, const QuantParams& params);
-// fp32 values of `codes` (codes' shape): (q - z) * s, or grid value * s.
+// fp32 values of `codes` (codes' shape): (q - z) * s, q * s + z with a float zero point, or grid
+// value * s.
 torch::Tensor dequantize(const QuantSpec& spec, const torch::Tensor& codes, const QuantParams& params);
 
 struct FakeQuantized {
   torch::Tensor values;  // fp32, x's shape: dequantize(quantize(x))
   // bool, block view shape: where x lies inside the grid's clipping range, the straight-through
-  // estimator's gradient mask. int: round(x / s) + z within [quant_min, quant_max] before
-  // clamping (torchao's mask); float grids: |x / s| <= max_value.
+  // estimator's gradient mask. int: round(x / s) + z (float zero point: round((x - m) / s) +
+  // quant_min) within [quant_min, quant_max] before clamping (torchao's mask); float grids:
+  // |x / s| <= max_value.
   torch::Tensor inside;
 };
-// On CUDA, int grids take the one-pass kernel of kernels/fake_quantize.h, which gives the
-// reference's bits; everything else runs the reference, in torch operations.
+// On CUDA, int grids with an integer zero point take the one-pass kernel of
+// kernels/fake_quantize.h, which gives the reference's bits; everything else (float grids, the
+// float zero point) runs the reference, in torch operations.
 FakeQuantized fake_quantize_values(const QuantSpec& spec, const torch::Tensor& x, const QuantParams& params);
 FakeQuantized fake_quantize_values_reference(const QuantSpec& spec, const torch::Tensor& x, const QuantParams& params);
 

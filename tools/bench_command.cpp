@@ -26,6 +26,7 @@
 #include "qat/four_bit_linear.h"
 #include "qat/int8_linear.h"
 #include "qat/lora_linear.h"
+#include "qat/qat_lora_matmul.h"
 #include "tools/commands.h"
 #include "tools/kernel_profile.h"
 #include "trainer/base/device.h"
@@ -99,6 +100,7 @@ trainer::Recipe bench_recipe(const trainer::BaseQuantizationRow& base, bool fake
   auto recipe = trainer::default_recipe();
   recipe.quant = fake_quant ? "qat" : base.kind == trainer::BaseQuantization::kNone ? "none" : "qlora";
   if (base.kind != trainer::BaseQuantization::kNone) recipe.qlora.quant_type = base.name;
+  recipe.qat.base = base.name;  // QAT-LoRA on this base (read only with quant: qat)
   recipe.qat.weights.scale_dtype = "fp16";  // GGUF Q4_0's grid: int4, groups of 32, fp16 scales
   recipe.lora.rank = lora_rank;
   recipe.lora.alpha = 2.0 * static_cast<double>(lora_rank);
@@ -122,7 +124,7 @@ data::Batch random_batch(int64_t micro_batch, int64_t sequence, int64_t vocab_si
 }  // namespace
 
 int run_bench(const Arguments& arguments) {
-  std::string shape, quant, dtype_name, device_name, checkpoint_run, optimizer_name, trace_path;
+  std::string shape, quant, dtype_name, device_name, checkpoint_run, optimizer_name, trace_path, lora_gradient;
   int64_t micro_batch = 0, sequence = 0, steps = 0, warmup = 0, lora_rank = 0, loss_chunk = 0, profile_steps = 0;
   po::options_description options("bench options");
   options.add_options()
@@ -135,7 +137,10 @@ int run_bench(const Arguments& arguments) {
       ("seq", po::value(&sequence)->default_value(2048), "tokens per sequence")
       ("checkpointing", po::bool_switch(), "recompute every decoder layer in backward")
       ("dora", po::bool_switch(), "DoRA adapters (lora.use_dora) instead of LoRA")
-      ("qat", po::bool_switch(), "with --quant none: fake-quantize the merged weights (int4, groups of 32), as quant: qat")
+      ("qat", po::bool_switch(), "fake-quantize the merged weights (int4, groups of 32, fp16 scales) over the --quant base, "
+       "as quant: qat with qat.base")
+      ("lora-gradient", po::value(&lora_gradient)->default_value("identity"),
+       "with --qat: the adapters' gradient, identity or masked (qat.lora_gradient)")
       ("loss-chunk", po::value(&loss_chunk)->default_value(0), "loss chunk tokens; 0 automatic, -1 unchunked")
       ("dtype", po::value(&dtype_name)->default_value("bf16"), "compute dtype: bf16, fp16 or fp32")
       ("device", po::value(&device_name)->default_value("auto"), "cuda, cpu or auto")
@@ -155,9 +160,7 @@ int run_bench(const Arguments& arguments) {
   const auto& base = trainer::base_quantization_named(quant == "qlora" ? "nf4" : quant, "--quant");
   if (steps < 1 || micro_batch < 1 || sequence < 2) throw Error(ErrorCode::kUsage, "--steps, --micro-batch must be >= 1 and --seq >= 2");
   const bool fake_quant = values["qat"].as<bool>();
-  if (fake_quant && base.kind != trainer::BaseQuantization::kNone) {
-    throw Error(ErrorCode::kUsage, "--qat trains through a fake-quantized 16-bit base: use it with --quant none");
-  }
+  qat::parse_lora_gradient(lora_gradient, "--lora-gradient");
   const auto device = trainer::resolve_device(device_name);
   const auto dtype = trainer::parse_dtype_name(dtype_name, "--dtype");
   const bool checkpointing = values["checkpointing"].as<bool>();
@@ -166,6 +169,7 @@ int run_bench(const Arguments& arguments) {
   // Every projection of the shape's block: Phi-3's fused ones by their own names.
   recipe.lora.target_modules = recipe.qat.target_modules = llama.projection_names();
   recipe.lora.use_dora = values["dora"].as<bool>();
+  recipe.qat.lora_gradient = lora_gradient;
 
   torch::manual_seed(0);
   const auto tables = qat::quantize_4bit(
@@ -261,7 +265,7 @@ int run_bench(const Arguments& arguments) {
   const double mfu = peak > 0 ? tokens_per_second * flops_per_token / peak : 0.0;
 
   quant = base.kind == trainer::BaseQuantization::kNf4 ? "qlora" : base.name;  // as tools/bench.sh names rows
-  if (fake_quant) quant += "+qat";
+  if (fake_quant) quant += lora_gradient == "identity" ? "+qat" : "+qat(" + lora_gradient + ")";
   if (recipe.lora.use_dora) quant += "+dora";
   std::printf("bench: %s %s + %s, %s compute on %s, micro-batch %lld x %lld, checkpointing %s, loss chunk %lld\n",
               shape.c_str(), quant.c_str(), optimizer_name.c_str(), dtype_name.c_str(), device.str().c_str(), static_cast<long long>(micro_batch),

@@ -101,9 +101,10 @@ void print_peak_estimate(const std::string& recipe_path, const trainer::Training
   const auto bytes = [](double value) { return trainer::format_bytes(value); };
 
   const auto& base = trainer::base_quantization_row(setup.base.kind);
-  const std::string training = setup.full_finetune                              ? "full finetune"
-                               : base.kind == trainer::BaseQuantization::kNone ? "quant none"
-                                                                               : "qlora " + std::string(base.name);
+  std::string training = setup.full_finetune                              ? "full finetune"
+                         : base.kind == trainer::BaseQuantization::kNone ? "quant none"
+                                                                         : "qlora " + std::string(base.name);
+  if (setup.fake_quantized) training = "qat-lora on a " + std::string(base.kind == trainer::BaseQuantization::kNone ? "16-bit" : base.name) + " base";
   std::printf("\npeak memory estimate for %s on %s (%s, compute %s, micro-batch %lld x %lld tokens%s%s):\n",
               recipe_path.c_str(), setup.device == torch::kCUDA ? "cuda" : "cpu", training.c_str(),
               trainer::dtype_short_name(setup.compute_dtype).c_str(), static_cast<long long>(setup.micro_batch_size),

@@ -3,6 +3,8 @@
 #
 #   tools/setup.sh            Debian packages, the pinned Python environment, Release build
 #   QTRAIN_OFFLINE=1 ...      install nothing; use the torch that `python3` imports (GPU machine)
+#   QTRAIN_TORCHAO=0 ...      skip torchao (installed by default: the tests that compare our QAT
+#                             fake quantizers with torchao's run it)
 #   QTRAIN_LLAMA_CPP=1 ...    also llama-cpp-python (builds llama.cpp from source, CPU only, a few
 #                             minutes once per Python environment) for the tests that run our GGUF
 #                             export in llama.cpp; tools/run-tests.sh sets it unless it is 0
@@ -73,18 +75,32 @@ install_python_environment() {
   touch "$VENV_DIR/.complete"
 }
 
-LLAMA_CPP_PIN="llama-cpp-python==0.3.36"
-install_llama_cpp() {
-  if "$VENV_DIR/bin/python" -c 'import llama_cpp' 2>/dev/null; then
-    log "llama-cpp-python: present"
+# Packages installed into the environment beside PYTHON_PINS, whose hash names it (adding one
+# there would rebuild the whole ~4.7 GB environment): `pin` unless `module` imports, with pip's
+# extra arguments.
+install_unless_importable() {
+  local module=$1 pin=$2
+  shift 2
+  if "$VENV_DIR/bin/python" -c "import $module" 2>/dev/null; then
+    log "$pin: present"
     return
   fi
-  log "llama-cpp-python: building $LLAMA_CPP_PIN (llama.cpp from source, CPU only; several minutes)"
-  # The library alone: no multimodal (mtmd) library, which llama_cpp imports only on use.
+  log "$pin: installing"
+  "$VENV_DIR/bin/pip" install -q "$@" "$pin"
+}
+
+# torchao, whose fake quantizers tests/trainer/torchao_reference_test.cpp compares with ours. Its
+# wheel needs nothing beyond torch (its requirements are dev extras); --no-deps keeps pip from
+# touching the pinned torch.
+install_torchao() { install_unless_importable torchao "torchao==0.18.0" --no-deps; }
+
+# llama-cpp-python builds llama.cpp from source (CPU only; several minutes): the library alone,
+# no multimodal (mtmd) library, which llama_cpp imports only on use.
+install_llama_cpp() {
   CMAKE_ARGS="-DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_BLAS=OFF -DGGML_OPENMP=OFF -DLLAMA_CURL=OFF -DLLAVA_BUILD=OFF \
 -DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache" \
     CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
-    "$VENV_DIR/bin/pip" install -q --no-cache-dir "$LLAMA_CPP_PIN"
+    install_unless_importable llama_cpp "llama-cpp-python==0.3.36" --no-cache-dir
 }
 
 if [ "${QTRAIN_OFFLINE:-0}" = 1 ]; then
@@ -94,6 +110,7 @@ else
   install_debian_packages
   install_libfuzzer
   install_python_environment
+  [ "${QTRAIN_TORCHAO:-1}" = 1 ] && install_torchao
   [ "${QTRAIN_LLAMA_CPP:-0}" = 1 ] && install_llama_cpp
   PYTHON="$VENV_DIR/bin/python"
 fi

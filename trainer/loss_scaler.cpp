@@ -15,11 +15,18 @@ bool LossScaler::unscale_and_check(const std::vector<torch::Tensor>& parameters)
     if (parameter.grad().defined()) gradients.push_back(parameter.grad());
   }
   if (gradients.empty()) return true;
-  // One flag and one inverse scale per device, as GradScaler keeps them.
-  std::map<std::string, std::vector<torch::Tensor>> by_device;
-  for (const auto& gradient : gradients) by_device[gradient.device().str()].push_back(gradient);
+  // One flag and one inverse scale per device (and dtype), as GradScaler keeps them.
+  std::map<std::pair<std::string, torch::ScalarType>, std::vector<torch::Tensor>> by_device;
+  for (const auto& gradient : gradients) by_device[{gradient.device().str(), gradient.scalar_type()}].push_back(gradient);
   bool finite = true;
-  for (auto& [device, group] : by_device) {
+  for (auto& [key, group] : by_device) {
+    if (key.second == torch::kBFloat16) {
+      // CUDA's fused check takes fp32 and fp16 gradients only; bf16 ones (a full fine-tune in
+      // bf16, where the scale stays 1) are checked through their norms, which an inf or NaN reaches.
+      if (scale_ != 1.0) torch::_foreach_mul_(group, 1.0 / scale_);
+      finite = finite && torch::isfinite(torch::stack(torch::_foreach_norm(group))).all().item<bool>();
+      continue;
+    }
     const auto options = torch::TensorOptions().dtype(torch::kFloat32).device(group.front().device());
     auto found_nonfinite = torch::zeros({1}, options);
     const auto inverse_scale = torch::full({1}, 1.0 / scale_, options);

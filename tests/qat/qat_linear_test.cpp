@@ -95,6 +95,9 @@ TEST(QatLinear, LoraMergedWeightIsFakeQuantizedAndTrainsAdapters) {
   }
   QatLinearOptions options;
   options.weights.spec = QuantSpec::gguf_q8_0();
+  // An observed range takes the composition below (dynamic integer scales take the one-pass node
+  // of qat/qat_lora_matmul.h, tested in qat_lora_matmul_test.cpp); its first range is this merge's.
+  options.weights.observer = ObserverKind::kMinMax;
   QatLinear layer(lora, options);
   const auto x = torch::randn({3, 64});
   const auto merged = lora->dense_weight(torch::kFloat32).detach();

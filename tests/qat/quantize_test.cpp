@@ -217,6 +217,9 @@ TEST(Quantize, CodesDequantizeToTheFakeQuantValuesForEveryFormat) {
     EXPECT_TRUE(torch::equal(tensor.dequantize(), fake_quantize_values(spec, x, tensor.params).values))
         << quant_format_name(format);
   }
+  const auto float_zero_point = QuantSpec::int4_weight_only(32);
+  const auto tensor = quantize_tensor(float_zero_point, x, choose_qparams(float_zero_point, block_min_max(float_zero_point, x)));
+  EXPECT_TRUE(torch::equal(tensor.dequantize(), fake_quantize_values(float_zero_point, x, tensor.params).values));
 }
 
 // On CUDA, int grids take the one-pass kernel (kernels/fake_quantize.h): its values and mask are
@@ -275,6 +278,14 @@ TEST(QuantSpec, BadSpecsNameTheKeyAndTheReason) {
             "qat.weights.format: unknown quant format 'int3' (expected one of int, fp8_e4m3, fp8_e5m2, fp4_e2m1, nf4, fp4)");
   EXPECT_NE(expect_error([] { parse_granularity("per_row", "qat.weights.granularity"); }).find("'per_row'"),
             std::string::npos);
+  auto float_zero_point = QuantSpec::int4_weight_only(32);
+  float_zero_point.symmetric = true;
+  EXPECT_NE(expect_error([&] { float_zero_point.validate("qat.weights"); })
+                .find("qat.weights.zero_point_domain: float (torchao's int4 weight-only grid) needs symmetric: false"),
+            std::string::npos);
+  float_zero_point = QuantSpec::int4_weight_only(32);
+  float_zero_point.scale_dtype = torch::kFloat16;
+  EXPECT_NE(expect_error([&] { float_zero_point.validate("qat.weights"); }).find("needs scale_dtype fp32"), std::string::npos);
 }
 
 TEST(QuantSpec, NamesRoundTrip) {
@@ -287,6 +298,10 @@ TEST(QuantSpec, NamesRoundTrip) {
   }
   EXPECT_EQ(QuantSpec::gguf_q4_0().describe(), "int4 symmetric per_group(32) scale fp16");
   EXPECT_EQ(QuantSpec::int8_dynamic_per_token_activation().describe(), "int8 asymmetric per_token scale fp32");
+  for (const auto domain : {ZeroPointDomain::kInt, ZeroPointDomain::kFloat}) {
+    EXPECT_EQ(parse_zero_point_domain(zero_point_domain_name(domain), "k"), domain);
+  }
+  EXPECT_EQ(QuantSpec::int4_weight_only(128).describe(), "int4 asymmetric per_group(128) scale fp32 zero_point float");
 }
 
 }  // namespace

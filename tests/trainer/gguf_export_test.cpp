@@ -18,6 +18,10 @@
 #include "trainer/formats/gguf_file.h"
 #include "trainer/formats/merged_export.h"
 #include "trainer/formats/safetensors.h"
+#include "trainer/finetune.h"
+#include "trainer/recipe/recipe.h"
+#include "trainer/trained_run.h"
+#include "qat/four_bit_linear.h"
 
 namespace qtrain::trainer {
 namespace {
@@ -52,8 +56,13 @@ std::map<std::string, ExpectedTensor> expected_tensors(LoadedModel& loaded, Gguf
     auto values = value;
     auto type = GgufTensorType::kF32;
     if (auto layer = qat_layers.find(name); layer != qat_layers.end()) {
-      // The weight the QAT forward multiplies by: the fake quantizer applied to the float weight.
-      values = layer->second->weight_fake_quant().forward(layer->second->inner()->dense_weight(torch::kFloat32));
+      // The weight the QAT forward multiplies by: the fake quantizer applied to the float weight,
+      // or, for QAT-LoRA's one-pass node, the values it builds (not the codes the export reads).
+      auto& quantizer = layer->second->weight_fake_quant();
+      const auto lora = std::dynamic_pointer_cast<qat::LoraLinear>(layer->second->inner());
+      values = lora && qat::fuses_merged_fake_quant(*lora, quantizer.options())
+                   ? qat::fake_quantize_merged(*lora, quantizer.spec(), torch::kFloat32, true, false, false).values
+                   : quantizer.forward(layer->second->inner()->dense_weight(torch::kFloat32));
       type = quantized_type;
     }
     // llama.cpp's Qwen, Phi-3 and Gemma architectures rotate halves, as transformers does: their rows stay.
@@ -264,25 +273,16 @@ TEST_P(GgufExportFamily, GgufPyReadsTheArchitecturesTensors) {
   EXPECT_EQ(result.status, 0) << command << "\n" << result.output;
 }
 
-// llama.cpp itself (through llama-cpp-python, which tools/setup.sh installs) runs the file. Its
-// Q4_0 / Q8_0 matmuls quantize the activations to Q8_0 blocks, so the logits are close to ours,
-// not equal.
-TEST_P(GgufExportFamily, LlamaCppRunsItWithOurLogits) {
-  const auto python = testing::find_python_with("llama_cpp safetensors torch");
-  if (python.empty()) {
-    GTEST_SKIP() << "no Python with llama_cpp: tools/setup.sh installs it (builds llama.cpp from source, several "
-                    "minutes); QTRAIN_LLAMA_CPP=0 skips it";
-  }
+const char* const kNoLlamaCpp =
+    "no Python with llama_cpp: tools/setup.sh installs it (builds llama.cpp from source, several minutes); "
+    "QTRAIN_LLAMA_CPP=0 skips it";
+
+// llama.cpp (`python`'s llama_cpp) runs the GGUF file at `path` on a sentence; its logits are
+// `loaded`'s (the model the file was written from, `model_dir` its tokenizer's directory) up to
+// llama.cpp's Q8_0 activations.
+void expect_llama_cpp_runs_our_logits(const std::string& python, LoadedModel& loaded, const std::string& path,
+                                      const std::string& model_dir, const std::string& what) {
   TempDir temp;
-  // The trained tiny-llama as it is; the random family fixtures with sharper attention, except
-  // Gemma's: llama.cpp's Q8_0 activations move Gemma's logits more the sharper its attention is
-  // (2% of the range as they are, 25-40% with queries and keys x6), where its F32 export below
-  // agrees with ours to 1e-3 with them x6.
-  const bool gemma = GetParam().architecture.rfind("gemma", 0) == 0;
-  const double query_key_scale = GetParam().fixture_dir == "tiny-llama" || gemma ? 1.0 : 6.0;
-  auto loaded = qat_model_of(model_dir(), qat::QuantSpec::gguf_q4_0(), std::nullopt, query_key_scale);
-  const auto path = temp.file("model.gguf");
-  write_gguf_model(*loaded.model, loaded.config, model_dir(), path);
   const std::string text =
       "The jury further said in term-end presentments that the City Executive Committee, which had over-all charge "
       "of the election, deserves the praise and thanks of the City of Atlanta.";
@@ -293,7 +293,7 @@ TEST_P(GgufExportFamily, LlamaCppRunsItWithOurLogits) {
   const auto theirs = SafetensorsCheckpoint::open(temp.file("llama_cpp.safetensors"));
   const auto input_ids = theirs.tensor("input_ids");
   // llama.cpp tokenized the text from the file's tokenizer metadata: the same ids as ours.
-  const auto ours_ids = data::Tokenizer::from_model_dir(model_dir()).encode(text);
+  const auto ours_ids = data::Tokenizer::from_model_dir(model_dir).encode(text);
   EXPECT_EQ(std::vector<int64_t>(input_ids.data_ptr<int64_t>(), input_ids.data_ptr<int64_t>() + input_ids.numel()),
             ours_ids);
 
@@ -305,11 +305,64 @@ TEST_P(GgufExportFamily, LlamaCppRunsItWithOurLogits) {
   const double top1 = ours.argmax(-1).eq(llama_cpp.argmax(-1)).to(torch::kFloat64).mean().item<double>();
   std::printf("[ measured ] llama.cpp vs our QAT %s, %ld tokens: max |logit difference| %.4f (%.3g of the largest "
               "logit), top-1 agreement %.1f%%\n",
-              GetParam().fixture_dir.c_str(), static_cast<long>(input_ids.size(1)), max_abs, relative, 100 * top1);
+              what.c_str(), static_cast<long>(input_ids.size(1)), max_abs, relative, 100 * top1);
   // Q8_0 activations (8-bit blocks of 32) move logits by about 1% of their range; a wrong row
   // order, tensor or rope layout moves them by tens of percent and breaks the top-1 agreement.
   EXPECT_LT(relative, 0.05);
   EXPECT_GE(top1, 0.9);
+}
+
+// llama.cpp itself (through llama-cpp-python, which tools/setup.sh installs) runs the file. Its
+// Q4_0 / Q8_0 matmuls quantize the activations to Q8_0 blocks, so the logits are close to ours,
+// not equal.
+TEST_P(GgufExportFamily, LlamaCppRunsItWithOurLogits) {
+  const auto python = testing::find_python_with("llama_cpp safetensors torch");
+  if (python.empty()) GTEST_SKIP() << kNoLlamaCpp;
+  TempDir temp;
+  // The trained tiny-llama as it is; the random family fixtures with sharper attention, except
+  // Gemma's: llama.cpp's Q8_0 activations move Gemma's logits more the sharper its attention is
+  // (2% of the range as they are, 25-40% with queries and keys x6), where its F32 export below
+  // agrees with ours to 1e-3 with them x6.
+  const bool gemma = GetParam().architecture.rfind("gemma", 0) == 0;
+  const double query_key_scale = GetParam().fixture_dir == "tiny-llama" || gemma ? 1.0 : 6.0;
+  auto loaded = qat_model_of(model_dir(), qat::QuantSpec::gguf_q4_0(), std::nullopt, query_key_scale);
+  const auto path = temp.file("model.gguf");
+  write_gguf_model(*loaded.model, loaded.config, model_dir(), path);
+  expect_llama_cpp_runs_our_logits(python, loaded, path, model_dir(), "QAT " + GetParam().fixture_dir);
+}
+
+// QAT-LoRA on a frozen NF4 base (quant: qat, qat.base: nf4), trained on the bundled tiny model:
+// the base stays 4-bit, the run's own GGUF export holds exactly the weights its forward multiplies
+// by (rebuilt from the run directory), and llama.cpp runs it with the agreement above.
+TEST(GgufExport, QatLoraOnAnNf4BaseExportsTheWeightsItTrained) {
+  TempDir run;
+  const std::string demo = testing::source_dir() + "/recipes/demo";
+  const auto recipe = load_recipe(
+      "", {"model.path=" + demo + "/tiny-llama", "data.train=" + demo + "/brown-train.jsonl",
+           "quant=qat", "qat.base=nf4", "qat.weights.scale_dtype=fp16", "lora.rank=8", "lora.alpha=16", "lora.dropout=0",
+           "export.formats=[gguf]", "data.max_seq_len=64", "train.micro_batch_size=2", "train.steps=6", "train.dtype=fp32",
+           "train.device=cpu", "optim.lr=2e-3", "schedule.warmup_steps=1", "eval.every=0", "log.every=1",
+           "train.output_dir=" + run.path()});
+  Finetune finetune(recipe);
+  finetune.setup();
+  finetune.train();
+  auto rebuilt = load_trained_run(run.path(), "", /*quantize_base=*/true);
+  const auto layers = qat::find_qat_layers(*rebuilt.loaded.model);
+  ASSERT_EQ(layers.size(), 4u * 7u);
+  for (const auto& [name, layer] : layers) {
+    const auto lora = std::dynamic_pointer_cast<qat::LoraLinear>(layer->inner());
+    ASSERT_TRUE(lora) << name;
+    EXPECT_TRUE(std::dynamic_pointer_cast<qat::FourBitLinear>(lora->base_layer())) << name << ": the base left NF4";
+    EXPECT_GT(lora->lora_B().abs().max().item<float>(), 0.0f) << name << ": the adapter did not train";
+  }
+  const auto path = run.file("export/model.gguf");
+  const auto file = GgufFile::open(path);
+  EXPECT_EQ(expect_tensors_equal(file, expected_tensors(rebuilt.loaded, GgufTensorType::kQ4_0), qat::GgufBlockType::kQ4_0),
+            4 * 7);
+  const auto python = testing::find_python_with("llama_cpp safetensors torch");
+  if (python.empty()) GTEST_SKIP() << kNoLlamaCpp;
+  rebuilt.loaded.model->eval();
+  expect_llama_cpp_runs_our_logits(python, rebuilt.loaded, path, recipe.model.path, "QAT-LoRA on NF4 (tiny-llama)");
 }
 
 // The layout alone, without llama.cpp's Q8_0 activations: the model unquantized, written F32,

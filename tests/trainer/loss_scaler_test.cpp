@@ -37,6 +37,29 @@ TEST(LossScaler, OverflowIsFoundAndBacksTheScaleOff) {
   EXPECT_EQ(scaler.growth_tracker(), 0);
 }
 
+// A full fine-tune in bf16 has bf16 gradients, which CUDA's fused check does not take: they are
+// checked (and, were the scale not 1, unscaled) all the same, on the CPU and on a GPU.
+TEST(LossScaler, Bf16GradientsAreCheckedOnEveryDevice) {
+  std::vector<torch::Device> devices = {torch::kCPU};
+  if (torch::cuda::is_available()) devices.emplace_back(torch::kCUDA);
+  for (const auto& device : devices) {
+    SCOPED_TRACE(device.str());
+    const auto on = torch::TensorOptions().dtype(torch::kBFloat16).device(device);
+    LossScaler plain(false);
+    auto clean = parameter_with_grad(torch::ones({4}, on));
+    auto fp32 = parameter_with_grad(torch::ones({2}, torch::TensorOptions().device(device)));
+    EXPECT_TRUE(plain.unscale_and_check({clean, fp32}));
+    for (const float bad : {std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
+      auto overflowed = parameter_with_grad(torch::tensor({1.0f, bad}, on));
+      EXPECT_FALSE(plain.unscale_and_check({clean, overflowed}));
+    }
+    LossScaler scaled(true);
+    auto big = parameter_with_grad(torch::full({3}, 65536.0, on));
+    EXPECT_TRUE(scaled.unscale_and_check({big}));
+    EXPECT_TRUE(torch::equal(big.grad().cpu(), torch::ones({3}, torch::kBFloat16)));
+  }
+}
+
 TEST(LossScaler, GrowsAfterTheIntervalOfCleanStepsAndAnOverflowRestartsTheCount) {
   LossScaler scaler(true);
   for (int step = 0; step < 1999; ++step) scaler.update(false);

@@ -16,6 +16,7 @@
 #include "qat/four_bit_linear.h"
 #include "qat/int8_linear.h"
 #include "qat/lora_linear.h"
+#include "qat/qat_linear.h"
 #include "support.h"
 #include "trainer/model/batch_inputs.h"
 #include "trainer/model/causal_lm_loss.h"
@@ -117,6 +118,17 @@ LlamaForCausalLM build_model(const TrainingMemorySetup& setup, bool with_adapter
   auto model = load_llama(fixture("tiny-llama"), options).model;
   base_quantization_row(setup.base.kind).quantize(*model, setup.base);
   if (with_adapters) qat::apply_lora(*model, setup.adapter.targets, setup.adapter.lora);
+  if (setup.fake_quantized) {
+    // QAT-LoRA as the default recipe's qat section has it, with torchao's 8-bit per-token inputs
+    // when activations are quantized.
+    qat::QatLinearOptions options;
+    options.weights.spec = qat::QuantSpec::int4_weight(32);
+    if (setup.activations_quantized) {
+      options.activations = qat::FakeQuantizerOptions{};
+      options.activations->spec = qat::QuantSpec::int8_dynamic_per_token_activation();
+    }
+    qat::apply_qat(*model, setup.fake_quantized_targets, options);
+  }
   for (auto& parameter : model->named_parameters()) {
     const bool adapter = parameter.key().find(".lora_") != std::string::npos;
     parameter.value().set_requires_grad(adapter);
@@ -199,15 +211,21 @@ TEST(ModelMemory, ActivationsEqualWhatACpuForwardKeeps) {
     double dropout;
     torch::ScalarType dtype;
     bool packed;
+    int qat = 0;  // 1: QAT-LoRA on the weights; 2: and on the inputs
   };
   for (const auto& test : std::vector<Case>{{0.0, torch::kFloat32, false},
                                             {0.05, torch::kFloat32, false},
                                             {0.05, torch::kBFloat16, false},
-                                            {0.0, torch::kBFloat16, true}}) {
+                                            {0.0, torch::kBFloat16, true},
+                                            {0.0, torch::kBFloat16, false, 1},
+                                            {0.0, torch::kFloat32, false, 2}}) {
     auto setup = tiny_setup();
     setup.adapter.lora.dropout = test.dropout;
     setup.compute_dtype = test.dtype;
     setup.packed = test.packed;
+    setup.fake_quantized = test.qat > 0;
+    setup.fake_quantized_targets = setup.adapter.targets;
+    setup.activations_quantized = test.qat > 1;
     setup.loss_chunk_tokens = 8;  // the chunks keep the final states only
     CountingCpuAllocator allocator;
     auto model = build_model(setup);
@@ -227,7 +245,7 @@ TEST(ModelMemory, ActivationsEqualWhatACpuForwardKeeps) {
     const double kept = allocator.current_bytes() - before;
     const double estimated = estimate_peak_memory(model_options, setup).activation_bytes;
     EXPECT_NEAR(kept / estimated, 1.0, 0.05) << "dropout " << test.dropout << ", " << test.dtype << ", packed "
-                                            << test.packed << ": kept " << kept << " bytes, estimated " << estimated;
+                                            << test.packed << ", qat " << test.qat << ": kept " << kept << " bytes, estimated " << estimated;
   }
 }
 
@@ -239,10 +257,14 @@ TEST(ModelMemory, TotalMatchesThePeakOfACpuTrainingStep) {
     bool checkpointing;
     int64_t every;
     int64_t chunk_tokens;
+    bool qat = false;  // QAT-LoRA (no dropout, which it refuses)
   };
-  for (const auto& test : std::vector<Case>{{false, 1, 0}, {false, 1, 16}, {true, 1, 0}, {true, 1, 16}, {true, 2, 32}}) {
+  for (const auto& test : std::vector<Case>{{false, 1, 0}, {false, 1, 16}, {true, 1, 0}, {true, 1, 16}, {true, 2, 32},
+                                            {false, 1, 16, true}, {true, 1, 16, true}}) {
     auto setup = tiny_setup();
-    setup.adapter.lora.dropout = 0.05;
+    setup.adapter.lora.dropout = test.qat ? 0.0 : 0.05;
+    setup.fake_quantized = test.qat;
+    setup.fake_quantized_targets = setup.adapter.targets;
     setup.gradient_checkpointing = test.checkpointing;
     setup.checkpoint_every = test.every;
     setup.loss_chunk_tokens = test.chunk_tokens;
@@ -265,6 +287,7 @@ TEST(ModelMemory, TotalMatchesThePeakOfACpuTrainingStep) {
     const double measured = allocator.peak_bytes();
     EXPECT_NEAR(measured / estimate.total(), 1.0, 0.1)
         << "checkpointing " << test.checkpointing << " every " << test.every << ", chunks of " << test.chunk_tokens
+        << ", qat " << test.qat
         << ": peak " << measured << " bytes, estimated " << estimate.total();
   }
 }
@@ -299,7 +322,15 @@ TEST(ModelMemory, SetupReadsTheRecipeAsFinetuneDoes) {
   EXPECT_EQ(training_memory_setup(load_recipe("", {"qlora.quant_type=int8"}), model_options).base.kind,
             BaseQuantization::kInt8);
   EXPECT_EQ(training_memory_setup(load_recipe("", {"quant=none"}), model_options).base.kind, BaseQuantization::kNone);
-  EXPECT_THROW(training_memory_setup(load_recipe("", {"quant=qat"}), model_options), Error);
+  const auto qat_lora = training_memory_setup(
+      load_recipe("", {"quant=qat", "lora.dropout=0", "qat.base=nf4", "qat.target_modules=[q_proj]", "qat.activations.bits=8"}), model_options);
+  EXPECT_EQ(qat_lora.base.kind, BaseQuantization::kNf4);
+  EXPECT_TRUE(qat_lora.fake_quantized);
+  EXPECT_TRUE(qat_lora.activations_quantized);
+  EXPECT_EQ(qat_lora.fake_quantized_targets.include.names, (std::vector<std::string>{"q_proj"}));
+  // What is not modelled is refused, naming why: full-weight QAT, an observed weight range.
+  EXPECT_THROW(training_memory_setup(load_recipe("", {"quant=qat", "lora.dropout=0", "lora.rank=0"}), model_options), Error);
+  EXPECT_THROW(training_memory_setup(load_recipe("", {"quant=qat", "lora.dropout=0", "qat.weights.observer=minmax"}), model_options), Error);
 }
 
 // The frozen base of a Llama-3-8B-shaped model, as `qtrain inspect --model` lists it: NF4 (double
@@ -368,6 +399,18 @@ TEST(ModelMemory, InspectPrintsTheEstimateOfARecipe) {
                            format_bytes(estimate.frozen_weight_bytes), format_bytes(estimate.activation_bytes),
                            format_bytes(estimate.checkpointed_activation_bytes), format_bytes(estimate.total())}) {
     EXPECT_NE(result.output.find(fact), std::string::npos) << fact << "\n" << result.output;
+  }
+  // QAT-LoRA on an NF4 base: named as such, the same frozen weights as QLoRA's.
+  const std::vector<std::string> qat = {"train.micro_batch_size=2", "quant=qat", "qat.base=nf4", "lora.dropout=0"};
+  const auto qat_result = testing::run_command(testing::qtrain_binary() + " inspect --recipe " + recipe_path +
+                                               " --set train.micro_batch_size=2 --set quant=qat --set qat.base=nf4 "
+                                               "--set lora.dropout=0 2>&1");
+  ASSERT_EQ(qat_result.status, 0) << qat_result.output;
+  const auto qat_estimate =
+      estimate_peak_memory(model_options, training_memory_setup(load_recipe(recipe_path, qat), model_options));
+  EXPECT_EQ(qat_estimate.frozen_weight_bytes, estimate.frozen_weight_bytes);
+  for (const std::string& fact : {std::string("(qat-lora on a nf4 base, compute fp32"), format_bytes(qat_estimate.total())}) {
+    EXPECT_NE(qat_result.output.find(fact), std::string::npos) << fact << "\n" << qat_result.output;
   }
 }
 

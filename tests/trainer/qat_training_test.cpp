@@ -54,6 +54,8 @@ TEST(QatRecipe, SchemesThatCannotWorkAreRefusedWhenTheRecipeLoads) {
   const auto with = [&](std::vector<std::string> extra) { return qat_settings(run, extra); };
   EXPECT_NE(load_error(with({"qat.weights.bits=9"})).find("qat.weights.bits"), std::string::npos);
   EXPECT_NE(load_error(with({"qat.weights.learned_scale=true"})).find("qat.weights.learned_scale"), std::string::npos);
+  EXPECT_NE(load_error(with({"qat.weights.zero_point_domain=float"})).find("qat.weights.zero_point_domain: float"),
+            std::string::npos);
   EXPECT_NE(load_error(with({"lora.rank=4", "lora.dropout=0.1"})).find("lora.dropout"), std::string::npos);
   EXPECT_NE(load_error(with({"quant=none", "export.formats=[gguf]"})).find("quant: qat"), std::string::npos);
 }

@@ -96,7 +96,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(Scheme{"Q4_0", qat::QuantSpec::gguf_q4_0(), std::nullopt},
                       Scheme{"AsymmetricInt4Group64", asymmetric_int4_group_64(), std::nullopt},
                       Scheme{"Int4WeightInt8DynamicActivation", qat::QuantSpec::int4_weight(32),
-                             qat::QuantSpec::int8_dynamic_per_token_activation()}),
+                             qat::QuantSpec::int8_dynamic_per_token_activation()},
+                      Scheme{"Int4WeightOnlyFloatZeroPoint", qat::QuantSpec::int4_weight_only(32), std::nullopt}),
     [](const auto& info) { return info.param.name; });
 
 // Rewrites DIR/model.safetensors without `drop` (and with `replace` swapped in).

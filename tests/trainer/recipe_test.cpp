@@ -25,8 +25,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
-const char* const kShippedRecipes[] = {"demo_tiny.yaml", "qlora_llama.yaml", "lora_llama.yaml",
-                                       "qat_llama.yaml", "qat_llama_q4_0.yaml", "lora_int8_llama.yaml"};
+const char* const kShippedRecipes[] = {"demo_tiny.yaml",      "qlora_llama.yaml",    "lora_llama.yaml",
+                                       "qat_llama.yaml",      "qat_llama_q4_0.yaml", "qat_llama_int4_weight_only.yaml",
+                                       "lora_int8_llama.yaml"};
 
 std::string shipped(const std::string& name) {
   return qtrain::testing::source_dir() + "/recipes/" + name;
@@ -147,6 +148,13 @@ TEST(ShippedRecipes, SayWhatTheirNamesPromise) {
   EXPECT_TRUE(q4_0.qat.weights.symmetric);
   EXPECT_EQ(q4_0.qat.weights.group_size, 32);
   EXPECT_EQ(q4_0.export_.formats, std::vector<std::string>{"gguf"});
+
+  const Recipe weight_only = load_recipe(shipped("qat_llama_int4_weight_only.yaml"), {});
+  EXPECT_EQ(weight_only.qat.weights.bits, 4);
+  EXPECT_FALSE(weight_only.qat.weights.symmetric);
+  EXPECT_EQ(weight_only.qat.weights.group_size, 32);
+  EXPECT_EQ(weight_only.qat.weights.zero_point_domain, "float");
+  EXPECT_EQ(weight_only.qat.activations.bits, 0);
 }
 
 TEST(RecipeYaml, PrintedRecipeParsesBackToTheSameRecipe) {

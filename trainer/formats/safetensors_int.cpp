@@ -30,6 +30,7 @@ nlohmann::ordered_json spec_json(const qat::QuantSpec& spec) {
   json["granularity"] = qat::granularity_name(spec.granularity);
   json["group_size"] = spec.group_size;
   json["scale_dtype"] = scale_dtype_name(spec.scale_dtype);
+  json["zero_point_domain"] = qat::zero_point_domain_name(spec.zero_point_domain);
   return json;
 }
 
@@ -58,6 +59,8 @@ qat::QuantSpec spec_from_json(const nlohmann::json& json, const std::string& wha
       throw Error(ErrorCode::kModelConfig, what + ".scale_dtype: '" + scale_dtype + "' is not float16 or float32");
     }
     spec.scale_dtype = scale_dtype == "float16" ? torch::kFloat16 : torch::kFloat32;
+    // Absent from files written before the float zero point existed: they all have integer ones.
+    spec.zero_point_domain = qat::parse_zero_point_domain(json.value("zero_point_domain", "int"), what + ".zero_point_domain");
     spec.validate(what);
   } catch (const Error& error) {
     // The shared scheme checks speak of recipe keys; this scheme is config.json's.
@@ -100,6 +103,11 @@ nlohmann::ordered_json quantization_config(
   return config;
 }
 
+// Integer zero points are int8; a float zero point's offsets m are fp32 (qat/quant_spec.h).
+torch::ScalarType zero_point_dtype(const qat::QuantSpec& spec) {
+  return spec.has_integer_zero_point() ? torch::kInt8 : torch::kFloat32;
+}
+
 bool ends_with(const std::string& text, const std::string& suffix) {
   return text.size() >= suffix.size() && text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
@@ -130,7 +138,9 @@ void write_quantized_model(const LlamaForCausalLMImpl& model, const HfModelConfi
     const auto prefix = name.substr(0, name.size() - std::string(".weight").size());
     tensors.emplace_back(name, quantized.codes.to(torch::kCPU, spec.is_integer() ? torch::kInt8 : torch::kUInt8));
     tensors.emplace_back(prefix + kScaleSuffix, quantized.params.scale.to(torch::kCPU, spec.scale_dtype));
-    if (!spec.symmetric) tensors.emplace_back(prefix + kZeroPointSuffix, quantized.params.zero_point.to(torch::kCPU, torch::kInt8));
+    if (!spec.symmetric) {
+      tensors.emplace_back(prefix + kZeroPointSuffix, quantized.params.zero_point.to(torch::kCPU, zero_point_dtype(spec)));
+    }
   }
   write_safetensors_checkpoint(out_dir, tensors, options.max_shard_bytes,
                                {{"format", "pt"}, {kMetadataKey, scheme.dump()}});
@@ -221,6 +231,11 @@ LoadedModel load_qtrain_quantized_llama(const std::string& model_dir, const HfMo
       }
       const auto zero_point = weights.tensor(zero_point_name);
       check_params(zero_point_name, zero_point);
+      if (zero_point.scalar_type() != zero_point_dtype(weight_spec)) {
+        throw Error(ErrorCode::kWeights, weights.source() + ": tensor '" + zero_point_name + "' is " +
+                    std::string(c10::toString(zero_point.scalar_type())) + ", the " + weight_spec.describe() + " scheme stores " +
+                    std::string(c10::toString(zero_point_dtype(weight_spec))) + " zero points");
+      }
       quantized.params.zero_point = zero_point.to(torch::kFloat32);
       loaded_elsewhere.insert(zero_point_name);
     }

@@ -8,17 +8,19 @@
 //                            X.weight_scale       fp16 (scale_dtype fp16) or fp32, params shape
 //                                                 (qat/quant_spec.h: [out, in / group] per group,
 //                                                 [out, 1] per channel, [1] per tensor)
-//                            X.weight_zero_point  int8, params shape (asymmetric schemes only)
+//                            X.weight_zero_point  int8, params shape (asymmetric schemes only); fp32
+//                                                 offsets m with zero_point_domain float
 //                          every other tensor as the merged export writes it (in `dtype`);
 //                          __metadata__ "qtrain.quantization" holds the scheme as JSON (below)
 //   config.json            the base's, with quantization_config = that JSON:
 //                            {"quant_method": "qtrain",
 //                             "weights": {"format": "int", "bits": 4, "symmetric": true,
 //                                         "granularity": "per_group", "group_size": 32,
-//                                         "scale_dtype": "float16"},
+//                                         "scale_dtype": "float16", "zero_point_domain": "int"},
 //                             "activations": null | {the same keys, "observer": "dynamic"}}
 //   generation_config.json, tokenizer files   as the merged export copies them
-// Dequantized, X.weight is (q - z) * s: exactly the fake-quant weight the QAT forward used. With
+// Dequantized, X.weight is (q - z) * s, or q * s + (m - quant_min * s) with a float zero point
+// (qat/quant_spec.h): exactly the fake-quant weight the QAT forward used. With
 // activations, the loader fake-quantizes each QAT layer's input as training did (dynamic
 // scales only: a static or learned activation scale is state this format does not hold yet).
 #include <string>

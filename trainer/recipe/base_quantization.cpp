@@ -82,8 +82,12 @@ BaseQuantizationSettings base_quantization(const Recipe& recipe, torch::ScalarTy
   settings.compute_dtype = compute_dtype;
   settings.four_bit.compute_dtype = compute_dtype;
   settings.int8.compute_dtype = compute_dtype;
-  if (recipe.quant != "qlora") return settings;
-  settings.kind = base_quantization_named(recipe.qlora.quant_type, "qlora.quant_type", ErrorCode::kRecipe).kind;
+  if (recipe.quant == "qlora") {
+    settings.kind = base_quantization_named(recipe.qlora.quant_type, "qlora.quant_type", ErrorCode::kRecipe).kind;
+  } else if (recipe.quant == "qat") {
+    settings.kind = base_quantization_named(recipe.qat.base, "qat.base", ErrorCode::kRecipe).kind;
+  }
+  if (settings.kind == BaseQuantization::kNone) return settings;
   settings.skip_modules = recipe.qlora.skip_modules;
   settings.four_bit.blocksize = recipe.qlora.blocksize;
   settings.four_bit.double_quant = recipe.qlora.double_quant;

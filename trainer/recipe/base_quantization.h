@@ -2,8 +2,9 @@
 // The frozen base's storage, one row per kind: what QLoRA keeps its projections in. Everything
 // that depends on the kind — loading (quantizing the linear layers), the memory estimate, what
 // `qtrain inspect` and `qtrain bench` print — reads the row instead of comparing strings.
-// The recipe spells it `quant: qlora` + `qlora.quant_type: nf4 | fp4 | int8`; `quant: none` and
-// `quant: qat` keep a 16-bit base (QAT's fake quantization wraps the layers afterwards).
+// The recipe spells it `quant: qlora` + `qlora.quant_type: nf4 | fp4 | int8`, or `quant: qat` +
+// `qat.base` (QAT-LoRA on a frozen quantized base; none: 16-bit); `quant: none` keeps a 16-bit
+// base. QAT's fake quantization wraps the layers afterwards.
 #include <torch/torch.h>
 
 #include <string>
@@ -50,7 +51,8 @@ const BaseQuantizationRow& base_quantization_row(BaseQuantization kind);
 const BaseQuantizationRow& base_quantization_named(const std::string& name, const std::string& what,
                                                    ErrorCode code = ErrorCode::kUsage);
 
-// The recipe's base: quant qlora -> qlora.quant_type's row with qlora.*'s settings; otherwise none.
+// The recipe's base: quant qlora -> qlora.quant_type's row, quant qat -> qat.base's, with qlora.*'s
+// settings; otherwise none.
 BaseQuantizationSettings base_quantization(const Recipe& recipe, torch::ScalarType compute_dtype,
                                            const torch::Device& device = torch::kCPU);
 

@@ -78,6 +78,11 @@ int64_t adapter_rank(const Projection& projection, const TrainingMemorySetup& se
   return setup.adapter.options_for(projection.name).rank;
 }
 
+// QAT-LoRA's projections: adapted and named by qat.target_modules.
+bool is_fake_quantized(const Projection& projection, const TrainingMemorySetup& setup) {
+  return setup.fake_quantized && adapter_rank(projection, setup) > 0 && setup.fake_quantized_targets.matches(projection.name);
+}
+
 double element_bytes(torch::ScalarType dtype) { return static_cast<double>(c10::elementSize(dtype)); }
 
 // One RMSNorm: its input in fp32 and 1 / rms per token; its normed output when its weight trains.
@@ -127,6 +132,16 @@ double decoder_layer_activation_bytes(const LlamaOptions& model, const TrainingM
     if (rank == 0) continue;
     bytes += tokens * rank * s;  // A's output, for B's gradient
     const bool dropout = setup.adapter.options_for(projection.name).dropout > 0.0;
+    if (is_fake_quantized(projection, setup)) {
+      // One node (qat/qat_lora_matmul.h): its input, x A^T above, B cast.
+      if (setup.compute_dtype != torch::kFloat32) bytes += rank * out * s;
+      if (setup.activations_quantized) {
+        bytes += tokens * in * (s + 1.0);  // the quantized input, and its quantizer's bool mask
+      } else {
+        input_saved[projection.input] = true;
+      }
+      continue;
+    }
     if (base_quantization_row(setup.base.kind).fused_lora) {
       // One fused node (qat/lora_matmul.h): the input, A and B cast, and dropout's mask as bytes.
       if (setup.compute_dtype != torch::kFloat32) bytes += rank * (in + out) * s;
@@ -177,14 +192,23 @@ LlamaParameterCounts llama_parameter_counts(const LlamaOptions& options) {
 }
 
 TrainingMemorySetup training_memory_setup(const Recipe& recipe, const LlamaOptions& model) {
+  TrainingMemorySetup setup;
   if (recipe.quant == "qat") {
-    throw Error(ErrorCode::kRecipe, "quant: qat is not estimated yet (its fake quantizers' memory is not modelled); estimate with quant qlora or none");
+    const auto options = qat_linear_options(recipe);
+    if (trains_full_weights(recipe) || !qat::quantizer_fuses_merge(options.weights)) {
+      throw Error(ErrorCode::kRecipe, "quant: qat is estimated for QAT-LoRA (lora.rank > 0) with qat.weights on an int grid, "
+                  "per_group or per_channel, observer dynamic, no learned_scale; this recipe's (" +
+                  std::string(trains_full_weights(recipe) ? "full weights" : options.weights.spec.describe()) +
+                  ") is not modelled yet");
+    }
+    setup.fake_quantized = true;
+    setup.fake_quantized_targets.include.names = recipe.qat.target_modules;
+    setup.activations_quantized = options.activations.has_value();
   }
   if (recipe.lora.use_dora) {
     throw Error(ErrorCode::kRecipe, "lora.use_dora is not estimated yet (DoRA's per-layer weight norms are not modelled); "
                 "estimate without it and measure with qtrain bench --dora");
   }
-  TrainingMemorySetup setup;
   setup.compute_dtype = parse_dtype_name(recipe.train.dtype, "train.dtype");
   setup.base = base_quantization(recipe, setup.compute_dtype);
   setup.adapter = lora_adapter_config(recipe);
@@ -212,7 +236,7 @@ double peak_of(const PeakMemoryEstimate& estimate, bool checkpointing, bool chun
                                  ? std::max(estimate.checkpointed_saved_bytes + logits,
                                             estimate.checkpointed_activation_bytes)
                                  : estimate.activation_bytes + logits;
-  return estimate.frozen_weight_bytes + estimate.trainable_state_bytes + activations;
+  return estimate.frozen_weight_bytes + estimate.trainable_state_bytes + activations + estimate.fake_quant_build_bytes;
 }
 
 }  // namespace
@@ -275,10 +299,15 @@ PeakMemoryEstimate estimate_peak_memory(const LlamaOptions& model, const Trainin
     const bool checkpointed = layer % every == 0;
     const double kept = checkpointed ? tokens * hidden * s : layer_bytes;  // a checkpointed layer keeps its input
     // A recomputed layer keeps its dequantized 4-bit weights for its backward (qat::KeepBuiltWeights).
+    // So does QAT-LoRA's fake-quantized weight (in place of the 4-bit base's: its dequantization
+    // is let go once the weight is built).
     double built_weights = 0.0;
-    if (checkpointed && !setup.full_finetune && base_quantization_row(setup.base.kind).keeps_built_weights) {
+    if (checkpointed && !setup.full_finetune) {
+      const bool base_keeps = base_quantization_row(setup.base.kind).keeps_built_weights;
       for (const auto& projection : decoder_projections(model, layer)) {
-        if (is_quantized(projection, setup)) built_weights += static_cast<double>(projection.in * projection.out) * s;
+        if (is_fake_quantized(projection, setup) || (base_keeps && is_quantized(projection, setup))) {
+          built_weights += static_cast<double>(projection.in * projection.out) * s;
+        }
       }
     }
     estimate.activation_bytes += layer_bytes;
@@ -288,6 +317,14 @@ PeakMemoryEstimate estimate_peak_memory(const LlamaOptions& model, const Trainin
     kept_below += kept;
   }
   estimate.checkpointed_saved_bytes = kept_below;
+  double largest_fake_quantized = 0.0;
+  for (const auto& projection : decoder_projections(model, 0)) {
+    if (is_fake_quantized(projection, setup)) {
+      largest_fake_quantized = std::max(largest_fake_quantized, static_cast<double>(projection.in * projection.out));
+    }
+  }
+  // The CPU's builder holds the running sum, one product, the merge and the values in fp32.
+  estimate.fake_quant_build_bytes = largest_fake_quantized * (setup.device == torch::kCPU ? 4.0 * 4.0 + s : s);
   estimate.attention_keeps_probabilities = uses_math_attention(model, setup);
   estimate.uses_checkpointing = setup.gradient_checkpointing;
 

@@ -29,6 +29,8 @@
 //                      is 2; with lora.rank 0 the base matmuls save the same inputs and the norms
 //                      their normed output (H s);
 //                      nothing for a 4-bit or int8 base weight (dequantized again in backward);
+//                      QAT-LoRA: the input (shared as LoRA's), A's output and B cast, or with
+//                      quantized activations each projection's own quantized input and bool mask;
 //                      attention: the fused kernels PyTorch 2.11 picks (cuDNN for bf16/fp16 on a
 //                      Hopper GPU, flash on the CPU, memory-efficient for fp32 multi-head; flash
 //                      on other GPUs keeps the same) save q, k, v, the output ((2 Q + 2 KV) s)
@@ -44,7 +46,9 @@
 //                    of a packed batch (seq bytes).
 //                    With gradient checkpointing every k-th layer (index % k == 0) keeps only its
 //                    input (H s); backward, walking down from the last layer, holds the layers
-//                    below j plus layer j recomputed: the figure is the largest such sum.
+//                    below j plus layer j recomputed: the figure is the largest such sum. A
+//                    recomputed layer keeps its built weights (dequantized 4-bit ones; QAT-LoRA's
+//                    fake-quantized ones), out x in x s each, for its backward.
 //   loss logits      the peak of causal_lm_loss for N = batch x (seq - 1) predicted tokens and
 //                    vocabulary V, at the start of backward: three fp32 [N, V] tensors (the
 //                    saved log-probabilities, the gradient of nll_loss and that of log_softmax),
@@ -54,7 +58,9 @@
 // Not counted: the CUDA context and cuBLAS/cuDNN workspaces (about 500 MiB on a GPU), the
 // caching allocator's fragmentation and rounding, backward's transient gradients (a few
 // [T, intermediate] tensors during each layer's backward), the dequantization's temporaries,
-// the optimizer step's temporaries.
+// the optimizer step's temporaries, with qat.lora_gradient masked the fp32 [out, in] gradient of
+// one projection in backward. QAT-LoRA's weight build for one projection is counted
+// (fake_quant_build_bytes), since on the CPU its temporaries are several fp32 copies of it.
 //
 // The total is the larger of two moments: the loss's backward (weights, state, everything the
 // forward kept, the logits' peak) and, with checkpointing, the layers' backward after it (the
@@ -92,6 +98,12 @@ struct TrainingMemorySetup {
   // The frozen base (QLoRA's NF4 unless set): its kind, settings and skip_modules.
   BaseQuantizationSettings base{BaseQuantization::kNf4};
   bool full_finetune = false;    // lora.rank 0: every weight trains, no adapters
+  // quant: qat with adapters (QAT-LoRA, qat/qat_lora_matmul.h): the adapted projections that
+  // qat.target_modules names build their fake-quantized merged weight; with activations quantized
+  // (qat.activations.bits > 0) each keeps its own quantized input and mask.
+  bool fake_quantized = false;
+  qat::LoraTargets fake_quantized_targets;
+  bool activations_quantized = false;
   PeftAdapterConfig adapter;     // ranks, dropout and target modules of the adapters
   torch::ScalarType compute_dtype = torch::kBFloat16;
   torch::DeviceType device = torch::kCUDA;  // picks the attention kernel and the dropout mask's dtype
@@ -105,8 +117,9 @@ struct TrainingMemorySetup {
 
 // quant, qlora.*, lora.* (or the adapter of lora.init_from), train.dtype, train.device ('auto':
 // cuda), train.micro_batch_size, data.max_seq_len, data.pack, train.gradient_checkpointing[_every],
-// train.loss_chunk_tokens (0: auto_loss_chunk_tokens of the vocabulary). quant: qat is an Error:
-// it is not estimated.
+// train.loss_chunk_tokens (0: auto_loss_chunk_tokens of the vocabulary), qat.* (quant: qat with
+// adapters and a weight quantizer qat/qat_lora_matmul.h fuses; other QAT runs are an Error: not
+// estimated).
 TrainingMemorySetup training_memory_setup(const Recipe& recipe, const LlamaOptions& model);
 
 struct PeakMemoryEstimate {
@@ -126,6 +139,9 @@ struct PeakMemoryEstimate {
   bool attention_keeps_probabilities = false;  // the math attention path (fp32 with GQA on CUDA)
   bool uses_checkpointing = false;
   bool uses_chunking = false;  // the chunk is smaller than the micro-batch's predicted tokens
+  // QAT-LoRA's builder for one projection (the largest) while it runs: on the CPU its torch
+  // operations' fp32 temporaries, on CUDA the weight it writes (qat/qat_lora_matmul.cpp).
+  double fake_quant_build_bytes = 0;
 
   // The peak: weights and trainable state, plus the larger of what the loss's backward needs on
   // top of the saved activations and what the layers' backward needs once the loss is done.

@@ -49,6 +49,7 @@ struct QuantizerRecipe {
   std::string granularity;  // per_tensor | per_channel | per_group | per_token
   int64_t group_size{};
   std::string scale_dtype;  // fp32 | fp16 (GGUF's d)
+  std::string zero_point_domain = "int";  // int | float (torchao's int4 weight-only); a weights key only
   std::string observer;     // dynamic | minmax | moving_average
   double momentum{};        // moving_average
   bool learned_scale{};
@@ -58,6 +59,8 @@ struct QuantizerRecipe {
 struct QatRecipe {
   QuantizerRecipe weights;
   QuantizerRecipe activations;
+  std::string base;           // none | nf4 | fp4 | int8: the frozen base under QAT-LoRA (qlora.* settings)
+  std::string lora_gradient;  // identity | masked (qat/qat_lora_matmul.h)
   int64_t start_step{};
   std::vector<std::string> target_modules;
   int64_t calibration_batches{};  // qtrain quantize: batches that calibrate static activation ranges

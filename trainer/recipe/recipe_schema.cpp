@@ -95,6 +95,10 @@ std::vector<RecipeKey> make_recipe_keys() {
       key("qat.weights.scale_dtype", "fp32", QTRAIN_FIELD(qat.weights.scale_dtype),
           "dtype the scales are rounded to and stored in (fp16: GGUF's Q4_0 / Q8_0)").shapes_model()
           .one_of({"fp32", "fp16"}),
+      key("qat.weights.zero_point_domain", "int", QTRAIN_FIELD(qat.weights.zero_point_domain),
+          "float: each group's own [min, max] with a float zero point, torchao's int4 weight-only grid (symmetric: false)")
+          .shapes_model()
+          .one_of({"int", "float"}),
       key("qat.weights.observer", "dynamic", QTRAIN_FIELD(qat.weights.observer),
           "dynamic: scale from the current weights at every step; minmax, moving_average: running range").shapes_model()
           .one_of({"dynamic", "minmax", "moving_average"}),
@@ -135,6 +139,14 @@ std::vector<RecipeKey> make_recipe_keys() {
       key("qat.activations.learned_scale_init", "observer", QTRAIN_FIELD(qat.activations.learned_scale_init),
           "observer: the first scale from the observed range; paper: LSQ's 2 mean|x| / sqrt(Qp)").shapes_model()
           .one_of({"observer", "paper"}),
+      key("qat.base", "none", QTRAIN_FIELD(qat.base),
+          "frozen base of QAT-LoRA: none (16-bit), or nf4 / fp4 / int8 kept as quant: qlora keeps it (qlora.blocksize, "
+          "qlora.double_quant)").shapes_model()
+          .one_of({"none", "nf4", "fp4", "int8"}),
+      key("qat.lora_gradient", "identity", QTRAIN_FIELD(qat.lora_gradient),
+          "the adapters' gradient through the weight quantizer: identity (LoRA's low-rank gradients) or masked "
+          "(torchao's: the merged weight's gradient, zero where clipped)")
+          .one_of({"identity", "masked"}),
       key("qat.start_step", "0", QTRAIN_FIELD(qat.start_step),
           "optimizer step at which fake quantization turns on")
           .at_least(0),
@@ -296,6 +308,12 @@ std::optional<RecipeConflict> find_conflict(const Recipe& recipe) {
                           "quant: qlora trains adapters on a frozen base, so lora.rank must be at "
                           "least 1 (quant: none or qat train the full weights with rank 0)"};
   }
+  if (recipe.quant == "qat" && recipe.qat.base != "none" && recipe.lora.rank == 0) {
+    return RecipeConflict{"qat.base",
+                          "qat.base: " + recipe.qat.base + " keeps the base frozen in " + recipe.qat.base +
+                              ", so QAT trains adapters on it: set lora.rank to at least 1 (or qat.base: none "
+                              "to train the full weights)"};
+  }
   if (recipe.lora.use_dora && recipe.quant == "qat") {
     return RecipeConflict{"lora.use_dora",
                           "DoRA under quant: qat is not implemented yet (the fake quantizer would see DoRA's "
@@ -322,6 +340,11 @@ std::optional<RecipeConflict> find_conflict(const Recipe& recipe) {
                                 ".learned_scale: true' needs a fixed scale to learn: "
                                 "set '" +
                                 prefix + ".observer' to minmax or moving_average"};
+    }
+    if (quantizer->zero_point_domain == "float" && quantizer->symmetric) {
+      return RecipeConflict{prefix + ".zero_point_domain",
+                            "'" + prefix + ".zero_point_domain: float' (torchao's int4 weight-only grid) needs '" + prefix +
+                                ".symmetric: false': its zero point is the offset of each group's own range"};
     }
   }
   const auto& formats = recipe.export_.formats;

@@ -60,6 +60,7 @@ qat::FakeQuantizerOptions fake_quantizer_options(const QuantizerRecipe& quantize
   spec.granularity = qat::parse_granularity(quantizer.granularity, what + ".granularity");
   spec.group_size = quantizer.group_size;
   spec.scale_dtype = parse_dtype_name(quantizer.scale_dtype, what + ".scale_dtype");
+  spec.zero_point_domain = qat::parse_zero_point_domain(quantizer.zero_point_domain, what + ".zero_point_domain");
   spec.validate(what);
   options.observer = qat::parse_observer_kind(quantizer.observer, what + ".observer");
   options.momentum = quantizer.momentum;
@@ -77,6 +78,7 @@ qat::QatLinearOptions qat_linear_options(const Recipe& recipe) {
   if (recipe.qat.activations.bits != 0) {
     options.activations = fake_quantizer_options(recipe.qat.activations, "qat.activations");
   }
+  options.lora_gradient = qat::parse_lora_gradient(recipe.qat.lora_gradient, "qat.lora_gradient");
   return options;
 }
 
