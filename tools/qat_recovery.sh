@@ -53,11 +53,10 @@ if [[ "$report_only" == 0 ]]; then
 fi
 started=$(date +%s)
 
-# Sizes. Model A trains like docs/QAT.md's experiment (AdamW 1e-4, the tiny model's windows of
-# 128) with 16 sequences a step; model B with 8 windows of 256 (a base run is a quarter of an
-# epoch, a long one under one: model B was pretrained on these documents and soon overfits them). Both compute in
-# fp32 (recipes/qat_recovery.yaml): full-weight training in bf16 stops on CUDA, see
-# recipes/qat_recovery_pretrain.yaml.
+# Sizes. Model A trains with AdamW at 1e-4 on the tiny model's windows of 128, 16 sequences a
+# step; model B with 8 windows of 256 (a base run is a quarter of an epoch, a long one under one:
+# model B was pretrained on these documents and soon overfits them). Both compute in fp32
+# (recipes/qat_recovery.yaml), as docs/QAT.md's tables were measured.
 train_data="$brown/train.jsonl"
 eval_data="$brown/val.jsonl"
 if [[ "$quick" == 1 ]]; then
