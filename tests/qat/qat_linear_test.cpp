@@ -111,6 +111,37 @@ TEST(QatLinear, LoraMergedWeightIsFakeQuantizedAndTrainsAdapters) {
   EXPECT_FALSE(base->weight().grad().defined());
 }
 
+// DoRA under QAT: what is fake-quantized is DoRA's merged weight (m / n) (W + s B A), the
+// weight its merged and GGUF exports write; the magnitude trains through the rounding too.
+TEST(QatLinear, DoraMergedWeightIsFakeQuantizedAndItsMagnitudeTrains) {
+  torch::manual_seed(4);
+  auto base = dense(64, 32, false);
+  LoraOptions lora_options;
+  lora_options.rank = 4;
+  lora_options.alpha = 8;
+  lora_options.dora = true;
+  auto lora = std::make_shared<LoraLinear>(base, lora_options);
+  {
+    torch::NoGradGuard no_grad;
+    lora->lora_B().normal_(0.0, 0.1);
+    lora->lora_magnitude().mul_(1.5);  // a trained magnitude, away from the norms it starts at
+  }
+  QatLinearOptions options;
+  options.weights.spec = QuantSpec::gguf_q4_0();
+  QatLinear layer(lora, options);
+  const auto merged = lora->dense_weight(torch::kFloat32).detach();
+  const auto& spec = options.weights.spec;
+  const auto expected_weight = fake_quantize_values(spec, merged, choose_qparams(spec, block_min_max(spec, merged))).values;
+  const auto x = torch::randn({3, 64});
+  const auto y = layer.forward(x);
+  EXPECT_TRUE(torch::equal(y, torch::nn::functional::linear(x, expected_weight)));
+  EXPECT_TRUE(torch::equal(layer.convert().dequantize(), expected_weight));
+  y.pow(2).sum().backward();
+  for (const auto* trained : {&lora->lora_A(), &lora->lora_B(), &lora->lora_magnitude()}) {
+    EXPECT_TRUE(trained->grad().defined() && trained->grad().abs().sum().item<float>() > 0);
+  }
+}
+
 TEST(QatLinear, LoraDropoutIsRefused) {
   LoraOptions lora_options;
   lora_options.dropout = 0.1;

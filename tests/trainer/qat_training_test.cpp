@@ -142,32 +142,36 @@ TEST(QatTraining, EvaluationDoesNotMoveTheObservedRanges) {
   EXPECT_EQ(ranges, 2 * 4 * 7);
 }
 
-// LoRA trains through the fake-quantized merged weight; the adapter is still peft's; the run's
+// LoRA (and DoRA) trains through the fake-quantized merged weight; the adapter is still peft's; the run's
 // model rebuilt from its directory and its safetensors-int export evaluate as the run's last
 // evaluation did; its GGUF export is written (its contents: gguf_export_test.cpp).
 TEST(QatTraining, LoraUnderQatWritesItsAdapterAndExportsThatReload) {
-  testing::TempDir run;
-  const auto overrides = qat_settings(
-      run, {"lora.rank=4", "lora.alpha=8", "lora.dropout=0", "export.formats=[peft, gguf, safetensors-int]",
-            "optim.lr=1e-3"});
-  const auto summary = train(overrides);
-  for (const char* file : {"adapter/adapter_config.json", "adapter/adapter_model.safetensors", "export/model.gguf",
-                           "export/safetensors-int/model.safetensors"}) {
-    EXPECT_TRUE(std::filesystem::exists(run.file(file))) << file;
+  for (const std::string dora : {"false", "true"}) {
+    SCOPED_TRACE("lora.use_dora=" + dora);
+    testing::TempDir run;
+    const auto overrides = qat_settings(
+        run, {"lora.rank=4", "lora.alpha=8", "lora.dropout=0", "export.formats=[peft, gguf, safetensors-int]",
+              "optim.lr=1e-3", "lora.use_dora=" + dora});
+    const auto summary = train(overrides);
+    for (const char* file : {"adapter/adapter_config.json", "adapter/adapter_model.safetensors", "export/model.gguf",
+                             "export/safetensors-int/model.safetensors"}) {
+      EXPECT_TRUE(std::filesystem::exists(run.file(file))) << file;
+    }
+    auto rebuilt = load_trained_run(run.path(), "", /*quantize_base=*/true);
+    EXPECT_EQ(qat::find_qat_layers(*rebuilt.loaded.model).size(), 4u * 7u);
+    const auto recipe = load_recipe("", overrides);
+    const auto tokenizer = data::Tokenizer::from_model_dir(recipe.model.path);
+    EvalOptions options;
+    options.batch_size = recipe.train.micro_batch_size;
+    options.max_batches = recipe.eval.max_batches;
+    const auto examples = load_eval_examples(recipe, tokenizer).examples;
+    EXPECT_NEAR(evaluate(*rebuilt.loaded.model, examples, options).loss, summary.last_eval_loss,
+                1e-6 * summary.last_eval_loss);
+    // The integer export evaluates as the run did (qtrain eval --model RUN/export/safetensors-int).
+    auto exported = load_llama(run.file("export/safetensors-int"));
+    EXPECT_NEAR(evaluate(*exported.model, examples, options).loss, summary.last_eval_loss,
+                1e-6 * summary.last_eval_loss);
   }
-  auto rebuilt = load_trained_run(run.path(), "", /*quantize_base=*/true);
-  EXPECT_EQ(qat::find_qat_layers(*rebuilt.loaded.model).size(), 4u * 7u);
-  const auto recipe = load_recipe("", overrides);
-  const auto tokenizer = data::Tokenizer::from_model_dir(recipe.model.path);
-  EvalOptions options;
-  options.batch_size = recipe.train.micro_batch_size;
-  options.max_batches = recipe.eval.max_batches;
-  const auto examples = load_eval_examples(recipe, tokenizer).examples;
-  EXPECT_NEAR(evaluate(*rebuilt.loaded.model, examples, options).loss, summary.last_eval_loss,
-              1e-6 * summary.last_eval_loss);
-  // The integer export evaluates as the run did (qtrain eval --model RUN/export/safetensors-int).
-  auto exported = load_llama(run.file("export/safetensors-int"));
-  EXPECT_NEAR(evaluate(*exported.model, examples, options).loss, summary.last_eval_loss, 1e-6 * summary.last_eval_loss);
 }
 
 // The reason QAT exists, on a short run: the same fine-tune with and without fake quantization,

@@ -314,11 +314,6 @@ std::optional<RecipeConflict> find_conflict(const Recipe& recipe) {
                               ", so QAT trains adapters on it: set lora.rank to at least 1 (or qat.base: none "
                               "to train the full weights)"};
   }
-  if (recipe.lora.use_dora && recipe.quant == "qat") {
-    return RecipeConflict{"lora.use_dora",
-                          "DoRA under quant: qat is not implemented yet (the fake quantizer would see DoRA's "
-                          "rescaled weight, untested); train DoRA with quant: qlora or none"};
-  }
   if (recipe.train.steps == 0 && recipe.train.epochs == 0) {
     return RecipeConflict{"train.epochs",
                           "train.steps and train.epochs are both 0: set how long to train"};
