@@ -43,6 +43,12 @@ void replace_linear_layer(torch::nn::Module& parent, const std::string& child_na
   }
 }
 
+torch::Device module_device(const torch::nn::Module& module) {
+  for (const auto& parameter : module.parameters()) return parameter.device();
+  for (const auto& buffer : module.buffers()) return buffer.device();
+  return torch::kCPU;
+}
+
 void replace_linear_layer_at(torch::nn::Module& root, const std::string& name, std::shared_ptr<LinearLayer> layer) {
   const auto dot = name.rfind('.');
   if (dot == std::string::npos) return replace_linear_layer(root, name, std::move(layer));

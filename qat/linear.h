@@ -82,6 +82,10 @@ class LinearLayerOwner {
   virtual void replace_linear(const std::string& child_name, std::shared_ptr<LinearLayer> layer) = 0;
 };
 
+// The device a layer's tensors live on: its first parameter's, else its first buffer's (a
+// quantized base may hold only buffers), else the CPU.
+torch::Device module_device(const torch::nn::Module& module);
+
 // Replaces the direct child `child_name` of `parent`: through LinearLayerOwner when the parent
 // implements it, else with replace_module.
 void replace_linear_layer(torch::nn::Module& parent, const std::string& child_name,

@@ -16,17 +16,6 @@ double LoraOptions::scale() const {
   return rslora ? alpha / std::sqrt(static_cast<double>(rank)) : alpha / static_cast<double>(rank);
 }
 
-namespace {
-
-// The device the base layer's weights live on (a quantized base may hold only buffers).
-torch::Device device_of(const torch::nn::Module& module) {
-  for (const auto& parameter : module.parameters()) return parameter.device();
-  for (const auto& buffer : module.buffers()) return buffer.device();
-  return torch::kCPU;
-}
-
-}  // namespace
-
 LoraLinear::LoraLinear(std::shared_ptr<LinearLayer> base, const LoraOptions& options)
     : base_(std::move(base)), options_(options), scale_(options.scale()) {
   if (!base_) throw Error(ErrorCode::kInternal, "LoraLinear needs a base layer, got none");
@@ -36,7 +25,7 @@ LoraLinear::LoraLinear(std::shared_ptr<LinearLayer> base, const LoraOptions& opt
   register_module("base_layer", base_);
   for (auto& parameter : base_->parameters()) parameter.requires_grad_(false);
 
-  const auto device = device_of(*base_);
+  const auto device = module_device(*base_);
   lora_A_ = register_module("lora_A", torch::nn::Linear(torch::nn::LinearOptions(in_features(), options_.rank).bias(false)));
   lora_B_ = register_module("lora_B", torch::nn::Linear(torch::nn::LinearOptions(options_.rank, out_features()).bias(false)));
   lora_A_->to(device, torch::kFloat32);

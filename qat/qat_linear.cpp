@@ -21,9 +21,11 @@ QatLinear::QatLinear(std::shared_ptr<LinearLayer> inner, const QatLinearOptions&
   for (const auto& item : inner_->named_buffers(/*recurse=*/false)) register_buffer(item.key(), item.value());
   for (const auto& item : inner_->named_children()) register_module(item.key(), item.value());
 
-  const auto weight = inner_->dense_weight(torch::kFloat32);
+  // The weight's shape and device, without building it (a 4-bit base would be dequantized, a LoRA
+  // merged, for nothing).
   weight_fake_quant_ = register_module(
-      "weight_fake_quant", std::make_shared<FakeQuantizer>(options.weights, what + ".weights", weight.sizes().vec()));
+      "weight_fake_quant",
+      std::make_shared<FakeQuantizer>(options.weights, what + ".weights", std::vector<int64_t>{out_features(), in_features()}));
   if (options.activations) {
     activation_fake_quant_ =
         register_module("activation_fake_quant", std::make_shared<FakeQuantizer>(*options.activations, what + ".activations"));
@@ -32,8 +34,9 @@ QatLinear::QatLinear(std::shared_ptr<LinearLayer> inner, const QatLinearOptions&
     fused_lora_ = std::move(lora);
   }
   // The quantizers' state lives where the weight does.
-  weight_fake_quant_->to(weight.device());
-  if (activation_fake_quant_) activation_fake_quant_->to(weight.device());
+  const auto device = module_device(*inner_);
+  weight_fake_quant_->to(device);
+  if (activation_fake_quant_) activation_fake_quant_->to(device);
 }
 
 torch::Tensor QatLinear::forward(const torch::Tensor& input) {

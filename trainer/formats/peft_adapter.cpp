@@ -46,11 +46,6 @@ std::vector<std::pair<std::string, std::shared_ptr<qat::LoraLinear>>> lora_layer
   return layers;
 }
 
-torch::Device device_of(const torch::nn::Module& model) {
-  for (const auto& parameter : model.parameters()) return parameter.device();
-  return torch::kCPU;
-}
-
 Json selector_json(const qat::ModuleSelector& selector) {
   if (selector.regex) return *selector.regex;
   return selector.names;
