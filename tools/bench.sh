@@ -1,70 +1,125 @@
 #!/usr/bin/env bash
 # GPU speed 8/11's benchmark (docs/PERFORMANCE.md): `qtrain bench` on the Llama-3-8B shape in the
-# issue's five settings and, when transformers, peft and bitsandbytes import, the Python anchor
-# (tools/bench_anchor.py) in the same settings on the same GPU; then one markdown table side by side.
-#   tools/bench.sh [--steps N] [--warmup N] [--seq T] [--no-anchor] [--shape S] [ROW ...]
-# A ROW is QUANT:MICRO_BATCH:CHECKPOINTING, e.g. qlora:4:on (the default rows are the issue's).
-# QTRAIN_PYTHON picks the anchor's Python (default python3); build/qtrain must exist (tools/setup.sh).
+# issue's five settings and, in the same settings on the same GPU, the Python anchors: hf
+# (tools/bench_anchor.py: transformers + peft, + bitsandbytes for QLoRA rows) and unsloth
+# (tools/bench_unsloth.py: `import unsloth` on a GPU, llama3-8b only); then one markdown table.
+#   tools/bench.sh [--steps N] [--warmup N] [--seq T] [--anchors hf,unsloth | --no-anchor] [--shape S]
+#                  [--qtrain-flags "FLAGS"] [ROW ...]
+# A ROW is QUANT:MICRO_BATCH:CHECKPOINTING[:SWITCHES], e.g. qlora:4:on (the default rows are the
+# issue's); SWITCHES are `qtrain bench` flags for that row's qtrain run, without dashes, comma-
+# separated: qlora:4:on:offload-activations,embeddings-on-host. --qtrain-flags go to every row's.
+# --anchors defaults to every anchor whose packages import. QTRAIN_PYTHON picks the anchors' Python
+# (default python3); QTRAIN_UNSLOTH_PATH, if set, goes first on PYTHONPATH for the unsloth anchor
+# only; build/qtrain must exist (tools/setup.sh).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 QTRAIN="$ROOT/build/qtrain"
 PYTHON=${QTRAIN_PYTHON:-python3}
-steps=5 warmup=2 seq=2048 anchor=1 shape=llama3-8b rows=()
+steps=5 warmup=2 seq=2048 anchors=auto shape=llama3-8b rows=() qtrain_flags=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --steps) steps=$2; shift 2 ;;
     --seq) seq=$2; shift 2 ;;
     --warmup) warmup=$2; shift 2 ;;
-    --no-anchor) anchor=0; shift ;;
+    --anchors) anchors=$2; shift 2 ;;
+    --no-anchor) anchors=; shift ;;
     --shape) shape=$2; shift 2 ;;
-    -h|--help) sed -n '2,8p' "$0"; exit 0 ;;
+    --qtrain-flags) read -ra qtrain_flags <<<"$2"; shift 2 ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
     *) rows+=("$1"); shift ;;
   esac
 done
 [ ${#rows[@]} -gt 0 ] || rows=(qlora:1:on qlora:4:on qlora:8:on qlora:1:off none:4:on)
 [ -x "$QTRAIN" ] || { echo "bench.sh: $QTRAIN is missing: run tools/setup.sh first" >&2; exit 1; }
+unsloth_python=(env ${QTRAIN_UNSLOTH_PATH:+"PYTHONPATH=$QTRAIN_UNSLOTH_PATH${PYTHONPATH:+:$PYTHONPATH}"} "$PYTHON")
 imports() { "$PYTHON" -c "import $1" 2>/dev/null; }
-if [ $anchor = 1 ] && ! imports "transformers, peft"; then
-  echo "bench.sh: transformers or peft does not import in $PYTHON: qtrain only" >&2
-  anchor=0
-fi
-results=$(mktemp)
-trap 'rm -f "$results"' EXIT
-for row in "${rows[@]}"; do
-  IFS=: read -r quant batch checkpointing <<<"$row"
-  flags=(--shape "$shape" --quant "$quant" --micro-batch "$batch" --seq "$seq" --steps "$steps" --warmup "$warmup" --json)
-  [ "$checkpointing" = on ] && flags+=(--checkpointing)
-  echo "== qtrain bench ${flags[*]}" >&2
-  "$QTRAIN" bench "${flags[@]}" | tee /dev/stderr | tail -1 | sed 's/^/qtrain /' >>"$results"
-  if [ $anchor = 1 ] && { [ "$quant" = none ] || imports bitsandbytes; }; then
-    echo "== tools/bench_anchor.py ${flags[*]}" >&2
-    "$PYTHON" "$ROOT/tools/bench_anchor.py" "${flags[@]}" | tee /dev/stderr | tail -1 | sed 's/^/anchor /' >>"$results" \
-      || echo "anchor {}" >>"$results"
+usable() {  # ANCHOR: whether it can run here; says why not
+  case "$1" in
+    hf) imports "transformers, peft" || { echo "bench.sh: transformers or peft does not import" >&2; false; } ;;
+    unsloth) "${unsloth_python[@]}" "$ROOT/tools/bench_unsloth.py" --shape "$shape" --check ;;
+    *) echo "bench.sh: unknown anchor '$1' (hf, unsloth)" >&2; exit 1 ;;
+  esac
+}
+if [ "$anchors" = auto ]; then wanted=(hf unsloth); else IFS=, read -ra wanted <<<"$anchors"; fi
+ran=()
+for anchor in "${wanted[@]}"; do
+  if usable "$anchor"; then ran+=("$anchor")
+  elif [ "$anchors" = auto ]; then echo "bench.sh: without the $anchor anchor" >&2
+  else echo "bench.sh: --anchors $anchor: it cannot run here" >&2; exit 1
   fi
 done
-"$PYTHON" - "$results" <<'PY'
+results=$(mktemp)
+trap 'rm -f "$results" "$results.out"' EXIT
+record() {  # INDEX WHO COMMAND...: runs it, its output to stderr, and files its last line (a JSON object)
+  local index=$1 who=$2 last; shift 2
+  echo "== $who: $*" >&2
+  "$@" | tee "$results.out" >&2 || echo "bench.sh: $who failed on this row" >&2
+  last=$(tail -1 "$results.out")
+  [[ $last == "{"* ]] || last="{}"
+  echo "$index $who $last" >>"$results"
+}
+for index in "${!rows[@]}"; do
+  IFS=: read -r quant batch checkpointing switches <<<"${rows[$index]}"
+  row_flags=()
+  for switch in ${switches//,/ }; do row_flags+=("--$switch"); done
+  flags=(--shape "$shape" --quant "$quant" --micro-batch "$batch" --seq "$seq" --steps "$steps" --warmup "$warmup" --json)
+  [ "$checkpointing" = on ] && flags+=(--checkpointing)
+  record "$index" qtrain "$QTRAIN" bench "${flags[@]}" ${qtrain_flags[@]+"${qtrain_flags[@]}"} \
+    ${row_flags[@]+"${row_flags[@]}"}
+  setting="$quant:$batch:$checkpointing"  # anchors run each setting once, whatever qtrain's switches
+  for anchor in "${ran[@]}"; do
+    if grep -q "^$setting $anchor " "$results"; then continue
+    elif [ "$anchor" = unsloth ]; then
+      record "$setting" unsloth "${unsloth_python[@]}" "$ROOT/tools/bench_unsloth.py" "${flags[@]}"
+    elif [ "$quant" = none ] || imports bitsandbytes; then
+      record "$setting" hf "$PYTHON" "$ROOT/tools/bench_anchor.py" "${flags[@]}"
+    else
+      echo "bench.sh: bitsandbytes does not import in $PYTHON: no hf anchor for ${rows[$index]}" >&2
+    fi
+  done
+done
+"$PYTHON" - "$results" "$(IFS=,; echo "${ran[*]}")" "${rows[@]}" <<'PY'
 import json, sys
-rows, anchors = [], {}
+anchors, rows = [name for name in sys.argv[2].split(",") if name], sys.argv[3:]
+records = {}  # (row index, "qtrain") and (QUANT:MICRO_BATCH:CHECKPOINTING, anchor)
 for line in open(sys.argv[1]):
-    who, _, text = line.partition(" ")
-    record = json.loads(text)
-    if who == "qtrain":
-        rows.append(record)
-    elif rows:
-        anchors[len(rows) - 1] = record
-gib = 2 ** 30
-print("| setting | qtrain tokens/s | qtrain peak | anchor tokens/s | anchor peak | speed | memory |")
-print("|---|---|---|---|---|---|---|")
-for index, ours in enumerate(rows):
-    name = ("QLoRA" if ours["quant"] == "qlora" else "LoRA bf16") + \
-        (", checkpointing" if ours["checkpointing"] else ", no checkpointing") + f", micro-batch {ours['micro_batch']}"
-    theirs = anchors.get(index) or {}
-    cells = [name, f"{ours['tokens_per_second']:,.0f} (MFU {100 * ours['mfu']:.1f}%)", f"{ours['peak_memory_bytes'] / gib:.2f} GiB"]
-    if theirs.get("tokens_per_second"):
-        cells += [f"{theirs['tokens_per_second']:,.0f}", f"{theirs['peak_memory_bytes'] / gib:.2f} GiB",
-                  f"{ours['tokens_per_second'] / theirs['tokens_per_second']:.2f}x",
-                  f"{ours['peak_memory_bytes'] / theirs['peak_memory_bytes']:.2f}x" if theirs["peak_memory_bytes"] else "-"]
-    else:
-        cells += ["-", "-", "-", "-"]
+    key, who, text = line.split(" ", 2)
+    records[int(key) if who == "qtrain" else key, who] = json.loads(text)
+
+
+def tokens(record):
+    if "oom" in record:
+        return "OOM"
+    if not record.get("tokens_per_second"):
+        return "-"
+    return f"{record['tokens_per_second']:,.0f}" + (f" (MFU {100 * record['mfu']:.1f}%)" if "mfu" in record else "")
+
+
+def peak(record):
+    ran = record.get("tokens_per_second") and record.get("peak_memory_bytes")  # 0: not on a GPU
+    return f"{record['peak_memory_bytes'] / 2**30:.2f} GiB" if ran else "-"
+
+
+def ratio(ours, theirs, key):  # ours / theirs where both ran
+    ran = all(record.get("tokens_per_second") and record.get(key) for record in (ours, theirs))
+    return f"{ours[key] / theirs[key]:.2f}x" if ran else "-"
+
+
+header = ["setting", "qtrain tokens/s", "qtrain peak"]
+for anchor in anchors:
+    header += [f"{anchor} tokens/s", f"{anchor} peak", f"speed vs {anchor}", f"memory vs {anchor}"]
+print("| " + " | ".join(header) + " |")
+print("|" + "---|" * len(header))
+for index, row in enumerate(rows):
+    quant, batch, checkpointing, *switches = row.split(":")
+    name = {"qlora": "QLoRA", "none": "LoRA bf16"}.get(quant, quant) + \
+        (", checkpointing" if checkpointing == "on" else ", no checkpointing") + f", micro-batch {batch}" + \
+        "".join(f", {switch}" for switch in ",".join(switches).split(",") if switch)
+    ours = records.get((index, "qtrain"), {})
+    cells = [name, tokens(ours), peak(ours)]
+    for anchor in anchors:
+        theirs = records.get((f"{quant}:{batch}:{checkpointing}", anchor), {})
+        cells += [tokens(theirs), peak(theirs), ratio(ours, theirs, "tokens_per_second"),
+                  ratio(ours, theirs, "peak_memory_bytes")]
     print("| " + " | ".join(cells) + " |")
 PY

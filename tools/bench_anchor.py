@@ -17,6 +17,8 @@ import time
 
 import torch
 
+from bench_arguments import add_row_arguments
+
 SHAPES = {
     "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                       intermediate_size=14336, vocab_size=128256),
@@ -57,14 +59,8 @@ def quantize_projections(model, dtype):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
-    parser.add_argument("--quant", default="qlora", choices=["qlora", "none"])
-    parser.add_argument("--micro-batch", type=int, default=1)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--checkpointing", action="store_true")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
+    add_row_arguments(parser)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
     import peft

@@ -17,8 +17,14 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
+#include <fstream>
+#include <functional>
+#include <limits>
+
 #ifdef QTRAIN_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
 #endif
 
 #include "kernels/error.h"
@@ -32,6 +38,7 @@
 #include "trainer/base/device.h"
 #include "trainer/base/memory_stats.h"
 #include "trainer/formats/training_checkpoint.h"
+#include "trainer/model/activation_offload.h"
 #include "trainer/model/llama.h"
 #include "trainer/model/llama_shapes.h"
 #include "trainer/recipe/base_quantization.h"
@@ -43,6 +50,8 @@ namespace po = boost::program_options;
 namespace qtrain::tools {
 
 namespace {
+
+constexpr double kGiB = double(1 << 30);
 
 // The bf16 dense peak of the GPU, for MFU; 0 when unknown.
 double peak_flops(const torch::Device& device) {
@@ -121,11 +130,124 @@ data::Batch random_batch(int64_t micro_batch, int64_t sequence, int64_t vocab_si
   return batch;
 }
 
+// The caching allocator may use `gib` GiB of the device at most: an 80 GB card on a larger one.
+void limit_device_memory(const torch::Device& device, double gib) {
+#ifdef QTRAIN_WITH_CUDA
+  if (device.is_cuda()) {
+    const double total = static_cast<double>(at::cuda::getDeviceProperties(device.index())->totalGlobalMem);
+    torch::empty({1}, torch::TensorOptions().device(device));  // the allocator starts with the first tensor
+    c10::cuda::CUDACachingAllocator::setMemoryFraction(std::min(1.0, gib * kGiB / total), device.index());
+    return;
+  }
+#endif
+  throw Error(ErrorCode::kUsage, "--memory-limit-gib caps a GPU's memory; the device is " + device.str());
+}
+
+// Bytes the caching allocator can hand out on `device`: what the driver has free plus what the
+// allocator holds already, within --memory-limit-gib.
+double device_memory_budget(const torch::Device& device, double limit_gib) {
+  double budget = 0;
+#ifdef QTRAIN_WITH_CUDA
+  const c10::cuda::CUDAGuard on_device(device.index());
+  size_t free = 0, total = 0;
+  C10_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+  budget = static_cast<double>(free) + trainer::memory_usage(device).reserved_bytes;
+#endif
+  return limit_gib > 0 ? std::min(budget, limit_gib * kGiB) : budget;
+}
+
+// MemAvailable of /proc/meminfo: what the host can still pin.
+double host_available_bytes() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  double kib = 0;
+  std::string unit;
+  while (meminfo >> key >> kib >> unit) {
+    if (key == "MemAvailable:") return kib * 1024;
+  }
+  return 0;
+}
+
+using Measure = std::function<std::pair<double, double>(int64_t tokens, int64_t untimed, int64_t timed)>;
+
+// --max-context: the longest sequence of one micro-batch that trains. A step's peak grows about
+// linearly with the tokens (flash attention, the fused loss, MLP chunks), but not exactly: kernels
+// pick other workspaces at other lengths. So probes double from `probe` until one reaches a quarter
+// of the length they predict, the last two give bytes per token and a fixed part, and the longest
+// length under the device's budget (and, offloading, the host's) is tried, 10% shorter after each
+// out-of-memory. Returns it with the median of its `steps` timed steps.
+std::pair<int64_t, double> longest_context(const torch::Device& device, int64_t probe, int64_t steps, double limit_gib,
+                                           const Measure& measure, const trainer::LlamaOptions& llama,
+                                           torch::ScalarType dtype, bool offloading) {
+  if (!device.is_cuda()) throw Error(ErrorCode::kUsage, "--max-context searches a GPU's memory; the device is " + device.str());
+  const auto round_down = [](double tokens) { return std::max<int64_t>(static_cast<int64_t>(tokens) / 1024 * 1024, 1024); };
+  // The caching allocator's large blocks fragment: keep 4% of the budget free.
+  const double budget = 0.96 * device_memory_budget(device, limit_gib);
+  std::string bound = "the device's memory";
+  double host_longest = std::numeric_limits<double>::infinity();
+  if (offloading) {
+    // Every layer's input waits on the host; buffers pinned by the probes are reused.
+    const double host_per_token = static_cast<double>(llama.num_hidden_layers * llama.hidden_size * c10::elementSize(dtype));
+    host_longest = 0.9 * (host_available_bytes() + static_cast<double>(trainer::ActivationOffload::pinned_bytes())) /
+                   host_per_token;
+  }
+  std::vector<std::pair<int64_t, double>> peaks;  // tokens, peak bytes
+  int64_t longest = 0;
+  for (int64_t tokens = probe;; tokens *= 2) {
+    peaks.emplace_back(tokens, measure(tokens, peaks.empty() ? 1 : 0, 1).second);
+    trainer::release_cached_memory(device);
+    std::printf("bench: probe %lld tokens: peak %s\n", static_cast<long long>(tokens), trainer::format_bytes(peaks.back().second).c_str());
+    std::fflush(stdout);
+    if (peaks.size() < 2) continue;
+    const auto& [shorter_tokens, shorter_peak] = peaks[peaks.size() - 2];
+    const double per_token = (peaks.back().second - shorter_peak) / static_cast<double>(tokens - shorter_tokens);
+    if (per_token <= 0) continue;  // too short to see the growth: probe longer
+    const double fixed = shorter_peak - per_token * static_cast<double>(shorter_tokens);
+    const double predicted = (budget - fixed) / per_token;
+    longest = round_down(std::min(predicted, host_longest));
+    if (host_longest < predicted) bound = "the host's memory (offloaded layer inputs)";
+    if (4 * tokens >= longest) {
+      std::printf("bench: %s a token over %s fixed; %s to use: try %lld tokens (bound by %s)\n",
+                  trainer::format_bytes(per_token).c_str(), trainer::format_bytes(fixed).c_str(),
+                  trainer::format_bytes(budget).c_str(), static_cast<long long>(longest), bound.c_str());
+      std::fflush(stdout);
+      break;
+    }
+  }
+  for (int attempt = 0;; ++attempt) {
+    try {
+      const double pinned_before = trainer::ActivationOffload::pinning_seconds();
+      double seconds = measure(longest, 0, steps).first;
+      const double pinning = trainer::ActivationOffload::pinning_seconds() - pinned_before;
+      if (pinning > 0 && steps == 1) {
+        // A run pins its buffers once; the step it does that in is not what its steps take.
+        std::printf("bench: the step at %lld tokens spent %.1f s pinning host memory; its time leaves that out\n",
+                    static_cast<long long>(longest), pinning);
+        seconds -= pinning;
+      }
+      return {longest, seconds};
+    } catch (const std::exception& error) {
+      // The device's out-of-memory, or the host's (pinning the offloaded inputs).
+      const auto* ours = dynamic_cast<const Error*>(&error);
+      if (attempt == 3 || (!dynamic_cast<const c10::OutOfMemoryError*>(&error) &&
+                           !(ours && ours->code() == ErrorCode::kOutOfMemory))) {
+        throw;
+      }
+      std::printf("bench: %lld tokens ran out of memory; trying 10%% fewer\n", static_cast<long long>(longest));
+      std::fflush(stdout);
+      longest = round_down(0.9 * static_cast<double>(longest));
+      trainer::release_cached_memory(device);
+    }
+  }
+}
+
 }  // namespace
 
 int run_bench(const Arguments& arguments) {
   std::string shape, quant, dtype_name, device_name, checkpoint_run, optimizer_name, trace_path, lora_gradient;
   int64_t micro_batch = 0, sequence = 0, steps = 0, warmup = 0, lora_rank = 0, loss_chunk = 0, profile_steps = 0;
+  int64_t mlp_chunk = 0;
+  double memory_limit_gib = 0;
   po::options_description options("bench options");
   options.add_options()
       ("shape", po::value(&shape)->default_value("llama3-8b"),
@@ -136,6 +258,19 @@ int run_bench(const Arguments& arguments) {
       ("micro-batch", po::value(&micro_batch)->default_value(1), "sequences per step")
       ("seq", po::value(&sequence)->default_value(2048), "tokens per sequence")
       ("checkpointing", po::bool_switch(), "recompute every decoder layer in backward")
+      ("offload-activations", po::bool_switch(), "with --checkpointing: the layers' inputs wait in pinned host memory "
+       "(train.offload_activations)")
+      ("mlp-chunk", po::value(&mlp_chunk)->default_value(0), "MLP chunk tokens (train.mlp_chunk_tokens); 0: whole")
+      ("unfused-loss", po::bool_switch(), "each loss chunk's whole logits (train.fused_loss: false)")
+      ("rebuild-weights", po::bool_switch(), "with --checkpointing: dequantize again in backward instead of keeping "
+       "a recomputed layer's weights (train.keep_built_weights: false)")
+      ("embeddings-on-host", po::bool_switch(), "the input embedding table stays on the host (train.embeddings_on_host)")
+      ("max-context", po::bool_switch(),
+       "find the longest sequence one micro-batch trains in the GPU's memory: measure the peak at two lengths, "
+       "extrapolate, then train at the longest that fits (stepping down on out-of-memory); prints its tokens/s")
+      ("memory-limit-gib", po::value(&memory_limit_gib)->default_value(0.0),
+       "cap the device memory the caching allocator may use (e.g. 79 to act as an 80 GB card on a larger one); "
+       "0: the whole device")
       ("dora", po::bool_switch(), "DoRA adapters (lora.use_dora) instead of LoRA")
       ("qat", po::bool_switch(), "fake-quantize the merged weights (int4, groups of 32, fp16 scales) over the --quant base, "
        "as quant: qat with qat.base")
@@ -170,6 +305,17 @@ int run_bench(const Arguments& arguments) {
   recipe.lora.target_modules = recipe.qat.target_modules = llama.projection_names();
   recipe.lora.use_dora = values["dora"].as<bool>();
   recipe.qat.lora_gradient = lora_gradient;
+  recipe.train.offload_activations = values["offload-activations"].as<bool>();
+  recipe.train.mlp_chunk_tokens = mlp_chunk;
+  recipe.train.fused_loss = !values["unfused-loss"].as<bool>();
+  recipe.train.keep_built_weights = !values["rebuild-weights"].as<bool>();
+  recipe.train.embeddings_on_host = values["embeddings-on-host"].as<bool>();
+  if (recipe.train.offload_activations && !checkpointing) {
+    throw Error(ErrorCode::kUsage, "--offload-activations moves what --checkpointing keeps: add --checkpointing");
+  }
+  const bool max_context = values["max-context"].as<bool>();
+  if (max_context && micro_batch != 1) throw Error(ErrorCode::kUsage, "--max-context measures one sequence: --micro-batch 1");
+  if (memory_limit_gib > 0) limit_device_memory(device, memory_limit_gib);
 
   torch::manual_seed(0);
   const auto tables = qat::quantize_4bit(
@@ -202,7 +348,7 @@ int run_bench(const Arguments& arguments) {
   trainer::apply_recipe_qat(*model, recipe);
   auto trained = trainer::mark_trained_parameters(*model, recipe);
   model->train();
-  model->model->set_gradient_checkpointing(checkpointing ? 1 : 0);
+  trainer::apply_recipe_memory_settings(*model, recipe);
   auto optimizer = trainer::recipe_optimizer(recipe, trained.tensors);
   trainer::LossScaler scaler(/*enabled=*/dtype == torch::kFloat16);
   auto step_options = trainer::training_step_options(recipe, llama.vocab_size, device);
@@ -214,23 +360,38 @@ int run_bench(const Arguments& arguments) {
               std::chrono::duration<double>(std::chrono::steady_clock::now() - build_start).count());
   std::fflush(stdout);
 
-  const std::vector<data::Batch> batches = {random_batch(micro_batch, sequence, llama.vocab_size)};
-  std::vector<double> step_seconds;
-  trainer::reset_peak_memory(device);
-  for (int64_t step = 0; step < warmup + steps; ++step) {
-    if (step == warmup) trainer::reset_peak_memory(device);
-    synchronize(device);
-    const auto start = std::chrono::steady_clock::now();
-    train_step.run(batches, step);
-    synchronize(device);
-    if (step >= warmup) {
-      step_seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  int64_t next_step = 0;
+  // `timed` steps of `tokens`-long sequences after `untimed` ones: the median step time and the
+  // peak memory of the timed steps.
+  const auto measure = [&](int64_t tokens, int64_t untimed, int64_t timed) {
+    const std::vector<data::Batch> batches = {random_batch(micro_batch, tokens, llama.vocab_size)};
+    std::vector<double> seconds;
+    trainer::reset_peak_memory(device);
+    for (int64_t step = 0; step < untimed + timed; ++step) {
+      if (step == untimed) trainer::reset_peak_memory(device);
+      synchronize(device);
+      const auto start = std::chrono::steady_clock::now();
+      train_step.run(batches, next_step++);
+      synchronize(device);
+      if (step >= untimed) seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     }
+    std::sort(seconds.begin(), seconds.end());
+    return std::make_pair(seconds[seconds.size() / 2], trainer::memory_usage(device).peak_bytes);
+  };
+  double median = 0;
+  if (max_context) {
+    const auto found = longest_context(device, sequence, steps, memory_limit_gib, measure, llama, dtype,
+                                       recipe.train.offload_activations);
+    sequence = found.first;
+    median = found.second;
+  } else {
+    median = measure(sequence, warmup, steps).first;
   }
+  const std::vector<data::Batch> batches = {random_batch(micro_batch, sequence, llama.vocab_size)};
   const auto memory = trainer::memory_usage(device);
   if (profile_steps > 0) {
     KernelProfile profile(device.is_cuda());
-    for (int64_t step = 0; step < profile_steps; ++step) train_step.run(batches, warmup + steps + step);
+    for (int64_t step = 0; step < profile_steps; ++step) train_step.run(batches, next_step++);
     synchronize(device);
     profile.finish(trace_path, profile_steps, 25, std::cout);
   }
@@ -243,14 +404,12 @@ int run_bench(const Arguments& arguments) {
       checkpoint.trainable.emplace_back(trained.names[index], trained.tensors[index]);
     }
     checkpoint.optimizer = optimizer->state();
-    checkpoint.state = {{"step", warmup + steps}};
+    checkpoint.state = {{"step", next_step}};
     const auto start = std::chrono::steady_clock::now();
-    const auto path = trainer::write_training_checkpoint(checkpoint_run, warmup + steps, checkpoint);
+    const auto path = trainer::write_training_checkpoint(checkpoint_run, next_step, checkpoint);
     checkpoint_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     std::printf("bench: training checkpoint %s written in %.2f s\n", path.c_str(), checkpoint_seconds);
   }
-  std::sort(step_seconds.begin(), step_seconds.end());
-  const double median = step_seconds[step_seconds.size() / 2];
   const double tokens_per_second = static_cast<double>(micro_batch * sequence) / median;
 
   const double matmul_parameters =
@@ -267,9 +426,17 @@ int run_bench(const Arguments& arguments) {
   quant = base.kind == trainer::BaseQuantization::kNf4 ? "qlora" : base.name;  // as tools/bench.sh names rows
   if (fake_quant) quant += lora_gradient == "identity" ? "+qat" : "+qat(" + lora_gradient + ")";
   if (recipe.lora.use_dora) quant += "+dora";
-  std::printf("bench: %s %s + %s, %s compute on %s, micro-batch %lld x %lld, checkpointing %s, loss chunk %lld\n",
+  std::printf("bench: %s %s + %s, %s compute on %s, micro-batch %lld x %lld, checkpointing %s%s, loss chunk %lld%s%s\n",
               shape.c_str(), quant.c_str(), optimizer_name.c_str(), dtype_name.c_str(), device.str().c_str(), static_cast<long long>(micro_batch),
-              static_cast<long long>(sequence), checkpointing ? "on" : "off", static_cast<long long>(chunk));
+              static_cast<long long>(sequence), checkpointing ? "on" : "off",
+              recipe.train.offload_activations ? " (inputs offloaded)" : "", static_cast<long long>(chunk),
+              recipe.train.fused_loss ? " (fused)" : "",
+              mlp_chunk > 0 ? (", MLP chunk " + std::to_string(mlp_chunk)).c_str() : "");
+  if (recipe.train.offload_activations) {
+    std::printf("  pinned host memory: %s (pinning took %.1f s in all, in the first step at each length)\n",
+                trainer::format_bytes(static_cast<double>(trainer::ActivationOffload::pinned_bytes())).c_str(),
+                trainer::ActivationOffload::pinning_seconds());
+  }
   std::printf("  %.0f tokens/s (median of %lld steps, %.3f s each), MFU %.1f%%, peak memory %s\n", tokens_per_second,
               static_cast<long long>(steps), median, 100.0 * mfu, trainer::format_bytes(memory.peak_bytes).c_str());
   if (values["json"].as<bool>()) {
@@ -280,6 +447,14 @@ int run_bench(const Arguments& arguments) {
                                 {"micro_batch", micro_batch},
                                 {"seq", sequence},
                                 {"checkpointing", checkpointing},
+                                {"offload_activations", recipe.train.offload_activations},
+                                {"mlp_chunk_tokens", mlp_chunk},
+                                {"fused_loss", recipe.train.fused_loss},
+                                {"keep_built_weights", recipe.train.keep_built_weights},
+                                {"embeddings_on_host", recipe.train.embeddings_on_host},
+                                {"max_context", max_context},
+                                {"pinned_host_bytes", trainer::ActivationOffload::pinned_bytes()},
+                                {"pinning_seconds", trainer::ActivationOffload::pinning_seconds()},
                                 {"dora", recipe.lora.use_dora},
                                 {"loss_chunk_tokens", chunk},
                                 {"tokens_per_second", tokens_per_second},

@@ -124,7 +124,12 @@ void print_peak_estimate(const std::string& recipe_path, const trainer::Training
   std::printf("  %-22s %11s%s   (with gradient checkpointing, %s: %s%s)\n", "activations",
               bytes(estimate.activation_bytes).c_str(), used(!estimate.uses_checkpointing), every.c_str(),
               bytes(estimate.checkpointed_activation_bytes).c_str(), used(estimate.uses_checkpointing));
-  if (estimate.uses_chunking) {
+  if (estimate.uses_fused_loss) {
+    std::printf("  %-22s %11s%s   (fused over vocabulary tiles of %lld columns, %lld tokens at a time: %s%s)\n",
+                "loss logits", bytes(estimate.logits_bytes).c_str(), used(false),
+                static_cast<long long>(estimate.loss_tile_columns), static_cast<long long>(estimate.loss_chunk_tokens),
+                bytes(estimate.fused_loss_bytes).c_str(), used(true));
+  } else if (estimate.uses_chunking) {
     std::printf("  %-22s %11s%s   (chunked by %lld tokens: %s%s)\n", "loss logits", bytes(estimate.logits_bytes).c_str(),
                 used(false), static_cast<long long>(estimate.loss_chunk_tokens),
                 bytes(estimate.chunked_logits_bytes).c_str(), used(true));
@@ -133,8 +138,8 @@ void print_peak_estimate(const std::string& recipe_path, const trainer::Training
                 bytes(estimate.logits_bytes).c_str(), used(true), static_cast<long long>(estimate.predicted_tokens),
                 static_cast<long long>(setup.loss_chunk_tokens));
   }
-  std::printf("  %-22s %11s%s   (with checkpointing and chunking: %s)\n", "total", bytes(estimate.total()).c_str(),
-              used(true), bytes(estimate.lowest_total()).c_str());
+  std::printf("  %-22s %11s%s   (with checkpointing and the fused or chunked loss: %s)\n", "total",
+              bytes(estimate.total()).c_str(), used(true), bytes(estimate.lowest_total()).c_str());
   std::printf("  * this recipe's settings. The total is the peak of the loss's backward or, with checkpointing,\n"
               "    of the layers' after it, which can be less than the sum. Not counted: the CUDA context (about\n"
               "    500 MiB), allocator fragmentation, backward's transient gradients; see trainer/recipe/model_memory.h\n");

@@ -117,8 +117,7 @@ void Finetune::setup_model() {
     require_gguf_exportable(loaded_.config, recipe_.model.path);  // before the run, not after it
   }
   loaded_.model->to(device_);
-  loaded_.model->model->set_gradient_checkpointing(
-      recipe_.train.gradient_checkpointing ? recipe_.train.gradient_checkpointing_every : 0);
+  apply_recipe_memory_settings(*loaded_.model, recipe_);
 }
 
 void Finetune::setup_adapters() {
@@ -250,6 +249,7 @@ double Finetune::evaluate_and_log(int64_t step) {
   options.batch_size = recipe_.train.micro_batch_size;
   // The ranks share the batches: max_batches bounds their total.
   options.max_batches = (recipe_.eval.max_batches + launch_.world_size - 1) / launch_.world_size;
+  options.fused_loss = recipe_.train.fused_loss;
   double loss_sum = 0;
   double tokens = 0;
   if (!eval_examples_.empty()) {

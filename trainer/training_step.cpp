@@ -14,6 +14,7 @@ TrainingStepOptions training_step_options(const Recipe& recipe, int64_t vocab_si
   TrainingStepOptions options;
   options.device = device;
   options.loss_chunk_tokens = loss_chunk_tokens(recipe, vocab_size);
+  options.fused_loss = recipe.train.fused_loss;
   options.max_grad_norm = recipe.train.max_grad_norm;
   return options;
 }
@@ -49,12 +50,15 @@ StepResult TrainingStep::run(const std::vector<data::Batch>& micro_batches, int6
   // The loss is token-weighted over the whole accumulation window (of every rank), as if it
   // were one batch; fp16 scales it so that small gradients survive.
   const double loss_weight = scaler_.scale() / std::max(predicted_tokens, 1.0);
+  LossOptions loss_options;
+  loss_options.chunk_tokens = options_.loss_chunk_tokens;
+  loss_options.fused = options_.fused_loss;
   double loss_sum = 0;
   for (size_t index = 0; index < micro_batches.size(); ++index) {
     const auto& batch = micro_batches[index];
     auto labels = batch.labels.to(options_.device);
     auto hidden = model_.hidden_states(model_inputs(batch, options_.device));
-    auto loss = causal_lm_loss(model_, hidden, labels, options_.loss_chunk_tokens);
+    auto loss = causal_lm_loss(model_, hidden, labels, loss_options);
     // Ranks exchange gradients only in the window's last backward, overlapped with it.
     if (buckets_ && index + 1 == micro_batches.size()) buckets_->arm();
     (loss.loss_sum * loss_weight).backward();

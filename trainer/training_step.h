@@ -1,9 +1,9 @@
 #pragma once
 // One optimizer step over a window of micro-batches: the arithmetic a run takes (Finetune) and
 // the one `qtrain bench` times, so that the benchmark measures the code users run.
-//   forward, chunked loss, backward of the loss scaled by (loss scale / predicted tokens of the
-//   window), gradients summed over the ranks during the window's last backward, unscale and
-//   check, clip, optimizer step — or, on a non-finite loss or gradient, no update at all.
+//   forward, chunked (or fused) loss, backward of the loss scaled by (loss scale / predicted
+//   tokens of the window), gradients summed over the ranks during the window's last backward,
+//   unscale and check, clip, optimizer step — or, on a non-finite loss or gradient, no update.
 // What a run adds around it (the learning-rate schedule, the data position, QAT's start step,
 // counting and logging skipped steps) stays in Finetune.
 #include <torch/torch.h>
@@ -36,10 +36,11 @@ struct StepResult {
 struct TrainingStepOptions {
   torch::Device device{torch::kCPU};  // the model's
   int64_t loss_chunk_tokens = 0;      // causal_lm_loss's chunk
+  bool fused_loss = true;             // causal_lm_loss over vocabulary tiles (where lm_head is frozen)
   double max_grad_norm = 1.0;     // <= 0: no clipping (the norm is still measured)
 };
 
-// train.loss_chunk_tokens (sized from the vocabulary when 0) and train.max_grad_norm.
+// train.loss_chunk_tokens (sized from the vocabulary when 0), train.fused_loss and train.max_grad_norm.
 TrainingStepOptions training_step_options(const Recipe& recipe, int64_t vocab_size, const torch::Device& device);
 
 // Called after the window's backward, before the gradients are checked and applied: a seam

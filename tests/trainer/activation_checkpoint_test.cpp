@@ -1,15 +1,20 @@
-// Memory switches must not change what is learned: gradients with per-layer checkpointing and
-// with the chunked loss equal those of the plain path bitwise on a CPU in fp32 (tiny-llama with
-// LoRA and dropout, dense and NF4 bases).
+// Memory switches must not change what is learned: gradients with per-layer checkpointing, with
+// the checkpointed inputs offloaded to the host, and with the chunked loss equal those of the
+// plain path bitwise on a CPU in fp32 (tiny-llama with LoRA and dropout, dense and NF4 bases);
+// the MLP in chunks of tokens equals it to fp32 rounding (the adapters' gradients sum over the
+// chunks in another order).
 #include "trainer/model/activation_checkpoint.h"
 
 #include <gtest/gtest.h>
 
+#include "kernels/error.h"
 #include "qat/four_bit_linear.h"
 #include "qat/lora_linear.h"
+#include "small_llama.h"
 #include "support.h"
 #include "trainer/model/causal_lm_loss.h"
 #include "trainer/formats/hf_checkpoint.h"
+#include "trainer/recipe/recipe_training.h"
 
 namespace qtrain::trainer {
 namespace {
@@ -19,13 +24,13 @@ struct Gradients {
   std::vector<torch::Tensor> lora;  // the gradient of every LoRA weight, in parameter order
 };
 
-LlamaForCausalLM tiny_llama_with_lora(bool four_bit) {
+LlamaForCausalLM tiny_llama_with_lora(bool four_bit, double dropout = 0.2) {
   auto loaded = load_llama(qtrain::testing::fixture("tiny-llama"));
   if (four_bit) qat::quantize_linear_layers(*loaded.model, qat::FourBitOptions{}, {"lm_head"});
   qat::LoraOptions lora;
   lora.rank = 4;
   lora.alpha = 8;
-  lora.dropout = 0.2;  // the recomputation must draw the same masks
+  lora.dropout = dropout;  // the recomputation must draw the same masks
   qat::LoraTargets targets;
   targets.include.names = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
   torch::manual_seed(11);
@@ -43,12 +48,22 @@ LlamaForCausalLM tiny_llama_with_lora(bool four_bit) {
   return loaded.model;
 }
 
-Gradients gradients_of(LlamaForCausalLM model, int64_t checkpoint_every, int64_t loss_chunk_tokens) {
+struct ActivationMemory {
+  bool offload = false;
+  int64_t mlp_chunk_tokens = 0;
+  bool keep_built_weights = true;
+};
+
+Gradients gradients_of(LlamaForCausalLM model, int64_t checkpoint_every, int64_t loss_chunk_tokens,
+                       const ActivationMemory& memory = {}) {
   torch::manual_seed(5);
   const auto input_ids = torch::randint(model->options().vocab_size, {2, 40}, torch::kInt64);
   auto labels = input_ids.clone();
   labels.index_put_({0, torch::indexing::Slice(0, 10)}, -100);
   model->model->set_gradient_checkpointing(checkpoint_every);
+  model->model->set_activation_offloading(memory.offload);
+  model->model->set_mlp_chunk_tokens(memory.mlp_chunk_tokens);
+  model->model->set_keep_built_weights(memory.keep_built_weights);
   torch::manual_seed(9);  // dropout
   auto hidden = model->hidden_states({input_ids, {}, {}});
   auto loss = causal_lm_loss(*model, hidden, labels, loss_chunk_tokens);
@@ -58,6 +73,22 @@ Gradients gradients_of(LlamaForCausalLM model, int64_t checkpoint_every, int64_t
   for (auto& parameter : model->parameters()) {
     if (!parameter.requires_grad()) continue;
     result.lora.push_back(parameter.grad().clone());
+    parameter.mutable_grad() = torch::Tensor();
+  }
+  return result;
+}
+
+// The loss and LoRA gradients of one fixed batch on `device`, with the model's settings as they are.
+Gradients gradients_on(LlamaForCausalLM model, const torch::Device& device) {
+  torch::manual_seed(5);
+  const auto input_ids = torch::randint(model->options().vocab_size, {2, 40}, torch::kInt64).to(device);
+  auto loss = causal_lm_loss(*model, model->hidden_states({input_ids, {}, {}}), input_ids, 0);
+  loss.loss_sum.backward();
+  Gradients result;
+  result.loss = loss.loss_sum.item<double>();
+  for (auto& parameter : model->parameters()) {
+    if (!parameter.requires_grad()) continue;
+    result.lora.push_back(parameter.grad().cpu());
     parameter.mutable_grad() = torch::Tensor();
   }
   return result;
@@ -80,6 +111,131 @@ TEST(ActivationCheckpointing, GradientsEqualThePlainPathBitwise) {
     expect_bitwise_equal(plain, gradients_of(model, 1, 0), std::string(four_bit ? "nf4" : "dense") + ", every layer");
     expect_bitwise_equal(plain, gradients_of(model, 2, 0), std::string(four_bit ? "nf4" : "dense") + ", every 2nd layer");
   }
+}
+
+TEST(ActivationOffloading, GradientsEqualKeepingTheInputsOnTheDeviceBitwise) {
+  for (const bool four_bit : {false, true}) {
+    auto model = tiny_llama_with_lora(four_bit);
+    const auto kept = gradients_of(model, 1, 0);
+    const std::string base = four_bit ? "nf4" : "dense";
+    expect_bitwise_equal(kept, gradients_of(model, 1, 0, ActivationMemory{true, 0}), base + ", every layer offloaded");
+    expect_bitwise_equal(kept, gradients_of(model, 2, 0, ActivationMemory{true, 0}), base + ", every 2nd layer offloaded");
+  }
+}
+
+TEST(ActivationCheckpointing, RebuildingTheWeightsInBackwardGivesTheSameGradientsBitwise) {
+  auto model = tiny_llama_with_lora(true);
+  expect_bitwise_equal(gradients_of(model, 1, 0), gradients_of(model, 1, 0, ActivationMemory{false, 0, false}),
+                       "nf4, weights dequantized again in backward");
+}
+
+TEST(EmbeddingsOnHost, TheRecipeRefusesTiedOrTrainedTables) {
+  auto recipe = default_recipe();
+  recipe.train.embeddings_on_host = true;
+  auto options = qtrain::testing::small_llama_options(32, 1);
+  options.tie_word_embeddings = true;
+  LlamaForCausalLM tied(options, torch::kFloat32);
+  try {
+    apply_recipe_memory_settings(*tied, recipe);
+    ADD_FAILURE() << "a tied table was moved to the host";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("tie_word_embeddings"), std::string::npos) << error.what();
+  }
+  options.tie_word_embeddings = false;
+  LlamaForCausalLM untied(options, torch::kFloat32);
+  recipe.lora.rank = 0;  // every weight trains, the embedding too
+  recipe.quant = "none";
+  try {
+    apply_recipe_memory_settings(*untied, recipe);
+    ADD_FAILURE() << "a trained table was moved to the host";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("model.embed_tokens.weight"), std::string::npos) << error.what();
+  }
+}
+
+TEST(EmbeddingsOnHost, CudaLogitsAndGradientsEqualATableOnTheDeviceBitwise) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const torch::Device cuda(torch::kCUDA, 0);
+  auto model = tiny_llama_with_lora(false, 0.0);
+  model->to(cuda);
+  const auto on_device = gradients_on(model, cuda);
+  auto recipe = default_recipe();
+  recipe.train.embeddings_on_host = true;
+  apply_recipe_memory_settings(*model, recipe);
+  ASSERT_TRUE(model->model->embed_tokens->weight.device().is_cpu());
+  expect_bitwise_equal(on_device, gradients_on(model, cuda), "CUDA, embeddings on the host");
+}
+
+TEST(ActivationOffloading, WithoutCheckpointingNothingIsOffloaded) {
+  auto model = tiny_llama_with_lora(false);
+  expect_bitwise_equal(gradients_of(model, 0, 0), gradients_of(model, 0, 0, ActivationMemory{true, 0}), "no checkpointing");
+}
+
+TEST(ActivationOffloading, ATicketIsTakenOnceAndComesBackAsStored) {
+  ActivationOffload offload(torch::kCPU);
+  const auto first = torch::randn({3, 5});
+  const auto second = torch::randn({7}, torch::kBFloat16);
+  const auto first_ticket = offload.store(first);
+  const auto second_ticket = offload.store(second.requires_grad_(false));
+  EXPECT_TRUE(torch::equal(offload.take(second_ticket), second));
+  EXPECT_TRUE(torch::equal(offload.take(first_ticket), first));
+  EXPECT_THROW(offload.take(first_ticket), Error);
+  EXPECT_THROW(offload.take(2), Error);
+}
+
+TEST(ActivationOffloading, CudaCopiesComeBackBitwiseAndTheGradientsMatch) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const torch::Device cuda(torch::kCUDA, 0);
+  {
+    ActivationOffload offload(cuda);
+    std::vector<torch::Tensor> on_host;
+    std::vector<int64_t> tickets;
+    for (int layer = 0; layer < 6; ++layer) {
+      auto activation = torch::randn({1, 4096, 1024}, torch::TensorOptions().dtype(torch::kBFloat16).device(cuda));
+      on_host.push_back(activation.cpu());
+      tickets.push_back(offload.store(activation));
+    }
+    for (int layer = 5; layer >= 0; --layer) {
+      EXPECT_TRUE(torch::equal(offload.take(tickets[layer]).cpu(), on_host[layer])) << "layer " << layer;
+    }
+    EXPECT_GE(ActivationOffload::pinned_bytes(), 6 * 4096 * 1024 * 2);
+  }
+  auto model = tiny_llama_with_lora(false, 0.0);
+  model->to(cuda);
+  model->model->set_gradient_checkpointing(1);
+  const auto kept = gradients_on(model, cuda);
+  model->model->set_activation_offloading(true);
+  expect_bitwise_equal(kept, gradients_on(model, cuda), "CUDA, offloaded");
+}
+
+TEST(MlpChunks, GradientsEqualTheWholeMlpToFp32Rounding) {
+  for (const bool four_bit : {false, true}) {
+    auto model = tiny_llama_with_lora(four_bit, 0.0);  // dropout draws its masks chunk by chunk
+    const auto whole = gradients_of(model, 1, 0);
+    for (const auto& [checkpoint_every, chunk] : {std::pair<int64_t, int64_t>{1, 16}, {0, 33}, {1, 80}}) {
+      const auto chunked = gradients_of(model, checkpoint_every, 0, ActivationMemory{checkpoint_every > 0, chunk});
+      const std::string what = std::string(four_bit ? "nf4" : "dense") + ", chunks of " + std::to_string(chunk) +
+                               (checkpoint_every > 0 ? ", checkpointed and offloaded" : "");
+      EXPECT_NEAR(chunked.loss, whole.loss, 1e-6 * whole.loss) << what;
+      ASSERT_EQ(chunked.lora.size(), whole.lora.size());
+      for (size_t index = 0; index < whole.lora.size(); ++index) {
+        EXPECT_TRUE(torch::allclose(chunked.lora[index], whole.lora[index], /*rtol=*/1e-4, /*atol=*/1e-6))
+            << what << ", gradient " << index << " differs by "
+            << (chunked.lora[index] - whole.lora[index]).abs().max().item<double>();
+      }
+    }
+  }
+}
+
+TEST(MlpChunks, TheForwardWithoutGradEqualsTheWholeMlp) {
+  auto model = tiny_llama_with_lora(false, 0.0);
+  model->eval();
+  torch::NoGradGuard no_grad;
+  const auto input_ids = torch::randint(model->options().vocab_size, {2, 40}, torch::kInt64);
+  const auto whole = model->forward({input_ids, {}, {}});
+  model->model->set_mlp_chunk_tokens(24);
+  const auto chunked = model->forward({input_ids, {}, {}});
+  EXPECT_TRUE(torch::allclose(chunked, whole, 1e-5, 1e-5)) << (chunked - whole).abs().max().item<double>();
 }
 
 TEST(ChunkedLoss, LossAndGradientsEqualThePlainPath) {

@@ -277,6 +277,12 @@ TEST(RecipeErrors, KeysThatDisagreeNameWhereTheyWereSet) {
                                   0),
       0u)
       << load_error(per_token);
+  const std::string offload = dir.write("offload.yaml", "train:\n  offload_activations: true\n");
+  EXPECT_EQ(load_error(offload).rfind(offload + ":2: train.offload_activations moves the inputs that gradient "
+                                                "checkpointing keeps",
+                                      0),
+            0u)
+      << load_error(offload);
 }
 
 TEST(RecipeErrors, MalformedYamlNamesFileAndLine) {

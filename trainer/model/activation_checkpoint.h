@@ -9,7 +9,10 @@
 #include <torch/torch.h>
 
 #include <functional>
+#include <memory>
 #include <vector>
+
+#include "trainer/model/activation_offload.h"
 
 namespace qtrain::trainer {
 
@@ -18,8 +21,10 @@ using CheckpointedFunction = std::function<torch::Tensor(const std::vector<torch
 // function(inputs), with its activations recomputed in backward. Gradients flow to `inputs`
 // that require grad and to `parameters` (the trainable tensors `function` uses; others get
 // none). `function` must depend on nothing else that trains, and must stay callable until
-// backward. Without grad mode, or with nothing to differentiate, it simply runs.
+// backward. Without grad mode, or with nothing to differentiate, it simply runs. With `offload`,
+// the inputs wait in its host memory until backward instead of on the device.
 torch::Tensor checkpoint(const CheckpointedFunction& function, const std::vector<torch::Tensor>& inputs,
-                         const std::vector<torch::Tensor>& parameters);
+                         const std::vector<torch::Tensor>& parameters,
+                         const std::shared_ptr<ActivationOffload>& offload = nullptr);
 
 }  // namespace qtrain::trainer

@@ -1,8 +1,13 @@
 #pragma once
 // Next-token cross-entropy with transformers' shift (the logits at t predict the label at t+1),
-// in fp32, computed over chunks of tokens so the [tokens, vocab] fp32 logits never exist whole:
-// with autograd, each chunk is checkpointed (its logits are recomputed in backward), so in
-// training too only one chunk's logits exist at a time.
+// in fp32, over chunks of tokens so that the [tokens, vocab] fp32 logits never exist whole.
+// Two ways to project a chunk:
+//   fused    (train.fused_loss, where lm_head or the tied embeddings are a frozen plain weight)
+//            over vocabulary tiles with an online log-sum-exp, its gradient written in the same
+//            kind of pass (trainer/model/fused_linear_cross_entropy.h): no [chunk, vocab] block.
+//   logits   each chunk's whole fp32 logits, then cross_entropy; with autograd, each chunk is
+//            checkpointed (its logits recomputed in backward). A LoRA'd, fake-quantized or
+//            trained projection always takes this path: its weights need autograd's gradients.
 #include "data/batching.h"
 #include "trainer/model/llama.h"
 
@@ -15,11 +20,27 @@ struct TokenLoss {
   torch::Tensor tokens;    // scalar int64: how many labels took part
 };
 
+struct LossOptions {
+  // Tokens projected at once (train.loss_chunk_tokens); <= 0: every token at once (on the
+  // logits path, keeping every logit for backward: the plain path).
+  int64_t chunk_tokens = 0;
+  bool fused = true;            // train.fused_loss; falls back to the logits path where it cannot apply
+  int64_t vocabulary_tile = 0;  // fused: columns per tile; 0: fused_loss_tile_columns(chunk, vocab)
+};
+
 // hidden [batch, seq, hidden] (the model's final normed states); labels [batch, seq] int64 with
-// kIgnoreLabel where no loss is taken. chunk_tokens <= 0 projects every token at once (and
-// keeps every logit for backward: the plain path).
+// kIgnoreLabel where no loss is taken.
+TokenLoss causal_lm_loss(LlamaForCausalLMImpl& model, const torch::Tensor& hidden, const torch::Tensor& labels,
+                         const LossOptions& options);
+
+// The logits path in chunks of chunk_tokens (LossOptions{chunk_tokens, /*fused=*/false}).
 TokenLoss causal_lm_loss(LlamaForCausalLMImpl& model, const torch::Tensor& hidden, const torch::Tensor& labels,
                          int64_t chunk_tokens);
+
+// Whether causal_lm_loss with options.fused takes the fused path for this model now: lm_head
+// multiplies by a plain weight (not a LoRA, QAT or LLM.int8 layer) and, with grad mode on,
+// nothing of the projection trains.
+bool fused_loss_applies(LlamaForCausalLMImpl& model);
 
 // The chunk for train.loss_chunk_tokens 0: about 512 MiB of fp32 logits, a multiple of 256
 // tokens, at least 256.

@@ -26,14 +26,14 @@ struct BatchLoss {
 };
 
 BatchLoss evaluate_batch(LlamaForCausalLMImpl& model, const std::vector<data::Example>& examples, size_t first,
-                         size_t last, const torch::Device& device, int64_t loss_chunk_tokens) {
+                         size_t last, const torch::Device& device, const LossOptions& loss_options) {
   std::vector<const data::Example*> rows;
   for (size_t index = first; index < last; ++index) rows.push_back(&examples[index]);
   const auto batch = data::collate(rows);
   auto labels = batch.labels.to(device);
   // Right padding after a causal mask never reaches the real tokens before it.
   auto hidden = model.hidden_states(model_inputs(batch, device));
-  auto loss = causal_lm_loss(model, hidden, labels, loss_chunk_tokens);
+  auto loss = causal_lm_loss(model, hidden, labels, loss_options);
   return {loss.loss_sum.item<double>(), loss.tokens.item<int64_t>(), batch.input_tokens};
 }
 
@@ -44,7 +44,7 @@ BatchLoss evaluate_batch(LlamaForCausalLMImpl& model, const std::vector<data::Ex
 // are added in batch order, so the result does not depend on which thread took which batch.
 void evaluate_side_by_side(LlamaForCausalLMImpl& model, const std::vector<data::Example>& examples,
                            const std::vector<std::pair<size_t, size_t>>& batches, const torch::Device& device,
-                           int64_t loss_chunk_tokens, int workers, std::vector<BatchLoss>& losses) {
+                           const LossOptions& loss_options, int workers, std::vector<BatchLoss>& losses) {
   // Each worker sets its own count to 1 (OpenMP's count is per thread), which also sets
   // LibTorch's global default: put the caller's back afterwards.
   const int previous_threads = at::get_num_threads();
@@ -58,7 +58,7 @@ void evaluate_side_by_side(LlamaForCausalLMImpl& model, const std::vector<data::
         torch::NoGradGuard no_grad;  // grad mode is per thread
         for (size_t index = next++; index < batches.size(); index = next++) {
           losses[index] = evaluate_batch(model, examples, batches[index].first, batches[index].second, device,
-                                         loss_chunk_tokens);
+                                         loss_options);
         }
       } catch (...) {
         errors[static_cast<size_t>(worker)] = std::current_exception();
@@ -83,7 +83,7 @@ EvalResult evaluate(LlamaForCausalLMImpl& model, const std::vector<data::Example
   const WithoutCudnnAttention attention_for_varied_lengths;
   const bool was_training = model.is_training();
   model.eval();
-  const auto device = model.model->embed_tokens->weight.device();
+  const auto device = model.device();
   const auto start = std::chrono::steady_clock::now();
 
   std::vector<std::pair<size_t, size_t>> batches;
@@ -92,16 +92,19 @@ EvalResult evaluate(LlamaForCausalLMImpl& model, const std::vector<data::Example
     batches.emplace_back(first, std::min(examples.size(), first + static_cast<size_t>(options.batch_size)));
   }
   std::vector<BatchLoss> losses(batches.size());
+  LossOptions loss_options;
+  loss_options.chunk_tokens = options.loss_chunk_tokens;
+  loss_options.fused = options.fused_loss;
   const CpuThreadGovernor cpu_threads(device.is_cpu());
   const int workers = std::min<int>(available_cpus(), static_cast<int>(batches.size()));
   // QAT layers' observers and learned scales change state in their forward: one batch at a time.
   const bool stateless_forward = qat::find_qat_layers(model).empty();
   if (cpu_threads.active() && workers > 1 && stateless_forward) {
-    evaluate_side_by_side(model, examples, batches, device, options.loss_chunk_tokens, workers, losses);
+    evaluate_side_by_side(model, examples, batches, device, loss_options, workers, losses);
   } else {
     for (size_t index = 0; index < batches.size(); ++index) {
       losses[index] = evaluate_batch(model, examples, batches[index].first, batches[index].second, device,
-                                     options.loss_chunk_tokens);
+                                     loss_options);
     }
   }
   if (was_training) model.train();

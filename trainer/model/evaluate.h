@@ -11,6 +11,9 @@ struct EvalOptions {
   int64_t batch_size = 8;
   int64_t max_batches = 0;           // 0 = every example
   int64_t loss_chunk_tokens = 4096;  // tokens projected to the vocabulary at once
+  // Over vocabulary tiles, never a [chunk, vocab] fp32 block (causal_lm_loss's fused path; any
+  // lm_head whose forward is a plain matmul qualifies, since nothing is differentiated here).
+  bool fused_loss = true;
 };
 
 struct EvalResult {

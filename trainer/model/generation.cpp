@@ -45,7 +45,7 @@ GenerationResult generate(LlamaForCausalLMImpl& model, const std::vector<int64_t
   torch::NoGradGuard no_grad;
   const WithoutCudnnAttention attention_for_growing_lengths;
   model.eval();
-  const auto device = model.parameters().front().device();
+  const auto device = model.device();
   auto generator = at::make_generator<at::CPUGeneratorImpl>(options.seed);
   KeyValueCache cache(model.options().num_hidden_layers);
   // The whole sequence on the CPU, for the repetition penalty. [1, n] int64

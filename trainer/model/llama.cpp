@@ -327,13 +327,45 @@ torch::Tensor LlamaDecoderLayerImpl::forward(const torch::Tensor& hidden, const 
                                              const torch::Tensor& sin, const torch::Tensor& attention_mask,
                                              LayerKeyValues* cache) {
   auto attended = self_attn->forward(input_layernorm->forward(hidden), cos, sin, attention_mask, cache);
-  if (!pre_feedforward_layernorm) {
-    auto residual = hidden + attended;
-    return residual + mlp->forward(post_attention_layernorm->forward(residual));
-  }
   // Gemma: each sublayer's output is normed before it joins the residual stream.
-  auto residual = hidden + post_attention_layernorm->forward(attended);
+  const auto residual = pre_feedforward_layernorm ? hidden + post_attention_layernorm->forward(attended)
+                                                  : hidden + attended;
+  return mlp_chunk_tokens_ > 0 ? feed_forward_in_chunks(residual) : feed_forward(residual);
+}
+
+torch::Tensor LlamaDecoderLayerImpl::feed_forward(const torch::Tensor& residual) {
+  if (!pre_feedforward_layernorm) return residual + mlp->forward(post_attention_layernorm->forward(residual));
   return residual + post_feedforward_layernorm->forward(mlp->forward(pre_feedforward_layernorm->forward(residual)));
+}
+
+torch::Tensor LlamaDecoderLayerImpl::feed_forward_in_chunks(const torch::Tensor& residual) {
+  const auto shape = residual.sizes().vec();
+  const auto rows = residual.reshape({-1, shape.back()});  // every token of every sequence
+  const int64_t tokens = rows.size(0);
+  if (tokens <= mlp_chunk_tokens_) return feed_forward(residual);
+  std::vector<torch::Tensor> parameters = mlp->parameters();
+  for (const auto& norm : {post_attention_layernorm, pre_feedforward_layernorm, post_feedforward_layernorm}) {
+    if (norm) {
+      const auto norm_parameters = norm->parameters();
+      parameters.insert(parameters.end(), norm_parameters.begin(), norm_parameters.end());
+    }
+  }
+  // A recomputed layer's chunks keep its built weights as the layer would; their own backward
+  // runs after the layer's guard has ended, so each chunk sets it again.
+  const bool keep_built = qat::KeepBuiltWeights::active();
+  std::vector<torch::Tensor> outputs;
+  // split, not narrow: one backward node gathers the chunks' gradients, instead of a zero-filled
+  // [tokens, hidden] gradient per chunk.
+  for (const auto& chunk : rows.split(mlp_chunk_tokens_, 0)) {
+    outputs.push_back(checkpoint(
+                          [this, keep_built](const std::vector<torch::Tensor>& inputs) {
+                            const qat::KeepBuiltWeights keep(keep_built && torch::GradMode::is_enabled());
+                            return feed_forward(inputs[0]);
+                          },
+                          {chunk.unsqueeze(0)}, parameters)
+                          .squeeze(0));
+  }
+  return torch::cat(outputs).view(shape);
 }
 
 LlamaBackboneImpl::LlamaBackboneImpl(const LlamaOptions& options, const LinearFactory& make_linear,
@@ -352,7 +384,12 @@ LlamaBackboneImpl::LlamaBackboneImpl(const LlamaOptions& options, const LinearFa
 
 torch::Tensor LlamaBackboneImpl::forward(const torch::Tensor& input_ids, const torch::Tensor& position_ids,
                                          const torch::Tensor& attention_mask, KeyValueCache* cache) {
-  auto hidden = embed_tokens->forward(input_ids);
+  // train.embeddings_on_host leaves the frozen table on the host: the lookup runs there and only
+  // the rows of this batch travel to the device.
+  const auto& table = embed_tokens->weight;
+  auto hidden = table.device() == input_ids.device()
+                    ? embed_tokens->forward(input_ids)
+                    : embed_tokens->forward(input_ids.to(table.device())).to(input_ids.device());
   if (options_.scale_embeddings) {
     // Gemma: sqrt(hidden) as an fp32 scalar rounded to the model dtype, as transformers' buffer is;
     // rounded on the host and multiplied as a scalar (no copy to the device per forward).
@@ -365,6 +402,8 @@ torch::Tensor LlamaBackboneImpl::forward(const torch::Tensor& input_ids, const t
   torch::Tensor sliding_cos, sliding_sin;
   if (sliding_rotary_) std::tie(sliding_cos, sliding_sin) = sliding_rotary_->tables(position_ids, hidden.scalar_type());
   const bool checkpointing = checkpoint_every_ > 0 && is_training() && torch::GradMode::is_enabled();
+  const auto offload =
+      checkpointing && offload_activations_ ? std::make_shared<ActivationOffload>(hidden.device()) : nullptr;
   for (size_t index = 0; index < layers->size(); ++index) {
     auto* layer = layers[index]->as<LlamaDecoderLayer>();
     const bool own_rope = sliding_rotary_ && options_.layer_slides(static_cast<int64_t>(index));
@@ -372,18 +411,22 @@ torch::Tensor LlamaBackboneImpl::forward(const torch::Tensor& input_ids, const t
     const auto& sin = own_rope ? sliding_sin : full_sin;
     if (checkpointing && static_cast<int64_t>(index) % checkpoint_every_ == 0) {
       hidden = checkpoint(
-          [layer, cos = cos, sin = sin, attention_mask](const std::vector<torch::Tensor>& inputs) {
+          [layer, cos = cos, sin = sin, attention_mask, keep = keep_built_weights_](const std::vector<torch::Tensor>& inputs) {
             // Grad mode is on only in the recomputation, whose backward follows at once.
-            const qat::KeepBuiltWeights keep_dequantized(torch::GradMode::is_enabled());
+            const qat::KeepBuiltWeights keep_dequantized(keep && torch::GradMode::is_enabled());
             return layer->forward(inputs[0], cos, sin, attention_mask);
           },
-          {hidden}, layer->parameters());
+          {hidden}, layer->parameters(), offload);
     } else {
       hidden = layer->forward(hidden, cos, sin, attention_mask,
                               cache ? &cache->layer(static_cast<int64_t>(index)) : nullptr);
     }
   }
   return norm->forward(hidden);
+}
+
+void LlamaBackboneImpl::set_mlp_chunk_tokens(int64_t tokens) {
+  for (const auto& layer : *layers) layer->as<LlamaDecoderLayer>()->set_mlp_chunk_tokens(tokens);
 }
 
 LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaOptions& options, torch::ScalarType dtype,

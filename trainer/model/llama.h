@@ -126,11 +126,20 @@ class LlamaDecoderLayerImpl : public torch::nn::Module {
                         torch::ScalarType dtype, int64_t sliding_window = 0);
   torch::Tensor forward(const torch::Tensor& hidden, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& attention_mask, LayerKeyValues* cache = nullptr);
+  // Run the MLP (with its norms and residual add) over slices of this many tokens, each its own
+  // checkpoint (recomputed in backward), so no [tokens, intermediate] tensor exists whole: long
+  // sequences. 0: the whole input at once.
+  void set_mlp_chunk_tokens(int64_t tokens) { mlp_chunk_tokens_ = tokens; }
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   // LlamaOptions::sandwich_norms only (Gemma): around the MLP.
   RMSNorm pre_feedforward_layernorm{nullptr}, post_feedforward_layernorm{nullptr};
   LlamaAttention self_attn{nullptr};
   LlamaMlp mlp{nullptr};
+
+ private:
+  torch::Tensor feed_forward(const torch::Tensor& residual);  // residual + the MLP sublayer
+  torch::Tensor feed_forward_in_chunks(const torch::Tensor& residual);
+  int64_t mlp_chunk_tokens_ = 0;
 };
 TORCH_MODULE(LlamaDecoderLayer);
 
@@ -144,6 +153,14 @@ class LlamaBackboneImpl : public torch::nn::Module {
   // Recompute every k-th decoder layer in backward instead of keeping its activations
   // (trainer/model/activation_checkpoint.h); 0 turns it off. Only while training with grad enabled.
   void set_gradient_checkpointing(int64_t every_k_layers) { checkpoint_every_ = every_k_layers; }
+  // With checkpointing: the checkpointed layers' inputs wait in pinned host memory until their
+  // backward (trainer/model/activation_offload.h).
+  void set_activation_offloading(bool offload) { offload_activations_ = offload; }
+  // Every decoder layer's MLP in slices of this many tokens (LlamaDecoderLayerImpl); 0: whole.
+  void set_mlp_chunk_tokens(int64_t tokens);
+  // With checkpointing: whether a recomputed layer keeps the weights it built (dequantized,
+  // fake-quantized) for its backward (qat::KeepBuiltWeights), or builds them again there.
+  void set_keep_built_weights(bool keep) { keep_built_weights_ = keep; }
   torch::nn::Embedding embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};
   RMSNorm norm{nullptr};
@@ -153,6 +170,8 @@ class LlamaBackboneImpl : public torch::nn::Module {
   RotaryEmbedding rotary_;
   std::optional<RotaryEmbedding> sliding_rotary_;  // LlamaOptions::sliding_rope
   int64_t checkpoint_every_ = 0;
+  bool offload_activations_ = false;
+  bool keep_built_weights_ = true;
 };
 TORCH_MODULE(LlamaBackbone);
 
@@ -173,6 +192,9 @@ class LlamaForCausalLMImpl : public torch::nn::Module, public qat::LinearLayerOw
   torch::Tensor hidden_states(const LlamaInputs& inputs);
   // [batch, seq, vocab] in the model dtype.
   torch::Tensor forward(const LlamaInputs& inputs);
+  // Where the model computes: its final norm's device (the input embedding table may stay on the
+  // host, train.embeddings_on_host).
+  torch::Device device() const { return model->norm->weight.device(); }
   // hidden [..., hidden] -> [..., vocab], soft-capped where the family caps them (Gemma 2).
   torch::Tensor logits(const torch::Tensor& hidden);
   void replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) override;

@@ -5,6 +5,7 @@
 
 #include "kernels/error.h"
 #include "trainer/formats/hf_config.h"
+#include "trainer/model/fused_linear_cross_entropy.h"
 #include "trainer/recipe/recipe_training.h"
 
 namespace qtrain::trainer {
@@ -223,6 +224,14 @@ TrainingMemorySetup training_memory_setup(const Recipe& recipe, const LlamaOptio
   setup.gradient_checkpointing = recipe.train.gradient_checkpointing;
   setup.checkpoint_every = recipe.train.gradient_checkpointing_every;
   setup.loss_chunk_tokens = loss_chunk_tokens(recipe, model.vocab_size);
+  setup.fused_loss = recipe.train.fused_loss;
+  setup.offload_activations = recipe.train.offload_activations;
+  setup.keep_built_weights = recipe.train.keep_built_weights;
+  setup.embeddings_on_host = recipe.train.embeddings_on_host;
+  if (recipe.train.mlp_chunk_tokens > 0) {
+    throw Error(ErrorCode::kRecipe, "train.mlp_chunk_tokens is not estimated yet (the MLP's chunks and their "
+                "recomputation are not modelled); estimate without it and measure with qtrain bench --mlp-chunk");
+  }
   return setup;
 }
 
@@ -230,8 +239,10 @@ namespace {
 
 // The loss's backward runs first, over everything the forward kept; the layers' backward (and
 // their recomputation) after it, once the loss has let go of its logits.
-double peak_of(const PeakMemoryEstimate& estimate, bool checkpointing, bool chunking) {
-  const double logits = chunking ? estimate.chunked_logits_bytes : estimate.logits_bytes;
+double peak_of(const PeakMemoryEstimate& estimate, bool checkpointing, bool chunking, bool fused) {
+  const double logits = fused      ? estimate.fused_loss_bytes
+                        : chunking ? estimate.chunked_logits_bytes
+                                   : estimate.logits_bytes;
   const double activations = checkpointing
                                  ? std::max(estimate.checkpointed_saved_bytes + logits,
                                             estimate.checkpointed_activation_bytes)
@@ -241,9 +252,11 @@ double peak_of(const PeakMemoryEstimate& estimate, bool checkpointing, bool chun
 
 }  // namespace
 
-double PeakMemoryEstimate::total() const { return peak_of(*this, uses_checkpointing, uses_chunking); }
+double PeakMemoryEstimate::total() const {
+  return peak_of(*this, uses_checkpointing, uses_chunking, uses_fused_loss);
+}
 
-double PeakMemoryEstimate::lowest_total() const { return peak_of(*this, true, true); }
+double PeakMemoryEstimate::lowest_total() const { return peak_of(*this, true, true, fused_loss_applies); }
 
 PeakMemoryEstimate estimate_peak_memory(const LlamaOptions& model, const TrainingMemorySetup& setup) {
   const double s = element_bytes(setup.compute_dtype);
@@ -273,7 +286,12 @@ PeakMemoryEstimate estimate_peak_memory(const LlamaOptions& model, const Trainin
   if (setup.full_finetune) {
     estimate.trainable_parameters += embeddings_and_norms;
   } else {
-    estimate.frozen_weight_bytes += static_cast<double>(embeddings_and_norms) * s;
+    // train.embeddings_on_host: the input table is not on the device (apply_recipe_memory_settings
+    // refuses it for tied embeddings).
+    // On a CPU the host is the device: nothing moves.
+    const bool moved = setup.embeddings_on_host && !model.tie_word_embeddings && setup.device == torch::kCUDA;
+    const int64_t on_host = moved ? model.vocab_size * model.hidden_size : 0;
+    estimate.frozen_weight_bytes += static_cast<double>(embeddings_and_norms - on_host) * s;
   }
   // fp32 LoRA weight, grad, exp_avg, exp_avg_sq; or, training every weight, a compute-dtype weight
   // and grad, an fp32 master copy when those are 16-bit, and the two moments: 16 bytes either way.
@@ -297,12 +315,19 @@ PeakMemoryEstimate estimate_peak_memory(const LlamaOptions& model, const Trainin
   for (int64_t layer = 0; layer < model.num_hidden_layers; ++layer) {
     const double layer_bytes = decoder_layer_activation_bytes(model, setup, layer);
     const bool checkpointed = layer % every == 0;
-    const double kept = checkpointed ? tokens * hidden * s : layer_bytes;  // a checkpointed layer keeps its input
+    // A checkpointed layer keeps its input: on the device, or offloaded until its backward, when
+    // it and the input below it (fetched ahead) are back.
+    const double input = tokens * hidden * s;
+    const bool offloading = setup.gradient_checkpointing && setup.offload_activations && setup.device == torch::kCUDA;
+    const double kept = checkpointed ? (offloading ? 0.0 : input) : layer_bytes;
+    // The input of the checkpointed layer being differentiated, or of the one below it fetched
+    // ahead, through the uncheckpointed layers between them: two at most.
+    const double fetched = offloading ? 2.0 * input : 0.0;
     // A recomputed layer keeps its dequantized 4-bit weights for its backward (qat::KeepBuiltWeights).
     // So does QAT-LoRA's fake-quantized weight (in place of the 4-bit base's: its dequantization
     // is let go once the weight is built).
     double built_weights = 0.0;
-    if (checkpointed && !setup.full_finetune) {
+    if (checkpointed && !setup.full_finetune && setup.keep_built_weights) {
       const bool base_keeps = base_quantization_row(setup.base.kind).keeps_built_weights;
       for (const auto& projection : decoder_projections(model, layer)) {
         if (is_fake_quantized(projection, setup) || (base_keeps && is_quantized(projection, setup))) {
@@ -313,7 +338,7 @@ PeakMemoryEstimate estimate_peak_memory(const LlamaOptions& model, const Trainin
     estimate.activation_bytes += layer_bytes;
     estimate.checkpointed_activation_bytes =
         std::max(estimate.checkpointed_activation_bytes,
-                 kept_below + kept + (checkpointed ? layer_bytes + built_weights : 0.0));
+                 kept_below + kept + fetched + (checkpointed ? layer_bytes + built_weights : 0.0));
     kept_below += kept;
   }
   estimate.checkpointed_saved_bytes = kept_below;
@@ -342,6 +367,26 @@ PeakMemoryEstimate estimate_peak_memory(const LlamaOptions& model, const Trainin
       estimate.uses_chunking
           ? static_cast<double>(estimate.loss_chunk_tokens) * logit_bytes_per_token + final_states
           : estimate.logits_bytes;
+
+  // The fused loss: a frozen lm_head that multiplies by a plain weight, or frozen tied
+  // embeddings. A quantized lm_head has one where its kind's LoRA fuses over it (a 4-bit one
+  // builds it); LLM.int8's has none, nor does a fake-quantized one (QAT).
+  const Projection lm_head{"lm_head", model.hidden_size, model.vocab_size, false, {}};
+  const bool lm_head_multiplies =
+      model.tie_word_embeddings ||
+      (!is_fake_quantized(lm_head, setup) &&
+       (!is_quantized(lm_head, setup) || base_quantization_row(setup.base.kind).fused_lora));
+  estimate.fused_loss_applies = !lm_head_trains && lm_head_multiplies;
+  estimate.uses_fused_loss = setup.fused_loss && estimate.fused_loss_applies;
+  estimate.loss_tile_columns = fused_loss_tile_columns(estimate.loss_chunk_tokens, model.vocab_size);
+  const double chunk = static_cast<double>(estimate.loss_chunk_tokens);
+  const double tile = chunk * static_cast<double>(estimate.loss_tile_columns);
+  // Per tile element: the fp32 logits (softmax in place), their compute-dtype matmul output and
+  // gradient when that is not fp32, the cap's tanh; per chunk row, the fp32 sum of the tiles'
+  // products and one product; the states, their gradient, lse and the targets.
+  const double tile_element_bytes = 4.0 + (s < 4.0 ? s : 0.0) + (model.final_logit_softcap > 0 ? s : 0.0);
+  estimate.fused_loss_bytes = tile * tile_element_bytes + chunk * hidden * (4.0 + s) + 2.0 * final_states +
+                              predicted * (4.0 + 8.0);
   return estimate;
 }
 

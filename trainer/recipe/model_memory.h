@@ -48,12 +48,29 @@
 //                    input (H s); backward, walking down from the last layer, holds the layers
 //                    below j plus layer j recomputed: the figure is the largest such sum. A
 //                    recomputed layer keeps its built weights (dequantized 4-bit ones; QAT-LoRA's
-//                    fake-quantized ones), out x in x s each, for its backward.
+//                    fake-quantized ones), out x in x s each, for its backward, unless
+//                    train.keep_built_weights is false. With train.offload_activations the
+//                    checkpointed inputs wait on the host: on the device, only layer j's input
+//                    and, fetched ahead, the one below it (2 H s). train.embeddings_on_host takes
+//                    the input embedding table out of the frozen weights. train.mlp_chunk_tokens
+//                    is not modelled (an Error).
 //   loss logits      the peak of causal_lm_loss for N = batch x (seq - 1) predicted tokens and
-//                    vocabulary V, at the start of backward: three fp32 [N, V] tensors (the
-//                    saved log-probabilities, the gradient of nll_loss and that of log_softmax),
-//                    12 N V bytes. Chunked by C < N tokens, the same for one chunk, 12 C V bytes,
-//                    plus the [N, H] final states the checkpointed chunks keep (N H s).
+//                    vocabulary V, at the start of backward. train.fused_loss false: three fp32
+//                    [N, V] tensors (the saved log-probabilities, the gradient of nll_loss and that
+//                    of log_softmax), 12 N V bytes. Chunked by C < N tokens, the same for one
+//                    chunk, 12 C V bytes, plus the [N, H] final states the checkpointed chunks
+//                    keep (N H s).
+//                    train.fused_loss true, where lm_head is a frozen plain weight (not LoRA'd,
+//                    not trained, not LLM.int8) or the tied embeddings are frozen: the tiles of
+//                    C x T (T = fused_loss_tile_columns(C, V)) in backward, one fp32 block with the
+//                    softmax written in place, (4 + s) C T bytes when s < 4 (its matmul output,
+//                    then its gradient, in the compute dtype), 4 C T in fp32, s C T more with a
+//                    final logit cap (its tanh); the fp32 sum of the tiles' products and one
+//                    product, C H (4 + s); the final states kept and their gradient (2 N H s);
+//                    lse and the targets (12 N). Measured on the CPU (tiny vocabulary, chunks of 16
+//                    to 3072 tokens, tiles of 1000 to 8192 columns): within 1.2% of the loss's
+//                    peak. No [C, V] block exists: at C = 1024, V = 128256, H = 4096 in bf16 the
+//                    tiles (16384 columns) hold 96 MiB where the chunked path holds 1.5 GiB.
 //
 // Not counted: the CUDA context and cuBLAS/cuDNN workspaces (about 500 MiB on a GPU), the
 // caching allocator's fragmentation and rounding, backward's transient gradients (a few
@@ -113,13 +130,18 @@ struct TrainingMemorySetup {
   bool gradient_checkpointing = false;
   int64_t checkpoint_every = 1;    // checkpoint decoder layers 0, k, 2k, ...
   int64_t loss_chunk_tokens = 0;   // <= 0: the whole micro-batch at once
+  bool fused_loss = true;          // train.fused_loss: vocabulary tiles where lm_head is frozen
+  bool offload_activations = false;  // train.offload_activations: checkpointed inputs on the host
+  bool keep_built_weights = true;    // train.keep_built_weights
+  bool embeddings_on_host = false;   // train.embeddings_on_host: the input embedding table on the host
 };
 
 // quant, qlora.*, lora.* (or the adapter of lora.init_from), train.dtype, train.device ('auto':
 // cuda), train.micro_batch_size, data.max_seq_len, data.pack, train.gradient_checkpointing[_every],
-// train.loss_chunk_tokens (0: auto_loss_chunk_tokens of the vocabulary), qat.* (quant: qat with
-// adapters and a weight quantizer qat/qat_lora_matmul.h fuses; other QAT runs are an Error: not
-// estimated).
+// train.loss_chunk_tokens (0: auto_loss_chunk_tokens of the vocabulary), train.fused_loss,
+// train.offload_activations, train.keep_built_weights, train.embeddings_on_host, qat.*
+// (quant: qat with adapters and a weight quantizer qat/qat_lora_matmul.h fuses; other QAT runs are
+// an Error: not estimated).
 TrainingMemorySetup training_memory_setup(const Recipe& recipe, const LlamaOptions& model);
 
 struct PeakMemoryEstimate {
@@ -134,11 +156,15 @@ struct PeakMemoryEstimate {
   double checkpointed_saved_bytes = 0;
   double logits_bytes = 0;           // the loss over the whole micro-batch at once
   double chunked_logits_bytes = 0;   // the loss in chunks (= logits_bytes when one chunk holds it all)
+  double fused_loss_bytes = 0;       // the fused loss: one chunk's vocabulary tiles
   int64_t loss_chunk_tokens = 0;     // the chunk, or the micro-batch's predicted tokens when smaller
+  int64_t loss_tile_columns = 0;     // the fused loss's vocabulary tile for that chunk
   int64_t predicted_tokens = 0;      // batch x (seq - 1)
   bool attention_keeps_probabilities = false;  // the math attention path (fp32 with GQA on CUDA)
   bool uses_checkpointing = false;
   bool uses_chunking = false;  // the chunk is smaller than the micro-batch's predicted tokens
+  bool fused_loss_applies = false;  // lm_head (or the tied embeddings) is a frozen plain weight
+  bool uses_fused_loss = false;     // it applies and the setup asks for it
   // QAT-LoRA's builder for one projection (the largest) while it runs: on the CPU its torch
   // operations' fp32 temporaries, on CUDA the weight it writes (qat/qat_lora_matmul.cpp).
   double fake_quant_build_bytes = 0;
@@ -146,7 +172,7 @@ struct PeakMemoryEstimate {
   // The peak: weights and trainable state, plus the larger of what the loss's backward needs on
   // top of the saved activations and what the layers' backward needs once the loss is done.
   double total() const;         // with the setup's own choices
-  double lowest_total() const;  // with gradient checkpointing and chunking
+  double lowest_total() const;  // with checkpointing, chunking and (where it applies) the fused loss
 };
 
 PeakMemoryEstimate estimate_peak_memory(const LlamaOptions& model, const TrainingMemorySetup& setup);

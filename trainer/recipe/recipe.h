@@ -109,6 +109,11 @@ struct TrainRecipe {
   bool gradient_checkpointing{};
   int64_t gradient_checkpointing_every{};  // checkpoint every k-th decoder layer
   int64_t loss_chunk_tokens{};             // 0: sized from the vocabulary
+  bool fused_loss{};                       // the loss over vocabulary tiles, never [chunk, vocab] logits
+  bool offload_activations{};              // checkpointed layer inputs wait in pinned host memory
+  int64_t mlp_chunk_tokens{};              // the MLP recomputed in chunks of this many tokens; 0: whole
+  bool keep_built_weights{};               // a recomputed layer keeps its dequantized weights for backward
+  bool embeddings_on_host{};               // the frozen input embedding table stays in host memory
   std::string nonfinite;                   // skip | abort
   int64_t max_skipped_steps{};             // consecutive skipped steps before the run stops
   int64_t empty_cache_steps{};             // 0: never

@@ -245,6 +245,22 @@ std::vector<RecipeKey> make_recipe_keys() {
       key("train.loss_chunk_tokens", "0", QTRAIN_FIELD(train.loss_chunk_tokens),
           "tokens whose fp32 logits exist at once in the loss; 0: sized from the vocabulary")
           .at_least(0),
+      key("train.fused_loss", "true", QTRAIN_FIELD(train.fused_loss),
+          "the loss over vocabulary tiles with an online log-sum-exp: no [tokens, vocab] logits are kept; "
+          "false: each chunk's whole logits, as transformers computes them"),
+      key("train.offload_activations", "false", QTRAIN_FIELD(train.offload_activations),
+          "with gradient checkpointing: keep each checkpointed layer's input in pinned host memory until its "
+          "backward (copied on a side stream, fetched back one layer ahead)"),
+      key("train.mlp_chunk_tokens", "0", QTRAIN_FIELD(train.mlp_chunk_tokens),
+          "run each MLP over chunks of this many tokens, each recomputed in backward, so no [tokens, intermediate] "
+          "activation exists whole (long sequences); 0: the whole micro-batch at once")
+          .at_least(0),
+      key("train.keep_built_weights", "true", QTRAIN_FIELD(train.keep_built_weights),
+          "with gradient checkpointing: a recomputed layer keeps the weights it dequantized (4-bit, int8, QAT's "
+          "fake-quantized) for its backward; false: builds them again there (one layer's weights less memory)"),
+      key("train.embeddings_on_host", "false", QTRAIN_FIELD(train.embeddings_on_host),
+          "keep the frozen input embedding table in host memory; only the rows a batch looks up go to the device "
+          "(not with tied embeddings or a trained embedding)"),
       key("train.nonfinite", "skip", QTRAIN_FIELD(train.nonfinite),
           "a NaN/inf loss or gradient: skip the step, or abort the run")
           .one_of({"skip", "abort"}),
@@ -317,6 +333,11 @@ std::optional<RecipeConflict> find_conflict(const Recipe& recipe) {
   if (recipe.train.steps == 0 && recipe.train.epochs == 0) {
     return RecipeConflict{"train.epochs",
                           "train.steps and train.epochs are both 0: set how long to train"};
+  }
+  if (recipe.train.offload_activations && !recipe.train.gradient_checkpointing) {
+    return RecipeConflict{"train.offload_activations",
+                          "train.offload_activations moves the inputs that gradient checkpointing keeps to the host, "
+                          "so it needs train.gradient_checkpointing: true"};
   }
   const std::pair<const char*, const QuantizerRecipe*> quantizers[] = {
       {"qat.weights", &recipe.qat.weights}, {"qat.activations", &recipe.qat.activations}};

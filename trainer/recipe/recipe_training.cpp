@@ -132,6 +132,32 @@ std::vector<std::pair<std::string, torch::Tensor>> qat_state_buffers(const torch
   return buffers;
 }
 
+void apply_recipe_memory_settings(LlamaForCausalLMImpl& model, const Recipe& recipe) {
+  auto& backbone = *model.model;
+  backbone.set_gradient_checkpointing(recipe.train.gradient_checkpointing ? recipe.train.gradient_checkpointing_every : 0);
+  backbone.set_activation_offloading(recipe.train.offload_activations);
+  if (recipe.train.mlp_chunk_tokens > 0 && recipe.quant == "qat" && recipe.qat.activations.bits > 0) {
+    // Dynamic per-tensor scales and observers would see one chunk's inputs, not the batch's.
+    throw Error(ErrorCode::kRecipe,
+                "train.mlp_chunk_tokens runs the MLP a chunk of tokens at a time, which would change what "
+                "qat.activations measures its ranges over: set train.mlp_chunk_tokens: 0 or qat.activations.bits: 0");
+  }
+  backbone.set_mlp_chunk_tokens(recipe.train.mlp_chunk_tokens);
+  backbone.set_keep_built_weights(recipe.train.keep_built_weights);
+  if (!recipe.train.embeddings_on_host) return;
+  if (model.options().tie_word_embeddings) {
+    throw Error(ErrorCode::kRecipe,
+                "train.embeddings_on_host: this model ties lm_head to its input embeddings (tie_word_embeddings), "
+                "and the output projection needs the table on the device: set train.embeddings_on_host: false");
+  }
+  if (is_trained_parameter(recipe, "model.embed_tokens.weight")) {
+    throw Error(ErrorCode::kRecipe,
+                "train.embeddings_on_host keeps a frozen table on the host, but this run trains "
+                "model.embed_tokens.weight: set train.embeddings_on_host: false");
+  }
+  backbone.embed_tokens->to(torch::kCPU);
+}
+
 int64_t loss_chunk_tokens(const Recipe& recipe, int64_t vocab_size) {
   return recipe.train.loss_chunk_tokens > 0 ? recipe.train.loss_chunk_tokens : auto_loss_chunk_tokens(vocab_size);
 }

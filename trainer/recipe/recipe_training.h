@@ -63,6 +63,12 @@ std::unique_ptr<optim::Optimizer> recipe_optimizer(const Recipe& recipe, std::ve
 // scale was initialised), by name, in module order.
 std::vector<std::pair<std::string, torch::Tensor>> qat_state_buffers(const torch::nn::Module& model);
 
+// What the train section says about memory, applied to a model already on its device: gradient
+// checkpointing (every k-th layer), activation offloading, the MLP's chunks, the built weights
+// of a recomputed layer, and train.embeddings_on_host (the input embedding table moves back to
+// the host; an Error naming the key when the table is tied to lm_head or trains).
+void apply_recipe_memory_settings(LlamaForCausalLMImpl& model, const Recipe& recipe);
+
 // train.loss_chunk_tokens, or the automatic chunk for the model's vocabulary when it is 0.
 int64_t loss_chunk_tokens(const Recipe& recipe, int64_t vocab_size);
 

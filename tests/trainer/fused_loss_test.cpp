@@ -1,0 +1,455 @@
+// The fused linear + cross-entropy loss (trainer/model/fused_linear_cross_entropy.h) against a
+// float64 log_softmax reference and against the logits path it replaces: the loss, the gradient
+// of the states, ignored labels, ragged chunks and tiles, Gemma 2's cap, the fallback for a
+// projection that trains, whole training runs, and on a GPU the memory it saves.
+#include "trainer/model/fused_linear_cross_entropy.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdio>
+
+#include "qat/four_bit_linear.h"
+#include "qat/lora_linear.h"
+#include "run_metrics.h"
+#include "small_llama.h"
+#include "support.h"
+#include "trainer/base/memory_stats.h"
+#include "trainer/finetune.h"
+#include "trainer/formats/hf_checkpoint.h"
+#include "trainer/model/causal_lm_loss.h"
+#include "trainer/model/evaluate.h"
+#include "trainer/recipe/recipe.h"
+
+namespace qtrain::trainer {
+namespace {
+
+using testing::fixture;
+
+// max |ours - theirs| / max |theirs|
+double relative_error(const torch::Tensor& ours, const torch::Tensor& theirs) {
+  return (ours.to(torch::kFloat64) - theirs.to(torch::kFloat64)).abs().max().item<double>() /
+         theirs.to(torch::kFloat64).abs().max().item<double>();
+}
+
+struct LossAndGradient {
+  double loss = 0;
+  torch::Tensor grad;  // of the states
+};
+
+// The reference: float64 logits of the same (rounded) inputs, log_softmax, the sum over learned
+// targets, times g; autograd in float64 for the gradient.
+LossAndGradient reference_loss(const torch::Tensor& states, const torch::Tensor& weight, const torch::Tensor& targets,
+                               double softcap, double loss_grad) {
+  auto states64 = states.detach().to(torch::kFloat64).requires_grad_(true);
+  auto logits = torch::matmul(states64, weight.to(torch::kFloat64).t());
+  if (softcap > 0) logits = torch::tanh(logits / softcap) * softcap;
+  const auto log_probabilities = torch::log_softmax(logits, 1);
+  const auto learned = targets.ne(kIgnoreLabel);
+  const auto picked = log_probabilities.gather(1, targets.clamp_min(0).unsqueeze(1)).squeeze(1);
+  const auto loss = -(picked * learned.to(torch::kFloat64)).sum();
+  (loss * loss_grad).backward();
+  return {loss.item<double>(), states64.grad()};
+}
+
+LossAndGradient fused_loss(const torch::Tensor& states, const torch::Tensor& weight, const torch::Tensor& targets,
+                           double softcap, double loss_grad, const FusedLossOptions& options = {}) {
+  auto leaf = states.detach().requires_grad_(true);
+  OutputProjection projection;
+  projection.weight = weight;
+  projection.softcap = softcap;
+  const auto loss = fused_linear_cross_entropy(leaf, targets, projection, options);
+  EXPECT_EQ(loss.scalar_type(), torch::kFloat32);
+  EXPECT_EQ(loss.dim(), 0);
+  (loss * loss_grad).backward();
+  return {loss.item<double>(), leaf.grad()};
+}
+
+struct RandomProblem {
+  torch::Tensor states;   // [tokens, hidden]
+  torch::Tensor weight;   // [vocab, hidden]
+  torch::Tensor targets;  // [tokens], some ignored
+};
+
+// Logits of standard deviation `logit_scale`; every fifth target ignored.
+RandomProblem random_problem(int64_t tokens, int64_t hidden, int64_t vocab, torch::ScalarType dtype,
+                             double logit_scale = 3.0, const torch::Device& device = torch::kCPU) {
+  const auto options = torch::TensorOptions().device(device);
+  RandomProblem problem;
+  problem.states = torch::randn({tokens, hidden}, options).to(dtype);
+  const double weight_scale = logit_scale / std::sqrt(static_cast<double>(hidden));
+  problem.weight = (torch::randn({vocab, hidden}, options) * weight_scale).to(dtype);
+  problem.targets = torch::randint(vocab, {tokens}, options.dtype(torch::kInt64));
+  problem.targets.index_put_({torch::arange(0, tokens, 5, options.dtype(torch::kInt64))}, kIgnoreLabel);
+  return problem;
+}
+
+// The fused loss and its gradient against float64, chunks of 48 and tiles of 256 over 1000
+// columns (both ragged): the loss within `loss_bound` (relative), the gradient within `grad_bound`
+// (max error over max).
+void expect_float64_reference(torch::ScalarType dtype, uint64_t seed, double loss_bound, double grad_bound) {
+  torch::manual_seed(seed);
+  const auto problem = random_problem(200, 64, 1000, dtype);
+  const double loss_grad = 0.37;
+  const auto expected = reference_loss(problem.states, problem.weight, problem.targets, 0.0, loss_grad);
+  FusedLossOptions options;
+  options.chunk_tokens = 48;
+  options.tile_columns = 256;
+  const auto actual = fused_loss(problem.states, problem.weight, problem.targets, 0.0, loss_grad, options);
+  std::printf("%s: loss relative error %.3g, gradient %.3g\n", c10::toString(dtype),
+              std::abs(actual.loss - expected.loss) / expected.loss, relative_error(actual.grad, expected.grad));
+  EXPECT_NEAR(actual.loss, expected.loss, loss_bound * expected.loss);
+  EXPECT_LE(relative_error(actual.grad, expected.grad), grad_bound);
+  EXPECT_EQ(actual.grad.scalar_type(), dtype);
+}
+
+// fp32: measured 6e-8 (loss) and 7e-7 (gradient).
+TEST(FusedLoss, LossAndGradientEqualAFloat64ReferenceInFp32) { expect_float64_reference(torch::kFloat32, 1, 2e-6, 1e-5); }
+
+// bf16 logits and gradients carry 8 mantissa bits: measured 2e-5 and 6.4e-3.
+TEST(FusedLoss, LossAndGradientEqualAFloat64ReferenceInBf16) { expect_float64_reference(torch::kBFloat16, 2, 2e-3, 2e-2); }
+
+TEST(FusedLoss, IgnoredLabelsTakeNoPartAndGetNoGradient) {
+  torch::manual_seed(3);
+  auto problem = random_problem(30, 32, 300, torch::kFloat32);
+  FusedLossOptions options;
+  options.tile_columns = 128;
+  const auto actual = fused_loss(problem.states, problem.weight, problem.targets, 0.0, 1.0, options);
+  const auto ignored = problem.targets.eq(kIgnoreLabel);
+  EXPECT_EQ(actual.grad.index({ignored}).abs().max().item<double>(), 0.0);
+  EXPECT_GT(actual.grad.index({ignored.logical_not()}).abs().min().item<double>(), 0.0);
+  // Only the learned rows: the same loss.
+  const auto learned = ignored.logical_not();
+  const auto only_learned =
+      fused_loss(problem.states.index({learned}), problem.weight, problem.targets.index({learned}), 0.0, 1.0, options);
+  EXPECT_NEAR(actual.loss, only_learned.loss, 1e-6 * actual.loss);
+  // Nothing learned: zero loss, zero gradient.
+  const auto none = fused_loss(problem.states, problem.weight, torch::full_like(problem.targets, kIgnoreLabel), 0.0,
+                               1.0, options);
+  EXPECT_EQ(none.loss, 0.0);
+  EXPECT_EQ(none.grad.abs().max().item<double>(), 0.0);
+}
+
+// Chunks and tiles that do not divide the tokens or the vocabulary: the same loss and gradient
+// as one chunk and one tile, up to fp32 rounding (measured: loss 1e-7, gradient 1e-6 with 143
+// tiles of 7 columns).
+TEST(FusedLoss, RaggedChunksAndTilesGiveTheSameResult) {
+  torch::manual_seed(4);
+  const auto problem = random_problem(37, 48, 1000, torch::kFloat32);
+  FusedLossOptions whole;
+  whole.tile_columns = 1000;
+  const auto expected = fused_loss(problem.states, problem.weight, problem.targets, 0.0, 1.0, whole);
+  for (const auto& [chunk, tile] : std::vector<std::pair<int64_t, int64_t>>{{16, 256}, {5, 333}, {37, 999}, {100, 7}}) {
+    FusedLossOptions options;
+    options.chunk_tokens = chunk;
+    options.tile_columns = tile;
+    const auto actual = fused_loss(problem.states, problem.weight, problem.targets, 0.0, 1.0, options);
+    EXPECT_NEAR(actual.loss, expected.loss, 2e-6 * expected.loss) << "chunk " << chunk << ", tile " << tile;
+    EXPECT_LE(relative_error(actual.grad, expected.grad), 5e-6) << "chunk " << chunk << ", tile " << tile;
+  }
+}
+
+// Gemma 2's cap: tanh(z / cap) cap in the compute dtype, and its derivative in backward. Logits
+// of standard deviation 8 against a cap of 5, so that the cap bends most of them. Measured: fp32
+// loss 6e-8, gradient 2.4e-7; bf16 loss 2.2e-4, gradient 7.3e-3.
+TEST(FusedLoss, Gemma2SoftcapEqualsAFloat64Reference) {
+  torch::manual_seed(5);
+  for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    const auto problem = random_problem(64, 32, 700, dtype, /*logit_scale=*/8.0);
+    const auto expected = reference_loss(problem.states, problem.weight, problem.targets, 5.0, 0.5);
+    FusedLossOptions options;
+    options.tile_columns = 256;
+    const auto actual = fused_loss(problem.states, problem.weight, problem.targets, 5.0, 0.5, options);
+    const bool fp32 = dtype == torch::kFloat32;
+    std::printf("softcap %s: loss relative error %.3g, gradient %.3g\n", fp32 ? "fp32" : "bf16",
+                std::abs(actual.loss - expected.loss) / expected.loss, relative_error(actual.grad, expected.grad));
+    EXPECT_NEAR(actual.loss, expected.loss, (fp32 ? 2e-6 : 2e-3) * expected.loss) << dtype;
+    EXPECT_LE(relative_error(actual.grad, expected.grad), fp32 ? 1e-5 : 2e-2) << dtype;
+  }
+}
+
+TEST(FusedLoss, TilesHoldAbout64MiBInMultiplesOf256) {
+  EXPECT_EQ(fused_loss_tile_columns(1024, 128256), 16384);  // 64 MiB / (1024 x 4 bytes)
+  EXPECT_EQ(fused_loss_tile_columns(4096, 128256), 4096);
+  EXPECT_EQ(fused_loss_tile_columns(3000, 128256), 5376);   // 5592 -> 21 x 256
+  EXPECT_EQ(fused_loss_tile_columns(1 << 20, 128256), 256);  // at least 256
+  EXPECT_EQ(fused_loss_tile_columns(16, 8192), 8192);        // at most the vocabulary
+}
+
+// The tiny model with LoRA on every decoder projection, lm_head frozen (as Finetune trains it).
+LlamaForCausalLM tiny_llama_with_lora(torch::ScalarType dtype, const std::vector<std::string>& targets) {
+  ModelLoadOptions load;
+  load.dtype = dtype;
+  auto model = load_llama(fixture("tiny-llama"), load).model;
+  qat::LoraOptions lora;
+  lora.rank = 4;
+  lora.alpha = 8;
+  qat::LoraTargets lora_targets;
+  lora_targets.include.names = targets;
+  torch::manual_seed(11);
+  qat::apply_lora(*model, lora_targets, lora);
+  for (auto& item : model->named_parameters()) {
+    const bool lora_weight = item.key().find("lora_") != std::string::npos;
+    item.value().set_requires_grad(lora_weight);
+    if (item.key().find("lora_B") != std::string::npos) {  // B starts at zero: A's gradient would too
+      torch::NoGradGuard no_grad;
+      item.value().normal_(0, 0.02);
+    }
+  }
+  model->train();
+  return model;
+}
+
+const std::vector<std::string> kDecoderProjections = {"q_proj", "k_proj", "v_proj", "o_proj",
+                                                      "gate_proj", "up_proj", "down_proj"};
+
+struct ModelGradients {
+  double loss = 0;
+  std::vector<torch::Tensor> trainable;  // every trainable parameter's gradient, in order
+};
+
+ModelGradients model_gradients(LlamaForCausalLMImpl& model, const LossOptions& options) {
+  torch::manual_seed(5);
+  const auto input_ids = torch::randint(model.options().vocab_size, {2, 40}, torch::kInt64);
+  auto labels = input_ids.clone();
+  labels.index_put_({0, torch::indexing::Slice(0, 10)}, kIgnoreLabel);
+  auto loss = causal_lm_loss(model, model.hidden_states({input_ids, {}, {}}), labels, options);
+  (loss.loss_sum / loss.tokens.to(torch::kFloat32)).backward();
+  ModelGradients result;
+  result.loss = loss.loss_sum.item<double>();
+  for (auto& parameter : model.parameters()) {
+    if (!parameter.requires_grad()) continue;
+    result.trainable.push_back(parameter.grad().clone());
+    parameter.mutable_grad() = torch::Tensor();
+  }
+  return result;
+}
+
+LossOptions loss_options(int64_t chunk_tokens, bool fused, int64_t vocabulary_tile = 0) {
+  LossOptions options;
+  options.chunk_tokens = chunk_tokens;
+  options.fused = fused;
+  options.vocabulary_tile = vocabulary_tile;
+  return options;
+}
+
+double worst_relative_error(const ModelGradients& ours, const ModelGradients& theirs) {
+  EXPECT_EQ(ours.trainable.size(), theirs.trainable.size());
+  double worst = 0;
+  for (size_t index = 0; index < std::min(ours.trainable.size(), theirs.trainable.size()); ++index) {
+    worst = std::max(worst, relative_error(ours.trainable[index], theirs.trainable[index]));
+  }
+  return worst;
+}
+
+// The LoRA gradients through the fused loss against those through the logits path (chunked by
+// 16), with tiles of 1000 over 8192 columns and 33-token chunks over 78 tokens (both ragged).
+// fp32: within 1e-5 (measured 1.1e-6). bf16: the tiles' partial products are rounded to bf16
+// once each, so the two differ by up to 1.8% (one tile: 0.7%, the flips of bf16 rounding that
+// any fp32-ulp difference causes); against the same model in fp32 the fused path's error
+// (2.9%) is no larger than the logits path's (3.2%).
+TEST(FusedLoss, LoraGradientsEqualTheChunkedLogitsPathOnTheTinyModel) {
+  auto fp32_model = tiny_llama_with_lora(torch::kFloat32, kDecoderProjections);
+  ASSERT_TRUE(fused_loss_applies(*fp32_model));
+  const auto fp32_chunked = model_gradients(*fp32_model, loss_options(16, false));
+  const auto fp32_fused = model_gradients(*fp32_model, loss_options(33, true, 1000));
+  EXPECT_NEAR(fp32_fused.loss, fp32_chunked.loss, 1e-6 * fp32_chunked.loss);
+  EXPECT_LE(worst_relative_error(fp32_fused, fp32_chunked), 1e-5);
+
+  auto bf16_model = tiny_llama_with_lora(torch::kBFloat16, kDecoderProjections);
+  const auto bf16_chunked = model_gradients(*bf16_model, loss_options(16, false));
+  const auto bf16_fused = model_gradients(*bf16_model, loss_options(33, true, 1000));
+  EXPECT_NEAR(bf16_fused.loss, bf16_chunked.loss, 1e-5 * bf16_chunked.loss);
+  const double fused_vs_chunked = worst_relative_error(bf16_fused, bf16_chunked);
+  const double fused_vs_fp32 = worst_relative_error(bf16_fused, fp32_chunked);
+  const double chunked_vs_fp32 = worst_relative_error(bf16_chunked, fp32_chunked);
+  std::printf("bf16 LoRA gradients: fused vs chunked %.3g; against fp32: fused %.3g, chunked %.3g\n", fused_vs_chunked,
+              fused_vs_fp32, chunked_vs_fp32);
+  EXPECT_LE(fused_vs_chunked, 3e-2);
+  EXPECT_LE(fused_vs_fp32, 1.25 * chunked_vs_fp32);
+}
+
+// Gemma 2 (tied, frozen embeddings; final_logit_softcapping 30): the fused loss equals the
+// logits path, fp32: the loss within 1e-6 (measured 1.2e-7), the gradient within 1e-5 (6.8e-7).
+TEST(FusedLoss, Gemma2TiedEmbeddingsEqualTheLogitsPath) {
+  auto model = load_llama(fixture("families/gemma2")).model;
+  ASSERT_FALSE(model->lm_head);
+  ASSERT_GT(model->options().final_logit_softcap, 0);
+  for (auto& parameter : model->parameters()) parameter.set_requires_grad(false);
+  torch::manual_seed(6);
+  const auto input_ids = torch::randint(model->options().vocab_size, {2, 30}, torch::kInt64);
+  auto hidden = model->hidden_states({input_ids, {}, {}}).detach().requires_grad_(true);
+  ASSERT_TRUE(fused_loss_applies(*model));
+  const auto gradient = [&](const LossOptions& options) {
+    hidden.mutable_grad() = torch::Tensor();
+    auto loss = causal_lm_loss(*model, hidden, input_ids, options);
+    loss.loss_sum.backward();
+    return LossAndGradient{loss.loss_sum.item<double>(), hidden.grad().clone()};
+  };
+  const auto logits_path = gradient(loss_options(0, false));
+  const auto fused = gradient(loss_options(20, true, 3000));
+  EXPECT_NEAR(fused.loss, logits_path.loss, 1e-6 * logits_path.loss);
+  EXPECT_LE(relative_error(fused.grad, logits_path.grad), 1e-5);
+  // Trained embeddings need autograd's gradient: the logits path, whatever the option says.
+  model->model->embed_tokens->weight.set_requires_grad(true);
+  EXPECT_FALSE(fused_loss_applies(*model));
+  {
+    torch::NoGradGuard no_grad;  // evaluation differentiates nothing: fused again
+    EXPECT_TRUE(fused_loss_applies(*model));
+  }
+}
+
+// A LoRA'd lm_head is not a frozen weight: causal_lm_loss takes the logits path, and the
+// gradient reaches lm_head's adapter as it does with fused_loss off.
+TEST(FusedLoss, ALoraLmHeadFallsBackToTheLogitsPath) {
+  auto targets = kDecoderProjections;
+  targets.push_back("lm_head");
+  auto model = tiny_llama_with_lora(torch::kFloat32, targets);
+  ASSERT_TRUE(std::dynamic_pointer_cast<qat::LoraLinear>(model->lm_head));
+  EXPECT_FALSE(fused_loss_applies(*model));
+  const auto fused = model_gradients(*model, loss_options(16, true));
+  const auto logits_path = model_gradients(*model, loss_options(16, false));
+  EXPECT_EQ(fused.loss, logits_path.loss);
+  ASSERT_EQ(fused.trainable.size(), logits_path.trainable.size());
+  size_t lm_head_gradients = 0;
+  const auto named = model->named_parameters();
+  size_t index = 0;
+  for (const auto& item : named) {
+    if (!item.value().requires_grad()) continue;
+    EXPECT_TRUE(torch::equal(fused.trainable[index], logits_path.trainable[index])) << item.key();
+    if (item.key().rfind("lm_head.", 0) == 0) {
+      EXPECT_GT(fused.trainable[index].abs().max().item<double>(), 0.0) << item.key();
+      ++lm_head_gradients;
+    }
+    ++index;
+  }
+  EXPECT_EQ(lm_head_gradients, 2u);  // lora_A and lora_B
+}
+
+// A 4-bit lm_head (qlora without skip_modules) hands out its dequantized weight: fused, and
+// equal to the logits path through its own forward, fp32 within 1e-5 (measured 2.7e-6).
+TEST(FusedLoss, AFourBitLmHeadMultipliesByItsDequantizedWeight) {
+  auto model = load_llama(fixture("tiny-llama")).model;
+  qat::FourBitOptions four_bit;
+  four_bit.compute_dtype = torch::kFloat32;
+  qat::quantize_linear_layers(*model, four_bit, {});
+  ASSERT_TRUE(std::dynamic_pointer_cast<qat::FourBitLinear>(model->lm_head));
+  for (auto& parameter : model->parameters()) parameter.set_requires_grad(false);
+  ASSERT_TRUE(fused_loss_applies(*model));
+  torch::manual_seed(9);
+  const auto input_ids = torch::randint(model->options().vocab_size, {2, 24}, torch::kInt64);
+  auto hidden = model->hidden_states({input_ids, {}, {}}).detach().requires_grad_(true);
+  const auto gradient = [&](const LossOptions& options) {
+    hidden.mutable_grad() = torch::Tensor();
+    auto loss = causal_lm_loss(*model, hidden, input_ids, options);
+    loss.loss_sum.backward();
+    return LossAndGradient{loss.loss_sum.item<double>(), hidden.grad().clone()};
+  };
+  const auto logits_path = gradient(loss_options(0, false));
+  const auto fused = gradient(loss_options(16, true, 3000));
+  EXPECT_NEAR(fused.loss, logits_path.loss, 1e-6 * logits_path.loss);
+  EXPECT_LE(relative_error(fused.grad, logits_path.grad), 1e-5);
+}
+
+// Held-out evaluation (no grad) through the fused forward equals the logits path's (measured 1e-7).
+TEST(FusedLoss, EvaluationEqualsTheLogitsPath) {
+  auto model = load_llama(fixture("tiny-llama")).model;
+  torch::manual_seed(7);
+  std::vector<data::Example> examples;
+  for (int64_t length : {20, 33, 7, 50}) {
+    const auto ids = torch::randint(model->options().vocab_size, {length}, torch::kInt64);
+    data::Example example;
+    example.input_ids.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + length);
+    example.labels = example.input_ids;
+    for (size_t position = 0; position < 3; ++position) example.labels[position] = kIgnoreLabel;
+    examples.push_back(example);
+  }
+  EvalOptions options;
+  options.batch_size = 2;
+  options.loss_chunk_tokens = 16;
+  options.fused_loss = false;
+  const auto logits_path = evaluate(*model, examples, options);
+  options.fused_loss = true;
+  const auto fused = evaluate(*model, examples, options);
+  EXPECT_EQ(fused.tokens, logits_path.tokens);
+  EXPECT_NEAR(fused.loss, logits_path.loss, 1e-6 * logits_path.loss);
+}
+
+// A few QLoRA steps of the demo's tiny model on the CPU (fp32): the logged losses with
+// train.fused_loss true and false agree within 1e-5 relative (measured 2e-7).
+TEST(FusedLoss, TrainingLossesEqualTheLogitsPath) {
+  std::vector<std::vector<double>> losses;
+  for (const char* fused : {"train.fused_loss=true", "train.fused_loss=false"}) {
+    testing::TempDir run;
+    const auto recipe = load_recipe(
+        "", {"model.path=" + testing::source_dir() + "/recipes/demo/tiny-llama",
+             "data.train=" + testing::source_dir() + "/recipes/demo/brown-val.jsonl", "data.eval=", "quant=qlora",
+             "lora.rank=4", "lora.alpha=8", "lora.dropout=0.1", "data.max_seq_len=64", "train.micro_batch_size=2",
+             "train.grad_accum_steps=2", "train.steps=6", "train.dtype=fp32", "train.device=cpu",
+             "train.loss_chunk_tokens=48", "optim.lr=1e-3", "schedule.warmup_steps=1", "eval.every=0",
+             "log.every=1", "train.output_dir=" + run.path(), fused});
+    Finetune finetune(recipe);
+    finetune.setup();
+    finetune.train();
+    losses.push_back(testing::logged_losses(run.path()));
+  }
+  ASSERT_EQ(losses[0].size(), 6u);
+  ASSERT_EQ(losses[1].size(), 6u);
+  double worst = 0;
+  for (size_t step = 0; step < 6; ++step) {
+    worst = std::max(worst, std::abs(losses[0][step] - losses[1][step]) / losses[1][step]);
+    EXPECT_NEAR(losses[0][step], losses[1][step], 1e-5 * losses[1][step]) << "step " << step + 1;
+  }
+  std::printf("training losses fused vs logits path: worst relative difference %.3g\n", worst);
+}
+
+// On a GPU in bf16: the fused loss against float64 as on the CPU, and the bytes the loss's
+// forward and backward add at their peak well below the chunked logits path's (three fp32
+// [1024, 32768] blocks, 384 MiB, against about 120 MiB: an fp32 and a bf16 [1024, 16384]
+// tile, the [1024, 1024] sums, the states and their gradient).
+TEST(FusedLoss, CudaBf16EqualsAFloat64ReferenceAndHoldsLessMemory) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU on this machine";
+  const torch::Device cuda(torch::kCUDA, 0);
+  torch::manual_seed(8);
+  {
+    const auto problem = random_problem(512, 256, 32768, torch::kBFloat16, 3.0, cuda);
+    const auto expected = reference_loss(problem.states, problem.weight, problem.targets, 0.0, 0.37);
+    FusedLossOptions options;
+    options.chunk_tokens = 200;
+    options.tile_columns = 5000;
+    const auto actual = fused_loss(problem.states, problem.weight, problem.targets, 0.0, 0.37, options);
+    std::printf("cuda bf16: loss relative error %.3g, gradient %.3g\n",
+                std::abs(actual.loss - expected.loss) / expected.loss, relative_error(actual.grad, expected.grad));
+    EXPECT_NEAR(actual.loss, expected.loss, 2e-3 * expected.loss);
+    EXPECT_LE(relative_error(actual.grad, expected.grad), 2e-2);
+  }
+
+  auto options = testing::small_llama_options(1024, 1);
+  options.vocab_size = 32768;
+  LlamaForCausalLM model(options, torch::kBFloat16);
+  model->to(cuda);
+  for (auto& parameter : model->parameters()) parameter.set_requires_grad(false);
+  ASSERT_TRUE(fused_loss_applies(*model));
+  const auto input_ids =
+      torch::randint(options.vocab_size, {4, 1025}, torch::TensorOptions().dtype(torch::kInt64).device(cuda));
+  const auto hidden = torch::randn({4, 1025, 1024}, torch::TensorOptions().device(cuda)).to(torch::kBFloat16);
+  const auto peak_bytes = [&](bool fused) {
+    auto leaf = hidden.detach().requires_grad_(true);
+    torch::cuda::synchronize();
+    reset_peak_memory(cuda);
+    const double before = memory_usage(cuda).current_bytes;
+    auto loss = causal_lm_loss(*model, leaf, input_ids, loss_options(1024, fused));
+    loss.loss_sum.backward();
+    torch::cuda::synchronize();
+    return std::make_pair(memory_usage(cuda).peak_bytes - before, leaf.grad().clone());
+  };
+  const auto [chunked_peak, chunked_grad] = peak_bytes(false);
+  const auto [fused_peak, fused_grad] = peak_bytes(true);
+  std::printf("cuda loss peak: fused %s, chunked %s; gradient relative difference %.3g\n",
+              format_bytes(fused_peak).c_str(), format_bytes(chunked_peak).c_str(),
+              relative_error(fused_grad, chunked_grad));
+  EXPECT_LT(fused_peak, 0.5 * chunked_peak);
+  EXPECT_LE(relative_error(fused_grad, chunked_grad), 3e-2);
+}
+
+}  // namespace
+}  // namespace qtrain::trainer

@@ -1,0 +1,217 @@
+#include "trainer/model/activation_offload.h"
+
+#include <chrono>
+#include <map>
+#include <mutex>
+#include <utility>
+
+#ifdef QTRAIN_WITH_CUDA
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#endif
+
+#include "kernels/error.h"
+#include "trainer/base/memory_stats.h"
+
+namespace qtrain::trainer {
+
+namespace {
+
+#ifdef QTRAIN_WITH_CUDA
+// One copy stream per device for every offload: copies into and out of a reused host buffer
+// then run in the order they were queued, whatever step queued them.
+c10::cuda::CUDAStream copy_stream(c10::DeviceIndex device) {
+  static std::mutex mutex;
+  static std::map<c10::DeviceIndex, c10::cuda::CUDAStream> streams;
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto found = streams.find(device);
+  if (found != streams.end()) return found->second;
+  return streams.emplace(device, c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device)).first->second;
+}
+#endif
+
+// Host buffers (uint8) for one device's offloaded tensors, reused across steps. A request takes
+// the smallest free buffer that fits; when none does, the free ones too small for it are released
+// first, so sequences that grow over a run do not pile up pinned memory: the pool holds about
+// one step's worth at the longest size seen.
+class HostBufferPool {
+ public:
+  static HostBufferPool& instance() {
+    static HostBufferPool pool;
+    return pool;
+  }
+
+  torch::Tensor take(const torch::Device& device, int64_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto& free = free_[device.is_cuda() ? device.index() : -1];
+    const auto fits = free.lower_bound(bytes);
+    if (fits != free.end()) {
+      auto buffer = std::move(fits->second);
+      free.erase(fits);
+      return buffer;
+    }
+#ifdef QTRAIN_WITH_CUDA
+    // Copies queued from the buffers about to be released finish first.
+    if (device.is_cuda() && !free.empty()) copy_stream(device.index()).synchronize();
+#endif
+    for (auto smaller = free.begin(); smaller != free.end();) {
+      if (device.is_cuda()) pinned_bytes_ -= smaller->first;
+      smaller = free.erase(smaller);
+    }
+    return allocate(device, bytes);
+  }
+
+  void give_back(const torch::Device& device, torch::Tensor buffer) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    free_[device.is_cuda() ? device.index() : -1].emplace(buffer.numel(), std::move(buffer));
+  }
+
+  int64_t pinned_bytes() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return pinned_bytes_;
+  }
+
+  double pinning_seconds() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return pinning_seconds_;
+  }
+
+ private:
+  torch::Tensor allocate(const torch::Device& device, int64_t bytes) {
+    const auto options = torch::TensorOptions().dtype(torch::kUInt8);
+#ifdef QTRAIN_WITH_CUDA
+    if (device.is_cuda()) {
+      void* pointer = nullptr;
+      const auto start = std::chrono::steady_clock::now();
+      const auto status = cudaHostAlloc(&pointer, static_cast<size_t>(bytes), cudaHostAllocDefault);
+      pinning_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (status != cudaSuccess) {
+        const std::string reason = cudaGetErrorString(cudaGetLastError());
+        throw Error(ErrorCode::kOutOfMemory,
+                    "train.offload_activations could not pin " + format_bytes(bytes) + " more host memory (" + format_bytes(pinned_bytes_) +
+                        " pinned so far): " + reason +
+                        ". Lower the tokens per micro-batch, or turn train.offload_activations off");
+      }
+      pinned_bytes_ += bytes;
+      return torch::from_blob(pointer, {bytes}, [](void* block) { cudaFreeHost(block); }, options);
+    }
+#endif
+    return torch::empty({bytes}, options);
+  }
+
+  std::mutex mutex_;
+  std::map<int64_t, std::multimap<int64_t, torch::Tensor>> free_;  // device index (-1: CPU) -> bytes -> buffer
+  int64_t pinned_bytes_ = 0;
+  double pinning_seconds_ = 0;
+};
+
+
+}  // namespace
+
+struct ActivationOffload::Stored {
+  torch::Tensor host;  // uint8 buffer of the pool
+  std::vector<int64_t> sizes;
+  torch::ScalarType dtype = torch::kFloat32;
+  torch::Tensor on_device;  // fetched and not yet taken
+  bool fetched = false;
+  bool taken = false;
+#ifdef QTRAIN_WITH_CUDA
+  at::cuda::CUDAEvent arrived;  // the copy back to the device is done
+#endif
+
+  torch::Tensor host_view() const {
+    return host.narrow(0, 0, c10::multiply_integers(sizes) * c10::elementSize(dtype)).view(dtype).view(sizes);
+  }
+};
+
+ActivationOffload::ActivationOffload(const torch::Device& device) : device_(device) {}
+
+ActivationOffload::~ActivationOffload() {
+  // Tickets never taken (a forward without backward): their buffers go back for later steps.
+  // Copies still queued into them run first, since every copy of the device shares one stream.
+  for (auto& stored : stored_) {
+    if (!stored->taken) HostBufferPool::instance().give_back(device_, std::move(stored->host));
+  }
+}
+
+int64_t ActivationOffload::pinned_bytes() { return HostBufferPool::instance().pinned_bytes(); }
+double ActivationOffload::pinning_seconds() { return HostBufferPool::instance().pinning_seconds(); }
+
+int64_t ActivationOffload::store(const torch::Tensor& tensor) {
+  if (tensor.device() != device_) {
+    throw Error(ErrorCode::kInternal, "an activation on " + tensor.device().str() + " was offloaded by the offload of " +
+                                          device_.str());
+  }
+  const auto source = tensor.detach().contiguous();
+  auto stored = std::make_unique<Stored>();
+  stored->sizes = source.sizes().vec();
+  stored->dtype = source.scalar_type();
+  stored->host = HostBufferPool::instance().take(device_, std::max<int64_t>(source.numel() * source.element_size(), 1));
+  auto host = stored->host_view();
+#ifdef QTRAIN_WITH_CUDA
+  if (device_.is_cuda()) {
+    const auto compute = c10::cuda::getCurrentCUDAStream(device_.index());
+    const auto copies = copy_stream(device_.index());
+    at::cuda::CUDAEvent produced;
+    produced.record(compute);
+    produced.block(copies);
+    {
+      const c10::cuda::CUDAStreamGuard on_copies(copies);
+      host.copy_(source, /*non_blocking=*/true);
+    }
+    // The device memory is not reused until the copy has read it, whoever frees it first.
+    source.record_stream(copies);
+  } else
+#endif
+  {
+    host.copy_(source);
+  }
+  stored_.push_back(std::move(stored));
+  return static_cast<int64_t>(stored_.size()) - 1;
+}
+
+void ActivationOffload::fetch(int64_t ticket) {
+  auto& stored = *stored_[ticket];
+  stored.on_device = torch::empty(stored.sizes, torch::TensorOptions().dtype(stored.dtype).device(device_));
+  const auto host = stored.host_view();
+#ifdef QTRAIN_WITH_CUDA
+  if (device_.is_cuda()) {
+    const auto compute = c10::cuda::getCurrentCUDAStream(device_.index());
+    const auto copies = copy_stream(device_.index());
+    // The new block may have been freed by compute work still queued: copy after it.
+    at::cuda::CUDAEvent allocated;
+    allocated.record(compute);
+    allocated.block(copies);
+    {
+      const c10::cuda::CUDAStreamGuard on_copies(copies);
+      stored.on_device.copy_(host, /*non_blocking=*/true);
+    }
+    stored.on_device.record_stream(copies);
+    stored.arrived.record(copies);
+  } else
+#endif
+  {
+    stored.on_device.copy_(host);
+  }
+  stored.fetched = true;
+}
+
+torch::Tensor ActivationOffload::take(int64_t ticket) {
+  if (ticket < 0 || ticket >= static_cast<int64_t>(stored_.size()) || stored_[ticket]->taken) {
+    throw Error(ErrorCode::kInternal, "offloaded activation " + std::to_string(ticket) + " of " +
+                                          std::to_string(stored_.size()) + " was taken twice or never stored");
+  }
+  auto& stored = *stored_[ticket];
+  if (!stored.fetched) fetch(ticket);
+  if (ticket > 0 && !stored_[ticket - 1]->fetched && !stored_[ticket - 1]->taken) fetch(ticket - 1);
+#ifdef QTRAIN_WITH_CUDA
+  if (device_.is_cuda()) stored.arrived.block(c10::cuda::getCurrentCUDAStream(device_.index()));
+#endif
+  stored.taken = true;
+  HostBufferPool::instance().give_back(device_, std::move(stored.host));
+  return std::move(stored.on_device);
+}
+
+}  // namespace qtrain::trainer

@@ -1,0 +1,197 @@
+#include "trainer/model/fused_linear_cross_entropy.h"
+
+#include <torch/csrc/autograd/function.h>
+
+#include <limits>
+
+#include "data/batching.h"
+#include "kernels/error.h"
+
+namespace qtrain::trainer {
+
+namespace {
+
+using data::kIgnoreLabel;
+using torch::autograd::variable_list;
+
+// The fp32 logits [rows, end - begin] of one vocabulary tile, computed as
+// LlamaForCausalLMImpl::logits computes them: the matmul in the compute dtype, the cap in it too.
+// `capped_tanh`, when given, receives tanh(logits / cap) in the compute dtype (the cap's derivative).
+torch::Tensor tile_logits(const torch::Tensor& states, const torch::Tensor& weight, const torch::Tensor& bias,
+                          int64_t begin, int64_t end, double softcap, torch::Tensor* capped_tanh = nullptr) {
+  auto logits = torch::nn::functional::linear(states, weight.slice(0, begin, end),
+                                              bias.defined() ? bias.slice(0, begin, end) : torch::Tensor());
+  if (softcap > 0) {
+    auto tanh = logits.div_(softcap).tanh_();  // in place: two blocks, tanh and the capped logits
+    logits = tanh * softcap;
+    if (capped_tanh) *capped_tanh = std::move(tanh);
+  }
+  return logits.to(torch::kFloat32);
+}
+
+// Where each row's target falls in the tile [begin, end): in_tile [rows] bool, and the column
+// [rows, 1] int64 (clamped into the tile where it does not fall there).
+std::pair<torch::Tensor, torch::Tensor> target_columns(const torch::Tensor& targets, int64_t begin, int64_t end) {
+  const auto in_tile = targets.ge(begin).logical_and(targets.lt(end));
+  return {in_tile, (targets - begin).clamp(0, end - begin - 1).unsqueeze(1)};
+}
+
+struct ChunkLogSumExp {
+  torch::Tensor lse;            // [rows] fp32: log sum_v exp(z_v)
+  torch::Tensor target_logit;   // [rows] fp32: z at the target (0 where it is ignored)
+};
+
+// One chunk's pass over the vocabulary, a tile at a time: the running max and sum of exp per row.
+ChunkLogSumExp chunk_log_sum_exp(const torch::Tensor& states, const torch::Tensor& targets,
+                                 const torch::Tensor& weight, const torch::Tensor& bias, double softcap,
+                                 int64_t tile_columns) {
+  const auto fp32 = states.options().dtype(torch::kFloat32);
+  const int64_t rows = states.size(0);
+  const int64_t vocab = weight.size(0);
+  auto running_max = torch::full({rows}, -std::numeric_limits<float>::infinity(), fp32);
+  auto running_sum = torch::zeros({rows}, fp32);
+  auto target_logit = torch::zeros({rows}, fp32);
+  for (int64_t begin = 0; begin < vocab; begin += tile_columns) {
+    const int64_t end = std::min(vocab, begin + tile_columns);
+    auto logits = tile_logits(states, weight, bias, begin, end, softcap);  // [rows, tile] fp32
+    const auto [in_tile, column] = target_columns(targets, begin, end);
+    target_logit = torch::where(in_tile, logits.gather(1, column).squeeze(1), target_logit);
+    const auto tile_max = logits.amax(1);
+    const auto new_max = torch::maximum(running_max, tile_max);
+    // exp(z - new_max) in place: the tile's only fp32 block.
+    running_sum = running_sum * torch::exp(running_max - new_max) + logits.sub_(new_max.unsqueeze(1)).exp_().sum(1);
+    running_max = new_max;
+  }
+  return {running_max + running_sum.log(), target_logit};
+}
+
+int64_t chunk_rows(int64_t chunk_tokens, int64_t total) {
+  return chunk_tokens > 0 ? std::min(chunk_tokens, std::max<int64_t>(total, 1)) : std::max<int64_t>(total, 1);
+}
+
+// The backward of fused_linear_cross_entropy: the gradient with respect to the states, a
+// vocabulary tile at a time (the header's formulas).
+class FusedCrossEntropyBackward : public torch::autograd::Node {
+ public:
+  FusedCrossEntropyBackward(torch::Tensor states, torch::Tensor targets, torch::Tensor lse, OutputProjection projection,
+                            int64_t chunk_tokens, int64_t tile_columns)
+      : states_(std::move(states)),
+        targets_(std::move(targets)),
+        lse_(std::move(lse)),
+        projection_(std::move(projection)),
+        chunk_tokens_(chunk_tokens),
+        tile_columns_(tile_columns) {}
+
+  std::string name() const override { return "qtrain::FusedCrossEntropyBackward"; }
+
+  variable_list apply(variable_list&& output_grads) override {
+    if (!states_.defined()) {
+      throw Error(ErrorCode::kInternal, "the fused loss was differentiated twice (retain_graph is not supported)");
+    }
+    const auto& loss_grad = output_grads[0];  // scalar fp32
+    if (!loss_grad.defined()) return {torch::Tensor()};
+    torch::NoGradGuard no_grad;
+    const auto dtype = states_.scalar_type();
+    const double softcap = projection_.softcap;
+    const auto weight = projection_.matmul_weight(dtype);
+    const auto bias = projection_.bias();
+    const int64_t total = states_.size(0);
+    const int64_t vocab = weight.size(0);
+    auto grad_states = torch::empty_like(states_);
+    for (int64_t first = 0; first < total; first += chunk_tokens_) {
+      const int64_t last = std::min(total, first + chunk_tokens_);
+      const auto states = states_.slice(0, first, last);
+      const auto targets = targets_.slice(0, first, last);
+      const auto lse = lse_.slice(0, first, last).unsqueeze(1);
+      // g on the learned rows, 0 on the ignored ones: [rows, 1] fp32.
+      const auto row_grad = (targets.ne(kIgnoreLabel).to(torch::kFloat32) * loss_grad).unsqueeze(1);
+      auto summed = torch::zeros({last - first, states_.size(1)}, states_.options().dtype(torch::kFloat32));
+      for (int64_t begin = 0; begin < vocab; begin += tile_columns_) {
+        const int64_t end = std::min(vocab, begin + tile_columns_);
+        torch::Tensor capped_tanh;
+        auto probabilities = tile_logits(states, weight, bias, begin, end, softcap, &capped_tanh);
+        probabilities.sub_(lse).exp_();  // softmax, in place
+        const auto [in_tile, column] = target_columns(targets, begin, end);
+        probabilities.scatter_add_(1, column, in_tile.to(torch::kFloat32).neg().unsqueeze(1));  // - 1 at the target
+        // Scaled by g in fp32 before the cast, as autograd's cross_entropy backward is.
+        auto grad_logits = probabilities.mul_(row_grad).to(dtype);
+        probabilities = torch::Tensor();
+        // d/dx cap tanh(x / cap), in autograd's order: (grad * cap) (1 - tanh^2) / cap; in place.
+        if (softcap > 0) {
+          grad_logits.mul_(softcap);
+          at::tanh_backward_out(grad_logits, grad_logits, capped_tanh);
+          grad_logits.div_(softcap);
+        }
+        summed.add_(torch::mm(grad_logits, weight.slice(0, begin, end)));
+      }
+      grad_states.slice(0, first, last).copy_(summed);
+    }
+    return {grad_states};
+  }
+
+  void release_variables() override {
+    states_.reset();
+    targets_.reset();
+    lse_.reset();
+  }
+
+ private:
+  torch::Tensor states_;   // [tokens, hidden], compute dtype (detached)
+  torch::Tensor targets_;  // [tokens] int64
+  torch::Tensor lse_;      // [tokens] fp32
+  OutputProjection projection_;
+  int64_t chunk_tokens_;
+  int64_t tile_columns_;
+};
+
+}  // namespace
+
+int64_t OutputProjection::vocab_size() const { return layer ? layer->out_features() : weight.size(0); }
+
+torch::Tensor OutputProjection::matmul_weight(torch::ScalarType dtype) const {
+  return layer ? layer->matmul_weight(dtype) : weight.to(dtype);
+}
+
+torch::Tensor OutputProjection::bias() const { return layer ? layer->bias() : torch::Tensor(); }
+
+torch::Tensor fused_linear_cross_entropy(const torch::Tensor& states, const torch::Tensor& targets,
+                                         const OutputProjection& projection, const FusedLossOptions& options) {
+  const int64_t total = states.size(0);
+  const int64_t chunk_tokens = chunk_rows(options.chunk_tokens, total);
+  const int64_t tile_columns = options.tile_columns > 0
+                                   ? options.tile_columns
+                                   : fused_loss_tile_columns(chunk_tokens, projection.vocab_size());
+  const bool differentiate = torch::GradMode::is_enabled() && states.requires_grad();
+  const auto fp32 = states.options().dtype(torch::kFloat32);
+  auto loss_sum = torch::zeros({}, fp32);
+  torch::Tensor lse = differentiate ? torch::empty({total}, fp32) : torch::Tensor();
+  {
+    torch::NoGradGuard no_grad;
+    const auto weight = projection.matmul_weight(states.scalar_type());
+    const auto bias = projection.bias();
+    for (int64_t first = 0; first < total; first += chunk_tokens) {
+      const int64_t last = std::min(total, first + chunk_tokens);
+      const auto chunk_targets = targets.slice(0, first, last);
+      const auto chunk = chunk_log_sum_exp(states.slice(0, first, last), chunk_targets, weight, bias,
+                                           projection.softcap, tile_columns);
+      loss_sum.add_(torch::where(chunk_targets.ne(kIgnoreLabel), chunk.lse - chunk.target_logit, 0.0).sum());
+      if (differentiate) lse.slice(0, first, last).copy_(chunk.lse);
+    }
+  }
+  if (!differentiate) return loss_sum;
+  auto node = std::shared_ptr<FusedCrossEntropyBackward>(
+      new FusedCrossEntropyBackward(states.detach(), targets, lse, projection, chunk_tokens, tile_columns),
+      torch::autograd::deleteNode);
+  node->set_next_edges({torch::autograd::impl::gradient_edge(states)});
+  torch::autograd::create_gradient_edge(loss_sum, node);
+  return loss_sum;
+}
+
+int64_t fused_loss_tile_columns(int64_t chunk_tokens, int64_t vocab_size) {
+  constexpr int64_t kBlockBytes = int64_t{64} << 20;
+  constexpr int64_t kMultiple = 256;
+  const int64_t columns = kBlockBytes / (std::max<int64_t>(chunk_tokens, 1) * 4) / kMultiple * kMultiple;
+  return std::min(std::max(columns, kMultiple), std::max<int64_t>(vocab_size, 1));
+}
+
+}  // namespace qtrain::trainer

@@ -1,0 +1,53 @@
+#pragma once
+// Next-token cross-entropy fused with a frozen output projection: the loss never holds a
+// [chunk, vocab] fp32 logits block. For each chunk of tokens it walks the vocabulary in tiles:
+//
+//   forward   z = tile logits (the matmul in the compute dtype, Gemma 2's cap in it, then fp32);
+//             a running max m and sum s of exp(z - m) per row (online log-sum-exp), and z at the
+//             target when the target falls in the tile. loss = (m + log s) - z[target].
+//   backward  the same tiles again: p = exp(z - lse), p - 1 at the target, times the loss's
+//             gradient g (0 on ignored rows); through the cap's derivative; cast to the compute
+//             dtype; grad_states += p_tile W_tile, summed over tiles in fp32.
+//
+// Kept from forward to backward: the states [tokens, hidden] (a view of what the caller gives),
+// lse [tokens] fp32 and the targets. Nothing vocabulary-sized outlives a tile. The loss equals
+// log_softmax's up to fp32 rounding of the log-sum-exp; the gradient is autograd's for
+// logits(states).to(fp32) -> cross_entropy, g applied before the cast as autograd applies it.
+#include <torch/torch.h>
+
+#include <memory>
+
+#include "qat/linear.h"
+
+namespace qtrain::trainer {
+
+// What the fused loss multiplies by: a frozen [vocab, hidden] weight, either a tensor (tied
+// embeddings) or a layer whose forward is x W^T + b (LinearLayer::matmul_weight_kind() != kNone;
+// a 4-bit layer builds W again for each pass), and Gemma 2's final logit cap.
+struct OutputProjection {
+  torch::Tensor weight;                      // [vocab, hidden]; undefined when `layer` is set
+  std::shared_ptr<qat::LinearLayer> layer;   // frozen; its matmul weight is W
+  double softcap = 0;                        // logits = tanh(logits / cap) * cap; 0: none
+
+  int64_t vocab_size() const;
+  torch::Tensor matmul_weight(torch::ScalarType dtype) const;  // W [vocab, hidden] in `dtype`
+  torch::Tensor bias() const;                                  // [vocab] or undefined
+};
+
+struct FusedLossOptions {
+  int64_t chunk_tokens = 0;  // tokens per pass over the vocabulary; <= 0: every token at once
+  int64_t tile_columns = 0;  // vocabulary columns per tile; 0: fused_loss_tile_columns(chunk, vocab)
+};
+
+// states [tokens, hidden] in the compute dtype; targets [tokens] int64, kIgnoreLabel where no
+// loss is taken -> scalar fp32: the sum of the per-token losses. With grad mode on and states
+// requiring grad, differentiable with respect to states (the projection is frozen).
+torch::Tensor fused_linear_cross_entropy(const torch::Tensor& states, const torch::Tensor& targets,
+                                         const OutputProjection& projection, const FusedLossOptions& options);
+
+// Columns per tile: an fp32 [chunk, tile] block of at most 64 MiB, in multiples of 256 (the
+// widest N tile of the GPU's GEMM kernels, so only the vocabulary's last tile is ragged; rows of
+// a bf16 block stay 512-byte aligned), at least 256, at most the vocabulary.
+int64_t fused_loss_tile_columns(int64_t chunk_tokens, int64_t vocab_size);
+
+}  // namespace qtrain::trainer
