@@ -105,10 +105,14 @@ void print_peak_estimate(const std::string& recipe_path, const trainer::Training
                          : base.kind == trainer::BaseQuantization::kNone ? "quant none"
                                                                          : "qlora " + std::string(base.name);
   if (setup.fake_quantized) training = "qat-lora on a " + std::string(base.kind == trainer::BaseQuantization::kNone ? "16-bit" : base.name) + " base";
-  std::printf("\npeak memory estimate for %s on %s (%s, compute %s, micro-batch %lld x %lld tokens%s%s):\n",
+  std::string switches;  // the train section's memory switches that are on
+  if (setup.gradient_checkpointing && setup.offload_activations) switches += ", checkpointed inputs on the host";
+  if (setup.embeddings_on_host) switches += ", embedding table on the host";
+  if (setup.gradient_checkpointing && !setup.keep_built_weights) switches += ", weights rebuilt in backward";
+  std::printf("\npeak memory estimate for %s on %s (%s, compute %s, micro-batch %lld x %lld tokens%s%s%s):\n",
               recipe_path.c_str(), setup.device == torch::kCUDA ? "cuda" : "cpu", training.c_str(),
               trainer::dtype_short_name(setup.compute_dtype).c_str(), static_cast<long long>(setup.micro_batch_size),
-              static_cast<long long>(setup.sequence_length), setup.packed ? ", packed" : "",
+              static_cast<long long>(setup.sequence_length), setup.packed ? ", packed" : "", switches.c_str(),
               estimate.attention_keeps_probabilities ? ", math attention keeps [heads, seq, seq] probabilities" : "");
   std::printf("  %-22s %11s\n", "frozen weights", bytes(estimate.frozen_weight_bytes).c_str());
   if (setup.full_finetune) {
