@@ -18,17 +18,6 @@ using nlohmann::json;
 
 const std::string kQuantStateKey = ".weight.quant_state.bitsandbytes__";
 
-json quantization_config_json(const HfModelConfig& config) {
-  json object;
-  try {
-    object = json::parse(config.json);
-  } catch (const json::exception& error) {
-    throw Error(ErrorCode::kModelConfig, config.path + ": not valid JSON (" + error.what() + ")");
-  }
-  if (!object.contains("quantization_config") || !object.at("quantization_config").is_object()) return json();
-  return object.at("quantization_config");
-}
-
 // The quant-state JSON stored as a uint8 tensor, whichever 4-bit type its key names.
 std::string quant_state_key(const SafetensorsCheckpoint& weights, const std::string& module_name) {
   for (const char* type : {"nf4", "fp4"}) {

@@ -5,6 +5,7 @@
 
 #include "kernels/error.h"
 #include "trainer/formats/bnb_checkpoint.h"
+#include "trainer/formats/fp8_checkpoint.h"
 #include "trainer/formats/safetensors_int.h"
 #include "trainer/formats/safetensors.h"
 
@@ -68,6 +69,7 @@ LoadedModel load_llama(const std::string& model_dir, const ModelLoadOptions& opt
   if (is_bnb_4bit_checkpoint(loaded.config)) return load_bnb_4bit_llama(model_dir, loaded.config, options);
   if (is_bnb_8bit_checkpoint(loaded.config)) return load_bnb_8bit_llama(model_dir, loaded.config, options);
   if (is_qtrain_quantized_checkpoint(loaded.config)) return load_qtrain_quantized_llama(model_dir, loaded.config, options);
+  if (is_fp8_block_checkpoint(loaded.config)) return load_fp8_block_llama(model_dir, loaded.config, options);
   if (loaded.config.has_quantization_config) {
     throw Error(ErrorCode::kModelConfig, loaded.config.path +
                 ": this checkpoint is pre-quantized (quantization_config); load it as a QLoRA / int8 base");

@@ -411,4 +411,15 @@ HfModelConfig parse_hf_config(const std::string& text, const std::string& path) 
   return config;
 }
 
+nlohmann::json quantization_config_json(const HfModelConfig& config) {
+  nlohmann::json object;
+  try {
+    object = nlohmann::json::parse(config.json);
+  } catch (const nlohmann::json::exception& error) {
+    throw Error(ErrorCode::kModelConfig, config.path + ": not valid JSON (" + error.what() + ")");
+  }
+  if (!object.contains("quantization_config") || !object.at("quantization_config").is_object()) return nullptr;
+  return object.at("quantization_config");
+}
+
 }  // namespace qtrain::trainer

@@ -3,6 +3,8 @@
 // (trainer/model/model_families.h) turned into LlamaOptions.
 #include <c10/core/ScalarType.h>
 
+#include <nlohmann/json.hpp>
+
 #include <optional>
 #include <string>
 #include <vector>
@@ -35,5 +37,9 @@ HfModelConfig parse_hf_config(const std::string& text, const std::string& path);
 // with `code` (a recipe key by default; config.json passes kModelConfig).
 c10::ScalarType parse_dtype_name(const std::string& name, const std::string& what, ErrorCode code = ErrorCode::kRecipe);
 std::string dtype_short_name(c10::ScalarType dtype);
+
+// config.json's quantization_config object (null when there is none); an Error naming the file
+// when config.json is not valid JSON.
+nlohmann::json quantization_config_json(const HfModelConfig& config);
 
 }  // namespace qtrain::trainer

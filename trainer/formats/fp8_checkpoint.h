@@ -1,0 +1,30 @@
+#pragma once
+// Fine-grained FP8 checkpoints as frozen bases: the format Qwen3-*-FP8 and DeepSeek publish and
+// transformers reads with FineGrainedFP8Config (config.json: quantization_config {quant_method:
+// "fp8", fmt: "e4m3", weight_block_size: [128, 128]}). Each quantized projection stores its
+// weight as F8_E4M3 [out, in] and `<name>_scale_inv` fp32 [ceil(out / 128), ceil(in / 128)]: the
+// weight is fp8 x scale_inv of its 128 x 128 block. Everything else is stored in 16 bits.
+//
+// Loading dequantizes each weight once, the product in fp32 rounded to the compute dtype, so the
+// model trains as a 16-bit base (quant: none) or is quantized again as QLoRA's NF4 base; the FP8
+// values themselves are not kept (no FP8 compute).
+#include <string>
+
+#include "trainer/formats/hf_checkpoint.h"
+
+namespace qtrain::trainer {
+
+// quantization_config.quant_method is "fp8".
+bool is_fp8_block_checkpoint(const HfModelConfig& config);
+
+// The model of `model_dir` with its FP8 weights dequantized (load_llama's path for such a
+// checkpoint). Errors name config.json's key or the tensor: another fmt or block layout, a scale
+// of the wrong shape, an FP8 weight without its scale.
+LoadedModel load_fp8_block_llama(const std::string& model_dir, const HfModelConfig& config,
+                                 const ModelLoadOptions& options);
+
+// fp8 [out, in] x scale_inv [ceil(out / rows), ceil(in / columns)] in fp32, then `dtype`.
+torch::Tensor dequantize_fp8_blocks(const torch::Tensor& fp8, const torch::Tensor& scale_inv, int64_t block_rows,
+                                    int64_t block_columns, torch::ScalarType dtype);
+
+}  // namespace qtrain::trainer
