@@ -13,6 +13,7 @@
 #include "trainer/formats/hf_config.h"
 #include "trainer/model/model_families.h"
 #include "optim/grad_clip.h"
+#include "trainer/model/activation_offload.h"
 #include "trainer/model/batch_inputs.h"
 #include "trainer/model/causal_lm_loss.h"
 #include "trainer/base/device.h"
@@ -477,6 +478,8 @@ TrainSummary Finetune::train() {
     }
   }
   summary.steps = total_steps_;
+  // Evaluation and the exports offload nothing: the pinned buffers of the steps go back to the host.
+  ActivationOffload::release_unused_host_buffers();
   if (first_step_ < total_steps_) summary.checkpoint_dir = save_checkpoint(total_steps_);
   // What is evaluated and exported is the quantized model, even when qat.start_step was never reached.
   if (recipe_.quant == "qat") qat::set_fake_quant_enabled(*loaded_.model, true);

@@ -183,6 +183,9 @@ TEST(ActivationOffloading, ATicketIsTakenOnceAndComesBackAsStored) {
   EXPECT_TRUE(torch::equal(offload.take(first_ticket), first));
   EXPECT_THROW(offload.take(first_ticket), Error);
   EXPECT_THROW(offload.take(2), Error);
+  // Both buffers are back in the pool, unused: they are freed, and a second release finds none.
+  EXPECT_GE(ActivationOffload::release_unused_host_buffers(), 3 * 5 * 4 + 7 * 2);
+  EXPECT_EQ(ActivationOffload::release_unused_host_buffers(), 0);
 }
 
 TEST(ActivationOffloading, CudaCopiesComeBackBitwiseAndTheGradientsMatch) {

@@ -78,6 +78,22 @@ class HostBufferPool {
     return pinning_seconds_;
   }
 
+  int64_t release_free() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    int64_t released = 0;
+    for (auto& [device_index, free] : free_) {
+#ifdef QTRAIN_WITH_CUDA
+      if (device_index >= 0 && !free.empty()) copy_stream(static_cast<c10::DeviceIndex>(device_index)).synchronize();
+#endif
+      for (const auto& [bytes, buffer] : free) {
+        released += bytes;
+        if (device_index >= 0) pinned_bytes_ -= bytes;
+      }
+      free.clear();
+    }
+    return released;
+  }
+
  private:
   torch::Tensor allocate(const torch::Device& device, int64_t bytes) {
     const auto options = torch::TensorOptions().dtype(torch::kUInt8);
@@ -138,6 +154,7 @@ ActivationOffload::~ActivationOffload() {
 
 int64_t ActivationOffload::pinned_bytes() { return HostBufferPool::instance().pinned_bytes(); }
 double ActivationOffload::pinning_seconds() { return HostBufferPool::instance().pinning_seconds(); }
+int64_t ActivationOffload::release_unused_host_buffers() { return HostBufferPool::instance().release_free(); }
 
 int64_t ActivationOffload::store(const torch::Tensor& tensor) {
   if (tensor.device() != device_) {

@@ -42,6 +42,10 @@ class ActivationOffload {
   static int64_t pinned_bytes();
   static double pinning_seconds();
 
+  // Frees the host buffers no offload holds now (after training: evaluation and exports offload
+  // nothing), once the copies queued on them are done. Returns the bytes freed, pinned or not.
+  static int64_t release_unused_host_buffers();
+
  private:
   struct Stored;
   void fetch(int64_t ticket);
