@@ -56,6 +56,18 @@ struct ActivationMemory {
   bool keep_built_weights = true;
 };
 
+// `loss` with the gradient of every trained weight (on the CPU), which the model lets go of.
+Gradients take_gradients(LlamaForCausalLMImpl& model, double loss) {
+  Gradients result;
+  result.loss = loss;
+  for (auto& parameter : model.parameters()) {
+    if (!parameter.requires_grad()) continue;
+    result.lora.push_back(parameter.grad().to(torch::kCPU));
+    parameter.mutable_grad() = torch::Tensor();
+  }
+  return result;
+}
+
 Gradients gradients_of(LlamaForCausalLM model, int64_t checkpoint_every, int64_t loss_chunk_tokens,
                        const ActivationMemory& memory = {}) {
   torch::manual_seed(5);
@@ -70,14 +82,7 @@ Gradients gradients_of(LlamaForCausalLM model, int64_t checkpoint_every, int64_t
   auto hidden = model->hidden_states({input_ids, {}, {}});
   auto loss = causal_lm_loss(*model, hidden, labels, loss_chunk_tokens);
   (loss.loss_sum / loss.tokens.to(torch::kFloat32)).backward();
-  Gradients result;
-  result.loss = loss.loss_sum.item<double>();
-  for (auto& parameter : model->parameters()) {
-    if (!parameter.requires_grad()) continue;
-    result.lora.push_back(parameter.grad().clone());
-    parameter.mutable_grad() = torch::Tensor();
-  }
-  return result;
+  return take_gradients(*model, loss.loss_sum.item<double>());
 }
 
 // The loss and LoRA gradients of one fixed batch on `device`, with the model's settings as they are.
@@ -86,14 +91,7 @@ Gradients gradients_on(LlamaForCausalLM model, const torch::Device& device) {
   const auto input_ids = torch::randint(model->options().vocab_size, {2, 40}, torch::kInt64).to(device);
   auto loss = causal_lm_loss(*model, model->hidden_states({input_ids, {}, {}}), input_ids, 0);
   loss.loss_sum.backward();
-  Gradients result;
-  result.loss = loss.loss_sum.item<double>();
-  for (auto& parameter : model->parameters()) {
-    if (!parameter.requires_grad()) continue;
-    result.lora.push_back(parameter.grad().cpu());
-    parameter.mutable_grad() = torch::Tensor();
-  }
-  return result;
+  return take_gradients(*model, loss.loss_sum.item<double>());
 }
 
 void expect_bitwise_equal(const Gradients& a, const Gradients& b, const std::string& what) {

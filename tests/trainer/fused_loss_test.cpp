@@ -36,6 +36,15 @@ struct LossAndGradient {
   torch::Tensor grad;  // of the states
 };
 
+// causal_lm_loss of `hidden` (a leaf that requires grad) and its gradient.
+LossAndGradient loss_through_model(LlamaForCausalLMImpl& model, torch::Tensor& hidden, const torch::Tensor& labels,
+                                   const LossOptions& options) {
+  hidden.mutable_grad() = torch::Tensor();
+  auto loss = causal_lm_loss(model, hidden, labels, options);
+  loss.loss_sum.backward();
+  return LossAndGradient{loss.loss_sum.item<double>(), hidden.grad().clone()};
+}
+
 // The reference: float64 logits of the same (rounded) inputs, log_softmax, the sum over learned
 // targets, times g; autograd in float64 for the gradient.
 LossAndGradient reference_loss(const torch::Tensor& states, const torch::Tensor& weight, const torch::Tensor& targets,
@@ -279,14 +288,8 @@ TEST(FusedLoss, Gemma2TiedEmbeddingsEqualTheLogitsPath) {
   const auto input_ids = torch::randint(model->options().vocab_size, {2, 30}, torch::kInt64);
   auto hidden = model->hidden_states({input_ids, {}, {}}).detach().requires_grad_(true);
   ASSERT_TRUE(fused_loss_applies(*model));
-  const auto gradient = [&](const LossOptions& options) {
-    hidden.mutable_grad() = torch::Tensor();
-    auto loss = causal_lm_loss(*model, hidden, input_ids, options);
-    loss.loss_sum.backward();
-    return LossAndGradient{loss.loss_sum.item<double>(), hidden.grad().clone()};
-  };
-  const auto logits_path = gradient(loss_options(0, false));
-  const auto fused = gradient(loss_options(20, true, 3000));
+  const auto logits_path = loss_through_model(*model, hidden, input_ids, loss_options(0, false));
+  const auto fused = loss_through_model(*model, hidden, input_ids, loss_options(20, true, 3000));
   EXPECT_NEAR(fused.loss, logits_path.loss, 1e-6 * logits_path.loss);
   EXPECT_LE(relative_error(fused.grad, logits_path.grad), 1e-5);
   // Trained embeddings need autograd's gradient: the logits path, whatever the option says.
@@ -338,14 +341,8 @@ TEST(FusedLoss, AFourBitLmHeadMultipliesByItsDequantizedWeight) {
   torch::manual_seed(9);
   const auto input_ids = torch::randint(model->options().vocab_size, {2, 24}, torch::kInt64);
   auto hidden = model->hidden_states({input_ids, {}, {}}).detach().requires_grad_(true);
-  const auto gradient = [&](const LossOptions& options) {
-    hidden.mutable_grad() = torch::Tensor();
-    auto loss = causal_lm_loss(*model, hidden, input_ids, options);
-    loss.loss_sum.backward();
-    return LossAndGradient{loss.loss_sum.item<double>(), hidden.grad().clone()};
-  };
-  const auto logits_path = gradient(loss_options(0, false));
-  const auto fused = gradient(loss_options(16, true, 3000));
+  const auto logits_path = loss_through_model(*model, hidden, input_ids, loss_options(0, false));
+  const auto fused = loss_through_model(*model, hidden, input_ids, loss_options(16, true, 3000));
   EXPECT_NEAR(fused.loss, logits_path.loss, 1e-6 * logits_path.loss);
   EXPECT_LE(relative_error(fused.grad, logits_path.grad), 1e-5);
 }

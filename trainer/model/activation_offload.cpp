@@ -32,6 +32,28 @@ c10::cuda::CUDAStream copy_stream(c10::DeviceIndex device) {
 }
 #endif
 
+// destination.copy_(source) on the device's copy stream, once the work queued so far on the
+// current stream is done (it produced `source`, or last used the memory `destination` now has);
+// the device-side tensor is kept from reuse until the copy has run, whoever frees it first. On the
+// CPU, a plain copy.
+void copy_after_compute(const torch::Tensor& destination, const torch::Tensor& source, const torch::Device& device) {
+#ifdef QTRAIN_WITH_CUDA
+  if (device.is_cuda()) {
+    const auto copies = copy_stream(device.index());
+    at::cuda::CUDAEvent queued;
+    queued.record(c10::cuda::getCurrentCUDAStream(device.index()));
+    queued.block(copies);
+    {
+      const c10::cuda::CUDAStreamGuard on_copies(copies);
+      destination.copy_(source, /*non_blocking=*/true);
+    }
+    (destination.is_cuda() ? destination : source).record_stream(copies);
+    return;
+  }
+#endif
+  destination.copy_(source);
+}
+
 // Host buffers (uint8) for one device's offloaded tensors, reused across steps. A request takes
 // the smallest free buffer that fits; when none does, the free ones too small for it are released
 // first, so sequences that grow over a run do not pile up pinned memory: the pool holds about
@@ -166,25 +188,7 @@ int64_t ActivationOffload::store(const torch::Tensor& tensor) {
   stored->sizes = source.sizes().vec();
   stored->dtype = source.scalar_type();
   stored->host = HostBufferPool::instance().take(device_, std::max<int64_t>(source.numel() * source.element_size(), 1));
-  auto host = stored->host_view();
-#ifdef QTRAIN_WITH_CUDA
-  if (device_.is_cuda()) {
-    const auto compute = c10::cuda::getCurrentCUDAStream(device_.index());
-    const auto copies = copy_stream(device_.index());
-    at::cuda::CUDAEvent produced;
-    produced.record(compute);
-    produced.block(copies);
-    {
-      const c10::cuda::CUDAStreamGuard on_copies(copies);
-      host.copy_(source, /*non_blocking=*/true);
-    }
-    // The device memory is not reused until the copy has read it, whoever frees it first.
-    source.record_stream(copies);
-  } else
-#endif
-  {
-    host.copy_(source);
-  }
+  copy_after_compute(stored->host_view(), source, device_);
   stored_.push_back(std::move(stored));
   return static_cast<int64_t>(stored_.size()) - 1;
 }
@@ -192,26 +196,11 @@ int64_t ActivationOffload::store(const torch::Tensor& tensor) {
 void ActivationOffload::fetch(int64_t ticket) {
   auto& stored = *stored_[ticket];
   stored.on_device = torch::empty(stored.sizes, torch::TensorOptions().dtype(stored.dtype).device(device_));
-  const auto host = stored.host_view();
+  // The new block may have been freed by compute work still queued: the copy waits for it.
+  copy_after_compute(stored.on_device, stored.host_view(), device_);
 #ifdef QTRAIN_WITH_CUDA
-  if (device_.is_cuda()) {
-    const auto compute = c10::cuda::getCurrentCUDAStream(device_.index());
-    const auto copies = copy_stream(device_.index());
-    // The new block may have been freed by compute work still queued: copy after it.
-    at::cuda::CUDAEvent allocated;
-    allocated.record(compute);
-    allocated.block(copies);
-    {
-      const c10::cuda::CUDAStreamGuard on_copies(copies);
-      stored.on_device.copy_(host, /*non_blocking=*/true);
-    }
-    stored.on_device.record_stream(copies);
-    stored.arrived.record(copies);
-  } else
+  if (device_.is_cuda()) stored.arrived.record(copy_stream(device_.index()));
 #endif
-  {
-    stored.on_device.copy_(host);
-  }
   stored.fetched = true;
 }
 
