@@ -12,6 +12,7 @@
 #include <cmath>
 #include <string>
 
+#include "kernels/block_reduce.cuh"
 #include "kernels/cuda_entry.cuh"
 #include "kernels/softcapped_softmax.h"
 
@@ -38,32 +39,6 @@ __device__ __forceinline__ bool visible(int64_t row, int64_t key, const Scalars&
   return key <= position && (s.window <= 0 || key > position - s.window);
 }
 
-// The block's reduction of `value` with `op`, returned to every thread.
-template <typename Op>
-__device__ float block_reduce(float value, Op op, float identity) {
-  __shared__ float partial[kThreads / 32];
-  __shared__ float total;
-  for (int offset = 16; offset > 0; offset /= 2) value = op(value, __shfl_xor_sync(0xffffffffu, value, offset));
-  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = value;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    float reduced = threadIdx.x < kThreads / 32 ? partial[threadIdx.x] : identity;
-    for (int offset = 16; offset > 0; offset /= 2) reduced = op(reduced, __shfl_xor_sync(0xffffffffu, reduced, offset));
-    if (threadIdx.x == 0) total = reduced;
-  }
-  __syncthreads();
-  const float result = total;
-  __syncthreads();  // `total` is read by every thread before a next reduction writes it
-  return result;
-}
-
-struct Max {
-  __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
-};
-struct Sum {
-  __device__ float operator()(float a, float b) const { return a + b; }
-};
-
 // c = dtype(dtype(tanh(dtype(dtype(s * scale) * (1 / cap)))) * cap): the capped score, and tanh's
 // rounded output.
 template <typename scalar_t>
@@ -87,14 +62,14 @@ __global__ void softcapped_softmax_forward_kernel(const scalar_t* __restrict__ s
     tanh_out[offset + j] = static_cast<scalar_t>(t);
     if (visible(row, j, s)) row_max = fmaxf(row_max, c);
   }
-  row_max = block_reduce(row_max, Max{}, -INFINITY);
+  row_max = block_reduce<kThreads>(row_max, MaxOp{}, -INFINITY);
   float sum = 0.0f;
   for (int64_t j = threadIdx.x; j < keys; j += kThreads) {
     if (!visible(row, j, s)) continue;
     const float c = rounded<scalar_t>(static_cast<float>(tanh_out[offset + j]) * s.cap);
     sum += expf(c - row_max);
   }
-  sum = block_reduce(sum, Sum{}, 0.0f);
+  sum = block_reduce<kThreads>(sum, SumOp{}, 0.0f);
   for (int64_t j = threadIdx.x; j < keys; j += kThreads) {
     float p = 0.0f;
     if (visible(row, j, s)) p = expf(rounded<scalar_t>(static_cast<float>(tanh_out[offset + j]) * s.cap) - row_max) / sum;
@@ -116,7 +91,7 @@ __global__ void softcapped_softmax_backward_kernel(const scalar_t* __restrict__ 
   for (int64_t j = threadIdx.x; j < keys; j += kThreads) {
     dot += static_cast<float>(grad_probabilities[offset + j]) * probabilities32[offset + j];
   }
-  dot = block_reduce(dot, Sum{}, 0.0f);
+  dot = block_reduce<kThreads>(dot, SumOp{}, 0.0f);
   for (int64_t j = threadIdx.x; j < keys; j += kThreads) {
     float grad = 0.0f;
     if (visible(row, j, s)) {

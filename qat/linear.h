@@ -30,6 +30,15 @@ class LinearLayer : public torch::nn::Module {
   virtual MatmulWeight matmul_weight_kind() const { return MatmulWeight::kNone; }
   // W [out, in] in `dtype` as forward multiplies by it; an Error for kNone.
   virtual torch::Tensor matmul_weight(torch::ScalarType dtype) const;
+
+  // A layer that multiplies in its own format (FP8 tensor cores: qat/float8_linear.h) says so, and
+  // an adapter around it (qat/lora_matmul.h) takes the base's share of its forward and backward
+  // from the two products below instead of from matmul_weight.
+  virtual bool multiplies_itself() const { return false; }
+  // rows [tokens, in] -> rows W^T [tokens, out] (no bias), and grad_rows [tokens, out] ->
+  // grad_rows W [tokens, in], in the rows' dtype, without autograd; an Error unless multiplies_itself.
+  virtual torch::Tensor own_product(const torch::Tensor& rows) const;
+  virtual torch::Tensor own_input_gradient(const torch::Tensor& grad_rows) const;
 };
 
 // While one lives on this thread, layers that build their matmul weight (a dequantization) keep

@@ -6,6 +6,10 @@
 // which autograd's composition of the same operations spent 20% of an 8B LoRA step on. A 4-bit W is dequantized again for backward unless KeepBuiltWeights is
 // active (a checkpointed layer's recomputation), as bitsandbytes' MatMul4Bit does.
 //
+// A base that multiplies itself (FP8: LinearLayer::multiplies_itself) writes its own product
+// first and the rank-r matmul accumulates onto it (beta = 1), forward and backward (with dropout,
+// backward adds the base's share to the masked update instead).
+//
 // Numerics: peft's order (x A^T first, then B), in the input's dtype with fp32 accumulation; the
 // update is scaled in fp32 inside its matmul instead of after rounding it, so results differ from
 // the unfused reference by rounding only (tests/qat/lora_matmul_test.cpp states the tolerance).
@@ -17,7 +21,7 @@
 
 namespace qtrain::qat {
 
-// input [..., in]; base: a layer with matmul_weight_kind() != kNone, frozen; lora_A [rank, in],
+// input [..., in]; base: a layer with matmul_weight_kind() != kNone or that multiplies itself, frozen; lora_A [rank, in],
 // lora_B [out, rank] (any float dtype; gradients come back in theirs) -> [..., out] in input's dtype.
 // `dropout` > 0: peft's dropout on the adapter's input only (a fresh mask each call; pass 0 in eval).
 torch::Tensor lora_matmul(const torch::Tensor& input, const std::shared_ptr<LinearLayer>& base,

@@ -29,6 +29,8 @@
 
 #include "kernels/error.h"
 #include "data/batching.h"
+#include "qat/float8_linear.h"
+#include "qat/float8_matmul.h"
 #include "qat/four_bit_linear.h"
 #include "qat/int8_linear.h"
 #include "qat/lora_linear.h"
@@ -253,7 +255,8 @@ int run_bench(const Arguments& arguments) {
       ("shape", po::value(&shape)->default_value("llama3-8b"),
        "llama3-8b, llama3-1b, qwen3-8b, qwen2.5-7b, mistral-7b, gemma2-9b, gemma3-12b, phi4-mini or tiny (random weights)")
       ("quant", po::value(&quant)->default_value("qlora"),
-       "the frozen base: qlora (= nf4, double-quant), nf4, fp4, int8 (LLM.int8, threshold 6) or none (16-bit)")
+       "the frozen base: qlora (= nf4, double-quant), nf4, fp4, int8 (LLM.int8, threshold 6), fp8 (e4m3 rows, FP8 "
+       "tensor cores) or none (16-bit)")
       ("optim", po::value(&optimizer_name)->default_value("adamw"), "adamw or adamw8bit")
       ("micro-batch", po::value(&micro_batch)->default_value(1), "sequences per step")
       ("seq", po::value(&sequence)->default_value(2048), "tokens per sequence")
@@ -316,6 +319,7 @@ int run_bench(const Arguments& arguments) {
   const bool max_context = values["max-context"].as<bool>();
   if (max_context && micro_batch != 1) throw Error(ErrorCode::kUsage, "--max-context measures one sequence: --micro-batch 1");
   if (memory_limit_gib > 0) limit_device_memory(device, memory_limit_gib);
+  if (base.kind == trainer::BaseQuantization::kFp8) qat::require_float8_tensor_cores(device, dtype, "--quant fp8", "--dtype");
 
   torch::manual_seed(0);
   const auto tables = qat::quantize_4bit(
@@ -336,6 +340,9 @@ int run_bench(const Arguments& arguments) {
             random_four_bit(linear.out_features, linear.in_features, tables, device, dtype), bias, dtype);
       case trainer::BaseQuantization::kInt8:
         return random_int8(linear.out_features, linear.in_features, bias, device, dtype);
+      case trainer::BaseQuantization::kFp8:
+        return qat::Float8Linear::from_dense(
+            torch::randn({linear.out_features, linear.in_features}, on_device) * 0.02, bias, {dtype, device});
       case trainer::BaseQuantization::kNone:
         break;
     }

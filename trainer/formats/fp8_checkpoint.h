@@ -6,8 +6,9 @@
 // weight is fp8 x scale_inv of its 128 x 128 block. Everything else is stored in 16 bits.
 //
 // Loading dequantizes each weight once, the product in fp32 rounded to the compute dtype, so the
-// model trains as a 16-bit base (quant: none) or is quantized again as QLoRA's NF4 base; the FP8
-// values themselves are not kept (no FP8 compute).
+// model trains as a 16-bit base (quant: none) or is quantized again as any QLoRA base: with
+// qlora.quant_type fp8, into e4m3 rows with one scale per row (qat/float8_linear.h), since FP8
+// tensor cores scale rows, not 128 x 128 blocks.
 #include <string>
 
 #include "trainer/formats/hf_checkpoint.h"

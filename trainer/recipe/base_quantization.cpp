@@ -1,6 +1,7 @@
 #include "trainer/recipe/base_quantization.h"
 
 #include "kernels/error.h"
+#include "qat/float8_matmul.h"
 #include "qat/four_bit_codec.h"
 #include "qat/four_bit_format.h"
 
@@ -18,6 +19,13 @@ void quantize_four_bit(LlamaForCausalLMImpl& model, const BaseQuantizationSettin
 
 void quantize_int8(LlamaForCausalLMImpl& model, const BaseQuantizationSettings& settings) {
   qat::quantize_linear_layers_int8(model, settings.int8, settings.skip_modules);
+}
+
+void quantize_float8(LlamaForCausalLMImpl& model, const BaseQuantizationSettings& settings) {
+  if (settings.float8.device) {
+    qat::require_float8_tensor_cores(*settings.float8.device, settings.compute_dtype, "qlora.quant_type: fp8", "train.dtype");
+  }
+  qat::quantize_linear_layers_float8(model, settings.float8, settings.skip_modules);
 }
 
 double dense_bytes(int64_t out, int64_t in, const BaseQuantizationSettings& settings) {
@@ -47,6 +55,11 @@ double int8_bytes(int64_t out, int64_t in, const BaseQuantizationSettings&) {
   return static_cast<double>(in * out) + 4.0 * static_cast<double>(out);
 }
 
+// Float8Linear's buffers (qat/float8_linear.h): one e4m3 code per weight, an fp32 scale per row.
+double float8_bytes(int64_t out, int64_t in, const BaseQuantizationSettings&) {
+  return static_cast<double>(in * out) + 4.0 * static_cast<double>(out);
+}
+
 }  // namespace
 
 const std::vector<BaseQuantizationRow>& base_quantizations() {
@@ -56,6 +69,8 @@ const std::vector<BaseQuantizationRow>& base_quantizations() {
       {BaseQuantization::kFp4, "fp4", "FP4 base (bitsandbytes Linear4bit)", quantize_four_bit, four_bit_bytes, true, true},
       {BaseQuantization::kInt8, "int8", "LLM.int8 base (bitsandbytes Linear8bitLt)", quantize_int8, int8_bytes, false,
        false},
+      {BaseQuantization::kFp8, "fp8", "FP8 e4m3 base, a scale per row, FP8 tensor-core matmuls", quantize_float8,
+       float8_bytes, true, false},
   };
   return rows;
 }
@@ -82,6 +97,7 @@ BaseQuantizationSettings base_quantization(const Recipe& recipe, torch::ScalarTy
   settings.compute_dtype = compute_dtype;
   settings.four_bit.compute_dtype = compute_dtype;
   settings.int8.compute_dtype = compute_dtype;
+  settings.float8.compute_dtype = compute_dtype;
   if (recipe.quant == "qlora") {
     settings.kind = base_quantization_named(recipe.qlora.quant_type, "qlora.quant_type", ErrorCode::kRecipe).kind;
   } else if (recipe.quant == "qat") {
@@ -94,6 +110,7 @@ BaseQuantizationSettings base_quantization(const Recipe& recipe, torch::ScalarTy
   settings.four_bit.device = device;
   settings.int8.threshold = recipe.qlora.llm_int8_threshold;
   settings.int8.device = device;
+  settings.float8.device = device;
   return settings;
 }
 

@@ -2,7 +2,7 @@
 // The frozen base's storage, one row per kind: what QLoRA keeps its projections in. Everything
 // that depends on the kind — loading (quantizing the linear layers), the memory estimate, what
 // `qtrain inspect` and `qtrain bench` print — reads the row instead of comparing strings.
-// The recipe spells it `quant: qlora` + `qlora.quant_type: nf4 | fp4 | int8`, or `quant: qat` +
+// The recipe spells it `quant: qlora` + `qlora.quant_type: nf4 | fp4 | int8 | fp8`, or `quant: qat` +
 // `qat.base` (QAT-LoRA on a frozen quantized base; none: 16-bit); `quant: none` keeps a 16-bit
 // base. QAT's fake quantization wraps the layers afterwards.
 #include <torch/torch.h>
@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kernels/error.h"
+#include "qat/float8_linear.h"
 #include "qat/four_bit_linear.h"
 #include "qat/int8_linear.h"
 #include "trainer/model/llama.h"
@@ -18,7 +19,7 @@
 
 namespace qtrain::trainer {
 
-enum class BaseQuantization { kNone, kNf4, kFp4, kInt8 };
+enum class BaseQuantization { kNone, kNf4, kFp4, kInt8, kFp8 };
 
 // A base's settings, from the recipe's qlora section.
 struct BaseQuantizationSettings {
@@ -26,6 +27,7 @@ struct BaseQuantizationSettings {
   torch::ScalarType compute_dtype = torch::kBFloat16;  // of the dense weights and the biases
   qat::FourBitOptions four_bit;  // nf4 / fp4: blocksize, double_quant (its quant_type is ignored: kind says it)
   qat::Int8Options int8;         // int8: llm_int8_threshold
+  qat::Float8Options float8;     // fp8: where the weights are quantized
   std::vector<std::string> skip_modules = {"lm_head"};  // linear layers kept in the compute dtype
 };
 

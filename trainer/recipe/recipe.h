@@ -24,7 +24,7 @@ struct ModelRecipe {
 
 // quant: qlora — the frozen base, as bitsandbytes stores it.
 struct QloraRecipe {
-  std::string quant_type;  // nf4 | fp4 | int8 (LLM.int8)
+  std::string quant_type;  // nf4 | fp4 | int8 (LLM.int8) | fp8 (e4m3 rows: qat/float8_linear.h)
   int64_t blocksize{};
   bool double_quant{};
   double llm_int8_threshold{};

@@ -49,8 +49,9 @@ std::vector<RecipeKey> make_recipe_keys() {
           .one_of({"qlora", "qat", "none"}),
 
       key("qlora.quant_type", "nf4", QTRAIN_FIELD(qlora.quant_type),
-          "base format: bitsandbytes NF4 or FP4, or int8 (LLM.int8 rows)").shapes_model()
-          .one_of({"nf4", "fp4", "int8"}),
+          "base format: bitsandbytes NF4 or FP4, int8 (LLM.int8 rows), or fp8 (e4m3 rows, FP8 tensor-core matmuls)")
+          .shapes_model()
+          .one_of({"nf4", "fp4", "int8", "fp8"}),
       key("qlora.blocksize", "64", QTRAIN_FIELD(qlora.blocksize),
           "weights sharing one absmax (4-bit formats)").shapes_model()
           .one_of({"64", "128", "256", "512", "1024", "2048", "4096"}),

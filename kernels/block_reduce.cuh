@@ -1,0 +1,35 @@
+#pragma once
+// A reduction over one CUDA block of kThreads threads (a multiple of 32), for the kernels that
+// give each row of a tensor one block (softcapped_softmax.cu, float8_rows.cu).
+#include <cuda_runtime.h>
+
+namespace qtrain::kernels {
+
+// The block's reduction of `value` with `op`, returned to every thread.
+template <int kThreads, typename Op>
+__device__ float block_reduce(float value, Op op, float identity) {
+  static_assert(kThreads % 32 == 0 && kThreads <= 1024, "block_reduce: whole warps, at most 1024 threads");
+  __shared__ float partial[kThreads / 32];
+  __shared__ float total;
+  for (int offset = 16; offset > 0; offset /= 2) value = op(value, __shfl_xor_sync(0xffffffffu, value, offset));
+  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = value;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float reduced = threadIdx.x < kThreads / 32 ? partial[threadIdx.x] : identity;
+    for (int offset = 16; offset > 0; offset /= 2) reduced = op(reduced, __shfl_xor_sync(0xffffffffu, reduced, offset));
+    if (threadIdx.x == 0) total = reduced;
+  }
+  __syncthreads();
+  const float result = total;
+  __syncthreads();  // `total` is read by every thread before a next reduction writes it
+  return result;
+}
+
+struct MaxOp {
+  __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+struct SumOp {
+  __device__ float operator()(float a, float b) const { return a + b; }
+};
+
+}  // namespace qtrain::kernels

@@ -1,0 +1,71 @@
+#include "qat/float8_linear.h"
+
+#include "kernels/error.h"
+#include "qat/float8_matmul.h"
+#include "qat/layer_replacement.h"
+
+namespace qtrain::qat {
+
+Float8Linear::Float8Linear(Float8Rows weight, const torch::Tensor& bias, torch::ScalarType compute_dtype) {
+  const auto& codes = weight.codes;
+  if (codes.dim() != 2 || codes.scalar_type() != torch::kFloat8_e4m3fn) {
+    throw Error(ErrorCode::kWeights, "Float8Linear: the weight must be float8_e4m3fn [out, in]");
+  }
+  if (weight.scales.numel() != codes.size(0) || weight.scales.scalar_type() != torch::kFloat32) {
+    throw Error(ErrorCode::kWeights, "Float8Linear: weight_scale must be fp32 with one value per row (" +
+                std::to_string(codes.size(0)) + "), got " + std::to_string(weight.scales.numel()));
+  }
+  weight_.codes = register_buffer("weight", codes.detach().contiguous());
+  weight_.scales = register_buffer("weight_scale", weight.scales.detach().to(codes.device()).reshape({-1, 1}).contiguous());
+  if (bias.defined()) {
+    if (bias.numel() != out_features()) {
+      throw Error(ErrorCode::kWeights, "Float8Linear: bias has " + std::to_string(bias.numel()) + " values, the weight has " +
+                  std::to_string(out_features()) + " rows");
+    }
+    bias_ = register_buffer("bias", bias.detach().to(codes.device(), compute_dtype).clone());
+  }
+}
+
+std::shared_ptr<Float8Linear> Float8Linear::from_dense(const torch::Tensor& weight, const torch::Tensor& bias,
+                                                       const Float8Options& options) {
+  if (weight.dim() != 2) throw Error(ErrorCode::kInternal, "Float8Linear::from_dense: the weight must be 2-d [out, in]");
+  return std::make_shared<Float8Linear>(quantize_rows_float8(weight.detach()), bias, options.compute_dtype);
+}
+
+torch::Tensor Float8Linear::forward(const torch::Tensor& input) {
+  auto output = float8_matmul(input, weight_);
+  return bias_.defined() ? output + bias_.to(input.scalar_type()) : output;
+}
+
+torch::Tensor Float8Linear::own_product(const torch::Tensor& rows) const { return float8_product(rows, weight_); }
+
+torch::Tensor Float8Linear::own_input_gradient(const torch::Tensor& grad_rows) const {
+  return float8_input_gradient(grad_rows, weight_);
+}
+
+void Float8Linear::pretty_print(std::ostream& stream) const {
+  stream << "qtrain::Float8Linear(in_features=" << in_features() << ", out_features=" << out_features()
+         << ", format=e4m3, scale=per row, bias=" << (bias_.defined() ? "true" : "false") << ")";
+}
+
+// Buffers share their tensors with the members, and Module::to changes them in place (set_data).
+void Float8Linear::to(torch::Dtype dtype, bool non_blocking) {
+  if (bias_.defined()) bias_.set_data(bias_.to(dtype, non_blocking));
+}
+
+void Float8Linear::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
+  torch::nn::Module::to(device, non_blocking);
+  to(dtype, non_blocking);
+}
+
+std::vector<std::string> quantize_linear_layers_float8(torch::nn::Module& root, const Float8Options& options,
+                                                       const std::vector<std::string>& skip_modules) {
+  return replace_dense_linear_layers(root, skip_modules, [&](const DenseLinear& dense) {
+    const auto on_device = [&](const torch::Tensor& tensor) {
+      return tensor.defined() && options.device ? tensor.to(*options.device) : tensor;
+    };
+    return Float8Linear::from_dense(on_device(dense.weight()), on_device(dense.bias()), options);
+  });
+}
+
+}  // namespace qtrain::qat

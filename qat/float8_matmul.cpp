@@ -1,0 +1,128 @@
+#include "qat/float8_matmul.h"
+
+#include <ATen/ops/_scaled_mm.h>
+#include <torch/csrc/autograd/function.h>
+
+#include "kernels/cuda_build.h"
+#include "kernels/error.h"
+#include "kernels/float8_rows.h"
+
+namespace qtrain::qat {
+
+namespace {
+
+// The tensor cores' product of two row-quantized operands: left [m, k] row-major, right_t the
+// right operand's transpose [n, k] row-major (read as [k, n] column-major), right_scales [1, n].
+torch::Tensor scaled_matmul(const Float8Rows& left, const torch::Tensor& right_t, const torch::Tensor& right_scales,
+                            torch::ScalarType dtype) {
+  return at::_scaled_mm(left.codes, right_t.t(), left.scales, right_scales, /*bias=*/std::nullopt,
+                        /*scale_result=*/std::nullopt, dtype, /*use_fast_accum=*/false);
+}
+
+// The reference for the same product: the codes multiplied in fp32, then both scales.
+torch::Tensor reference_matmul(const Float8Rows& left, const torch::Tensor& right_t, const torch::Tensor& right_scales,
+                               torch::ScalarType dtype) {
+  const auto product = torch::mm(left.codes.to(torch::kFloat32), right_t.to(torch::kFloat32).t());
+  return (product * left.scales * right_scales).to(dtype);
+}
+
+class Float8MatmulBackward : public torch::autograd::Node {
+ public:
+  explicit Float8MatmulBackward(Float8Rows weight, std::vector<int64_t> input_shape)
+      : weight_(std::move(weight)), input_shape_(std::move(input_shape)) {}
+  std::string name() const override { return "qtrain::Float8MatmulBackward"; }
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    const auto grad_rows = grads[0].reshape({-1, weight_.codes.size(0)});
+    return {float8_input_gradient(grad_rows, weight_).view(input_shape_)};
+  }
+
+ private:
+  Float8Rows weight_;  // the layer's buffers, shared
+  std::vector<int64_t> input_shape_;
+};
+
+// q, k and v (and gate and up) multiply the same input: its quantization is kept from one call to
+// the next while the input is the same tensor, unchanged (same storage, layout and version: the
+// version counter moves with every in-place write), so it runs once for the three. The entry
+// holds the last input and its codes, one per thread (the autograd engine recomputes on its own),
+// until a call with another input replaces them.
+struct LastQuantizedRows {
+  torch::Tensor rows;
+  int64_t version = 0;  // rows' version when quantized (the tensor itself moves on with its writes)
+  Float8Rows quantized;
+};
+
+Float8Rows quantized_rows(const torch::Tensor& rows) {
+  thread_local LastQuantizedRows last;
+  if (rows.is_inference()) return quantize_rows_float8(rows);  // no version counter to check
+  const auto& cached = last.rows;
+  if (cached.defined() && cached.data_ptr() == rows.data_ptr() && cached.sizes().equals(rows.sizes()) &&
+      cached.strides().equals(rows.strides()) && cached.scalar_type() == rows.scalar_type() &&
+      cached.device() == rows.device() && last.version == rows._version()) {
+    return last.quantized;
+  }
+  last.quantized = quantize_rows_float8(rows);
+  last.rows = rows;
+  last.version = rows._version();
+  return last.quantized;
+}
+
+}  // namespace
+
+void require_float8_tensor_cores(const torch::Device& device, torch::ScalarType dtype, const std::string& what,
+                                 const std::string& dtype_key) {
+  if (!device.is_cuda()) return;
+  const int index = device.has_index() ? device.index() : 0;
+  if (!kernels::kCudaKernelsBuilt || !kernels::float8_tensor_cores(index)) {
+    throw Error(ErrorCode::kRecipe, what + " multiplies on FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, "
+                "Blackwell), which " + device.str() + " lacks" +
+                (kernels::kCudaKernelsBuilt ? "" : " (or this build has no CUDA kernels)") + "; use nf4");
+  }
+  if (dtype != torch::kBFloat16) {
+    throw Error(ErrorCode::kRecipe, what + " computes in bf16 (the FP8 tensor cores write bf16), but " + dtype_key + " is " +
+                std::string(c10::toString(dtype)) + ": set it to bf16");
+  }
+}
+
+bool float8_tensor_cores(const torch::Tensor& rows, int64_t out_features) {
+  return kernels::kCudaKernelsBuilt && rows.is_cuda() && rows.scalar_type() == torch::kBFloat16 &&
+         rows.size(1) % 16 == 0 && out_features % 16 == 0 && kernels::float8_tensor_cores(rows.get_device());
+}
+
+torch::Tensor float8_product(const torch::Tensor& rows, const Float8Rows& weight) {
+  torch::NoGradGuard no_grad;
+  const auto quantized = quantized_rows(rows);
+  const auto weight_scales = weight.scales.view({1, -1});
+  if (float8_tensor_cores(rows, weight.codes.size(0))) {
+    return scaled_matmul(quantized, weight.codes, weight_scales, rows.scalar_type());
+  }
+  return reference_matmul(quantized, weight.codes, weight_scales, rows.scalar_type());
+}
+
+torch::Tensor float8_input_gradient(const torch::Tensor& grad_rows, const Float8Rows& weight) {
+  torch::NoGradGuard no_grad;
+  const auto quantized = quantize_rows_float8(grad_rows, weight.scales.view({-1}));
+  const auto ones = torch::ones({1, weight.codes.size(1)}, weight.scales.options());
+  if (float8_tensor_cores(grad_rows, weight.codes.size(1))) {
+    // W_q^T [in, out] row-major: the right operand's transpose as the tensor cores read it.
+    return scaled_matmul(quantized, kernels::transpose_float8_cuda(weight.codes), ones, grad_rows.scalar_type());
+  }
+  return reference_matmul(quantized, weight.codes.t(), ones, grad_rows.scalar_type());
+}
+
+torch::Tensor float8_matmul(const torch::Tensor& input, const Float8Rows& weight) {
+  const auto rows = input.reshape({-1, weight.codes.size(1)});
+  auto shape = input.sizes().vec();
+  shape.back() = weight.codes.size(0);
+  auto output = at::_unsafe_view(float8_product(rows, weight), shape);  // not a view: the node becomes its grad_fn
+  if (torch::GradMode::is_enabled() && input.requires_grad()) {
+    auto node = std::shared_ptr<Float8MatmulBackward>(new Float8MatmulBackward(weight, input.sizes().vec()),
+                                                      torch::autograd::deleteNode);
+    node->set_next_edges({torch::autograd::impl::gradient_edge(input)});
+    torch::autograd::create_gradient_edge(output, node);
+  }
+  return output;
+}
+
+}  // namespace qtrain::qat

@@ -1,0 +1,47 @@
+#pragma once
+// y = x W^T for a frozen W held as row-wise FP8 codes (qat/float8_codec.h), its matmuls on FP8
+// tensor cores where the GPU has them:
+//
+//   forward   x is quantized per token (row), then y = (x_q W_q^T) * s_x s_W^T: one torch
+//             _scaled_mm with row-wise scales, fp32 accumulation, written in bf16;
+//   backward  dx = g W = (g diag(s_W)) W_q: the output gradient times W's row scales is quantized
+//             per token and multiplied by W_q (transposed into the column-major layout the tensor
+//             cores read, for this call only), scaled back per token.
+//
+// W never gets a gradient; the LoRA path and everything it trains stay in bf16/fp32. The error
+// against the 16-bit product is e4m3's: each operand within 2^-4 relative per value; over a sum of
+// n products that averages out to about 2^-4 / sqrt(3 n) of the output's magnitude
+// (tests/qat/float8_linear_test.cpp states what is measured).
+//
+// Where it runs: bf16 rows on a GPU with FP8 tensor cores (compute capability 8.9+) and in/out
+// features multiples of 16 take _scaled_mm. Everything else (the CPU, fp32 or fp16 rows) takes
+// the reference: the same quantized operands multiplied in fp32 and scaled after, which differs
+// from the tensor cores by the order of the fp32 sums only.
+#include <torch/types.h>
+
+#include <string>
+
+#include "qat/float8_codec.h"
+
+namespace qtrain::qat {
+
+// FP8 multiplies on tensor cores or not at all: a GPU without them, or rows in another dtype than
+// the bf16 the tensor cores write, would train on the slow reference path unnoticed. An Error
+// (kRecipe) naming `what` (the setting that asked for FP8) and `dtype_key` (the one setting the
+// dtype) for a CUDA `device` without FP8 tensor cores or a `dtype` other than bf16; the CPU takes
+// the reference path (tests, small runs).
+void require_float8_tensor_cores(const torch::Device& device, torch::ScalarType dtype, const std::string& what,
+                                 const std::string& dtype_key);
+
+// Whether `rows` [tokens, in] times a W [out, in] runs on FP8 tensor cores.
+bool float8_tensor_cores(const torch::Tensor& rows, int64_t out_features);
+
+// rows [tokens, in] -> rows W^T [tokens, out] in rows' dtype, without autograd.
+torch::Tensor float8_product(const torch::Tensor& rows, const Float8Rows& weight);
+// grad_rows [tokens, out] -> grad_rows W [tokens, in] in grad_rows' dtype, without autograd.
+torch::Tensor float8_input_gradient(const torch::Tensor& grad_rows, const Float8Rows& weight);
+
+// input [..., in] -> [..., out] in input's dtype; backward reaches the input only.
+torch::Tensor float8_matmul(const torch::Tensor& input, const Float8Rows& weight);
+
+}  // namespace qtrain::qat
