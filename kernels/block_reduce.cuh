@@ -1,21 +1,21 @@
 #pragma once
-// A reduction over one CUDA block of kThreads threads (a multiple of 32), for the kernels that
+// A reduction over one CUDA block (whole warps), for the kernels that
 // give each row of a tensor one block (softcapped_softmax.cu, float8_rows.cu).
 #include <cuda_runtime.h>
 
 namespace qtrain::kernels {
 
-// The block's reduction of `value` with `op`, returned to every thread.
-template <int kThreads, typename Op>
+// The block's reduction of `value` with `op`, returned to every thread. The block is a whole
+// number of warps, at most 1024 threads.
+template <typename Op>
 __device__ float block_reduce(float value, Op op, float identity) {
-  static_assert(kThreads % 32 == 0 && kThreads <= 1024, "block_reduce: whole warps, at most 1024 threads");
-  __shared__ float partial[kThreads / 32];
+  __shared__ float partial[32];
   __shared__ float total;
   for (int offset = 16; offset > 0; offset /= 2) value = op(value, __shfl_xor_sync(0xffffffffu, value, offset));
   if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = value;
   __syncthreads();
   if (threadIdx.x < 32) {
-    float reduced = threadIdx.x < kThreads / 32 ? partial[threadIdx.x] : identity;
+    float reduced = threadIdx.x < blockDim.x / 32 ? partial[threadIdx.x] : identity;
     for (int offset = 16; offset > 0; offset /= 2) reduced = op(reduced, __shfl_xor_sync(0xffffffffu, reduced, offset));
     if (threadIdx.x == 0) total = reduced;
   }

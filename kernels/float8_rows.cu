@@ -45,7 +45,7 @@ __global__ void quantize_rows_float8_kernel(const scalar_t* __restrict__ input, 
   for (int64_t j = threadIdx.x; j < columns; j += kThreads) {
     absmax = MaxKeepingNan{}(fabsf(scaled_value(row, column_scale, j)), absmax);
   }
-  absmax = block_reduce<kThreads>(absmax, MaxKeepingNan{}, 0.0f);
+  absmax = block_reduce(absmax, MaxKeepingNan{}, 0.0f);
   // clamp_min keeps a NaN: the row's scale and codes become NaN, as the torch reference's.
   const float scale =
       absmax != absmax ? absmax : __fdiv_rn(absmax > kSmallestAbsmax ? absmax : kSmallestAbsmax, kLargestCode);
@@ -57,8 +57,8 @@ __global__ void quantize_rows_float8_kernel(const scalar_t* __restrict__ input, 
   }
 }
 
-// Rows of whole 16-byte vectors: as the kernel above, with 16-byte loads and 8-byte (bf16) or
-// 4-byte (fp32) stores of codes; the second read of the row comes from L2.
+// Rows of whole 16-byte vectors (up to 32,768 bf16 values): 16-byte loads, 8-byte (bf16) or
+// 4-byte (fp32) stores of codes.
 constexpr int kVectorBytes = 16;
 
 template <typename scalar_t>
@@ -86,6 +86,11 @@ __device__ __forceinline__ void scaled_values(const RowVector<scalar_t>& loaded,
   }
 }
 
+// One block per row, as many threads as hold the row in registers at kVectorsPerThread vectors
+// each (up to 1024 threads): the row is read from memory once.
+constexpr int kVectorsPerThread = 4;
+constexpr int kMaxThreads = 1024;
+
 template <typename scalar_t>
 __global__ void quantize_rows_float8_vector_kernel(const scalar_t* __restrict__ input, const float* __restrict__ column_scale,
                                                    int64_t columns, c10::Float8_e4m3fn* __restrict__ codes,
@@ -93,33 +98,40 @@ __global__ void quantize_rows_float8_vector_kernel(const scalar_t* __restrict__ 
   using Vector = RowVector<scalar_t>;
   constexpr int kValues = Vector::kValues;
   const int64_t offset = static_cast<int64_t>(blockIdx.x) * columns;
-  const int64_t vectors = columns / kValues;
+  const int vectors = static_cast<int>(columns / kValues);
   const auto* row = reinterpret_cast<const Vector*>(input + offset);
-  float values[kValues];
+  float held[kVectorsPerThread][kValues];
   float absmax = 0.0f;
-  for (int64_t index = threadIdx.x; index < vectors; index += kThreads) {
-    scaled_values(row[index], column_scale, index, values);
 #pragma unroll
-    for (int k = 0; k < kValues; ++k) absmax = MaxKeepingNan{}(fabsf(values[k]), absmax);
+  for (int v = 0; v < kVectorsPerThread; ++v) {
+    const int index = v * static_cast<int>(blockDim.x) + static_cast<int>(threadIdx.x);
+    if (index < vectors) {
+      scaled_values(row[index], column_scale, index, held[v]);
+#pragma unroll
+      for (int k = 0; k < kValues; ++k) absmax = MaxKeepingNan{}(fabsf(held[v][k]), absmax);
+    }
   }
-  absmax = block_reduce<kThreads>(absmax, MaxKeepingNan{}, 0.0f);
+  absmax = block_reduce(absmax, MaxKeepingNan{}, 0.0f);
   const float scale =
       absmax != absmax ? absmax : __fdiv_rn(absmax > kSmallestAbsmax ? absmax : kSmallestAbsmax, kLargestCode);
   if (threadIdx.x == 0) scales[blockIdx.x] = scale;
   auto* out = reinterpret_cast<uint8_t*>(codes + offset);
-  for (int64_t index = threadIdx.x; index < vectors; index += kThreads) {
-    scaled_values(row[index], column_scale, index, values);
-    uint8_t bytes[kValues];
 #pragma unroll
-    for (int k = 0; k < kValues; ++k) {
-      float code = __fdiv_rn(values[k], scale);
-      code = code > kLargestCode ? kLargestCode : (code < -kLargestCode ? -kLargestCode : code);  // NaN stays NaN
-      bytes[k] = static_cast<c10::Float8_e4m3fn>(code).x;
-    }
-    if constexpr (kValues == 8) {
-      *reinterpret_cast<uint2*>(out + index * kValues) = *reinterpret_cast<const uint2*>(bytes);
-    } else {
-      *reinterpret_cast<uint32_t*>(out + index * kValues) = *reinterpret_cast<const uint32_t*>(bytes);
+  for (int v = 0; v < kVectorsPerThread; ++v) {
+    const int index = v * static_cast<int>(blockDim.x) + static_cast<int>(threadIdx.x);
+    if (index < vectors) {
+      uint8_t bytes[kValues];
+#pragma unroll
+      for (int k = 0; k < kValues; ++k) {
+        float code = __fdiv_rn(held[v][k], scale);
+        code = code > kLargestCode ? kLargestCode : (code < -kLargestCode ? -kLargestCode : code);  // NaN stays NaN
+        bytes[k] = static_cast<c10::Float8_e4m3fn>(code).x;
+      }
+      if constexpr (kValues == 8) {
+        *reinterpret_cast<uint2*>(out + index * kValues) = *reinterpret_cast<const uint2*>(bytes);
+      } else {
+        *reinterpret_cast<uint32_t*>(out + index * kValues) = *reinterpret_cast<const uint32_t*>(bytes);
+      }
     }
   }
 }
@@ -194,13 +206,16 @@ std::pair<at::Tensor, at::Tensor> quantize_rows_float8_cuda(const at::Tensor& in
     using scalar_t = decltype(type_tag);
     constexpr int64_t kValues = RowVector<scalar_t>::kValues;
     const auto* scale_values = column_scale.defined() ? column_scale.data_ptr<float>() : nullptr;
-    const bool vectorized = input.size(1) % kValues == 0 && reinterpret_cast<uintptr_t>(input.data_ptr()) % kVectorBytes == 0 &&
+    const int64_t vectors = input.size(1) / kValues;
+    const bool vectorized = input.size(1) % kValues == 0 && vectors <= int64_t{kMaxThreads} * kVectorsPerThread &&
+                            reinterpret_cast<uintptr_t>(input.data_ptr()) % kVectorBytes == 0 &&
                             reinterpret_cast<uintptr_t>(codes.data_ptr()) % kValues == 0 &&
                             (!scale_values || reinterpret_cast<uintptr_t>(scale_values) % kVectorBytes == 0);
     const auto stream = c10::cuda::getCurrentCUDAStream();
     const auto blocks = static_cast<unsigned>(input.size(0));
     if (vectorized) {
-      quantize_rows_float8_vector_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
+      const auto threads = static_cast<unsigned>(32 * ceil_div(ceil_div(vectors, kVectorsPerThread), 32));
+      quantize_rows_float8_vector_kernel<scalar_t><<<blocks, threads, 0, stream>>>(
           input.data_ptr<scalar_t>(), scale_values, input.size(1), codes.data_ptr<c10::Float8_e4m3fn>(),
           scales.data_ptr<float>());
     } else {

@@ -62,14 +62,14 @@ __global__ void softcapped_softmax_forward_kernel(const scalar_t* __restrict__ s
     tanh_out[offset + j] = static_cast<scalar_t>(t);
     if (visible(row, j, s)) row_max = fmaxf(row_max, c);
   }
-  row_max = block_reduce<kThreads>(row_max, MaxOp{}, -INFINITY);
+  row_max = block_reduce(row_max, MaxOp{}, -INFINITY);
   float sum = 0.0f;
   for (int64_t j = threadIdx.x; j < keys; j += kThreads) {
     if (!visible(row, j, s)) continue;
     const float c = rounded<scalar_t>(static_cast<float>(tanh_out[offset + j]) * s.cap);
     sum += expf(c - row_max);
   }
-  sum = block_reduce<kThreads>(sum, SumOp{}, 0.0f);
+  sum = block_reduce(sum, SumOp{}, 0.0f);
   for (int64_t j = threadIdx.x; j < keys; j += kThreads) {
     float p = 0.0f;
     if (visible(row, j, s)) p = expf(rounded<scalar_t>(static_cast<float>(tanh_out[offset + j]) * s.cap) - row_max) / sum;
@@ -91,7 +91,7 @@ __global__ void softcapped_softmax_backward_kernel(const scalar_t* __restrict__ 
   for (int64_t j = threadIdx.x; j < keys; j += kThreads) {
     dot += static_cast<float>(grad_probabilities[offset + j]) * probabilities32[offset + j];
   }
-  dot = block_reduce<kThreads>(dot, SumOp{}, 0.0f);
+  dot = block_reduce(dot, SumOp{}, 0.0f);
   for (int64_t j = threadIdx.x; j < keys; j += kThreads) {
     float grad = 0.0f;
     if (visible(row, j, s)) {

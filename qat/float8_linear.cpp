@@ -6,7 +6,9 @@
 
 namespace qtrain::qat {
 
-Float8Linear::Float8Linear(Float8Rows weight, const torch::Tensor& bias, torch::ScalarType compute_dtype) {
+Float8Linear::Float8Linear(Float8Rows weight, const torch::Tensor& bias, torch::ScalarType compute_dtype,
+                           bool fast_accumulation)
+    : fast_accumulation_(fast_accumulation) {
   const auto& codes = weight.codes;
   if (codes.dim() != 2 || codes.scalar_type() != torch::kFloat8_e4m3fn) {
     throw Error(ErrorCode::kWeights, "Float8Linear: the weight must be float8_e4m3fn [out, in]");
@@ -29,15 +31,18 @@ Float8Linear::Float8Linear(Float8Rows weight, const torch::Tensor& bias, torch::
 std::shared_ptr<Float8Linear> Float8Linear::from_dense(const torch::Tensor& weight, const torch::Tensor& bias,
                                                        const Float8Options& options) {
   if (weight.dim() != 2) throw Error(ErrorCode::kInternal, "Float8Linear::from_dense: the weight must be 2-d [out, in]");
-  return std::make_shared<Float8Linear>(quantize_rows_float8(weight.detach()), bias, options.compute_dtype);
+  return std::make_shared<Float8Linear>(quantize_rows_float8(weight.detach()), bias, options.compute_dtype,
+                                        options.fast_accumulation);
 }
 
 torch::Tensor Float8Linear::forward(const torch::Tensor& input) {
-  auto output = float8_matmul(input, weight_);
+  auto output = float8_matmul(input, weight_, fast_accumulation_);
   return bias_.defined() ? output + bias_.to(input.scalar_type()) : output;
 }
 
-torch::Tensor Float8Linear::own_product(const torch::Tensor& rows) const { return float8_product(rows, weight_); }
+torch::Tensor Float8Linear::own_product(const torch::Tensor& rows) const {
+  return float8_product(rows, weight_, fast_accumulation_);
+}
 
 torch::Tensor Float8Linear::own_input_gradient(const torch::Tensor& grad_rows) const {
   return float8_input_gradient(grad_rows, weight_);
@@ -45,7 +50,8 @@ torch::Tensor Float8Linear::own_input_gradient(const torch::Tensor& grad_rows) c
 
 void Float8Linear::pretty_print(std::ostream& stream) const {
   stream << "qtrain::Float8Linear(in_features=" << in_features() << ", out_features=" << out_features()
-         << ", format=e4m3, scale=per row, bias=" << (bias_.defined() ? "true" : "false") << ")";
+         << ", format=e4m3, scale=per row, fast_accumulation=" << (fast_accumulation_ ? "true" : "false")
+         << ", bias=" << (bias_.defined() ? "true" : "false") << ")";
 }
 
 // Buffers share their tensors with the members, and Module::to changes them in place (set_data).

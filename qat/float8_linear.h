@@ -25,12 +25,14 @@ struct Float8Options {
   torch::ScalarType compute_dtype = torch::kBFloat16;  // of the bias
   // Where each weight is quantized and kept (unset: where it is).
   std::optional<torch::Device> device;
+  bool fast_accumulation = false;  // the forward's matmuls unpromoted (qat/float8_matmul.h)
 };
 
 class Float8Linear : public LinearLayer {
  public:
   // `weight`: codes [out, in] and scales [out, 1]; `bias` [out] or undefined.
-  Float8Linear(Float8Rows weight, const torch::Tensor& bias, torch::ScalarType compute_dtype);
+  Float8Linear(Float8Rows weight, const torch::Tensor& bias, torch::ScalarType compute_dtype,
+               bool fast_accumulation = false);
   // Quantizes a dense [out, in] weight (on its device), one scale per row.
   static std::shared_ptr<Float8Linear> from_dense(const torch::Tensor& weight, const torch::Tensor& bias,
                                                   const Float8Options& options);
@@ -51,6 +53,7 @@ class Float8Linear : public LinearLayer {
   void pretty_print(std::ostream& stream) const override;
 
   const Float8Rows& weight() const { return weight_; }
+  bool fast_accumulation() const { return fast_accumulation_; }
 
   // Module::to converts every buffer; only the bias may change dtype here.
   using torch::nn::Module::to;
@@ -60,6 +63,7 @@ class Float8Linear : public LinearLayer {
  private:
   Float8Rows weight_;
   torch::Tensor bias_;
+  bool fast_accumulation_;
 };
 
 // Replaces every DenseLinear under `root` whose name does not match `skip_modules` (as

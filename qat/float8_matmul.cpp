@@ -14,9 +14,9 @@ namespace {
 // The tensor cores' product of two row-quantized operands: left [m, k] row-major, right_t the
 // right operand's transpose [n, k] row-major (read as [k, n] column-major), right_scales [1, n].
 torch::Tensor scaled_matmul(const Float8Rows& left, const torch::Tensor& right_t, const torch::Tensor& right_scales,
-                            torch::ScalarType dtype) {
+                            torch::ScalarType dtype, bool fast_accumulation) {
   return at::_scaled_mm(left.codes, right_t.t(), left.scales, right_scales, /*bias=*/std::nullopt,
-                        /*scale_result=*/std::nullopt, dtype, /*use_fast_accum=*/false);
+                        /*scale_result=*/std::nullopt, dtype, fast_accumulation);
 }
 
 // The reference for the same product: the codes multiplied in fp32, then both scales.
@@ -90,12 +90,12 @@ bool float8_tensor_cores(const torch::Tensor& rows, int64_t out_features) {
          rows.size(1) % 16 == 0 && out_features % 16 == 0 && kernels::float8_tensor_cores(rows.get_device());
 }
 
-torch::Tensor float8_product(const torch::Tensor& rows, const Float8Rows& weight) {
+torch::Tensor float8_product(const torch::Tensor& rows, const Float8Rows& weight, bool fast_accumulation) {
   torch::NoGradGuard no_grad;
   const auto quantized = quantized_rows(rows);
   const auto weight_scales = weight.scales.view({1, -1});
   if (float8_tensor_cores(rows, weight.codes.size(0))) {
-    return scaled_matmul(quantized, weight.codes, weight_scales, rows.scalar_type());
+    return scaled_matmul(quantized, weight.codes, weight_scales, rows.scalar_type(), fast_accumulation);
   }
   return reference_matmul(quantized, weight.codes, weight_scales, rows.scalar_type());
 }
@@ -106,16 +106,17 @@ torch::Tensor float8_input_gradient(const torch::Tensor& grad_rows, const Float8
   const auto ones = torch::ones({1, weight.codes.size(1)}, weight.scales.options());
   if (float8_tensor_cores(grad_rows, weight.codes.size(1))) {
     // W_q^T [in, out] row-major: the right operand's transpose as the tensor cores read it.
-    return scaled_matmul(quantized, kernels::transpose_float8_cuda(weight.codes), ones, grad_rows.scalar_type());
+    return scaled_matmul(quantized, kernels::transpose_float8_cuda(weight.codes), ones, grad_rows.scalar_type(),
+                         /*fast_accumulation=*/false);
   }
   return reference_matmul(quantized, weight.codes.t(), ones, grad_rows.scalar_type());
 }
 
-torch::Tensor float8_matmul(const torch::Tensor& input, const Float8Rows& weight) {
+torch::Tensor float8_matmul(const torch::Tensor& input, const Float8Rows& weight, bool fast_accumulation) {
   const auto rows = input.reshape({-1, weight.codes.size(1)});
   auto shape = input.sizes().vec();
   shape.back() = weight.codes.size(0);
-  auto output = at::_unsafe_view(float8_product(rows, weight), shape);  // not a view: the node becomes its grad_fn
+  auto output = at::_unsafe_view(float8_product(rows, weight, fast_accumulation), shape);  // not a view: the node becomes its grad_fn
   if (torch::GradMode::is_enabled() && input.requires_grad()) {
     auto node = std::shared_ptr<Float8MatmulBackward>(new Float8MatmulBackward(weight, input.sizes().vec()),
                                                       torch::autograd::deleteNode);

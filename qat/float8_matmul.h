@@ -36,12 +36,15 @@ void require_float8_tensor_cores(const torch::Device& device, torch::ScalarType 
 // Whether `rows` [tokens, in] times a W [out, in] runs on FP8 tensor cores.
 bool float8_tensor_cores(const torch::Tensor& rows, int64_t out_features);
 
-// rows [tokens, in] -> rows W^T [tokens, out] in rows' dtype, without autograd.
-torch::Tensor float8_product(const torch::Tensor& rows, const Float8Rows& weight);
+// rows [tokens, in] -> rows W^T [tokens, out] in rows' dtype, without autograd. With
+// `fast_accumulation` the tensor cores sum in their own precision (about 14 bits) without
+// promoting partial sums to fp32: faster, with errors growing with `in` (torchao's Float8Linear
+// does this for its forward; the input gradient here is always promoted).
+torch::Tensor float8_product(const torch::Tensor& rows, const Float8Rows& weight, bool fast_accumulation = false);
 // grad_rows [tokens, out] -> grad_rows W [tokens, in] in grad_rows' dtype, without autograd.
 torch::Tensor float8_input_gradient(const torch::Tensor& grad_rows, const Float8Rows& weight);
 
 // input [..., in] -> [..., out] in input's dtype; backward reaches the input only.
-torch::Tensor float8_matmul(const torch::Tensor& input, const Float8Rows& weight);
+torch::Tensor float8_matmul(const torch::Tensor& input, const Float8Rows& weight, bool fast_accumulation = false);
 
 }  // namespace qtrain::qat

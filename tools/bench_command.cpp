@@ -275,6 +275,8 @@ int run_bench(const Arguments& arguments) {
        "cap the device memory the caching allocator may use (e.g. 79 to act as an 80 GB card on a larger one); "
        "0: the whole device")
       ("dora", po::bool_switch(), "DoRA adapters (lora.use_dora) instead of LoRA")
+      ("fp8-fast-accumulation", po::bool_switch(), "with --quant fp8: the forward's FP8 matmuls unpromoted "
+       "(qlora.fp8_fast_accumulation)")
       ("qat", po::bool_switch(), "fake-quantize the merged weights (int4, groups of 32, fp16 scales) over the --quant base, "
        "as quant: qat with qat.base")
       ("lora-gradient", po::value(&lora_gradient)->default_value("identity"),
@@ -307,6 +309,7 @@ int run_bench(const Arguments& arguments) {
   // Every projection of the shape's block: Phi-3's fused ones by their own names.
   recipe.lora.target_modules = recipe.qat.target_modules = llama.projection_names();
   recipe.lora.use_dora = values["dora"].as<bool>();
+  recipe.qlora.fp8_fast_accumulation = values["fp8-fast-accumulation"].as<bool>();
   recipe.qat.lora_gradient = lora_gradient;
   recipe.train.offload_activations = values["offload-activations"].as<bool>();
   recipe.train.mlp_chunk_tokens = mlp_chunk;
@@ -320,6 +323,9 @@ int run_bench(const Arguments& arguments) {
   if (max_context && micro_batch != 1) throw Error(ErrorCode::kUsage, "--max-context measures one sequence: --micro-batch 1");
   if (memory_limit_gib > 0) limit_device_memory(device, memory_limit_gib);
   if (base.kind == trainer::BaseQuantization::kFp8) qat::require_float8_tensor_cores(device, dtype, "--quant fp8", "--dtype");
+  if (recipe.qlora.fp8_fast_accumulation && base.kind != trainer::BaseQuantization::kFp8) {
+    throw Error(ErrorCode::kUsage, "--fp8-fast-accumulation needs --quant fp8");
+  }
 
   torch::manual_seed(0);
   const auto tables = qat::quantize_4bit(
@@ -341,8 +347,8 @@ int run_bench(const Arguments& arguments) {
       case trainer::BaseQuantization::kInt8:
         return random_int8(linear.out_features, linear.in_features, bias, device, dtype);
       case trainer::BaseQuantization::kFp8:
-        return qat::Float8Linear::from_dense(
-            torch::randn({linear.out_features, linear.in_features}, on_device) * 0.02, bias, {dtype, device});
+        return qat::Float8Linear::from_dense(torch::randn({linear.out_features, linear.in_features}, on_device) * 0.02,
+                                             bias, {dtype, device, recipe.qlora.fp8_fast_accumulation});
       case trainer::BaseQuantization::kNone:
         break;
     }
@@ -433,6 +439,7 @@ int run_bench(const Arguments& arguments) {
   quant = base.kind == trainer::BaseQuantization::kNf4 ? "qlora" : base.name;  // as tools/bench.sh names rows
   if (fake_quant) quant += lora_gradient == "identity" ? "+qat" : "+qat(" + lora_gradient + ")";
   if (recipe.lora.use_dora) quant += "+dora";
+  if (base.kind == trainer::BaseQuantization::kFp8 && recipe.qlora.fp8_fast_accumulation) quant += "+fast-accumulation";
   std::printf("bench: %s %s + %s, %s compute on %s, micro-batch %lld x %lld, checkpointing %s%s, loss chunk %lld%s%s\n",
               shape.c_str(), quant.c_str(), optimizer_name.c_str(), dtype_name.c_str(), device.str().c_str(), static_cast<long long>(micro_batch),
               static_cast<long long>(sequence), checkpointing ? "on" : "off",

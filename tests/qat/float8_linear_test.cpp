@@ -194,10 +194,12 @@ bool has_float8_gpu() {
 TEST(Float8Cuda, TheKernelWritesTheTorchOperationsBytes) {
   if (!has_float8_gpu()) GTEST_SKIP() << "no GPU with FP8 tensor cores on this machine";
   torch::manual_seed(9);
-  // 1000 and 16,392 columns take the kernel with 16-byte loads, 1001 (not whole 16-byte vectors)
-  // the one that loads values one by one.
+  // 1000 and 16,392 columns take the kernel with rows in registers (and 16-byte loads), 32,776
+  // (over its 32,768 bf16 values) and 1001 (not whole 16-byte vectors) the one that reads values
+  // one by one, twice.
   for (const auto& [dtype, columns] : std::vector<std::pair<torch::ScalarType, int64_t>>{
-           {torch::kBFloat16, 1000}, {torch::kFloat, 1000}, {torch::kBFloat16, 16392}, {torch::kBFloat16, 1001}}) {
+           {torch::kBFloat16, 1000}, {torch::kFloat, 1000}, {torch::kBFloat16, 16392}, {torch::kBFloat16, 32776},
+           {torch::kBFloat16, 1001}}) {
     auto input = (torch::randn({300, columns}) * torch::logspace(-4, 3, 300).unsqueeze(1)).to(torch::kCUDA, dtype);
     input[17].zero_();
     input[40][3] = std::nan("");

@@ -5,7 +5,9 @@
 
 #include <cmath>
 
+#include "kernels/error.h"
 #include "qat/float8_linear.h"
+#include "trainer/recipe/base_quantization.h"
 #include "run_metrics.h"
 #include "support.h"
 #include "trainer/finetune.h"
@@ -14,8 +16,9 @@
 namespace qtrain::trainer {
 namespace {
 
-Recipe lora_recipe(const testing::TempDir& run, const std::string& quant, const std::string& quant_type) {
-  return load_recipe("", {"model.path=" + testing::source_dir() + "/recipes/demo/tiny-llama",
+Recipe lora_recipe(const testing::TempDir& run, const std::string& quant, const std::string& quant_type,
+                   const std::string& fast_accumulation = "false") {
+  return load_recipe("", {"qlora.fp8_fast_accumulation=" + fast_accumulation,"model.path=" + testing::source_dir() + "/recipes/demo/tiny-llama",
                           "data.train=" + testing::source_dir() + "/recipes/demo/brown-val.jsonl", "data.eval=",
                           "quant=" + quant, "qlora.quant_type=" + quant_type, "lora.rank=8", "lora.alpha=16",
                           "lora.dropout=0", "data.max_seq_len=64", "train.micro_batch_size=2",
@@ -53,6 +56,24 @@ TEST(Float8Finetune, TheLossCurveFollowsTheUnquantizedBases) {
   // their size (e4m3's 2^-4 per value, averaged over 256 inputs).
   EXPECT_LT(fp8.back(), fp8.front());
   EXPECT_LT(largest, 0.01);
+}
+
+// The fast-accumulation key reaches every FP8 layer, and is an error on any other base.
+TEST(Float8Finetune, FastAccumulationIsAnFp8KeyOnly) {
+  testing::TempDir run;
+  const auto base = load_base_model(lora_recipe(run, "qlora", "fp8", "true"), torch::kFloat32, torch::kCPU,
+                                    /*quantize_base=*/true);
+  int64_t fast_layers = 0;
+  for (const auto& item : base.model->named_modules()) {
+    if (const auto layer = std::dynamic_pointer_cast<qat::Float8Linear>(item.value())) fast_layers += layer->fast_accumulation();
+  }
+  EXPECT_EQ(fast_layers, 4 * 7);
+  try {
+    base_quantization(lora_recipe(run, "qlora", "nf4", "true"), torch::kBFloat16);
+    FAIL() << "fast accumulation on an NF4 base was accepted";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("qlora.fp8_fast_accumulation"), std::string::npos) << error.what();
+  }
 }
 
 }  // namespace

@@ -175,7 +175,7 @@ TEST(RecipeYaml, PrintedRecipeShowsEveryKeyWithItsDoc) {
   const std::string text = recipe_to_yaml(default_recipe());
   EXPECT_NE(text.find("lora:\n  rank: 16"), std::string::npos) << text;
   EXPECT_NE(text.find("qat:\n  weights:\n    format: int"), std::string::npos) << text;
-  EXPECT_NE(text.find("[nf4 | fp4 | int8]"), std::string::npos) << text;
+  EXPECT_NE(text.find("[nf4 | fp4 | int8 | fp8]"), std::string::npos) << text;
   EXPECT_NE(text.find("\nexport:\n  formats: [peft]"), std::string::npos) << text;
 }
 

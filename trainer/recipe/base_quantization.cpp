@@ -103,12 +103,17 @@ BaseQuantizationSettings base_quantization(const Recipe& recipe, torch::ScalarTy
   } else if (recipe.quant == "qat") {
     settings.kind = base_quantization_named(recipe.qat.base, "qat.base", ErrorCode::kRecipe).kind;
   }
+  if (recipe.qlora.fp8_fast_accumulation && settings.kind != BaseQuantization::kFp8) {
+    throw Error(ErrorCode::kRecipe, "qlora.fp8_fast_accumulation applies to an FP8 base only (qlora.quant_type: fp8), "
+                "and the base here is " + std::string(base_quantization_row(settings.kind).name) + ": remove the key");
+  }
   if (settings.kind == BaseQuantization::kNone) return settings;
   settings.skip_modules = recipe.qlora.skip_modules;
   settings.four_bit.blocksize = recipe.qlora.blocksize;
   settings.four_bit.double_quant = recipe.qlora.double_quant;
   settings.four_bit.device = device;
   settings.int8.threshold = recipe.qlora.llm_int8_threshold;
+  settings.float8.fast_accumulation = recipe.qlora.fp8_fast_accumulation;
   settings.int8.device = device;
   settings.float8.device = device;
   return settings;

@@ -28,6 +28,7 @@ struct QloraRecipe {
   int64_t blocksize{};
   bool double_quant{};
   double llm_int8_threshold{};
+  bool fp8_fast_accumulation{};  // fp8: the forward's matmuls without fp32 promotion
   std::vector<std::string> skip_modules;
 };
 

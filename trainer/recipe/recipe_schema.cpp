@@ -57,6 +57,9 @@ std::vector<RecipeKey> make_recipe_keys() {
           .one_of({"64", "128", "256", "512", "1024", "2048", "4096"}),
       key("qlora.double_quant", "true", QTRAIN_FIELD(qlora.double_quant),
           "quantize the absmax too (8-bit, blocks of 256), as bnb_4bit_use_double_quant").shapes_model(),
+      key("qlora.fp8_fast_accumulation", "false", QTRAIN_FIELD(qlora.fp8_fast_accumulation),
+          "fp8: the forward's FP8 matmuls accumulate in the tensor cores' own precision, unpromoted (faster; "
+          "torchao's Float8Linear default), the input gradient's stay promoted to fp32").shapes_model(),
       key("qlora.llm_int8_threshold", "6.0", QTRAIN_FIELD(qlora.llm_int8_threshold),
           "int8: input features above this magnitude run in 16-bit")
           .at_least(0),
