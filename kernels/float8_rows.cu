@@ -92,7 +92,7 @@ constexpr int kVectorsPerThread = 4;
 constexpr int kMaxThreads = 1024;
 
 template <typename scalar_t>
-__global__ void quantize_rows_float8_vector_kernel(const scalar_t* __restrict__ input, const float* __restrict__ column_scale,
+__global__ void __launch_bounds__(kMaxThreads) quantize_rows_float8_vector_kernel(const scalar_t* __restrict__ input, const float* __restrict__ column_scale,
                                                    int64_t columns, c10::Float8_e4m3fn* __restrict__ codes,
                                                    float* __restrict__ scales) {
   using Vector = RowVector<scalar_t>;
@@ -120,7 +120,7 @@ __global__ void quantize_rows_float8_vector_kernel(const scalar_t* __restrict__ 
   for (int v = 0; v < kVectorsPerThread; ++v) {
     const int index = v * static_cast<int>(blockDim.x) + static_cast<int>(threadIdx.x);
     if (index < vectors) {
-      uint8_t bytes[kValues];
+      alignas(8) uint8_t bytes[kValues];
 #pragma unroll
       for (int k = 0; k < kValues; ++k) {
         float code = __fdiv_rn(held[v][k], scale);
@@ -173,8 +173,10 @@ at::Tensor transpose_float8_cuda(const at::Tensor& codes) {
   const std::string what = "transpose_float8_cuda: codes";
   check_cuda_tensor(codes, what);
   check_scalar_type(codes, at::kFloat8_e4m3fn, what);
-  if (codes.dim() != 2 || codes.size(0) % 4 != 0 || codes.size(1) % 4 != 0) {
-    throw Error(ErrorCode::kInternal, what + " must be [rows, columns], both multiples of 4 (it moves 32-bit words)");
+  if (codes.dim() != 2 || codes.size(0) % 4 != 0 || codes.size(1) % 4 != 0 ||
+      reinterpret_cast<uintptr_t>(codes.data_ptr()) % 4 != 0 || ceil_div(codes.size(0), kTile) > 65535) {
+    throw Error(ErrorCode::kInternal, what + " must be [rows, columns], both multiples of 4, 4-byte aligned (it moves "
+                "32-bit words) and at most 4,194,240 rows");
   }
   const c10::cuda::CUDAGuard device_guard(codes.device());
   auto output = at::empty({codes.size(1), codes.size(0)}, codes.options());

@@ -1,8 +1,9 @@
 #pragma once
 // Row-wise FP8 (e4m3) quantization for the FP8 base's matmuls (qat/float8_matmul.h): each row of
 // a [rows, columns] tensor gets its own scale, so one outlier token costs only its own row's
-// resolution. One CUDA block per row reads the row twice (its absmax, then the codes), in one
-// kernel where torch operations take four and an fp32 copy.
+// resolution. One CUDA block per row reads the row once into registers (rows up to 32,768 bf16
+// values in whole 16-byte vectors; others twice), its absmax then its codes, in one kernel where
+// torch operations take four and an fp32 copy.
 //
 // The arithmetic, which qat/float8_codec.cpp's torch-operation reference repeats step for step so
 // that both give the same bytes:

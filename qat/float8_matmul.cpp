@@ -1,6 +1,8 @@
 #include "qat/float8_matmul.h"
 
 #include <ATen/ops/_scaled_mm.h>
+
+#include <mutex>
 #include <torch/csrc/autograd/function.h>
 
 #include "kernels/cuda_build.h"
@@ -44,18 +46,34 @@ class Float8MatmulBackward : public torch::autograd::Node {
 
 // q, k and v (and gate and up) multiply the same input: its quantization is kept from one call to
 // the next while the input is the same tensor, unchanged (same storage, layout and version: the
-// version counter moves with every in-place write), so it runs once for the three. The entry
-// holds the last input and its codes, one per thread (the autograd engine recomputes on its own),
-// until a call with another input replaces them.
+// version counter moves with every in-place write through torch), so it runs once for the three.
+// One entry for the process (a mutex keeps the autograd engine's recomputation and the main
+// thread apart): the last input, detached (no graph kept alive), and its codes, until a product
+// with another input replaces them or an input gradient drops them (backward starts: the
+// forward's last input need not outlive it).
 struct LastQuantizedRows {
+  std::mutex mutex;
   torch::Tensor rows;
   int64_t version = 0;  // rows' version when quantized (the tensor itself moves on with its writes)
   Float8Rows quantized;
 };
 
+LastQuantizedRows& last_quantized_rows() {
+  static auto* last = new LastQuantizedRows();  // never destroyed: no CUDA frees during exit
+  return *last;
+}
+
+void drop_quantized_rows() {
+  auto& last = last_quantized_rows();
+  const std::lock_guard<std::mutex> lock(last.mutex);
+  last.rows = torch::Tensor();
+  last.quantized = Float8Rows();
+}
+
 Float8Rows quantized_rows(const torch::Tensor& rows) {
-  thread_local LastQuantizedRows last;
   if (rows.is_inference()) return quantize_rows_float8(rows);  // no version counter to check
+  auto& last = last_quantized_rows();
+  const std::lock_guard<std::mutex> lock(last.mutex);
   const auto& cached = last.rows;
   if (cached.defined() && cached.data_ptr() == rows.data_ptr() && cached.sizes().equals(rows.sizes()) &&
       cached.strides().equals(rows.strides()) && cached.scalar_type() == rows.scalar_type() &&
@@ -63,9 +81,17 @@ Float8Rows quantized_rows(const torch::Tensor& rows) {
     return last.quantized;
   }
   last.quantized = quantize_rows_float8(rows);
-  last.rows = rows;
+  last.rows = rows.detach();  // shares the storage and the version counter, not the graph
   last.version = rows._version();
   return last.quantized;
+}
+
+// codes [out, in] -> [in, out], contiguous: the word-moving kernel where its words are aligned and
+// its grid fits, torch's copy otherwise.
+torch::Tensor transposed(const torch::Tensor& codes) {
+  const bool words = codes.size(0) % 4 == 0 && codes.size(1) % 4 == 0 &&
+                     reinterpret_cast<uintptr_t>(codes.data_ptr()) % 4 == 0 && codes.size(0) / 64 < 65535;
+  return words ? kernels::transpose_float8_cuda(codes) : codes.t().contiguous();
 }
 
 }  // namespace
@@ -102,17 +128,21 @@ torch::Tensor float8_product(const torch::Tensor& rows, const Float8Rows& weight
 
 torch::Tensor float8_input_gradient(const torch::Tensor& grad_rows, const Float8Rows& weight) {
   torch::NoGradGuard no_grad;
+  drop_quantized_rows();
   const auto quantized = quantize_rows_float8(grad_rows, weight.scales.view({-1}));
   const auto ones = torch::ones({1, weight.codes.size(1)}, weight.scales.options());
   if (float8_tensor_cores(grad_rows, weight.codes.size(1))) {
     // W_q^T [in, out] row-major: the right operand's transpose as the tensor cores read it.
-    return scaled_matmul(quantized, kernels::transpose_float8_cuda(weight.codes), ones, grad_rows.scalar_type(),
-                         /*fast_accumulation=*/false);
+    return scaled_matmul(quantized, transposed(weight.codes), ones, grad_rows.scalar_type(), /*fast_accumulation=*/false);
   }
   return reference_matmul(quantized, weight.codes.t(), ones, grad_rows.scalar_type());
 }
 
 torch::Tensor float8_matmul(const torch::Tensor& input, const Float8Rows& weight, bool fast_accumulation) {
+  if (input.size(-1) != weight.codes.size(1)) {
+    throw Error(ErrorCode::kInternal, "float8_matmul: the input has " + std::to_string(input.size(-1)) +
+                " features, the FP8 weight takes " + std::to_string(weight.codes.size(1)));
+  }
   const auto rows = input.reshape({-1, weight.codes.size(1)});
   auto shape = input.sizes().vec();
   shape.back() = weight.codes.size(0);

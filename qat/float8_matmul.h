@@ -3,7 +3,7 @@
 // tensor cores where the GPU has them:
 //
 //   forward   x is quantized per token (row), then y = (x_q W_q^T) * s_x s_W^T: one torch
-//             _scaled_mm with row-wise scales, fp32 accumulation, written in bf16;
+//             _scaled_mm with row-wise scales, sums promoted to fp32, written in bf16;
 //   backward  dx = g W = (g diag(s_W)) W_q: the output gradient times W's row scales is quantized
 //             per token and multiplied by W_q (transposed into the column-major layout the tensor
 //             cores read, for this call only), scaled back per token.
@@ -15,8 +15,9 @@
 //
 // Where it runs: bf16 rows on a GPU with FP8 tensor cores (compute capability 8.9+) and in/out
 // features multiples of 16 take _scaled_mm. Everything else (the CPU, fp32 or fp16 rows) takes
-// the reference: the same quantized operands multiplied in fp32 and scaled after, which differs
-// from the tensor cores by the order of the fp32 sums only.
+// the reference: the same quantized operands multiplied in fp32 and scaled after. The tensor
+// cores keep about 14 bits of each running sum and promote it to fp32 every few steps (with
+// fast accumulation: never), so they differ from the reference by that rounding.
 #include <torch/types.h>
 
 #include <string>

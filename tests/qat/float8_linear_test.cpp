@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <functional>
 
 #include "kernels/error.h"
 #include "kernels/float8_rows.h"
@@ -180,6 +181,47 @@ TEST(Float8Matmul, AnInputChangedInPlaceIsQuantizedAgain) {
   const auto doubled = float8_product(rows, weight);
   EXPECT_TRUE(torch::allclose(doubled, first * 2.0, 1e-6, 1e-6));
   EXPECT_TRUE(torch::equal(doubled, float8_product(rows.clone(), weight)));
+}
+
+// With dropout the adapter's share of forward and backward is the one over any base with the same
+// mask: the same seed over the FP8 layer and over a dense copy of its weight.
+TEST(Float8Linear, LoraDropoutOverAnFp8BaseMasksTheAdapterOnly) {
+  Float8Options options;
+  options.compute_dtype = torch::kFloat;
+  torch::manual_seed(11);
+  auto base = Float8Linear::from_dense(torch::randn({32, 64}) * 0.1, torch::Tensor(), options);
+  auto dense = std::make_shared<DenseLinear>(DenseLinearOptions{64, 32, false, torch::kFloat});
+  { torch::NoGradGuard no_grad; const_cast<torch::Tensor&>(dense->weight()).copy_(base->dense_weight(torch::kFloat)); }
+  LoraOptions lora_options;
+  lora_options.rank = 4;
+  lora_options.alpha = 8;
+  lora_options.dropout = 0.5;
+  const auto input = torch::randn({6, 64});
+  const auto grad = torch::randn({6, 32});
+  struct Run {
+    torch::Tensor adapter_output, adapter_input_grad, grad_a, grad_b;
+  };
+  const auto run = [&](const std::shared_ptr<LinearLayer>& layer, const std::function<torch::Tensor(const torch::Tensor&)>& base_product,
+                       const std::function<torch::Tensor(const torch::Tensor&)>& base_gradient) {
+    torch::manual_seed(12);
+    auto lora = std::make_shared<LoraLinear>(layer, lora_options);
+    { torch::NoGradGuard no_grad; lora->lora_B().normal_(0.0, 0.1); }
+    lora->train();
+    const auto x = input.clone().requires_grad_(true);
+    const auto output = lora->forward(x);
+    output.backward(grad);
+    return Run{output.detach() - base_product(input), x.grad() - base_gradient(grad), lora->lora_A().grad(),
+               lora->lora_B().grad()};
+  };
+  const auto fp8 = run(base, [&](const torch::Tensor& x) { return base->own_product(x); },
+                       [&](const torch::Tensor& g) { return base->own_input_gradient(g); });
+  const auto reference = run(dense, [&](const torch::Tensor& x) { return x.mm(dense->weight().t()); },
+                             [&](const torch::Tensor& g) { return g.mm(dense->weight()); });
+  EXPECT_TRUE(torch::allclose(fp8.adapter_output, reference.adapter_output, 1e-5, 1e-6));
+  EXPECT_TRUE(torch::allclose(fp8.adapter_input_grad, reference.adapter_input_grad, 1e-5, 1e-6));
+  EXPECT_TRUE(torch::allclose(fp8.grad_a, reference.grad_a, 1e-5, 1e-6));
+  EXPECT_TRUE(torch::allclose(fp8.grad_b, reference.grad_b, 1e-5, 1e-6));
+  EXPECT_GT((fp8.adapter_output != 0).sum().item<int64_t>(), 0);
 }
 
 TEST(Float8Linear, TheCpuTakesTheReferencePathWhateverTheDtype) {

@@ -2,6 +2,7 @@
 
 #include "kernels/error.h"
 #include "qat/float8_matmul.h"
+#include "qat/layer_replacement.h"
 #include "qat/four_bit_codec.h"
 #include "qat/four_bit_format.h"
 
@@ -22,8 +23,22 @@ void quantize_int8(LlamaForCausalLMImpl& model, const BaseQuantizationSettings& 
 }
 
 void quantize_float8(LlamaForCausalLMImpl& model, const BaseQuantizationSettings& settings) {
-  if (settings.float8.device) {
+  if (settings.float8.device && settings.float8.device->is_cuda()) {
     qat::require_float8_tensor_cores(*settings.float8.device, settings.compute_dtype, "qlora.quant_type: fp8", "train.dtype");
+    // FP8 tensor cores take only multiples of 16; anything else would run the slow reference path.
+    const auto misfits = qat::find_linear_layers(
+        model,
+        [&](const std::string& name, const qat::LinearLayer& layer) {
+          return !qat::module_name_matches(name, settings.skip_modules) && dynamic_cast<const qat::DenseLinear*>(&layer) &&
+                 (layer.in_features() % 16 != 0 || layer.out_features() % 16 != 0);
+        },
+        [](const qat::LinearLayer&) { return false; });
+    if (!misfits.empty()) {
+      const auto& layer = *misfits.front().layer;
+      throw Error(ErrorCode::kRecipe, "qlora.quant_type: fp8 multiplies on FP8 tensor cores, which take sizes in multiples of "
+                  "16, and " + misfits.front().name + " is [" + std::to_string(layer.out_features()) + ", " +
+                  std::to_string(layer.in_features()) + "]: use nf4, or add it to qlora.skip_modules");
+    }
   }
   qat::quantize_linear_layers_float8(model, settings.float8, settings.skip_modules);
 }
