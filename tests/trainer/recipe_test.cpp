@@ -14,6 +14,7 @@
 #include "kernels/error.h"
 #include "support.h"
 #include "trainer/formats/export_formats.h"
+#include "trainer/recipe/base_quantization.h"
 #include "trainer/recipe/recipe_schema.h"
 
 namespace qtrain::trainer {
@@ -27,7 +28,7 @@ namespace fs = std::filesystem;
 
 const char* const kShippedRecipes[] = {"demo_tiny.yaml",      "qlora_llama.yaml",    "lora_llama.yaml",
                                        "qat_llama.yaml",      "qat_llama_q4_0.yaml", "qat_llama_int4_weight_only.yaml",
-                                       "lora_int8_llama.yaml"};
+                                       "lora_int8_llama.yaml", "lora_fp8_llama.yaml"};
 
 std::string shipped(const std::string& name) {
   return qtrain::testing::source_dir() + "/recipes/" + name;
@@ -128,6 +129,11 @@ TEST(ShippedRecipes, SayWhatTheirNamesPromise) {
   EXPECT_EQ(int8.qlora.quant_type, "int8");
   EXPECT_EQ(int8.qlora.llm_int8_threshold, 6.0);
   EXPECT_EQ(int8.optim.name, "adamw8bit");
+
+  const Recipe fp8 = load_recipe(shipped("lora_fp8_llama.yaml"), {});
+  EXPECT_EQ(fp8.qlora.quant_type, "fp8");
+  EXPECT_EQ(fp8.train.dtype, "bf16");
+  EXPECT_EQ(base_quantization(fp8, torch::kBFloat16).kind, BaseQuantization::kFp8);
 
   const Recipe lora = load_recipe(shipped("lora_llama.yaml"), {});
   EXPECT_EQ(lora.quant, "none");
