@@ -231,7 +231,7 @@ std::pair<at::Tensor, at::Tensor> quantize_rows_float8_cuda(const at::Tensor& in
 }
 
 bool float8_tensor_cores(int device_index) {
-  const auto* properties = at::cuda::getDeviceProperties(device_index);
+  const auto* properties = at::cuda::getDeviceProperties(device_index < 0 ? c10::cuda::current_device() : device_index);
   return properties->major * 10 + properties->minor >= 89;
 }
 

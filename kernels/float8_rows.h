@@ -26,8 +26,8 @@ std::pair<at::Tensor, at::Tensor> quantize_rows_float8_cuda(const at::Tensor& in
 // transposed 1-byte tensor takes several times longer).
 at::Tensor transpose_float8_cuda(const at::Tensor& codes);
 
-// Whether the GPU `device_index` has FP8 tensor cores that torch's scaled matmul drives
-// (compute capability 8.9: Ada, or 9.0: Hopper, and later).
+// Whether the GPU `device_index` (-1: the current one) has FP8 tensor cores that torch's scaled
+// matmul drives (compute capability 8.9: Ada, or 9.0: Hopper, and later).
 bool float8_tensor_cores(int device_index);
 
 }  // namespace qtrain::kernels

@@ -99,7 +99,7 @@ torch::Tensor transposed(const torch::Tensor& codes) {
 void require_float8_tensor_cores(const torch::Device& device, torch::ScalarType dtype, const std::string& what,
                                  const std::string& dtype_key) {
   if (!device.is_cuda()) return;
-  const int index = device.has_index() ? device.index() : 0;
+  const int index = device.has_index() ? device.index() : -1;  // "cuda": the current device
   if (!kernels::kCudaKernelsBuilt || !kernels::float8_tensor_cores(index)) {
     throw Error(ErrorCode::kRecipe, what + " multiplies on FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, "
                 "Blackwell), which " + device.str() + " lacks" +
