@@ -29,6 +29,19 @@ struct MaxKeepingNan {
   __device__ float operator()(float a, float b) const { return (a != a || a > b) ? a : b; }
 };
 
+// The row's scale from its absmax: clamp_min keeps a NaN, so the row's scale and codes become NaN,
+// as the torch reference's.
+__device__ __forceinline__ float row_scale(float absmax) {
+  return absmax != absmax ? absmax : __fdiv_rn(absmax > kSmallestAbsmax ? absmax : kSmallestAbsmax, kLargestCode);
+}
+
+// value / scale, clamped to e4m3's range (a NaN stays NaN), cast as c10 casts.
+__device__ __forceinline__ c10::Float8_e4m3fn code_of(float value, float scale) {
+  float code = __fdiv_rn(value, scale);
+  code = code > kLargestCode ? kLargestCode : (code < -kLargestCode ? -kLargestCode : code);
+  return static_cast<c10::Float8_e4m3fn>(code);
+}
+
 template <typename scalar_t>
 __device__ __forceinline__ float scaled_value(const scalar_t* row, const float* column_scale, int64_t j) {
   const float value = static_cast<float>(row[j]);
@@ -45,16 +58,9 @@ __global__ void quantize_rows_float8_kernel(const scalar_t* __restrict__ input, 
   for (int64_t j = threadIdx.x; j < columns; j += kThreads) {
     absmax = MaxKeepingNan{}(fabsf(scaled_value(row, column_scale, j)), absmax);
   }
-  absmax = block_reduce(absmax, MaxKeepingNan{}, 0.0f);
-  // clamp_min keeps a NaN: the row's scale and codes become NaN, as the torch reference's.
-  const float scale =
-      absmax != absmax ? absmax : __fdiv_rn(absmax > kSmallestAbsmax ? absmax : kSmallestAbsmax, kLargestCode);
+  const float scale = row_scale(block_reduce(absmax, MaxKeepingNan{}, 0.0f));
   if (threadIdx.x == 0) scales[blockIdx.x] = scale;
-  for (int64_t j = threadIdx.x; j < columns; j += kThreads) {
-    float code = __fdiv_rn(scaled_value(row, column_scale, j), scale);
-    code = code > kLargestCode ? kLargestCode : (code < -kLargestCode ? -kLargestCode : code);  // NaN stays NaN
-    codes[offset + j] = static_cast<c10::Float8_e4m3fn>(code);
-  }
+  for (int64_t j = threadIdx.x; j < columns; j += kThreads) codes[offset + j] = code_of(scaled_value(row, column_scale, j), scale);
 }
 
 // Rows of whole 16-byte vectors (up to 32,768 bf16 values): 16-byte loads, 8-byte (bf16) or
@@ -111,9 +117,7 @@ __global__ void __launch_bounds__(kMaxThreads) quantize_rows_float8_vector_kerne
       for (int k = 0; k < kValues; ++k) absmax = MaxKeepingNan{}(fabsf(held[v][k]), absmax);
     }
   }
-  absmax = block_reduce(absmax, MaxKeepingNan{}, 0.0f);
-  const float scale =
-      absmax != absmax ? absmax : __fdiv_rn(absmax > kSmallestAbsmax ? absmax : kSmallestAbsmax, kLargestCode);
+  const float scale = row_scale(block_reduce(absmax, MaxKeepingNan{}, 0.0f));
   if (threadIdx.x == 0) scales[blockIdx.x] = scale;
   auto* out = reinterpret_cast<uint8_t*>(codes + offset);
 #pragma unroll
@@ -122,11 +126,7 @@ __global__ void __launch_bounds__(kMaxThreads) quantize_rows_float8_vector_kerne
     if (index < vectors) {
       alignas(8) uint8_t bytes[kValues];
 #pragma unroll
-      for (int k = 0; k < kValues; ++k) {
-        float code = __fdiv_rn(held[v][k], scale);
-        code = code > kLargestCode ? kLargestCode : (code < -kLargestCode ? -kLargestCode : code);  // NaN stays NaN
-        bytes[k] = static_cast<c10::Float8_e4m3fn>(code).x;
-      }
+      for (int k = 0; k < kValues; ++k) bytes[k] = code_of(held[v][k], scale).x;
       if constexpr (kValues == 8) {
         *reinterpret_cast<uint2*>(out + index * kValues) = *reinterpret_cast<const uint2*>(bytes);
       } else {

@@ -141,6 +141,18 @@ TEST(Float8Linear, ForwardAndBackwardStandaloneWithBiasAndNoParameters) {
                            layer->weight().codes.to(torch::kFloat) * layer->weight().scales));
 }
 
+// A rank-4 adapter over `base` with a random B (a fresh one's B is zero: no update to check).
+std::shared_ptr<LoraLinear> adapter_over(const std::shared_ptr<LinearLayer>& base, double dropout) {
+  LoraOptions options;
+  options.rank = 4;
+  options.alpha = 8;
+  options.dropout = dropout;
+  auto lora = std::make_shared<LoraLinear>(base, options);
+  torch::NoGradGuard no_grad;
+  lora->lora_B().normal_(0.0, 0.1);
+  return lora;
+}
+
 // Under LoRA the base's share comes from its own products; the adapter's gradients are those of
 // the same adapter over any base.
 TEST(Float8Linear, LoraOverAnFp8BaseAddsTheBaseProductsToTheAdapters) {
@@ -149,11 +161,7 @@ TEST(Float8Linear, LoraOverAnFp8BaseAddsTheBaseProductsToTheAdapters) {
   Float8Options options;
   options.compute_dtype = torch::kFloat;
   auto base = Float8Linear::from_dense(weight, torch::Tensor(), options);
-  LoraOptions lora_options;
-  lora_options.rank = 4;
-  lora_options.alpha = 8;
-  auto lora = std::make_shared<LoraLinear>(base, lora_options);
-  { torch::NoGradGuard no_grad; lora->lora_B().normal_(0.0, 0.1); }
+  auto lora = adapter_over(base, 0.0);
 
   auto input = torch::randn({6, 64}, torch::requires_grad());
   const auto output = lora->forward(input);
@@ -192,10 +200,6 @@ TEST(Float8Linear, LoraDropoutOverAnFp8BaseMasksTheAdapterOnly) {
   auto base = Float8Linear::from_dense(torch::randn({32, 64}) * 0.1, torch::Tensor(), options);
   auto dense = std::make_shared<DenseLinear>(DenseLinearOptions{64, 32, false, torch::kFloat});
   { torch::NoGradGuard no_grad; const_cast<torch::Tensor&>(dense->weight()).copy_(base->dense_weight(torch::kFloat)); }
-  LoraOptions lora_options;
-  lora_options.rank = 4;
-  lora_options.alpha = 8;
-  lora_options.dropout = 0.5;
   const auto input = torch::randn({6, 64});
   const auto grad = torch::randn({6, 32});
   struct Run {
@@ -204,8 +208,7 @@ TEST(Float8Linear, LoraDropoutOverAnFp8BaseMasksTheAdapterOnly) {
   const auto run = [&](const std::shared_ptr<LinearLayer>& layer, const std::function<torch::Tensor(const torch::Tensor&)>& base_product,
                        const std::function<torch::Tensor(const torch::Tensor&)>& base_gradient) {
     torch::manual_seed(12);
-    auto lora = std::make_shared<LoraLinear>(layer, lora_options);
-    { torch::NoGradGuard no_grad; lora->lora_B().normal_(0.0, 0.1); }
+    auto lora = adapter_over(layer, 0.5);
     lora->train();
     const auto x = input.clone().requires_grad_(true);
     const auto output = lora->forward(x);
