@@ -40,12 +40,12 @@ torch::Tensor Float8Linear::forward(const torch::Tensor& input) {
   return bias_.defined() ? output + bias_.to(input.scalar_type()) : output;
 }
 
-torch::Tensor Float8Linear::own_product(const torch::Tensor& rows) const {
-  return float8_product(rows, weight_, fast_accumulation_);
+torch::Tensor Float8Linear::own_product(const torch::Tensor& rows, torch::Tensor onto) const {
+  return float8_product(rows, weight_, fast_accumulation_, std::move(onto));
 }
 
-torch::Tensor Float8Linear::own_input_gradient(const torch::Tensor& grad_rows) const {
-  return float8_input_gradient(grad_rows, weight_);
+torch::Tensor Float8Linear::own_input_gradient(const torch::Tensor& grad_rows, torch::Tensor onto) const {
+  return float8_input_gradient(grad_rows, weight_, std::move(onto));
 }
 
 void Float8Linear::pretty_print(std::ostream& stream) const {

@@ -48,8 +48,8 @@ class Float8Linear : public LinearLayer {
   MatmulWeight matmul_weight_kind() const override { return MatmulWeight::kBuilt; }
   torch::Tensor matmul_weight(torch::ScalarType dtype) const override { return dense_weight(dtype); }
   bool multiplies_itself() const override { return true; }
-  torch::Tensor own_product(const torch::Tensor& rows) const override;
-  torch::Tensor own_input_gradient(const torch::Tensor& grad_rows) const override;
+  torch::Tensor own_product(const torch::Tensor& rows, torch::Tensor onto) const override;
+  torch::Tensor own_input_gradient(const torch::Tensor& grad_rows, torch::Tensor onto) const override;
   void pretty_print(std::ostream& stream) const override;
 
   const Float8Rows& weight() const { return weight_; }

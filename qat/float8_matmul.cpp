@@ -2,30 +2,63 @@
 
 #include <ATen/ops/_scaled_mm.h>
 
+#include <map>
 #include <mutex>
+#include <string>
 #include <torch/csrc/autograd/function.h>
 
 #include "kernels/cuda_build.h"
 #include "kernels/error.h"
+#include "kernels/float8_gemm.h"
 #include "kernels/float8_rows.h"
 
 namespace qtrain::qat {
 
 namespace {
 
-// The tensor cores' product of two row-quantized operands: left [m, k] row-major, right_t the
-// right operand's transpose [n, k] row-major (read as [k, n] column-major), right_scales [1, n].
+// The product of two row-quantized operands, left [m, k] and right_t the right operand's transpose
+// [n, k] (both row-major), right_scales [1, n], in `dtype`, added onto `onto` in place if defined.
+// On the tensor cores: with `onto`, cuBLASLt's FP8 matmul accumulates onto it (beta = 1; where
+// this cuBLASLt cannot, torch's scaled matmul and an add); without, torch's scaled matmul.
+// The reference: the codes multiplied in fp32, then both scales, then the sum with `onto`.
 torch::Tensor scaled_matmul(const Float8Rows& left, const torch::Tensor& right_t, const torch::Tensor& right_scales,
-                            torch::ScalarType dtype, bool fast_accumulation) {
-  return at::_scaled_mm(left.codes, right_t.t(), left.scales, right_scales, /*bias=*/std::nullopt,
-                        /*scale_result=*/std::nullopt, dtype, fast_accumulation);
+                            torch::ScalarType dtype, bool fast_accumulation, bool tensor_cores, torch::Tensor onto) {
+  if (tensor_cores) {
+    if (onto.defined() &&
+        kernels::float8_gemm_cuda(left.codes, left.scales, right_t, right_scales, onto, /*accumulate=*/true,
+                                  fast_accumulation)) {
+      return onto;
+    }
+    // right_t.t(): [k, n] column-major, as the tensor cores read a right operand.
+    auto product = at::_scaled_mm(left.codes, right_t.t(), left.scales, right_scales, /*bias=*/std::nullopt,
+                                  /*scale_result=*/std::nullopt, dtype, fast_accumulation);
+    return onto.defined() ? onto.add_(product) : product;
+  }
+  const auto product =
+      torch::mm(left.codes.to(torch::kFloat32), right_t.to(torch::kFloat32).t()) * left.scales * right_scales;
+  return onto.defined() ? onto.copy_(product + onto.to(torch::kFloat32)) : product.to(dtype);
 }
 
-// The reference for the same product: the codes multiplied in fp32, then both scales.
-torch::Tensor reference_matmul(const Float8Rows& left, const torch::Tensor& right_t, const torch::Tensor& right_scales,
-                               torch::ScalarType dtype) {
-  const auto product = torch::mm(left.codes.to(torch::kFloat32), right_t.to(torch::kFloat32).t());
-  return (product * left.scales * right_scales).to(dtype);
+void check_onto(const torch::Tensor& onto, int64_t rows, int64_t columns, torch::ScalarType dtype, const char* what) {
+  if (onto.defined() && (onto.dim() != 2 || onto.size(0) != rows || onto.size(1) != columns ||
+                         onto.scalar_type() != dtype || !onto.is_contiguous())) {
+    throw Error(ErrorCode::kInternal, std::string(what) + ": the tensor to accumulate onto must be a contiguous [" +
+                                          std::to_string(rows) + ", " + std::to_string(columns) + "] " +
+                                          c10::toString(dtype) + " tensor");
+  }
+}
+
+// [1, columns] of ones on `device`: the input gradient's right-hand scales (W's own scales go into
+// the gradient before it is quantized). One tensor per device, grown as needed, shared by calls.
+torch::Tensor ones_row(int64_t columns, const torch::Device& device) {
+  static std::mutex mutex;
+  static auto* kept = new std::map<std::string, torch::Tensor>();  // never destroyed: no CUDA frees during exit
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto& ones = (*kept)[device.str()];
+  if (!ones.defined() || ones.size(1) < columns) {
+    ones = torch::ones({1, columns}, torch::TensorOptions().dtype(torch::kFloat32).device(device));
+  }
+  return ones.narrow(1, 0, columns);
 }
 
 class Float8MatmulBackward : public torch::autograd::Node {
@@ -36,7 +69,7 @@ class Float8MatmulBackward : public torch::autograd::Node {
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     const auto grad_rows = grads[0].reshape({-1, weight_.codes.size(0)});
-    return {float8_input_gradient(grad_rows, weight_).view(input_shape_)};
+    return {float8_input_gradient(grad_rows, weight_, torch::Tensor()).view(input_shape_)};
   }
 
  private:
@@ -116,26 +149,25 @@ bool float8_tensor_cores(const torch::Tensor& rows, int64_t out_features) {
          rows.size(1) % 16 == 0 && out_features % 16 == 0 && kernels::float8_tensor_cores(rows.get_device());
 }
 
-torch::Tensor float8_product(const torch::Tensor& rows, const Float8Rows& weight, bool fast_accumulation) {
+torch::Tensor float8_product(const torch::Tensor& rows, const Float8Rows& weight, bool fast_accumulation,
+                             torch::Tensor onto) {
   torch::NoGradGuard no_grad;
+  check_onto(onto, rows.size(0), weight.codes.size(0), rows.scalar_type(), "float8_product");
   const auto quantized = quantized_rows(rows);
-  const auto weight_scales = weight.scales.view({1, -1});
-  if (float8_tensor_cores(rows, weight.codes.size(0))) {
-    return scaled_matmul(quantized, weight.codes, weight_scales, rows.scalar_type(), fast_accumulation);
-  }
-  return reference_matmul(quantized, weight.codes, weight_scales, rows.scalar_type());
+  return scaled_matmul(quantized, weight.codes, weight.scales.view({1, -1}), rows.scalar_type(), fast_accumulation,
+                       float8_tensor_cores(rows, weight.codes.size(0)), std::move(onto));
 }
 
-torch::Tensor float8_input_gradient(const torch::Tensor& grad_rows, const Float8Rows& weight) {
+torch::Tensor float8_input_gradient(const torch::Tensor& grad_rows, const Float8Rows& weight, torch::Tensor onto) {
   torch::NoGradGuard no_grad;
+  check_onto(onto, grad_rows.size(0), weight.codes.size(1), grad_rows.scalar_type(), "float8_input_gradient");
   drop_quantized_rows();
   const auto quantized = quantize_rows_float8(grad_rows, weight.scales.view({-1}));
-  const auto ones = torch::ones({1, weight.codes.size(1)}, weight.scales.options());
-  if (float8_tensor_cores(grad_rows, weight.codes.size(1))) {
-    // W_q^T [in, out] row-major: the right operand's transpose as the tensor cores read it.
-    return scaled_matmul(quantized, transposed(weight.codes), ones, grad_rows.scalar_type(), /*fast_accumulation=*/false);
-  }
-  return reference_matmul(quantized, weight.codes.t(), ones, grad_rows.scalar_type());
+  const auto ones = ones_row(weight.codes.size(1), weight.scales.device());
+  const bool tensor_cores = float8_tensor_cores(grad_rows, weight.codes.size(1));
+  // W_q^T [in, out] row-major: the right operand's transpose as the tensor cores read it.
+  return scaled_matmul(quantized, tensor_cores ? transposed(weight.codes) : weight.codes.t(), ones,
+                       grad_rows.scalar_type(), /*fast_accumulation=*/false, tensor_cores, std::move(onto));
 }
 
 torch::Tensor float8_matmul(const torch::Tensor& input, const Float8Rows& weight, bool fast_accumulation) {

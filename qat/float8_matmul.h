@@ -41,9 +41,14 @@ bool float8_tensor_cores(const torch::Tensor& rows, int64_t out_features);
 // `fast_accumulation` the tensor cores sum in their own precision (about 14 bits) without
 // promoting partial sums to fp32: faster, with errors growing with `in` (torchao's Float8Linear
 // does this for its forward; the input gradient here is always promoted).
-torch::Tensor float8_product(const torch::Tensor& rows, const Float8Rows& weight, bool fast_accumulation = false);
-// grad_rows [tokens, out] -> grad_rows W [tokens, in] in grad_rows' dtype, without autograd.
-torch::Tensor float8_input_gradient(const torch::Tensor& grad_rows, const Float8Rows& weight);
+// `onto`, if defined ([tokens, out], contiguous, rows' dtype), receives the product added onto what
+// it holds, in place: on the tensor cores in one pass (cuBLASLt's beta, kernels/float8_gemm.h),
+// summed in fp32 and rounded once; on the reference path the same sum in fp32.
+torch::Tensor float8_product(const torch::Tensor& rows, const Float8Rows& weight, bool fast_accumulation = false,
+                             torch::Tensor onto = {});
+// grad_rows [tokens, out] -> grad_rows W [tokens, in] in grad_rows' dtype, without autograd; `onto`
+// as above ([tokens, in]).
+torch::Tensor float8_input_gradient(const torch::Tensor& grad_rows, const Float8Rows& weight, torch::Tensor onto = {});
 
 // input [..., in] -> [..., out] in input's dtype; backward reaches the input only.
 torch::Tensor float8_matmul(const torch::Tensor& input, const Float8Rows& weight, bool fast_accumulation = false);

@@ -26,11 +26,11 @@ torch::Tensor LinearLayer::matmul_weight(torch::ScalarType) const {
   throw Error(ErrorCode::kInternal, name() + " does not multiply by a dense weight; its adapters run unfused (a bug if reached)");
 }
 
-torch::Tensor LinearLayer::own_product(const torch::Tensor&) const {
+torch::Tensor LinearLayer::own_product(const torch::Tensor&, torch::Tensor) const {
   throw Error(ErrorCode::kInternal, name() + " multiplies through its weight, not its own product (a bug if reached)");
 }
 
-torch::Tensor LinearLayer::own_input_gradient(const torch::Tensor&) const {
+torch::Tensor LinearLayer::own_input_gradient(const torch::Tensor&, torch::Tensor) const {
   throw Error(ErrorCode::kInternal, name() + " multiplies through its weight, not its own product (a bug if reached)");
 }
 

@@ -37,8 +37,11 @@ class LinearLayer : public torch::nn::Module {
   virtual bool multiplies_itself() const { return false; }
   // rows [tokens, in] -> rows W^T [tokens, out] (no bias), and grad_rows [tokens, out] ->
   // grad_rows W [tokens, in], in the rows' dtype, without autograd; an Error unless multiplies_itself.
-  virtual torch::Tensor own_product(const torch::Tensor& rows) const;
-  virtual torch::Tensor own_input_gradient(const torch::Tensor& grad_rows) const;
+  // `onto`, if defined (contiguous, the result's shape and dtype), is what the product is added
+  // onto, in place, and returned: an adapter writes its rank-r share first and the large product
+  // accumulates onto it, with no second pass over the output.
+  virtual torch::Tensor own_product(const torch::Tensor& rows, torch::Tensor onto) const;
+  virtual torch::Tensor own_input_gradient(const torch::Tensor& grad_rows, torch::Tensor onto) const;
 };
 
 // While one lives on this thread, layers that build their matmul weight (a dequantization) keep

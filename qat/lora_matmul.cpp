@@ -53,17 +53,12 @@ class LoraMatmulBackward : public torch::autograd::Node {
     const auto grad_projected = torch::mm(grad_rows, b_);       // [tokens, rank]
     torch::autograd::variable_list result(3);
     if (should_compute_output(0)) {
-      torch::Tensor grad_input;  // [tokens, in]
-      if (base_->multiplies_itself() && !kept_.defined()) {
-        grad_input = base_->own_input_gradient(grad_rows).addmm_(grad_projected, a_, /*beta=*/1.0, /*alpha=*/scale_);
+      auto grad_input = scaled_product(grad_projected, a_, scale_, torch::Tensor());  // [tokens, in]
+      if (kept_.defined()) grad_input = dropped(grad_input, kept_, dropout_);       // dropout's backward
+      if (base_->multiplies_itself()) {
+        base_->own_input_gradient(grad_rows, grad_input);
       } else {
-        grad_input = scaled_product(grad_projected, a_, scale_, torch::Tensor());
-        if (kept_.defined()) grad_input = dropped(grad_input, kept_, dropout_);  // dropout's backward
-        if (base_->multiplies_itself()) {
-          grad_input.add_(base_->own_input_gradient(grad_rows));
-        } else {
-          grad_input.addmm_(grad_rows, weight_.defined() ? weight_ : base_->matmul_weight(grad_rows.scalar_type()));
-        }
+        grad_input.addmm_(grad_rows, weight_.defined() ? weight_ : base_->matmul_weight(grad_rows.scalar_type()));
       }
       result[0] = grad_input.view(input_shape_);
     }
@@ -105,13 +100,11 @@ torch::Tensor lora_matmul(const torch::Tensor& input, const std::shared_ptr<Line
     b = lora_B.to(dtype);
     if (dropout > 0.0) kept = torch::empty(rows.sizes(), rows.options().dtype(torch::kBool)).bernoulli_(1.0 - dropout);
     projected = torch::mm(dropout > 0.0 ? dropped(rows, kept, dropout) : rows, a.t());
+    output = scaled_product(projected, b.t(), scale, base->bias());
     if (base->multiplies_itself()) {
-      output = base->own_product(rows);
-      if (base->bias().defined()) output.add_(base->bias().to(dtype));
-      output.addmm_(projected, b.t(), /*beta=*/1.0, /*alpha=*/scale);
+      base->own_product(rows, output);
     } else {
       weight = base->matmul_weight(dtype);
-      output = scaled_product(projected, b.t(), scale, base->bias());
       output.addmm_(rows, weight.t());
     }
   }

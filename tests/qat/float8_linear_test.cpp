@@ -10,6 +10,7 @@
 #include <functional>
 
 #include "kernels/error.h"
+#include "kernels/float8_gemm.h"
 #include "kernels/float8_rows.h"
 #include "qat/float8_codec.h"
 #include "qat/float8_linear.h"
@@ -127,10 +128,10 @@ TEST(Float8Linear, ForwardAndBackwardStandaloneWithBiasAndNoParameters) {
   const auto output = layer->forward(input);
   ASSERT_EQ(output.sizes(), (std::vector<int64_t>{3, 5, 32}));
   const auto rows = input.detach().reshape({-1, 64});
-  EXPECT_TRUE(torch::equal(output.detach().reshape({-1, 32}), layer->own_product(rows) + layer->bias()));
+  EXPECT_TRUE(torch::equal(output.detach().reshape({-1, 32}), layer->own_product(rows, torch::Tensor()) + layer->bias()));
   const auto grad = torch::randn({3, 5, 32});
   output.backward(grad);
-  EXPECT_TRUE(torch::equal(input.grad().reshape({-1, 64}), layer->own_input_gradient(grad.reshape({-1, 32}))));
+  EXPECT_TRUE(torch::equal(input.grad().reshape({-1, 64}), layer->own_input_gradient(grad.reshape({-1, 32}), torch::Tensor())));
 
   layer->to(torch::kBFloat16);  // only the bias changes dtype
   EXPECT_EQ(layer->weight().codes.scalar_type(), torch::kFloat8_e4m3fn);
@@ -170,9 +171,9 @@ TEST(Float8Linear, LoraOverAnFp8BaseAddsTheBaseProductsToTheAdapters) {
 
   const auto x = as_double(input.detach()), a = as_double(lora->lora_A()), b = as_double(lora->lora_B()), g = as_double(grad);
   const double scale = lora->scale();
-  const auto expected_output = as_double(base->own_product(input.detach())) + scale * x.mm(a.t()).mm(b.t());
+  const auto expected_output = as_double(base->own_product(input.detach(), torch::Tensor())) + scale * x.mm(a.t()).mm(b.t());
   EXPECT_TRUE(torch::allclose(as_double(output.detach()), expected_output, 1e-5, 1e-6));
-  const auto expected_input_grad = as_double(base->own_input_gradient(grad)) + scale * g.mm(b).mm(a);
+  const auto expected_input_grad = as_double(base->own_input_gradient(grad, torch::Tensor())) + scale * g.mm(b).mm(a);
   EXPECT_TRUE(torch::allclose(as_double(input.grad()), expected_input_grad, 1e-5, 1e-6));
   EXPECT_TRUE(torch::allclose(as_double(lora->lora_A().grad()), scale * g.mm(b).t().mm(x), 1e-5, 1e-6));
   EXPECT_TRUE(torch::allclose(as_double(lora->lora_B().grad()), scale * g.t().mm(x.mm(a.t())), 1e-5, 1e-6));
@@ -216,8 +217,8 @@ TEST(Float8Linear, LoraDropoutOverAnFp8BaseMasksTheAdapterOnly) {
     return Run{output.detach() - base_product(input), x.grad() - base_gradient(grad), lora->lora_A().grad(),
                lora->lora_B().grad()};
   };
-  const auto fp8 = run(base, [&](const torch::Tensor& x) { return base->own_product(x); },
-                       [&](const torch::Tensor& g) { return base->own_input_gradient(g); });
+  const auto fp8 = run(base, [&](const torch::Tensor& x) { return base->own_product(x, torch::Tensor()); },
+                       [&](const torch::Tensor& g) { return base->own_input_gradient(g, torch::Tensor()); });
   const auto reference = run(dense, [&](const torch::Tensor& x) { return x.mm(dense->weight().t()); },
                              [&](const torch::Tensor& g) { return g.mm(dense->weight()); });
   EXPECT_TRUE(torch::allclose(fp8.adapter_output, reference.adapter_output, 1e-5, 1e-6));
@@ -225,6 +226,25 @@ TEST(Float8Linear, LoraDropoutOverAnFp8BaseMasksTheAdapterOnly) {
   EXPECT_TRUE(torch::allclose(fp8.grad_a, reference.grad_a, 1e-5, 1e-6));
   EXPECT_TRUE(torch::allclose(fp8.grad_b, reference.grad_b, 1e-5, 1e-6));
   EXPECT_GT((fp8.adapter_output != 0).sum().item<int64_t>(), 0);
+}
+
+// On the reference path `onto` receives the product added in fp32, in place.
+TEST(Float8Linear, TheProductsAccumulateOntoAGivenTensorInPlace) {
+  torch::manual_seed(12);
+  const auto weight = quantize_rows_float8(torch::randn({32, 64}) * 0.05);
+  const auto rows = torch::randn({5, 64});
+  const auto onto = torch::randn({5, 32});
+  auto accumulated = onto.clone();
+  const auto returned = float8_product(rows, weight, false, accumulated);
+  EXPECT_EQ(returned.data_ptr(), accumulated.data_ptr());
+  EXPECT_TRUE(torch::allclose(accumulated, float8_product(rows, weight) + onto, 1e-6, 1e-6));
+  const auto grad = torch::randn({5, 32});
+  auto grad_onto = torch::randn({5, 64});
+  const auto expected = float8_input_gradient(grad, weight) + grad_onto;
+  float8_input_gradient(grad, weight, grad_onto);
+  EXPECT_TRUE(torch::allclose(grad_onto, expected, 1e-6, 1e-6));
+  auto wrong_shape = torch::zeros({5, 31});
+  EXPECT_THROW(float8_product(rows, weight, false, wrong_shape), Error);
 }
 
 TEST(Float8Linear, TheCpuTakesTheReferencePathWhateverTheDtype) {
@@ -311,6 +331,54 @@ TEST(Float8Cuda, ScaledMatmulsMatchTheReferencePath) {
     expect_within_tensor_core_rounding(float8_input_gradient(grad, weight), float8_input_gradient(grad.to(torch::kFloat), weight),
                                        product_magnitudes(folded, weight.codes.t(), torch::ones({1}, weight.scales.options())),
                                        "input gradient, " + std::to_string(tokens) + " tokens");
+  }
+}
+
+
+// cuBLASLt's FP8 matmul accumulating onto what the output holds (kernels/float8_gemm.h), as LoRA
+// uses it, against the reference path's fp32 sum; 37 tokens is not a multiple of the tensor
+// cores' tiles. cuBLASLt's epilogue may round the scaled product to bf16 before adding `onto`
+// (measured: up to 3.3x the one-rounding bound where the sum cancels), so the bound adds one more
+// bf16 rounding of the product itself: the error of the two-pass path this replaces. The kernel
+// itself must run here (no fallback to torch's scaled matmul and an add on a Hopper).
+TEST(Float8Cuda, ScaledMatmulsAccumulateOntoTheOutputInOnePass) {
+  if (!has_float8_gpu()) GTEST_SKIP() << "no GPU with FP8 tensor cores on this machine";
+  torch::manual_seed(11);
+  const auto weight = quantize_rows_float8((torch::randn({96, 256}) * 0.05).to(torch::kCUDA));
+  for (const int64_t tokens : {37, 256}) {
+    const auto rows = torch::randn({tokens, 256}).to(torch::kCUDA, torch::kBFloat16);
+    const auto onto = torch::randn({tokens, 96}).to(torch::kCUDA, torch::kBFloat16);
+    const auto quantized = quantize_rows_float8(rows);
+    auto direct = onto.clone();
+    ASSERT_TRUE(kernels::float8_gemm_cuda(quantized.codes, quantized.scales, weight.codes, weight.scales, direct,
+                                          /*accumulate=*/true, /*fast_accumulation=*/false));
+    auto accumulated = onto.clone();
+    const auto returned = float8_product(rows, weight, /*fast_accumulation=*/false, accumulated);
+    EXPECT_EQ(returned.data_ptr(), accumulated.data_ptr());
+    EXPECT_TRUE(torch::equal(accumulated, direct));
+    const auto reference = float8_product(rows.to(torch::kFloat), weight) + onto.to(torch::kFloat);
+    const auto product = float8_product(rows.to(torch::kFloat), weight).abs();
+    expect_within_tensor_core_rounding(accumulated, reference,
+                                       product_magnitudes(quantized, weight.codes, weight.scales) + 16 * product,
+                                       "product onto, " + std::to_string(tokens) + " tokens");
+    // beta = 0 overwrites whatever the output held.
+    auto overwritten = torch::full({tokens, 96}, 1e4, rows.options());
+    ASSERT_TRUE(kernels::float8_gemm_cuda(quantized.codes, quantized.scales, weight.codes, weight.scales, overwritten,
+                                          /*accumulate=*/false, /*fast_accumulation=*/false));
+    expect_within_tensor_core_rounding(overwritten, float8_product(rows.to(torch::kFloat), weight),
+                                       product_magnitudes(quantized, weight.codes, weight.scales),
+                                       "product over 1e4, " + std::to_string(tokens) + " tokens");
+
+    const auto grad = torch::randn({tokens, 96}).to(torch::kCUDA, torch::kBFloat16);
+    const auto grad_onto = torch::randn({tokens, 256}).to(torch::kCUDA, torch::kBFloat16);
+    auto grad_accumulated = grad_onto.clone();
+    float8_input_gradient(grad, weight, grad_accumulated);
+    const auto folded = quantize_rows_float8(grad, weight.scales.view({-1}));
+    const auto grad_product = float8_input_gradient(grad.to(torch::kFloat), weight);
+    expect_within_tensor_core_rounding(
+        grad_accumulated, grad_product + grad_onto.to(torch::kFloat),
+        product_magnitudes(folded, weight.codes.t(), torch::ones({1}, weight.scales.options())) + 16 * grad_product.abs(),
+        "input gradient onto, " + std::to_string(tokens) + " tokens");
   }
 }
 
