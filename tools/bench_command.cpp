@@ -122,13 +122,24 @@ trainer::Recipe bench_recipe(const trainer::BaseQuantizationRow& base, bool fake
   return recipe;
 }
 
-// One micro-batch of random tokens, on the CPU as the data loader hands them out.
-data::Batch random_batch(int64_t micro_batch, int64_t sequence, int64_t vocab_size) {
+// One micro-batch of random tokens, on the CPU as the data loader hands them out. samples > 0:
+// each row packs that many samples of equal length (the last takes the remainder), as
+// data::collate marks packed rows: positions restart at each sample, whose first token is no label.
+data::Batch random_batch(int64_t micro_batch, int64_t sequence, int64_t vocab_size, int64_t samples = 0) {
   data::Batch batch;
   batch.input_ids = torch::randint(vocab_size, {micro_batch, sequence}, torch::kInt64);
   batch.labels = batch.input_ids.clone();
   batch.input_tokens = micro_batch * sequence;
   batch.predicted_tokens = micro_batch * (sequence - 1);
+  if (samples > 0) {
+    const int64_t length = sequence / samples;
+    const auto sample = torch::clamp_max(torch::div(torch::arange(sequence, torch::kInt64), length, "floor"), samples - 1);
+    const auto position = torch::arange(sequence, torch::kInt64) - sample * length;
+    batch.sample_ids = sample.unsqueeze(0).expand({micro_batch, -1}).contiguous();
+    batch.position_ids = position.unsqueeze(0).expand({micro_batch, -1}).contiguous();
+    batch.labels.masked_fill_((position == 0).unsqueeze(0).expand({micro_batch, -1}), data::kIgnoreLabel);
+    batch.predicted_tokens = micro_batch * (sequence - samples);
+  }
   return batch;
 }
 
@@ -248,7 +259,7 @@ std::pair<int64_t, double> longest_context(const torch::Device& device, int64_t 
 int run_bench(const Arguments& arguments) {
   std::string shape, quant, dtype_name, device_name, checkpoint_run, optimizer_name, trace_path, lora_gradient;
   int64_t micro_batch = 0, sequence = 0, steps = 0, warmup = 0, lora_rank = 0, loss_chunk = 0, profile_steps = 0;
-  int64_t mlp_chunk = 0;
+  int64_t mlp_chunk = 0, packed_samples = 0;
   double memory_limit_gib = 0;
   po::options_description options("bench options");
   options.add_options()
@@ -265,6 +276,10 @@ int run_bench(const Arguments& arguments) {
        "(train.offload_activations)")
       ("mlp-chunk", po::value(&mlp_chunk)->default_value(0), "MLP chunk tokens (train.mlp_chunk_tokens); 0: whole")
       ("unfused-loss", po::bool_switch(), "each loss chunk's whole logits (train.fused_loss: false)")
+      ("packed-samples", po::value(&packed_samples)->default_value(0),
+       "pack each sequence with this many samples of equal length (attention stays inside each); 0: unpacked")
+      ("packed-mask", po::bool_switch(), "with --packed-samples: SDPA over the written-out block-causal mask instead "
+       "of flash attention over the samples' spans (to compare)")
       ("rebuild-weights", po::bool_switch(), "with --checkpointing: dequantize again in backward instead of keeping "
        "a recomputed layer's weights (train.keep_built_weights: false)")
       ("embeddings-on-host", po::bool_switch(), "the input embedding table stays on the host (train.embeddings_on_host)")
@@ -319,7 +334,12 @@ int run_bench(const Arguments& arguments) {
   if (recipe.train.offload_activations && !checkpointing) {
     throw Error(ErrorCode::kUsage, "--offload-activations moves what --checkpointing keeps: add --checkpointing");
   }
+  if (packed_samples < 0 || packed_samples > sequence) throw Error(ErrorCode::kUsage, "--packed-samples must be 0..--seq");
+  if (values["packed-mask"].as<bool>() && packed_samples == 0) {
+    throw Error(ErrorCode::kUsage, "--packed-mask compares packed attention: add --packed-samples");
+  }
   const bool max_context = values["max-context"].as<bool>();
+  if (max_context && packed_samples > 0) throw Error(ErrorCode::kUsage, "--max-context measures one unpacked sequence");
   if (max_context && micro_batch != 1) throw Error(ErrorCode::kUsage, "--max-context measures one sequence: --micro-batch 1");
   if (memory_limit_gib > 0) limit_device_memory(device, memory_limit_gib);
   if (base.kind == trainer::BaseQuantization::kFp8) qat::require_float8_tensor_cores(device, dtype, "--quant fp8", "--dtype");
@@ -366,6 +386,7 @@ int run_bench(const Arguments& arguments) {
   trainer::LossScaler scaler(/*enabled=*/dtype == torch::kFloat16);
   auto step_options = trainer::training_step_options(recipe, llama.vocab_size, device);
   if (loss_chunk < 0) step_options.loss_chunk_tokens = -1;
+  if (values["packed-mask"].as<bool>()) step_options.packed_attention = trainer::PackedAttention::kWrittenOutMask;
   const int64_t chunk = step_options.loss_chunk_tokens;
   trainer::TrainingStep train_step(*model, trained.tensors, *optimizer, scaler, step_options);
   synchronize(device);
@@ -377,7 +398,7 @@ int run_bench(const Arguments& arguments) {
   // `timed` steps of `tokens`-long sequences after `untimed` ones: the median step time and the
   // peak memory of the timed steps.
   const auto measure = [&](int64_t tokens, int64_t untimed, int64_t timed) {
-    const std::vector<data::Batch> batches = {random_batch(micro_batch, tokens, llama.vocab_size)};
+    const std::vector<data::Batch> batches = {random_batch(micro_batch, tokens, llama.vocab_size, packed_samples)};
     std::vector<double> seconds;
     trainer::reset_peak_memory(device);
     for (int64_t step = 0; step < untimed + timed; ++step) {
@@ -400,7 +421,7 @@ int run_bench(const Arguments& arguments) {
   } else {
     median = measure(sequence, warmup, steps).first;
   }
-  const std::vector<data::Batch> batches = {random_batch(micro_batch, sequence, llama.vocab_size)};
+  const std::vector<data::Batch> batches = {random_batch(micro_batch, sequence, llama.vocab_size, packed_samples)};
   const auto memory = trainer::memory_usage(device);
   if (profile_steps > 0) {
     KernelProfile profile(device.is_cuda());
@@ -431,7 +452,9 @@ int run_bench(const Arguments& arguments) {
            2.0 * llama.hidden_size * llama.num_key_value_heads * llama.head_dim +
            3.0 * llama.hidden_size * llama.intermediate_size) +
       static_cast<double>(llama.hidden_size) * llama.vocab_size;
-  const double attention = 4.0 * llama.num_hidden_layers * sequence * llama.num_attention_heads * llama.head_dim;
+  // A token attends within its sample: packed rows do less attention work than one long sequence.
+  const double attended = packed_samples > 0 ? static_cast<double>(sequence) / packed_samples : sequence;
+  const double attention = 4.0 * llama.num_hidden_layers * attended * llama.num_attention_heads * llama.head_dim;
   const double flops_per_token = 4.0 * matmul_parameters + 3.0 * attention;
   const double peak = peak_flops(device);
   const double mfu = peak > 0 ? tokens_per_second * flops_per_token / peak : 0.0;
@@ -446,6 +469,10 @@ int run_bench(const Arguments& arguments) {
               recipe.train.offload_activations ? " (inputs offloaded)" : "", static_cast<long long>(chunk),
               recipe.train.fused_loss ? " (fused)" : "",
               mlp_chunk > 0 ? (", MLP chunk " + std::to_string(mlp_chunk)).c_str() : "");
+  if (packed_samples > 0) {
+    std::printf("  packed: %lld samples a sequence, attention %s\n", static_cast<long long>(packed_samples),
+                values["packed-mask"].as<bool>() ? "over the written-out block-causal mask" : "over the samples' spans");
+  }
   if (recipe.train.offload_activations) {
     std::printf("  pinned host memory: %s (pinning took %.1f s in all, in the first step at each length)\n",
                 trainer::format_bytes(static_cast<double>(trainer::ActivationOffload::pinned_bytes())).c_str(),
@@ -463,6 +490,8 @@ int run_bench(const Arguments& arguments) {
                                 {"checkpointing", checkpointing},
                                 {"offload_activations", recipe.train.offload_activations},
                                 {"mlp_chunk_tokens", mlp_chunk},
+                                {"packed_samples", packed_samples},
+                                {"packed_mask", values["packed-mask"].as<bool>()},
                                 {"fused_loss", recipe.train.fused_loss},
                                 {"keep_built_weights", recipe.train.keep_built_weights},
                                 {"embeddings_on_host", recipe.train.embeddings_on_host},

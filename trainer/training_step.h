@@ -17,6 +17,7 @@
 #include "trainer/dist/gradient_buckets.h"
 #include "trainer/dist/process_group.h"
 #include "trainer/loss_scaler.h"
+#include "trainer/model/attention_mask.h"
 #include "trainer/model/llama.h"
 #include "trainer/recipe/recipe.h"
 
@@ -38,6 +39,9 @@ struct TrainingStepOptions {
   int64_t loss_chunk_tokens = 0;      // causal_lm_loss's chunk
   bool fused_loss = true;             // causal_lm_loss over vocabulary tiles (where lm_head is frozen)
   double max_grad_norm = 1.0;     // <= 0: no clipping (the norm is still measured)
+  // Packed batches: flash attention over the samples' spans where it applies; `qtrain bench
+  // --packed-mask` writes the block-causal mask out instead, to compare.
+  PackedAttention packed_attention = PackedAttention::kSpans;
 };
 
 // train.loss_chunk_tokens (sized from the vocabulary when 0), train.fused_loss and train.max_grad_norm.

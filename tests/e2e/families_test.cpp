@@ -216,7 +216,7 @@ double first_step_loss(const std::string& output) {
 }
 
 // A Mistral whose window (16) is shorter than the sequences (64): on CUDA in bf16 its sliding
-// layers run flash attention's window (trainer/model/sliding_window_attention.h), in fp32 SDPA over the
+// layers run flash attention's window (trainer/model/flash_attention.h), in fp32 SDPA over the
 // written-out mask; both train, and their first losses agree to bf16's precision.
 TEST(FamilySlidingWindow, CudaBf16FlashWindowTrainsWithTheMaskedPathsLoss) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU";

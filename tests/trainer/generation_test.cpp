@@ -114,7 +114,7 @@ TEST(KeyValueCache, RefusesAnAttentionMask) {
   KeyValueCache cache(3);
   LlamaInputs inputs;
   inputs.input_ids = torch::zeros({1, 3}, torch::kInt64);
-  inputs.attention_mask = torch::ones({1, 1, 3, 3}, torch::kBool);
+  inputs.attention_mask = AttentionMask::written_out(torch::ones({1, 1, 3, 3}, torch::kBool));
   inputs.cache = &cache;
   EXPECT_THROW(model->forward(inputs), Error);
 }

@@ -258,7 +258,7 @@ TEST(ModelMemory, ActivationsEqualWhatACpuForwardKeeps) {
       inputs.position_ids = torch::where(sample_ids == 0, torch::arange(setup.sequence_length),
                                          torch::arange(setup.sequence_length) - setup.sequence_length / 3)
                                 .expand({setup.micro_batch_size, -1});
-      inputs.attention_mask = block_causal_mask(sample_ids.expand({setup.micro_batch_size, -1}));
+      inputs.attention_mask = AttentionMask::written_out(block_causal_mask(sample_ids.expand({setup.micro_batch_size, -1})));
     }
     const double before = allocator.current_bytes();
     auto hidden = model->hidden_states(inputs);

@@ -66,6 +66,43 @@ TEST(Packing, PackedBatchHasTheLossOfItsSamplesApartOnCuda) {
   expect_packed_loss_equals_apart(torch::Device(torch::kCUDA));
 }
 
+// On CUDA in bf16 a packed batch runs flash attention over its samples' spans: the loss and the
+// gradients equal those of SDPA over the written-out block-causal mask to bf16 rounding, with the
+// layers checkpointed (their recomputation sees the same spans).
+TEST(Packing, CudaSpansGiveTheLossAndGradientsOfTheWrittenOutMask) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  torch::manual_seed(5);
+  const torch::Device device(torch::kCUDA);
+  ModelLoadOptions options;
+  options.device = device;
+  options.dtype = torch::kBFloat16;
+  auto loaded = load_llama(qtrain::testing::fixture("tiny-llama"), options);
+  auto& model = *loaded.model;
+  model.train();
+  model.model->set_gradient_checkpointing(1);
+  const auto samples = random_samples({70, 130, 200, 50, 310, 90, 170}, model.options().vocab_size);
+  const auto packed = data::pack_examples(samples, 512);
+  std::vector<const data::Example*> rows;
+  for (const auto& window : packed) rows.push_back(&window);
+  const auto batch = data::collate(rows, /*pad_id=*/0);
+  const auto weight = model.model->layers[0]->as<LlamaDecoderLayer>()->self_attn->q_proj->parameters()[0];
+  auto loss_and_gradient = [&](PackedAttention how) {
+    model.zero_grad();
+    auto hidden = model.hidden_states(model_inputs(batch, device, how));
+    const auto loss = causal_lm_loss(model, hidden, batch.labels.to(device), /*chunk_tokens=*/0);
+    (loss.loss_sum / batch.predicted_tokens).backward();
+    return std::make_pair(loss.loss_sum.item<double>() / batch.predicted_tokens, weight.grad().to(torch::kFloat32));
+  };
+  const auto [spans_loss, spans_gradient] = loss_and_gradient(PackedAttention::kSpans);
+  const auto [mask_loss, mask_gradient] = loss_and_gradient(PackedAttention::kWrittenOutMask);
+  const double gradient_error =
+      (spans_gradient - mask_gradient).abs().max().item<double>() / mask_gradient.abs().max().item<double>();
+  std::printf("[ measured ] bf16 loss %.6f over spans, %.6f over the mask; q_proj gradient differs by %.3g relative\n",
+              spans_loss, mask_loss, gradient_error);
+  EXPECT_NEAR(spans_loss, mask_loss, 1e-2 * mask_loss);
+  EXPECT_LE(gradient_error, 3e-2);
+}
+
 TEST(Packing, BlockCausalMaskKeepsAttentionInsideEachSample) {
   const auto mask = block_causal_mask(torch::tensor({0, 0, 1, 1, 1, -1}, torch::kInt64).view({1, 6}));
   const auto expected = torch::tensor({1, 0, 0, 0, 0, 0,  //

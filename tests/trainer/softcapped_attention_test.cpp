@@ -12,7 +12,7 @@
 #include <string>
 
 #include "kernels/cuda_build.h"
-#include "trainer/model/sliding_window_attention.h"
+#include "trainer/model/flash_attention.h"
 
 namespace qtrain::trainer {
 namespace {

@@ -7,7 +7,7 @@
 #include "kernels/error.h"
 #include "trainer/model/activation_checkpoint.h"
 #include "trainer/model/llama_layers.h"
-#include "trainer/model/sliding_window_attention.h"
+#include "trainer/model/flash_attention.h"
 #include "trainer/model/softcapped_attention.h"
 
 namespace qtrain::trainer {
@@ -187,7 +187,7 @@ std::pair<torch::Tensor, torch::Tensor> LayerKeyValues::append(const torch::Tens
 }
 
 torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden, const torch::Tensor& cos,
-                                          const torch::Tensor& sin, const torch::Tensor& attention_mask,
+                                          const torch::Tensor& sin, const AttentionMask& attention_mask,
                                           LayerKeyValues* cache) {
   const int64_t batch = hidden.size(0);
   const int64_t sequence = hidden.size(1);
@@ -232,7 +232,8 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden, const tor
     // Gemma 2: no SDPA kernel soft-caps its scores; the visible keys are written out.
     auto visible = visible_keys(past, sequence, window_cuts ? sliding_window_ : 0, hidden.device());
     if (attention_mask.defined()) {
-      visible = visible & (attention_mask.scalar_type() == torch::kBool ? attention_mask : attention_mask.eq(0));
+      const auto& mask = attention_mask.dense();
+      visible = visible & (mask.scalar_type() == torch::kBool ? mask : mask.eq(0));
     }
     const auto attended = softcapped_attention(query, key, value, visible, scale_, softcap_);
     return o_proj->forward(attended.transpose(1, 2).reshape({batch, sequence, num_heads_ * head_dim_}));
@@ -240,14 +241,22 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden, const tor
   // SDPA's is_causal aligns its mask to the top left, right only without cached keys before the
   // new queries and without a window that cuts keys off; otherwise the mask is written out.
   // (One new token after the cache, within the window, sees every key: no mask at all.)
-  if (window_cuts && past == 0 && !attention_mask.defined() && flash_window_attention_applies(query, key)) {
-    // Flash attention's own window: no [T, T] mask (trainer/model/sliding_window_attention.h).
+  const SampleSpans* spans = attention_mask.spans();
+  if (spans != nullptr && past == 0 && flash_attention_applies(query, key)) {
+    // Packed samples as flash attention's cumulative lengths: no [T, T] mask, and no work on the
+    // blocks across samples (trainer/model/flash_attention.h).
+    const auto attended =
+        flash_packed_attention(query, key, value, *spans, window_cuts ? sliding_window_ : 0, scale_);
+    return o_proj->forward(attended.transpose(1, 2).reshape({batch, sequence, num_heads_ * head_dim_}));
+  }
+  if (window_cuts && past == 0 && !attention_mask.defined() && flash_attention_applies(query, key)) {
+    // Flash attention's own window: no [T, T] mask (trainer/model/flash_attention.h).
     const auto attended = flash_window_attention(query, key, value, sliding_window_, scale_);
     return o_proj->forward(attended.transpose(1, 2).reshape({batch, sequence, num_heads_ * head_dim_}));
   }
   const bool causal = !attention_mask.defined() && sequence > 1 && past == 0 && !window_cuts;
   std::optional<at::Tensor> mask =
-      attention_mask.defined() ? std::optional<at::Tensor>(attention_mask) : std::nullopt;
+      attention_mask.defined() ? std::optional<at::Tensor>(attention_mask.dense()) : std::nullopt;
   if ((past > 0 && sequence > 1) || window_cuts) {
     const auto visible = visible_keys(past, sequence, window_cuts ? sliding_window_ : 0, hidden.device());
     mask = mask.has_value() ? (*mask & visible) : visible;  // within a packed row, its own sample's too
@@ -324,7 +333,7 @@ LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaOptions& options, const 
 }
 
 torch::Tensor LlamaDecoderLayerImpl::forward(const torch::Tensor& hidden, const torch::Tensor& cos,
-                                             const torch::Tensor& sin, const torch::Tensor& attention_mask,
+                                             const torch::Tensor& sin, const AttentionMask& attention_mask,
                                              LayerKeyValues* cache) {
   auto attended = self_attn->forward(input_layernorm->forward(hidden), cos, sin, attention_mask, cache);
   // Gemma: each sublayer's output is normed before it joins the residual stream.
@@ -383,7 +392,7 @@ LlamaBackboneImpl::LlamaBackboneImpl(const LlamaOptions& options, const LinearFa
 }
 
 torch::Tensor LlamaBackboneImpl::forward(const torch::Tensor& input_ids, const torch::Tensor& position_ids,
-                                         const torch::Tensor& attention_mask, KeyValueCache* cache) {
+                                         const AttentionMask& attention_mask, KeyValueCache* cache) {
   // train.embeddings_on_host leaves the frozen table on the host: the lookup runs there and only
   // the rows of this batch travel to the device.
   const auto& table = embed_tokens->weight;

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "qat/linear.h"
+#include "trainer/model/attention_mask.h"
 #include "trainer/model/llama_options.h"
 
 namespace qtrain::trainer {
@@ -88,11 +89,11 @@ class LlamaAttentionImpl : public torch::nn::Module, public qat::LinearLayerOwne
   // sliding_window > 0: each query sees only the keys of the last sliding_window positions.
   LlamaAttentionImpl(const LlamaOptions& options, const std::string& prefix, const LinearFactory& make_linear,
                      torch::ScalarType dtype, int64_t sliding_window = 0);
-  // hidden [batch, seq, hidden]; attention_mask: undefined (causal) or a boolean/additive
-  // mask broadcastable to [batch, heads, seq, seq]. With `cache`, the sequence continues the
+  // hidden [batch, seq, hidden]; attention_mask: undefined (causal), a packed batch's samples or
+  // a written-out mask (trainer/model/attention_mask.h). With `cache`, the sequence continues the
   // cached one (causal over cached + new positions; no attention_mask then).
   torch::Tensor forward(const torch::Tensor& hidden, const torch::Tensor& cos, const torch::Tensor& sin,
-                        const torch::Tensor& attention_mask, LayerKeyValues* cache = nullptr);
+                        const AttentionMask& attention_mask, LayerKeyValues* cache = nullptr);
   void replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) override;
   std::shared_ptr<qat::LinearLayer> q_proj, k_proj, v_proj, o_proj;
   std::shared_ptr<qat::LinearLayer> qkv_proj;  // instead of q, k and v: LlamaOptions::fused_projections
@@ -125,7 +126,7 @@ class LlamaDecoderLayerImpl : public torch::nn::Module {
   LlamaDecoderLayerImpl(const LlamaOptions& options, const std::string& prefix, const LinearFactory& make_linear,
                         torch::ScalarType dtype, int64_t sliding_window = 0);
   torch::Tensor forward(const torch::Tensor& hidden, const torch::Tensor& cos, const torch::Tensor& sin,
-                        const torch::Tensor& attention_mask, LayerKeyValues* cache = nullptr);
+                        const AttentionMask& attention_mask, LayerKeyValues* cache = nullptr);
   // Run the MLP (with its norms and residual add) over slices of this many tokens, each its own
   // checkpoint (recomputed in backward), so no [tokens, intermediate] tensor exists whole: long
   // sequences. 0: the whole input at once.
@@ -149,7 +150,7 @@ class LlamaBackboneImpl : public torch::nn::Module {
   LlamaBackboneImpl(const LlamaOptions& options, const LinearFactory& make_linear, torch::ScalarType dtype);
   // input_ids [batch, seq] int64 -> hidden [batch, seq, hidden] in the model dtype
   torch::Tensor forward(const torch::Tensor& input_ids, const torch::Tensor& position_ids,
-                        const torch::Tensor& attention_mask, KeyValueCache* cache = nullptr);
+                        const AttentionMask& attention_mask, KeyValueCache* cache = nullptr);
   // Recompute every k-th decoder layer in backward instead of keeping its activations
   // (trainer/model/activation_checkpoint.h); 0 turns it off. Only while training with grad enabled.
   void set_gradient_checkpointing(int64_t every_k_layers) { checkpoint_every_ = every_k_layers; }
@@ -178,7 +179,7 @@ TORCH_MODULE(LlamaBackbone);
 struct LlamaInputs {
   torch::Tensor input_ids;       // [batch, seq] int64
   torch::Tensor position_ids;    // [batch, seq] int64; undefined = 0..seq-1 for every row
-  torch::Tensor attention_mask;  // undefined = causal
+  AttentionMask attention_mask;  // undefined = causal
   // Generation: the keys and values of the tokens before input_ids, extended by the forward
   // pass; default position_ids then start at cache->length(). Inference only.
   KeyValueCache* cache = nullptr;
