@@ -66,4 +66,14 @@ struct FourBitScales {
 at::Tensor dequantize_4bit_cuda(const at::Tensor& packed, int64_t numel, int64_t blocksize,
                                 c10::ArrayRef<float> decode, const FourBitScales& scales, c10::ScalarType dtype);
 
+// The same values rounded to bf16 (the weight the bf16 path multiplies by), then coded as e4m3 at
+// their row's scale: codes[i] = e4m3(clamp(bf16(value[i]) / row_scales[i / row_length], +-448)),
+// rounded as c10's cast, as quantize_rows_float8 (kernels/float8_rows.h) codes the bf16 weight when
+// given its scales. One pass from the packed bytes to the FP8 tensor cores' operand: 1.5 bytes
+// moved a weight instead of the bf16 path's 2.5. row_length a multiple of 8; row_scales fp32
+// [numel / row_length]; flat float8_e4m3fn [numel].
+at::Tensor dequantize_4bit_to_float8_cuda(const at::Tensor& packed, int64_t numel, int64_t blocksize,
+                                          c10::ArrayRef<float> decode, const FourBitScales& scales,
+                                          const at::Tensor& row_scales, int64_t row_length);
+
 }  // namespace qtrain::kernels

@@ -21,6 +21,11 @@ at::Tensor dequantize_4bit_cuda(const at::Tensor&, int64_t, int64_t, c10::ArrayR
   no_cuda_kernels("dequantize_4bit_cuda");
 }
 
+at::Tensor dequantize_4bit_to_float8_cuda(const at::Tensor&, int64_t, int64_t, c10::ArrayRef<float>,
+                                          const FourBitScales&, const at::Tensor&, int64_t) {
+  no_cuda_kernels("dequantize_4bit_to_float8_cuda");
+}
+
 }  // namespace qtrain::kernels
 
 #endif  // QTRAIN_WITH_CUDA

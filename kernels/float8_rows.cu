@@ -14,6 +14,7 @@
 
 #include "kernels/block_reduce.cuh"
 #include "kernels/cuda_entry.cuh"
+#include "kernels/float8_code.cuh"
 #include "kernels/float8_rows.h"
 
 namespace qtrain::kernels {
@@ -21,7 +22,7 @@ namespace qtrain::kernels {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr float kLargestCode = 448.0f;  // e4m3fn's largest finite value
+constexpr float kLargestCode = kLargestFloat8Code;
 constexpr float kSmallestAbsmax = 1e-12f;
 
 // max that keeps a NaN, as torch's amax does, so a NaN input shows in its row's codes.
@@ -35,12 +36,7 @@ __device__ __forceinline__ float row_scale(float absmax) {
   return absmax != absmax ? absmax : __fdiv_rn(absmax > kSmallestAbsmax ? absmax : kSmallestAbsmax, kLargestCode);
 }
 
-// value / scale, clamped to e4m3's range (a NaN stays NaN), cast as c10 casts.
-__device__ __forceinline__ c10::Float8_e4m3fn code_of(float value, float scale) {
-  float code = __fdiv_rn(value, scale);
-  code = code > kLargestCode ? kLargestCode : (code < -kLargestCode ? -kLargestCode : code);
-  return static_cast<c10::Float8_e4m3fn>(code);
-}
+__device__ __forceinline__ c10::Float8_e4m3fn code_of(float value, float scale) { return float8_code_of(value, scale); }
 
 template <typename scalar_t>
 __device__ __forceinline__ float scaled_value(const scalar_t* row, const float* column_scale, int64_t j) {

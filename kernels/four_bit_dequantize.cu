@@ -4,7 +4,8 @@
 // qat/four_bit_codec.cpp; see kernels/blockwise_quantize.h.
 //
 // Each thread turns 4 packed bytes into 8 values: blocksizes are powers of two of at least 8, so
-// the 8 share one absmax, and a full group is one 32-bit load and one 16- or 32-byte store.
+// the 8 share one absmax, and a full group is one 32-bit load and one 16- or 32-byte store. The
+// FP8 variant codes the same 8 bf16 values at their row's scale into one 8-byte store.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAStream.h>
@@ -17,6 +18,7 @@
 #include "kernels/blockwise_quantize.h"
 #include "kernels/bnb_fast_math.cuh"
 #include "kernels/cuda_entry.cuh"
+#include "kernels/float8_code.cuh"
 
 namespace qtrain::kernels {
 
@@ -24,63 +26,101 @@ namespace {
 
 namespace fast = bnb_fast_math;
 
-constexpr int kValuesPerThread = 8;
+constexpr int kValuesPerThread = 8;    // the narrow kernel: one 4-byte load per thread
+constexpr int kWideValuesPerThread = 32;  // the wide one: one 16-byte load, for enough bytes in flight
 constexpr int kThreadsPerCudaBlock = 256;
 
 struct DecodeTable {
   float values[16];
 };
 
-// The 8 outputs of one thread, stored at once (the output is freshly allocated, so aligned).
-template <typename scalar_t>
-struct alignas(sizeof(scalar_t) * kValuesPerThread) EightValues {
-  scalar_t values[kValuesPerThread];
+// A thread's outputs, stored at once (the output is freshly allocated, so aligned). Stores wider
+// than 16 bytes become several 16-byte ones.
+template <typename out_t, int kValues>
+struct alignas(sizeof(out_t) * kValues < 16 ? sizeof(out_t) * kValues : 16) ThreadValues {
+  out_t values[kValues];
 };
 
-// bnb's value: table[code] * absmax with mul.ftz, rounded to the output type.
-template <typename scalar_t>
-__device__ __forceinline__ scalar_t decode_value(const float* table, uint32_t code, float absmax) {
-  return static_cast<scalar_t>(fast::multiply(table[code], absmax));
+// The packed bytes of a thread's values, loaded at once.
+template <int kValues>
+struct alignas(kValues / 2) PackedBytes {
+  uint8_t bytes[kValues / 2];
+};
+
+// Where a block's absmax comes from: stored in fp32, or double-quantized.
+struct BlockScales {
+  const float* absmax;          // fp32 [blocks], or null when double quantized
+  const uint8_t* absmax_codes;  // double quantized: uint8 [blocks]
+  const float* nested_absmax;
+  const float* nested_code;
+  float offset;
+  int64_t nested_blocksize;
+};
+
+template <bool kDoubleQuantized>
+__device__ __forceinline__ float absmax_of(const BlockScales& scales, int64_t block) {
+  if (kDoubleQuantized) {
+    // bnb's 8-bit dequantize (a mul.ftz) then torch's `absmax += offset`: two roundings, never an fma.
+    const float centred = fast::multiply(__ldg(scales.nested_code + __ldg(scales.absmax_codes + block)),
+                                         __ldg(scales.nested_absmax + block / scales.nested_blocksize));
+    return __fadd_rn(centred, scales.offset);
+  }
+  return __ldg(scales.absmax + block);
 }
 
-template <typename scalar_t, bool kDoubleQuantized>
-__global__ void dequantize_4bit_kernel(const uint8_t* __restrict__ packed, bool packed_word_aligned, int64_t n,
-                                       int blocksize_log2, DecodeTable decode, const float* __restrict__ absmax,
-                                       const uint8_t* __restrict__ absmax_codes,
-                                       const float* __restrict__ nested_absmax,
-                                       const float* __restrict__ nested_code, float offset,
-                                       int64_t nested_blocksize, scalar_t* __restrict__ out) {
+// What the kernel writes for bnb's value table[code] * absmax (a mul.ftz): the value rounded to
+// scalar_t (dequantize_4bit_cuda)...
+template <typename scalar_t>
+struct WriteValues {
+  using out_t = scalar_t;
+  scalar_t* out;
+  __device__ float row_scale(int64_t) const { return 0.0f; }
+  __device__ scalar_t operator()(float value, float) const { return static_cast<scalar_t>(value); }
+};
+
+// ...or its bf16 rounding coded as e4m3 at its row's scale (dequantize_4bit_to_float8_cuda). Rows
+// are whole groups of a thread's values, so one scale serves them all.
+struct WriteFloat8Codes {
+  using out_t = c10::Float8_e4m3fn;
+  c10::Float8_e4m3fn* out;
+  const float* row_scales;
+  int64_t row_length;
+  __device__ float row_scale(int64_t first) const { return __ldg(row_scales + first / row_length); }
+  __device__ c10::Float8_e4m3fn operator()(float value, float row_scale) const {
+    return float8_code_of(static_cast<float>(c10::BFloat16(value)), row_scale);
+  }
+};
+
+// kValues a power of two from 8, at most the blocksize (the values share one absmax); the vector
+// path needs packed aligned to kValues / 2 bytes.
+template <typename Writer, bool kDoubleQuantized, int kValues>
+__global__ void dequantize_4bit_kernel(const uint8_t* __restrict__ packed, bool packed_aligned, int64_t n,
+                                       int blocksize_log2, DecodeTable decode, BlockScales scales, Writer write) {
+  using out_t = typename Writer::out_t;
   __shared__ float table[16];
   if (threadIdx.x < 16) table[threadIdx.x] = decode.values[threadIdx.x];
   __syncthreads();
-  const int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kValuesPerThread;
+  const int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kValues;
   if (first >= n) return;
-  const int64_t block = first >> blocksize_log2;
-  float scale;
-  if (kDoubleQuantized) {
-    // bnb's 8-bit dequantize (a mul.ftz) then torch's `absmax += offset`: two roundings, never an fma.
-    const float centred = fast::multiply(__ldg(nested_code + __ldg(absmax_codes + block)),
-                                         __ldg(nested_absmax + block / nested_blocksize));
-    scale = __fadd_rn(centred, offset);
-  } else {
-    scale = __ldg(absmax + block);
-  }
-  if (first + kValuesPerThread <= n && packed_word_aligned) {
-    const uint32_t word = __ldg(reinterpret_cast<const uint32_t*>(packed + first / 2));
-    EightValues<scalar_t> group;
+  const float scale = absmax_of<kDoubleQuantized>(scales, first >> blocksize_log2);
+  const float row_scale = write.row_scale(first);
+  const auto value = [&](uint32_t code) { return write(fast::multiply(table[code], scale), row_scale); };
+  if (first + kValues <= n && packed_aligned) {
+    const auto loaded = *reinterpret_cast<const PackedBytes<kValues>*>(packed + first / 2);
+    ThreadValues<out_t, kValues> group;
 #pragma unroll
-    for (int k = 0; k < kValuesPerThread / 2; ++k) {
-      const uint32_t byte = (word >> (8 * k)) & 0xFF;  // little-endian: byte k of the word
-      group.values[2 * k] = decode_value<scalar_t>(table, byte >> 4, scale);
-      group.values[2 * k + 1] = decode_value<scalar_t>(table, byte & 0xF, scale);
+    for (int k = 0; k < kValues / 2; ++k) {
+      const uint32_t byte = loaded.bytes[k];  // high nibble first, as bnb packs
+      group.values[2 * k] = value(byte >> 4);
+      group.values[2 * k + 1] = value(byte & 0xF);
     }
-    *reinterpret_cast<EightValues<scalar_t>*>(out + first) = group;
+    *reinterpret_cast<ThreadValues<out_t, kValues>*>(write.out + first) = group;
     return;
   }
-  const int64_t last = min(n, first + kValuesPerThread);
+  const int64_t last = min(n, first + kValues);
   for (int64_t i = first; i < last; ++i) {
     const uint32_t byte = __ldg(packed + i / 2);
-    out[i] = decode_value<scalar_t>(table, i % 2 == 0 ? byte >> 4 : byte & 0xF, scale);
+    write.out[i] = value(i % 2 == 0 ? byte >> 4 : byte & 0xF);
   }
 }
 
@@ -118,26 +158,61 @@ void check_scales(const FourBitScales& scales, const at::Tensor& packed, int64_t
   }
 }
 
+BlockScales block_scales(const FourBitScales& scales) {
+  const bool double_quantized = scales.nested_absmax.defined();
+  return {double_quantized ? nullptr : scales.absmax.data_ptr<float>(),
+          double_quantized ? scales.absmax.data_ptr<uint8_t>() : nullptr,
+          double_quantized ? scales.nested_absmax.data_ptr<float>() : nullptr,
+          double_quantized ? scales.nested_code.data_ptr<float>() : nullptr, scales.offset, scales.nested_blocksize};
+}
+
+// The checks both entry points make; the table to decode with.
+DecodeTable checked_table(const at::Tensor& packed, int64_t numel, int64_t blocksize, c10::ArrayRef<float> decode,
+                          const FourBitScales& scales, const std::string& what) {
+  check_cuda_tensor(packed, what + ": packed");
+  check_scalar_type(packed, at::kByte, what + ": packed");
+  if (numel < 0 || packed.numel() != ceil_div(numel, 2)) {
+    throw Error(ErrorCode::kWeights, what + ": packed has " + std::to_string(packed.numel()) + " bytes, " +
+                std::to_string(numel) + " values need " + std::to_string(ceil_div(numel, 2)));
+  }
+  if (!is_power_of_two(blocksize) || blocksize < kValuesPerThread) {
+    throw Error(ErrorCode::kWeights, what + ": blocksize " + std::to_string(blocksize) + " must be a power of two, at least 8");
+  }
+  if (decode.size() != 16) {
+    throw Error(ErrorCode::kInternal, what + ": the decode table must have 16 values, got " + std::to_string(decode.size()));
+  }
+  check_scales(scales, packed, ceil_div(numel, blocksize));
+  DecodeTable table{};
+  for (int code = 0; code < 16; ++code) table.values[code] = decode[code];
+  return table;
+}
+
+// The wide kernel where its 32 values share an absmax and a row (row_length 0: no rows) and its
+// 16-byte loads are aligned; the narrow one otherwise. Either finishes a tail value by value.
+template <typename Writer>
+void launch(const at::Tensor& packed, int64_t numel, int64_t blocksize, const DecodeTable& table,
+            const FourBitScales& scales, int64_t row_length, const Writer& write, cudaStream_t stream) {
+  const auto* bytes = packed.data_ptr<uint8_t>();
+  const bool double_quantized = scales.nested_absmax.defined();
+  const bool wide = blocksize >= kWideValuesPerThread && row_length % kWideValuesPerThread == 0 &&
+                    reinterpret_cast<uintptr_t>(bytes) % (kWideValuesPerThread / 2) == 0;
+  const int values = wide ? kWideValuesPerThread : kValuesPerThread;
+  const auto grid = static_cast<unsigned>(ceil_div(ceil_div(numel, values), kThreadsPerCudaBlock));
+  const bool aligned = reinterpret_cast<uintptr_t>(bytes) % (values / 2) == 0;
+  auto kernel = wide ? (double_quantized ? dequantize_4bit_kernel<Writer, true, kWideValuesPerThread>
+                                         : dequantize_4bit_kernel<Writer, false, kWideValuesPerThread>)
+                     : (double_quantized ? dequantize_4bit_kernel<Writer, true, kValuesPerThread>
+                                         : dequantize_4bit_kernel<Writer, false, kValuesPerThread>);
+  kernel<<<grid, kThreadsPerCudaBlock, 0, stream>>>(bytes, aligned, numel, log2_of(blocksize), table,
+                                                    block_scales(scales), write);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 
 at::Tensor dequantize_4bit_cuda(const at::Tensor& packed, int64_t numel, int64_t blocksize,
                                 c10::ArrayRef<float> decode, const FourBitScales& scales, c10::ScalarType dtype) {
-  check_cuda_tensor(packed, "dequantize_4bit_cuda: packed");
-  check_scalar_type(packed, at::kByte, "dequantize_4bit_cuda: packed");
-  if (numel < 0 || packed.numel() != ceil_div(numel, 2)) {
-    throw Error(ErrorCode::kWeights, "dequantize_4bit_cuda: packed has " + std::to_string(packed.numel()) + " bytes, " +
-                std::to_string(numel) + " values need " + std::to_string(ceil_div(numel, 2)));
-  }
-  if (!is_power_of_two(blocksize) || blocksize < kValuesPerThread) {
-    throw Error(ErrorCode::kWeights, "dequantize_4bit_cuda: blocksize " + std::to_string(blocksize) + " must be a power of two, at least 8");
-  }
-  if (decode.size() != 16) {
-    throw Error(ErrorCode::kInternal, "dequantize_4bit_cuda: the decode table must have 16 values, got " + std::to_string(decode.size()));
-  }
-  const int64_t blocks = ceil_div(numel, blocksize);
-  check_scales(scales, packed, blocks);
-  DecodeTable table{};
-  for (int code = 0; code < 16; ++code) table.values[code] = decode[code];
+  const auto table = checked_table(packed, numel, blocksize, decode, scales, "dequantize_4bit_cuda");
 
   const c10::cuda::CUDAGuard device_guard(packed.device());
   at::Tensor out;
@@ -146,19 +221,32 @@ at::Tensor dequantize_4bit_cuda(const at::Tensor& packed, int64_t numel, int64_t
     out = at::empty({numel}, packed.options().dtype(dtype));
     if (numel == 0) return;
     const auto stream = c10::cuda::getCurrentCUDAStream();
-    const auto grid = static_cast<unsigned>(ceil_div(ceil_div(numel, kValuesPerThread), kThreadsPerCudaBlock));
-    const bool packed_word_aligned = reinterpret_cast<uintptr_t>(packed.data_ptr<uint8_t>()) % 4 == 0;
-    const bool double_quantized = scales.nested_absmax.defined();
-    auto kernel = double_quantized ? dequantize_4bit_kernel<scalar_t, true> : dequantize_4bit_kernel<scalar_t, false>;
-    kernel<<<grid, kThreadsPerCudaBlock, 0, stream>>>(
-        packed.data_ptr<uint8_t>(), packed_word_aligned, numel, log2_of(blocksize), table,
-        double_quantized ? nullptr : scales.absmax.data_ptr<float>(),
-        double_quantized ? scales.absmax.data_ptr<uint8_t>() : nullptr,
-        double_quantized ? scales.nested_absmax.data_ptr<float>() : nullptr,
-        double_quantized ? scales.nested_code.data_ptr<float>() : nullptr, scales.offset, scales.nested_blocksize,
-        out.data_ptr<scalar_t>());
+    launch(packed, numel, blocksize, table, scales, /*row_length=*/0, WriteValues<scalar_t>{out.data_ptr<scalar_t>()},
+           stream);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
+  return out;
+}
+
+at::Tensor dequantize_4bit_to_float8_cuda(const at::Tensor& packed, int64_t numel, int64_t blocksize,
+                                          c10::ArrayRef<float> decode, const FourBitScales& scales,
+                                          const at::Tensor& row_scales, int64_t row_length) {
+  const std::string what = "dequantize_4bit_to_float8_cuda";
+  const auto table = checked_table(packed, numel, blocksize, decode, scales, what);
+  check_cuda_operands(packed, {{&row_scales, "row_scales"}}, what + ": ");
+  check_scalar_type(row_scales, at::kFloat, what + ": row_scales");
+  if (row_length <= 0 || row_length % kValuesPerThread != 0 || numel % row_length != 0 ||
+      row_scales.numel() != numel / row_length) {
+    throw Error(ErrorCode::kInternal, what + ": rows of " + std::to_string(row_length) + " values (a multiple of 8) must "
+                "tile the " + std::to_string(numel) + " values, one scale each; got " +
+                std::to_string(row_scales.numel()) + " scales");
+  }
+  const c10::cuda::CUDAGuard device_guard(packed.device());
+  auto out = at::empty({numel}, packed.options().dtype(at::kFloat8_e4m3fn));
+  if (numel == 0) return out;
+  launch(packed, numel, blocksize, table, scales, row_length,
+         WriteFloat8Codes{out.data_ptr<c10::Float8_e4m3fn>(), row_scales.data_ptr<float>(), row_length},
+         c10::cuda::getCurrentCUDAStream());
   return out;
 }
 

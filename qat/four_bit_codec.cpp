@@ -171,20 +171,30 @@ torch::Tensor dequantize_absmax(const FourBitQuantState& state) {
          state.offset;
 }
 
+namespace {
+
+// The block scales as the CUDA kernels read them, on packed's device.
+kernels::FourBitScales kernel_scales(const torch::Tensor& packed, const FourBitQuantState& state) {
+  const auto on_device = [&](const torch::Tensor& tensor) {
+    return tensor.defined() ? tensor.to(packed.device()).contiguous() : tensor;
+  };
+  kernels::FourBitScales scales;
+  scales.absmax = on_device(state.absmax);
+  scales.nested_absmax = on_device(state.nested_absmax);
+  scales.nested_code = on_device(state.nested_code);
+  scales.offset = state.offset;
+  scales.nested_blocksize = kNestedBlocksize;
+  return scales;
+}
+
+}  // namespace
+
 torch::Tensor dequantize_4bit(const torch::Tensor& packed, const FourBitQuantState& state, torch::ScalarType dtype) {
   const int64_t n = state.numel();
   const int64_t blocks = state.blocks();
   // Like bnb's kernels, decode with the format's own table (state.code is only carried along).
   if (on_cuda_kernels(packed)) {
-    const auto on_device = [&](const torch::Tensor& tensor) {
-      return tensor.defined() ? tensor.to(packed.device()).contiguous() : tensor;
-    };
-    kernels::FourBitScales scales;
-    scales.absmax = on_device(state.absmax);
-    scales.nested_absmax = on_device(state.nested_absmax);
-    scales.nested_code = on_device(state.nested_code);
-    scales.offset = state.offset;
-    scales.nested_blocksize = kNestedBlocksize;
+    const auto scales = kernel_scales(packed, state);
     const auto& decode = four_bit_format(state.quant_type).decode;
     // The kernel writes fp32 / fp16 / bf16; any other dtype is a cast of the fp32 values, as below.
     const bool written_by_kernel = dtype == torch::kFloat32 || dtype == torch::kFloat16 || dtype == torch::kBFloat16;
@@ -201,6 +211,25 @@ torch::Tensor dequantize_4bit(const torch::Tensor& packed, const FourBitQuantSta
   values = torch::constant_pad_nd(values, {0, blocks * state.blocksize - n}).view({blocks, state.blocksize});
   values = values * dequantize_absmax(state).to(packed.device()).view({blocks, 1});
   return values.view({-1}).narrow(0, 0, n).to(dtype).view(state.shape);
+}
+
+torch::Tensor dequantize_4bit_to_float8(const torch::Tensor& packed, const FourBitQuantState& state,
+                                        const torch::Tensor& row_scales) {
+  if (state.shape.size() != 2 || row_scales.numel() != state.shape[0] || row_scales.scalar_type() != torch::kFloat32) {
+    throw Error(ErrorCode::kInternal, "dequantize_4bit_to_float8: needs a 2-d weight and one fp32 scale per row");
+  }
+  const int64_t in = state.shape[1];
+  if (on_cuda_kernels(packed) && in % 8 == 0) {
+    const auto codes = kernels::dequantize_4bit_to_float8_cuda(
+        packed.reshape({-1}).contiguous(), state.numel(), state.blocksize, four_bit_format(state.quant_type).decode,
+        kernel_scales(packed, state), row_scales.to(packed.device()).contiguous().view({-1}), in);
+    return codes.view(state.shape);
+  }
+  // The divisor is a tensor: CUDA divides by a scalar as a product with its rounded reciprocal.
+  const auto values = dequantize_4bit(packed, state, torch::kBFloat16).to(torch::kFloat32);
+  return (values / row_scales.to(values.device()).view({-1, 1}))
+      .clamp(-448.0, 448.0)
+      .to(torch::kFloat8_e4m3fn);
 }
 
 }  // namespace qtrain::qat

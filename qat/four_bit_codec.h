@@ -73,6 +73,12 @@ FourBitTensor quantize_4bit(const torch::Tensor& input, FourBitType quant_type, 
                             bool double_quant);
 // The tensor in state.shape and `dtype`, on packed's device.
 torch::Tensor dequantize_4bit(const torch::Tensor& packed, const FourBitQuantState& state, torch::ScalarType dtype);
+// A 2-d [out, in] tensor dequantized to bf16 (dequantize_4bit), then coded as e4m3 at the given
+// row scales (fp32 [out, 1]): codes = e4m3(clamp(bf16 value / row scale, +-448)), the bytes
+// quantize_rows_float8 (qat/float8_codec.h) writes for the bf16 weight whose scales these are. On
+// CUDA one kernel from the packed bytes (kernels/blockwise_quantize.h); `in` a multiple of 8 there.
+torch::Tensor dequantize_4bit_to_float8(const torch::Tensor& packed, const FourBitQuantState& state,
+                                        const torch::Tensor& row_scales);
 // The per-block absmax as fp32 [blocks] (rebuilt when double quantized).
 torch::Tensor dequantize_absmax(const FourBitQuantState& state);
 

@@ -1,6 +1,7 @@
 #include "qat/four_bit_linear.h"
 
 #include "kernels/error.h"
+#include "qat/float8_matmul.h"
 #include "qat/four_bit_matmul.h"
 
 namespace qtrain::qat {
@@ -45,11 +46,43 @@ torch::Tensor FourBitLinear::dense_weight(torch::ScalarType dtype) const {
   return dequantize_4bit(packed_, state_, dtype);
 }
 
+void FourBitLinear::multiply_on_float8(bool fast_accumulation) {
+  if (in_features() % 16 != 0 || out_features() % 16 != 0) {
+    throw Error(ErrorCode::kRecipe, "FP8 tensor cores take sizes in multiples of 16, and this 4-bit layer is [" +
+                std::to_string(out_features()) + ", " + std::to_string(in_features()) + "]");
+  }
+  float8_ = true;
+  fast_accumulation_ = fast_accumulation;
+}
+
+Float8Rows FourBitLinear::float8_weight() const {
+  torch::NoGradGuard no_grad;
+  if (!float8_scales_.defined() || float8_scales_.device() != packed_.device()) {
+    // The bf16 weight's own row scales, as quantize_rows_float8 measures them (once per device).
+    float8_scales_ = quantize_rows_float8(dense_weight(torch::kBFloat16)).scales;
+  }
+  return {dequantize_4bit_to_float8(packed_, state_, float8_scales_), float8_scales_};
+}
+
+torch::Tensor FourBitLinear::own_product(const torch::Tensor& rows, torch::Tensor onto) const {
+  if (!float8_) return LinearLayer::own_product(rows, std::move(onto));
+  const auto weight = float8_weight();
+  kept_ = KeepBuiltWeights::active() ? weight : Float8Rows();
+  return float8_product(rows, weight, fast_accumulation_, std::move(onto));
+}
+
+torch::Tensor FourBitLinear::own_input_gradient(const torch::Tensor& grad_rows, torch::Tensor onto) const {
+  if (!float8_) return LinearLayer::own_input_gradient(grad_rows, std::move(onto));
+  const auto weight = kept_.codes.defined() ? kept_ : float8_weight();
+  kept_ = Float8Rows();
+  return float8_input_gradient(grad_rows, weight, std::move(onto));
+}
+
 void FourBitLinear::pretty_print(std::ostream& stream) const {
   stream << "qtrain::FourBitLinear(in_features=" << in_features() << ", out_features=" << out_features()
          << ", quant_type=" << four_bit_type_name(state_.quant_type) << ", blocksize=" << state_.blocksize
          << ", double_quant=" << (state_.double_quant() ? "true" : "false") << ", bias=" << (bias_.defined() ? "true" : "false")
-         << ")";
+         << (float8_ ? ", fp8_compute=true" : "") << ")";
 }
 
 // Buffers share their tensors with the members and the quant state, and Module::to changes them

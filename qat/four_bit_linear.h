@@ -15,6 +15,13 @@
 //   bias              compute dtype [out]  (when present)    <m>.bias
 // The rest of the quant state (quant type, blocksize, shape, dtype, nested_offset) is the JSON
 // blob <m>.weight.quant_state.bitsandbytes__<type>, kept here in quant_state().
+//
+// On FP8 tensor cores (multiply_on_float8): under an adapter (qat/lora_matmul.h)
+// the layer multiplies itself. Each product dequantizes the packed bytes straight to e4m3 codes at
+// a scale per row (the bf16 weight's row absmax / 448, measured once), in one kernel, and multiplies
+// them as the FP8 base does (qat/float8_matmul.h): QLoRA's memory, the FP8 tensor cores' speed,
+// one more rounding of each weight (e4m3's 3 mantissa bits, on the bf16 value) than the bf16 path.
+// The layer's own forward (no adapter) stays on the bf16 path.
 #include <torch/torch.h>
 
 #include <memory>
@@ -22,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "qat/float8_codec.h"
 #include "qat/four_bit_codec.h"
 #include "qat/layer_replacement.h"
 #include "qat/linear.h"
@@ -55,6 +63,15 @@ class FourBitLinear : public LinearLayer {
   torch::Tensor bias() const override { return bias_; }
   void pretty_print(std::ostream& stream) const override;
 
+  // From now on, under an adapter, multiply on FP8 tensor cores (see above); `fast_accumulation`
+  // as Float8Options'. The caller checks the device (qat::require_float8_tensor_cores).
+  void multiply_on_float8(bool fast_accumulation);
+  bool multiplies_itself() const override { return float8_; }
+  // While KeepBuiltWeights is active the product keeps its e4m3 weight for the input gradient
+  // that follows (a checkpointed layer's recomputation), which takes it.
+  torch::Tensor own_product(const torch::Tensor& rows, torch::Tensor onto) const override;
+  torch::Tensor own_input_gradient(const torch::Tensor& grad_rows, torch::Tensor onto) const override;
+
   // The packed bytes and quant state (its tensors are this module's buffers).
   const torch::Tensor& packed_weight() const { return packed_; }
   const FourBitQuantState& quant_state() const { return state_; }
@@ -65,9 +82,15 @@ class FourBitLinear : public LinearLayer {
   void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
 
  private:
+  Float8Rows float8_weight() const;  // built from the packed bytes (the row scales on first use)
+
   torch::Tensor packed_;
   torch::Tensor bias_;
   FourBitQuantState state_;
+  bool float8_ = false;
+  bool fast_accumulation_ = false;
+  mutable torch::Tensor float8_scales_;  // fp32 [out, 1] on the weight's device, measured once
+  mutable Float8Rows kept_;              // the last product's weight, for the input gradient after it
 };
 
 // Replaces every DenseLinear under `root` whose dotted name does not match `skip_modules` (an

@@ -290,8 +290,10 @@ int run_bench(const Arguments& arguments) {
        "cap the device memory the caching allocator may use (e.g. 79 to act as an 80 GB card on a larger one); "
        "0: the whole device")
       ("dora", po::bool_switch(), "DoRA adapters (lora.use_dora) instead of LoRA")
-      ("fp8-fast-accumulation", po::bool_switch(), "with --quant fp8: the forward's FP8 matmuls unpromoted "
-       "(qlora.fp8_fast_accumulation)")
+      ("fp8-fast-accumulation", po::bool_switch(), "with --quant fp8 or --fp8-compute: the forward's FP8 matmuls "
+       "unpromoted (qlora.fp8_fast_accumulation)")
+      ("fp8-compute", po::bool_switch(), "with a 4-bit --quant: the adapted projections multiply on FP8 tensor cores, "
+       "dequantizing to e4m3 rows (qlora.fp8_compute)")
       ("qat", po::bool_switch(), "fake-quantize the merged weights (int4, groups of 32, fp16 scales) over the --quant base, "
        "as quant: qat with qat.base")
       ("lora-gradient", po::value(&lora_gradient)->default_value("identity"),
@@ -325,6 +327,7 @@ int run_bench(const Arguments& arguments) {
   recipe.lora.target_modules = recipe.qat.target_modules = llama.projection_names();
   recipe.lora.use_dora = values["dora"].as<bool>();
   recipe.qlora.fp8_fast_accumulation = values["fp8-fast-accumulation"].as<bool>();
+  recipe.qlora.fp8_compute = values["fp8-compute"].as<bool>();
   recipe.qat.lora_gradient = lora_gradient;
   recipe.train.offload_activations = values["offload-activations"].as<bool>();
   recipe.train.mlp_chunk_tokens = mlp_chunk;
@@ -343,8 +346,11 @@ int run_bench(const Arguments& arguments) {
   if (max_context && micro_batch != 1) throw Error(ErrorCode::kUsage, "--max-context measures one sequence: --micro-batch 1");
   if (memory_limit_gib > 0) limit_device_memory(device, memory_limit_gib);
   if (base.kind == trainer::BaseQuantization::kFp8) qat::require_float8_tensor_cores(device, dtype, "--quant fp8", "--dtype");
-  if (recipe.qlora.fp8_fast_accumulation && base.kind != trainer::BaseQuantization::kFp8) {
-    throw Error(ErrorCode::kUsage, "--fp8-fast-accumulation needs --quant fp8");
+  const bool four_bit = base.kind == trainer::BaseQuantization::kNf4 || base.kind == trainer::BaseQuantization::kFp4;
+  if (recipe.qlora.fp8_compute && !four_bit) throw Error(ErrorCode::kUsage, "--fp8-compute needs a 4-bit --quant (qlora, nf4, fp4)");
+  if (recipe.qlora.fp8_compute) qat::require_float8_tensor_cores(device, dtype, "--fp8-compute", "--dtype");
+  if (recipe.qlora.fp8_fast_accumulation && base.kind != trainer::BaseQuantization::kFp8 && !recipe.qlora.fp8_compute) {
+    throw Error(ErrorCode::kUsage, "--fp8-fast-accumulation needs --quant fp8 or --fp8-compute");
   }
 
   torch::manual_seed(0);
@@ -361,9 +367,12 @@ int run_bench(const Arguments& arguments) {
     if (qat::module_name_matches(name, recipe.qlora.skip_modules)) return std::make_shared<qat::DenseLinear>(linear);
     switch (base.kind) {
       case trainer::BaseQuantization::kNf4:
-      case trainer::BaseQuantization::kFp4:
-        return std::make_shared<qat::FourBitLinear>(
+      case trainer::BaseQuantization::kFp4: {
+        auto layer = std::make_shared<qat::FourBitLinear>(
             random_four_bit(linear.out_features, linear.in_features, tables, device, dtype), bias, dtype);
+        if (recipe.qlora.fp8_compute) layer->multiply_on_float8(recipe.qlora.fp8_fast_accumulation);
+        return layer;
+      }
       case trainer::BaseQuantization::kInt8:
         return random_int8(linear.out_features, linear.in_features, bias, device, dtype);
       case trainer::BaseQuantization::kFp8:
@@ -462,7 +471,8 @@ int run_bench(const Arguments& arguments) {
   quant = base.kind == trainer::BaseQuantization::kNf4 ? "qlora" : base.name;  // as tools/bench.sh names rows
   if (fake_quant) quant += lora_gradient == "identity" ? "+qat" : "+qat(" + lora_gradient + ")";
   if (recipe.lora.use_dora) quant += "+dora";
-  if (base.kind == trainer::BaseQuantization::kFp8 && recipe.qlora.fp8_fast_accumulation) quant += "+fast-accumulation";
+  if (recipe.qlora.fp8_compute) quant += "+fp8-compute";
+  if (recipe.qlora.fp8_fast_accumulation) quant += "+fast-accumulation";
   std::printf("bench: %s %s + %s, %s compute on %s, micro-batch %lld x %lld, checkpointing %s%s, loss chunk %lld%s%s\n",
               shape.c_str(), quant.c_str(), optimizer_name.c_str(), dtype_name.c_str(), device.str().c_str(), static_cast<long long>(micro_batch),
               static_cast<long long>(sequence), checkpointing ? "on" : "off",

@@ -1,13 +1,17 @@
 // The FP8 base (qat/float8_linear.h) on fresh random inputs: the row quantizer against the e4m3
 // grid in float64, the matmuls against float64 products of the quantized operands and of the
-// unquantized ones, the layer standalone and under a LoRA adapter. On a GPU with FP8 tensor cores
-// (skipped elsewhere): the CUDA quantizer byte for byte against the torch operations, and
-// _scaled_mm against the reference path.
+// unquantized ones, the layer standalone and under a LoRA adapter; a 4-bit base multiplied on FP8
+// tensor cores. On a GPU with FP8 tensor cores (skipped elsewhere): the CUDA quantizer and the
+// 4-bit-to-e4m3 kernel byte for byte against the torch operations, and the tensor-core matmuls
+// (with and without accumulating onto the output) against the reference path.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <cmath>
 #include <functional>
+#include <string>
+#include <tuple>
+#include <vector>
 
 #include "kernels/error.h"
 #include "kernels/float8_gemm.h"
@@ -15,6 +19,8 @@
 #include "qat/float8_codec.h"
 #include "qat/float8_linear.h"
 #include "qat/float8_matmul.h"
+#include "qat/four_bit_linear.h"
+#include "qat/four_bit_codec.h"
 #include "qat/lora_linear.h"
 
 namespace qtrain::qat {
@@ -156,20 +162,37 @@ std::shared_ptr<LoraLinear> adapter_over(const std::shared_ptr<LinearLayer>& bas
 
 // Under LoRA the base's share comes from its own products; the adapter's gradients are those of
 // the same adapter over any base.
+// A rank-4 adapter over a [32, 64] base, forward and backward once on random rows: what the
+// tests below compare with float64 products (x, A, B and the output gradient in double).
+struct AdapterRun {
+  std::shared_ptr<LoraLinear> lora;
+  torch::Tensor input, output, grad;
+  torch::Tensor x, a, b, g;
+};
+AdapterRun run_adapter(const std::shared_ptr<LinearLayer>& base) {
+  AdapterRun run;
+  run.lora = adapter_over(base, 0.0);
+  run.input = torch::randn({6, 64}, torch::requires_grad());
+  run.output = run.lora->forward(run.input);
+  run.grad = torch::randn({6, 32});
+  run.output.backward(run.grad);
+  run.x = as_double(run.input.detach());
+  run.a = as_double(run.lora->lora_A());
+  run.b = as_double(run.lora->lora_B());
+  run.g = as_double(run.grad);
+  return run;
+}
+
 TEST(Float8Linear, LoraOverAnFp8BaseAddsTheBaseProductsToTheAdapters) {
   torch::manual_seed(8);
   const auto weight = torch::randn({32, 64}) * 0.1;
   Float8Options options;
   options.compute_dtype = torch::kFloat;
   auto base = Float8Linear::from_dense(weight, torch::Tensor(), options);
-  auto lora = adapter_over(base, 0.0);
-
-  auto input = torch::randn({6, 64}, torch::requires_grad());
-  const auto output = lora->forward(input);
-  const auto grad = torch::randn({6, 32});
-  output.backward(grad);
-
-  const auto x = as_double(input.detach()), a = as_double(lora->lora_A()), b = as_double(lora->lora_B()), g = as_double(grad);
+  const auto run = run_adapter(base);
+  const auto& lora = run.lora;
+  const auto &input = run.input, &output = run.output, &grad = run.grad;
+  const auto &x = run.x, &a = run.a, &b = run.b, &g = run.g;
   const double scale = lora->scale();
   const auto expected_output = as_double(base->own_product(input.detach(), torch::Tensor())) + scale * x.mm(a.t()).mm(b.t());
   EXPECT_TRUE(torch::allclose(as_double(output.detach()), expected_output, 1e-5, 1e-6));
@@ -245,6 +268,67 @@ TEST(Float8Linear, TheProductsAccumulateOntoAGivenTensorInPlace) {
   EXPECT_TRUE(torch::allclose(grad_onto, expected, 1e-6, 1e-6));
   auto wrong_shape = torch::zeros({5, 31});
   EXPECT_THROW(float8_product(rows, weight, false, wrong_shape), Error);
+}
+
+// A 4-bit base on FP8 tensor cores (FourBitLinear::multiply_on_float8): its e4m3 weight is the bf16
+// weight the bf16 path multiplies by, quantized by row; under LoRA its products are the FP8
+// products of that weight, and the checkpointed recomputation's kept weight gives the same input
+// gradient as a rebuilt one.
+std::shared_ptr<FourBitLinear> four_bit_on_float8(int64_t out, int64_t in, const std::string& type, bool double_quant) {
+  FourBitOptions options;
+  options.quant_type = type;
+  options.double_quant = double_quant;
+  options.compute_dtype = torch::kFloat;
+  auto layer = FourBitLinear::from_dense(torch::randn({out, in}) * 0.1, torch::Tensor(), options);
+  layer->multiply_on_float8(/*fast_accumulation=*/false);
+  return layer;
+}
+
+TEST(FourBitOnFloat8, TheWeightIsTheBf16WeightQuantizedByRow) {
+  torch::manual_seed(13);
+  for (const auto& [type, double_quant] : std::vector<std::pair<std::string, bool>>{{"nf4", true}, {"fp4", false}}) {
+    auto layer = four_bit_on_float8(32, 64, type, double_quant);
+    const auto expected = quantize_rows_float8(layer->dense_weight(torch::kBFloat16));
+    const auto codes = dequantize_4bit_to_float8(layer->packed_weight(), layer->quant_state(), expected.scales);
+    EXPECT_TRUE(torch::equal(codes.view(torch::kUInt8), expected.codes.view(torch::kUInt8))) << type;
+    // Its product is the FP8 product of that weight.
+    const auto rows = torch::randn({5, 64});
+    EXPECT_TRUE(torch::equal(layer->own_product(rows, torch::Tensor()), float8_product(rows, expected))) << type;
+  }
+}
+
+TEST(FourBitOnFloat8, LoraOverItAddsTheFloat8ProductsToTheAdapters) {
+  torch::manual_seed(14);
+  auto base = four_bit_on_float8(32, 64, "nf4", true);
+  ASSERT_TRUE(base->multiplies_itself());
+  const auto run = run_adapter(base);
+  const auto &input = run.input, &output = run.output, &grad = run.grad;
+  const auto &x = run.x, &a = run.a, &b = run.b, &g = run.g;
+  const double scale = run.lora->scale();
+  const auto weight = quantize_rows_float8(base->dense_weight(torch::kBFloat16));
+  EXPECT_TRUE(torch::allclose(as_double(output.detach()),
+                              as_double(float8_product(input.detach(), weight)) + scale * x.mm(a.t()).mm(b.t()), 1e-5, 1e-6));
+  EXPECT_TRUE(torch::allclose(as_double(input.grad()),
+                              as_double(float8_input_gradient(grad, weight)) + scale * g.mm(b).mm(a), 1e-5, 1e-6));
+  // Close to the bf16 path's product: e4m3 keeps each weight within 2^-4 of itself.
+  const auto bf16_path = x.mm(as_double(base->dense_weight(torch::kFloat)).t());
+  const double relative = ((as_double(base->own_product(input.detach(), torch::Tensor())) - bf16_path).abs().max() /
+                           bf16_path.abs().max()).item<double>();
+  EXPECT_LT(relative, 0.1);
+}
+
+TEST(FourBitOnFloat8, AKeptWeightGivesTheInputGradientOfARebuiltOne) {
+  torch::manual_seed(15);
+  auto layer = four_bit_on_float8(32, 64, "nf4", true);
+  const auto rows = torch::randn({4, 64});
+  const auto grad = torch::randn({4, 32});
+  const auto rebuilt = layer->own_input_gradient(grad, torch::Tensor());
+  {
+    const KeepBuiltWeights keep(true);
+    layer->own_product(rows, torch::Tensor());
+  }
+  EXPECT_TRUE(torch::equal(layer->own_input_gradient(grad, torch::Tensor()), rebuilt));
+  EXPECT_THROW(four_bit_on_float8(32, 60, "nf4", true), Error);  // FP8 tensor cores take multiples of 16
 }
 
 TEST(Float8Linear, TheCpuTakesTheReferencePathWhateverTheDtype) {
@@ -379,6 +463,36 @@ TEST(Float8Cuda, ScaledMatmulsAccumulateOntoTheOutputInOnePass) {
         grad_accumulated, grad_product + grad_onto.to(torch::kFloat),
         product_magnitudes(folded, weight.codes.t(), torch::ones({1}, weight.scales.options())) + 16 * grad_product.abs(),
         "input gradient onto, " + std::to_string(tokens) + " tokens");
+  }
+}
+
+
+// The kernel from packed bytes to e4m3 codes writes the bytes of the torch path (dequantize to
+// bf16, divide by the row's scale, cast), for NF4 / FP4, with and without double quantization,
+// rows of 256 (its 32-values-a-thread path) and 272 (8 a thread), and on a packed buffer that is
+// not word-aligned (its one-value-at-a-time path).
+TEST(Float8Cuda, TheFourBitToFloat8KernelWritesTheTorchPathsBytes) {
+  if (!has_float8_gpu()) GTEST_SKIP() << "no GPU with FP8 tensor cores on this machine";
+  torch::manual_seed(16);
+  for (const auto& [type, double_quant, blocksize, columns] : std::vector<std::tuple<FourBitType, bool, int64_t, int64_t>>{
+           {FourBitType::kNf4, true, 64, 272}, {FourBitType::kFp4, false, 128, 272}, {FourBitType::kNf4, false, 64, 256},
+           {FourBitType::kNf4, true, 64, 256}}) {
+    const auto weight = (torch::randn({96, columns}) * torch::logspace(-3, 1, 96).unsqueeze(1)).to(torch::kCUDA);
+    auto quantized = quantize_4bit(weight, type, blocksize, double_quant);
+    const auto scales = quantize_rows_float8(dequantize_4bit(quantized.packed, quantized.state, torch::kBFloat16)).scales;
+    const auto kernel = dequantize_4bit_to_float8(quantized.packed, quantized.state, scales);
+    const auto reference = (dequantize_4bit(quantized.packed, quantized.state, torch::kBFloat16).to(torch::kFloat) / scales)
+                               .clamp(-448.0, 448.0)
+                               .to(torch::kFloat8_e4m3fn);
+    EXPECT_EQ((kernel.view(torch::kUInt8) != reference.view(torch::kUInt8)).sum().item<int64_t>(), 0)
+        << four_bit_type_name(type) << (double_quant ? ", double quant" : "");
+    // The same bytes from a packed buffer one byte off word alignment.
+    auto shifted = torch::empty({quantized.packed.numel() + 1}, quantized.packed.options());
+    shifted.narrow(0, 1, quantized.packed.numel()).copy_(quantized.packed.view({-1}));
+    const auto unaligned =
+        dequantize_4bit_to_float8(shifted.narrow(0, 1, quantized.packed.numel()).view(quantized.packed.sizes()),
+                                  quantized.state, scales);
+    EXPECT_TRUE(torch::equal(unaligned.view(torch::kUInt8), kernel.view(torch::kUInt8)));
   }
 }
 

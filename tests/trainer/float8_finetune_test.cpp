@@ -7,6 +7,7 @@
 
 #include "kernels/error.h"
 #include "qat/float8_linear.h"
+#include "qat/four_bit_linear.h"
 #include "trainer/recipe/base_quantization.h"
 #include "run_metrics.h"
 #include "support.h"
@@ -17,8 +18,9 @@ namespace qtrain::trainer {
 namespace {
 
 Recipe lora_recipe(const testing::TempDir& run, const std::string& quant, const std::string& quant_type,
-                   const std::string& fast_accumulation = "false") {
-  return load_recipe("", {"qlora.fp8_fast_accumulation=" + fast_accumulation,"model.path=" + testing::source_dir() + "/recipes/demo/tiny-llama",
+                   const std::string& fast_accumulation = "false", const std::string& fp8_compute = "false") {
+  return load_recipe("", {"qlora.fp8_fast_accumulation=" + fast_accumulation, "qlora.fp8_compute=" + fp8_compute,
+                          "model.path=" + testing::source_dir() + "/recipes/demo/tiny-llama",
                           "data.train=" + testing::source_dir() + "/recipes/demo/brown-val.jsonl", "data.eval=",
                           "quant=" + quant, "qlora.quant_type=" + quant_type, "lora.rank=8", "lora.alpha=16",
                           "lora.dropout=0", "data.max_seq_len=64", "train.micro_batch_size=2",
@@ -73,6 +75,43 @@ TEST(Float8Finetune, FastAccumulationIsAnFp8KeyOnly) {
     FAIL() << "fast accumulation on an NF4 base was accepted";
   } catch (const Error& error) {
     EXPECT_NE(std::string(error.what()).find("qlora.fp8_fast_accumulation"), std::string::npos) << error.what();
+  }
+}
+
+// qlora.fp8_compute: every 4-bit projection multiplies on FP8 (here the CPU's reference path of
+// the same quantized operands), and the curve follows the bf16-path NF4 run within FP8's error.
+TEST(Float8Finetune, AFourBitBaseOnFloat8FollowsTheBf16Path) {
+  testing::TempDir fp8_run, nf4_run;
+  const auto recipe = lora_recipe(fp8_run, "qlora", "nf4", "false", "true");
+  const auto base = load_base_model(recipe, torch::kFloat32, torch::kCPU, /*quantize_base=*/true);
+  int64_t on_float8 = 0;
+  for (const auto& item : base.model->named_modules()) {
+    if (const auto layer = std::dynamic_pointer_cast<qat::FourBitLinear>(item.value())) on_float8 += layer->multiplies_itself();
+  }
+  EXPECT_EQ(on_float8, 4 * 7);
+  const auto fp8 = train_losses(recipe, fp8_run.path());
+  const auto nf4 = train_losses(lora_recipe(nf4_run, "qlora", "nf4"), nf4_run.path());
+  ASSERT_EQ(fp8.size(), 8u);
+  ASSERT_EQ(nf4.size(), 8u);
+  double largest = 0;
+  for (size_t step = 0; step < fp8.size(); ++step) largest = std::max(largest, std::abs(fp8[step] - nf4[step]) / nf4[step]);
+  std::printf("nf4 on fp8 vs nf4, 8 LoRA steps: losses %.4f -> %.4f vs %.4f -> %.4f, largest relative gap %.2e\n",
+              fp8.front(), fp8.back(), nf4.front(), nf4.back(), largest);
+  EXPECT_LT(fp8.back(), fp8.front());
+  EXPECT_LT(largest, 0.01);
+  EXPECT_NO_THROW(base_quantization(lora_recipe(fp8_run, "qlora", "nf4", "true", "true"), torch::kBFloat16));
+}
+
+TEST(Float8Finetune, Fp8ComputeIsAFourBitQloraKeyOnly) {
+  testing::TempDir run;
+  for (const auto& [quant, quant_type] : std::vector<std::pair<std::string, std::string>>{
+           {"qlora", "int8"}, {"qlora", "fp8"}, {"qat", "nf4"}, {"none", "nf4"}}) {
+    try {
+      base_quantization(lora_recipe(run, quant, quant_type, "false", "true"), torch::kBFloat16);
+      FAIL() << "fp8_compute with quant " << quant << ", " << quant_type << " was accepted";
+    } catch (const Error& error) {
+      EXPECT_NE(std::string(error.what()).find("qlora.fp8_compute"), std::string::npos) << error.what();
+    }
   }
 }
 

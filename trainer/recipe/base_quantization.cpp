@@ -12,10 +12,43 @@ namespace {
 
 void keep_dense(LlamaForCausalLMImpl&, const BaseQuantizationSettings&) {}
 
+// FP8 tensor cores take only multiples of 16; anything else would run the slow reference path.
+// `key` names the setting that asked for them.
+void require_float8_sizes(LlamaForCausalLMImpl& model, const BaseQuantizationSettings& settings, const std::string& key) {
+  const auto misfits = qat::find_linear_layers(
+      model,
+      [&](const std::string& name, const qat::LinearLayer& layer) {
+        return !qat::module_name_matches(name, settings.skip_modules) && dynamic_cast<const qat::DenseLinear*>(&layer) &&
+               (layer.in_features() % 16 != 0 || layer.out_features() % 16 != 0);
+      },
+      [](const qat::LinearLayer&) { return false; });
+  if (!misfits.empty()) {
+    const auto& layer = *misfits.front().layer;
+    throw Error(ErrorCode::kRecipe, key + " multiplies on FP8 tensor cores, which take sizes in multiples of 16, and " +
+                misfits.front().name + " is [" + std::to_string(layer.out_features()) + ", " +
+                std::to_string(layer.in_features()) + "]: use nf4 without it, or add it to qlora.skip_modules");
+  }
+}
+
 void quantize_four_bit(LlamaForCausalLMImpl& model, const BaseQuantizationSettings& settings) {
   auto options = settings.four_bit;
   options.quant_type = base_quantization_row(settings.kind).name;
+  const bool on_gpu = options.device && options.device->is_cuda();
+  if (settings.four_bit_on_float8 && on_gpu) {
+    qat::require_float8_tensor_cores(*options.device, settings.compute_dtype, "qlora.fp8_compute", "train.dtype");
+    require_float8_sizes(model, settings, "qlora.fp8_compute");
+  }
   qat::quantize_linear_layers(model, options, settings.skip_modules);
+  if (!settings.four_bit_on_float8) return;
+  const auto four_bit_layers = qat::find_linear_layers(
+      model,
+      [](const std::string&, const qat::LinearLayer& layer) {
+        return dynamic_cast<const qat::FourBitLinear*>(&layer) != nullptr;
+      },
+      [](const qat::LinearLayer&) { return false; });
+  for (const auto& found : four_bit_layers) {
+    std::static_pointer_cast<qat::FourBitLinear>(found.layer)->multiply_on_float8(settings.float8.fast_accumulation);
+  }
 }
 
 void quantize_int8(LlamaForCausalLMImpl& model, const BaseQuantizationSettings& settings) {
@@ -25,20 +58,7 @@ void quantize_int8(LlamaForCausalLMImpl& model, const BaseQuantizationSettings& 
 void quantize_float8(LlamaForCausalLMImpl& model, const BaseQuantizationSettings& settings) {
   if (settings.float8.device && settings.float8.device->is_cuda()) {
     qat::require_float8_tensor_cores(*settings.float8.device, settings.compute_dtype, "qlora.quant_type: fp8", "train.dtype");
-    // FP8 tensor cores take only multiples of 16; anything else would run the slow reference path.
-    const auto misfits = qat::find_linear_layers(
-        model,
-        [&](const std::string& name, const qat::LinearLayer& layer) {
-          return !qat::module_name_matches(name, settings.skip_modules) && dynamic_cast<const qat::DenseLinear*>(&layer) &&
-                 (layer.in_features() % 16 != 0 || layer.out_features() % 16 != 0);
-        },
-        [](const qat::LinearLayer&) { return false; });
-    if (!misfits.empty()) {
-      const auto& layer = *misfits.front().layer;
-      throw Error(ErrorCode::kRecipe, "qlora.quant_type: fp8 multiplies on FP8 tensor cores, which take sizes in multiples of "
-                  "16, and " + misfits.front().name + " is [" + std::to_string(layer.out_features()) + ", " +
-                  std::to_string(layer.in_features()) + "]: use nf4, or add it to qlora.skip_modules");
-    }
+    require_float8_sizes(model, settings, "qlora.quant_type: fp8");
   }
   qat::quantize_linear_layers_float8(model, settings.float8, settings.skip_modules);
 }
@@ -118,9 +138,20 @@ BaseQuantizationSettings base_quantization(const Recipe& recipe, torch::ScalarTy
   } else if (recipe.quant == "qat") {
     settings.kind = base_quantization_named(recipe.qat.base, "qat.base", ErrorCode::kRecipe).kind;
   }
-  if (recipe.qlora.fp8_fast_accumulation && settings.kind != BaseQuantization::kFp8) {
-    throw Error(ErrorCode::kRecipe, "qlora.fp8_fast_accumulation applies to an FP8 base only (qlora.quant_type: fp8), "
-                "and the base here is " + std::string(base_quantization_row(settings.kind).name) + ": remove the key");
+  const bool four_bit = settings.kind == BaseQuantization::kNf4 || settings.kind == BaseQuantization::kFp4;
+  if (recipe.qlora.fp8_compute && recipe.quant != "qlora") {
+    throw Error(ErrorCode::kRecipe, "qlora.fp8_compute multiplies a QLoRA base on FP8 tensor cores, and quant is " +
+                recipe.quant + ": remove the key, or use quant: qlora");
+  }
+  if (recipe.qlora.fp8_compute && !four_bit) {
+    throw Error(ErrorCode::kRecipe, "qlora.fp8_compute multiplies a 4-bit base (nf4 or fp4) on FP8 tensor cores, and the "
+                "base here is " + std::string(base_quantization_row(settings.kind).name) +
+                (settings.kind == BaseQuantization::kFp8 ? " (which multiplies on them already)" : "") + ": remove the key");
+  }
+  if (recipe.qlora.fp8_fast_accumulation && settings.kind != BaseQuantization::kFp8 && !recipe.qlora.fp8_compute) {
+    throw Error(ErrorCode::kRecipe, "qlora.fp8_fast_accumulation applies to FP8 matmuls only (qlora.quant_type: fp8, or "
+                "qlora.fp8_compute: true), and the base here is " + std::string(base_quantization_row(settings.kind).name) +
+                ": remove the key");
   }
   if (settings.kind == BaseQuantization::kNone) return settings;
   settings.skip_modules = recipe.qlora.skip_modules;
@@ -129,6 +160,7 @@ BaseQuantizationSettings base_quantization(const Recipe& recipe, torch::ScalarTy
   settings.four_bit.device = device;
   settings.int8.threshold = recipe.qlora.llm_int8_threshold;
   settings.float8.fast_accumulation = recipe.qlora.fp8_fast_accumulation;
+  settings.four_bit_on_float8 = recipe.qlora.fp8_compute;
   settings.int8.device = device;
   settings.float8.device = device;
   return settings;

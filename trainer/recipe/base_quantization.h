@@ -26,6 +26,7 @@ struct BaseQuantizationSettings {
   BaseQuantization kind = BaseQuantization::kNone;
   torch::ScalarType compute_dtype = torch::kBFloat16;  // of the dense weights and the biases
   qat::FourBitOptions four_bit;  // nf4 / fp4: blocksize, double_quant (its quant_type is ignored: kind says it)
+  bool four_bit_on_float8 = false;  // nf4 / fp4: multiply on FP8 tensor cores (qlora.fp8_compute)
   qat::Int8Options int8;         // int8: llm_int8_threshold
   qat::Float8Options float8;     // fp8: where the weights are quantized
   std::vector<std::string> skip_modules = {"lm_head"};  // linear layers kept in the compute dtype

@@ -28,7 +28,8 @@ struct QloraRecipe {
   int64_t blocksize{};
   bool double_quant{};
   double llm_int8_threshold{};
-  bool fp8_fast_accumulation{};  // fp8: the forward's matmuls without fp32 promotion
+  bool fp8_fast_accumulation{};  // fp8 (or fp8_compute): the forward's matmuls without fp32 promotion
+  bool fp8_compute{};            // nf4 / fp4: the base multiplies on FP8 tensor cores (qat/four_bit_linear.h)
   std::vector<std::string> skip_modules;
 };
 

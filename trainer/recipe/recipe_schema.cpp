@@ -58,8 +58,12 @@ std::vector<RecipeKey> make_recipe_keys() {
       key("qlora.double_quant", "true", QTRAIN_FIELD(qlora.double_quant),
           "quantize the absmax too (8-bit, blocks of 256), as bnb_4bit_use_double_quant").shapes_model(),
       key("qlora.fp8_fast_accumulation", "false", QTRAIN_FIELD(qlora.fp8_fast_accumulation),
-          "fp8: the forward's FP8 matmuls accumulate in the tensor cores' own precision, unpromoted (faster; "
-          "torchao's Float8Linear default), the input gradient's stay promoted to fp32").shapes_model(),
+          "fp8 or fp8_compute: the forward's FP8 matmuls accumulate in the tensor cores' own precision, unpromoted "
+          "(faster; torchao's Float8Linear default), the input gradient's stay promoted to fp32").shapes_model(),
+      key("qlora.fp8_compute", "false", QTRAIN_FIELD(qlora.fp8_compute),
+          "nf4 / fp4: the adapted projections multiply on FP8 tensor cores, each product dequantizing the 4-bit "
+          "weight straight to e4m3 with a scale per row (QLoRA's memory, near the FP8 base's speed; one more "
+          "rounding of the weights; Hopper / Ada, train.dtype bf16)").shapes_model(),
       key("qlora.llm_int8_threshold", "6.0", QTRAIN_FIELD(qlora.llm_int8_threshold),
           "int8: input features above this magnitude run in 16-bit")
           .at_least(0),
