@@ -7,7 +7,6 @@
 // the 8 share one absmax, and a full group is one 32-bit load and one 16- or 32-byte store. The
 // FP8 variant codes the same 8 bf16 values at their row's scale into one 8-byte store.
 #include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -74,6 +73,7 @@ template <typename scalar_t>
 struct WriteValues {
   using out_t = scalar_t;
   scalar_t* out;
+  static constexpr int64_t row_length = 0;  // no rows
   __device__ float row_scale(int64_t) const { return 0.0f; }
   __device__ scalar_t operator()(float value, float) const { return static_cast<scalar_t>(value); }
 };
@@ -187,14 +187,14 @@ DecodeTable checked_table(const at::Tensor& packed, int64_t numel, int64_t block
   return table;
 }
 
-// The wide kernel where its 32 values share an absmax and a row (row_length 0: no rows) and its
-// 16-byte loads are aligned; the narrow one otherwise. Either finishes a tail value by value.
+// The wide kernel where its 32 values share an absmax and one of the writer's rows and its 16-byte
+// loads are aligned; the narrow one otherwise. Either finishes a tail value by value.
 template <typename Writer>
 void launch(const at::Tensor& packed, int64_t numel, int64_t blocksize, const DecodeTable& table,
-            const FourBitScales& scales, int64_t row_length, const Writer& write, cudaStream_t stream) {
+            const FourBitScales& scales, const Writer& write) {
   const auto* bytes = packed.data_ptr<uint8_t>();
   const bool double_quantized = scales.nested_absmax.defined();
-  const bool wide = blocksize >= kWideValuesPerThread && row_length % kWideValuesPerThread == 0 &&
+  const bool wide = blocksize >= kWideValuesPerThread && write.row_length % kWideValuesPerThread == 0 &&
                     reinterpret_cast<uintptr_t>(bytes) % (kWideValuesPerThread / 2) == 0;
   const int values = wide ? kWideValuesPerThread : kValuesPerThread;
   const auto grid = static_cast<unsigned>(ceil_div(ceil_div(numel, values), kThreadsPerCudaBlock));
@@ -203,8 +203,8 @@ void launch(const at::Tensor& packed, int64_t numel, int64_t blocksize, const De
                                          : dequantize_4bit_kernel<Writer, false, kWideValuesPerThread>)
                      : (double_quantized ? dequantize_4bit_kernel<Writer, true, kValuesPerThread>
                                          : dequantize_4bit_kernel<Writer, false, kValuesPerThread>);
-  kernel<<<grid, kThreadsPerCudaBlock, 0, stream>>>(bytes, aligned, numel, log2_of(blocksize), table,
-                                                    block_scales(scales), write);
+  kernel<<<grid, kThreadsPerCudaBlock, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      bytes, aligned, numel, log2_of(blocksize), table, block_scales(scales), write);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -220,10 +220,7 @@ at::Tensor dequantize_4bit_cuda(const at::Tensor& packed, int64_t numel, int64_t
     using scalar_t = decltype(type_tag);
     out = at::empty({numel}, packed.options().dtype(dtype));
     if (numel == 0) return;
-    const auto stream = c10::cuda::getCurrentCUDAStream();
-    launch(packed, numel, blocksize, table, scales, /*row_length=*/0, WriteValues<scalar_t>{out.data_ptr<scalar_t>()},
-           stream);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch(packed, numel, blocksize, table, scales, WriteValues<scalar_t>{out.data_ptr<scalar_t>()});
   });
   return out;
 }
@@ -244,9 +241,8 @@ at::Tensor dequantize_4bit_to_float8_cuda(const at::Tensor& packed, int64_t nume
   const c10::cuda::CUDAGuard device_guard(packed.device());
   auto out = at::empty({numel}, packed.options().dtype(at::kFloat8_e4m3fn));
   if (numel == 0) return out;
-  launch(packed, numel, blocksize, table, scales, row_length,
-         WriteFloat8Codes{out.data_ptr<c10::Float8_e4m3fn>(), row_scales.data_ptr<float>(), row_length},
-         c10::cuda::getCurrentCUDAStream());
+  launch(packed, numel, blocksize, table, scales,
+         WriteFloat8Codes{out.data_ptr<c10::Float8_e4m3fn>(), row_scales.data_ptr<float>(), row_length});
   return out;
 }
 

@@ -5,6 +5,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <torch/csrc/autograd/function.h>
 
 #include "kernels/cuda_build.h"
@@ -52,9 +53,9 @@ void check_onto(const torch::Tensor& onto, int64_t rows, int64_t columns, torch:
 // the gradient before it is quantized). One tensor per device, grown as needed, shared by calls.
 torch::Tensor ones_row(int64_t columns, const torch::Device& device) {
   static std::mutex mutex;
-  static auto* kept = new std::map<std::string, torch::Tensor>();  // never destroyed: no CUDA frees during exit
+  static auto* kept = new std::map<std::pair<int, int>, torch::Tensor>();  // never destroyed: no CUDA frees at exit
   const std::lock_guard<std::mutex> lock(mutex);
-  auto& ones = (*kept)[device.str()];
+  auto& ones = (*kept)[{static_cast<int>(device.type()), device.index()}];
   if (!ones.defined() || ones.size(1) < columns) {
     ones = torch::ones({1, columns}, torch::TensorOptions().dtype(torch::kFloat32).device(device));
   }

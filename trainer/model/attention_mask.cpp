@@ -56,7 +56,8 @@ AttentionMask AttentionMask::written_out(torch::Tensor mask) {
 AttentionMask AttentionMask::packed(const torch::Tensor& sample_ids, const torch::Device& device, PackedAttention how) {
   AttentionMask result;
   result.state_ = std::make_shared<State>();
-  result.state_->sample_ids = sample_ids.to(device);
+  result.state_->sample_ids = sample_ids;  // to the device only if the mask is written out
+  result.state_->device = device;
   if (how == PackedAttention::kSpans) {
     result.state_->spans = sample_spans(sample_ids);
     result.state_->spans.cumulative_lengths = result.state_->spans.cumulative_lengths.to(device);
@@ -67,7 +68,7 @@ AttentionMask AttentionMask::packed(const torch::Tensor& sample_ids, const torch
 const torch::Tensor& AttentionMask::dense() const {
   static const torch::Tensor none;
   if (!state_) return none;
-  if (!state_->mask.defined()) state_->mask = block_causal_mask(state_->sample_ids);
+  if (!state_->mask.defined()) state_->mask = block_causal_mask(state_->sample_ids.to(state_->device));
   return state_->mask;
 }
 

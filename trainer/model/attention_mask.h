@@ -46,8 +46,9 @@ class AttentionMask {
  private:
   struct State {
     torch::Tensor mask;        // written out (or built from sample_ids on first use)
-    torch::Tensor sample_ids;  // packed batches, on the model's device
-    SampleSpans spans;         // packed batches given as spans
+    torch::Tensor sample_ids;  // packed batches, where the loader left them
+    torch::Device device = torch::kCPU;  // the model's: where a written-out mask goes
+    SampleSpans spans;         // packed batches given as spans, on the model's device
   };
   std::shared_ptr<State> state_;  // shared by the copies the checkpointed layers hold
 };
