@@ -259,7 +259,7 @@ std::pair<int64_t, double> longest_context(const torch::Device& device, int64_t 
 int run_bench(const Arguments& arguments) {
   std::string shape, quant, dtype_name, device_name, checkpoint_run, optimizer_name, trace_path, lora_gradient;
   int64_t micro_batch = 0, sequence = 0, steps = 0, warmup = 0, lora_rank = 0, loss_chunk = 0, profile_steps = 0;
-  int64_t mlp_chunk = 0, packed_samples = 0;
+  int64_t mlp_chunk = 0, packed_samples = 0, checkpoint_every = 1;
   double memory_limit_gib = 0;
   po::options_description options("bench options");
   options.add_options()
@@ -272,6 +272,8 @@ int run_bench(const Arguments& arguments) {
       ("micro-batch", po::value(&micro_batch)->default_value(1), "sequences per step")
       ("seq", po::value(&sequence)->default_value(2048), "tokens per sequence")
       ("checkpointing", po::bool_switch(), "recompute every decoder layer in backward")
+      ("checkpoint-every", po::value(&checkpoint_every)->default_value(1),
+       "with --checkpointing: only every K-th decoder layer (train.gradient_checkpointing_every)")
       ("offload-activations", po::bool_switch(), "with --checkpointing: the layers' inputs wait in pinned host memory "
        "(train.offload_activations)")
       ("mlp-chunk", po::value(&mlp_chunk)->default_value(0), "MLP chunk tokens (train.mlp_chunk_tokens); 0: whole")
@@ -283,6 +285,8 @@ int run_bench(const Arguments& arguments) {
       ("rebuild-weights", po::bool_switch(), "with --checkpointing: dequantize again in backward instead of keeping "
        "a recomputed layer's weights (train.keep_built_weights: false)")
       ("embeddings-on-host", po::bool_switch(), "the input embedding table stays on the host (train.embeddings_on_host)")
+      ("lm-head-on-host", po::bool_switch(), "lm_head waits on the host and visits the device for the loss "
+       "(train.lm_head_on_host)")
       ("max-context", po::bool_switch(),
        "find the longest sequence one micro-batch trains in the GPU's memory: measure the peak at two lengths, "
        "extrapolate, then train at the longest that fits (stepping down on out-of-memory); prints its tokens/s")
@@ -334,6 +338,12 @@ int run_bench(const Arguments& arguments) {
   recipe.train.fused_loss = !values["unfused-loss"].as<bool>();
   recipe.train.keep_built_weights = !values["rebuild-weights"].as<bool>();
   recipe.train.embeddings_on_host = values["embeddings-on-host"].as<bool>();
+  recipe.train.lm_head_on_host = values["lm-head-on-host"].as<bool>();
+  if (checkpoint_every < 1) throw Error(ErrorCode::kUsage, "--checkpoint-every must be >= 1");
+  if (checkpoint_every > 1 && !checkpointing) {
+    throw Error(ErrorCode::kUsage, "--checkpoint-every picks the layers --checkpointing recomputes: add --checkpointing");
+  }
+  recipe.train.gradient_checkpointing_every = checkpoint_every;
   if (recipe.train.offload_activations && !checkpointing) {
     throw Error(ErrorCode::kUsage, "--offload-activations moves what --checkpointing keeps: add --checkpointing");
   }
@@ -475,7 +485,8 @@ int run_bench(const Arguments& arguments) {
   if (recipe.qlora.fp8_fast_accumulation) quant += "+fast-accumulation";
   std::printf("bench: %s %s + %s, %s compute on %s, micro-batch %lld x %lld, checkpointing %s%s, loss chunk %lld%s%s\n",
               shape.c_str(), quant.c_str(), optimizer_name.c_str(), dtype_name.c_str(), device.str().c_str(), static_cast<long long>(micro_batch),
-              static_cast<long long>(sequence), checkpointing ? "on" : "off",
+              static_cast<long long>(sequence),
+              !checkpointing ? "off" : checkpoint_every == 1 ? "on" : ("every " + std::to_string(checkpoint_every) + " layers").c_str(),
               recipe.train.offload_activations ? " (inputs offloaded)" : "", static_cast<long long>(chunk),
               recipe.train.fused_loss ? " (fused)" : "",
               mlp_chunk > 0 ? (", MLP chunk " + std::to_string(mlp_chunk)).c_str() : "");
@@ -505,6 +516,8 @@ int run_bench(const Arguments& arguments) {
                                 {"fused_loss", recipe.train.fused_loss},
                                 {"keep_built_weights", recipe.train.keep_built_weights},
                                 {"embeddings_on_host", recipe.train.embeddings_on_host},
+                                {"lm_head_on_host", recipe.train.lm_head_on_host},
+                                {"checkpoint_every", checkpointing ? checkpoint_every : 0},
                                 {"max_context", max_context},
                                 {"pinned_host_bytes", trainer::ActivationOffload::pinned_bytes()},
                                 {"pinning_seconds", trainer::ActivationOffload::pinning_seconds()},

@@ -108,6 +108,7 @@ void print_peak_estimate(const std::string& recipe_path, const trainer::Training
   std::string switches;  // the train section's memory switches that are on
   if (setup.gradient_checkpointing && setup.offload_activations) switches += ", checkpointed inputs on the host";
   if (setup.embeddings_on_host) switches += ", embedding table on the host";
+  if (setup.lm_head_on_host) switches += ", lm_head on the host";
   if (setup.gradient_checkpointing && !setup.keep_built_weights) switches += ", weights rebuilt in backward";
   std::printf("\npeak memory estimate for %s on %s (%s, compute %s, micro-batch %lld x %lld tokens%s%s%s):\n",
               recipe_path.c_str(), setup.device == torch::kCUDA ? "cuda" : "cpu", training.c_str(),

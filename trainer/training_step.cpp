@@ -57,6 +57,7 @@ StepResult TrainingStep::run(const std::vector<data::Batch>& micro_batches, int6
   for (size_t index = 0; index < micro_batches.size(); ++index) {
     const auto& batch = micro_batches[index];
     auto labels = batch.labels.to(options_.device);
+    model_.prefetch_lm_head();  // train.lm_head_on_host: it travels while the layers run
     auto hidden = model_.hidden_states(model_inputs(batch, options_.device, options_.packed_attention));
     auto loss = causal_lm_loss(model_, hidden, labels, loss_options);
     // Ranks exchange gradients only in the window's last backward, overlapped with it.

@@ -129,41 +129,96 @@ TEST(ActivationCheckpointing, RebuildingTheWeightsInBackwardGivesTheSameGradient
                        "nf4, weights dequantized again in backward");
 }
 
+// What apply_recipe_memory_settings refuses the recipe with; empty when it does not.
+std::string refusal(LlamaForCausalLMImpl& model, const Recipe& recipe) {
+  try {
+    apply_recipe_memory_settings(model, recipe);
+  } catch (const Error& error) {
+    return error.what();
+  }
+  return "";
+}
+
+// The tiny LoRA model on the GPU and its gradients there, before the recipe's memory settings
+// (a switch that moves a frozen weight to the host) are applied to it.
+struct SwitchedOnCuda {
+  LlamaForCausalLM model;
+  Gradients before;
+};
+SwitchedOnCuda switched_on_cuda(const Recipe& recipe) {
+  const torch::Device cuda(torch::kCUDA, 0);
+  auto model = tiny_llama_with_lora(false, 0.0);
+  model->to(cuda);
+  auto before = gradients_on(model, cuda);
+  apply_recipe_memory_settings(*model, recipe);
+  return {model, before};
+}
+
 TEST(EmbeddingsOnHost, TheRecipeRefusesTiedOrTrainedTables) {
   auto recipe = default_recipe();
   recipe.train.embeddings_on_host = true;
   auto options = qtrain::testing::small_llama_options(32, 1);
   options.tie_word_embeddings = true;
   LlamaForCausalLM tied(options, torch::kFloat32);
-  try {
-    apply_recipe_memory_settings(*tied, recipe);
-    ADD_FAILURE() << "a tied table was moved to the host";
-  } catch (const Error& error) {
-    EXPECT_NE(std::string(error.what()).find("tie_word_embeddings"), std::string::npos) << error.what();
-  }
+  EXPECT_NE(refusal(*tied, recipe).find("tie_word_embeddings"), std::string::npos);
   options.tie_word_embeddings = false;
   LlamaForCausalLM untied(options, torch::kFloat32);
   recipe.lora.rank = 0;  // every weight trains, the embedding too
   recipe.quant = "none";
-  try {
-    apply_recipe_memory_settings(*untied, recipe);
-    ADD_FAILURE() << "a trained table was moved to the host";
-  } catch (const Error& error) {
-    EXPECT_NE(std::string(error.what()).find("model.embed_tokens.weight"), std::string::npos) << error.what();
-  }
+  EXPECT_NE(refusal(*untied, recipe).find("model.embed_tokens.weight"), std::string::npos);
 }
 
 TEST(EmbeddingsOnHost, CudaLogitsAndGradientsEqualATableOnTheDeviceBitwise) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
-  const torch::Device cuda(torch::kCUDA, 0);
-  auto model = tiny_llama_with_lora(false, 0.0);
-  model->to(cuda);
-  const auto on_device = gradients_on(model, cuda);
   auto recipe = default_recipe();
   recipe.train.embeddings_on_host = true;
-  apply_recipe_memory_settings(*model, recipe);
-  ASSERT_TRUE(model->model->embed_tokens->weight.device().is_cpu());
-  expect_bitwise_equal(on_device, gradients_on(model, cuda), "CUDA, embeddings on the host");
+  auto switched = switched_on_cuda(recipe);
+  ASSERT_TRUE(switched.model->model->embed_tokens->weight.device().is_cpu());
+  expect_bitwise_equal(switched.before, gradients_on(switched.model, torch::Device(torch::kCUDA, 0)),
+                       "CUDA, embeddings on the host");
+}
+
+TEST(LmHeadOnHost, TheRecipeRefusesTiedTrainedAdaptedOrQuantizedHeads) {
+  auto recipe = default_recipe();
+  recipe.train.lm_head_on_host = true;
+  auto options = qtrain::testing::small_llama_options(32, 1);
+  options.tie_word_embeddings = true;
+  LlamaForCausalLM tied(options, torch::kFloat32);
+  EXPECT_NE(refusal(*tied, recipe).find("tie_word_embeddings"), std::string::npos);
+  options.tie_word_embeddings = false;
+  LlamaForCausalLM untied(options, torch::kFloat32);
+  EXPECT_EQ(refusal(*untied, recipe), "");  // on the CPU it stays where it is
+  auto adapted = recipe;
+  adapted.lora.target_modules = {"q_proj", "lm_head"};
+  EXPECT_NE(refusal(*untied, adapted).find("include lm_head"), std::string::npos);
+  auto full = recipe;
+  full.lora.rank = 0;  // every weight trains, lm_head too
+  full.quant = "none";
+  EXPECT_NE(refusal(*untied, full).find("lm_head.weight"), std::string::npos);
+  auto fake_quantized = recipe;
+  fake_quantized.quant = "qat";
+  fake_quantized.qat.target_modules = {"lm_head"};
+  EXPECT_NE(refusal(*untied, fake_quantized).find("qat.target_modules"), std::string::npos);
+  qat::quantize_linear_layers(*untied, qat::FourBitOptions{}, {});  // lm_head too
+  EXPECT_NE(refusal(*untied, recipe).find("quantized"), std::string::npos);
+}
+
+// On a GPU the LoRA gradients equal those with lm_head on the device bitwise, through the logits
+// path (chunks of the whole batch: each takes its own copy), and lm_head's weight stays pinned on
+// the host.
+TEST(LmHeadOnHost, CudaGradientsEqualAHeadOnTheDeviceBitwise) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const torch::Device cuda(torch::kCUDA, 0);
+  auto recipe = default_recipe();
+  recipe.train.lm_head_on_host = true;
+  auto [model, on_device] = switched_on_cuda(recipe);
+  ASSERT_TRUE(model->lm_head_on_host());
+  const auto weight = model->lm_head->parameters().front();
+  ASSERT_TRUE(weight.device().is_cpu());
+  EXPECT_TRUE(weight.is_pinned());
+  expect_bitwise_equal(on_device, gradients_on(model, cuda), "CUDA, lm_head on the host");
+  model->prefetch_lm_head();  // a prefetched copy that the next loss takes
+  expect_bitwise_equal(on_device, gradients_on(model, cuda), "CUDA, lm_head on the host, prefetched");
 }
 
 TEST(ActivationOffloading, WithoutCheckpointingNothingIsOffloaded) {
@@ -262,7 +317,7 @@ TEST(MemorySwitches, ARunsLossesEqualThoseWithoutTheSwitch) {
   const auto plain = losses_with({});
   ASSERT_EQ(plain.size(), 4u);
   EXPECT_EQ(losses_with({"train.offload_activations=true", "train.embeddings_on_host=true",
-                         "train.keep_built_weights=false"}),
+                         "train.keep_built_weights=false", "train.lm_head_on_host=true"}),
             plain);
   const auto chunked = losses_with({"train.mlp_chunk_tokens=40", "train.offload_activations=true"});
   ASSERT_EQ(chunked.size(), 4u);

@@ -138,6 +138,32 @@ TEST(FusedLoss, IgnoredLabelsTakeNoPartAndGetNoGradient) {
   EXPECT_EQ(none.grad.abs().max().item<double>(), 0.0);
 }
 
+// A weight handed in as a tensor (lm_head's copy from the host, train.lm_head_on_host) is let go
+// of by the loss's backward, while the loss itself still lives: its device memory returns before
+// the layers' backward. The bias beside it applies as a layer's would.
+TEST(FusedLoss, ItsBackwardLetsGoOfAWeightHandedIn) {
+  torch::manual_seed(6);
+  auto problem = random_problem(20, 16, 100, torch::kFloat32);
+  const auto bias = torch::randn({100});
+  auto leaf = problem.states.detach().requires_grad_(true);
+  OutputProjection projection;
+  projection.weight = problem.weight.clone();
+  projection.weight_bias = bias.clone();
+  const auto weight = projection.weight;
+  const auto loss = fused_linear_cross_entropy(leaf, problem.targets, projection, {});
+  projection = OutputProjection();
+  EXPECT_EQ(weight.use_count(), 2);  // here and in the loss's backward
+  loss.backward();
+  EXPECT_EQ(weight.use_count(), 1);
+  auto reference_leaf = problem.states.detach().requires_grad_(true);
+  const auto logits = torch::nn::functional::linear(reference_leaf, problem.weight, bias);
+  const auto reference = torch::nn::functional::cross_entropy(
+      logits, problem.targets, torch::nn::functional::CrossEntropyFuncOptions().ignore_index(kIgnoreLabel).reduction(torch::kSum));
+  reference.backward();
+  EXPECT_NEAR(loss.item<double>(), reference.item<double>(), 1e-5 * reference.item<double>());
+  EXPECT_TRUE(torch::allclose(leaf.grad(), reference_leaf.grad(), 1e-5, 1e-6));
+}
+
 // Chunks and tiles that do not divide the tokens or the vocabulary: the same loss and gradient
 // as one chunk and one tile, up to fp32 rounding (measured: loss 1e-7, gradient 1e-6 with 143
 // tiles of 7 columns).
@@ -446,6 +472,53 @@ TEST(FusedLoss, CudaBf16EqualsAFloat64ReferenceAndHoldsLessMemory) {
               relative_error(fused_grad, chunked_grad));
   EXPECT_LT(fused_peak, 0.5 * chunked_peak);
   EXPECT_LE(relative_error(fused_grad, chunked_grad), 3e-2);
+}
+
+// train.lm_head_on_host on a GPU: the loss and the states' gradient equal those of lm_head on the
+// device bitwise, and so do the logits generation reads; the device holds no lm_head between
+// uses, and the copy a loss took is gone once its backward has run (64 MiB here).
+TEST(FusedLoss, CudaLmHeadOnTheHostEqualsItOnTheDeviceAndLeavesAfterTheBackward) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU on this machine";
+  const torch::Device cuda(torch::kCUDA, 0);
+  torch::manual_seed(12);
+  auto options = testing::small_llama_options(1024, 1);
+  options.vocab_size = 32768;
+  LlamaForCausalLM model(options, torch::kBFloat16);
+  model->to(cuda);
+  for (auto& parameter : model->parameters()) parameter.set_requires_grad(false);
+  const double lm_head_bytes = 32768.0 * 1024 * 2;
+  const auto input_ids =
+      torch::randint(options.vocab_size, {2, 513}, torch::TensorOptions().dtype(torch::kInt64).device(cuda));
+  const auto hidden = torch::randn({2, 513, 1024}, torch::TensorOptions().device(cuda)).to(torch::kBFloat16);
+  // The loss and gradient, and the device bytes the loss still holds after its backward.
+  const auto run = [&](bool prefetch) {
+    auto leaf = hidden.detach().requires_grad_(true);
+    torch::cuda::synchronize();
+    const double before = memory_usage(cuda).current_bytes;
+    if (prefetch) model->prefetch_lm_head();
+    auto loss = causal_lm_loss(*model, leaf, input_ids, loss_options(256, true));
+    loss.loss_sum.backward();
+    torch::cuda::synchronize();
+    const double held = memory_usage(cuda).current_bytes - before - leaf.grad().numel() * 2.0;
+    return std::make_tuple(loss.loss_sum.item<double>(), leaf.grad().clone(), held);
+  };
+  const auto [loss, grad, held_on_device] = run(false);
+  const auto logits = model->logits(hidden.slice(1, 0, 8));
+  torch::cuda::synchronize();
+  const double resident = memory_usage(cuda).current_bytes;
+  model->keep_lm_head_on_host();
+  ASSERT_TRUE(model->lm_head_on_host());
+  torch::cuda::synchronize();
+  EXPECT_GE(resident - memory_usage(cuda).current_bytes, lm_head_bytes);
+  for (const bool prefetch : {false, true}) {
+    const auto [host_loss, host_grad, held] = run(prefetch);
+    EXPECT_EQ(host_loss, loss) << "prefetched " << prefetch;
+    EXPECT_TRUE(torch::equal(host_grad, grad)) << "prefetched " << prefetch;
+    EXPECT_LT(held, 0.25 * lm_head_bytes) << "prefetched " << prefetch;
+  }
+  EXPECT_TRUE(torch::equal(model->logits(hidden.slice(1, 0, 8)), logits));
+  std::printf("cuda lm_head on the host: the loss holds %s after its backward (on the device: %s)\n",
+              format_bytes(std::get<2>(run(true))).c_str(), format_bytes(held_on_device).c_str());
 }
 
 }  // namespace

@@ -519,6 +519,36 @@ TEST(ModelMemory, OffloadingHostEmbeddingsAndRebuiltWeightsSaveWhatTheyMove) {
   EXPECT_THROW(training_memory_setup(recipe, llama), Error);
 }
 
+// lm_head on the host leaves the frozen weights by vocab x hidden and visits for the loss: where
+// the layers' backward peaks (checkpointing) the total falls by it, where the loss peaks (no
+// checkpointing) it stays. A tied or trained lm_head cannot go.
+TEST(ModelMemory, LmHeadOnTheHostLeavesTheLayersBackward) {
+  const LlamaOptions llama = llama_shape("llama3-8b");
+  auto setup = llama_3_8b_setup();
+  setup.gradient_checkpointing = true;
+  setup.offload_activations = true;
+  auto on_host = setup;
+  on_host.lm_head_on_host = true;
+  const double lm_head = 128256.0 * 4096 * 2;
+  const auto kept = estimate_peak_memory(llama, setup);
+  const auto visiting = estimate_peak_memory(llama, on_host);
+  EXPECT_DOUBLE_EQ(kept.frozen_weight_bytes - visiting.frozen_weight_bytes, lm_head);
+  EXPECT_DOUBLE_EQ(visiting.visiting_weight_bytes, lm_head);
+  ASSERT_GT(kept.checkpointed_activation_bytes, kept.checkpointed_saved_bytes + kept.fused_loss_bytes + lm_head);
+  EXPECT_DOUBLE_EQ(kept.total() - visiting.total(), lm_head);
+  setup.gradient_checkpointing = on_host.gradient_checkpointing = false;
+  setup.offload_activations = on_host.offload_activations = false;
+  EXPECT_DOUBLE_EQ(estimate_peak_memory(llama, setup).total(), estimate_peak_memory(llama, on_host).total());
+  on_host.device = torch::kCPU;
+  EXPECT_DOUBLE_EQ(estimate_peak_memory(llama, on_host).visiting_weight_bytes, 0.0);
+  auto tied = llama;
+  tied.tie_word_embeddings = true;
+  EXPECT_THROW(estimate_peak_memory(tied, on_host), Error);
+  auto full = on_host;
+  full.full_finetune = true;
+  EXPECT_THROW(estimate_peak_memory(llama, full), Error);
+}
+
 TEST(ModelMemory, InspectPrintsTheEstimateOfARecipe) {
   if (!std::filesystem::exists(testing::qtrain_binary())) GTEST_SKIP() << "qtrain is not built";
   const std::string recipe_path = testing::source_dir() + "/recipes/demo_tiny.yaml";

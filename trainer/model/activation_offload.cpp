@@ -5,54 +5,13 @@
 #include <mutex>
 #include <utility>
 
-#ifdef QTRAIN_WITH_CUDA
-#include <ATen/cuda/CUDAEvent.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <cuda_runtime_api.h>
-#endif
-
 #include "kernels/error.h"
 #include "trainer/base/memory_stats.h"
+#include "trainer/model/device_copies.h"
 
 namespace qtrain::trainer {
 
 namespace {
-
-#ifdef QTRAIN_WITH_CUDA
-// One copy stream per device for every offload: copies into and out of a reused host buffer
-// then run in the order they were queued, whatever step queued them.
-c10::cuda::CUDAStream copy_stream(c10::DeviceIndex device) {
-  static std::mutex mutex;
-  static std::map<c10::DeviceIndex, c10::cuda::CUDAStream> streams;
-  std::lock_guard<std::mutex> lock(mutex);
-  const auto found = streams.find(device);
-  if (found != streams.end()) return found->second;
-  return streams.emplace(device, c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device)).first->second;
-}
-#endif
-
-// destination.copy_(source) on the device's copy stream, once the work queued so far on the
-// current stream is done (it produced `source`, or last used the memory `destination` now has);
-// the device-side tensor is kept from reuse until the copy has run, whoever frees it first. On the
-// CPU, a plain copy.
-void copy_after_compute(const torch::Tensor& destination, const torch::Tensor& source, const torch::Device& device) {
-#ifdef QTRAIN_WITH_CUDA
-  if (device.is_cuda()) {
-    const auto copies = copy_stream(device.index());
-    at::cuda::CUDAEvent queued;
-    queued.record(c10::cuda::getCurrentCUDAStream(device.index()));
-    queued.block(copies);
-    {
-      const c10::cuda::CUDAStreamGuard on_copies(copies);
-      destination.copy_(source, /*non_blocking=*/true);
-    }
-    (destination.is_cuda() ? destination : source).record_stream(copies);
-    return;
-  }
-#endif
-  destination.copy_(source);
-}
 
 // Host buffers (uint8) for one device's offloaded tensors, reused across steps. A request takes
 // the smallest free buffer that fits; when none does, the free ones too small for it are released
@@ -74,10 +33,8 @@ class HostBufferPool {
       free.erase(fits);
       return buffer;
     }
-#ifdef QTRAIN_WITH_CUDA
     // Copies queued from the buffers about to be released finish first.
-    if (device.is_cuda() && !free.empty()) copy_stream(device.index()).synchronize();
-#endif
+    if (!free.empty()) wait_for_copies(device, CopyLane::kOffload);
     for (auto smaller = free.begin(); smaller != free.end();) {
       if (device.is_cuda()) pinned_bytes_ -= smaller->first;
       smaller = free.erase(smaller);
@@ -104,9 +61,9 @@ class HostBufferPool {
     std::lock_guard<std::mutex> lock(mutex_);
     int64_t released = 0;
     for (auto& [device_index, free] : free_) {
-#ifdef QTRAIN_WITH_CUDA
-      if (device_index >= 0 && !free.empty()) copy_stream(static_cast<c10::DeviceIndex>(device_index)).synchronize();
-#endif
+      if (device_index >= 0 && !free.empty()) {
+        wait_for_copies(torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(device_index)), CopyLane::kOffload);
+      }
       for (const auto& [bytes, buffer] : free) {
         released += bytes;
         if (device_index >= 0) pinned_bytes_ -= bytes;
@@ -118,25 +75,18 @@ class HostBufferPool {
 
  private:
   torch::Tensor allocate(const torch::Device& device, int64_t bytes) {
-    const auto options = torch::TensorOptions().dtype(torch::kUInt8);
-#ifdef QTRAIN_WITH_CUDA
-    if (device.is_cuda()) {
-      void* pointer = nullptr;
-      const auto start = std::chrono::steady_clock::now();
-      const auto status = cudaHostAlloc(&pointer, static_cast<size_t>(bytes), cudaHostAllocDefault);
+    if (!device.is_cuda()) return pinned_host_bytes(device, bytes, "train.offload_activations");
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      auto buffer = pinned_host_bytes(device, bytes, "train.offload_activations");
       pinning_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      if (status != cudaSuccess) {
-        const std::string reason = cudaGetErrorString(cudaGetLastError());
-        throw Error(ErrorCode::kOutOfMemory,
-                    "train.offload_activations could not pin " + format_bytes(bytes) + " more host memory (" + format_bytes(pinned_bytes_) +
-                        " pinned so far): " + reason +
-                        ". Lower the tokens per micro-batch, or turn train.offload_activations off");
-      }
       pinned_bytes_ += bytes;
-      return torch::from_blob(pointer, {bytes}, [](void* block) { cudaFreeHost(block); }, options);
+      return buffer;
+    } catch (const Error& error) {
+      throw Error(ErrorCode::kOutOfMemory, std::string(error.what()) + " (" + format_bytes(pinned_bytes_) +
+                                               " pinned for activations so far). Lower the tokens per micro-batch, "
+                                               "or turn train.offload_activations off");
     }
-#endif
-    return torch::empty({bytes}, options);
   }
 
   std::mutex mutex_;
@@ -155,9 +105,7 @@ struct ActivationOffload::Stored {
   torch::Tensor on_device;  // fetched and not yet taken
   bool fetched = false;
   bool taken = false;
-#ifdef QTRAIN_WITH_CUDA
-  at::cuda::CUDAEvent arrived;  // the copy back to the device is done
-#endif
+  CopyArrival arrived;  // the copy back to the device is done
 
   torch::Tensor host_view() const {
     return host.narrow(0, 0, c10::multiply_integers(sizes) * c10::elementSize(dtype)).view(dtype).view(sizes);
@@ -188,7 +136,7 @@ int64_t ActivationOffload::store(const torch::Tensor& tensor) {
   stored->sizes = source.sizes().vec();
   stored->dtype = source.scalar_type();
   stored->host = HostBufferPool::instance().take(device_, std::max<int64_t>(source.numel() * source.element_size(), 1));
-  copy_after_compute(stored->host_view(), source, device_);
+  copy_after_compute(stored->host_view(), source, device_, CopyLane::kOffload);
   stored_.push_back(std::move(stored));
   return static_cast<int64_t>(stored_.size()) - 1;
 }
@@ -197,10 +145,8 @@ void ActivationOffload::fetch(int64_t ticket) {
   auto& stored = *stored_[ticket];
   stored.on_device = torch::empty(stored.sizes, torch::TensorOptions().dtype(stored.dtype).device(device_));
   // The new block may have been freed by compute work still queued: the copy waits for it.
-  copy_after_compute(stored.on_device, stored.host_view(), device_);
-#ifdef QTRAIN_WITH_CUDA
-  if (device_.is_cuda()) stored.arrived.record(copy_stream(device_.index()));
-#endif
+  copy_after_compute(stored.on_device, stored.host_view(), device_, CopyLane::kOffload);
+  stored.arrived.record(device_, CopyLane::kOffload);
   stored.fetched = true;
 }
 
@@ -212,9 +158,7 @@ torch::Tensor ActivationOffload::take(int64_t ticket) {
   auto& stored = *stored_[ticket];
   if (!stored.fetched) fetch(ticket);
   if (ticket > 0 && !stored_[ticket - 1]->fetched && !stored_[ticket - 1]->taken) fetch(ticket - 1);
-#ifdef QTRAIN_WITH_CUDA
-  if (device_.is_cuda()) stored.arrived.block(c10::cuda::getCurrentCUDAStream(device_.index()));
-#endif
+  stored.arrived.wait(device_);
   stored.taken = true;
   HostBufferPool::instance().give_back(device_, std::move(stored.host));
   return std::move(stored.on_device);

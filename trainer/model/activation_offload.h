@@ -3,10 +3,11 @@
 // for each decoder layer (32 x tokens x hidden values for an 8B model) wait in pinned host memory
 // between the forward and that layer's backward instead of on the GPU.
 //
-// Copies run on one side stream per device, so they overlap the compute: a layer's input leaves
-// while the next layer runs forward; in backward, taking layer i's input starts bringing back
-// layer i-1's, which arrives while layer i recomputes and differentiates. One layer's input is on
-// the device ahead of its backward; the rest of them cost no device memory.
+// Copies run on the device's offload lane (trainer/model/device_copies.h), so they overlap the
+// compute: a layer's input leaves while the next layer runs forward; in backward, taking layer
+// i's input starts bringing back layer i-1's, which arrives while layer i recomputes and
+// differentiates. One layer's input is on the device ahead of its backward; the rest of them cost
+// no device memory.
 //
 // The host buffers are pinned once and reused by later steps (a pool keyed by exact size:
 // PyTorch's pinned allocator rounds every block up to a power of two, which at long context

@@ -73,7 +73,13 @@ TokenLoss causal_lm_loss(LlamaForCausalLMImpl& model, const torch::Tensor& hidde
   const int64_t chunk_tokens = options.chunk_tokens > 0 ? options.chunk_tokens : std::max<int64_t>(total, 1);
 
   TokenLoss result;
-  const auto projection = options.fused ? frozen_output_projection(model) : std::nullopt;
+  auto projection = options.fused ? frozen_output_projection(model) : std::nullopt;
+  if (projection && model.lm_head_on_host()) {
+    // Its copy on the device, which the loss's backward lets go of (train.lm_head_on_host).
+    projection->layer = nullptr;
+    projection->weight = model.take_lm_head_weight();
+    projection->weight_bias = model.lm_head_bias_on_device();
+  }
   if (projection) {
     FusedLossOptions fused;
     fused.chunk_tokens = chunk_tokens;

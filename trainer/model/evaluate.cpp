@@ -31,6 +31,7 @@ BatchLoss evaluate_batch(LlamaForCausalLMImpl& model, const std::vector<data::Ex
   for (size_t index = first; index < last; ++index) rows.push_back(&examples[index]);
   const auto batch = data::collate(rows);
   auto labels = batch.labels.to(device);
+  model.prefetch_lm_head();  // train.lm_head_on_host: it travels while the layers run
   // Right padding after a causal mask never reaches the real tokens before it.
   auto hidden = model.hidden_states(model_inputs(batch, device));
   auto loss = causal_lm_loss(model, hidden, labels, loss_options);

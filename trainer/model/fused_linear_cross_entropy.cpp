@@ -133,6 +133,9 @@ class FusedCrossEntropyBackward : public torch::autograd::Node {
     states_.reset();
     targets_.reset();
     lse_.reset();
+    // A weight copied from the host goes back to the allocator before the layers' backward.
+    projection_.weight.reset();
+    projection_.weight_bias.reset();
   }
 
  private:
@@ -152,7 +155,7 @@ torch::Tensor OutputProjection::matmul_weight(torch::ScalarType dtype) const {
   return layer ? layer->matmul_weight(dtype) : weight.to(dtype);
 }
 
-torch::Tensor OutputProjection::bias() const { return layer ? layer->bias() : torch::Tensor(); }
+torch::Tensor OutputProjection::bias() const { return layer ? layer->bias() : weight_bias; }
 
 torch::Tensor fused_linear_cross_entropy(const torch::Tensor& states, const torch::Tensor& targets,
                                          const OutputProjection& projection, const FusedLossOptions& options) {

@@ -22,10 +22,11 @@
 namespace qtrain::trainer {
 
 // What the fused loss multiplies by: a frozen [vocab, hidden] weight, either a tensor (tied
-// embeddings) or a layer whose forward is x W^T + b (LinearLayer::matmul_weight_kind() != kNone;
+// embeddings, or lm_head's copy from the host: train.lm_head_on_host) or a layer whose forward is x W^T + b (LinearLayer::matmul_weight_kind() != kNone;
 // a 4-bit layer builds W again for each pass), and Gemma 2's final logit cap.
 struct OutputProjection {
   torch::Tensor weight;                      // [vocab, hidden]; undefined when `layer` is set
+  torch::Tensor weight_bias;                 // [vocab] beside `weight`, or undefined
   std::shared_ptr<qat::LinearLayer> layer;   // frozen; its matmul weight is W
   double softcap = 0;                        // logits = tanh(logits / cap) * cap; 0: none
 

@@ -305,7 +305,11 @@ torch::Tensor LlamaMlpImpl::forward(const torch::Tensor& hidden) {
     up = up_proj->forward(hidden);
     gate = gate_proj->forward(hidden);
   }
-  return down_proj->forward(activation_ == Activation::kGeluTanh ? geglu(gate, up) : swiglu(gate, up));
+  const auto product = activation_ == Activation::kGeluTanh ? geglu(gate, up) : swiglu(gate, up);
+  // Let go of gate and up before down_proj runs: where autograd keeps nothing (checkpointing's
+  // first forward, evaluation) their 2 x [tokens, intermediate] go back now, not after it.
+  gate = up = torch::Tensor();
+  return down_proj->forward(product);
 }
 
 void LlamaMlpImpl::replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) {
@@ -461,14 +465,57 @@ torch::Tensor LlamaForCausalLMImpl::hidden_states(const LlamaInputs& inputs) {
 }
 
 torch::Tensor LlamaForCausalLMImpl::logits(const torch::Tensor& hidden) {
-  auto logits = lm_head ? lm_head->forward(hidden) : F::linear(hidden, model->embed_tokens->weight);
+  if (lm_head_on_host() && torch::GradMode::is_enabled()) {
+    for (const auto& parameter : lm_head->parameters()) {
+      // Its copy from the host carries no gradient back to it.
+      if (parameter.requires_grad()) {
+        throw Error(ErrorCode::kRecipe, "train.lm_head_on_host keeps a frozen lm_head on the host, but lm_head trains "
+                                        "here: set train.lm_head_on_host: false");
+      }
+    }
+  }
+  auto logits = lm_head_on_host()  ? F::linear(hidden, take_lm_head_weight(), lm_head_bias_on_device())
+                : lm_head          ? lm_head->forward(hidden)
+                                   : F::linear(hidden, model->embed_tokens->weight);
   const double cap = options_.final_logit_softcap;
   if (cap > 0) logits = torch::tanh(logits / cap) * cap;  // Gemma 2, in the model dtype as transformers
   return logits;
 }
 
 void LlamaForCausalLMImpl::replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) {
+  if (child_name == "lm_head") host_lm_head_.reset();  // the new layer's weights are where it put them
   replace_projection(*this, child_name == "lm_head" ? &lm_head : nullptr, child_name, std::move(layer));
+}
+
+void LlamaForCausalLMImpl::keep_lm_head_on_host() {
+  const auto* dense = dynamic_cast<const qat::DenseLinear*>(lm_head.get());
+  if (!dense) {
+    throw Error(ErrorCode::kRecipe, lm_head ? "train.lm_head_on_host keeps a plain 16-bit lm_head weight on the host, but lm_head "
+                                              "here is quantized or wrapped (an adapter, QAT): set train.lm_head_on_host: false"
+                                            : "train.lm_head_on_host: this model ties lm_head to its input embeddings "
+                                              "(tie_word_embeddings), which the layers need on the device: set "
+                                              "train.lm_head_on_host: false");
+  }
+  const torch::Device compute = device();
+  if (compute.is_cpu() || host_lm_head_) return;  // the host is the device, or it is there already
+  host_lm_head_ = std::make_unique<HostResidentWeight>(dense->weight(), compute, "train.lm_head_on_host");
+  torch::NoGradGuard no_grad;
+  dense->weight().set_data(host_lm_head_->host());
+  if (dense->bias().defined()) dense->bias().set_data(dense->bias().cpu());
+}
+
+void LlamaForCausalLMImpl::prefetch_lm_head() {
+  if (host_lm_head_) host_lm_head_->prefetch(device());
+}
+
+torch::Tensor LlamaForCausalLMImpl::take_lm_head_weight() {
+  if (!host_lm_head_) throw Error(ErrorCode::kInternal, "lm_head's weight was taken from the host, where it is not kept");
+  return host_lm_head_->take(device());
+}
+
+torch::Tensor LlamaForCausalLMImpl::lm_head_bias_on_device() const {
+  const auto bias = lm_head ? lm_head->bias() : torch::Tensor();
+  return bias.defined() ? bias.to(device()) : bias;
 }
 
 torch::Tensor LlamaForCausalLMImpl::forward(const LlamaInputs& inputs) { return logits(hidden_states(inputs)); }

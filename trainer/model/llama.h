@@ -15,6 +15,7 @@
 
 #include "qat/linear.h"
 #include "trainer/model/attention_mask.h"
+#include "trainer/model/host_resident_weight.h"
 #include "trainer/model/llama_options.h"
 
 namespace qtrain::trainer {
@@ -202,12 +203,28 @@ class LlamaForCausalLMImpl : public torch::nn::Module, public qat::LinearLayerOw
   const LlamaOptions& options() const { return options_; }
   torch::ScalarType dtype() const { return dtype_; }
 
+  // train.lm_head_on_host: lm_head's frozen weight waits in pinned host memory and visits the
+  // device for each use (trainer/model/host_resident_weight.h). Needs an untied, plain
+  // (qat::DenseLinear) lm_head, an Error naming the key otherwise, and one that does not train
+  // (apply_recipe_memory_settings refuses such recipes; logits() such a model). On a CPU
+  // nothing moves.
+  void keep_lm_head_on_host();
+  bool lm_head_on_host() const { return host_lm_head_ != nullptr; }
+  // Starts bringing the host-kept weight to the device, to arrive while the layers run forward
+  // (the training step calls it first); nothing unless lm_head_on_host().
+  void prefetch_lm_head();
+  // With lm_head_on_host(): its weight on the device, the prefetched copy or one made now, for
+  // the caller to let go of after its use; and its bias there (undefined when it has none).
+  torch::Tensor take_lm_head_weight();
+  torch::Tensor lm_head_bias_on_device() const;
+
   LlamaBackbone model{nullptr};
   std::shared_ptr<qat::LinearLayer> lm_head;  // null when tied to model.embed_tokens
 
  private:
   LlamaOptions options_;
   torch::ScalarType dtype_;
+  std::unique_ptr<HostResidentWeight> host_lm_head_;
 };
 TORCH_MODULE(LlamaForCausalLM);
 

@@ -228,6 +228,7 @@ TrainingMemorySetup training_memory_setup(const Recipe& recipe, const LlamaOptio
   setup.offload_activations = recipe.train.offload_activations;
   setup.keep_built_weights = recipe.train.keep_built_weights;
   setup.embeddings_on_host = recipe.train.embeddings_on_host;
+  setup.lm_head_on_host = recipe.train.lm_head_on_host;
   if (recipe.train.mlp_chunk_tokens > 0) {
     throw Error(ErrorCode::kRecipe, "train.mlp_chunk_tokens is not estimated yet (the MLP's chunks and their "
                 "recomputation are not modelled); estimate without it and measure with qtrain bench --mlp-chunk");
@@ -243,10 +244,11 @@ double peak_of(const PeakMemoryEstimate& estimate, bool checkpointing, bool chun
   const double logits = fused      ? estimate.fused_loss_bytes
                         : chunking ? estimate.chunked_logits_bytes
                                    : estimate.logits_bytes;
+  const double loss = logits + estimate.visiting_weight_bytes;
   const double activations = checkpointing
-                                 ? std::max(estimate.checkpointed_saved_bytes + logits,
+                                 ? std::max(estimate.checkpointed_saved_bytes + loss,
                                             estimate.checkpointed_activation_bytes)
-                                 : estimate.activation_bytes + logits;
+                                 : estimate.activation_bytes + loss;
   return estimate.frozen_weight_bytes + estimate.trainable_state_bytes + activations + estimate.fake_quant_build_bytes;
 }
 
@@ -292,6 +294,19 @@ PeakMemoryEstimate estimate_peak_memory(const LlamaOptions& model, const Trainin
     const bool moved = setup.embeddings_on_host && !model.tie_word_embeddings && setup.device == torch::kCUDA;
     const int64_t on_host = moved ? model.vocab_size * model.hidden_size : 0;
     estimate.frozen_weight_bytes += static_cast<double>(embeddings_and_norms - on_host) * s;
+  }
+  if (setup.lm_head_on_host) {
+    // A plain frozen lm_head waits on the host (LlamaForCausalLMImpl::keep_lm_head_on_host refuses
+    // the others); on a CPU the host is the device.
+    const Projection lm_head{"lm_head", model.hidden_size, model.vocab_size, false, {}};
+    if (model.tie_word_embeddings || lm_head_trains || is_quantized(lm_head, setup) || is_fake_quantized(lm_head, setup)) {
+      throw Error(ErrorCode::kRecipe, "train.lm_head_on_host keeps a plain frozen lm_head on the host, but this run's "
+                  "lm_head is tied, trained, adapted or quantized: set train.lm_head_on_host: false");
+    }
+    if (setup.device == torch::kCUDA) {
+      estimate.visiting_weight_bytes = static_cast<double>(model.vocab_size * model.hidden_size) * s;
+      estimate.frozen_weight_bytes -= estimate.visiting_weight_bytes;
+    }
   }
   // fp32 LoRA weight, grad, exp_avg, exp_avg_sq; or, training every weight, a compute-dtype weight
   // and grad, an fp32 master copy when those are 16-bit, and the two moments: 16 bytes either way.

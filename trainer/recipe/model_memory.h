@@ -52,8 +52,10 @@
 //                    train.keep_built_weights is false. With train.offload_activations the
 //                    checkpointed inputs wait on the host: on the device, only layer j's input
 //                    and, fetched ahead, the one below it (2 H s). train.embeddings_on_host takes
-//                    the input embedding table out of the frozen weights. train.mlp_chunk_tokens
-//                    is not modelled (an Error).
+//                    the input embedding table out of the frozen weights; train.lm_head_on_host
+//                    takes lm_head out of them and adds it to the loss's moment below (an Error
+//                    where lm_head is not a plain frozen weight). train.mlp_chunk_tokens is not
+//                    modelled (an Error).
 //   loss logits      the peak of causal_lm_loss for N = batch x (seq - 1) predicted tokens and
 //                    vocabulary V, at the start of backward. train.fused_loss false: three fp32
 //                    [N, V] tensors (the saved log-probabilities, the gradient of nll_loss and that
@@ -80,7 +82,7 @@
 // (fake_quant_build_bytes), since on the CPU its temporaries are several fp32 copies of it.
 //
 // The total is the larger of two moments: the loss's backward (weights, state, everything the
-// forward kept, the logits' peak) and, with checkpointing, the layers' backward after it (the
+// forward kept, the logits' peak, a host-kept lm_head's copy) and, with checkpointing, the layers' backward after it (the
 // logits gone, one layer recomputed). So with checkpointing it can be less than the rows' sum.
 //
 // Accuracy: on the CPU, with the tiny model (tests/trainer/model_memory_test.cpp), the bytes a
@@ -134,18 +136,23 @@ struct TrainingMemorySetup {
   bool offload_activations = false;  // train.offload_activations: checkpointed inputs on the host
   bool keep_built_weights = true;    // train.keep_built_weights
   bool embeddings_on_host = false;   // train.embeddings_on_host: the input embedding table on the host
+  bool lm_head_on_host = false;      // train.lm_head_on_host: lm_head on the device only for the loss
 };
 
 // quant, qlora.*, lora.* (or the adapter of lora.init_from), train.dtype, train.device ('auto':
 // cuda), train.micro_batch_size, data.max_seq_len, data.pack, train.gradient_checkpointing[_every],
 // train.loss_chunk_tokens (0: auto_loss_chunk_tokens of the vocabulary), train.fused_loss,
-// train.offload_activations, train.keep_built_weights, train.embeddings_on_host, qat.*
+// train.offload_activations, train.keep_built_weights, train.embeddings_on_host,
+// train.lm_head_on_host, qat.*
 // (quant: qat with adapters and a weight quantizer qat/qat_lora_matmul.h fuses; other QAT runs are
 // an Error: not estimated).
 TrainingMemorySetup training_memory_setup(const Recipe& recipe, const LlamaOptions& model);
 
 struct PeakMemoryEstimate {
   double frozen_weight_bytes = 0;
+  // train.lm_head_on_host: lm_head's weight, on the device from the forward to the loss's
+  // backward (not in frozen_weight_bytes, which the layers' backward sees).
+  double visiting_weight_bytes = 0;
   int64_t trainable_parameters = 0;
   int64_t adapted_layers = 0;        // linear layers with a LoRA adapter
   double trainable_state_bytes = 0;  // weights + grads + AdamW's moments (+ fp32 masters)

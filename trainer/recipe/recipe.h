@@ -116,6 +116,7 @@ struct TrainRecipe {
   int64_t mlp_chunk_tokens{};              // the MLP recomputed in chunks of this many tokens; 0: whole
   bool keep_built_weights{};               // a recomputed layer keeps its dequantized weights for backward
   bool embeddings_on_host{};               // the frozen input embedding table stays in host memory
+  bool lm_head_on_host{};                  // the frozen lm_head waits in host memory, visiting for the loss
   std::string nonfinite;                   // skip | abort
   int64_t max_skipped_steps{};             // consecutive skipped steps before the run stops
   int64_t empty_cache_steps{};             // 0: never

@@ -269,6 +269,10 @@ std::vector<RecipeKey> make_recipe_keys() {
       key("train.embeddings_on_host", "false", QTRAIN_FIELD(train.embeddings_on_host),
           "keep the frozen input embedding table in host memory; only the rows a batch looks up go to the device "
           "(not with tied embeddings or a trained embedding)"),
+      key("train.lm_head_on_host", "false", QTRAIN_FIELD(train.lm_head_on_host),
+          "keep the frozen lm_head weight in pinned host memory; each micro-batch copies it to the device on a "
+          "side stream while the layers run forward, and lets go of the copy after the loss's backward (not with "
+          "tied embeddings, or a quantized, adapted or trained lm_head)"),
       key("train.nonfinite", "skip", QTRAIN_FIELD(train.nonfinite),
           "a NaN/inf loss or gradient: skip the step, or abort the run")
           .one_of({"skip", "abort"}),

@@ -132,6 +132,27 @@ std::vector<std::pair<std::string, torch::Tensor>> qat_state_buffers(const torch
   return buffers;
 }
 
+namespace {
+
+// train.lm_head_on_host, refused where the recipe will train, adapt or fake-quantize lm_head
+// (LoRA and QAT wrap it after this, so the recipe says it, not the model yet).
+void keep_lm_head_on_host(LlamaForCausalLMImpl& model, const Recipe& recipe) {
+  const auto refuse = [](const std::string& why) {
+    throw Error(ErrorCode::kRecipe, "train.lm_head_on_host keeps a frozen plain lm_head on the host, but " + why +
+                                        ": set train.lm_head_on_host: false");
+  };
+  if (is_trained_parameter(recipe, "lm_head.weight")) refuse("this run trains lm_head.weight");
+  if (!trains_full_weights(recipe) && lora_adapter_config(recipe).targets.matches("lm_head")) {
+    refuse("the adapters' target modules include lm_head");
+  }
+  qat::LoraTargets fake_quantized;
+  fake_quantized.include.names = recipe.qat.target_modules;
+  if (recipe.quant == "qat" && fake_quantized.matches("lm_head")) refuse("qat.target_modules includes lm_head");
+  model.keep_lm_head_on_host();
+}
+
+}  // namespace
+
 void apply_recipe_memory_settings(LlamaForCausalLMImpl& model, const Recipe& recipe) {
   auto& backbone = *model.model;
   backbone.set_gradient_checkpointing(recipe.train.gradient_checkpointing ? recipe.train.gradient_checkpointing_every : 0);
@@ -144,6 +165,7 @@ void apply_recipe_memory_settings(LlamaForCausalLMImpl& model, const Recipe& rec
   }
   backbone.set_mlp_chunk_tokens(recipe.train.mlp_chunk_tokens);
   backbone.set_keep_built_weights(recipe.train.keep_built_weights);
+  if (recipe.train.lm_head_on_host) keep_lm_head_on_host(model, recipe);
   if (!recipe.train.embeddings_on_host) return;
   if (model.options().tie_word_embeddings) {
     throw Error(ErrorCode::kRecipe,

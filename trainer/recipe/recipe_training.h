@@ -65,8 +65,9 @@ std::vector<std::pair<std::string, torch::Tensor>> qat_state_buffers(const torch
 
 // What the train section says about memory, applied to a model already on its device: gradient
 // checkpointing (every k-th layer), activation offloading, the MLP's chunks, the built weights
-// of a recomputed layer, and train.embeddings_on_host (the input embedding table moves back to
-// the host; an Error naming the key when the table is tied to lm_head or trains).
+// of a recomputed layer, train.lm_head_on_host (LlamaForCausalLMImpl::keep_lm_head_on_host) and
+// train.embeddings_on_host (the input embedding table moves back to the host; an Error naming the
+// key when the table is tied to lm_head or trains).
 void apply_recipe_memory_settings(LlamaForCausalLMImpl& model, const Recipe& recipe);
 
 // train.loss_chunk_tokens, or the automatic chunk for the model's vocabulary when it is 0.
