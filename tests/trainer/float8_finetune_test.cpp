@@ -10,6 +10,7 @@
 #include "qat/four_bit_linear.h"
 #include "trainer/recipe/base_quantization.h"
 #include "run_metrics.h"
+#include "small_llama.h"
 #include "support.h"
 #include "trainer/finetune.h"
 #include "trainer/recipe/recipe_training.h"
@@ -111,6 +112,35 @@ TEST(Float8Finetune, Fp8ComputeIsAFourBitQloraKeyOnly) {
       FAIL() << "fp8_compute with quant " << quant << ", " << quant_type << " was accepted";
     } catch (const Error& error) {
       EXPECT_NE(std::string(error.what()).find("qlora.fp8_compute"), std::string::npos) << error.what();
+    }
+  }
+}
+
+// On a GPU, qlora.fp8_compute refuses a projection FP8 tensor cores cannot take, by its name,
+// whether the base quantizes it or a pre-quantized checkpoint brought it already in 4 bits.
+TEST(Float8Finetune, CudaFp8ComputeRefusesAMisfitProjectionByName) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const torch::Device cuda(torch::kCUDA, 0);
+  BaseQuantizationSettings settings;
+  settings.kind = BaseQuantization::kNf4;
+  settings.four_bit_on_float8 = true;
+  settings.four_bit.device = cuda;
+  for (const bool pre_quantized : {false, true}) {
+    auto options = testing::small_llama_options(32, 1);
+    options.intermediate_size = 40;  // gate, up and down: not multiples of 16
+    LlamaForCausalLM model(options, torch::kBFloat16);
+    model->to(cuda);
+    if (pre_quantized) qat::quantize_linear_layers(*model, settings.four_bit, settings.skip_modules);
+    try {
+      base_quantization_row(BaseQuantization::kNf4).quantize(*model, settings);
+      FAIL() << "a [40, 32] projection was put on FP8 tensor cores (pre-quantized: " << pre_quantized << ")";
+    } catch (const Error& error) {
+      const std::string message = error.what();
+      if (message.find("tensor cores") != std::string::npos && message.find("8.9") != std::string::npos) {
+        GTEST_SKIP() << "this GPU has no FP8 tensor cores: " << message;
+      }
+      EXPECT_NE(message.find("model.layers.0.mlp."), std::string::npos) << message;
+      EXPECT_NE(message.find("multiples of 16"), std::string::npos) << message;
     }
   }
 }

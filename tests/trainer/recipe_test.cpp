@@ -28,7 +28,7 @@ namespace fs = std::filesystem;
 
 const char* const kShippedRecipes[] = {"demo_tiny.yaml",      "qlora_llama.yaml",    "lora_llama.yaml",
                                        "qat_llama.yaml",      "qat_llama_q4_0.yaml", "qat_llama_int4_weight_only.yaml",
-                                       "lora_int8_llama.yaml", "lora_fp8_llama.yaml"};
+                                       "lora_int8_llama.yaml", "lora_fp8_llama.yaml", "qlora_llama_low_memory.yaml"};
 
 std::string shipped(const std::string& name) {
   return qtrain::testing::source_dir() + "/recipes/" + name;
@@ -120,6 +120,11 @@ TEST(ShippedRecipes, SayWhatTheirNamesPromise) {
   EXPECT_EQ(demo.train.device, "cpu");
   EXPECT_EQ(demo.model.path, qtrain::testing::source_dir() + "/recipes/demo/tiny-llama");
   EXPECT_EQ(demo.data.train, std::vector<std::string>{qtrain::testing::source_dir() + "/recipes/demo/brown-train.jsonl"});
+  const Recipe low_memory = load_recipe(shipped("qlora_llama_low_memory.yaml"), {});
+  EXPECT_EQ(low_memory.qlora.quant_type, "nf4");
+  EXPECT_TRUE(low_memory.qlora.fp8_compute);
+  EXPECT_TRUE(low_memory.train.gradient_checkpointing && low_memory.train.offload_activations &&
+              low_memory.train.embeddings_on_host && low_memory.train.lm_head_on_host);
   EXPECT_EQ(demo.train.output_dir, qtrain::testing::source_dir() + "/runs/demo_tiny");
 
   EXPECT_EQ(load_recipe(shipped("qlora_llama.yaml"), {}).quant, "qlora");

@@ -1,5 +1,7 @@
 #include "trainer/recipe/base_quantization.h"
 
+#include <functional>
+
 #include "kernels/error.h"
 #include "qat/float8_matmul.h"
 #include "qat/layer_replacement.h"
@@ -13,13 +15,13 @@ namespace {
 void keep_dense(LlamaForCausalLMImpl&, const BaseQuantizationSettings&) {}
 
 // FP8 tensor cores take only multiples of 16; anything else would run the slow reference path.
-// `key` names the setting that asked for them.
-void require_float8_sizes(LlamaForCausalLMImpl& model, const BaseQuantizationSettings& settings, const std::string& key) {
+// `key` names the setting that asked for them; `multiplies_on_float8` picks the layers it moves.
+void require_float8_sizes(LlamaForCausalLMImpl& model, const std::string& key,
+                          const std::function<bool(const std::string&, const qat::LinearLayer&)>& multiplies_on_float8) {
   const auto misfits = qat::find_linear_layers(
       model,
       [&](const std::string& name, const qat::LinearLayer& layer) {
-        return !qat::module_name_matches(name, settings.skip_modules) && dynamic_cast<const qat::DenseLinear*>(&layer) &&
-               (layer.in_features() % 16 != 0 || layer.out_features() % 16 != 0);
+        return multiplies_on_float8(name, layer) && (layer.in_features() % 16 != 0 || layer.out_features() % 16 != 0);
       },
       [](const qat::LinearLayer&) { return false; });
   if (!misfits.empty()) {
@@ -30,22 +32,31 @@ void require_float8_sizes(LlamaForCausalLMImpl& model, const BaseQuantizationSet
   }
 }
 
+// The dense projections a base quantizes (not in qlora.skip_modules).
+std::function<bool(const std::string&, const qat::LinearLayer&)> quantized_dense(const BaseQuantizationSettings& settings) {
+  return [&settings](const std::string& name, const qat::LinearLayer& layer) {
+    return !qat::module_name_matches(name, settings.skip_modules) && dynamic_cast<const qat::DenseLinear*>(&layer);
+  };
+}
+
+bool is_four_bit(const std::string&, const qat::LinearLayer& layer) {
+  return dynamic_cast<const qat::FourBitLinear*>(&layer) != nullptr;
+}
+
 void quantize_four_bit(LlamaForCausalLMImpl& model, const BaseQuantizationSettings& settings) {
   auto options = settings.four_bit;
   options.quant_type = base_quantization_row(settings.kind).name;
   const bool on_gpu = options.device && options.device->is_cuda();
   if (settings.four_bit_on_float8 && on_gpu) {
     qat::require_float8_tensor_cores(*options.device, settings.compute_dtype, "qlora.fp8_compute", "train.dtype");
-    require_float8_sizes(model, settings, "qlora.fp8_compute");
+    // Before quantizing what the base quantizes, and again after it for the 4-bit layers a
+    // pre-quantized checkpoint brought (every 4-bit layer multiplies on FP8).
+    require_float8_sizes(model, "qlora.fp8_compute", quantized_dense(settings));
   }
   qat::quantize_linear_layers(model, options, settings.skip_modules);
   if (!settings.four_bit_on_float8) return;
-  const auto four_bit_layers = qat::find_linear_layers(
-      model,
-      [](const std::string&, const qat::LinearLayer& layer) {
-        return dynamic_cast<const qat::FourBitLinear*>(&layer) != nullptr;
-      },
-      [](const qat::LinearLayer&) { return false; });
+  if (on_gpu) require_float8_sizes(model, "qlora.fp8_compute", is_four_bit);
+  const auto four_bit_layers = qat::find_linear_layers(model, is_four_bit, [](const qat::LinearLayer&) { return false; });
   for (const auto& found : four_bit_layers) {
     std::static_pointer_cast<qat::FourBitLinear>(found.layer)->multiply_on_float8(settings.float8.fast_accumulation);
   }
@@ -58,7 +69,7 @@ void quantize_int8(LlamaForCausalLMImpl& model, const BaseQuantizationSettings& 
 void quantize_float8(LlamaForCausalLMImpl& model, const BaseQuantizationSettings& settings) {
   if (settings.float8.device && settings.float8.device->is_cuda()) {
     qat::require_float8_tensor_cores(*settings.float8.device, settings.compute_dtype, "qlora.quant_type: fp8", "train.dtype");
-    require_float8_sizes(model, settings, "qlora.quant_type: fp8");
+    require_float8_sizes(model, "qlora.quant_type: fp8", quantized_dense(settings));
   }
   qat::quantize_linear_layers_float8(model, settings.float8, settings.skip_modules);
 }
