@@ -116,6 +116,10 @@ void print_peak_estimate(const std::string& recipe_path, const trainer::Training
               static_cast<long long>(setup.sequence_length), setup.packed ? ", packed" : "", switches.c_str(),
               estimate.attention_keeps_probabilities ? ", math attention keeps [heads, seq, seq] probabilities" : "");
   std::printf("  %-22s %11s\n", "frozen weights", bytes(estimate.frozen_weight_bytes).c_str());
+  if (estimate.visiting_weight_bytes > 0) {
+    std::printf("  %-22s %11s     (on the device from the forward to the loss's backward)\n", "lm_head from the host",
+                bytes(estimate.visiting_weight_bytes).c_str());
+  }
   if (setup.full_finetune) {
     std::printf("  %-22s %11s     (%.3fM parameters)\n", "weights + grads + AdamW",
                 bytes(estimate.trainable_state_bytes).c_str(), estimate.trainable_parameters / 1e6);
