@@ -8,10 +8,13 @@ HostResidentWeight::HostResidentWeight(const torch::Tensor& weight, const torch:
                                        const std::string& for_what) {
   const auto source = weight.detach().contiguous();
   const int64_t bytes = source.numel() * source.element_size();
-  host_ = pinned_host_bytes(device, std::max<int64_t>(bytes, 1), for_what)
-              .narrow(0, 0, bytes)
-              .view(source.scalar_type())
-              .view(source.sizes());
+  torch::Tensor buffer;
+  try {
+    buffer = pinned_host_bytes(device, std::max<int64_t>(bytes, 1), for_what);
+  } catch (const Error& error) {
+    throw Error(error.code(), std::string(error.what()) + ". Free host memory, or set " + for_what + ": false");
+  }
+  host_ = buffer.narrow(0, 0, bytes).view(source.scalar_type()).view(source.sizes());
   host_.copy_(source);
 }
 
