@@ -15,6 +15,14 @@ class LinearLayer : public torch::nn::Module {
  public:
   // input [..., in_features] -> [..., out_features], in the input's dtype
   virtual torch::Tensor forward(const torch::Tensor& input) = 0;
+  // forward(input) for an input that `rebuild` makes again, bit for bit, from tensors autograd
+  // keeps anyway (an MLP's product from its gate and up): a layer whose backward would keep
+  // `input` may keep `rebuild` instead and call it there. Most layers just run forward(input).
+  using InputRebuild = std::function<torch::Tensor()>;
+  virtual torch::Tensor forward_rebuilding_input(const torch::Tensor& input, const InputRebuild& rebuild) {
+    (void)rebuild;
+    return forward(input);
+  }
   virtual int64_t in_features() const = 0;
   virtual int64_t out_features() const = 0;
   // The weight as a dense [out_features, in_features] tensor in `dtype` (what a merge or an

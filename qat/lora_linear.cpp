@@ -89,9 +89,14 @@ torch::Tensor LoraLinear::forward(const torch::Tensor& input) {
   return lora_forward(input, is_training() ? options_.dropout : 0.0);
 }
 
-torch::Tensor LoraLinear::lora_forward(const torch::Tensor& input, double dropout) {
+torch::Tensor LoraLinear::forward_rebuilding_input(const torch::Tensor& input, const InputRebuild& rebuild) {
+  if (options_.dora) return dora_forward(input);
+  return lora_forward(input, is_training() ? options_.dropout : 0.0, rebuild);
+}
+
+torch::Tensor LoraLinear::lora_forward(const torch::Tensor& input, double dropout, const InputRebuild& rebuild) {
   if (base_->matmul_weight_kind() != MatmulWeight::kNone) {
-    return lora_matmul(input, base_, lora_A_->weight, lora_B_->weight, scale_, dropout);
+    return lora_matmul(input, base_, lora_A_->weight, lora_B_->weight, scale_, dropout, rebuild);
   }
   const auto dtype = input.scalar_type();
   auto lora_input = dropout > 0.0 ? F::dropout(input, F::DropoutFuncOptions().p(dropout).training(true)) : input;

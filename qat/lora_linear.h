@@ -51,6 +51,9 @@ class LoraLinear : public LinearLayer {
   // input [..., in] -> [..., out] in the input's dtype; the LoRA branch runs in that dtype
   // too (A and B cast to it, as peft's layers run under autocast).
   torch::Tensor forward(const torch::Tensor& input) override;
+  // Over a base that fuses (lora_matmul), backward rebuilds the input A's gradient reads instead
+  // of keeping it.
+  torch::Tensor forward_rebuilding_input(const torch::Tensor& input, const InputRebuild& rebuild) override;
   int64_t in_features() const override { return base_->in_features(); }
   int64_t out_features() const override { return base_->out_features(); }
   // The merged weight W + scale * B A, computed in fp32 and returned in `dtype`.
@@ -70,7 +73,7 @@ class LoraLinear : public LinearLayer {
   // magnitude's start, the merge) or from the factors (every step; above).
   torch::Tensor adapted_row_norms(torch::ScalarType dtype) const;
   torch::Tensor adapted_row_norms_from_factors(torch::ScalarType dtype);
-  torch::Tensor lora_forward(const torch::Tensor& input, double dropout);
+  torch::Tensor lora_forward(const torch::Tensor& input, double dropout, const InputRebuild& rebuild = {});
   torch::Tensor dora_forward(const torch::Tensor& input);
 
   std::shared_ptr<LinearLayer> base_;

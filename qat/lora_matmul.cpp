@@ -26,17 +26,19 @@ torch::Tensor dropped(const torch::Tensor& x, const torch::Tensor& kept, double 
   return x * kept * (1.0 / (1.0 - dropout));
 }
 
-// What backward needs: x, the dropout mask (1 byte per input value), x A^T (small: [tokens, rank]),
-// A and B in the compute dtype, and the base to rebuild W from (or W itself when stored or kept).
+// What backward needs: x (or what makes it again), the dropout mask (1 byte per input value), x A^T
+// (small: [tokens, rank]), A and B in the compute dtype, and the base to rebuild W from (or W
+// itself when stored or kept).
 class LoraMatmulBackward : public torch::autograd::Node {
  public:
   LoraMatmulBackward(std::shared_ptr<LinearLayer> base, torch::Tensor weight, torch::Tensor input_rows,
-                     torch::Tensor kept, double dropout, torch::Tensor projected, torch::Tensor a, torch::Tensor b,
-                     double scale, std::vector<int64_t> input_shape, torch::ScalarType a_dtype,
-                     torch::ScalarType b_dtype)
+                     LinearLayer::InputRebuild rebuild_input, torch::Tensor kept, double dropout,
+                     torch::Tensor projected, torch::Tensor a, torch::Tensor b, double scale,
+                     std::vector<int64_t> input_shape, torch::ScalarType a_dtype, torch::ScalarType b_dtype)
       : base_(std::move(base)),
         weight_(std::move(weight)),
         input_rows_(std::move(input_rows)),
+        rebuild_input_(std::move(rebuild_input)),
         kept_(std::move(kept)),
         dropout_(dropout),
         projected_(std::move(projected)),
@@ -63,7 +65,12 @@ class LoraMatmulBackward : public torch::autograd::Node {
       result[0] = grad_input.view(input_shape_);
     }
     if (should_compute_output(1)) {
-      const auto adapter_input = kept_.defined() ? dropped(input_rows_, kept_, dropout_) : input_rows_;
+      torch::Tensor rows = input_rows_;
+      if (!rows.defined()) {
+        torch::NoGradGuard no_grad;
+        rows = rebuild_input_().reshape({-1, a_.size(1)});
+      }
+      const auto adapter_input = kept_.defined() ? dropped(rows, kept_, dropout_) : rows;
       result[1] = torch::mm(grad_projected.t(), adapter_input).mul_(scale_).to(a_dtype_);
     }
     if (should_compute_output(2)) result[2] = torch::mm(grad_rows.t(), projected_).mul_(scale_).to(b_dtype_);
@@ -73,11 +80,13 @@ class LoraMatmulBackward : public torch::autograd::Node {
   // The engine calls this after apply unless the graph is retained.
   void release_variables() override {
     weight_ = input_rows_ = kept_ = projected_ = a_ = b_ = torch::Tensor();
+    rebuild_input_ = nullptr;  // and what it holds
   }
 
  private:
   std::shared_ptr<LinearLayer> base_;
   torch::Tensor weight_, input_rows_, kept_, projected_, a_, b_;
+  LinearLayer::InputRebuild rebuild_input_;  // when input_rows_ is not kept
   double dropout_;
   double scale_;
   std::vector<int64_t> input_shape_;
@@ -87,7 +96,8 @@ class LoraMatmulBackward : public torch::autograd::Node {
 }  // namespace
 
 torch::Tensor lora_matmul(const torch::Tensor& input, const std::shared_ptr<LinearLayer>& base,
-                          const torch::Tensor& lora_A, const torch::Tensor& lora_B, double scale, double dropout) {
+                          const torch::Tensor& lora_A, const torch::Tensor& lora_B, double scale, double dropout,
+                          const LinearLayer::InputRebuild& rebuild_input) {
   const auto dtype = input.scalar_type();
   const int64_t in = lora_A.size(1);
   const int64_t out = lora_B.size(0);
@@ -117,8 +127,9 @@ torch::Tensor lora_matmul(const torch::Tensor& input, const std::shared_ptr<Line
   const bool keep_weight = weight.defined() && (base->matmul_weight_kind() == LinearLayer::MatmulWeight::kStored ||
                                                 KeepBuiltWeights::active());
   auto node = std::shared_ptr<LoraMatmulBackward>(
-      new LoraMatmulBackward(base, keep_weight ? weight : torch::Tensor(), rows, kept, dropout, projected, a, b, scale,
-                             input.sizes().vec(), lora_A.scalar_type(), lora_B.scalar_type()),
+      new LoraMatmulBackward(base, keep_weight ? weight : torch::Tensor(), rebuild_input ? torch::Tensor() : rows,
+                             rebuild_input, kept, dropout, projected, a, b, scale, input.sizes().vec(),
+                             lora_A.scalar_type(), lora_B.scalar_type()),
       torch::autograd::deleteNode);
   node->set_next_edges(torch::autograd::collect_next_edges(input, lora_A, lora_B));
   torch::autograd::create_gradient_edge(output, node);

@@ -24,8 +24,10 @@ namespace qtrain::qat {
 // input [..., in]; base: a layer with matmul_weight_kind() != kNone or that multiplies itself, frozen; lora_A [rank, in],
 // lora_B [out, rank] (any float dtype; gradients come back in theirs) -> [..., out] in input's dtype.
 // `dropout` > 0: peft's dropout on the adapter's input only (a fresh mask each call; pass 0 in eval).
+// `rebuild_input`, if given, makes `input` again bit for bit (LinearLayer::forward_rebuilding_input):
+// backward calls it for A's gradient instead of keeping the input from forward.
 torch::Tensor lora_matmul(const torch::Tensor& input, const std::shared_ptr<LinearLayer>& base,
                           const torch::Tensor& lora_A, const torch::Tensor& lora_B, double scale,
-                          double dropout = 0.0);
+                          double dropout = 0.0, const LinearLayer::InputRebuild& rebuild_input = {});
 
 }  // namespace qtrain::qat

@@ -142,6 +142,46 @@ TEST(LoraMatmul, ARetainedGraphGivesTheSameGradientsTwice) {
   EXPECT_TRUE(torch::equal(a.grad(), first_a));
 }
 
+// An input the node makes again (LinearLayer::forward_rebuilding_input: an MLP's product from its
+// gate and up) is not kept from forward; the gradients equal those of the kept input bit for bit,
+// with and without dropout (the same mask drops the rebuilt input).
+TEST(LoraMatmul, ARebuiltInputIsNotKeptAndGivesTheSameGradientsBitwise) {
+  torch::manual_seed(17);
+  FourBitOptions options;
+  options.compute_dtype = torch::kFloat32;
+  const auto base = FourBitLinear::from_dense(torch::randn({32, 48}) * 0.05, torch::Tensor(), options);
+  const auto gate = torch::randn({2, 5, 48});
+  const auto up = torch::randn({2, 5, 48});
+  const auto a = torch::randn({4, 48}) * 0.1;
+  const auto b = torch::randn({32, 4}) * 0.1;
+  const auto weights = torch::randn({2, 5, 32}, torch::kFloat64);
+  for (const double dropout : {0.0, 0.3}) {
+    const auto run = [&](bool rebuilt) {
+      auto input = (torch::silu(gate) * up).requires_grad_(true);
+      auto lora_a = a.clone().requires_grad_(true);
+      auto lora_b = b.clone().requires_grad_(true);
+      int64_t rebuilds = 0;
+      const LinearLayer::InputRebuild rebuild = [&] {
+        ++rebuilds;
+        return torch::silu(gate) * up;
+      };
+      torch::manual_seed(3);  // the same dropout mask
+      const auto output = lora_matmul(input, base, lora_a, lora_b, 2.0, dropout, rebuilt ? rebuild : LinearLayer::InputRebuild());
+      // Kept: the input's storage is held by the node as well as here.
+      EXPECT_EQ(input.storage().use_count() > 1, !rebuilt) << "dropout " << dropout;
+      (output.to(torch::kFloat64) * weights).sum().backward();
+      EXPECT_EQ(rebuilds, rebuilt ? 1 : 0);
+      return Gradients{output.detach(), input.grad(), lora_a.grad(), lora_b.grad()};
+    };
+    const auto kept = run(false);
+    const auto rebuilt = run(true);
+    EXPECT_TRUE(torch::equal(rebuilt.output, kept.output)) << "dropout " << dropout;
+    EXPECT_TRUE(torch::equal(rebuilt.input, kept.input)) << "dropout " << dropout;
+    EXPECT_TRUE(torch::equal(rebuilt.a, kept.a)) << "dropout " << dropout;
+    EXPECT_TRUE(torch::equal(rebuilt.b, kept.b)) << "dropout " << dropout;
+  }
+}
+
 // Dropout acts on the adapter's input only. With A = B = I the update is the dropped input itself,
 // which shows the mask; the gradients must be those of peft's composition with that mask.
 TEST(LoraMatmul, DropoutMasksTheAdapterInputAndBackwardUsesTheSameMask) {

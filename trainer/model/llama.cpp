@@ -299,17 +299,30 @@ torch::Tensor LlamaMlpImpl::forward(const torch::Tensor& hidden) {
   if (gate_up_proj) {
     const auto fused = gate_up_proj->forward(hidden);  // gate's half first, as Phi-3's chunk(2)
     const int64_t intermediate = fused.size(-1) / 2;
-    gate = fused.narrow(-1, 0, intermediate);
-    up = fused.narrow(-1, intermediate, intermediate);
+    // Contiguous halves: the activation's kernels keep these very tensors (not copies of views),
+    // which down_proj's rebuild below reads too.
+    gate = fused.narrow(-1, 0, intermediate).contiguous();
+    up = fused.narrow(-1, intermediate, intermediate).contiguous();
   } else {
     up = up_proj->forward(hidden);
     gate = gate_proj->forward(hidden);
   }
-  const auto product = activation_ == Activation::kGeluTanh ? geglu(gate, up) : swiglu(gate, up);
-  // Let go of gate and up before down_proj runs: where autograd keeps nothing (checkpointing's
-  // first forward, evaluation) their 2 x [tokens, intermediate] go back now, not after it.
+  const bool gelu = activation_ == Activation::kGeluTanh;
+  const auto product = gelu ? geglu(gate, up) : swiglu(gate, up);
+  if (!torch::GradMode::is_enabled()) {
+    // Let go of gate and up before down_proj runs: where autograd keeps nothing (checkpointing's
+    // first forward, evaluation) their 2 x [tokens, intermediate] go back now, not after it.
+    gate = up = torch::Tensor();
+    return down_proj->forward(product);
+  }
+  // The activation's backward keeps gate and up; down_proj's adapter makes the product again from
+  // them for its own backward instead of keeping it too ([tokens, intermediate]: a fifth of what a
+  // layer keeps). The same kernel on the same values: the same bits.
+  const auto rebuild = [gate = gate.detach(), up = up.detach(), gelu] {
+    return gelu ? geglu(gate, up) : swiglu(gate, up);
+  };
   gate = up = torch::Tensor();
-  return down_proj->forward(product);
+  return down_proj->forward_rebuilding_input(product, rebuild);
 }
 
 void LlamaMlpImpl::replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) {

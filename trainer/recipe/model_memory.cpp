@@ -145,9 +145,10 @@ double decoder_layer_activation_bytes(const LlamaOptions& model, const TrainingM
     }
     if (base_quantization_row(setup.base.kind).fused_lora) {
       // One fused node (qat/lora_matmul.h): the input, A and B cast, and dropout's mask as bytes.
+      // down_proj's input, the MLP's product, it makes again from gate and up (LlamaMlpImpl).
       if (setup.compute_dtype != torch::kFloat32) bytes += rank * (in + out) * s;
       if (dropout) bytes += tokens * in;
-      input_saved[projection.input] = true;
+      if (projection.input != ProjectionInput::kMlpProduct) input_saved[projection.input] = true;
       continue;
     }
     if (setup.compute_dtype != torch::kFloat32) bytes += rank * ((input_needs_grad ? in : 0.0) + out) * s;  // A, B cast

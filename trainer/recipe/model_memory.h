@@ -22,8 +22,9 @@
 //   activations      what autograd saves in the forward of one micro-batch, per decoder layer:
 //                      both RMSNorms: their input in fp32 (4H) and the fp32 1/rms (4);
 //                      the inputs the LoRA A matmuls save: the normed states (H s) for q/k/v and
-//                      for gate/up, the SwiGLU product (I s) for down (o reads the attention
-//                      output, kept anyway); with lora.dropout > 0 each adapted projection keeps
+//                      for gate/up, the SwiGLU product (I s) for down where its base does not
+//                      fuse the adapter (LLM.int8; a fused one makes it again from gate and up),
+//                      o reads the attention output, kept anyway; with lora.dropout > 0 each adapted projection keeps
 //                      its own dropped input (in s) and mask (in bytes: bool on CUDA, s on the
 //                      CPU) instead; the A outputs (rank s); the s-byte copies of A and B when s
 //                      is 2; with lora.rank 0 the base matmuls save the same inputs and the norms
