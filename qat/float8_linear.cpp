@@ -66,12 +66,10 @@ void Float8Linear::to(torch::Device device, torch::Dtype dtype, bool non_blockin
 
 std::vector<std::string> quantize_linear_layers_float8(torch::nn::Module& root, const Float8Options& options,
                                                        const std::vector<std::string>& skip_modules) {
-  return replace_dense_linear_layers(root, skip_modules, [&](const DenseLinear& dense) {
-    const auto on_device = [&](const torch::Tensor& tensor) {
-      return tensor.defined() && options.device ? tensor.to(*options.device) : tensor;
-    };
-    return Float8Linear::from_dense(on_device(dense.weight()), on_device(dense.bias()), options);
-  });
+  return quantize_dense_linear_layers(root, skip_modules, options.device,
+                                      [&](const torch::Tensor& weight, const torch::Tensor& bias) {
+                                        return Float8Linear::from_dense(weight, bias, options);
+                                      });
 }
 
 }  // namespace qtrain::qat

@@ -100,12 +100,10 @@ std::vector<std::string> quantize_linear_layers(torch::nn::Module& root, const F
                                                 const std::vector<std::string>& skip_modules) {
   parse_four_bit_type(options.quant_type, "the 4-bit quant_type");
   check_four_bit_blocksize(options.blocksize);
-  return replace_dense_linear_layers(root, skip_modules, [&](const DenseLinear& dense) {
-    const auto on_device = [&](const torch::Tensor& tensor) {
-      return tensor.defined() && options.device ? tensor.to(*options.device) : tensor;
-    };
-    return FourBitLinear::from_dense(on_device(dense.weight()), on_device(dense.bias()), options);
-  });
+  return quantize_dense_linear_layers(root, skip_modules, options.device,
+                                      [&](const torch::Tensor& weight, const torch::Tensor& bias) {
+                                        return FourBitLinear::from_dense(weight, bias, options);
+                                      });
 }
 
 }  // namespace qtrain::qat

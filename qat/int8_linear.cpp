@@ -104,12 +104,10 @@ std::vector<std::string> quantize_linear_layers_int8(torch::nn::Module& root, co
     throw Error(ErrorCode::kRecipe, "the LLM.int8 outlier threshold must be >= 0 (0 turns the outlier decomposition off), got " +
                 std::to_string(options.threshold));
   }
-  return replace_dense_linear_layers(root, skip_modules, [&](const DenseLinear& dense) {
-    const auto on_device = [&](const torch::Tensor& tensor) {
-      return tensor.defined() && options.device ? tensor.to(*options.device) : tensor;
-    };
-    return Int8Linear::from_dense(on_device(dense.weight()), on_device(dense.bias()), options);
-  });
+  return quantize_dense_linear_layers(root, skip_modules, options.device,
+                                      [&](const torch::Tensor& weight, const torch::Tensor& bias) {
+                                        return Int8Linear::from_dense(weight, bias, options);
+                                      });
 }
 
 }  // namespace qtrain::qat

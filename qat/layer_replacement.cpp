@@ -41,4 +41,15 @@ std::vector<std::string> replace_dense_linear_layers(
   return replaced;
 }
 
+std::vector<std::string> quantize_dense_linear_layers(
+    torch::nn::Module& root, const std::vector<std::string>& skip_modules, const std::optional<torch::Device>& device,
+    const std::function<std::shared_ptr<LinearLayer>(const torch::Tensor& weight, const torch::Tensor& bias)>& make_layer) {
+  const auto on_device = [&device](const torch::Tensor& tensor) {
+    return tensor.defined() && device ? tensor.to(*device) : tensor;
+  };
+  return replace_dense_linear_layers(root, skip_modules, [&](const DenseLinear& dense) {
+    return make_layer(on_device(dense.weight()), on_device(dense.bias()));
+  });
+}
+
 }  // namespace qtrain::qat

@@ -5,6 +5,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -21,5 +22,12 @@ bool module_name_matches(const std::string& name, const std::vector<std::string>
 std::vector<std::string> replace_dense_linear_layers(
     torch::nn::Module& root, const std::vector<std::string>& skip_modules,
     const std::function<std::shared_ptr<LinearLayer>(const DenseLinear&)>& make_layer);
+
+// replace_dense_linear_layers for a quantizer: make_layer(weight, bias) gets each dense layer's
+// weight and bias (undefined when it has none) moved to `device` first, where one is given, so a
+// model loaded on the host is quantized on the GPU one layer at a time.
+std::vector<std::string> quantize_dense_linear_layers(
+    torch::nn::Module& root, const std::vector<std::string>& skip_modules, const std::optional<torch::Device>& device,
+    const std::function<std::shared_ptr<LinearLayer>(const torch::Tensor& weight, const torch::Tensor& bias)>& make_layer);
 
 }  // namespace qtrain::qat
