@@ -154,15 +154,21 @@ SwitchedOnCuda switched_on_cuda(const Recipe& recipe) {
   return {model, before};
 }
 
-TEST(EmbeddingsOnHost, TheRecipeRefusesTiedOrTrainedTables) {
-  auto recipe = default_recipe();
-  recipe.train.embeddings_on_host = true;
+// A host switch's recipe refused on a model whose lm_head is its input embeddings; the same small
+// model untied, for the switch's other refusals.
+LlamaForCausalLM refused_when_tied(const Recipe& recipe) {
   auto options = qtrain::testing::small_llama_options(32, 1);
   options.tie_word_embeddings = true;
   LlamaForCausalLM tied(options, torch::kFloat32);
   EXPECT_NE(refusal(*tied, recipe).find("tie_word_embeddings"), std::string::npos);
   options.tie_word_embeddings = false;
-  LlamaForCausalLM untied(options, torch::kFloat32);
+  return LlamaForCausalLM(options, torch::kFloat32);
+}
+
+TEST(EmbeddingsOnHost, TheRecipeRefusesTiedOrTrainedTables) {
+  auto recipe = default_recipe();
+  recipe.train.embeddings_on_host = true;
+  auto untied = refused_when_tied(recipe);
   recipe.lora.rank = 0;  // every weight trains, the embedding too
   recipe.quant = "none";
   EXPECT_NE(refusal(*untied, recipe).find("model.embed_tokens.weight"), std::string::npos);
@@ -181,12 +187,7 @@ TEST(EmbeddingsOnHost, CudaLogitsAndGradientsEqualATableOnTheDeviceBitwise) {
 TEST(LmHeadOnHost, TheRecipeRefusesTiedTrainedAdaptedOrQuantizedHeads) {
   auto recipe = default_recipe();
   recipe.train.lm_head_on_host = true;
-  auto options = qtrain::testing::small_llama_options(32, 1);
-  options.tie_word_embeddings = true;
-  LlamaForCausalLM tied(options, torch::kFloat32);
-  EXPECT_NE(refusal(*tied, recipe).find("tie_word_embeddings"), std::string::npos);
-  options.tie_word_embeddings = false;
-  LlamaForCausalLM untied(options, torch::kFloat32);
+  auto untied = refused_when_tied(recipe);
   EXPECT_EQ(refusal(*untied, recipe), "");  // on the CPU it stays where it is
   auto adapted = recipe;
   adapted.lora.target_modules = {"q_proj", "lm_head"};
