@@ -75,12 +75,13 @@ class HostBufferPool {
 
  private:
   torch::Tensor allocate(const torch::Device& device, int64_t bytes) {
-    if (!device.is_cuda()) return pinned_host_bytes(device, bytes, "train.offload_activations");
     const auto start = std::chrono::steady_clock::now();
     try {
       auto buffer = pinned_host_bytes(device, bytes, "train.offload_activations");
-      pinning_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      pinned_bytes_ += bytes;
+      if (device.is_cuda()) {  // on the CPU nothing is pinned
+        pinning_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        pinned_bytes_ += bytes;
+      }
       return buffer;
     } catch (const Error& error) {
       throw Error(ErrorCode::kOutOfMemory, std::string(error.what()) + " (" + format_bytes(pinned_bytes_) +

@@ -513,8 +513,7 @@ void LlamaForCausalLMImpl::keep_lm_head_on_host() {
   if (compute.is_cpu() || host_lm_head_) return;  // the host is the device, or it is there already
   host_lm_head_ = std::make_unique<HostResidentWeight>(dense->weight(), compute, "train.lm_head_on_host");
   torch::NoGradGuard no_grad;
-  dense->weight().set_data(host_lm_head_->host());
-  if (dense->bias().defined()) dense->bias().set_data(dense->bias().cpu());
+  dense->weight().set_data(host_lm_head_->host());  // a bias, [vocab], stays on the device
 }
 
 void LlamaForCausalLMImpl::prefetch_lm_head() {
@@ -526,10 +525,7 @@ torch::Tensor LlamaForCausalLMImpl::take_lm_head_weight() {
   return host_lm_head_->take(device());
 }
 
-torch::Tensor LlamaForCausalLMImpl::lm_head_bias_on_device() const {
-  const auto bias = lm_head ? lm_head->bias() : torch::Tensor();
-  return bias.defined() ? bias.to(device()) : bias;
-}
+torch::Tensor LlamaForCausalLMImpl::lm_head_bias_on_device() const { return lm_head ? lm_head->bias() : torch::Tensor(); }
 
 torch::Tensor LlamaForCausalLMImpl::forward(const LlamaInputs& inputs) { return logits(hidden_states(inputs)); }
 
