@@ -92,14 +92,19 @@ Optimizer::StateTensorSpec Optimizer::state_tensor_spec(size_t index, const std:
 
 NamedTensors Optimizer::state() const {
   NamedTensors named;
-  for (size_t index = 0; index < parameters_.size(); ++index) {
-    const auto& fields = parameter_state_[index];
-    if (fields.empty()) continue;
-    for (const auto& field : state_fields(index)) {
-      named.emplace_back(std::to_string(index) + "." + field, fields.at(field));
-    }
-  }
+  // The slots only read here: one walk over the fields for both.
+  for (const auto& [name, slot] : const_cast<Optimizer*>(this)->state_slots()) named.emplace_back(name, *slot);
   return named;
+}
+
+std::vector<std::pair<std::string, torch::Tensor*>> Optimizer::state_slots() {
+  std::vector<std::pair<std::string, torch::Tensor*>> slots;
+  for (size_t index = 0; index < parameters_.size(); ++index) {
+    auto& fields = parameter_state_[index];
+    if (fields.empty()) continue;
+    for (const auto& field : state_fields(index)) slots.emplace_back(std::to_string(index) + "." + field, &fields.at(field));
+  }
+  return slots;
 }
 
 void Optimizer::load_state(const NamedTensors& state) {

@@ -43,6 +43,10 @@ class Optimizer {
   // its parameter's device and dtype, checks names and shapes, and writes master copies back to
   // their parameters. Throws qtrain::Error naming the offending entry.
   virtual void load_state(const NamedTensors& state);
+  // Every state tensor's slot, named as state() names it: a holder that keeps the state elsewhere
+  // between steps (trainer/optimizer_states_on_host.h) points a slot at the same values on another
+  // device, and back at the parameter's device before step().
+  std::vector<std::pair<std::string, torch::Tensor*>> state_slots();
 
  protected:
   Optimizer(std::vector<torch::Tensor> parameters, double learning_rate, const std::string& name);

@@ -287,6 +287,8 @@ int run_bench(const Arguments& arguments) {
       ("embeddings-on-host", po::bool_switch(), "the input embedding table stays on the host (train.embeddings_on_host)")
       ("lm-head-on-host", po::bool_switch(), "lm_head waits on the host and visits the device for the loss "
        "(train.lm_head_on_host)")
+      ("optimizer-states-on-host", po::bool_switch(), "the optimizer's state waits on the host between steps "
+       "(train.optimizer_states_on_host)")
       ("max-context", po::bool_switch(),
        "find the longest sequence one micro-batch trains in the GPU's memory: measure the peak at two lengths, "
        "extrapolate, then train at the longest that fits (stepping down on out-of-memory); prints its tokens/s")
@@ -339,6 +341,7 @@ int run_bench(const Arguments& arguments) {
   recipe.train.keep_built_weights = !values["rebuild-weights"].as<bool>();
   recipe.train.embeddings_on_host = values["embeddings-on-host"].as<bool>();
   recipe.train.lm_head_on_host = values["lm-head-on-host"].as<bool>();
+  recipe.train.optimizer_states_on_host = values["optimizer-states-on-host"].as<bool>();
   if (checkpoint_every < 1) throw Error(ErrorCode::kUsage, "--checkpoint-every must be >= 1");
   if (checkpoint_every > 1 && !checkpointing) {
     throw Error(ErrorCode::kUsage, "--checkpoint-every picks the layers --checkpointing recomputes: add --checkpointing");
@@ -456,6 +459,7 @@ int run_bench(const Arguments& arguments) {
     for (size_t index = 0; index < trained.names.size(); ++index) {
       checkpoint.trainable.emplace_back(trained.names[index], trained.tensors[index]);
     }
+    train_step.settle_optimizer_state();
     checkpoint.optimizer = optimizer->state();
     checkpoint.state = {{"step", next_step}};
     const auto start = std::chrono::steady_clock::now();
@@ -517,6 +521,7 @@ int run_bench(const Arguments& arguments) {
                                 {"keep_built_weights", recipe.train.keep_built_weights},
                                 {"embeddings_on_host", recipe.train.embeddings_on_host},
                                 {"lm_head_on_host", recipe.train.lm_head_on_host},
+                                {"optimizer_states_on_host", recipe.train.optimizer_states_on_host},
                                 {"checkpoint_every", checkpointing ? checkpoint_every : 0},
                                 {"max_context", max_context},
                                 {"pinned_host_bytes", trainer::ActivationOffload::pinned_bytes()},

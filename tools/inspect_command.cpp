@@ -109,6 +109,7 @@ void print_peak_estimate(const std::string& recipe_path, const trainer::Training
   if (setup.gradient_checkpointing && setup.offload_activations) switches += ", checkpointed inputs on the host";
   if (setup.embeddings_on_host) switches += ", embedding table on the host";
   if (setup.lm_head_on_host) switches += ", lm_head on the host";
+  if (setup.optimizer_states_on_host) switches += ", optimizer state on the host";
   if (setup.gradient_checkpointing && !setup.keep_built_weights) switches += ", weights rebuilt in backward";
   std::printf("\npeak memory estimate for %s on %s (%s, compute %s, micro-batch %lld x %lld tokens%s%s%s):\n",
               recipe_path.c_str(), setup.device == torch::kCUDA ? "cuda" : "cpu", training.c_str(),
@@ -127,6 +128,10 @@ void print_peak_estimate(const std::string& recipe_path, const trainer::Training
     std::printf("  %-22s %11s     (%.3fM parameters in %lld adapters of rank %lld)\n", "LoRA + grads + AdamW",
                 bytes(estimate.trainable_state_bytes).c_str(), estimate.trainable_parameters / 1e6,
                 static_cast<long long>(estimate.adapted_layers), static_cast<long long>(setup.adapter.lora.rank));
+  }
+  if (estimate.host_state_bytes > 0) {
+    std::printf("  %-22s %11s     (of the above: on the device from the middle of backward to the update)\n",
+                "optimizer state, host", bytes(estimate.host_state_bytes).c_str());
   }
   const std::string every = setup.checkpoint_every <= 1 ? "every layer"
                                                         : "every " + std::to_string(setup.checkpoint_every) + " layers";

@@ -339,6 +339,7 @@ std::string Finetune::save_checkpoint(int64_t steps_done) {
     checkpoint.trainable.emplace_back(trainable_names_[index], trainable_[index]);
   }
   for (auto& buffer : qat_state_buffers(*loaded_.model)) checkpoint.trainable.push_back(std::move(buffer));
+  step_->settle_optimizer_state();
   checkpoint.optimizer = optimizer_->state();
   checkpoint.random_states = RandomState::capture(device_).named();
   checkpoint.state = {{"step", steps_done},

@@ -16,6 +16,7 @@ TrainingStepOptions training_step_options(const Recipe& recipe, int64_t vocab_si
   options.loss_chunk_tokens = loss_chunk_tokens(recipe, vocab_size);
   options.fused_loss = recipe.train.fused_loss;
   options.max_grad_norm = recipe.train.max_grad_norm;
+  options.optimizer_states_on_host = recipe.train.optimizer_states_on_host;
   return options;
 }
 
@@ -25,7 +26,26 @@ TrainingStep::TrainingStep(LlamaForCausalLMImpl& model, std::vector<torch::Tenso
       trainable_(std::move(trainable)),
       optimizer_(optimizer),
       scaler_(scaler),
-      options_(std::move(options)) {}
+      options_(std::move(options)) {
+  if (options_.optimizer_states_on_host && !trainable_.empty()) {
+    states_on_host_ = std::make_unique<OptimizerStatesOnHost>(optimizer_, options_.device);
+    // The parameters come in the model's order, so backward reaches the middle one when about half
+    // of the layers have let go of their activations: the state's copy overlaps the other half.
+    state_prefetch_hook_ = trainable_[trainable_.size() / 2].register_hook([this](const torch::Tensor&) {
+      if (!state_prefetch_armed_) return;
+      state_prefetch_armed_ = false;
+      states_on_host_->prefetch();
+    });
+  }
+}
+
+TrainingStep::~TrainingStep() {
+  if (states_on_host_) trainable_[trainable_.size() / 2].remove_hook(state_prefetch_hook_);
+}
+
+void TrainingStep::settle_optimizer_state() const {
+  if (states_on_host_) states_on_host_->settle();
+}
 
 void TrainingStep::set_ranks(ProcessGroup* group, GradientBuckets* buckets) {
   group_ = group;
@@ -62,7 +82,9 @@ StepResult TrainingStep::run(const std::vector<data::Batch>& micro_batches, int6
     auto loss = causal_lm_loss(model_, hidden, labels, loss_options);
     // Ranks exchange gradients only in the window's last backward, overlapped with it.
     if (buckets_ && index + 1 == micro_batches.size()) buckets_->arm();
+    state_prefetch_armed_ = states_on_host_ && index + 1 == micro_batches.size();
     (loss.loss_sum * loss_weight).backward();
+    state_prefetch_armed_ = false;
     loss_sum += loss.loss_sum.item<double>();
   }
   if (buckets_) {
@@ -76,13 +98,16 @@ StepResult TrainingStep::run(const std::vector<data::Batch>& micro_batches, int6
   const bool gradients_finite = scaler_.unscale_and_check(trainable_);
   if (!loss_finite || !gradients_finite) {
     optimizer_.zero_grad();
+    if (states_on_host_) states_on_host_->depart();  // fetched for nothing: back to the host
     scaler_.update(/*skipped=*/true);
     result.skipped = true;
     result.skip_reason = !loss_finite ? "the loss is " + std::to_string(result.loss) : "a gradient is inf or NaN";
     return result;
   }
   result.grad_norm = optim::clip_grad_norm(trainable_, options_.max_grad_norm);
+  if (states_on_host_) states_on_host_->arrive();
   optimizer_.step();
+  if (states_on_host_) states_on_host_->depart();
   optimizer_.zero_grad();
   scaler_.update(/*skipped=*/false);
   return result;

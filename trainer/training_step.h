@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -19,6 +20,7 @@
 #include "trainer/loss_scaler.h"
 #include "trainer/model/attention_mask.h"
 #include "trainer/model/llama.h"
+#include "trainer/optimizer_states_on_host.h"
 #include "trainer/recipe/recipe.h"
 
 namespace qtrain::trainer {
@@ -42,9 +44,11 @@ struct TrainingStepOptions {
   // Packed batches: flash attention over the samples' spans where it applies; `qtrain bench
   // --packed-mask` writes the block-causal mask out instead, to compare.
   PackedAttention packed_attention = PackedAttention::kSpans;
+  bool optimizer_states_on_host = false;  // train.optimizer_states_on_host (trainer/optimizer_states_on_host.h)
 };
 
-// train.loss_chunk_tokens (sized from the vocabulary when 0), train.fused_loss and train.max_grad_norm.
+// train.loss_chunk_tokens (sized from the vocabulary when 0), train.fused_loss, train.max_grad_norm
+// and train.optimizer_states_on_host.
 TrainingStepOptions training_step_options(const Recipe& recipe, int64_t vocab_size, const torch::Device& device);
 
 // Called after the window's backward, before the gradients are checked and applied: a seam
@@ -56,6 +60,9 @@ class TrainingStep {
   // Holds references: the model, optimizer and scaler outlive the step.
   TrainingStep(LlamaForCausalLMImpl& model, std::vector<torch::Tensor> trainable, optim::Optimizer& optimizer,
                LossScaler& scaler, TrainingStepOptions options);
+  ~TrainingStep();
+  TrainingStep(const TrainingStep&) = delete;
+  TrainingStep& operator=(const TrainingStep&) = delete;
 
   // More than one rank: `group` sums the token counts and the loss, `buckets` the gradients.
   void set_ranks(ProcessGroup* group, GradientBuckets* buckets);
@@ -63,6 +70,10 @@ class TrainingStep {
   // Batches on the CPU (as the data loader hands them out); they move to the model's device here.
   // A skipped step has cleared the gradients and backed the loss scale off.
   StepResult run(const std::vector<data::Batch>& micro_batches, int64_t step, const AfterBackward& after_backward = {});
+
+  // Before the host reads the optimizer's state (a checkpoint): with train.optimizer_states_on_host,
+  // its copies to the host are done. The state stays where it is.
+  void settle_optimizer_state() const;
 
  private:
   LlamaForCausalLMImpl& model_;
@@ -72,6 +83,11 @@ class TrainingStep {
   TrainingStepOptions options_;
   ProcessGroup* group_ = nullptr;
   GradientBuckets* buckets_ = nullptr;
+  // train.optimizer_states_on_host: the state's keeper, and the hook on the trained parameter in the
+  // middle of the list (of the layers) that starts its way back when backward reaches it.
+  std::unique_ptr<OptimizerStatesOnHost> states_on_host_;
+  unsigned state_prefetch_hook_ = 0;
+  bool state_prefetch_armed_ = false;
 };
 
 }  // namespace qtrain::trainer

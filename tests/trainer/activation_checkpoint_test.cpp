@@ -318,7 +318,8 @@ TEST(MemorySwitches, ARunsLossesEqualThoseWithoutTheSwitch) {
   const auto plain = losses_with({});
   ASSERT_EQ(plain.size(), 4u);
   EXPECT_EQ(losses_with({"train.offload_activations=true", "train.embeddings_on_host=true",
-                         "train.keep_built_weights=false", "train.lm_head_on_host=true"}),
+                         "train.keep_built_weights=false", "train.lm_head_on_host=true",
+                         "train.optimizer_states_on_host=true"}),
             plain);
   const auto chunked = losses_with({"train.mlp_chunk_tokens=40", "train.offload_activations=true"});
   ASSERT_EQ(chunked.size(), 4u);

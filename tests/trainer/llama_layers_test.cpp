@@ -15,6 +15,8 @@
 #include <string>
 
 #include "kernels/cuda_build.h"
+#include "qat/lora_linear.h"
+#include "trainer/model/llama.h"
 #include "trainer/model/llama_layers.h"
 
 namespace qtrain::trainer {
@@ -215,6 +217,81 @@ TEST(LlamaLayers, OnTheCpuEachFunctionIsItsReference) {
     return halves[0].pow(2) + halves[1].pow(2);
   };
   EXPECT_TRUE(torch::allclose(norms(rotated), norms(x), 1e-5, 1e-6));
+}
+
+
+// Adapters over a norm's output (LoRA's q, k and v; gate and up) keep a way to make it again
+// instead of the output (RMSNormImpl::forward_rebuildable): every gradient is the same bit for
+// bit as when they keep it, and the output is made once for all of them. The fused kernels too,
+// where there is a GPU.
+TEST(LlamaLayers, AdaptersRebuildingANormsOutputGetTheSameGradientsBitwise) {
+  std::vector<torch::Device> devices{torch::kCPU};
+  if (kernels::kCudaKernelsBuilt && torch::cuda::is_available()) devices.emplace_back(torch::kCUDA, 0);
+  for (const auto& device : devices) {
+    for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+      for (const auto style : {NormStyle::kLlama, NormStyle::kGemma}) {
+        const std::string what = device.str() + ", " + std::string(c10::toString(dtype)) +
+                                 (style == NormStyle::kGemma ? ", Gemma's norm" : ", Llama's norm");
+        torch::manual_seed(3);
+        RMSNorm norm(16, 1e-6, dtype, style);
+        std::vector<std::shared_ptr<qat::LoraLinear>> adapters;
+        for (const int64_t out : {8, 24}) {
+          qat::DenseLinearOptions dense;
+          dense.in_features = 16;
+          dense.out_features = out;
+          dense.dtype = dtype;
+          qat::LoraOptions options;
+          options.rank = 4;
+          adapters.push_back(std::make_shared<qat::LoraLinear>(std::make_shared<qat::DenseLinear>(dense), options));
+        }
+        {
+          torch::NoGradGuard no_grad;
+          norm->weight.normal_(style == NormStyle::kGemma ? 0.0 : 1.0, 0.2);
+          for (auto& adapter : adapters) {
+            for (auto& parameter : adapter->base_layer()->parameters()) parameter.normal_(0.0, 0.2);
+            adapter->lora_B().normal_(0.0, 0.05);
+          }
+        }
+        norm->weight.requires_grad_(false);  // frozen, as under LoRA
+        norm->to(device);
+        for (auto& adapter : adapters) adapter->to(device);
+        const auto input = torch::randn({2, 5, 16}, torch::TensorOptions().dtype(dtype).device(device));
+
+        // x's gradient, then each adapter's A and B gradients.
+        const auto gradients = [&](bool rebuilt) {
+          auto x = input.clone().requires_grad_(true);
+          const auto normed = rebuilt ? norm->forward_rebuildable(x) : RMSNormImpl::Rebuildable{norm->forward(x), {}};
+          EXPECT_EQ(static_cast<bool>(normed.rebuild), rebuilt) << what;
+          auto loss = torch::zeros({}, torch::TensorOptions().device(device));
+          for (auto& adapter : adapters) {
+            loss = loss + adapter->forward_rebuilding_input(normed.value, normed.rebuild).to(torch::kFloat32).pow(2).sum();
+          }
+          if (rebuilt) {
+            const auto made = normed.rebuild();
+            EXPECT_TRUE(torch::equal(made, normed.value)) << what;
+            EXPECT_EQ(normed.rebuild().data_ptr(), made.data_ptr()) << what << ": made again";
+          }
+          loss.backward();
+          std::vector<torch::Tensor> result{x.grad()};
+          for (auto& adapter : adapters) {
+            for (const auto* weight : {&adapter->lora_A(), &adapter->lora_B()}) {
+              result.push_back(weight->grad().clone());
+              const_cast<torch::Tensor&>(*weight).mutable_grad() = torch::Tensor();
+            }
+          }
+          return result;
+        };
+        const auto kept = gradients(false);
+        const auto rebuilt = gradients(true);
+        for (size_t index = 0; index < kept.size(); ++index) {
+          ASSERT_GT(kept[index].abs().sum().item<double>(), 0.0) << what << ": gradient " << index;
+          EXPECT_TRUE(torch::equal(kept[index], rebuilt[index])) << what << ": gradient " << index;
+        }
+        torch::NoGradGuard no_grad;
+        EXPECT_FALSE(norm->forward_rebuildable(input).rebuild) << what << ": without grad there is nothing to rebuild";
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -414,6 +414,9 @@ TEST(ModelMemory, SetupReadsTheRecipeAsFinetuneDoes) {
   EXPECT_EQ(setup.loss_chunk_tokens, auto_loss_chunk_tokens(model_options.vocab_size));  // loss_chunk_tokens 0
   EXPECT_TRUE(setup.fused_loss);
   EXPECT_FALSE(training_memory_setup(load_recipe("", {"train.fused_loss=false"}), model_options).fused_loss);
+  EXPECT_FALSE(setup.optimizer_states_on_host);
+  EXPECT_TRUE(training_memory_setup(load_recipe("", {"train.optimizer_states_on_host=true"}), model_options)
+                  .optimizer_states_on_host);
 
   const auto on_gpu = training_memory_setup(load_recipe("", {"train.device=auto", "train.loss_chunk_tokens=512"}),
                                             model_options);
@@ -547,6 +550,27 @@ TEST(ModelMemory, LmHeadOnTheHostLeavesTheLayersBackward) {
   auto full = on_host;
   full.full_finetune = true;
   EXPECT_THROW(estimate_peak_memory(llama, full), Error);
+}
+
+// The state waits on the host through the forward and the loss, where a run without checkpointing
+// peaks; it is back beside half the activations.
+TEST(ModelMemory, OptimizerStatesOnTheHostLeaveThePeak) {
+  const LlamaOptions llama = llama_shape("llama3-8b");
+  auto setup = llama_3_8b_setup();
+  auto on_host = setup;
+  on_host.optimizer_states_on_host = true;
+  const auto kept = estimate_peak_memory(llama, setup);
+  const auto moved = estimate_peak_memory(llama, on_host);
+  const double moments = 8.0 * static_cast<double>(kept.trainable_parameters);  // two fp32 a LoRA value
+  EXPECT_DOUBLE_EQ(moved.host_state_bytes, moments);
+  ASSERT_GT(kept.activation_bytes / 2.0, moments);
+  EXPECT_NEAR(kept.total() - moved.total(), moments, 1.0);
+  auto full = on_host;
+  full.full_finetune = true;  // bf16 weights: an fp32 master beside the moments
+  EXPECT_DOUBLE_EQ(estimate_peak_memory(llama, full).host_state_bytes,
+                   12.0 * static_cast<double>(estimate_peak_memory(llama, full).trainable_parameters));
+  on_host.device = torch::kCPU;  // the host is the device
+  EXPECT_DOUBLE_EQ(estimate_peak_memory(llama, on_host).host_state_bytes, 0.0);
 }
 
 TEST(ModelMemory, InspectPrintsTheEstimateOfARecipe) {

@@ -109,7 +109,7 @@ struct ActivationOffload::Stored {
   CopyArrival arrived;  // the copy back to the device is done
 
   torch::Tensor host_view() const {
-    return host.narrow(0, 0, c10::multiply_integers(sizes) * c10::elementSize(dtype)).view(dtype).view(sizes);
+    return typed_view(host, 0, sizes, dtype);
   }
 };
 

@@ -107,4 +107,10 @@ torch::Tensor pinned_host_bytes(const torch::Device& device, int64_t bytes, cons
   return torch::empty({bytes}, options);
 }
 
+torch::Tensor typed_view(const torch::Tensor& bytes, int64_t offset, c10::IntArrayRef sizes, torch::ScalarType dtype) {
+  return bytes.narrow(0, offset, c10::multiply_integers(sizes) * static_cast<int64_t>(c10::elementSize(dtype)))
+      .view(dtype)
+      .view(sizes);
+}
+
 }  // namespace qtrain::trainer

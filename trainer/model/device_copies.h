@@ -48,4 +48,8 @@ class CopyArrival {
 // the recipe key in the out-of-memory Error. Plain host memory when `device` is the CPU.
 torch::Tensor pinned_host_bytes(const torch::Device& device, int64_t bytes, const std::string& for_what);
 
+// A tensor of `sizes` and `dtype` over `bytes` (a uint8 buffer, such as pinned_host_bytes gives)
+// from byte `offset` on, a multiple of the dtype's size: how a buffer holds one or more tensors.
+torch::Tensor typed_view(const torch::Tensor& bytes, int64_t offset, c10::IntArrayRef sizes, torch::ScalarType dtype);
+
 }  // namespace qtrain::trainer

@@ -14,7 +14,7 @@ HostResidentWeight::HostResidentWeight(const torch::Tensor& weight, const torch:
   } catch (const Error& error) {
     throw Error(error.code(), std::string(error.what()) + ". Free host memory, or set " + for_what + ": false");
   }
-  host_ = buffer.narrow(0, 0, bytes).view(source.scalar_type()).view(source.sizes());
+  host_ = typed_view(buffer, 0, source.sizes(), source.scalar_type());
   host_.copy_(source);
 }
 

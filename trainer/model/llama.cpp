@@ -27,8 +27,30 @@ RMSNormImpl::RMSNormImpl(int64_t hidden_size, double eps, torch::ScalarType dtyp
                                                                    : torch::ones({hidden_size}, options));
 }
 
-torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
-  return style_ == NormStyle::kGemma ? unit_offset_rms_norm(x, weight, eps_) : rms_norm(x, weight, eps_);
+namespace {
+
+torch::Tensor normalized(const torch::Tensor& x, const torch::Tensor& weight, double eps, NormStyle style) {
+  return style == NormStyle::kGemma ? unit_offset_rms_norm(x, weight, eps) : rms_norm(x, weight, eps);
+}
+
+}  // namespace
+
+torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) { return normalized(x, weight, eps_, style_); }
+
+RMSNormImpl::Rebuildable RMSNormImpl::forward_rebuildable(const torch::Tensor& x) {
+  auto value = forward(x);
+  if (!torch::GradMode::is_enabled()) return {value, {}};
+  struct Source {
+    torch::Tensor input, weight, made;
+    double eps;
+    NormStyle style;
+  };
+  auto source = std::make_shared<Source>(Source{x.detach(), weight.detach(), {}, eps_, style_});
+  auto rebuild = [source] {
+    if (!source->made.defined()) source->made = normalized(source->input, source->weight, source->eps, source->style);
+    return source->made;
+  };
+  return {value, rebuild};
 }
 
 namespace {
@@ -188,7 +210,7 @@ std::pair<torch::Tensor, torch::Tensor> LayerKeyValues::append(const torch::Tens
 
 torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden, const torch::Tensor& cos,
                                           const torch::Tensor& sin, const AttentionMask& attention_mask,
-                                          LayerKeyValues* cache) {
+                                          LayerKeyValues* cache, const qat::LinearLayer::InputRebuild& rebuild_hidden) {
   const int64_t batch = hidden.size(0);
   const int64_t sequence = hidden.size(1);
   // [batch, seq, heads * head_dim] -> [batch, heads, seq, head_dim]
@@ -197,13 +219,13 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden, const tor
   const int64_t key_value_width = num_key_value_heads_ * head_dim_;
   torch::Tensor query, key, value;
   if (qkv_proj) {
-    const auto fused = qkv_proj->forward(hidden);
+    const auto fused = qkv_proj->forward_rebuilding_input(hidden, rebuild_hidden);
     query = fused.narrow(-1, 0, query_width);
     key = fused.narrow(-1, query_width, key_value_width);
     value = fused.narrow(-1, query_width + key_value_width, key_value_width);
   } else {
-    query = q_proj->forward(hidden);
-    key = k_proj->forward(hidden);
+    query = q_proj->forward_rebuilding_input(hidden, rebuild_hidden);
+    key = k_proj->forward_rebuilding_input(hidden, rebuild_hidden);
   }
   query = query.view({batch, sequence, num_heads_, head_dim_});
   key = key.view({batch, sequence, num_key_value_heads_, head_dim_});
@@ -214,7 +236,7 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden, const tor
   }
   query = rotary_embedding(query, cos, sin).transpose(1, 2);
   key = rotary_embedding(key, cos, sin).transpose(1, 2);
-  if (!qkv_proj) value = v_proj->forward(hidden);
+  if (!qkv_proj) value = v_proj->forward_rebuilding_input(hidden, rebuild_hidden);
   value = value.view({batch, sequence, num_key_value_heads_, head_dim_}).transpose(1, 2);
   const int64_t past = cache != nullptr ? cache->length() : 0;
   if (cache != nullptr) {
@@ -292,20 +314,20 @@ LlamaMlpImpl::LlamaMlpImpl(const LlamaOptions& options, const std::string& prefi
   down_proj = register_module("down_proj", make_linear(prefix + ".down_proj", linear_options(intermediate, hidden, bias, dtype)));
 }
 
-torch::Tensor LlamaMlpImpl::forward(const torch::Tensor& hidden) {
+torch::Tensor LlamaMlpImpl::forward(const torch::Tensor& hidden, const qat::LinearLayer::InputRebuild& rebuild_hidden) {
   // up before gate: the order GCC evaluated them in as arguments of one call, which LoRA
   // dropout's masks draw their random numbers in (runs keep the numbers they always had).
   torch::Tensor gate, up;
   if (gate_up_proj) {
-    const auto fused = gate_up_proj->forward(hidden);  // gate's half first, as Phi-3's chunk(2)
+    const auto fused = gate_up_proj->forward_rebuilding_input(hidden, rebuild_hidden);  // gate's half first, as Phi-3's chunk(2)
     const int64_t intermediate = fused.size(-1) / 2;
     // Contiguous halves: the activation's kernels keep these very tensors (not copies of views),
     // which down_proj's rebuild below reads too.
     gate = fused.narrow(-1, 0, intermediate).contiguous();
     up = fused.narrow(-1, intermediate, intermediate).contiguous();
   } else {
-    up = up_proj->forward(hidden);
-    gate = gate_proj->forward(hidden);
+    up = up_proj->forward_rebuilding_input(hidden, rebuild_hidden);
+    gate = gate_proj->forward_rebuilding_input(hidden, rebuild_hidden);
   }
   const bool gelu = activation_ == Activation::kGeluTanh;
   const auto product = gelu ? geglu(gate, up) : swiglu(gate, up);
@@ -352,7 +374,8 @@ LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaOptions& options, const 
 torch::Tensor LlamaDecoderLayerImpl::forward(const torch::Tensor& hidden, const torch::Tensor& cos,
                                              const torch::Tensor& sin, const AttentionMask& attention_mask,
                                              LayerKeyValues* cache) {
-  auto attended = self_attn->forward(input_layernorm->forward(hidden), cos, sin, attention_mask, cache);
+  const auto normed = input_layernorm->forward_rebuildable(hidden);
+  auto attended = self_attn->forward(normed.value, cos, sin, attention_mask, cache, normed.rebuild);
   // Gemma: each sublayer's output is normed before it joins the residual stream.
   const auto residual = pre_feedforward_layernorm ? hidden + post_attention_layernorm->forward(attended)
                                                   : hidden + attended;
@@ -360,8 +383,10 @@ torch::Tensor LlamaDecoderLayerImpl::forward(const torch::Tensor& hidden, const 
 }
 
 torch::Tensor LlamaDecoderLayerImpl::feed_forward(const torch::Tensor& residual) {
-  if (!pre_feedforward_layernorm) return residual + mlp->forward(post_attention_layernorm->forward(residual));
-  return residual + post_feedforward_layernorm->forward(mlp->forward(pre_feedforward_layernorm->forward(residual)));
+  const auto normed = (pre_feedforward_layernorm ? pre_feedforward_layernorm : post_attention_layernorm)
+                          ->forward_rebuildable(residual);
+  const auto output = mlp->forward(normed.value, normed.rebuild);
+  return residual + (pre_feedforward_layernorm ? post_feedforward_layernorm->forward(output) : output);
 }
 
 torch::Tensor LlamaDecoderLayerImpl::feed_forward_in_chunks(const torch::Tensor& residual) {

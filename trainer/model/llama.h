@@ -32,6 +32,15 @@ class RMSNormImpl : public torch::nn::Module {
   RMSNormImpl(int64_t hidden_size, double eps, torch::ScalarType dtype, NormStyle style = NormStyle::kLlama);
   // x [..., hidden] in any dtype; normalised in fp32, scaled as `style` says (llama_options.h).
   torch::Tensor forward(const torch::Tensor& x);
+  // forward(x), for projections whose adapters would keep the output for A's gradient: with grad
+  // on, `rebuild` makes it again bit for bit from x, which this norm's backward keeps anyway, so
+  // they keep that instead ([tokens, hidden] less per norm and layer). The first backward to call
+  // it makes the output; the others read that tensor, which goes when the last one lets go.
+  struct Rebuildable {
+    torch::Tensor value;
+    qat::LinearLayer::InputRebuild rebuild;  // empty without grad
+  };
+  Rebuildable forward_rebuildable(const torch::Tensor& x);
   torch::Tensor weight;
 
  private:
@@ -92,9 +101,11 @@ class LlamaAttentionImpl : public torch::nn::Module, public qat::LinearLayerOwne
                      torch::ScalarType dtype, int64_t sliding_window = 0);
   // hidden [batch, seq, hidden]; attention_mask: undefined (causal), a packed batch's samples or
   // a written-out mask (trainer/model/attention_mask.h). With `cache`, the sequence continues the
-  // cached one (causal over cached + new positions; no attention_mask then).
+  // cached one (causal over cached + new positions; no attention_mask then). `rebuild_hidden`:
+  // LinearLayer::forward_rebuilding_input's, for q, k and v.
   torch::Tensor forward(const torch::Tensor& hidden, const torch::Tensor& cos, const torch::Tensor& sin,
-                        const AttentionMask& attention_mask, LayerKeyValues* cache = nullptr);
+                        const AttentionMask& attention_mask, LayerKeyValues* cache = nullptr,
+                        const qat::LinearLayer::InputRebuild& rebuild_hidden = {});
   void replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) override;
   std::shared_ptr<qat::LinearLayer> q_proj, k_proj, v_proj, o_proj;
   std::shared_ptr<qat::LinearLayer> qkv_proj;  // instead of q, k and v: LlamaOptions::fused_projections
@@ -112,7 +123,8 @@ class LlamaMlpImpl : public torch::nn::Module, public qat::LinearLayerOwner {
  public:
   LlamaMlpImpl(const LlamaOptions& options, const std::string& prefix, const LinearFactory& make_linear,
                torch::ScalarType dtype);
-  torch::Tensor forward(const torch::Tensor& hidden);
+  // `rebuild_hidden`: LinearLayer::forward_rebuilding_input's, for gate and up.
+  torch::Tensor forward(const torch::Tensor& hidden, const qat::LinearLayer::InputRebuild& rebuild_hidden = {});
   void replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) override;
   std::shared_ptr<qat::LinearLayer> gate_proj, up_proj, down_proj;
   std::shared_ptr<qat::LinearLayer> gate_up_proj;  // instead of gate and up: LlamaOptions::fused_projections

@@ -119,7 +119,7 @@ double decoder_layer_activation_bytes(const LlamaOptions& model, const TrainingM
 
   double bytes = rms_norm_bytes(tokens, model.hidden_size, s, setup.full_finetune, fused_layers);  // post_attention_layernorm
   if (input_requires_grad) bytes += rms_norm_bytes(tokens, model.hidden_size, s, setup.full_finetune, fused_layers);
-  std::map<ProjectionInput, bool> input_saved;
+  std::map<ProjectionInput, bool> input_saved, input_rebuilt;
   for (const auto& projection : decoder_projections(model, layer)) {
     const double in = static_cast<double>(projection.in);
     const double out = static_cast<double>(projection.out);
@@ -145,10 +145,14 @@ double decoder_layer_activation_bytes(const LlamaOptions& model, const TrainingM
     }
     if (base_quantization_row(setup.base.kind).fused_lora) {
       // One fused node (qat/lora_matmul.h): the input, A and B cast, and dropout's mask as bytes.
-      // down_proj's input, the MLP's product, it makes again from gate and up (LlamaMlpImpl).
+      // The inputs it makes again instead of keeping them: the norms' outputs from the norms'
+      // inputs (RMSNormImpl::forward_rebuildable), down_proj's, the MLP's product, from gate and up.
       if (setup.compute_dtype != torch::kFloat32) bytes += rank * (in + out) * s;
       if (dropout) bytes += tokens * in;
-      if (projection.input != ProjectionInput::kMlpProduct) input_saved[projection.input] = true;
+      if (projection.input == ProjectionInput::kAttentionOutput) input_saved[projection.input] = true;
+      if (projection.input == ProjectionInput::kNormedForAttention || projection.input == ProjectionInput::kNormedForMlp) {
+        input_rebuilt[projection.input] = true;
+      }
       continue;
     }
     if (setup.compute_dtype != torch::kFloat32) bytes += rank * ((input_needs_grad ? in : 0.0) + out) * s;  // A, B cast
@@ -163,6 +167,13 @@ double decoder_layer_activation_bytes(const LlamaOptions& model, const TrainingM
   // A fused kernel's output is o_proj's input as it is (a view); the math path's is a copy.
   if (input_saved[ProjectionInput::kAttentionOutput] && math_attention) bytes += tokens * query * s;
   if (input_saved[ProjectionInput::kNormedForMlp]) bytes += tokens * hidden * s;
+  // A rebuilt norm output keeps the norm's input, which the norm keeps as it is only with a backward
+  // of its own and where it keeps it unconverted (the fused kernel; the torch operations in fp32).
+  const bool norm_keeps_its_input = fused_layers || s == 4.0;
+  if (input_rebuilt[ProjectionInput::kNormedForAttention] && !(input_requires_grad && norm_keeps_its_input)) {
+    bytes += tokens * hidden * s;
+  }
+  if (input_rebuilt[ProjectionInput::kNormedForMlp] && !norm_keeps_its_input) bytes += tokens * hidden * s;
   if (input_saved[ProjectionInput::kMlpProduct]) bytes += tokens * intermediate * s;
 
   if (math_attention) {
@@ -230,6 +241,7 @@ TrainingMemorySetup training_memory_setup(const Recipe& recipe, const LlamaOptio
   setup.keep_built_weights = recipe.train.keep_built_weights;
   setup.embeddings_on_host = recipe.train.embeddings_on_host;
   setup.lm_head_on_host = recipe.train.lm_head_on_host;
+  setup.optimizer_states_on_host = recipe.train.optimizer_states_on_host;
   if (recipe.train.mlp_chunk_tokens > 0) {
     throw Error(ErrorCode::kRecipe, "train.mlp_chunk_tokens is not estimated yet (the MLP's chunks and their "
                 "recomputation are not modelled); estimate without it and measure with qtrain bench --mlp-chunk");
@@ -250,7 +262,15 @@ double peak_of(const PeakMemoryEstimate& estimate, bool checkpointing, bool chun
                                  ? std::max(estimate.checkpointed_saved_bytes + loss,
                                             estimate.checkpointed_activation_bytes)
                                  : estimate.activation_bytes + loss;
-  return estimate.frozen_weight_bytes + estimate.trainable_state_bytes + activations + estimate.fake_quant_build_bytes;
+  // A state kept on the host is back from the middle of backward on: beside half the activations,
+  // or beside a recomputed layer.
+  const double with_state_back =
+      estimate.host_state_bytes > 0
+          ? estimate.host_state_bytes +
+                (checkpointing ? estimate.checkpointed_activation_bytes : estimate.activation_bytes / 2.0)
+          : 0.0;
+  return estimate.frozen_weight_bytes + estimate.trainable_state_bytes - estimate.host_state_bytes +
+         std::max(activations, with_state_back) + estimate.fake_quant_build_bytes;
 }
 
 }  // namespace
@@ -313,6 +333,14 @@ PeakMemoryEstimate estimate_peak_memory(const LlamaOptions& model, const Trainin
   // and grad, an fp32 master copy when those are 16-bit, and the two moments: 16 bytes either way.
   constexpr double kTrainableStateBytes = 16.0;
   estimate.trainable_state_bytes = static_cast<double>(estimate.trainable_parameters) * kTrainableStateBytes;
+  // The two moments, and a training weight's master: all but the weight and its gradient.
+  constexpr double kHostStateBytes = 8.0;
+  constexpr double kHostStateBytesWithMaster = 12.0;
+  if (setup.optimizer_states_on_host && setup.device == torch::kCUDA) {
+    const bool masters = setup.full_finetune && setup.compute_dtype != torch::kFloat32;
+    estimate.host_state_bytes = static_cast<double>(estimate.trainable_parameters) *
+                                (masters ? kHostStateBytesWithMaster : kHostStateBytes);
+  }
 
   // Activations of one micro-batch.
   const double tokens = static_cast<double>(setup.micro_batch_size * setup.sequence_length);

@@ -138,13 +138,14 @@ struct TrainingMemorySetup {
   bool keep_built_weights = true;    // train.keep_built_weights
   bool embeddings_on_host = false;   // train.embeddings_on_host: the input embedding table on the host
   bool lm_head_on_host = false;      // train.lm_head_on_host: lm_head on the device only for the loss
+  bool optimizer_states_on_host = false;  // train.optimizer_states_on_host: AdamW's state on the host between steps
 };
 
 // quant, qlora.*, lora.* (or the adapter of lora.init_from), train.dtype, train.device ('auto':
 // cuda), train.micro_batch_size, data.max_seq_len, data.pack, train.gradient_checkpointing[_every],
 // train.loss_chunk_tokens (0: auto_loss_chunk_tokens of the vocabulary), train.fused_loss,
 // train.offload_activations, train.keep_built_weights, train.embeddings_on_host,
-// train.lm_head_on_host, qat.*
+// train.lm_head_on_host, train.optimizer_states_on_host, qat.*
 // (quant: qat with adapters and a weight quantizer qat/qat_lora_matmul.h fuses; other QAT runs are
 // an Error: not estimated).
 TrainingMemorySetup training_memory_setup(const Recipe& recipe, const LlamaOptions& model);
@@ -157,6 +158,9 @@ struct PeakMemoryEstimate {
   int64_t trainable_parameters = 0;
   int64_t adapted_layers = 0;        // linear layers with a LoRA adapter
   double trainable_state_bytes = 0;  // weights + grads + AdamW's moments (+ fp32 masters)
+  // train.optimizer_states_on_host: the moments (and masters) of trainable_state_bytes, on the
+  // device only from the middle of the last backward to the end of the update.
+  double host_state_bytes = 0;
   double activation_bytes = 0;       // every layer keeps what its backward needs
   // With gradient checkpointing every checkpoint_every layers: the most alive while backward
   // walks the layers (one of them recomputed), and what the forward leaves for the loss's backward.

@@ -117,6 +117,7 @@ struct TrainRecipe {
   bool keep_built_weights{};               // a recomputed layer keeps its dequantized weights for backward
   bool embeddings_on_host{};               // the frozen input embedding table stays in host memory
   bool lm_head_on_host{};                  // the frozen lm_head waits in host memory, visiting for the loss
+  bool optimizer_states_on_host{};         // the optimizer's state waits in host memory between steps
   std::string nonfinite;                   // skip | abort
   int64_t max_skipped_steps{};             // consecutive skipped steps before the run stops
   int64_t empty_cache_steps{};             // 0: never

@@ -273,6 +273,10 @@ std::vector<RecipeKey> make_recipe_keys() {
           "keep the frozen lm_head weight in pinned host memory; each micro-batch copies it to the device on a "
           "side stream while the layers run forward, and lets go of the copy after the loss's backward (not with "
           "tied embeddings, or a quantized, adapted or trained lm_head)"),
+      key("train.optimizer_states_on_host", "false", QTRAIN_FIELD(train.optimizer_states_on_host),
+          "keep the optimizer's state (AdamW's moments, fp32 masters) in pinned host memory between steps; it "
+          "comes back to the device on a side stream during the second half of each step's last backward, and "
+          "leaves again after the update (the same updates, bit for bit)"),
       key("train.nonfinite", "skip", QTRAIN_FIELD(train.nonfinite),
           "a NaN/inf loss or gradient: skip the step, or abort the run")
           .one_of({"skip", "abort"}),

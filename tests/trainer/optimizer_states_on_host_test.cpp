@@ -1,0 +1,135 @@
+// train.optimizer_states_on_host (trainer/optimizer_states_on_host.h): the updates are those of a
+// state kept on the device, bit for bit; between steps every state tensor is a view of one host
+// block, and on the GPU the device holds none of it.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "optim/adamw.h"
+#include "optim/adamw8bit.h"
+#include "optim/sgd.h"
+#include "trainer/base/memory_stats.h"
+#include "trainer/optimizer_states_on_host.h"
+
+namespace qtrain::trainer {
+namespace {
+
+// A few parameters of the shapes LoRA trains (and a bf16 one, which keeps an fp32 master).
+std::vector<torch::Tensor> parameters_on(const torch::Device& device) {
+  torch::manual_seed(11);
+  std::vector<torch::Tensor> parameters;
+  for (const auto& sizes : std::vector<std::vector<int64_t>>{{16, 64}, {64, 16}, {8, 300}, {300}}) {
+    parameters.push_back(torch::randn(sizes).to(device).requires_grad_(true));
+  }
+  parameters.push_back(torch::randn({24, 40}).to(device, torch::kBFloat16).requires_grad_(true));
+  return parameters;
+}
+
+std::unique_ptr<optim::Optimizer> optimizer_named(const std::string& name, std::vector<torch::Tensor> parameters) {
+  return optim::make_optimizer(name, std::move(parameters), 1e-2, 0.1, {0.9, 0.99}, 1e-8, 0.9);
+}
+
+// Five steps of `name` from fresh gradients: the parameters, then the state, after each. With
+// `on_host`, the state goes to the host after each step and comes back before the next.
+std::vector<torch::Tensor> steps_of(const std::string& name, const torch::Device& device, bool on_host) {
+  auto parameters = parameters_on(device);
+  auto optimizer = optimizer_named(name, parameters);
+  std::unique_ptr<OptimizerStatesOnHost> keeper;
+  if (on_host) keeper = std::make_unique<OptimizerStatesOnHost>(*optimizer, device);
+  std::vector<torch::Tensor> seen;
+  torch::manual_seed(12);
+  for (int step = 0; step < 5; ++step) {
+    for (auto& parameter : parameters) parameter.mutable_grad() = torch::randn_like(parameter);
+    if (keeper) {
+      if (step % 2 == 1) keeper->prefetch();  // the other steps fetch in arrive()
+      keeper->arrive();
+      if (step > 0) {
+        for (const auto& [field, tensor] : optimizer->state()) EXPECT_EQ(tensor.device(), device) << field;
+      }
+    }
+    optimizer->step();
+    if (keeper) {
+      keeper->depart();
+      keeper->settle();
+      // One host block holds every state tensor between steps; on a GPU, none is on the device.
+      const auto state = optimizer->state();
+      EXPECT_FALSE(state.empty());
+      for (const auto& [field, tensor] : state) {
+        EXPECT_TRUE(tensor.is_cpu()) << field;
+        EXPECT_TRUE(tensor.storage().is_alias_of(state.front().second.storage())) << field;
+        if (device.is_cuda()) EXPECT_TRUE(tensor.is_pinned()) << field;
+      }
+    }
+    for (const auto& parameter : parameters) seen.push_back(parameter.detach().cpu().clone());
+    for (const auto& [field, tensor] : optimizer->state()) seen.push_back(tensor.cpu().clone());
+  }
+  if (keeper) {
+    keeper.reset();  // leaves the state on the device, as it found it
+    for (const auto& [field, tensor] : optimizer->state()) EXPECT_EQ(tensor.device(), device) << field;
+  }
+  return seen;
+}
+
+void expect_the_same_steps(const torch::Device& device) {
+  for (const std::string name : {"adamw", "adamw8bit", "sgd"}) {
+    const auto kept = steps_of(name, device, false);
+    const auto moved = steps_of(name, device, true);
+    ASSERT_EQ(kept.size(), moved.size()) << name;
+    for (size_t index = 0; index < kept.size(); ++index) {
+      EXPECT_TRUE(torch::equal(kept[index], moved[index])) << name << " on " << device << ": tensor " << index;
+    }
+  }
+}
+
+TEST(OptimizerStatesOnHost, StepsEqualAStateKeptInPlaceBitwise) { expect_the_same_steps(torch::kCPU); }
+
+TEST(OptimizerStatesOnHost, CudaStepsEqualAStateKeptOnTheDeviceBitwise) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  expect_the_same_steps(torch::Device(torch::kCUDA, 0));
+}
+
+TEST(OptimizerStatesOnHost, CudaTheDeviceHoldsNoStateBetweenSteps) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const torch::Device cuda(torch::kCUDA, 0);
+  auto parameters = parameters_on(cuda);
+  auto optimizer = optimizer_named("adamw", parameters);
+  OptimizerStatesOnHost keeper(*optimizer, cuda);
+  for (auto& parameter : parameters) parameter.mutable_grad() = torch::randn_like(parameter);
+  optimizer->step();  // the first step makes the state on the device
+  torch::cuda::synchronize();
+  const double with_state = memory_usage(cuda).current_bytes;
+  keeper.depart();
+  keeper.settle();
+  torch::cuda::synchronize();
+  const double without = memory_usage(cuda).current_bytes;
+  // Two fp32 moments a value, an fp32 master for the bf16 parameter, a step counter each.
+  double state_bytes = 0;
+  for (const auto& [field, tensor] : optimizer->state()) state_bytes += tensor.numel() * tensor.element_size();
+  EXPECT_GE(with_state - without, state_bytes);
+  EXPECT_GE(static_cast<double>(keeper.host_bytes()), state_bytes);
+  keeper.arrive();
+  for (const auto& [field, tensor] : optimizer->state()) EXPECT_TRUE(tensor.is_cuda()) << field;
+}
+
+// A checkpoint loaded while the state waits on the host is what the next step uses.
+TEST(OptimizerStatesOnHost, AStateLoadedWhileOnTheHostIsTheOneUsed) {
+  auto parameters = parameters_on(torch::kCPU);
+  auto optimizer = optimizer_named("adamw", parameters);
+  OptimizerStatesOnHost keeper(*optimizer, torch::kCPU);
+  for (auto& parameter : parameters) parameter.mutable_grad() = torch::randn_like(parameter);
+  optimizer->step();
+  keeper.depart();
+  auto loaded = optimizer->state();
+  for (auto& [field, tensor] : loaded) tensor = torch::full_like(tensor, 3.0);
+  optimizer->load_state(loaded);
+  keeper.arrive();
+  for (const auto& [field, tensor] : optimizer->state()) {
+    EXPECT_TRUE(torch::equal(tensor, torch::full_like(tensor, 3.0))) << field;
+  }
+}
+
+}  // namespace
+}  // namespace qtrain::trainer
