@@ -128,13 +128,17 @@ TEST(Finetune, NonFiniteStepsStopTheRunWhenAbortOrTooManyInARow) {
 }
 
 // Stopping at a checkpoint and resuming from it gives the losses of an uninterrupted run, bit for
-// bit: shuffled packed chat data, dropout, gradient accumulation, in fp32 and bf16.
+// bit: shuffled packed chat data, dropout, gradient accumulation, in fp32 and bf16; and with the
+// optimizer's state on the host between steps (the checkpoint reads it there), the same losses.
 TEST(Finetune, AResumedRunContinuesBitwiseExactly) {
-  for (const std::string dtype : {"fp32", "bf16"}) {
+  std::vector<double> fp32_losses;
+  for (const std::string variant : {"fp32", "bf16", "fp32, state on the host"}) {
+    const std::string dtype = variant.substr(0, 4);
+    const bool state_on_host = variant.size() > 4;
     const std::vector<std::string> settings = {
         "data.format=chat", "data.train=" + testing::source_dir() + "/recipes/demo/chat-val.jsonl", "data.eval=",
         "data.pack=true", "data.max_seq_len=64", "train.steps=4", "checkpoint.every=2", "checkpoint.keep_last=0",
-        "train.dtype=" + dtype};
+        "train.dtype=" + dtype, std::string("train.optimizer_states_on_host=") + (state_on_host ? "true" : "false")};
     testing::TempDir whole_run, resumed_run;
     {
       Finetune finetune(small_recipe(whole_run, settings));
@@ -143,6 +147,8 @@ TEST(Finetune, AResumedRunContinuesBitwiseExactly) {
     }
     const auto whole = logged_losses(whole_run.path());
     ASSERT_EQ(whole.size(), 4u);
+    if (variant == "fp32") fp32_losses = whole;
+    if (state_on_host) EXPECT_EQ(whole, fp32_losses);
     // The resumed run starts from a copy of the first run's step-2 checkpoint.
     std::filesystem::create_directories(resumed_run.file("checkpoints"));
     std::filesystem::copy(whole_run.file("checkpoints/step-000002"), resumed_run.file("checkpoints/step-000002"),
@@ -151,8 +157,8 @@ TEST(Finetune, AResumedRunContinuesBitwiseExactly) {
     resumed.setup();
     resumed.train();
     const auto continued = logged_losses(resumed_run.path());
-    ASSERT_EQ(continued.size(), 2u) << dtype;
-    for (size_t step = 0; step < 2; ++step) EXPECT_EQ(continued[step], whole[2 + step]) << dtype << ", step " << step + 3;
+    ASSERT_EQ(continued.size(), 2u) << variant;
+    for (size_t step = 0; step < 2; ++step) EXPECT_EQ(continued[step], whole[2 + step]) << variant << ", step " << step + 3;
   }
 }
 
