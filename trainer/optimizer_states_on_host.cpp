@@ -83,6 +83,9 @@ void OptimizerStatesOnHost::arrive() {
 
 void OptimizerStatesOnHost::depart() {
   if (on_host_) return;
+  // A skipped step departs without arriving: its copy back must not read the device block before
+  // the prefetch lane has filled it.
+  arrive();
   const auto slots = optimizer_.state_slots();
   if (slots.empty()) return;  // no step taken yet
   // The state is the device block's views (fetched this step) or tensors of its own (the first
