@@ -11,8 +11,11 @@
 #include "optim/adamw.h"
 #include "optim/adamw8bit.h"
 #include "optim/sgd.h"
+#include "small_llama.h"
 #include "trainer/base/memory_stats.h"
+#include "trainer/loss_scaler.h"
 #include "trainer/optimizer_states_on_host.h"
+#include "trainer/training_step.h"
 
 namespace qtrain::trainer {
 namespace {
@@ -133,6 +136,39 @@ TEST(OptimizerStatesOnHost, AStateLoadedWhileOnTheHostIsTheOneUsed) {
   for (const auto& [field, tensor] : optimizer->state()) {
     EXPECT_TRUE(torch::equal(tensor, torch::full_like(tensor, 3.0))) << field;
   }
+}
+
+
+// In a training step the state comes back while backward runs (when it reaches the middle of the
+// trained parameters), not after it, and waits in the host block between steps; with gradient
+// accumulation it comes back in the window's last backward only.
+TEST(OptimizerStatesOnHost, ATrainingStepFetchesItDuringTheLastBackward) {
+  torch::manual_seed(5);
+  LlamaForCausalLM model(testing::small_llama_options(32, 4), torch::kFloat32);
+  auto trainable = model->parameters();
+  auto optimizer = optimizer_named("adamw", trainable);
+  LossScaler scaler(false);
+  TrainingStepOptions options;
+  options.optimizer_states_on_host = true;
+  TrainingStep step(*model, trainable, *optimizer, scaler, options);
+  data::Batch batch;
+  batch.input_ids = torch::randint(97, {2, 12}, torch::kInt64);
+  batch.labels = batch.input_ids.clone();
+  batch.input_tokens = 24;
+  batch.predicted_tokens = 22;
+  step.run({batch}, 0);  // the first step makes the state, then it leaves
+  const auto host_block = optimizer->state().front().second.storage();
+  const auto in_host_block = [&] {
+    return optimizer->state().front().second.storage().is_alias_of(host_block);
+  };
+  ASSERT_TRUE(in_host_block());
+  // The first parameter's gradient comes last in backward, after the middle one's.
+  std::vector<bool> seen_in_host_block;
+  const auto hook = trainable.front().register_hook([&](const torch::Tensor&) { seen_in_host_block.push_back(in_host_block()); });
+  step.run({batch, batch}, 1);
+  trainable.front().remove_hook(hook);
+  EXPECT_EQ(seen_in_host_block, (std::vector<bool>{true, false})) << "micro-batch 1, then 2 (the last)";
+  EXPECT_TRUE(in_host_block());
 }
 
 }  // namespace
