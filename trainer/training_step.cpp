@@ -31,7 +31,8 @@ TrainingStep::TrainingStep(LlamaForCausalLMImpl& model, std::vector<torch::Tenso
     states_on_host_ = std::make_unique<OptimizerStatesOnHost>(optimizer_, options_.device);
     // The parameters come in the model's order, so backward reaches the middle one when about half
     // of the layers have let go of their activations: the state's copy overlaps the other half.
-    state_prefetch_hook_ = trainable_[trainable_.size() / 2].register_hook([this](const torch::Tensor&) {
+    state_prefetch_parameter_ = trainable_[trainable_.size() / 2];
+    state_prefetch_hook_ = state_prefetch_parameter_.register_hook([this](const torch::Tensor&) {
       if (!state_prefetch_armed_) return;
       state_prefetch_armed_ = false;
       states_on_host_->prefetch();
@@ -40,7 +41,7 @@ TrainingStep::TrainingStep(LlamaForCausalLMImpl& model, std::vector<torch::Tenso
 }
 
 TrainingStep::~TrainingStep() {
-  if (states_on_host_) trainable_[trainable_.size() / 2].remove_hook(state_prefetch_hook_);
+  if (state_prefetch_parameter_.defined()) state_prefetch_parameter_.remove_hook(state_prefetch_hook_);
 }
 
 void TrainingStep::settle_optimizer_state() const {

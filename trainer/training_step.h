@@ -86,6 +86,7 @@ class TrainingStep {
   // train.optimizer_states_on_host: the state's keeper, and the hook on the trained parameter in the
   // middle of the list (of the layers) that starts its way back when backward reaches it.
   std::unique_ptr<OptimizerStatesOnHost> states_on_host_;
+  torch::Tensor state_prefetch_parameter_;
   unsigned state_prefetch_hook_ = 0;
   bool state_prefetch_armed_ = false;
 };

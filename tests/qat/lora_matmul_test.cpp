@@ -84,11 +84,16 @@ TEST(LoraMatmul, DenseBaseWithBiasMatchesFloat64Autograd) {
   expect_matches(result, reference(*base, 2.0, x, a, b, weights), 2e-6);
 }
 
-TEST(LoraMatmul, FourBitBaseMatchesFloat64AutogradWithAndWithoutKeptWeights) {
-  torch::manual_seed(12);
+// An NF4 base of a fresh random [out, in] weight (scaled as trained weights are), computing in fp32.
+std::shared_ptr<FourBitLinear> fp32_four_bit_base(int64_t out, int64_t in) {
   FourBitOptions options;
   options.compute_dtype = torch::kFloat32;
-  const auto base = FourBitLinear::from_dense(torch::randn({64, 128}) * 0.05, torch::Tensor(), options);
+  return FourBitLinear::from_dense(torch::randn({out, in}) * 0.05, torch::Tensor(), options);
+}
+
+TEST(LoraMatmul, FourBitBaseMatchesFloat64AutogradWithAndWithoutKeptWeights) {
+  torch::manual_seed(12);
+  const auto base = fp32_four_bit_base(64, 128);
   const auto x = torch::randn({2, 5, 128});
   const auto a = torch::randn({4, 128}) * 0.1;
   const auto b = torch::randn({64, 4}) * 0.1;
@@ -122,9 +127,7 @@ TEST(LoraMatmul, AnInputWithoutGradientStillTrainsTheAdapter) {
 
 TEST(LoraMatmul, ARetainedGraphGivesTheSameGradientsTwice) {
   torch::manual_seed(16);
-  FourBitOptions options;
-  options.compute_dtype = torch::kFloat32;
-  const auto base = FourBitLinear::from_dense(torch::randn({32, 64}) * 0.05, torch::Tensor(), options);
+  const auto base = fp32_four_bit_base(32, 64);
   auto x = torch::randn({6, 64}).requires_grad_(true);
   auto a = (torch::randn({4, 64}) * 0.1).requires_grad_(true);
   auto b = (torch::randn({32, 4}) * 0.1).requires_grad_(true);
@@ -147,9 +150,7 @@ TEST(LoraMatmul, ARetainedGraphGivesTheSameGradientsTwice) {
 // with and without dropout (the same mask drops the rebuilt input).
 TEST(LoraMatmul, ARebuiltInputIsNotKeptAndGivesTheSameGradientsBitwise) {
   torch::manual_seed(17);
-  FourBitOptions options;
-  options.compute_dtype = torch::kFloat32;
-  const auto base = FourBitLinear::from_dense(torch::randn({32, 48}) * 0.05, torch::Tensor(), options);
+  const auto base = fp32_four_bit_base(32, 48);
   const auto gate = torch::randn({2, 5, 48});
   const auto up = torch::randn({2, 5, 48});
   const auto a = torch::randn({4, 48}) * 0.1;
