@@ -5,7 +5,10 @@
 //
 // Each thread turns 4 packed bytes into 8 values: blocksizes are powers of two of at least 8, so
 // the 8 share one absmax, and a full group is one 32-bit load and one 16- or 32-byte store. The
-// FP8 variant codes the same 8 bf16 values at their row's scale into one 8-byte store.
+// FP8 variant codes the same 8 bf16 values at their row's scale into one 8-byte store. Its work is
+// the division by the row's scale, and a thread's values (one absmax, one row) take only 16
+// distinct codes: it codes those 16 once (two neighbouring threads of one block and row share the
+// work) and picks each value's code by its nibble with byte permutes.
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
@@ -72,6 +75,7 @@ __device__ __forceinline__ float absmax_of(const BlockScales& scales, int64_t bl
 template <typename scalar_t>
 struct WriteValues {
   using out_t = scalar_t;
+  static constexpr bool kCodeTable = false;
   scalar_t* out;
   static constexpr int64_t row_length = 0;  // no rows
   __device__ float row_scale(int64_t) const { return 0.0f; }
@@ -82,6 +86,7 @@ struct WriteValues {
 // are whole groups of a thread's values, so one scale serves them all.
 struct WriteFloat8Codes {
   using out_t = c10::Float8_e4m3fn;
+  static constexpr bool kCodeTable = true;  // one byte per value: picked from a thread's 16 codes
   c10::Float8_e4m3fn* out;
   const float* row_scales;
   int64_t row_length;
@@ -91,17 +96,59 @@ struct WriteFloat8Codes {
   }
 };
 
-// kValues a power of two from 8, at most the blocksize (the values share one absmax); the vector
-// path needs packed aligned to kValues / 2 bytes.
+// A thread's 16 one-byte codes, the code for 4-bit value c in byte c % 4 of words[c / 4].
+struct CodeTable {
+  uint32_t words[4];
+};
+
+// The codes of four 4-bit values, value i in nibble i of `nibbles`, as the bytes of one word: two
+// permutes pick from codes 0-7 and 8-15 by each value's low 3 bits, a third by its high bit.
+__device__ __forceinline__ uint32_t four_codes(uint32_t nibbles, const CodeTable& codes) {
+  const uint32_t low_bits = nibbles & 0x7777u;
+  const uint32_t from_low = __byte_perm(codes.words[0], codes.words[1], low_bits);
+  const uint32_t from_high = __byte_perm(codes.words[2], codes.words[3], low_bits);
+  return __byte_perm(from_low, from_high, 0x3210u | ((nibbles >> 1) & 0x4444u));
+}
+
+// The codes of the 8 values of 4 packed bytes (high nibble first, as bnb packs), in order.
+__device__ __forceinline__ uint2 eight_codes(uint32_t packed_bytes, const CodeTable& codes) {
+  const uint32_t in_order = ((packed_bytes >> 4) & 0x0F0F0F0Fu) | ((packed_bytes << 4) & 0xF0F0F0F0u);
+  return {four_codes(in_order & 0xFFFFu, codes), four_codes(in_order >> 16, codes)};
+}
+
+// The thread's 16 codes. With `shared_with_neighbour` (the threads 2j and 2j + 1 hold values of one
+// absmax block and one row) each codes 8 and they swap halves; every lane of the warp must call it.
+template <typename Writer>
+__device__ __forceinline__ CodeTable code_table(const float* table, float scale, float row_scale, const Writer& write,
+                                                bool shared_with_neighbour) {
+  const auto codes_from = [&](int code) {
+    uint32_t word = 0;
+#pragma unroll
+    for (int b = 0; b < 4; ++b) word |= static_cast<uint32_t>(write(fast::multiply(table[code + b], scale), row_scale).x) << (8 * b);
+    return word;
+  };
+  CodeTable codes;
+  if (shared_with_neighbour) {
+    const bool upper = threadIdx.x & 1;
+    const uint32_t mine0 = codes_from(upper ? 8 : 0), mine1 = codes_from(upper ? 12 : 4);
+    const uint32_t theirs0 = __shfl_xor_sync(0xffffffffu, mine0, 1), theirs1 = __shfl_xor_sync(0xffffffffu, mine1, 1);
+    codes.words[0] = upper ? theirs0 : mine0;
+    codes.words[1] = upper ? theirs1 : mine1;
+    codes.words[2] = upper ? mine0 : theirs0;
+    codes.words[3] = upper ? mine1 : theirs1;
+  } else {
+#pragma unroll
+    for (int w = 0; w < 4; ++w) codes.words[w] = codes_from(4 * w);
+  }
+  return codes;
+}
+
+// One thread's kValues values from `first` (< n), each coded as it is written.
 template <typename Writer, bool kDoubleQuantized, int kValues>
-__global__ void dequantize_4bit_kernel(const uint8_t* __restrict__ packed, bool packed_aligned, int64_t n,
-                                       int blocksize_log2, DecodeTable decode, BlockScales scales, Writer write) {
+__device__ __forceinline__ void write_values(const uint8_t* packed, bool packed_aligned, int64_t n, int64_t first,
+                                             int blocksize_log2, const float* table, const BlockScales& scales,
+                                             const Writer& write) {
   using out_t = typename Writer::out_t;
-  __shared__ float table[16];
-  if (threadIdx.x < 16) table[threadIdx.x] = decode.values[threadIdx.x];
-  __syncthreads();
-  const int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kValues;
-  if (first >= n) return;
   const float scale = absmax_of<kDoubleQuantized>(scales, first >> blocksize_log2);
   const float row_scale = write.row_scale(first);
   const auto value = [&](uint32_t code) { return write(fast::multiply(table[code], scale), row_scale); };
@@ -121,6 +168,55 @@ __global__ void dequantize_4bit_kernel(const uint8_t* __restrict__ packed, bool 
   for (int64_t i = first; i < last; ++i) {
     const uint32_t byte = __ldg(packed + i / 2);
     write.out[i] = value(i % 2 == 0 ? byte >> 4 : byte & 0xF);
+  }
+}
+
+// The same values picked from the thread's 16 one-byte codes. Every thread of the grid calls it
+// (the table's building may shuffle with the neighbour); past the end, a thread helps build its
+// neighbour's table from the last value's scales and writes nothing.
+template <typename Writer, bool kDoubleQuantized, int kValues>
+__device__ __forceinline__ void write_table_codes(const uint8_t* packed, bool packed_aligned, int64_t n, int64_t first,
+                                                  int blocksize_log2, const float* table, const BlockScales& scales,
+                                                  const Writer& write, bool pairs_share) {
+  const int64_t scaled = first < n ? first : n - 1;
+  const CodeTable codes = code_table(table, absmax_of<kDoubleQuantized>(scales, scaled >> blocksize_log2),
+                                     write.row_scale(scaled), write, pairs_share);
+  if (first >= n) return;
+  auto* out = reinterpret_cast<uint8_t*>(write.out);
+  if (first + kValues <= n && packed_aligned) {
+    const auto loaded = *reinterpret_cast<const PackedBytes<kValues>*>(packed + first / 2);
+    ThreadValues<uint2, kValues / 8> group;
+#pragma unroll
+    for (int w = 0; w < kValues / 8; ++w) {
+      group.values[w] = eight_codes(reinterpret_cast<const uint32_t*>(loaded.bytes)[w], codes);
+    }
+    *reinterpret_cast<ThreadValues<uint2, kValues / 8>*>(out + first) = group;
+    return;
+  }
+  const int64_t last = min(n, first + kValues);
+  for (int64_t i = first; i < last; ++i) {
+    const uint32_t byte = __ldg(packed + i / 2);
+    out[i] = static_cast<uint8_t>(four_codes(i % 2 == 0 ? byte >> 4 : byte & 0xF, codes));
+  }
+}
+
+// kValues a power of two from 8, at most the blocksize (the values share one absmax); the vector
+// path needs packed aligned to kValues / 2 bytes. `pairs_share` (code tables only): blocks and rows
+// hold whole pairs of threads' values.
+template <typename Writer, bool kDoubleQuantized, int kValues>
+__global__ void dequantize_4bit_kernel(const uint8_t* __restrict__ packed, bool packed_aligned, int64_t n,
+                                       int blocksize_log2, DecodeTable decode, BlockScales scales, Writer write,
+                                       bool pairs_share) {
+  __shared__ float table[16];
+  if (threadIdx.x < 16) table[threadIdx.x] = decode.values[threadIdx.x];
+  __syncthreads();
+  const int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kValues;
+  if constexpr (Writer::kCodeTable) {
+    write_table_codes<Writer, kDoubleQuantized, kValues>(packed, packed_aligned, n, first, blocksize_log2, table,
+                                                         scales, write, pairs_share);
+  } else if (first < n) {
+    write_values<Writer, kDoubleQuantized, kValues>(packed, packed_aligned, n, first, blocksize_log2, table, scales,
+                                                    write);
   }
 }
 
@@ -203,8 +299,9 @@ void launch(const at::Tensor& packed, int64_t numel, int64_t blocksize, const De
                                          : dequantize_4bit_kernel<Writer, false, kWideValuesPerThread>)
                      : (double_quantized ? dequantize_4bit_kernel<Writer, true, kValuesPerThread>
                                          : dequantize_4bit_kernel<Writer, false, kValuesPerThread>);
+  const bool pairs_share = blocksize >= 2 * values && write.row_length % (2 * values) == 0;
   kernel<<<grid, kThreadsPerCudaBlock, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      bytes, aligned, numel, log2_of(blocksize), table, block_scales(scales), write);
+      bytes, aligned, numel, log2_of(blocksize), table, block_scales(scales), write, pairs_share);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
