@@ -31,8 +31,15 @@ Float8Linear::Float8Linear(Float8Rows weight, const torch::Tensor& bias, torch::
 std::shared_ptr<Float8Linear> Float8Linear::from_dense(const torch::Tensor& weight, const torch::Tensor& bias,
                                                        const Float8Options& options) {
   if (weight.dim() != 2) throw Error(ErrorCode::kInternal, "Float8Linear::from_dense: the weight must be 2-d [out, in]");
-  return std::make_shared<Float8Linear>(quantize_rows_float8(weight.detach()), bias, options.compute_dtype,
-                                        options.fast_accumulation);
+  auto layer = std::make_shared<Float8Linear>(quantize_rows_float8(weight.detach()), bias, options.compute_dtype,
+                                              options.fast_accumulation);
+  if (options.keep_dense_weight_on_host) layer->dense_on_host_ = weight.detach().to(torch::kCPU, options.compute_dtype);
+  return layer;
+}
+
+torch::Tensor Float8Linear::dense_weight(torch::ScalarType dtype) const {
+  if (dense_on_host_.defined()) return dense_on_host_.to(weight_.codes.device(), dtype);
+  return dequantize_rows_float8(weight_, dtype);
 }
 
 torch::Tensor Float8Linear::forward(const torch::Tensor& input) {
@@ -51,7 +58,8 @@ torch::Tensor Float8Linear::own_input_gradient(const torch::Tensor& grad_rows, t
 void Float8Linear::pretty_print(std::ostream& stream) const {
   stream << "qtrain::Float8Linear(in_features=" << in_features() << ", out_features=" << out_features()
          << ", format=e4m3, scale=per row, fast_accumulation=" << (fast_accumulation_ ? "true" : "false")
-         << ", bias=" << (bias_.defined() ? "true" : "false") << ")";
+         << ", bias=" << (bias_.defined() ? "true" : "false") << (dense_on_host_.defined() ? ", dense weight on the host" : "")
+         << ")";
 }
 
 // Buffers share their tensors with the members, and Module::to changes them in place (set_data).

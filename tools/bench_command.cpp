@@ -299,7 +299,8 @@ int run_bench(const Arguments& arguments) {
       ("fp8-fast-accumulation", po::bool_switch(), "with --quant fp8 or --fp8-compute: the forward's FP8 matmuls "
        "unpromoted (qlora.fp8_fast_accumulation)")
       ("fp8-compute", po::bool_switch(), "with a 4-bit --quant: the adapted projections multiply on FP8 tensor cores, "
-       "dequantizing to e4m3 rows (qlora.fp8_compute)")
+       "dequantizing to e4m3 rows; with --quant none: from e4m3 rows of the 16-bit weights, which wait on the host "
+       "(qlora.fp8_compute)")
       ("qat", po::bool_switch(), "fake-quantize the merged weights (int4, groups of 32, fp16 scales) over the --quant base, "
        "as quant: qat with qat.base")
       ("lora-gradient", po::value(&lora_gradient)->default_value("identity"),
@@ -360,7 +361,9 @@ int run_bench(const Arguments& arguments) {
   if (memory_limit_gib > 0) limit_device_memory(device, memory_limit_gib);
   if (base.kind == trainer::BaseQuantization::kFp8) qat::require_float8_tensor_cores(device, dtype, "--quant fp8", "--dtype");
   const bool four_bit = base.kind == trainer::BaseQuantization::kNf4 || base.kind == trainer::BaseQuantization::kFp4;
-  if (recipe.qlora.fp8_compute && !four_bit) throw Error(ErrorCode::kUsage, "--fp8-compute needs a 4-bit --quant (qlora, nf4, fp4)");
+  if (recipe.qlora.fp8_compute && !four_bit && base.kind != trainer::BaseQuantization::kNone) {
+    throw Error(ErrorCode::kUsage, "--fp8-compute needs a 4-bit (qlora, nf4, fp4) or 16-bit (none) --quant");
+  }
   if (recipe.qlora.fp8_compute) qat::require_float8_tensor_cores(device, dtype, "--fp8-compute", "--dtype");
   if (recipe.qlora.fp8_fast_accumulation && base.kind != trainer::BaseQuantization::kFp8 && !recipe.qlora.fp8_compute) {
     throw Error(ErrorCode::kUsage, "--fp8-fast-accumulation needs --quant fp8 or --fp8-compute");
@@ -392,7 +395,10 @@ int run_bench(const Arguments& arguments) {
         return qat::Float8Linear::from_dense(torch::randn({linear.out_features, linear.in_features}, on_device) * 0.02,
                                              bias, {dtype, device, recipe.qlora.fp8_fast_accumulation});
       case trainer::BaseQuantization::kNone:
-        break;
+        if (!recipe.qlora.fp8_compute) break;
+        return qat::Float8Linear::from_dense(torch::randn({linear.out_features, linear.in_features}, on_device) * 0.02,
+                                             bias, {dtype, device, recipe.qlora.fp8_fast_accumulation,
+                                                    /*keep_dense_weight_on_host=*/true});
     }
     return std::make_shared<qat::DenseLinear>(linear);
   };

@@ -1,6 +1,7 @@
 // LoRA on an FP8 base (qlora.quant_type: fp8) end to end through Finetune on the bundled tiny
 // model, on the CPU's reference path: the recipe builds Float8Linear bases, and the loss curve
-// follows the one over the unquantized base within FP8's error.
+// follows the one over the unquantized base within FP8's error. Also qlora.fp8_compute, on a 4-bit
+// and on a 16-bit base.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -103,10 +104,47 @@ TEST(Float8Finetune, AFourBitBaseOnFloat8FollowsTheBf16Path) {
   EXPECT_NO_THROW(base_quantization(lora_recipe(fp8_run, "qlora", "nf4", "true", "true"), torch::kBFloat16));
 }
 
-TEST(Float8Finetune, Fp8ComputeIsAFourBitQloraKeyOnly) {
+// qlora.fp8_compute on a 16-bit base (quant: none): its projections become the FP8 base's e4m3
+// rows, so it trains as the FP8 base does, bit for bit; what merges and exports read is the 16-bit
+// weight itself, kept on the host, not its e4m3 rounding.
+TEST(Float8Finetune, ASixteenBitBaseOnFloat8TrainsAsTheFp8BaseAndKeepsItsWeights) {
+  testing::TempDir dense_fp8_run, fp8_run, dense_run;
+  const auto recipe = lora_recipe(dense_fp8_run, "none", "nf4", "false", "true");
+  const auto base = load_base_model(recipe, torch::kFloat32, torch::kCPU, /*quantize_base=*/true);
+  const auto dense = load_base_model(lora_recipe(dense_run, "none", "nf4"), torch::kFloat32, torch::kCPU,
+                                     /*quantize_base=*/true);
+  const auto dense_modules = dense.model->named_modules();
+  int64_t on_float8 = 0;
+  for (const auto& item : base.model->named_modules()) {
+    const auto layer = std::dynamic_pointer_cast<qat::Float8Linear>(item.value());
+    if (!layer) continue;
+    ++on_float8;
+    const auto original = std::dynamic_pointer_cast<qat::LinearLayer>(dense_modules[item.key()]);
+    ASSERT_TRUE(original) << item.key();
+    EXPECT_TRUE(torch::equal(layer->dense_weight(torch::kFloat32), original->dense_weight(torch::kFloat32))) << item.key();
+    EXPECT_FALSE(torch::equal(layer->matmul_weight(torch::kFloat32), original->dense_weight(torch::kFloat32))) << item.key();
+  }
+  EXPECT_EQ(on_float8, 4 * 7);  // every projection; lm_head stays in qlora.skip_modules
+
+  const auto dense_on_fp8 = train_losses(recipe, dense_fp8_run.path());
+  const auto fp8 = train_losses(lora_recipe(fp8_run, "qlora", "fp8"), fp8_run.path());
+  ASSERT_EQ(dense_on_fp8.size(), 8u);
+  EXPECT_EQ(dense_on_fp8, fp8);
+  EXPECT_NO_THROW(base_quantization(lora_recipe(dense_fp8_run, "none", "nf4", "true", "true"), torch::kBFloat16));
+}
+
+TEST(Float8Finetune, Fp8ComputeTakesAFourBitOrSixteenBitBaseOnly) {
   testing::TempDir run;
+  auto full_finetune = lora_recipe(run, "none", "nf4", "false", "true");
+  full_finetune.lora.rank = 0;
+  try {
+    base_quantization(full_finetune, torch::kBFloat16);
+    FAIL() << "fp8_compute while training every weight was accepted";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("lora.rank: 0"), std::string::npos) << error.what();
+  }
   for (const auto& [quant, quant_type] : std::vector<std::pair<std::string, std::string>>{
-           {"qlora", "int8"}, {"qlora", "fp8"}, {"qat", "nf4"}, {"none", "nf4"}}) {
+           {"qlora", "int8"}, {"qlora", "fp8"}, {"qat", "nf4"}}) {
     try {
       base_quantization(lora_recipe(run, quant, quant_type, "false", "true"), torch::kBFloat16);
       FAIL() << "fp8_compute with quant " << quant << ", " << quant_type << " was accepted";

@@ -12,8 +12,6 @@ namespace qtrain::trainer {
 
 namespace {
 
-void keep_dense(LlamaForCausalLMImpl&, const BaseQuantizationSettings&) {}
-
 // FP8 tensor cores take only multiples of 16; anything else would run the slow reference path.
 // `key` names the setting that asked for them; `multiplies_on_float8` picks the layers it moves.
 void require_float8_sizes(LlamaForCausalLMImpl& model, const std::string& key,
@@ -66,16 +64,22 @@ void quantize_int8(LlamaForCausalLMImpl& model, const BaseQuantizationSettings& 
   qat::quantize_linear_layers_int8(model, settings.int8, settings.skip_modules);
 }
 
-void quantize_float8(LlamaForCausalLMImpl& model, const BaseQuantizationSettings& settings) {
+// The projections as e4m3 rows (Float8Linear); `key` names the setting that asked for it.
+void quantize_rows_float8(LlamaForCausalLMImpl& model, const BaseQuantizationSettings& settings, const std::string& key) {
   if (settings.float8.device && settings.float8.device->is_cuda()) {
-    qat::require_float8_tensor_cores(*settings.float8.device, settings.compute_dtype, "qlora.quant_type: fp8", "train.dtype");
-    require_float8_sizes(model, "qlora.quant_type: fp8", quantized_dense(settings));
+    qat::require_float8_tensor_cores(*settings.float8.device, settings.compute_dtype, key, "train.dtype");
+    require_float8_sizes(model, key, quantized_dense(settings));
   }
   qat::quantize_linear_layers_float8(model, settings.float8, settings.skip_modules);
 }
 
-double dense_bytes(int64_t out, int64_t in, const BaseQuantizationSettings& settings) {
-  return static_cast<double>(out * in) * static_cast<double>(c10::elementSize(settings.compute_dtype));
+void quantize_float8(LlamaForCausalLMImpl& model, const BaseQuantizationSettings& settings) {
+  quantize_rows_float8(model, settings, "qlora.quant_type: fp8");
+}
+
+// A 16-bit base stays dense, or multiplies on FP8 tensor cores (its weights on the host).
+void keep_dense(LlamaForCausalLMImpl& model, const BaseQuantizationSettings& settings) {
+  if (settings.dense_on_float8) quantize_rows_float8(model, settings, "qlora.fp8_compute");
 }
 
 // FourBitLinear's buffers (qat/four_bit_linear.h): the packed codes, an absmax per block (uint8
@@ -104,6 +108,12 @@ double int8_bytes(int64_t out, int64_t in, const BaseQuantizationSettings&) {
 // Float8Linear's buffers (qat/float8_linear.h): one e4m3 code per weight, an fp32 scale per row.
 double float8_bytes(int64_t out, int64_t in, const BaseQuantizationSettings&) {
   return static_cast<double>(in * out) + 4.0 * static_cast<double>(out);
+}
+
+// On the device: the 16-bit weight, or its e4m3 rows when it multiplies on FP8.
+double dense_bytes(int64_t out, int64_t in, const BaseQuantizationSettings& settings) {
+  if (settings.dense_on_float8) return float8_bytes(out, in, settings);
+  return static_cast<double>(out * in) * static_cast<double>(c10::elementSize(settings.compute_dtype));
 }
 
 }  // namespace
@@ -150,11 +160,16 @@ BaseQuantizationSettings base_quantization(const Recipe& recipe, torch::ScalarTy
     settings.kind = base_quantization_named(recipe.qat.base, "qat.base", ErrorCode::kRecipe).kind;
   }
   const bool four_bit = settings.kind == BaseQuantization::kNf4 || settings.kind == BaseQuantization::kFp4;
-  if (recipe.qlora.fp8_compute && recipe.quant != "qlora") {
-    throw Error(ErrorCode::kRecipe, "qlora.fp8_compute multiplies a QLoRA base on FP8 tensor cores, and quant is " +
-                recipe.quant + ": remove the key, or use quant: qlora");
+  if (recipe.qlora.fp8_compute && recipe.quant != "qlora" && recipe.quant != "none") {
+    throw Error(ErrorCode::kRecipe, "qlora.fp8_compute multiplies a frozen 4-bit (quant: qlora) or 16-bit (quant: none) "
+                "base on FP8 tensor cores, and quant is " + recipe.quant + ": remove the key");
   }
-  if (recipe.qlora.fp8_compute && !four_bit) {
+  const bool dense_on_float8 = recipe.qlora.fp8_compute && recipe.quant == "none";
+  if (dense_on_float8 && recipe.lora.rank == 0 && recipe.lora.init_from.empty()) {
+    throw Error(ErrorCode::kRecipe, "qlora.fp8_compute multiplies a frozen base on FP8 tensor cores, and lora.rank: 0 "
+                "trains every weight: give lora.rank, or remove the key");
+  }
+  if (recipe.qlora.fp8_compute && !four_bit && !dense_on_float8) {
     throw Error(ErrorCode::kRecipe, "qlora.fp8_compute multiplies a 4-bit base (nf4 or fp4) on FP8 tensor cores, and the "
                 "base here is " + std::string(base_quantization_row(settings.kind).name) +
                 (settings.kind == BaseQuantization::kFp8 ? " (which multiplies on them already)" : "") + ": remove the key");
@@ -164,7 +179,9 @@ BaseQuantizationSettings base_quantization(const Recipe& recipe, torch::ScalarTy
                 "qlora.fp8_compute: true), and the base here is " + std::string(base_quantization_row(settings.kind).name) +
                 ": remove the key");
   }
-  if (settings.kind == BaseQuantization::kNone) return settings;
+  if (settings.kind == BaseQuantization::kNone && !dense_on_float8) return settings;
+  settings.dense_on_float8 = dense_on_float8;
+  settings.float8.keep_dense_weight_on_host = dense_on_float8;
   settings.skip_modules = recipe.qlora.skip_modules;
   settings.four_bit.blocksize = recipe.qlora.blocksize;
   settings.four_bit.double_quant = recipe.qlora.double_quant;

@@ -4,7 +4,8 @@
 // `qtrain inspect` and `qtrain bench` print — reads the row instead of comparing strings.
 // The recipe spells it `quant: qlora` + `qlora.quant_type: nf4 | fp4 | int8 | fp8`, or `quant: qat` +
 // `qat.base` (QAT-LoRA on a frozen quantized base; none: 16-bit); `quant: none` keeps a 16-bit
-// base. QAT's fake quantization wraps the layers afterwards.
+// base (`qlora.fp8_compute` puts its projections on FP8 tensor cores). QAT's fake quantization wraps
+// the layers afterwards.
 #include <torch/torch.h>
 
 #include <string>
@@ -27,6 +28,9 @@ struct BaseQuantizationSettings {
   torch::ScalarType compute_dtype = torch::kBFloat16;  // of the dense weights and the biases
   qat::FourBitOptions four_bit;  // nf4 / fp4: blocksize, double_quant (its quant_type is ignored: kind says it)
   bool four_bit_on_float8 = false;  // nf4 / fp4: multiply on FP8 tensor cores (qlora.fp8_compute)
+  // none: the projections become e4m3 rows on the device, their 16-bit weights kept on the host
+  // for merges and exports (qlora.fp8_compute with quant: none)
+  bool dense_on_float8 = false;
   qat::Int8Options int8;         // int8: llm_int8_threshold
   qat::Float8Options float8;     // fp8: where the weights are quantized
   std::vector<std::string> skip_modules = {"lm_head"};  // linear layers kept in the compute dtype

@@ -70,7 +70,8 @@ int64_t norm_parameters(const LlamaOptions& options) {
 }
 
 bool is_quantized(const Projection& projection, const TrainingMemorySetup& setup) {
-  return setup.base.kind != BaseQuantization::kNone && !qat::module_name_matches(projection.name, setup.base.skip_modules);
+  const bool quantizes = setup.base.kind != BaseQuantization::kNone || setup.base.dense_on_float8;
+  return quantizes && !qat::module_name_matches(projection.name, setup.base.skip_modules);
 }
 
 // The LoRA rank of the adapter on `projection`; 0: none.

@@ -63,7 +63,9 @@ std::vector<RecipeKey> make_recipe_keys() {
       key("qlora.fp8_compute", "false", QTRAIN_FIELD(qlora.fp8_compute),
           "nf4 / fp4: the adapted projections multiply on FP8 tensor cores, each product dequantizing the 4-bit "
           "weight straight to e4m3 with a scale per row (QLoRA's memory, near the FP8 base's speed; one more "
-          "rounding of the weights; Hopper / Ada, train.dtype bf16)").shapes_model(),
+          "rounding of the weights; Hopper / Ada, train.dtype bf16). quant: none (LoRA): the projections multiply "
+          "on FP8 tensor cores from e4m3 rows of their 16-bit weights, quantized once; the 16-bit weights wait on "
+          "the host for merges and exports (the FP8 base's memory and speed)").shapes_model(),
       key("qlora.llm_int8_threshold", "6.0", QTRAIN_FIELD(qlora.llm_int8_threshold),
           "int8: input features above this magnitude run in 16-bit")
           .at_least(0),
