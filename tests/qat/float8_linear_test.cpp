@@ -469,14 +469,16 @@ TEST(Float8Cuda, ScaledMatmulsAccumulateOntoTheOutputInOnePass) {
 
 // The kernel from packed bytes to e4m3 codes writes the bytes of the torch path (dequantize to
 // bf16, divide by the row's scale, cast), for NF4 / FP4, with and without double quantization,
-// rows of 256 (its 32-values-a-thread path) and 272 (8 a thread), and on a packed buffer that is
-// not word-aligned (its one-value-at-a-time path).
+// rows of 256 (its 32-values-a-thread path) and 272 (8 a thread), where two neighbouring threads
+// share one block's code table, rows of 288 (32 a thread) and 264 (8 a thread), where they cannot
+// (a row ends between them), and on a packed buffer that is not word-aligned (its
+// one-value-at-a-time path).
 TEST(Float8Cuda, TheFourBitToFloat8KernelWritesTheTorchPathsBytes) {
   if (!has_float8_gpu()) GTEST_SKIP() << "no GPU with FP8 tensor cores on this machine";
   torch::manual_seed(16);
   for (const auto& [type, double_quant, blocksize, columns] : std::vector<std::tuple<FourBitType, bool, int64_t, int64_t>>{
            {FourBitType::kNf4, true, 64, 272}, {FourBitType::kFp4, false, 128, 272}, {FourBitType::kNf4, false, 64, 256},
-           {FourBitType::kNf4, true, 64, 256}}) {
+           {FourBitType::kNf4, true, 64, 256}, {FourBitType::kNf4, true, 64, 288}, {FourBitType::kNf4, true, 64, 264}}) {
     const auto weight = (torch::randn({96, columns}) * torch::logspace(-3, 1, 96).unsqueeze(1)).to(torch::kCUDA);
     auto quantized = quantize_4bit(weight, type, blocksize, double_quant);
     const auto scales = quantize_rows_float8(dequantize_4bit(quantized.packed, quantized.state, torch::kBFloat16)).scales;
