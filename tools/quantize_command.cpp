@@ -72,7 +72,9 @@ int run_quantize(const Arguments& arguments) {
   if (!model_dir.empty() && !run_dir.empty()) throw Error(ErrorCode::kUsage, "give --model DIR or --run DIR, not both");
   std::optional<trainer::TrainedRun> run;
   if (!run_dir.empty()) {
-    run = trainer::load_trained_run(run_dir, "", /*quantize_base=*/true);
+    // The float model: a 16-bit base that trained on FP8 tensor cores (qlora.fp8_compute) loads as
+    // its 16-bit weights, not as the e4m3 rows it multiplied by.
+    run = trainer::load_trained_run(run_dir, "", /*quantize_base=*/false);
     if (run->recipe.quant != "none") {
       throw Error(ErrorCode::kUsage, run_dir + ": the run trained with quant: " + run->recipe.quant +
                   "; PTQ starts from a float model (a run with quant: none, or a Hugging Face directory)");

@@ -210,6 +210,32 @@ TEST(Cli, TrainWritesTheRunDirectoryAndAnAdapterThatEvalApplies) {
                     "was not trained with quant: qat");
 }
 
+// `qtrain quantize --run` starts from the run's float model. For a 16-bit base that trained on FP8
+// tensor cores (qlora.fp8_compute with quant: none) that is the 16-bit base with the adapter, as
+// the run's merged export holds it, not the e4m3 rows it multiplied by (0.002 off in loss here).
+TEST(Cli, QuantizingARunThatTrainedOnFloat8StartsFromItsSixteenBitBase) {
+  testing::TempDir run;
+  auto trained = train_two_steps("demo_tiny.yaml", run.path(),
+                                 " --set data.max_seq_len=64 --set quant=none --set qlora.fp8_compute=true --set lora.dropout=0");
+  ASSERT_EQ(trained.status, 0) << trained.output;
+  auto exported = qtrain("export --run " + run.path() + " --format merged --dtype fp32 --out " + run.file("merged"));
+  ASSERT_EQ(exported.status, 0) << exported.output;
+  const std::string recipe = "quantize --recipe " + testing::source_dir() + "/recipes/demo_qat_tiny.yaml --set eval.max_batches=2";
+  auto from_run = qtrain(recipe + " --run " + run.path() + " --out " + run.file("from-run"));
+  auto from_merged = qtrain(recipe + " --model " + run.file("merged") + " --out " + run.file("from-merged"));
+  ASSERT_EQ(from_run.status, 0) << from_run.output;
+  ASSERT_EQ(from_merged.status, 0) << from_merged.output;
+  const auto float_loss = [](const std::string& output) {
+    const auto at = output.find("eval float:");
+    if (at == std::string::npos) return -1.0;
+    return std::stod(output.substr(output.find("loss", at) + 4));
+  };
+  const double merged = float_loss(from_merged.output);
+  ASSERT_GT(merged, 0) << from_merged.output;
+  // The adapter beside the base against it merged in: fp32 rounding apart.
+  EXPECT_NEAR(float_loss(from_run.output), merged, 1e-5 * merged) << from_run.output;
+}
+
 TEST(Cli, MergedExportOfARunGeneratesLikeTheRunsModel) {
   testing::TempDir run;
   auto trained = train_two_steps("demo_tiny.yaml", run.path(), " --set data.max_seq_len=64");
