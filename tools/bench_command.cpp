@@ -391,14 +391,14 @@ int run_bench(const Arguments& arguments) {
       }
       case trainer::BaseQuantization::kInt8:
         return random_int8(linear.out_features, linear.in_features, bias, device, dtype);
-      case trainer::BaseQuantization::kFp8:
-        return qat::Float8Linear::from_dense(torch::randn({linear.out_features, linear.in_features}, on_device) * 0.02,
-                                             bias, {dtype, device, recipe.qlora.fp8_fast_accumulation});
       case trainer::BaseQuantization::kNone:
         if (!recipe.qlora.fp8_compute) break;
-        return qat::Float8Linear::from_dense(torch::randn({linear.out_features, linear.in_features}, on_device) * 0.02,
-                                             bias, {dtype, device, recipe.qlora.fp8_fast_accumulation,
-                                                    /*keep_dense_weight_on_host=*/true});
+        [[fallthrough]];  // e4m3 rows as the FP8 base's, the 16-bit weights kept on the host
+      case trainer::BaseQuantization::kFp8:
+        return qat::Float8Linear::from_dense(
+            torch::randn({linear.out_features, linear.in_features}, on_device) * 0.02, bias,
+            {dtype, device, recipe.qlora.fp8_fast_accumulation,
+             /*keep_dense_weight_on_host=*/base.kind == trainer::BaseQuantization::kNone});
     }
     return std::make_shared<qat::DenseLinear>(linear);
   };

@@ -103,7 +103,7 @@ void print_peak_estimate(const std::string& recipe_path, const trainer::Training
   const auto& base = trainer::base_quantization_row(setup.base.kind);
   std::string training = setup.full_finetune                              ? "full finetune"
                          : base.kind == trainer::BaseQuantization::kNone
-                             ? (setup.base.dense_on_float8 ? "quant none on FP8 tensor cores (16-bit weights on the host)" : "quant none")
+                             ? (setup.base.multiply_on_float8 ? "quant none on FP8 tensor cores (16-bit weights on the host)" : "quant none")
                                                                          : "qlora " + std::string(base.name);
   if (setup.fake_quantized) training = "qat-lora on a " + std::string(base.kind == trainer::BaseQuantization::kNone ? "16-bit" : base.name) + " base";
   std::string switches;  // the train section's memory switches that are on

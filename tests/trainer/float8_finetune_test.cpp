@@ -161,7 +161,7 @@ TEST(Float8Finetune, CudaFp8ComputeRefusesAMisfitProjectionByName) {
   const torch::Device cuda(torch::kCUDA, 0);
   BaseQuantizationSettings settings;
   settings.kind = BaseQuantization::kNf4;
-  settings.four_bit_on_float8 = true;
+  settings.multiply_on_float8 = true;
   settings.four_bit.device = cuda;
   for (const bool pre_quantized : {false, true}) {
     auto options = testing::small_llama_options(32, 1);

@@ -45,14 +45,14 @@ void quantize_four_bit(LlamaForCausalLMImpl& model, const BaseQuantizationSettin
   auto options = settings.four_bit;
   options.quant_type = base_quantization_row(settings.kind).name;
   const bool on_gpu = options.device && options.device->is_cuda();
-  if (settings.four_bit_on_float8 && on_gpu) {
+  if (settings.multiply_on_float8 && on_gpu) {
     qat::require_float8_tensor_cores(*options.device, settings.compute_dtype, "qlora.fp8_compute", "train.dtype");
     // Before quantizing what the base quantizes, and again after it for the 4-bit layers a
     // pre-quantized checkpoint brought (every 4-bit layer multiplies on FP8).
     require_float8_sizes(model, "qlora.fp8_compute", quantized_dense(settings));
   }
   qat::quantize_linear_layers(model, options, settings.skip_modules);
-  if (!settings.four_bit_on_float8) return;
+  if (!settings.multiply_on_float8) return;
   if (on_gpu) require_float8_sizes(model, "qlora.fp8_compute", is_four_bit);
   const auto four_bit_layers = qat::find_linear_layers(model, is_four_bit, [](const qat::LinearLayer&) { return false; });
   for (const auto& found : four_bit_layers) {
@@ -65,21 +65,26 @@ void quantize_int8(LlamaForCausalLMImpl& model, const BaseQuantizationSettings& 
 }
 
 // The projections as e4m3 rows (Float8Linear); `key` names the setting that asked for it.
-void quantize_rows_float8(LlamaForCausalLMImpl& model, const BaseQuantizationSettings& settings, const std::string& key) {
-  if (settings.float8.device && settings.float8.device->is_cuda()) {
-    qat::require_float8_tensor_cores(*settings.float8.device, settings.compute_dtype, key, "train.dtype");
+void quantize_rows_float8(LlamaForCausalLMImpl& model, const BaseQuantizationSettings& settings,
+                          const qat::Float8Options& options, const std::string& key) {
+  if (options.device && options.device->is_cuda()) {
+    qat::require_float8_tensor_cores(*options.device, settings.compute_dtype, key, "train.dtype");
     require_float8_sizes(model, key, quantized_dense(settings));
   }
-  qat::quantize_linear_layers_float8(model, settings.float8, settings.skip_modules);
+  qat::quantize_linear_layers_float8(model, options, settings.skip_modules);
 }
 
 void quantize_float8(LlamaForCausalLMImpl& model, const BaseQuantizationSettings& settings) {
-  quantize_rows_float8(model, settings, "qlora.quant_type: fp8");
+  quantize_rows_float8(model, settings, settings.float8, "qlora.quant_type: fp8");
 }
 
-// A 16-bit base stays dense, or multiplies on FP8 tensor cores (its weights on the host).
+// A 16-bit base stays dense, or multiplies on FP8 tensor cores from e4m3 rows, its 16-bit weights
+// kept on the host.
 void keep_dense(LlamaForCausalLMImpl& model, const BaseQuantizationSettings& settings) {
-  if (settings.dense_on_float8) quantize_rows_float8(model, settings, "qlora.fp8_compute");
+  if (!settings.multiply_on_float8) return;
+  auto options = settings.float8;
+  options.keep_dense_weight_on_host = true;
+  quantize_rows_float8(model, settings, options, "qlora.fp8_compute");
 }
 
 // FourBitLinear's buffers (qat/four_bit_linear.h): the packed codes, an absmax per block (uint8
@@ -112,7 +117,7 @@ double float8_bytes(int64_t out, int64_t in, const BaseQuantizationSettings&) {
 
 // On the device: the 16-bit weight, or its e4m3 rows when it multiplies on FP8.
 double dense_bytes(int64_t out, int64_t in, const BaseQuantizationSettings& settings) {
-  if (settings.dense_on_float8) return float8_bytes(out, in, settings);
+  if (settings.multiply_on_float8) return float8_bytes(out, in, settings);
   return static_cast<double>(out * in) * static_cast<double>(c10::elementSize(settings.compute_dtype));
 }
 
@@ -180,15 +185,13 @@ BaseQuantizationSettings base_quantization(const Recipe& recipe, torch::ScalarTy
                 ": remove the key");
   }
   if (settings.kind == BaseQuantization::kNone && !dense_on_float8) return settings;
-  settings.dense_on_float8 = dense_on_float8;
-  settings.float8.keep_dense_weight_on_host = dense_on_float8;
   settings.skip_modules = recipe.qlora.skip_modules;
   settings.four_bit.blocksize = recipe.qlora.blocksize;
   settings.four_bit.double_quant = recipe.qlora.double_quant;
   settings.four_bit.device = device;
   settings.int8.threshold = recipe.qlora.llm_int8_threshold;
   settings.float8.fast_accumulation = recipe.qlora.fp8_fast_accumulation;
-  settings.four_bit_on_float8 = recipe.qlora.fp8_compute;
+  settings.multiply_on_float8 = recipe.qlora.fp8_compute;
   settings.int8.device = device;
   settings.float8.device = device;
   return settings;

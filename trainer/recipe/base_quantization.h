@@ -27,10 +27,10 @@ struct BaseQuantizationSettings {
   BaseQuantization kind = BaseQuantization::kNone;
   torch::ScalarType compute_dtype = torch::kBFloat16;  // of the dense weights and the biases
   qat::FourBitOptions four_bit;  // nf4 / fp4: blocksize, double_quant (its quant_type is ignored: kind says it)
-  bool four_bit_on_float8 = false;  // nf4 / fp4: multiply on FP8 tensor cores (qlora.fp8_compute)
-  // none: the projections become e4m3 rows on the device, their 16-bit weights kept on the host
-  // for merges and exports (qlora.fp8_compute with quant: none)
-  bool dense_on_float8 = false;
+  // qlora.fp8_compute: the projections multiply on FP8 tensor cores. nf4 / fp4 dequantize to e4m3
+  // rows for each product; none become e4m3 rows once, their 16-bit weights kept on the host for
+  // merges and exports.
+  bool multiply_on_float8 = false;
   qat::Int8Options int8;         // int8: llm_int8_threshold
   qat::Float8Options float8;     // fp8: where the weights are quantized
   std::vector<std::string> skip_modules = {"lm_head"};  // linear layers kept in the compute dtype

@@ -70,7 +70,7 @@ int64_t norm_parameters(const LlamaOptions& options) {
 }
 
 bool is_quantized(const Projection& projection, const TrainingMemorySetup& setup) {
-  const bool quantizes = setup.base.kind != BaseQuantization::kNone || setup.base.dense_on_float8;
+  const bool quantizes = setup.base.kind != BaseQuantization::kNone || setup.base.multiply_on_float8;
   return quantizes && !qat::module_name_matches(projection.name, setup.base.skip_modules);
 }
 
