@@ -66,7 +66,7 @@ std::map<std::string, ExpectedTensor> expected_tensors(LoadedModel& loaded, Gguf
       type = quantized_type;
     }
     // llama.cpp's Qwen, Phi-3 and Gemma architectures rotate halves, as transformers does: their rows stay.
-    const auto& architecture = loaded.config.family->gguf_architecture;
+    const auto& architecture = loaded.config.family->gguf.name;
     const bool permuted = architecture == "llama";
     if (permuted && name.find("q_proj") != std::string::npos) values = llama_cpp_permute(values, options.num_attention_heads);
     if (permuted && name.find("k_proj") != std::string::npos) values = llama_cpp_permute(values, options.num_key_value_heads);

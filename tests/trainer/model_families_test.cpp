@@ -5,8 +5,12 @@
 // heads), decoding through a sliding window, and config.json switches qtrain refuses.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
+#include <set>
+#include <sstream>
 
+#include "data/chat_template.h"
 #include "kernels/error.h"
 #include "small_llama.h"
 #include "support.h"
@@ -15,6 +19,7 @@
 #include "trainer/formats/hf_checkpoint.h"
 #include "trainer/formats/hf_config.h"
 #include "trainer/model/llama_shapes.h"
+#include "trainer/model/model_families.h"
 #include "trainer/recipe/model_memory.h"
 #include "trainer/formats/peft_adapter.h"
 #include "trainer/formats/safetensors.h"
@@ -210,6 +215,159 @@ TEST(ModelFamilies, BenchShapesHaveThePublishedModelsParameterCounts) {
   EXPECT_EQ(llama_parameter_counts(llama_shape("mistral-7b")).total, 7248023552);   // mistralai/Mistral-7B-v0.3
   EXPECT_EQ(llama_parameter_counts(llama_shape("llama3-8b")).total, 8030261248);    // meta-llama/Meta-Llama-3-8B
   EXPECT_EQ(llama_parameter_counts(llama_shape("gemma2-9b")).total, 9241705984);    // google/gemma-2-9b
+}
+
+// The bench shapes as qtrain's own table held them before each family read its shapes from an
+// embedded config.json (the numbers are the models' published config.json values): `qtrain bench`
+// figures stay only while every shape builds exactly these options.
+struct TableShape {
+  const char* name;
+  int64_t vocab, hidden, intermediate, layers, heads, kv_heads, head_dim;
+  bool tied;
+  double rope_theta, rms_norm_eps;
+  bool query_key_value_bias, query_key_norm;
+};
+const TableShape kTableShapes[] = {
+    {"llama3-8b", 128256, 4096, 14336, 32, 32, 8, 128, false, 500000.0, 1e-5, false, false},
+    {"llama3-1b", 128256, 2048, 8192, 16, 32, 8, 64, true, 500000.0, 1e-5, false, false},
+    {"qwen3-8b", 151936, 4096, 12288, 36, 32, 8, 128, false, 1000000.0, 1e-6, false, true},
+    {"qwen2.5-7b", 152064, 3584, 18944, 28, 28, 4, 128, false, 1000000.0, 1e-6, true, false},
+    {"mistral-7b", 32768, 4096, 14336, 32, 32, 8, 128, false, 1000000.0, 1e-5, false, false},
+    {"tiny", 8192, 256, 688, 4, 8, 2, 32, false, 500000.0, 1e-5, false, false},
+    {"gemma2-9b", 256000, 3584, 14336, 42, 16, 8, 256, true, 10000.0, 1e-6, false, false},
+    {"gemma3-12b", 262208, 3840, 15360, 48, 16, 8, 256, true, 1000000.0, 1e-6, false, true},
+    {"phi4-mini", 200064, 3072, 8192, 32, 24, 8, 128, true, 10000.0, 1e-5, false, false},
+};
+
+LlamaOptions table_options(const TableShape& shape) {
+  LlamaOptions options;
+  options.vocab_size = shape.vocab;
+  options.hidden_size = shape.hidden;
+  options.intermediate_size = shape.intermediate;
+  options.num_hidden_layers = shape.layers;
+  options.num_attention_heads = shape.heads;
+  options.num_key_value_heads = shape.kv_heads;
+  options.head_dim = shape.head_dim;
+  options.tie_word_embeddings = shape.tied;
+  options.max_position_embeddings = 8192;
+  options.rms_norm_eps = shape.rms_norm_eps;
+  options.rope.theta = shape.rope_theta;
+  options.attention_bias = shape.query_key_value_bias;
+  options.query_key_norm = shape.query_key_norm;
+  const std::string name = shape.name;
+  if (name == "gemma2-9b" || name == "gemma3-12b") {
+    const bool gemma3 = name == "gemma3-12b";
+    options.norm_style = NormStyle::kGemma;
+    options.sandwich_norms = true;
+    options.scale_embeddings = true;
+    options.activation = Activation::kGeluTanh;
+    options.query_pre_attn_scalar = 256.0;
+    options.attention_softcap = gemma3 ? 0.0 : 50.0;
+    options.final_logit_softcap = gemma3 ? 0.0 : 30.0;
+    options.sliding_window = gemma3 ? 1024 : 4096;
+    const int64_t full_every = gemma3 ? 6 : 2;
+    for (int64_t layer = 0; layer < options.num_hidden_layers; ++layer) {
+      options.sliding_layers.push_back((layer + 1) % full_every != 0);
+    }
+    if (gemma3) {
+      RopeOptions sliding;
+      sliding.theta = 10000.0;
+      options.sliding_rope = sliding;
+      options.rope.type = RopeType::kLinear;
+      options.rope.factor = 8.0;
+    }
+  }
+  if (name == "phi4-mini") {
+    options.fused_projections = true;
+    options.partial_rotary_factor = 0.75;
+  }
+  return options;
+}
+
+void describe_rope(std::ostream& out, const RopeOptions& rope) {
+  out << "type " << static_cast<int>(rope.type) << " theta " << rope.theta << " factor " << rope.factor << " low "
+      << rope.low_freq_factor << " high " << rope.high_freq_factor << " original " << rope.original_max_position_embeddings
+      << " short " << rope.short_factor.size() << " long " << rope.long_factor.size() << " attention "
+      << rope.attention_factor;
+}
+
+// Every field of `options`, for a comparison that names what differs.
+std::string describe(const LlamaOptions& options) {
+  std::ostringstream out;
+  out.precision(17);
+  out << "vocab " << options.vocab_size << "\nhidden " << options.hidden_size << "\nintermediate "
+      << options.intermediate_size << "\nlayers " << options.num_hidden_layers << "\nheads " << options.num_attention_heads
+      << "\nkv_heads " << options.num_key_value_heads << "\nhead_dim " << options.head_dim << "\npositions "
+      << options.max_position_embeddings << "\nrms_norm_eps " << options.rms_norm_eps << "\nattention_bias "
+      << options.attention_bias << "\noutput_bias " << options.output_bias << "\nmlp_bias " << options.mlp_bias
+      << "\ntied " << options.tie_word_embeddings << "\npartial_rotary " << options.partial_rotary_factor << "\nfused "
+      << options.fused_projections << "\nquery_key_norm " << options.query_key_norm << "\nsliding_window "
+      << options.sliding_window << "\nsliding_layers ";
+  for (const bool slides : options.sliding_layers) out << slides;
+  out << "\nrope ";
+  describe_rope(out, options.rope);
+  out << "\nsliding_rope ";
+  if (options.sliding_rope) describe_rope(out, *options.sliding_rope);
+  out << "\nnorm_style " << static_cast<int>(options.norm_style) << "\nsandwich " << options.sandwich_norms
+      << "\nscale_embeddings " << options.scale_embeddings << "\nactivation " << static_cast<int>(options.activation)
+      << "\nquery_pre_attn_scalar " << options.query_pre_attn_scalar << "\nattention_softcap " << options.attention_softcap
+      << "\nfinal_logit_softcap " << options.final_logit_softcap;
+  return out.str();
+}
+
+TEST(ModelFamilies, BenchShapesBuildTheOptionsOfQtrainsFormerTable) {
+  size_t shapes = 0;
+  for (const auto& family : model_families()) shapes += family.bench_shapes.size();
+  EXPECT_EQ(shapes, std::size(kTableShapes));
+  for (const auto& shape : kTableShapes) {
+    SCOPED_TRACE(shape.name);
+    EXPECT_EQ(describe(llama_shape(shape.name)), describe(table_options(shape)));
+  }
+  try {
+    llama_shape("llama4-400b");
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& error) {
+    for (const auto& shape : kTableShapes) EXPECT_NE(std::string(error.what()).find(shape.name), std::string::npos) << error.what();
+  }
+}
+
+// A shape's config.json is read by the family that holds it, through its own read_config.
+TEST(ModelFamilies, EachBenchShapeIsReadByItsOwnFamily) {
+  for (const auto& family : model_families()) {
+    for (const auto& shape : family.bench_shapes) {
+      EXPECT_EQ(parse_hf_config(shape.config_json, shape.name).family, &family) << shape.name;
+    }
+  }
+}
+
+// Adding a family is one file in trainer/model/families/ and its line in the list there
+// (family_list.cpp): each other file there is one row, and no two rows take the same config.json.
+TEST(ModelFamilies, EachFileOfTheFamiliesFolderIsOneRow) {
+  size_t files = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(std::string(QTRAIN_SOURCE_DIR) + "/trainer/model/families")) {
+    if (entry.path().extension() == ".cpp" && entry.path().filename() != "family_list.cpp") ++files;
+  }
+  EXPECT_EQ(files, model_families().size());
+  std::set<std::string> architectures, model_types;
+  for (const auto& family : model_families()) {
+    EXPECT_TRUE(architectures.insert(family.architecture).second) << family.architecture;
+    EXPECT_TRUE(model_types.insert(family.model_type).second) << family.model_type;
+    EXPECT_FALSE(family.gguf.name.empty()) << family.architecture;
+  }
+}
+
+// The chat templates the rows name are data/chat_template.h's, and every one it renders belongs to
+// a family.
+TEST(ModelFamilies, ChatTemplatesAreTheOnesTheDataLibraryRenders) {
+  const auto supported = data::ChatTemplate::supported_families();
+  std::set<std::string> named;
+  for (const auto& family : model_families()) {
+    for (const auto& chat_template : family.chat_templates) {
+      EXPECT_NE(std::find(supported.begin(), supported.end(), chat_template), supported.end()) << chat_template;
+      named.insert(chat_template);
+    }
+  }
+  EXPECT_EQ(named, std::set<std::string>(supported.begin(), supported.end()));
 }
 
 std::string config_error(const std::string& json) {

@@ -1,7 +1,6 @@
 #include "trainer/formats/gguf_export.h"
 
 #include <algorithm>
-#include <cctype>
 #include <cstring>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -18,62 +17,6 @@
 namespace qtrain::trainer {
 
 namespace {
-
-// llama.cpp's names for a decoder's tensors (gguf-py's tensor_mapping.py: MODEL_ARCH.LLAMA, QWEN2,
-// QWEN3, PHI3). Phi-3's fused projections stay fused: attn_qkv, and ffn_up holding gate's rows then
-// up's, which llama.cpp's SwiGLU splits in that order.
-struct NameMapping {
-  const char* hf;
-  const char* gguf;
-};
-constexpr NameMapping kModelTensors[] = {
-    {"model.embed_tokens.", "token_embd."},
-    {"model.norm.", "output_norm."},
-    {"lm_head.", "output."},
-};
-// Inside model.layers.N. -> blk.N.
-constexpr NameMapping kLayerTensors[] = {
-    {"self_attn.q_proj.", "attn_q."},   {"self_attn.k_proj.", "attn_k."},   {"self_attn.v_proj.", "attn_v."},
-    {"self_attn.o_proj.", "attn_output."}, {"mlp.gate_proj.", "ffn_gate."}, {"mlp.up_proj.", "ffn_up."},
-    {"mlp.down_proj.", "ffn_down."},   {"input_layernorm.", "attn_norm."}, {"post_attention_layernorm.", "ffn_norm."},
-    {"self_attn.q_norm.", "attn_q_norm."}, {"self_attn.k_norm.", "attn_k_norm."},
-    {"self_attn.qkv_proj.", "attn_qkv."},  {"mlp.gate_up_proj.", "ffn_up."},
-};
-// Gemma's sandwich norms: llama.cpp's gemma2 / gemma3 name the attention's output norm
-// post_attention_norm and the MLP's input norm ffn_norm (gguf-py: ATTN_POST_NORM, FFN_PRE_NORM).
-constexpr NameMapping kGemmaLayerTensors[] = {
-    {"post_attention_layernorm.", "post_attention_norm."},
-    {"pre_feedforward_layernorm.", "ffn_norm."},
-    {"post_feedforward_layernorm.", "post_ffw_norm."},
-};
-constexpr const char* kLayerPrefix = "model.layers.";
-
-// What llama.cpp reads for each architecture qtrain writes (llama-model.cpp's load_tensors and
-// its rope type per architecture).
-struct GgufArchitecture {
-  const char* name;  // general.architecture, and the prefix of the model's keys
-  // llama.cpp's "norm" rope rotates adjacent pairs, so convert_hf_to_gguf reorders q / k rows
-  // (Llama); its "neox" rope rotates halves as transformers does, and the rows stay (Qwen).
-  bool rope_rows_reordered;
-  bool reads_attention_bias;   // attn_q / k / v bias (and attn_output's, for llama)
-  bool reads_query_key_norm;   // attn_q_norm / attn_k_norm
-  // Phi-3's longrope: rope_factors_long / _short tensors and rope.scaling.attn_factor; llama.cpp
-  // takes the long factors when its context (not, as transformers, the sequence) passes
-  // rope.scaling.original_context_length.
-  bool reads_rope_factors;
-  // Gemma's block (gemma2, gemma3): the sandwich norms' names above; every norm weight stored as
-  // 1 + w (convert_hf_to_gguf adds the 1 llama.cpp's plain RMSNorm leaves out); the soft-caps,
-  // window and its layer pattern as keys; the score scale and GELU fixed by llama.cpp.
-  bool gemma_block = false;
-};
-constexpr GgufArchitecture kGgufArchitectures[] = {
-    {"llama", true, true, false, false},
-    {"qwen2", false, true, false, false},
-    {"qwen3", false, false, true, false},
-    {"phi3", false, false, false, true},
-    {"gemma2", false, false, false, false, /*gemma_block=*/true},
-    {"gemma3", false, false, true, false, /*gemma_block=*/true},
-};
 
 // The pre-tokenizer regexes llama.cpp knows, by the name its tokenizer.ggml.pre gives them
 // (llama-vocab.cpp): Llama 3's, Qwen2's and GPT-2's (ByteLevel's own regex).
@@ -97,9 +40,6 @@ enum TokenType : int32_t { kNormal = 1, kControl = 3, kUserDefined = 4, kUnused 
 // llama.cpp's llama_ftype for general.file_type.
 enum FileType : uint32_t { kAllF32 = 0, kMostlyF16 = 1, kMostlyQ4_0 = 2, kMostlyQ8_0 = 7 };
 constexpr uint32_t kQuantizationVersion = 2;  // GGML_QNT_VERSION
-
-bool starts_with(const std::string& text, const std::string& prefix) { return text.compare(0, prefix.size(), prefix) == 0; }
-
 
 // tokenizer.ggml.pre for tokenizer.json's pre_tokenizer.
 std::string pre_tokenizer_name(const std::string& tokenizer_path) {
@@ -148,19 +88,6 @@ torch::Tensor permute_rows(const torch::Tensor& tensor, int64_t heads) {
   return tensor.index_select(0, gguf_rope_row_order(tensor.size(0), heads).to(tensor.device()));
 }
 
-// llama.cpp's sliding-window pattern for the layers of `llama`: the p for which layer il slides
-// exactly when il % p < p - 1 (attention.sliding_window_pattern); 0 when no p gives its layers.
-int64_t sliding_pattern_of(const LlamaOptions& llama) {
-  for (int64_t pattern = 1; pattern <= llama.num_hidden_layers + 1; ++pattern) {
-    bool matches = true;
-    for (int64_t layer = 0; layer < llama.num_hidden_layers && matches; ++layer) {
-      matches = llama.layer_slides(layer) == (layer % pattern < pattern - 1);
-    }
-    if (matches) return pattern;
-  }
-  return 0;
-}
-
 std::vector<std::pair<std::string, GgufValue>> model_metadata(const HfModelConfig& config,
                                                               const GgufArchitecture& architecture,
                                                               const std::string& name, uint32_t file_type) {
@@ -195,108 +122,13 @@ std::vector<std::pair<std::string, GgufValue>> model_metadata(const HfModelConfi
     throw Error(ErrorCode::kModelConfig, config.path + ": rope type '" + config.rope_type_name +
                 "' is not supported by GGUF export of '" + architecture.name + "' yet (default and linear are; longrope on phi3)");
   }
-  if (architecture.gemma_block) {
-    if (llama.sliding_window > 0) {
-      metadata.emplace_back(key + "attention.sliding_window", static_cast<uint32_t>(llama.sliding_window));
-      metadata.emplace_back(key + "attention.sliding_window_pattern", static_cast<uint32_t>(sliding_pattern_of(llama)));
-    }
-    if (llama.attention_softcap > 0) metadata.emplace_back(key + "attn_logit_softcapping", static_cast<float>(llama.attention_softcap));
-    if (llama.final_logit_softcap > 0) {
-      metadata.emplace_back(key + "final_logit_softcapping", static_cast<float>(llama.final_logit_softcap));
-    }
-    if (llama.sliding_rope) metadata.emplace_back(key + "rope.freq_base_swa", static_cast<float>(llama.sliding_rope->theta));
-  }
+  if (architecture.add_metadata != nullptr) architecture.add_metadata(llama, key, metadata);
   metadata.emplace_back("general.file_type", file_type);
   metadata.emplace_back("general.quantization_version", kQuantizationVersion);
   return metadata;
 }
 
-// What llama.cpp's gemma2 / gemma3 fix where transformers reads config.json, or "" when `config`
-// agrees with it (llama-model.cpp's load_hparams and the graph builders).
-std::string gemma_difference(const HfModelConfig& config, const GgufArchitecture& architecture) {
-  const auto& llama = config.llama;
-  const std::string name = architecture.name;
-  // Queries scaled by 1 / sqrt(hidden / heads) for the 27B models (Gemma 2: 46 layers, Gemma 3:
-  // 62), else by 1 / sqrt(head_dim): query_pre_attn_scalar must be that.
-  const bool large = llama.num_hidden_layers == (name == "gemma2" ? 46 : 62);
-  const double scalar = large ? static_cast<double>(llama.hidden_size / llama.num_attention_heads)
-                              : static_cast<double>(llama.head_dim);
-  if (llama.query_pre_attn_scalar != scalar) {
-    return "query_pre_attn_scalar " + std::to_string(llama.query_pre_attn_scalar) + ", where llama.cpp's '" + name +
-           "' scales the queries by " + std::to_string(scalar) + "^-1/2 for this shape";
-  }
-  if (llama.activation != Activation::kGeluTanh) return "a hidden_activation other than gelu_pytorch_tanh";
-  if (!llama.tie_word_embeddings) return "untied embeddings (llama.cpp's '" + name + "' projects with token_embd)";
-  // Sliding layers: those with il % pattern < pattern - 1, as llama.cpp's swa pattern sets them.
-  if (llama.sliding_window > 0 && sliding_pattern_of(llama) == 0) {
-    return "sliding layers in no pattern llama.cpp sets (all but every p-th layer)";
-  }
-  if (name == "gemma3" && llama.attention_softcap > 0) return "soft-capped scores (llama.cpp's gemma3 caps none)";
-  if (llama.sliding_rope && llama.sliding_rope->type != RopeType::kDefault) {
-    return "a scaled rope on the sliding layers (llama.cpp scales the full layers' only)";
-  }
-  return "";
-}
-
-// The architecture llama.cpp runs `config`'s model as, or an error naming what it cannot hold.
-const GgufArchitecture& gguf_architecture_for(const HfModelConfig& config) {
-  const GgufArchitecture* found = nullptr;
-  for (const auto& architecture : kGgufArchitectures) {
-    if (config.family != nullptr && config.family->gguf_architecture == architecture.name) found = &architecture;
-  }
-  const auto& llama = config.llama;
-  std::string problem;
-  if (found == nullptr) {
-    problem = config.architecture + " has no llama.cpp architecture qtrain writes";
-  } else if (!found->gemma_block && llama.sliding_window > 0 && llama.sliding_window < llama.max_position_embeddings &&
-             std::find(llama.sliding_layers.begin(), llama.sliding_layers.end(), true) != llama.sliding_layers.end()) {
-    // llama.cpp's llama / qwen2 / qwen3 attend over every earlier key, and its phi3 reads
-    // sliding_window but turns it off: beyond the window it would be a different model.
-    problem = config.architecture + " with sliding_window " + std::to_string(llama.sliding_window) + " (shorter than its " +
-              std::to_string(llama.max_position_embeddings) + " positions) runs with full attention in llama.cpp's '" +
-              found->name + "'";
-  } else if ((llama.attention_bias || llama.output_bias) && !found->reads_attention_bias) {
-    problem = config.architecture + " with attention_bias: llama.cpp's '" + std::string(found->name) + "' reads no biases";
-  } else if (llama.query_key_norm && !found->reads_query_key_norm) {
-    problem = config.architecture + " with q_norm / k_norm: llama.cpp's '" + std::string(found->name) + "' reads none";
-  } else if (found->gemma_block) {
-    const auto difference = gemma_difference(config, *found);
-    if (!difference.empty()) problem = config.architecture + " with " + difference;
-  }
-  if (!problem.empty()) {
-    throw Error(ErrorCode::kUsage, "GGUF export: " + problem + " (it writes Llama, Mistral and Phi-3 without a window "
-                "shorter than the context, Qwen2, Qwen3, and Gemma 2 / 3 as llama.cpp fixes them); export safetensors-int or merged, and convert that with llama.cpp's "
-                "convert_hf_to_gguf.py");
-  }
-  return *found;
-}
-
 }  // namespace
-
-std::string gguf_tensor_name(const std::string& hf_name, const std::string& architecture) {
-  const bool gemma = architecture == "gemma2" || architecture == "gemma3";
-  for (const auto& mapping : kModelTensors) {
-    if (starts_with(hf_name, mapping.hf)) return mapping.gguf + hf_name.substr(std::strlen(mapping.hf));
-  }
-  if (starts_with(hf_name, kLayerPrefix)) {
-    const auto rest = hf_name.substr(std::strlen(kLayerPrefix));
-    const auto dot = rest.find('.');
-    const auto layer = rest.substr(0, dot);
-    if (dot != std::string::npos && !layer.empty() && layer.find_first_not_of("0123456789") == std::string::npos) {
-      const auto inner = rest.substr(dot + 1);
-      for (const auto& mapping : kGemmaLayerTensors) {
-        if (gemma && starts_with(inner, mapping.hf)) {
-          return "blk." + layer + "." + mapping.gguf + inner.substr(std::strlen(mapping.hf));
-        }
-      }
-      for (const auto& mapping : kLayerTensors) {
-        if (starts_with(inner, mapping.hf)) return "blk." + layer + "." + mapping.gguf + inner.substr(std::strlen(mapping.hf));
-      }
-    }
-  }
-  throw Error(ErrorCode::kInternal, "GGUF export: tensor '" + hf_name + "' has no place in llama.cpp's decoders (they hold "
-              "embed_tokens, layers.N.self_attn / mlp projections, the norms, q_norm / k_norm and lm_head)");
-}
 
 torch::Tensor gguf_rope_row_order(int64_t rows, int64_t heads) {
   if (heads <= 0 || rows % (2 * heads) != 0) {
@@ -361,31 +193,6 @@ std::vector<std::pair<std::string, GgufValue>> gguf_tokenizer_metadata(const HfM
   return metadata;
 }
 
-namespace {
-
-// llama.cpp sets token attributes by general.name: a name holding "phi3" or "phi-3" makes it look
-// up "</s>", "<unk>", "<s>" and "<|endoftext|>" (Phi-3's sentencepiece tokens), and a vocabulary
-// without one of them fails to load. Such a name is written with "phi_3" instead.
-std::string name_llama_cpp_loads(std::string name, const std::string& base_dir) {
-  std::string lower = name;
-  std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
-  const bool phi3_rule = lower.find("phi3") != std::string::npos || lower.find("phi-3") != std::string::npos;
-  if (!phi3_rule) return name;
-  const auto tokenizer = data::Tokenizer::from_model_dir(base_dir);
-  bool has_all = true;
-  for (const char* token : {"</s>", "<unk>", "<s>", "<|endoftext|>"}) has_all = has_all && tokenizer.token_to_id(token).has_value();
-  if (has_all) return name;
-  for (const std::string spelling : {"phi3", "phi-3"}) {
-    for (auto at = lower.find(spelling); at != std::string::npos; at = lower.find(spelling, at + 1)) {
-      name.replace(at, spelling.size(), "phi_3");
-      lower.replace(at, spelling.size(), "phi_3");
-    }
-  }
-  return name;
-}
-
-}  // namespace
-
 void require_gguf_exportable(const HfModelConfig& config, const std::string& base_dir) {
   model_metadata(config, gguf_architecture_for(config), "", kAllF32);  // its rope too
   gguf_tokenizer_metadata(config, base_dir);
@@ -434,7 +241,7 @@ void write_gguf_model(const LlamaForCausalLMImpl& model, const HfModelConfig& co
       tensor.bytes = [quantized, what] { return qat::encode_gguf_blocks(quantized, what); };
     } else {
       auto rows = heads > 0 ? permute_rows(value, heads) : value;
-      if (architecture.gemma_block && norm) rows = rows + 1.0;  // Gemma's x (1 + w) as llama.cpp's x w
+      if (architecture.norm_weights_plus_one && norm) rows = rows + 1.0;  // x (1 + w) as llama.cpp's x w
       const bool half = options.float_type == GgufTensorType::kF16 && value.dim() == 2;
       tensor.type = half ? GgufTensorType::kF16 : GgufTensorType::kF32;
       tensor.bytes = [rows, half] { return tensor_bytes(half ? rows.to(torch::kFloat16) : rows); };
@@ -464,7 +271,7 @@ void write_gguf_model(const LlamaForCausalLMImpl& model, const HfModelConfig& co
     while (trimmed.size() > 1 && trimmed.back() == '/') trimmed.pop_back();
     name = trimmed.substr(trimmed.find_last_of('/') + 1);
   }
-  name = name_llama_cpp_loads(name, base_dir);
+  name = gguf_general_name(name, base_dir);
   auto metadata = model_metadata(config, architecture, name, file_type);
   for (auto& entry : gguf_tokenizer_metadata(config, base_dir)) metadata.push_back(std::move(entry));
   write_gguf(out_file, metadata, tensors);

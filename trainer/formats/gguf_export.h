@@ -1,7 +1,7 @@
 #pragma once
 // GGUF export: a (QAT-trained) model written as one GGUF v3 file that llama.cpp runs, laid out
 // as llama.cpp's convert_hf_to_gguf.py lays out its architecture (llama for Llama and Mistral,
-// qwen2, qwen3, phi3, gemma2, gemma3; ModelFamily::gguf_architecture):
+// qwen2, qwen3, phi3, gemma2, gemma3; ModelFamily::gguf, trainer/formats/gguf_architecture.h):
 //   metadata   general.* (architecture, name, file_type), ARCH.* hyperparameters, and the
 //              tokenizer (tokenizer.ggml.*: Llama-3-style byte-level BPE as model "gpt2" with
 //              its pre-tokenizer, tokens, token types, merges, special ids, chat template)
@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "trainer/formats/gguf_architecture.h"
 #include "trainer/formats/gguf_file.h"
 #include "trainer/formats/hf_config.h"
 #include "trainer/model/llama.h"
@@ -31,11 +32,6 @@ struct GgufExportOptions {
   GgufTensorType float_type = GgufTensorType::kF32;       // non-QAT 2-D weights: F32 or F16 (norms stay F32)
   std::string weights_key = "qat.weights";                // the recipe key errors about the scheme name
 };
-
-// The GGUF name of a Hugging Face decoder tensor ("model.layers.3.self_attn.q_proj.weight" ->
-// "blk.3.attn_q.weight") in llama.cpp's `architecture` (Gemma's name its sandwich norms their own
-// way); Error naming it when llama.cpp's decoders have no such tensor.
-std::string gguf_tensor_name(const std::string& hf_name, const std::string& architecture = "llama");
 
 // The row order convert_hf_to_gguf gives a q_proj / k_proj weight of `rows` rows in `heads`
 // heads: GGUF row r holds Hugging Face row order[r]. int64 [rows].

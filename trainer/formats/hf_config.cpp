@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "kernels/error.h"
+#include "trainer/formats/hf_config_reader.h"
 #include "trainer/model/model_families.h"
 
 namespace qtrain::trainer {
@@ -31,94 +32,13 @@ std::string dtype_short_name(c10::ScalarType dtype) {
 
 namespace {
 
-// Reads config.json keys with messages that name the file and the key.
-class ConfigReader {
- public:
-  ConfigReader(const json& object, std::string path) : object_(object), path_(std::move(path)) {}
-
-  bool has(const std::string& key) const { return object_.contains(key) && !object_.at(key).is_null(); }
-  const json& value(const std::string& key) const { return object_.at(key); }
-
-  int64_t positive_int(const std::string& key) const {
-    if (!has(key)) fail("is missing the required key '" + key + "'");
-    return positive_int_value(object_.at(key), key);
-  }
-
-  int64_t positive_int_or(const std::string& key, int64_t fallback) const {
-    return has(key) ? positive_int_value(object_.at(key), key) : fallback;
-  }
-
-  double number_or(const std::string& key, double fallback) const {
-    if (!has(key)) return fallback;
-    const auto& value = object_.at(key);
-    if (!value.is_number()) fail("key '" + key + "' must be a number, got " + value.dump());
-    return value.get<double>();
-  }
-
-  bool bool_or(const std::string& key, bool fallback) const {
-    if (!has(key)) return fallback;
-    const auto& value = object_.at(key);
-    if (!value.is_boolean()) fail("key '" + key + "' must be true or false, got " + value.dump());
-    return value.get<bool>();
-  }
-
-  std::string string_or(const std::string& key, const std::string& fallback) const {
-    if (!has(key)) return fallback;
-    const auto& value = object_.at(key);
-    if (!value.is_string()) fail("key '" + key + "' must be a string, got " + value.dump());
-    return value.get<std::string>();
-  }
-
-  std::optional<int64_t> optional_id(const std::string& key) const {
-    if (!has(key)) return std::nullopt;
-    const auto& value = object_.at(key);
-    if (value.is_array() && !value.empty()) return id_value(value.at(0), key);
-    return id_value(value, key);
-  }
-
-  std::vector<int64_t> id_list(const std::string& key) const {
-    if (!has(key)) return {};
-    const auto& value = object_.at(key);
-    std::vector<int64_t> ids;
-    if (value.is_array()) {
-      for (const auto& element : value) ids.push_back(id_value(element, key));
-    } else {
-      ids.push_back(id_value(value, key));
-    }
-    return ids;
-  }
-
-  const json& object() const { return object_; }
-  const std::string& path() const { return path_; }
-
-  [[noreturn]] void fail(const std::string& what) const { throw Error(ErrorCode::kModelConfig, path_ + ": " + what); }
-
- private:
-  int64_t positive_int_value(const json& value, const std::string& key) const {
-    if (!value.is_number_integer() || value.get<int64_t>() <= 0) {
-      fail("key '" + key + "' must be a positive integer, got " + value.dump());
-    }
-    return value.get<int64_t>();
-  }
-
-  int64_t id_value(const json& value, const std::string& key) const {
-    if (!value.is_number_integer() || value.get<int64_t>() < 0) {
-      fail("key '" + key + "' must be a token id (a non-negative integer), got " + value.dump());
-    }
-    return value.get<int64_t>();
-  }
-
-  const json& object_;
-  std::string path_;
-};
-
 // One rope settings object: `parameters` (named `parameters_key` in messages) with its theta
 // falling back to `theta`.
-RopeOptions read_rope_settings(const ConfigReader& config, const json& parameters, const std::string& parameters_key,
+RopeOptions read_rope_settings(const HfConfigReader& config, const json& parameters, const std::string& parameters_key,
                                double theta, std::string& type_name) {
   RopeOptions rope;
   if (!parameters.is_object()) config.fail("key '" + parameters_key + "' must be an object, got " + parameters.dump());
-  ConfigReader scaling(parameters, config.path() + " (" + parameters_key + ")");
+  HfConfigReader scaling(parameters, config.path() + " (" + parameters_key + ")");
   rope.theta = scaling.number_or("rope_theta", theta);
   type_name = scaling.string_or("rope_type", scaling.string_or("type", "default"));
   if (type_name == "default") {
@@ -154,7 +74,7 @@ RopeOptions read_rope_settings(const ConfigReader& config, const json& parameter
   return rope;
 }
 
-std::vector<double> number_list(const ConfigReader& scaling, const std::string& key, size_t length) {
+std::vector<double> number_list(const HfConfigReader& scaling, const std::string& key, size_t length) {
   if (!scaling.has(key) || !scaling.value(key).is_array()) scaling.fail("rope type 'longrope' needs the list '" + key + "'");
   std::vector<double> numbers;
   for (const auto& value : scaling.value(key)) {
@@ -172,9 +92,9 @@ std::vector<double> number_list(const ConfigReader& scaling, const std::string& 
 // rotary frequency, the pre-training context (in the rope parameters or, 4.x, beside them), and
 // the cos / sin scale: attention_factor, or else sqrt(1 + ln(factor) / ln(original context)) with
 // factor = max_position_embeddings / original context unless given.
-void read_longrope(const ConfigReader& config, const json& parameters, const std::string& parameters_key,
+void read_longrope(const HfConfigReader& config, const json& parameters, const std::string& parameters_key,
                    LlamaOptions& llama) {
-  ConfigReader scaling(parameters, config.path() + " (" + parameters_key + ")");
+  HfConfigReader scaling(parameters, config.path() + " (" + parameters_key + ")");
   auto& rope = llama.rope;
   const auto half = static_cast<size_t>(llama.rotary_dim() / 2);
   rope.short_factor = number_list(scaling, "short_factor", half);
@@ -195,7 +115,7 @@ void read_longrope(const ConfigReader& config, const json& parameters, const std
 // ({full_attention: {...}, sliding_attention: {...}}) for Gemma 3; 4.x writes `rope_theta` beside
 // an optional `rope_scaling` {type | rope_type, factor, ...}, and Gemma 3's sliding layers' theta
 // as `rope_local_base_freq`.
-void read_rope(const ConfigReader& config, const ModelFamily& family, LlamaOptions& llama, std::string& type_name) {
+void read_rope(const HfConfigReader& config, const ModelFamily& family, LlamaOptions& llama, std::string& type_name) {
   json parameters = json::object();
   std::string parameters_key = "rope_parameters";
   for (const char* key : {"rope_parameters", "rope_scaling"}) {
@@ -207,29 +127,30 @@ void read_rope(const ConfigReader& config, const ModelFamily& family, LlamaOptio
   }
   if (!family.rope_per_layer_type) {
     json settings = parameters;
-    if (family.phi3_block && settings.is_object()) {
-      // transformers' Phi3Config reads these older names of longrope as longrope.
+    if (settings.is_object()) {
       for (const char* key : {"rope_type", "type"}) {
-        if (settings.contains(key) && (settings[key] == "su" || settings[key] == "yarn")) settings[key] = "longrope";
+        for (const auto& [written, read_as] : family.rope_type_aliases) {
+          if (settings.contains(key) && settings[key] == written) settings[key] = read_as;
+        }
       }
     }
     // 5.x keeps partial_rotary_factor in rope_parameters, 4.x beside it.
-    llama.partial_rotary_factor = ConfigReader(settings.is_object() ? settings : json::object(), config.path())
+    llama.partial_rotary_factor = HfConfigReader(settings.is_object() ? settings : json::object(), config.path())
                                       .number_or("partial_rotary_factor", config.number_or("partial_rotary_factor", 1.0));
     if (llama.partial_rotary_factor <= 0 || llama.partial_rotary_factor > 1 || llama.rotary_dim() % 2 != 0) {
       config.fail("partial_rotary_factor " + std::to_string(llama.partial_rotary_factor) +
                   " must be in (0, 1] and turn an even number of each head's " + std::to_string(llama.head_dim) + " dimensions");
     }
-    llama.rope = read_rope_settings(config, settings, parameters_key, config.number_or("rope_theta", 10000.0), type_name);
+    llama.rope = read_rope_settings(config, settings, parameters_key, config.number_or("rope_theta", family.rope_theta), type_name);
     if (llama.rope.type == RopeType::kLongRope) read_longrope(config, settings, parameters_key, llama);
     return;
   }
-  // transformers' defaults for Gemma 3: theta 1M on full layers (and rope_scaling there), 10k on sliding ones.
+  // The full layers' theta defaults to the family's, the sliding layers' to 10k (transformers' Gemma 3).
   const bool per_type = parameters.is_object() && parameters.contains("full_attention");
   std::string sliding_type;
   llama.rope = read_rope_settings(config, per_type ? parameters.at("full_attention") : parameters,
                                   per_type ? parameters_key + ".full_attention" : parameters_key,
-                                  config.number_or("rope_theta", 1000000.0), type_name);
+                                  config.number_or("rope_theta", family.rope_theta), type_name);
   llama.sliding_rope = read_rope_settings(
       config, per_type && parameters.contains("sliding_attention") ? parameters.at("sliding_attention") : json::object(),
       parameters_key + ".sliding_attention", config.number_or("rope_local_base_freq", 10000.0), sliding_type);
@@ -240,7 +161,7 @@ void read_rope(const ConfigReader& config, const ModelFamily& family, LlamaOptio
 
 // The layers that slide and over how many keys, as the family spells them (see
 // SlidingWindowKeys). A layer type qtrain does not know is an error, never full attention.
-void read_sliding_window(const ConfigReader& reader, const ModelFamily& family, LlamaOptions& llama) {
+void read_sliding_window(const HfConfigReader& reader, const ModelFamily& family, LlamaOptions& llama) {
   const auto layers = static_cast<size_t>(llama.num_hidden_layers);
   switch (family.sliding_window) {
     case SlidingWindowKeys::kNone: return;
@@ -285,40 +206,6 @@ void read_sliding_window(const ConfigReader& reader, const ModelFamily& family, 
   llama.sliding_layers = std::move(sliding);
 }
 
-// Phi-3's block: fused projections, and dropout keys that must be off (qtrain trains without them).
-void read_phi3_block(const ConfigReader& reader, LlamaOptions& llama) {
-  llama.fused_projections = true;
-  for (const char* key : {"embd_pdrop", "resid_pdrop", "attention_dropout"}) {
-    if (reader.number_or(key, 0.0) != 0.0) {
-      reader.fail(std::string("key '") + key + "' is " + reader.value(key).dump() +
-                  "; qtrain implements Phi-3 without dropout in the model (set it to 0.0; LoRA has its own lora.dropout)");
-    }
-  }
-}
-
-// Gemma's block switches. The soft-caps have family defaults in transformers (Gemma 2: 50 and 30,
-// Gemma 3: none), so a config must say them: absent is an error, null is none.
-void read_gemma_block(const ConfigReader& reader, LlamaOptions& llama) {
-  llama.norm_style = NormStyle::kGemma;
-  llama.sandwich_norms = true;
-  llama.scale_embeddings = true;
-  llama.query_pre_attn_scalar = reader.number_or("query_pre_attn_scalar", 256.0);
-  if (llama.query_pre_attn_scalar <= 0) reader.fail("key 'query_pre_attn_scalar' must be positive");
-  const auto softcap = [&](const std::string& key) {
-    if (!reader.object().contains(key)) {
-      reader.fail("is missing the key '" + key + "' (Gemma 2 caps at 50 / 30 and Gemma 3 not at all: write the number, or null for none)");
-    }
-    const double cap = reader.number_or(key, 0.0);
-    if (cap < 0) reader.fail("key '" + key + "' must be positive or null, got " + std::to_string(cap));
-    return cap;
-  };
-  llama.attention_softcap = softcap("attn_logit_softcapping");
-  llama.final_logit_softcap = softcap("final_logit_softcapping");
-  if (reader.bool_or("use_bidirectional_attention", false)) {
-    reader.fail("use_bidirectional_attention is true (an encoder-style Gemma); qtrain trains causal decoders only");
-  }
-}
-
 }  // namespace
 
 HfModelConfig read_hf_config(const std::string& model_dir) {
@@ -340,7 +227,7 @@ HfModelConfig parse_hf_config(const std::string& text, const std::string& path) 
   json object = json::parse(config.json, nullptr, /*allow_exceptions=*/false);
   if (object.is_discarded()) throw Error(ErrorCode::kModelConfig, config.path + ": not valid JSON");
   if (!object.is_object()) throw Error(ErrorCode::kModelConfig, config.path + ": expected a JSON object");
-  ConfigReader reader(object, config.path);
+  HfConfigReader reader(object, config.path);
 
   std::string architecture;
   if (reader.has("architectures")) {
@@ -359,8 +246,7 @@ HfModelConfig parse_hf_config(const std::string& text, const std::string& path) 
   config.architecture = family->architecture;
   config.family = family;
   auto& llama = config.llama;
-  // Gemma names the MLP's activation hidden_activation (its hidden_act, where present, is ignored).
-  const std::string activation_key = family->gemma_block && reader.has("hidden_activation") ? "hidden_activation" : "hidden_act";
+  const std::string activation_key = reader.has(family->activation_key) ? family->activation_key : "hidden_act";
   const std::string activation = reader.string_or(activation_key, "silu");
   if (activation == "silu") {
     llama.activation = Activation::kSilu;
@@ -398,8 +284,7 @@ HfModelConfig parse_hf_config(const std::string& text, const std::string& path) 
   read_rope(reader, *family, llama, config.rope_type_name);
   llama.query_key_norm = family->query_key_norm;
   read_sliding_window(reader, *family, llama);
-  if (family->gemma_block) read_gemma_block(reader, llama);
-  if (family->phi3_block) read_phi3_block(reader, llama);
+  if (family->read_config != nullptr) family->read_config(reader, llama);
 
   const std::string dtype_key = reader.has("dtype") ? "dtype" : "torch_dtype";
   config.stored_dtype = parse_dtype_name(reader.string_or(dtype_key, "float32"), config.path + ": key '" + dtype_key + "'",

@@ -1,11 +1,11 @@
 #pragma once
 // Well-known model shapes by name, for benchmarks and estimates that need a model's shape
-// without its weights ("llama3-8b" is Meta-Llama-3-8B's config.json, "qwen3-8b" Qwen3-8B's,
-// "qwen2.5-7b" Qwen2.5-7B's, "mistral-7b" Mistral-7B-v0.3's).
+// without its weights: each family's bench shapes (ModelFamily::bench_shapes, e.g. "llama3-8b" is
+// Meta-Llama-3-8B's config.json, "qwen3-8b" Qwen3-8B's), read as a checkpoint's config.json is,
+// with 8192 positions.
 #include <string>
-#include <vector>
 
-#include "trainer/model/llama.h"
+#include "trainer/model/llama_options.h"
 
 namespace qtrain::trainer {
 

@@ -1,13 +1,19 @@
 #pragma once
-// The decoder families qtrain loads, one row each: how config.json names them and what each
-// changes in the Llama decoder (trainer/model/llama.h builds them all). Adding a family is adding a
-// row here and, where it needs new math, a switch in LlamaOptions.
+// The decoder families qtrain loads, one row each (trainer/model/families/NAME.cpp): how
+// config.json names them, what each reads from it and changes in the Llama decoder
+// (trainer/model/llama.h builds them all), how llama.cpp runs it, its chat templates and the bench
+// shapes of its published models. Adding a family is one file there, its line in families.h and
+// family_list.cpp there, and, where it needs new math, a switch in LlamaOptions.
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "trainer/formats/gguf_file.h"
 #include "trainer/model/llama_options.h"
 
 namespace qtrain::trainer {
+
+class HfConfigReader;  // trainer/formats/hf_config_reader.h
 
 // Which projections of the attention carry a bias.
 enum class AttentionBias {
@@ -26,28 +32,81 @@ enum class SlidingWindowKeys {
                         // (ModelFamily::sliding_pattern by default) (Gemma 2, Gemma 3)
 };
 
-struct ModelFamily {
-  std::string architecture;       // config.json's architectures[0]
-  std::string model_type;         // config.json's model_type
-  std::string gguf_architecture;  // llama.cpp's general.architecture for this family
-  AttentionBias attention_bias;
-  bool query_key_norm;            // RMSNorm on each head's q and k before rope (Qwen3, Gemma 3)
-  SlidingWindowKeys sliding_window;
-  // Gemma's block (llama_options.h): (1 + w) RMSNorm, sandwich norms, scaled embeddings, and the
-  // config keys hidden_activation, query_pre_attn_scalar, attn_logit_softcapping,
-  // final_logit_softcapping.
-  bool gemma_block = false;
-  int64_t sliding_pattern = 0;       // kLayerTypesOrPattern's default
-  bool rope_per_layer_type = false;  // rope_parameters.{sliding,full}_attention (Gemma 3)
-  // Phi-3: qkv_proj and gate_up_proj (LlamaOptions::fused_projections); rope types "su" and "yarn"
-  // are read as "longrope", as transformers' Phi3Config renames them; the dropout keys
-  // embd_pdrop / resid_pdrop / attention_dropout must be 0.
-  bool phi3_block = false;
-  // The released checkpoints' activations pass fp16's 65,504 (Gemma 3: transformers#36822; Unsloth
-  // and onnxruntime-genai move such runs off fp16): training in fp16 is refused.
-  bool fp16_overflows = false;
+using GgufMetadata = std::vector<std::pair<std::string, GgufValue>>;
+
+// llama.cpp's loader treats a general.name that mentions some families specially, whatever the
+// file's architecture: it looks up `tokens`, and a vocabulary without one of them fails to load.
+// Such a name is written with `replacement` for each of `spellings`.
+struct GgufNameRule {
+  std::vector<std::string> spellings;  // lower case, found in the lower-cased name
+  std::vector<std::string> tokens;
+  std::string replacement;
 };
 
+// What llama.cpp reads for a family (llama-model.cpp's load_hparams / load_tensors, its rope type
+// per architecture, and gguf-py's tensor_mapping.py).
+struct GgufArchitecture {
+  std::string name;  // general.architecture, and the prefix of the model's keys
+  // llama.cpp's "norm" rope rotates adjacent pairs, so convert_hf_to_gguf reorders q / k rows
+  // (Llama); its "neox" rope rotates halves as transformers does, and the rows stay (Qwen).
+  bool rope_rows_reordered = false;
+  bool reads_attention_bias = false;  // attn_q / k / v bias (and attn_output's, for llama)
+  bool reads_query_key_norm = false;  // attn_q_norm / attn_k_norm
+  // Phi-3's longrope: rope_factors_long / _short tensors and rope.scaling.attn_factor; llama.cpp
+  // takes the long factors when its context (not, as transformers, the sequence) passes
+  // rope.scaling.original_context_length.
+  bool reads_rope_factors = false;
+  // A sliding window and its layer pattern (add_metadata writes them); elsewhere llama.cpp attends
+  // over every earlier key, and a window shorter than the context is refused.
+  bool reads_sliding_window = false;
+  // Norm weights stored as 1 + w: the model's RMSNorm is x (1 + w) (NormStyle::kGemma), llama.cpp's
+  // x w, and convert_hf_to_gguf adds the 1.
+  bool norm_weights_plus_one = false;
+  // Names inside model.layers.N. that llama.cpp spells its own way for this architecture, looked up
+  // before the names every architecture shares: {Hugging Face prefix, GGUF prefix}.
+  std::vector<std::pair<std::string, std::string>> layer_tensor_names;
+  // Appends the architecture's own keys ("ARCH." is `prefix`) for a model of `llama`.
+  void (*add_metadata)(const LlamaOptions& llama, const std::string& prefix, GgufMetadata& metadata) = nullptr;
+  // What llama.cpp fixes where transformers reads config.json, as "a ... (why)" for a message, or ""
+  // when `llama` agrees with it.
+  std::string (*llama_cpp_difference)(const LlamaOptions& llama) = nullptr;
+  GgufNameRule general_name_rule;
+};
+
+// A published model's shape, for benchmarks and estimates that need it without its weights:
+// `config_json` is its config.json (the keys that shape the work), read by parse_hf_config as a
+// checkpoint's would be.
+struct BenchShape {
+  std::string name;  // qtrain bench --model NAME
+  std::string config_json;
+};
+
+struct ModelFamily {
+  std::string architecture;  // config.json's architectures[0]
+  std::string model_type;    // config.json's model_type
+  // The decoder's switches (llama_options.h).
+  AttentionBias attention_bias = AttentionBias::kFromConfig;
+  bool query_key_norm = false;  // RMSNorm on each head's q and k before rope (Qwen3, Gemma 3)
+  SlidingWindowKeys sliding_window = SlidingWindowKeys::kNone;
+  int64_t sliding_pattern = 0;  // kLayerTypesOrPattern's default
+  // rope_parameters.{sliding,full}_attention (5.x), or rope_theta / rope_scaling for the full layers
+  // and rope_local_base_freq for the sliding ones (4.x).
+  bool rope_per_layer_type = false;
+  double rope_theta = 10000.0;  // transformers' default when config.json has none
+  // The released checkpoints' activations pass fp16's 65,504: training in fp16 is refused.
+  bool fp16_overflows = false;
+  // config.json: the MLP activation's key where present (else hidden_act), older names of rope
+  // types read as the name qtrain knows ({written, read as}), and the family's own keys and
+  // refusals, read after the shape, rope and sliding window (nullptr: none).
+  std::string activation_key = "hidden_act";
+  std::vector<std::pair<std::string, std::string>> rope_type_aliases;
+  void (*read_config)(const HfConfigReader& config, LlamaOptions& llama) = nullptr;
+  GgufArchitecture gguf;
+  std::vector<std::string> chat_templates;  // data/chat_template.h's families its checkpoints use
+  std::vector<BenchShape> bench_shapes;
+};
+
+// Every family's row (trainer/model/families/family_list.cpp).
 const std::vector<ModelFamily>& model_families();
 
 // The row for `architecture` (or, when that is empty, `model_type`); nullptr when none matches.
