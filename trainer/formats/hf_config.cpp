@@ -127,7 +127,7 @@ void read_rope(const HfConfigReader& config, const ModelFamily& family, LlamaOpt
   }
   if (!family.rope_per_layer_type) {
     json settings = parameters;
-    if (settings.is_object()) {
+    if (settings.is_object()) {  // the family's older names of rope types, as the name qtrain reads
       for (const char* key : {"rope_type", "type"}) {
         for (const auto& [written, read_as] : family.rope_type_aliases) {
           if (settings.contains(key) && settings[key] == written) settings[key] = read_as;
