@@ -414,7 +414,7 @@ void write_gguf_model(const LlamaForCausalLMImpl& model, const BaseDirectory& ba
     const auto qat_layer = qat_layers.find(hf_name);
     if (qat_layer != qat_layers.end()) {
       auto quantized = qat_layer->second->convert();
-      const auto block_type = qat::gguf_block_type_for(quantized.spec, options.weights_key);
+      tensor.type = qat::gguf_block_type_for(quantized.spec, options.weights_key);
       if (heads > 0) {
         // Whole rows move, and with them their blocks (which run along the row): codes and scales
         // are permuted alike, so the values stay exact.
@@ -422,14 +422,14 @@ void write_gguf_model(const LlamaForCausalLMImpl& model, const BaseDirectory& ba
         quantized.params.scale = permute_rows(quantized.params.scale, heads);
         quantized.params.zero_point = permute_rows(quantized.params.zero_point, heads);
       }
-      tensor.type = block_type;
       const std::string what = options.weights_key + " (" + hf_name + ")";
       tensor.bytes = [quantized, what] { return qat::encode_gguf_blocks(quantized, what); };
     } else {
       auto rows = heads > 0 ? permute_rows(value, heads) : value;
       if (architecture.gemma_block && norm) rows = rows + 1.0;  // Gemma's x (1 + w) as llama.cpp's x w
-      const bool half = options.float_type == qat::GgufBlockType::kF16 && value.dim() == 2;
-      tensor.type = half ? qat::GgufBlockType::kF16 : qat::GgufBlockType::kF32;
+      tensor.type = qat::GgufBlockType::kF32;
+      if (value.dim() == 2) tensor.type = options.float_type;  // the norms stay F32
+      const bool half = tensor.type == qat::GgufBlockType::kF16;
       tensor.bytes = [rows, half] { return tensor_bytes(half ? rows.to(torch::kFloat16) : rows); };
     }
     tensors.push_back(std::move(tensor));
