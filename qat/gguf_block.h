@@ -23,6 +23,10 @@
 
 namespace qtrain::qat {
 
+// Whether the quantized type of `format` holds codes of `spec` exactly: its grid's integer
+// width and symmetry, groups of one block, fp16 scales, one level of them.
+bool gguf_block_fits(const GgufBlockFormat& format, const QuantSpec& spec);
+
 // The block type that holds tensors quantized with `spec` exactly; an Error naming `what` (the
 // recipe key of the weights' spec) and why GGUF cannot hold the scheme otherwise.
 GgufBlockType gguf_block_type_for(const QuantSpec& spec, const std::string& what);
@@ -33,7 +37,7 @@ GgufBlockType gguf_block_type_for(const QuantSpec& spec, const std::string& what
 std::vector<uint8_t> encode_gguf_blocks(const QuantizedTensor& tensor, const std::string& what);
 
 // The reference dequantization (llama.cpp's dequantize_row_*): fp32 tensor of `shape` from
-// `bytes` (exactly numel / 32 blocks).
+// `bytes` (exactly numel / 32 blocks of a quantized `type`).
 torch::Tensor decode_gguf_blocks(const std::vector<uint8_t>& bytes, GgufBlockType type, c10::IntArrayRef shape);
 
 }  // namespace qtrain::qat

@@ -1,24 +1,57 @@
 #pragma once
-// GGUF's block formats Q4_0 and Q8_0 as data (llama.cpp's ggml-common.h): the type ids a
-// tensor-info records, the elements and bytes of one block, and the block structs. Free of
-// LibTorch, so that the GGUF reader (trainer/gguf_file.*) builds without it (its fuzz target
-// does); qat/gguf_block.h encodes and decodes the blocks.
+// The tensor types a GGUF file holds, one row each, as ggml's type_traits (ggml.c) and llama.cpp's
+// llama_ftype hold them: the type id a tensor-info records, the elements and bytes of one block
+// (a float type's block is one element), the file type llama.cpp names a file mostly of this type,
+// and for the block formats Q4_0 and Q8_0 (ggml-common.h) the codes a block stores and the
+// functions that pack and unpack them. Free of LibTorch, so that the GGUF reader
+// (trainer/formats/gguf_file.*) builds without it (its fuzz target does); qat/gguf_block.h
+// encodes a QAT layer's tensors with these rows and tells which QuantSpec fits which type.
+//
+// A new type is one enumerator and one case of gguf_block_format.cpp's switch (the compiler
+// refuses the switch until the case is there).
 #include <cstdint>
+#include <optional>
+#include <vector>
 
 namespace qtrain::qat {
 
-enum class GgufBlockType { kQ4_0, kQ8_0 };
+// In the order of the rows (gguf_block_formats()); kCount is not a type but their number.
+enum class GgufBlockType { kF32, kF16, kBF16, kQ4_0, kQ8_0, kCount };
+
+// The codes a quantized type stores exactly, as the QuantSpec fields they match
+// (qat/gguf_block.h's gguf_block_fits): signed integer codes of `bits` bits, their group the
+// block (block_elements), one scale per block and no second level above it. Float types have none.
+struct GgufBlockGrid {
+  int64_t bits;      // q in [-2^(bits-1), 2^(bits-1) - 1]: int4 [-8, 7], int8 [-128, 127]
+  bool symmetric;    // no zero point: value = q * d
+  bool fp16_scales;  // the block's scale d is stored as fp16
+};
 
 struct GgufBlockFormat {
   GgufBlockType type;
-  const char* name;        // "Q4_0", as gguf-py's GGMLQuantizationType names it
-  uint32_t ggml_type;      // the type id a GGUF tensor-info records (ggml_type enum)
-  int64_t block_elements;  // 32
-  int64_t block_bytes;     // sizeof the block struct
-  int64_t bits;            // of each q
+  const char* name;        // as gguf-py's GGMLQuantizationType names it: "F32", "Q4_0"
+  uint32_t ggml_type;      // the id a GGUF tensor-info records (ggml.h's enum ggml_type)
+  int64_t block_elements;  // 32 for Q4_0 / Q8_0 (QK4_0, QK8_0); 1 for float types
+  int64_t block_bytes;     // sizeof the block struct (of one element for float types)
+  uint32_t file_type;      // llama.cpp's llama_ftype of a file mostly of this type (general.file_type)
+  std::optional<GgufBlockGrid> grid;  // quantized types only
+  // Quantized types only (null for float types, whose bytes are the values themselves):
+  // `blocks` blocks from their codes (block_elements each, row-major) and scales (one fp16 `d`
+  // per block, as its bits) into `out` (blocks * block_bytes), and back. Lossless both ways.
+  void (*encode)(const int8_t* codes, const uint16_t* scales, int64_t blocks, uint8_t* out);
+  void (*decode)(const uint8_t* bytes, int64_t blocks, int8_t* codes, uint16_t* scales);
 };
 
 const GgufBlockFormat& gguf_block_format(GgufBlockType type);
+// Every type, in enum order.
+const std::vector<GgufBlockFormat>& gguf_block_formats();
+// The row of an id read from a file, or nothing for types qtrain does not know.
+const GgufBlockFormat* gguf_block_format_by_id(uint32_t ggml_type);
+
+// general.file_type of a file holding tensors of `types` (not empty): the file type of its
+// densest type (fewest bytes per element), which is the one llama.cpp's quantizer targeted when
+// it wrote the file (the norms and other small tensors stay in a wider type).
+uint32_t gguf_file_type(const std::vector<GgufBlockType>& types);
 
 constexpr int64_t kGgufBlockElements = 32;  // ggml's QK4_0 and QK8_0
 

@@ -82,6 +82,10 @@ void QuantSpec::validate(const std::string& what) const {
     throw Error(ErrorCode::kRecipe, what + ".scale_dtype: " + std::string(c10::toString(scale_dtype)) +
                 " is not supported (expected fp32, or fp16 as GGUF stores it)");
   }
+  if (group_scales.is_two_level()) {
+    throw Error(ErrorCode::kRecipe, what + ": a second level of scales (K-quant, MXFP4 or NVFP4 style) is not one qtrain's "
+                "quantizers compute yet; they keep each group's scale in scale_dtype");
+  }
   if (zero_point_domain == ZeroPointDomain::kFloat) {
     const std::string reason = what + ".zero_point_domain: float (torchao's int4 weight-only grid) needs ";
     if (!is_integer()) throw Error(ErrorCode::kRecipe, reason + "format int, got " + info.name);
@@ -107,6 +111,7 @@ std::string QuantSpec::describe() const {
   if (granularity == Granularity::kPerGroup) text += "(" + std::to_string(group_size) + ")";
   text += scale_dtype == torch::kFloat16 ? " scale fp16" : " scale fp32";
   if (zero_point_domain != ZeroPointDomain::kInt) text += std::string(" zero_point ") + zero_point_domain_name(zero_point_domain);
+  if (group_scales.is_two_level()) text += " two-level scales";
   return text;
 }
 

@@ -69,6 +69,36 @@ const char* granularity_name(Granularity granularity);
 ZeroPointDomain parse_zero_point_domain(const std::string& name, const std::string& what);
 const char* zero_point_domain_name(ZeroPointDomain domain);
 
+// How the scales of the groups are themselves stored, when they are (a second level of scales).
+// One level, the default, keeps each group's scale in scale_dtype as it is. The formats with two
+// levels, which llama.cpp and the OCP / NVIDIA 4-bit formats use:
+//   K-quants (Q4_K, ...)  super-blocks of 256 elements = 8 groups of 32: each group's scale, and
+//                         its min (value = d * scale_q * q - dmin * min_q, q unsigned), is a 6-bit
+//                         code; the super-block holds the fp16 d and dmin those codes multiply
+//   MXFP4                 fp4_e2m1 elements in groups of 32, each group's scale a shared 8-bit
+//                         exponent (E8M0: a power of two), nothing above it
+//   NVFP4                 fp4_e2m1 elements in groups of 16, each group's scale an fp8 e4m3 code
+//                         times one fp32 scale of the whole tensor
+// Described here so that the GGUF block types (qat/gguf_block_format.h) and exports can tell
+// such a scheme apart; qtrain's quantizers (quantize.h) compute one level only, so validate()
+// refuses a spec that sets one.
+enum class ScaleEncoding {
+  kDirect,     // one level: the group's scale in scale_dtype
+  kInteger,    // an unsigned `bits`-bit code times the super-block's scale (K-quants)
+  kExponent,   // a power of two, its 8-bit exponent stored (E8M0, MXFP4); no scale above it
+  kFloat8,     // an fp8 e4m3 code times the super-block's scale (NVFP4)
+};
+
+struct ScaleLevel {
+  ScaleEncoding encoding = ScaleEncoding::kDirect;
+  int64_t bits = 0;              // of each group's scale code: 6 (K-quants), 8 (E8M0, e4m3)
+  bool has_mins = false;         // each group also has a min, coded alike (K-quants' dmin * m)
+  int64_t super_block_size = 0;  // elements under one second-level scale: 256 (K-quants); 0: the whole tensor (NVFP4)
+  torch::ScalarType super_scale_dtype = torch::kFloat16;  // fp16 (K-quants' d, dmin) or fp32 (NVFP4)
+
+  bool is_two_level() const { return encoding != ScaleEncoding::kDirect; }
+};
+
 struct QuantSpec {
   QuantFormat format = QuantFormat::kInt;
   int64_t bits = 4;  // 2..8 for int; a float format's own width (fp8: 8, fp4 / nf4: 4)
@@ -77,6 +107,7 @@ struct QuantSpec {
   int64_t group_size = 32;  // per_group only
   torch::ScalarType scale_dtype = torch::kFloat32;  // kFloat32, or kFloat16 (GGUF's d)
   ZeroPointDomain zero_point_domain = ZeroPointDomain::kInt;  // kFloat: asymmetric int, fp32 scales
+  ScaleLevel group_scales;  // how the scales of the groups are stored (above): directly, by default
 
   // The integer grid's ends (int format only): [-2^(bits-1), 2^(bits-1) - 1].
   int64_t quant_min() const;

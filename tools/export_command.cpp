@@ -30,6 +30,24 @@ struct ExportSource {
   std::string description;     // for the closing message
 };
 
+// "peft (the LoRA adapter), merged (...), gguf (...) or safetensors-int (...)" and
+// "peft|merged|gguf|safetensors-int", from the rows.
+std::string format_choices() {
+  const auto& rows = trainer::export_formats();
+  std::string text;
+  for (size_t index = 0; index < rows.size(); ++index) {
+    text += std::string(index == 0 ? "" : index + 1 == rows.size() ? " or " : ", ") + rows[index].name + " (" +
+            rows[index].description + ")";
+  }
+  return text;
+}
+
+std::string format_names() {
+  std::string text;
+  for (const auto& name : trainer::export_format_names()) text += (text.empty() ? "" : "|") + name;
+  return text;
+}
+
 // --model DIR [--adapter DIR]: the model in fp32 (a bnb 4-bit directory keeps its 4-bit layers,
 // dequantized by the merge), the adapter applied.
 ExportSource model_with_adapter(const std::string& model_dir, const std::string& adapter_dir) {
@@ -53,7 +71,8 @@ int export_quantized(const std::string& run_dir, const std::string& checkpoint, 
   trainer::ModelExportOptions options;
   options.dtype = dtype_name == "base" ? run.loaded.config.stored_dtype : trainer::parse_dtype_name(dtype_name, "--dtype");
   options.max_shard_bytes = max_shard_bytes;
-  trainer::write_model_export(format, model, run.loaded.config, run.recipe.model.path, out_path, options);
+  trainer::write_model_export(format, model, trainer::BaseDirectory::read(run.recipe.model.path, run.loaded.config), out_path,
+                              options);
   std::printf("export: QAT model of %s written as %s to %s\n", run_dir.c_str(), format.name, out_path.c_str());
   return 0;
 }
@@ -70,9 +89,7 @@ int run_export(const Arguments& arguments) {
       ("model", po::value(&model_dir)->default_value(""),
        "merged only, instead of --run: a Hugging Face model directory (bf16/fp32 or bnb 4-bit)")
       ("adapter", po::value(&adapter_dir)->default_value(""), "merged only, with --model: a PEFT LoRA adapter to merge")
-      ("format", po::value(&format)->default_value("peft"),
-       "peft (the LoRA adapter), merged (a Hugging Face model with the adapter merged in), gguf (a QAT run as "
-       "one llama.cpp file: --out is the .gguf file) or safetensors-int (a QAT run's integer weights + scales)")
+      ("format", po::value(&format)->default_value("peft"), format_choices().c_str())
       ("dtype", po::value(&dtype_name)->default_value("base"),
        "merged, safetensors-int: dtype of the unquantized weights, bf16, fp16 or fp32; base = the base model's "
        "config.json dtype (gguf writes them F32)")
@@ -81,20 +98,20 @@ int run_export(const Arguments& arguments) {
       ("out", po::value(&out_dir)->required(), "directory to write (gguf: the .gguf file); must not exist unless --force")
       ("force", po::bool_switch(), "replace an existing --out directory");
   po::variables_map values;
-  if (!parse_command_line("usage: qtrain export --run DIR [--checkpoint step-N] --format peft|merged|gguf|safetensors-int "
-                          "--out PATH [--force]\n"
+  if (!parse_command_line("usage: qtrain export --run DIR [--checkpoint step-N] --format " + format_names() +
+                          " --out PATH [--force]\n"
                           "       qtrain export --model DIR [--adapter DIR] --format merged --out DIR [--force]",
                           options, arguments, values)) {
     return 0;
   }
   const auto& export_format = trainer::find_export_format(format, "--format");
-  const bool quantized_format = export_format.needs_qat_layers;
+  const bool quantized_format = !export_format.accepts(trainer::ExportedWeights::kFloat);
   if (run_dir.empty() == model_dir.empty()) throw Error(ErrorCode::kUsage, "give either --run DIR or --model DIR (not both)");
   const bool merged_format = export_format.format == trainer::ExportFormat::kMerged;
   const bool peft_format = export_format.format == trainer::ExportFormat::kPeft;
   if (!model_dir.empty() && !merged_format) {
-    throw Error(ErrorCode::kUsage, "--model exports only --format merged (a PEFT adapter is already its own export; gguf and "
-                "safetensors-int take a QAT run, --run DIR)");
+    throw Error(ErrorCode::kUsage, "--model exports only --format merged (a PEFT adapter is already its own export; " +
+                trainer::export_formats_refusing(trainer::ExportedWeights::kFloat) + " take a QAT run, --run DIR)");
   }
   if (!adapter_dir.empty() && model_dir.empty()) throw Error(ErrorCode::kUsage, "--adapter goes with --model; a run's adapter is found from --run");
   if (!checkpoint.empty() && run_dir.empty()) throw Error(ErrorCode::kUsage, "--checkpoint goes with --run");
@@ -129,8 +146,8 @@ int run_export(const Arguments& arguments) {
   }
   export_options.dtype = dtype_name == "base" ? source.loaded.config.stored_dtype
                                               : trainer::parse_dtype_name(dtype_name, "--dtype");
-  trainer::write_model_export(export_format, *source.loaded.model, source.loaded.config, source.base_dir, out_dir,
-                              export_options);
+  trainer::write_model_export(export_format, *source.loaded.model,
+                              trainer::BaseDirectory::read(source.base_dir, source.loaded.config), out_dir, export_options);
   std::printf("export: %s merged into a %s Hugging Face model in %s\n", source.description.c_str(),
               trainer::dtype_short_name(*export_options.dtype).c_str(), out_dir.c_str());
   return 0;

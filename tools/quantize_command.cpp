@@ -99,7 +99,8 @@ int run_quantize(const Arguments& arguments) {
   auto& model = *loaded.model;
   model.to(device, torch::kFloat32);
   model.eval();
-  const auto tokenizer = data::Tokenizer::from_model_dir(recipe.model.path);
+  const auto base = trainer::BaseDirectory::read(recipe.model.path, loaded.config);
+  const auto& tokenizer = base.tokenizer();
   const auto eval = trainer::load_eval_examples(recipe, tokenizer);
   trainer::EvalOptions eval_options;
   eval_options.batch_size = recipe.train.micro_batch_size;
@@ -132,7 +133,7 @@ int run_quantize(const Arguments& arguments) {
 
   const std::string staged = out_dir + ".staging";
   trainer::remove_tree(staged);
-  const auto written = trainer::write_model_exports(model, loaded.config, recipe.model.path, recipe.export_.formats, staged);
+  const auto written = trainer::write_model_exports(model, base, recipe.export_.formats, staged);
   trainer::replace_directory(staged, out_dir);
   for (const auto& path : written) {
     std::printf("export: %s\n", (out_dir + path.substr(staged.size())).c_str());

@@ -21,7 +21,6 @@
 #include "trainer/base/file_system.h"
 #include "trainer/loss_scaler.h"
 #include "trainer/base/memory_stats.h"
-#include "trainer/formats/gguf_export.h"
 #include "trainer/formats/model_exports.h"
 #include "trainer/base/random_state.h"
 #include "trainer/recipe/recipe_data.h"
@@ -113,10 +112,8 @@ void Finetune::setup() {
 
 void Finetune::setup_model() {
   loaded_ = load_base_model(recipe_, compute_dtype_, device_);
-  const auto& formats = recipe_.export_.formats;
-  if (std::find(formats.begin(), formats.end(), "gguf") != formats.end()) {
-    require_gguf_exportable(loaded_.config, recipe_.model.path);  // before the run, not after it
-  }
+  // Before the run, not after it.
+  check_model_exports(BaseDirectory::read(recipe_.model.path, loaded_.config), recipe_.export_.formats);
   loaded_.model->to(device_);
   apply_recipe_memory_settings(*loaded_.model, recipe_);
 }
@@ -315,7 +312,7 @@ std::vector<std::string> Finetune::write_exports() {
                 "export.formats, or run qtrain export --run %s --format merged\n", run_dir_.c_str());
   }
   if (writes_files()) {
-    written = write_model_exports(*loaded_.model, loaded_.config, recipe_.model.path, formats, out);
+    written = write_model_exports(*loaded_.model, BaseDirectory::read(recipe_.model.path, loaded_.config), formats, out);
     for (const auto& path : written) std::printf("export: %s\n", path.c_str());
   }
   wait_for_all_ranks("the exports written by rank 0");

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <iterator>
 #include <string>
 
 #include "kernels/error.h"
@@ -30,6 +31,74 @@ TEST(GgufBlock, FormatsAreLlamaCppsSizesAndTypeIds) {
   EXPECT_EQ(gguf_block_format(GgufBlockType::kQ8_0).block_bytes, 34);
   EXPECT_EQ(gguf_block_format(GgufBlockType::kQ4_0).ggml_type, 2u);
   EXPECT_EQ(gguf_block_format(GgufBlockType::kQ8_0).ggml_type, 8u);
+}
+
+// One row per type, indexed by the enum, with ggml.h's ids, ggml-common.h's block sizes and
+// llama.h's llama_ftype (ALL_F32 0, MOSTLY_F16 1, MOSTLY_Q4_0 2, MOSTLY_Q8_0 7, MOSTLY_BF16 32).
+TEST(GgufBlock, EveryTypeIsOneRowOfGgmlsTypeTraits) {
+  struct Expected {
+    const char* name;
+    uint32_t ggml_type;
+    int64_t block_elements;
+    int64_t block_bytes;
+    uint32_t file_type;
+    bool quantized;
+  };
+  const Expected expected[] = {{"F32", 0, 1, 4, 0, false},
+                               {"F16", 1, 1, 2, 1, false},
+                               {"BF16", 30, 1, 2, 32, false},
+                               {"Q4_0", 2, 32, 18, 2, true},
+                               {"Q8_0", 8, 32, 34, 7, true}};
+  ASSERT_EQ(gguf_block_formats().size(), std::size(expected));
+  for (size_t index = 0; index < std::size(expected); ++index) {
+    const auto& row = gguf_block_formats()[index];
+    SCOPED_TRACE(row.name);
+    EXPECT_EQ(static_cast<size_t>(row.type), index);
+    EXPECT_EQ(&gguf_block_format(row.type), &row);
+    EXPECT_EQ(gguf_block_format_by_id(row.ggml_type), &row);
+    EXPECT_STREQ(row.name, expected[index].name);
+    EXPECT_EQ(row.ggml_type, expected[index].ggml_type);
+    EXPECT_EQ(row.block_elements, expected[index].block_elements);
+    EXPECT_EQ(row.block_bytes, expected[index].block_bytes);
+    EXPECT_EQ(row.file_type, expected[index].file_type);
+    EXPECT_EQ(row.grid.has_value(), expected[index].quantized);
+    EXPECT_EQ(row.encode != nullptr, expected[index].quantized);
+    EXPECT_EQ(row.decode != nullptr, expected[index].quantized);
+  }
+  EXPECT_EQ(gguf_block_format_by_id(12), nullptr);  // Q4_K: not a type qtrain reads yet
+}
+
+// general.file_type names a file by its densest type, as the exporter's Q4_0-over-Q8_0-over-F16
+// choice did.
+TEST(GgufBlock, FileTypeIsTheDensestTensorTypes) {
+  using T = GgufBlockType;
+  EXPECT_EQ(gguf_file_type({T::kF32}), 0u);
+  EXPECT_EQ(gguf_file_type({T::kF32, T::kF16, T::kF32}), 1u);
+  EXPECT_EQ(gguf_file_type({T::kF32, T::kQ8_0, T::kF16}), 7u);
+  EXPECT_EQ(gguf_file_type({T::kQ8_0, T::kF32, T::kQ4_0, T::kF16}), 2u);
+}
+
+TEST(GgufBlock, EachQuantizedTypeFitsItsOwnSchemeOnly) {
+  const auto& q4_0 = gguf_block_format(GgufBlockType::kQ4_0);
+  const auto& q8_0 = gguf_block_format(GgufBlockType::kQ8_0);
+  EXPECT_TRUE(gguf_block_fits(q4_0, QuantSpec::gguf_q4_0()));
+  EXPECT_FALSE(gguf_block_fits(q4_0, QuantSpec::gguf_q8_0()));
+  EXPECT_TRUE(gguf_block_fits(q8_0, QuantSpec::gguf_q8_0()));
+  EXPECT_FALSE(gguf_block_fits(gguf_block_format(GgufBlockType::kF16), QuantSpec::gguf_q4_0()));
+  EXPECT_EQ(gguf_block_type_for(QuantSpec::gguf_q8_0(), "qat.weights"), GgufBlockType::kQ8_0);
+}
+
+// Q4_0 / Q8_0 keep one fp16 scale per block: a spec with a second level of scales (a K-quant's
+// super-block) does not fit them.
+TEST(GgufBlock, TwoLevelScalesDoNotFitQ4_0OrQ8_0) {
+  auto spec = QuantSpec::gguf_q4_0();
+  spec.group_scales.encoding = ScaleEncoding::kInteger;
+  spec.group_scales.bits = 6;
+  spec.group_scales.has_mins = true;
+  spec.group_scales.super_block_size = 256;
+  EXPECT_FALSE(gguf_block_fits(gguf_block_format(GgufBlockType::kQ4_0), spec));
+  EXPECT_EQ(error_of(spec).rfind("qat.weights.group_scales: GGUF Q4_0 ", 0), 0u) << error_of(spec);
+  EXPECT_THROW(spec.validate("qat.weights"), Error);  // described, not computed by qtrain's quantizers yet
 }
 
 TEST(GgufBlock, Q4_0LayoutIsLowNibblesFirstHalfHighNibblesSecondHalf) {

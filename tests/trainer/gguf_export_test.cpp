@@ -44,9 +44,9 @@ torch::Tensor llama_cpp_permute(const torch::Tensor& weight, int64_t heads) {
 // fake-quant weights the forward uses), with the type it should have.
 struct ExpectedTensor {
   torch::Tensor values;
-  GgufTensorType type;
+  qat::GgufBlockType type;
 };
-std::map<std::string, ExpectedTensor> expected_tensors(LoadedModel& loaded, GgufTensorType quantized_type) {
+std::map<std::string, ExpectedTensor> expected_tensors(LoadedModel& loaded, qat::GgufBlockType quantized_type) {
   torch::NoGradGuard no_grad;
   const auto& options = loaded.config.llama;
   std::map<std::string, ExpectedTensor> expected;
@@ -54,7 +54,7 @@ std::map<std::string, ExpectedTensor> expected_tensors(LoadedModel& loaded, Gguf
   for (const auto& [name, layer] : qat::find_qat_layers(*loaded.model)) qat_layers[name + ".weight"] = layer;
   for (const auto& [name, value] : merged_weights(*loaded.model, torch::kFloat32)) {
     auto values = value;
-    auto type = GgufTensorType::kF32;
+    auto type = qat::GgufBlockType::kF32;
     if (auto layer = qat_layers.find(name); layer != qat_layers.end()) {
       // The weight the QAT forward multiplies by: the fake quantizer applied to the float weight,
       // or, for QAT-LoRA's one-pass node, the values it builds (not the codes the export reads).
@@ -82,7 +82,6 @@ class GgufExportScheme : public ::testing::TestWithParam<bool> {
  protected:
   bool q8() const { return GetParam(); }
   qat::QuantSpec spec() const { return q8() ? qat::QuantSpec::gguf_q8_0() : qat::QuantSpec::gguf_q4_0(); }
-  GgufTensorType type() const { return q8() ? GgufTensorType::kQ8_0 : GgufTensorType::kQ4_0; }
   qat::GgufBlockType block_type() const { return q8() ? qat::GgufBlockType::kQ8_0 : qat::GgufBlockType::kQ4_0; }
 };
 
@@ -100,11 +99,11 @@ int expect_tensors_equal(const GgufFile& file, const std::map<std::string, Expec
     const auto& want = expected.at(info.name);
     EXPECT_EQ(info.shape, want.values.sizes().vec()) << info.name;
     if (info.type != want.type) {
-      ADD_FAILURE() << info.name << ": type " << gguf_tensor_type_info(info.type).name;
+      ADD_FAILURE() << info.name << ": type " << qat::gguf_block_format(info.type).name;
       continue;
     }
     torch::Tensor values;
-    if (info.type == GgufTensorType::kF32) {
+    if (info.type == qat::GgufBlockType::kF32) {
       auto bytes = file.tensor_bytes(info.name);
       values = torch::from_blob(bytes.data(), info.shape, torch::kFloat32).clone();
     } else {
@@ -121,9 +120,9 @@ TEST_P(GgufExportScheme, BlocksDecodeToTheFakeQuantWeightsExactly) {
   TempDir temp;
   auto loaded = tiny_qat_llama(spec());
   const auto path = temp.file("model.gguf");
-  write_gguf_model(*loaded.model, loaded.config, fixture("tiny-llama"), path);
+  write_gguf_model(*loaded.model, BaseDirectory::read(fixture("tiny-llama"), loaded.config), path);
   const auto file = GgufFile::open(path);
-  const auto expected = expected_tensors(loaded, type());
+  const auto expected = expected_tensors(loaded, block_type());
   EXPECT_EQ(expected.size(), 4u * 9 + 3);  // 4 layers x 9 + embeddings, final norm, output
   const int quantized = expect_tensors_equal(file, expected, block_type());
   EXPECT_EQ(quantized, 4 * 7);
@@ -152,12 +151,12 @@ TEST_P(GgufExportScheme, GgufPyDequantizesToOurValuesAndReadsTheTokenizer) {
   TempDir temp;
   auto loaded = tiny_qat_llama(spec());
   const auto path = temp.file("model.gguf");
-  write_gguf_model(*loaded.model, loaded.config, fixture("tiny-llama"), path);
+  write_gguf_model(*loaded.model, BaseDirectory::read(fixture("tiny-llama"), loaded.config), path);
   std::vector<std::pair<std::string, torch::Tensor>> values;
   std::map<std::string, std::string> types;
-  for (const auto& [name, want] : expected_tensors(loaded, type())) {
+  for (const auto& [name, want] : expected_tensors(loaded, block_type())) {
     values.emplace_back(name, want.values);
-    types[name] = gguf_tensor_type_info(want.type).name;
+    types[name] = qat::gguf_block_format(want.type).name;
   }
   write_safetensors(temp.file("expected.safetensors"), values, types);
   const std::string command = "'" + python + "' '" + testing::source_dir() + "/tests/interop/gguf_model.py' check '" +
@@ -181,7 +180,7 @@ TEST(GgufExport, SchemesGgufCannotHoldAreErrorsNamingQatWeights) {
   for (const auto& spec : {asymmetric, group_64, fp32_scales}) {
     auto loaded = tiny_qat_llama(spec);
     try {
-      write_gguf_model(*loaded.model, loaded.config, fixture("tiny-llama"), temp.file("bad.gguf"));
+      write_gguf_model(*loaded.model, BaseDirectory::read(fixture("tiny-llama"), loaded.config), temp.file("bad.gguf"));
       ADD_FAILURE() << spec.describe() << " was written as GGUF";
     } catch (const Error& error) {
       const std::string message = error.what();
@@ -225,10 +224,10 @@ TEST_P(GgufExportFamily, TensorsAndHyperparametersAreTheArchitecturesOwn) {
   TempDir temp;
   auto loaded = qat_model_of(model_dir(), qat::QuantSpec::gguf_q4_0());
   const auto path = temp.file("model.gguf");
-  write_gguf_model(*loaded.model, loaded.config, model_dir(), path);
+  write_gguf_model(*loaded.model, BaseDirectory::read(model_dir(), loaded.config), path);
   const auto file = GgufFile::open(path);
   const auto& options = loaded.config.llama;
-  const auto expected = expected_tensors(loaded, GgufTensorType::kQ4_0);
+  const auto expected = expected_tensors(loaded, qat::GgufBlockType::kQ4_0);
   EXPECT_EQ(expect_tensors_equal(file, expected, qat::GgufBlockType::kQ4_0),
             static_cast<int64_t>(options.projection_names().size()) * options.num_hidden_layers);
   const auto& architecture = GetParam().architecture;
@@ -258,12 +257,12 @@ TEST_P(GgufExportFamily, GgufPyReadsTheArchitecturesTensors) {
   TempDir temp;
   auto loaded = qat_model_of(model_dir(), qat::QuantSpec::gguf_q4_0());
   const auto path = temp.file("model.gguf");
-  write_gguf_model(*loaded.model, loaded.config, model_dir(), path);
+  write_gguf_model(*loaded.model, BaseDirectory::read(model_dir(), loaded.config), path);
   std::vector<std::pair<std::string, torch::Tensor>> values;
   std::map<std::string, std::string> types;
-  for (const auto& [name, want] : expected_tensors(loaded, GgufTensorType::kQ4_0)) {
+  for (const auto& [name, want] : expected_tensors(loaded, qat::GgufBlockType::kQ4_0)) {
     values.emplace_back(name, want.values);
-    types[name] = gguf_tensor_type_info(want.type).name;
+    types[name] = qat::gguf_block_format(want.type).name;
   }
   write_safetensors(temp.file("expected.safetensors"), values, types);
   const std::string command = "'" + python + "' '" + testing::source_dir() + "/tests/interop/gguf_model.py' check '" + path +
@@ -327,7 +326,7 @@ TEST_P(GgufExportFamily, LlamaCppRunsItWithOurLogits) {
   const double query_key_scale = GetParam().fixture_dir == "tiny-llama" || gemma ? 1.0 : 6.0;
   auto loaded = qat_model_of(model_dir(), qat::QuantSpec::gguf_q4_0(), std::nullopt, query_key_scale);
   const auto path = temp.file("model.gguf");
-  write_gguf_model(*loaded.model, loaded.config, model_dir(), path);
+  write_gguf_model(*loaded.model, BaseDirectory::read(model_dir(), loaded.config), path);
   expect_llama_cpp_runs_our_logits(python, loaded, path, model_dir(), "QAT " + GetParam().fixture_dir);
 }
 
@@ -357,7 +356,7 @@ TEST(GgufExport, QatLoraOnAnNf4BaseExportsTheWeightsItTrained) {
   }
   const auto path = run.file("export/model.gguf");
   const auto file = GgufFile::open(path);
-  EXPECT_EQ(expect_tensors_equal(file, expected_tensors(rebuilt.loaded, GgufTensorType::kQ4_0), qat::GgufBlockType::kQ4_0),
+  EXPECT_EQ(expect_tensors_equal(file, expected_tensors(rebuilt.loaded, qat::GgufBlockType::kQ4_0), qat::GgufBlockType::kQ4_0),
             4 * 7);
   const auto python = testing::find_python_with("llama_cpp safetensors torch");
   if (python.empty()) GTEST_SKIP() << kNoLlamaCpp;
@@ -377,7 +376,7 @@ TEST_P(GgufExportFamily, LlamaCppRunsTheF32ExportWithOurLogits) {
   auto loaded = load_llama(model_dir());
   testing_qat::sharpen_attention(loaded, GetParam().fixture_dir == "tiny-llama" ? 1.0 : 6.0);
   loaded.model->eval();
-  write_gguf_model(*loaded.model, loaded.config, model_dir(), temp.file("model.gguf"));
+  write_gguf_model(*loaded.model, BaseDirectory::read(model_dir(), loaded.config), temp.file("model.gguf"));
   const std::string text = "The jury further said in term-end presentments that the City Executive Committee, which had "
                            "over-all charge of the election, deserves the praise and thanks of the City of Atlanta.";
   const std::string command = "'" + python + "' '" + testing::source_dir() + "/tests/interop/gguf_model.py' llama-cpp '" +
@@ -421,7 +420,7 @@ TEST(GgufExport, QwenPreTokenizerIsLlamaCppsQwen2) {
 
   const std::string model_dir = temp.file("qwen");
   auto loaded = qat_model_of(model_dir, qat::QuantSpec::gguf_q4_0());
-  write_gguf_model(*loaded.model, loaded.config, model_dir, temp.file("model.gguf"));
+  write_gguf_model(*loaded.model, BaseDirectory::read(model_dir, loaded.config), temp.file("model.gguf"));
   EXPECT_EQ(GgufFile::open(temp.file("model.gguf")).value("tokenizer.ggml.pre").as<std::string>("pre"), "qwen2");
 
   const auto python = testing::find_python_with("llama_cpp safetensors torch");
@@ -443,7 +442,7 @@ TEST(GgufExport, ASlidingWindowShorterThanTheContextIsRefused) {
   auto loaded = qat_model_of(fixture("families/mistral"), qat::QuantSpec::gguf_q4_0());
   loaded.config.llama.sliding_window = 16;
   try {
-    write_gguf_model(*loaded.model, loaded.config, fixture("families/mistral"), temp.file("model.gguf"));
+    write_gguf_model(*loaded.model, BaseDirectory::read(fixture("families/mistral"), loaded.config), temp.file("model.gguf"));
     FAIL() << "expected an error";
   } catch (const Error& error) {
     EXPECT_NE(std::string(error.what()).find("sliding_window 16"), std::string::npos) << error.what();

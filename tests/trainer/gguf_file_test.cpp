@@ -32,8 +32,8 @@ std::string write_sample(const TempDir& temp) {
       {"scales", GgufValue::float32s({1.5f, -2.0f})},
   };
   std::vector<GgufTensorSource> tensors = {
-      {"vector", {3}, GgufTensorType::kF32, [] { return float_bytes({1, 2, 3}); }},
-      {"matrix", {2, 5}, GgufTensorType::kF32, [] { return float_bytes({0, 1, 2, 3, 4, 5, 6, 7, 8, 9}); }},
+      {"vector", {3}, qat::GgufBlockType::kF32, [] { return float_bytes({1, 2, 3}); }},
+      {"matrix", {2, 5}, qat::GgufBlockType::kF32, [] { return float_bytes({0, 1, 2, 3, 4, 5, 6, 7, 8, 9}); }},
   };
   write_gguf(path, metadata, tensors);
   return path;
@@ -64,7 +64,7 @@ TEST(GgufFile, ReadsBackWhatItWrote) {
 
   const auto& matrix = file.tensor("matrix");
   EXPECT_EQ(matrix.shape, (std::vector<int64_t>{2, 5}));
-  EXPECT_EQ(matrix.type, GgufTensorType::kF32);
+  EXPECT_EQ(matrix.type, qat::GgufBlockType::kF32);
   EXPECT_EQ(matrix.offset % 32, 0u);
   EXPECT_EQ(file.tensor_bytes("matrix"), float_bytes({0, 1, 2, 3, 4, 5, 6, 7, 8, 9}));
   EXPECT_EQ(file.tensor_bytes("vector"), float_bytes({1, 2, 3}));
@@ -155,9 +155,9 @@ TEST(GgufFile, HugeCountsAndBadOffsetsAreErrorsNotAllocations) {
 
 TEST(GgufFile, WriterRefusesBytesThatDoNotMatchTheShape) {
   TempDir temp;
-  std::vector<GgufTensorSource> tensors = {{"short", {4}, GgufTensorType::kF32, [] { return float_bytes({1, 2}); }}};
+  std::vector<GgufTensorSource> tensors = {{"short", {4}, qat::GgufBlockType::kF32, [] { return float_bytes({1, 2}); }}};
   EXPECT_THROW(write_gguf(temp.file("bad.gguf"), {}, tensors), Error);
-  std::vector<GgufTensorSource> odd = {{"q", {2, 20}, GgufTensorType::kQ4_0, [] { return std::vector<uint8_t>(); }}};
+  std::vector<GgufTensorSource> odd = {{"q", {2, 20}, qat::GgufBlockType::kQ4_0, [] { return std::vector<uint8_t>(); }}};
   EXPECT_THROW(write_gguf(temp.file("bad.gguf"), {}, odd), Error);  // 20 is not whole blocks of 32
 }
 

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <set>
 #include <nlohmann/json.hpp>
@@ -33,7 +34,7 @@ std::string export_merged(const LoadedModel& loaded, const std::string& base_dir
   MergedExportOptions options;
   options.dtype = dtype;
   options.max_shard_bytes = max_shard_bytes;
-  write_merged_model(*loaded.model, loaded.config, base_dir, out_dir, options);
+  write_merged_model(*loaded.model, BaseDirectory::read(base_dir, loaded.config), out_dir, options);
   return out_dir;
 }
 
@@ -120,6 +121,28 @@ TEST(MergedExport, WritesConfigGenerationConfigAndTokenizer) {
   EXPECT_LT(max_relative_error(logits_of(*reloaded.model, reference_input_ids()),
                                logits_of(*base_with_adapter().model, reference_input_ids())),
             2e-2);
+}
+
+// The export writes what the base directory held when it was read: its files are read once,
+// not again by each writer.
+TEST(MergedExport, TakesTheBaseDirectoryAsItWasReadOnce) {
+  TempDir temp;
+  const std::vector<std::string> names = {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                                          "generation_config.json"};
+  const auto text_of = [](const std::string& path) {
+    std::ifstream file(path);
+    return std::string(std::istreambuf_iterator<char>(file), {});
+  };
+  for (const auto& name : names) temp.write("base/" + name, text_of(fixture("tiny-llama/") + name));
+  const auto loaded = base_with_adapter();
+  const auto base = BaseDirectory::read(temp.file("base"), loaded.config);
+  std::vector<std::string> read;
+  for (const auto& [name, text] : base.tokenizer_files) read.push_back(name);
+  EXPECT_EQ(read, (std::vector<std::string>{"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}));
+  for (const auto& name : names) std::filesystem::remove(temp.file("base/" + name));
+  MergedExportOptions options;
+  write_merged_model(*loaded.model, base, temp.file("merged"), options);
+  for (const auto& name : names) EXPECT_EQ(text_of(temp.file("merged/" + name)), text_of(fixture("tiny-llama/") + name)) << name;
 }
 
 TEST(MergedExport, ShardsWithAnIndexBeyondTheShardSize) {

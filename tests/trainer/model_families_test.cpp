@@ -422,7 +422,7 @@ TEST(ModelFamilies, GgufExportRefusesWhatTheArchitectureCannotHold) {
   auto loaded = load_llama(fixture("families/qwen3"));
   loaded.config.llama.attention_bias = true;
   try {
-    write_gguf_model(*loaded.model, loaded.config, fixture("families/qwen3"), temp.file("qwen3.gguf"), {});
+    write_gguf_model(*loaded.model, BaseDirectory::read(fixture("families/qwen3"), loaded.config), temp.file("qwen3.gguf"), {});
     ADD_FAILURE() << "expected an error";
   } catch (const Error& error) {
     EXPECT_NE(std::string(error.what()).find("attention_bias"), std::string::npos) << error.what();

@@ -50,7 +50,7 @@ TEST_P(QuantizedCheckpointRoundTrip, LoadedModelGivesTheQatModelsLogits) {
   const auto& scheme = GetParam();
   auto qat_model = tiny_qat_llama(scheme.weights, scheme.activations);
   const auto out = temp.file("int");
-  write_quantized_model(*qat_model.model, qat_model.config, fixture("tiny-llama"), out);
+  write_quantized_model(*qat_model.model, BaseDirectory::read(fixture("tiny-llama"), qat_model.config), out);
 
   const auto weights = SafetensorsCheckpoint::open(out);
   const std::string q_proj = "model.layers.0.self_attn.q_proj";
@@ -127,7 +127,7 @@ TEST(QuantizedCheckpoint, BrokenFilesAreErrorsNamingTheTensor) {
   const std::string layer = "model.layers.1.mlp.up_proj";
   for (const char* broken : {"no-zero-point", "scale-shape", "codes-dtype"}) {
     const auto out = temp.file(broken);
-    write_quantized_model(*qat_model.model, qat_model.config, fixture("tiny-llama"), out);
+    write_quantized_model(*qat_model.model, BaseDirectory::read(fixture("tiny-llama"), qat_model.config), out);
     if (std::string(broken) == "no-zero-point") {
       rewrite_weights(out, layer + ".weight_zero_point");
       expect_load_error(out, "'" + layer + ".weight_zero_point' is missing");
@@ -144,7 +144,7 @@ TEST(QuantizedCheckpoint, BrokenFilesAreErrorsNamingTheTensor) {
 TEST(QuantizedCheckpoint, ModelWithoutQatLayersIsAnError) {
   TempDir temp;
   auto plain = load_llama(fixture("tiny-llama"));
-  EXPECT_THROW(write_quantized_model(*plain.model, plain.config, fixture("tiny-llama"), temp.file("out")), Error);
+  EXPECT_THROW(write_quantized_model(*plain.model, BaseDirectory::read(fixture("tiny-llama"), plain.config), temp.file("out")), Error);
 }
 
 }  // namespace

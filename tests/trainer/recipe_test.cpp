@@ -14,6 +14,7 @@
 #include "kernels/error.h"
 #include "support.h"
 #include "trainer/formats/export_formats.h"
+#include "trainer/formats/model_exports.h"
 #include "trainer/recipe/base_quantization.h"
 #include "trainer/recipe/recipe_schema.h"
 
@@ -474,8 +475,8 @@ TEST(ExportFormats, TheRecipeAndTheCommandsReadOneTable) {
   ASSERT_NE(formats, keys.end());
   EXPECT_EQ(formats->choices, export_format_names());
   EXPECT_TRUE(find_export_format("gguf", "--format").single_file);
-  EXPECT_TRUE(find_export_format("safetensors-int", "--format").needs_qat_layers);
-  EXPECT_FALSE(find_export_format("merged", "--format").needs_qat_layers);
+  EXPECT_FALSE(find_export_format("safetensors-int", "--format").accepts(ExportedWeights::kFloat));
+  EXPECT_TRUE(find_export_format("merged", "--format").accepts(ExportedWeights::kFloat));
   try {
     find_export_format("onnx", "--format");
     FAIL() << "expected an error";
@@ -483,6 +484,21 @@ TEST(ExportFormats, TheRecipeAndTheCommandsReadOneTable) {
     const std::string message = error.what();
     EXPECT_NE(message.find("--format: unknown format 'onnx'"), std::string::npos) << message;
     for (const auto& name : export_format_names()) EXPECT_NE(message.find(name), std::string::npos) << message;
+  }
+}
+
+// Each format is a row and a writer: the formats a float model cannot fill are named from the
+// rows, peft alone has no writer here (the adapter is its own), and gguf alone checks a run
+// before it trains.
+TEST(ExportFormats, EachFormatIsARowWithItsWriter) {
+  ASSERT_EQ(export_formats().size(), 4u);
+  EXPECT_EQ(export_formats_refusing(ExportedWeights::kFloat), "gguf and safetensors-int");
+  EXPECT_EQ(export_formats_refusing(ExportedWeights::kQatCodes), "");
+  for (const auto& row : export_formats()) {
+    SCOPED_TRACE(row.name);
+    const auto& writer = export_writer(row.format);
+    EXPECT_EQ(writer.write == nullptr, row.format == ExportFormat::kPeft);
+    EXPECT_EQ(writer.preflight != nullptr, row.format == ExportFormat::kGguf);
   }
 }
 

@@ -49,4 +49,15 @@ GenerationOptions read_generation_config(const std::string& model_dir, const HfM
   return options;
 }
 
+std::string generation_config_json(const BaseDirectory& base) {
+  if (base.generation_config) return *base.generation_config;
+  const auto& config = base.config;
+  nlohmann::ordered_json generation = nlohmann::ordered_json::object();
+  if (config.bos_token_id) generation["bos_token_id"] = *config.bos_token_id;
+  if (config.eos_token_ids.size() == 1) generation["eos_token_id"] = config.eos_token_ids.front();
+  if (config.eos_token_ids.size() > 1) generation["eos_token_id"] = config.eos_token_ids;
+  if (config.pad_token_id) generation["pad_token_id"] = *config.pad_token_id;
+  return generation.dump(2) + "\n";
+}
+
 }  // namespace qtrain::trainer

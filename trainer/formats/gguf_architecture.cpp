@@ -99,7 +99,7 @@ std::string gguf_tensor_name(const std::string& hf_name, const std::string& arch
               "embed_tokens, layers.N.self_attn / mlp projections, the norms, q_norm / k_norm and lm_head)");
 }
 
-std::string gguf_general_name(std::string name, const std::string& base_dir) {
+std::string gguf_general_name(std::string name, const BaseDirectory& base) {
   for (const auto& family : model_families()) {
     const auto& rule = family.gguf.general_name_rule;
     std::string lower = name;
@@ -107,7 +107,7 @@ std::string gguf_general_name(std::string name, const std::string& base_dir) {
     const bool mentioned = std::any_of(rule.spellings.begin(), rule.spellings.end(),
                                        [&](const std::string& spelling) { return lower.find(spelling) != std::string::npos; });
     if (!mentioned) continue;
-    const auto tokenizer = data::Tokenizer::from_model_dir(base_dir);
+    const auto& tokenizer = base.tokenizer();
     const bool has_all = std::all_of(rule.tokens.begin(), rule.tokens.end(),
                                      [&](const std::string& token) { return tokenizer.token_to_id(token).has_value(); });
     if (has_all) continue;

@@ -4,6 +4,7 @@
 // cannot hold.
 #include <string>
 
+#include "trainer/formats/base_directory.h"
 #include "trainer/formats/hf_config.h"
 
 namespace qtrain::trainer {
@@ -18,7 +19,7 @@ const GgufArchitecture& gguf_architecture_for(const HfModelConfig& config);
 std::string gguf_tensor_name(const std::string& hf_name, const std::string& architecture = "llama");
 
 // `name` as general.name, rewritten where a family's GgufNameRule says llama.cpp would not load
-// it with `base_dir`'s tokenizer.
-std::string gguf_general_name(std::string name, const std::string& base_dir);
+// it with `base`'s tokenizer.
+std::string gguf_general_name(std::string name, const BaseDirectory& base);
 
 }  // namespace qtrain::trainer

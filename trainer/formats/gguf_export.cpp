@@ -6,12 +6,9 @@
 #include <nlohmann/json.hpp>
 
 #include "data/tokenizer.h"
-#include "data/tokenizer_config.h"
-#include "data/text_file.h"
 #include "kernels/error.h"
 #include "qat/gguf_block.h"
 #include "qat/qat_linear.h"
-#include "trainer/base/file_system.h"
 #include "trainer/formats/merged_export.h"
 
 namespace qtrain::trainer {
@@ -37,13 +34,12 @@ constexpr const char* kGpt2ByteLevelPre = "gpt-2";
 
 // gguf-py's TokenType.
 enum TokenType : int32_t { kNormal = 1, kControl = 3, kUserDefined = 4, kUnused = 5 };
-// llama.cpp's llama_ftype for general.file_type.
-enum FileType : uint32_t { kAllF32 = 0, kMostlyF16 = 1, kMostlyQ4_0 = 2, kMostlyQ8_0 = 7 };
 constexpr uint32_t kQuantizationVersion = 2;  // GGML_QNT_VERSION
 
-// tokenizer.ggml.pre for tokenizer.json's pre_tokenizer.
-std::string pre_tokenizer_name(const std::string& tokenizer_path) {
-  const auto document = nlohmann::json::parse(data::read_text_file(tokenizer_path, "tokenizer.json"), nullptr, /*allow_exceptions=*/false);
+// tokenizer.ggml.pre for the pre_tokenizer of `base`'s tokenizer.json.
+std::string pre_tokenizer_name(const BaseDirectory& base) {
+  const std::string tokenizer_path = base.path + "/tokenizer.json";
+  const auto document = nlohmann::json::parse(base.tokenizer_json(), nullptr, /*allow_exceptions=*/false);
   if (document.is_discarded()) throw Error(ErrorCode::kTokenizer, tokenizer_path + ": not JSON");
   const auto model = document.value("model", nlohmann::json::object());
   if (model.value("byte_fallback", false)) {
@@ -139,11 +135,11 @@ torch::Tensor gguf_rope_row_order(int64_t rows, int64_t heads) {
   return torch::arange(rows, torch::kInt64).view({heads, 2, rows / heads / 2}).transpose(1, 2).reshape({rows});
 }
 
-std::vector<std::pair<std::string, GgufValue>> gguf_tokenizer_metadata(const HfModelConfig& config,
-                                                                      const std::string& base_dir) {
-  const std::string tokenizer_path = base_dir + "/tokenizer.json";
-  const auto pre = pre_tokenizer_name(tokenizer_path);
-  const auto tokenizer = data::Tokenizer::from_model_dir(base_dir);
+std::vector<std::pair<std::string, GgufValue>> gguf_tokenizer_metadata(const BaseDirectory& base) {
+  const auto& config = base.config;
+  const std::string tokenizer_path = base.path + "/tokenizer.json";
+  const auto pre = pre_tokenizer_name(base);
+  const auto& tokenizer = base.tokenizer();
   const int64_t vocab_size = config.llama.vocab_size;
   if (tokenizer.vocab_size() > vocab_size) {
     throw Error(ErrorCode::kTokenizer, tokenizer_path + ": " + std::to_string(tokenizer.vocab_size()) + " tokens, more than config.json's "
@@ -186,23 +182,22 @@ std::vector<std::pair<std::string, GgufValue>> gguf_tokenizer_metadata(const HfM
   const bool add_eos = eos && !framed.empty() && framed.back() == *eos && (framed.size() > 1 || !add_bos);
   metadata.emplace_back("tokenizer.ggml.add_bos_token", add_bos);
   metadata.emplace_back("tokenizer.ggml.add_eos_token", add_eos);
-  const std::string jinja = base_dir + "/chat_template.jinja";
-  auto chat_template = is_regular_file(jinja) ? std::optional<std::string>(data::read_text_file(jinja, "a chat template"))
-                                          : data::TokenizerConfig::read_from_model_dir(base_dir).chat_template;
-  if (chat_template) metadata.emplace_back("tokenizer.chat_template", *chat_template);
+  if (const auto chat_template = base.chat_template()) metadata.emplace_back("tokenizer.chat_template", *chat_template);
   return metadata;
 }
 
-void require_gguf_exportable(const HfModelConfig& config, const std::string& base_dir) {
-  model_metadata(config, gguf_architecture_for(config), "", kAllF32);  // its rope too
-  gguf_tokenizer_metadata(config, base_dir);
+void require_gguf_exportable(const BaseDirectory& base) {
+  const auto& config = base.config;
+  model_metadata(config, gguf_architecture_for(config), "", qat::gguf_block_format(qat::GgufBlockType::kF32).file_type);  // its rope too
+  gguf_tokenizer_metadata(base);
 }
 
-void write_gguf_model(const LlamaForCausalLMImpl& model, const HfModelConfig& config, const std::string& base_dir,
-                      const std::string& out_file, const GgufExportOptions& options) {
-  if (options.float_type != GgufTensorType::kF32 && options.float_type != GgufTensorType::kF16) {
+void write_gguf_model(const LlamaForCausalLMImpl& model, const BaseDirectory& base, const std::string& out_file,
+                      const GgufExportOptions& options) {
+  if (options.float_type != qat::GgufBlockType::kF32 && options.float_type != qat::GgufBlockType::kF16) {
     throw Error(ErrorCode::kInternal, "GGUF export: unquantized weights are written as F32 or F16");
   }
+  const auto& config = base.config;
   const auto& architecture = gguf_architecture_for(config);
   const auto& llama = config.llama;
   std::map<std::string, std::shared_ptr<qat::QatLinear>> qat_layers;
@@ -216,7 +211,6 @@ void write_gguf_model(const LlamaForCausalLMImpl& model, const HfModelConfig& co
   };
 
   std::vector<GgufTensorSource> tensors;
-  bool any_q4 = false, any_q8 = false;
   for (const auto& [hf_name, value] : merged_weights(model, torch::kFloat32)) {
     if (llama.tie_word_embeddings && hf_name == "lm_head.weight") continue;
     GgufTensorSource tensor;
@@ -227,7 +221,7 @@ void write_gguf_model(const LlamaForCausalLMImpl& model, const HfModelConfig& co
     const auto qat_layer = qat_layers.find(hf_name);
     if (qat_layer != qat_layers.end()) {
       auto quantized = qat_layer->second->convert();
-      const auto block_type = qat::gguf_block_type_for(quantized.spec, options.weights_key);
+      tensor.type = qat::gguf_block_type_for(quantized.spec, options.weights_key);
       if (heads > 0) {
         // Whole rows move, and with them their blocks (which run along the row): codes and scales
         // are permuted alike, so the values stay exact.
@@ -235,15 +229,14 @@ void write_gguf_model(const LlamaForCausalLMImpl& model, const HfModelConfig& co
         quantized.params.scale = permute_rows(quantized.params.scale, heads);
         quantized.params.zero_point = permute_rows(quantized.params.zero_point, heads);
       }
-      tensor.type = block_type == qat::GgufBlockType::kQ4_0 ? GgufTensorType::kQ4_0 : GgufTensorType::kQ8_0;
-      (block_type == qat::GgufBlockType::kQ4_0 ? any_q4 : any_q8) = true;
       const std::string what = options.weights_key + " (" + hf_name + ")";
       tensor.bytes = [quantized, what] { return qat::encode_gguf_blocks(quantized, what); };
     } else {
       auto rows = heads > 0 ? permute_rows(value, heads) : value;
       if (architecture.norm_weights_plus_one && norm) rows = rows + 1.0;  // x (1 + w) as llama.cpp's x w
-      const bool half = options.float_type == GgufTensorType::kF16 && value.dim() == 2;
-      tensor.type = half ? GgufTensorType::kF16 : GgufTensorType::kF32;
+      tensor.type = qat::GgufBlockType::kF32;
+      if (value.dim() == 2) tensor.type = options.float_type;  // the norms stay F32
+      const bool half = tensor.type == qat::GgufBlockType::kF16;
       tensor.bytes = [rows, half] { return tensor_bytes(half ? rows.to(torch::kFloat16) : rows); };
     }
     tensors.push_back(std::move(tensor));
@@ -255,25 +248,17 @@ void write_gguf_model(const LlamaForCausalLMImpl& model, const HfModelConfig& co
       tensor.name = gguf_name;
       const auto values = torch::tensor(factors, torch::kFloat64).to(torch::kFloat32);
       tensor.shape = values.sizes().vec();
-      tensor.type = GgufTensorType::kF32;
+      tensor.type = qat::GgufBlockType::kF32;
       tensor.bytes = [values] { return tensor_bytes(values); };
       tensors.push_back(std::move(tensor));
     }
   }
 
-  const uint32_t file_type = any_q4                                        ? kMostlyQ4_0
-                             : any_q8                                      ? kMostlyQ8_0
-                             : options.float_type == GgufTensorType::kF16 ? kMostlyF16
-                                                                           : kAllF32;
-  std::string name = options.name;
-  if (name.empty()) {
-    auto trimmed = base_dir;
-    while (trimmed.size() > 1 && trimmed.back() == '/') trimmed.pop_back();
-    name = trimmed.substr(trimmed.find_last_of('/') + 1);
-  }
-  name = gguf_general_name(name, base_dir);
-  auto metadata = model_metadata(config, architecture, name, file_type);
-  for (auto& entry : gguf_tokenizer_metadata(config, base_dir)) metadata.push_back(std::move(entry));
+  std::vector<qat::GgufBlockType> types;
+  for (const auto& tensor : tensors) types.push_back(tensor.type);
+  const auto name = gguf_general_name(options.name.empty() ? base.name() : options.name, base);
+  auto metadata = model_metadata(config, architecture, name, qat::gguf_file_type(types));
+  for (auto& entry : gguf_tokenizer_metadata(base)) metadata.push_back(std::move(entry));
   write_gguf(out_file, metadata, tensors);
 }
 

@@ -20,6 +20,8 @@
 #include <string>
 #include <vector>
 
+#include "qat/gguf_block_format.h"
+#include "trainer/formats/base_directory.h"
 #include "trainer/formats/gguf_architecture.h"
 #include "trainer/formats/gguf_file.h"
 #include "trainer/formats/hf_config.h"
@@ -29,7 +31,7 @@ namespace qtrain::trainer {
 
 struct GgufExportOptions {
   std::string name;                                       // general.name; empty: the base directory's name
-  GgufTensorType float_type = GgufTensorType::kF32;       // non-QAT 2-D weights: F32 or F16 (norms stay F32)
+  qat::GgufBlockType float_type = qat::GgufBlockType::kF32;  // non-QAT 2-D weights: F32 or F16 (norms stay F32)
   std::string weights_key = "qat.weights";                // the recipe key errors about the scheme name
 };
 
@@ -37,18 +39,17 @@ struct GgufExportOptions {
 // heads: GGUF row r holds Hugging Face row order[r]. int64 [rows].
 torch::Tensor gguf_rope_row_order(int64_t rows, int64_t heads);
 
-// The tokenizer.ggml.* metadata of `base_dir`'s tokenizer.json (+ tokenizer_config.json,
-// chat_template.jinja) for a model of `config`. Error for tokenizers GGUF export does not
+// The tokenizer.ggml.* metadata of `base`'s tokenizer.json (+ tokenizer_config.json,
+// chat_template.jinja) for a model of its config. Error for tokenizers GGUF export does not
 // handle yet (sentencepiece-style, unknown pre-tokenizer).
-std::vector<std::pair<std::string, GgufValue>> gguf_tokenizer_metadata(const HfModelConfig& config,
-                                                                      const std::string& base_dir);
+std::vector<std::pair<std::string, GgufValue>> gguf_tokenizer_metadata(const BaseDirectory& base);
 
-// Error, as write_gguf_model would give it, when a model of `config` with `base_dir`'s tokenizer
+// Error, as write_gguf_model would give it, when a model of `base`'s config with its tokenizer
 // cannot be written as GGUF: for runs to check before they train, not after.
-void require_gguf_exportable(const HfModelConfig& config, const std::string& base_dir);
+void require_gguf_exportable(const BaseDirectory& base);
 
-// Writes `model` as the GGUF file `out_file`. `base_dir` supplies the tokenizer files.
-void write_gguf_model(const LlamaForCausalLMImpl& model, const HfModelConfig& config, const std::string& base_dir,
-                      const std::string& out_file, const GgufExportOptions& options = {});
+// Writes `model` as the GGUF file `out_file`. `base` supplies the config and the tokenizer.
+void write_gguf_model(const LlamaForCausalLMImpl& model, const BaseDirectory& base, const std::string& out_file,
+                      const GgufExportOptions& options = {});
 
 }  // namespace qtrain::trainer

@@ -6,7 +6,6 @@
 #include <iterator>
 #include <limits>
 
-#include "qat/gguf_block_format.h"
 #include "trainer/base/file_system.h"
 
 namespace qtrain::trainer {
@@ -16,24 +15,6 @@ namespace {
 constexpr std::array<char, 4> kMagic = {'G', 'G', 'U', 'F'};
 constexpr const char* kAlignmentKey = "general.alignment";
 constexpr int64_t kMaxDims = 4;  // GGML_MAX_DIMS
-
-GgufTensorTypeInfo block_type_info(GgufTensorType type, qat::GgufBlockType block_type) {
-  const auto& format = qat::gguf_block_format(block_type);
-  return {type, format.name, format.ggml_type, format.block_elements, format.block_bytes};
-}
-
-// ggml's type ids for the float types (ggml.h: GGML_TYPE_F32 = 0, F16 = 1, BF16 = 30); the
-// block formats come from qat/gguf_block_format.h.
-const std::array<GgufTensorTypeInfo, 5>& tensor_types() {
-  static const std::array<GgufTensorTypeInfo, 5> types = {{
-      {GgufTensorType::kF32, "F32", 0, 1, 4},
-      {GgufTensorType::kF16, "F16", 1, 1, 2},
-      {GgufTensorType::kBF16, "BF16", 30, 1, 2},
-      block_type_info(GgufTensorType::kQ4_0, qat::GgufBlockType::kQ4_0),
-      block_type_info(GgufTensorType::kQ8_0, qat::GgufBlockType::kQ8_0),
-  }};
-  return types;
-}
 
 uint64_t align_up(uint64_t offset, uint64_t alignment) { return (offset + alignment - 1) / alignment * alignment; }
 
@@ -198,22 +179,8 @@ GgufValue GgufValue::float32s(const std::vector<float>& values) {
   return array(GgufValueType::kFloat32, std::vector<GgufScalar>(values.begin(), values.end()));
 }
 
-const GgufTensorTypeInfo& gguf_tensor_type_info(GgufTensorType type) {
-  for (const auto& info : tensor_types()) {
-    if (info.type == type) return info;
-  }
-  throw Error(ErrorCode::kInternal, "unknown GGUF tensor type");
-}
-
-std::optional<GgufTensorTypeInfo> gguf_tensor_type_by_id(uint32_t ggml_type) {
-  for (const auto& info : tensor_types()) {
-    if (info.ggml_type == ggml_type) return info;
-  }
-  return std::nullopt;
-}
-
-uint64_t gguf_tensor_bytes(GgufTensorType type, const std::vector<int64_t>& shape, const std::string& name) {
-  const auto& info = gguf_tensor_type_info(type);
+uint64_t gguf_tensor_bytes(qat::GgufBlockType type, const std::vector<int64_t>& shape, const std::string& name) {
+  const auto& info = qat::gguf_block_format(type);
   if (shape.empty() || shape.back() % info.block_elements != 0) {
     throw Error(ErrorCode::kWeights, "GGUF tensor '" + name + "' of shape " + shape_text(shape) + ": " + info.name +
                 " needs a last dimension that is a multiple of " + std::to_string(info.block_elements));
@@ -266,7 +233,7 @@ void write_gguf(const std::string& path, const std::vector<std::pair<std::string
     header.put_string(tensor.name);
     header.put<uint32_t>(static_cast<uint32_t>(tensor.shape.size()));
     for (auto size = tensor.shape.rbegin(); size != tensor.shape.rend(); ++size) header.put<uint64_t>(*size);
-    header.put<uint32_t>(gguf_tensor_type_info(tensor.type).ggml_type);
+    header.put<uint32_t>(qat::gguf_block_format(tensor.type).ggml_type);
     header.put<uint64_t>(offset);
     offset = align_up(offset + sizes.back(), alignment);
   }
@@ -341,10 +308,12 @@ GgufFile GgufFile::parse(std::vector<uint8_t> bytes, const std::string& source) 
     }
     info.shape.assign(ne.rbegin(), ne.rend());
     const auto type_id = reader.get<uint32_t>("tensor '" + info.name + "''s type");
-    const auto type = gguf_tensor_type_by_id(type_id);
+    const auto* type = qat::gguf_block_format_by_id(type_id);
     if (!type) {
-      reader.fail("tensor '" + info.name + "' has ggml type " + std::to_string(type_id) +
-                  ", which qtrain does not read (F32, F16, BF16, Q4_0, Q8_0)");
+      std::string known;
+      for (const auto& format : qat::gguf_block_formats()) known += (known.empty() ? "" : ", ") + std::string(format.name);
+      reader.fail("tensor '" + info.name + "' has ggml type " + std::to_string(type_id) + ", which qtrain does not read (" +
+                  known + ")");
     }
     info.type = type->type;
     info.offset = reader.get<uint64_t>("tensor '" + info.name + "''s offset");

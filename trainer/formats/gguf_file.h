@@ -18,7 +18,6 @@
 #include <cstdint>
 #include <functional>
 #include <map>
-#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -26,6 +25,7 @@
 #include <vector>
 
 #include "kernels/error.h"
+#include "qat/gguf_block_format.h"
 
 namespace qtrain::trainer {
 
@@ -67,30 +67,16 @@ struct GgufValue {
   std::vector<T> array_as(const std::string& key) const;
 };
 
-// The tensor types a GGUF tensor-info records (ggml's `enum ggml_type`), one table: the float
-// types and the block formats of qat/gguf_block_format.h (whose ids and sizes are taken from there).
-enum class GgufTensorType { kF32, kF16, kBF16, kQ4_0, kQ8_0 };
-
-struct GgufTensorTypeInfo {
-  GgufTensorType type;
-  const char* name;        // as gguf-py's GGMLQuantizationType names it: "F32", "Q4_0"
-  uint32_t ggml_type;      // the id in the file
-  int64_t block_elements;  // 1 for float types
-  int64_t block_bytes;     // bytes of one block (of one element for float types)
-};
-
-const GgufTensorTypeInfo& gguf_tensor_type_info(GgufTensorType type);
-// The entry for an id read from a file, or nothing for types qtrain does not know.
-std::optional<GgufTensorTypeInfo> gguf_tensor_type_by_id(uint32_t ggml_type);
-// Bytes of a tensor of `shape` in `type`; Error when the last dimension is not whole blocks.
-uint64_t gguf_tensor_bytes(GgufTensorType type, const std::vector<int64_t>& shape, const std::string& name);
+// Bytes of a tensor of `shape` in `type` (the types a tensor-info records, their ids and block
+// sizes, are the rows of qat/gguf_block_format.h); Error when the last dimension is not whole blocks.
+uint64_t gguf_tensor_bytes(qat::GgufBlockType type, const std::vector<int64_t>& shape, const std::string& name);
 
 // One tensor to write: its torch shape (row-major; the file records it reversed), its type and
 // a function giving its bytes (called once, while writing, so a writer holds one tensor at a time).
 struct GgufTensorSource {
   std::string name;
   std::vector<int64_t> shape;
-  GgufTensorType type = GgufTensorType::kF32;
+  qat::GgufBlockType type = qat::GgufBlockType::kF32;
   std::function<std::vector<uint8_t>()> bytes;
 };
 
@@ -106,7 +92,7 @@ void write_gguf(const std::string& path, const std::vector<std::pair<std::string
 struct GgufTensorInfo {
   std::string name;
   std::vector<int64_t> shape;  // torch order (the file's ne reversed)
-  GgufTensorType type = GgufTensorType::kF32;
+  qat::GgufBlockType type = qat::GgufBlockType::kF32;
   uint64_t offset = 0;         // in the data section
   uint64_t bytes = 0;
 };

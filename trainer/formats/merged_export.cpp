@@ -4,21 +4,15 @@
 #include <cctype>
 #include <nlohmann/json.hpp>
 
-#include "data/text_file.h"
 #include "kernels/error.h"
 #include "qat/linear.h"
 #include "trainer/base/file_system.h"
+#include "trainer/formats/generation_config.h"
 #include "trainer/formats/safetensors.h"
 
 namespace qtrain::trainer {
 
 namespace {
-
-// What transformers' save_pretrained copies beside the weights for a fast tokenizer (plus a
-// sentencepiece model when the base has one); absent ones are skipped.
-constexpr const char* kTokenizerFiles[] = {"tokenizer.json",         "tokenizer_config.json", "special_tokens_map.json",
-                                           "added_tokens.json",      "tokenizer.model",       "chat_template.jinja",
-                                           "chat_template.json"};
 
 std::string torch_dtype_name(torch::ScalarType dtype) {
   switch (dtype) {
@@ -45,19 +39,6 @@ void collect(const torch::nn::Module& module, const std::string& prefix, torch::
     out.emplace_back(prefix + parameter.key(), cpu(parameter.value()));
   }
   for (const auto& child : module.named_children()) collect(*child.value(), prefix + child.key() + ".", dtype, out);
-}
-
-
-// generation_config.json of the base, or the token ids of its config.json as one.
-std::string generation_config_json(const HfModelConfig& base_config, const std::string& base_dir) {
-  const std::string path = base_dir + "/generation_config.json";
-  if (is_regular_file(path)) return data::read_text_file(path, "generation_config.json");
-  nlohmann::ordered_json generation = nlohmann::ordered_json::object();
-  if (base_config.bos_token_id) generation["bos_token_id"] = *base_config.bos_token_id;
-  if (base_config.eos_token_ids.size() == 1) generation["eos_token_id"] = base_config.eos_token_ids.front();
-  if (base_config.eos_token_ids.size() > 1) generation["eos_token_id"] = base_config.eos_token_ids;
-  if (base_config.pad_token_id) generation["pad_token_id"] = *base_config.pad_token_id;
-  return generation.dump(2) + "\n";
 }
 
 }  // namespace
@@ -120,20 +101,16 @@ uint64_t parse_byte_size(const std::string& text, const std::string& what) {
   return static_cast<uint64_t>(value * static_cast<double>(multiplier));
 }
 
-void write_merged_model(const LlamaForCausalLMImpl& model, const HfModelConfig& base_config,
-                        const std::string& base_dir, const std::string& out_dir, const MergedExportOptions& options) {
+void write_merged_model(const LlamaForCausalLMImpl& model, const BaseDirectory& base, const std::string& out_dir,
+                        const MergedExportOptions& options) {
   write_safetensors_checkpoint(out_dir, merged_weights(model, options.dtype), options.max_shard_bytes);
-  write_file_atomically(out_dir + "/config.json", merged_config_json(base_config, options.dtype));
-  write_generation_config_and_tokenizer(base_config, base_dir, out_dir);
+  write_file_atomically(out_dir + "/config.json", merged_config_json(base.config, options.dtype));
+  write_generation_config_and_tokenizer(base, out_dir);
 }
 
-void write_generation_config_and_tokenizer(const HfModelConfig& base_config, const std::string& base_dir,
-                                           const std::string& out_dir) {
-  write_file_atomically(out_dir + "/generation_config.json", generation_config_json(base_config, base_dir));
-  for (const char* name : kTokenizerFiles) {
-    const std::string source = base_dir + "/" + name;
-    if (is_regular_file(source)) write_file_atomically(out_dir + "/" + name, data::read_text_file(source, "a tokenizer file"));
-  }
+void write_generation_config_and_tokenizer(const BaseDirectory& base, const std::string& out_dir) {
+  write_file_atomically(out_dir + "/generation_config.json", generation_config_json(base));
+  for (const auto& [name, text] : base.tokenizer_files) write_file_atomically(out_dir + "/" + name, text);
 }
 
 }  // namespace qtrain::trainer

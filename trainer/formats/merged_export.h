@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "trainer/formats/base_directory.h"
 #include "trainer/formats/hf_config.h"
 #include "trainer/model/llama.h"
 
@@ -40,12 +41,12 @@ uint64_t parse_byte_size(const std::string& text, const std::string& what);
 // Writes what a Hugging Face model directory holds beside its weights and config.json:
 // generation_config.json (the base's, or one made of config.json's token ids) and the base's
 // tokenizer files. For every export that writes a model directory.
-void write_generation_config_and_tokenizer(const HfModelConfig& base_config, const std::string& base_dir,
-                                           const std::string& out_dir);
+void write_generation_config_and_tokenizer(const BaseDirectory& base, const std::string& out_dir);
 
 // Writes the merged model into `out_dir` (created; it should be a fresh staging directory that
-// the caller renames into place). `base_dir` supplies generation_config.json and the tokenizer.
-void write_merged_model(const LlamaForCausalLMImpl& model, const HfModelConfig& base_config,
-                        const std::string& base_dir, const std::string& out_dir, const MergedExportOptions& options);
+// the caller renames into place). `base` supplies config.json, generation_config.json and the
+// tokenizer.
+void write_merged_model(const LlamaForCausalLMImpl& model, const BaseDirectory& base, const std::string& out_dir,
+                        const MergedExportOptions& options);
 
 }  // namespace qtrain::trainer

@@ -10,45 +10,81 @@
 
 namespace qtrain::trainer {
 
-void write_model_export(const ExportFormatRow& format, const LlamaForCausalLMImpl& model, const HfModelConfig& config,
-                        const std::string& base_dir, const std::string& out_path, const ModelExportOptions& options) {
+namespace {
+
+// gguf writes its unquantized tensors F32 whatever the options.
+void write_gguf(const LlamaForCausalLMImpl& model, const BaseDirectory& base, const std::string& path,
+                const ModelExportOptions&) {
+  write_gguf_model(model, base, path);
+}
+
+void write_merged(const LlamaForCausalLMImpl& model, const BaseDirectory& base, const std::string& path,
+                  const ModelExportOptions& options) {
+  MergedExportOptions merged;
+  merged.dtype = options.dtype.value_or(base.config.stored_dtype);
+  if (options.max_shard_bytes) merged.max_shard_bytes = *options.max_shard_bytes;
+  write_merged_model(model, base, path, merged);
+}
+
+void write_safetensors_int(const LlamaForCausalLMImpl& model, const BaseDirectory& base, const std::string& path,
+                           const ModelExportOptions& options) {
+  QuantizedExportOptions quantized;
+  if (options.dtype) quantized.dtype = *options.dtype;
+  if (options.max_shard_bytes) quantized.max_shard_bytes = *options.max_shard_bytes;
+  write_quantized_model(model, base, path, quantized);
+}
+
+}  // namespace
+
+// The switch has no default, and -Wswitch is an error here, so that a new format does not
+// compile until its writer is named.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic error "-Wswitch"
+const ExportWriter& export_writer(ExportFormat format) {
+  static const ExportWriter peft = {nullptr, nullptr};
+  static const ExportWriter merged = {nullptr, write_merged};
+  static const ExportWriter gguf = {require_gguf_exportable, write_gguf};
+  static const ExportWriter safetensors_int = {nullptr, write_safetensors_int};
+  switch (format) {
+    case ExportFormat::kPeft: return peft;
+    case ExportFormat::kMerged: return merged;
+    case ExportFormat::kGguf: return gguf;
+    case ExportFormat::kSafetensorsInt: return safetensors_int;
+  }
+  throw Error(ErrorCode::kInternal, "export format " + std::to_string(static_cast<int>(format)) + " has no writer");
+}
+#pragma GCC diagnostic pop
+
+void check_model_exports(const BaseDirectory& base, const std::vector<std::string>& formats) {
+  for (const auto& name : formats) {
+    const auto& writer = export_writer(find_export_format(name, "export.formats").format);
+    if (writer.preflight) writer.preflight(base);
+  }
+}
+
+void write_model_export(const ExportFormatRow& format, const LlamaForCausalLMImpl& model, const BaseDirectory& base,
+                        const std::string& out_path, const ModelExportOptions& options) {
+  const auto& writer = export_writer(format.format);
+  if (!writer.write) throw Error(ErrorCode::kInternal, std::string("write_model_export: ") + format.name + " has its own writer");
   if (format.single_file) {
-    write_gguf_model(model, config, base_dir, out_path);
+    writer.write(model, base, out_path, options);
     return;
   }
   const std::string staged = out_path + ".staging";
   remove_tree(staged);
-  switch (format.format) {
-    case ExportFormat::kMerged: {
-      MergedExportOptions merged;
-      merged.dtype = options.dtype.value_or(config.stored_dtype);
-      if (options.max_shard_bytes) merged.max_shard_bytes = *options.max_shard_bytes;
-      write_merged_model(model, config, base_dir, staged, merged);
-      break;
-    }
-    case ExportFormat::kSafetensorsInt: {
-      QuantizedExportOptions quantized;
-      if (options.dtype) quantized.dtype = *options.dtype;
-      if (options.max_shard_bytes) quantized.max_shard_bytes = *options.max_shard_bytes;
-      write_quantized_model(model, config, base_dir, staged, quantized);
-      break;
-    }
-    default:
-      throw Error(ErrorCode::kInternal, std::string("write_model_export: ") + format.name + " has its own writer");
-  }
+  writer.write(model, base, staged, options);
   replace_directory(staged, out_path);
 }
 
-std::vector<std::string> write_model_exports(const LlamaForCausalLMImpl& model, const HfModelConfig& config,
-                                             const std::string& base_dir, const std::vector<std::string>& formats,
-                                             const std::string& out_dir) {
+std::vector<std::string> write_model_exports(const LlamaForCausalLMImpl& model, const BaseDirectory& base,
+                                             const std::vector<std::string>& formats, const std::string& out_dir) {
   std::vector<std::string> written;
   std::filesystem::create_directories(out_dir);
   for (const auto& name : formats) {
     const auto& format = find_export_format(name, "export.formats");
-    if (format.format == ExportFormat::kPeft) continue;  // the run's adapter directory
+    if (!export_writer(format.format).write) continue;  // peft: the run's adapter directory
     const std::string target = out_dir + "/" + format.target;
-    write_model_export(format, model, config, base_dir, target);
+    write_model_export(format, model, base, target);
     written.push_back(target);
   }
   return written;

@@ -5,14 +5,15 @@
 //   OUT/safetensors-int/   QAT layers as integer codes + scales, the rest fp32 (safetensors_int.h)
 //   OUT/model.gguf         llama.cpp's GGUF with Q4_0 / Q8_0 QAT layers (gguf_export.h)
 // `peft` is not written here: an adapter run keeps it in RUN/adapter. Each export is staged
-// beside its target and renamed into place, so a crash leaves the previous one or none.
+// beside its target and renamed into place, so a crash leaves the previous one or none. Every
+// writer takes the base directory read once (base_directory.h).
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "trainer/formats/base_directory.h"
 #include "trainer/formats/export_formats.h"
-#include "trainer/formats/hf_config.h"
 #include "trainer/model/llama.h"
 
 namespace qtrain::trainer {
@@ -25,16 +26,30 @@ struct ModelExportOptions {
   std::optional<uint64_t> max_shard_bytes;
 };
 
-// Writes `format` (any but peft, which is the adapter's own writer) of `model` to `out_path`:
-// gguf's file written beside itself and renamed, the others staged in OUT.staging and renamed.
-// `base_dir` supplies the tokenizer and generation config.
-void write_model_export(const ExportFormatRow& format, const LlamaForCausalLMImpl& model, const HfModelConfig& config,
-                        const std::string& base_dir, const std::string& out_path, const ModelExportOptions& options = {});
+// What a format of export_formats.h does with a model, one row each.
+struct ExportWriter {
+  // An Error, as `write` would give it, when a model of `base` cannot be written in this format:
+  // for runs to check before they train, not after. Null: nothing to check.
+  void (*preflight)(const BaseDirectory& base);
+  // Writes `model` to `path`: the file itself (single_file) or a fresh staging directory. Null
+  // for peft, which is the adapter's own writer (peft_adapter.h).
+  void (*write)(const LlamaForCausalLMImpl& model, const BaseDirectory& base, const std::string& path,
+                const ModelExportOptions& options);
+};
+
+const ExportWriter& export_writer(ExportFormat format);
+
+// The pre-flight check of every format of `formats` (export.formats).
+void check_model_exports(const BaseDirectory& base, const std::vector<std::string>& formats);
+
+// Writes `format` (any but peft) of `model` to `out_path`: a single file written beside itself
+// and renamed, a directory staged in OUT.staging and renamed.
+void write_model_export(const ExportFormatRow& format, const LlamaForCausalLMImpl& model, const BaseDirectory& base,
+                        const std::string& out_path, const ModelExportOptions& options = {});
 
 // Writes every format of `formats` except peft into `out_dir` (created), each at its row's
 // target, and returns the paths written.
-std::vector<std::string> write_model_exports(const LlamaForCausalLMImpl& model, const HfModelConfig& config,
-                                             const std::string& base_dir, const std::vector<std::string>& formats,
-                                             const std::string& out_dir);
+std::vector<std::string> write_model_exports(const LlamaForCausalLMImpl& model, const BaseDirectory& base,
+                                             const std::vector<std::string>& formats, const std::string& out_dir);
 
 }  // namespace qtrain::trainer

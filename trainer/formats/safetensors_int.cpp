@@ -114,8 +114,7 @@ bool ends_with(const std::string& text, const std::string& suffix) {
 
 }  // namespace
 
-void write_quantized_model(const LlamaForCausalLMImpl& model, const HfModelConfig& base_config,
-                           const std::string& base_dir, const std::string& out_dir,
+void write_quantized_model(const LlamaForCausalLMImpl& model, const BaseDirectory& base, const std::string& out_dir,
                            const QuantizedExportOptions& options) {
   const auto layers = qat::find_qat_layers(model);
   if (layers.empty()) {
@@ -144,10 +143,10 @@ void write_quantized_model(const LlamaForCausalLMImpl& model, const HfModelConfi
   }
   write_safetensors_checkpoint(out_dir, tensors, options.max_shard_bytes,
                                {{"format", "pt"}, {kMetadataKey, scheme.dump()}});
-  auto config = nlohmann::ordered_json::parse(merged_config_json(base_config, options.dtype));
+  auto config = nlohmann::ordered_json::parse(merged_config_json(base.config, options.dtype));
   config["quantization_config"] = scheme;
   write_file_atomically(out_dir + "/config.json", config.dump(2) + "\n");
-  write_generation_config_and_tokenizer(base_config, base_dir, out_dir);
+  write_generation_config_and_tokenizer(base, out_dir);
 }
 
 bool is_qtrain_quantized_checkpoint(const HfModelConfig& config) {

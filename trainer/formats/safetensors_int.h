@@ -25,6 +25,7 @@
 // scales only: a static or learned activation scale is state this format does not hold yet).
 #include <string>
 
+#include "trainer/formats/base_directory.h"
 #include "trainer/formats/hf_checkpoint.h"
 #include "trainer/formats/hf_config.h"
 #include "trainer/model/llama.h"
@@ -37,10 +38,9 @@ struct QuantizedExportOptions {
 };
 
 // Writes `model` (with QatLinear layers; an Error when it has none) into `out_dir` (created; a
-// fresh staging directory the caller renames into place). `base_dir`: tokenizer and
+// fresh staging directory the caller renames into place). `base`: config.json, tokenizer and
 // generation config.
-void write_quantized_model(const LlamaForCausalLMImpl& model, const HfModelConfig& base_config,
-                           const std::string& base_dir, const std::string& out_dir,
+void write_quantized_model(const LlamaForCausalLMImpl& model, const BaseDirectory& base, const std::string& out_dir,
                            const QuantizedExportOptions& options = {});
 
 // Whether config.json's quantization_config is ours (quant_method "qtrain").

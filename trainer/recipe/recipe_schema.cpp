@@ -382,11 +382,13 @@ std::optional<RecipeConflict> find_conflict(const Recipe& recipe) {
     }
   }
   const auto& formats = recipe.export_.formats;
-  const auto exports = [&](const char* format) { return std::find(formats.begin(), formats.end(), format) != formats.end(); };
-  if (recipe.quant != "qat" && (exports("gguf") || exports("safetensors-int"))) {
-    return RecipeConflict{"export.formats",
-                          "gguf and safetensors-int write the weights on a QAT grid, so they need quant: qat (to "
-                          "quantize a finished model, use qtrain quantize)"};
+  for (const auto& row : export_formats()) {
+    const bool exported = std::find(formats.begin(), formats.end(), row.name) != formats.end();
+    if (recipe.quant != "qat" && exported && !row.accepts(ExportedWeights::kFloat)) {
+      return RecipeConflict{"export.formats", export_formats_refusing(ExportedWeights::kFloat) +
+                                                  " write the weights on a QAT grid, so they need quant: qat (to "
+                                                  "quantize a finished model, use qtrain quantize)"};
+    }
   }
   if (recipe.quant == "qat" && !trains_full_weights(recipe) && recipe.lora.dropout > 0) {
     return RecipeConflict{"lora.dropout",
