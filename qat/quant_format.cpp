@@ -28,6 +28,15 @@ const QuantFormatInfo& quant_format_info(QuantFormat format) {
   throw Error(ErrorCode::kInternal, "unknown quant format (internal error)");
 }
 
+const std::vector<QuantFormat>& quant_formats() {
+  static const std::vector<QuantFormat> formats = [] {
+    std::vector<QuantFormat> all;
+    for (const auto& info : kFormats) all.push_back(info.format);
+    return all;
+  }();
+  return formats;
+}
+
 QuantFormat parse_quant_format(const std::string& name, const std::string& what) {
   std::string choices;
   for (const auto& info : kFormats) {

@@ -14,6 +14,7 @@
 // saturates at +-max_value.
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "qat/four_bit_format.h"
 
@@ -43,6 +44,8 @@ struct QuantFormatInfo {
 };
 
 const QuantFormatInfo& quant_format_info(QuantFormat format);
+// Every format, in the table's order (the order the choices are listed in).
+const std::vector<QuantFormat>& quant_formats();
 // "int" | "fp8_e4m3" | "fp8_e5m2" | "fp4_e2m1" | "nf4" | "fp4"; anything else is an Error
 // naming `what` (a key) and the choices.
 QuantFormat parse_quant_format(const std::string& name, const std::string& what);

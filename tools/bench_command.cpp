@@ -20,6 +20,8 @@
 #include <fstream>
 #include <functional>
 #include <limits>
+#include <optional>
+#include <tuple>
 
 #ifdef QTRAIN_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -29,10 +31,8 @@
 
 #include "kernels/error.h"
 #include "data/batching.h"
-#include "qat/float8_linear.h"
 #include "qat/float8_matmul.h"
-#include "qat/four_bit_linear.h"
-#include "qat/int8_linear.h"
+#include "qat/four_bit_codec.h"
 #include "qat/lora_linear.h"
 #include "qat/qat_lora_matmul.h"
 #include "tools/commands.h"
@@ -68,35 +68,6 @@ double peak_flops(const torch::Device& device) {
   return 0;
 }
 
-// A random NF4 double-quantized weight [out, in] made directly on the device, with the code
-// tables of a real quantization (`tables`). Quantizing 8B random weights would run bnb's exact
-// codec on the CPU for minutes and measure nothing a training step does.
-qat::FourBitTensor random_four_bit(int64_t out, int64_t in, const qat::FourBitTensor& tables,
-                                   const torch::Device& device, torch::ScalarType dtype) {
-  qat::FourBitTensor weight;
-  weight.state = tables.state;
-  weight.state.shape = {out, in};
-  weight.state.dtype = dtype;
-  const auto bytes = torch::TensorOptions().dtype(torch::kUInt8).device(device);
-  weight.packed = torch::randint(256, {(out * in + 1) / 2, 1}, bytes);
-  const int64_t blocks = weight.state.blocks();
-  weight.state.absmax = torch::randint(256, {blocks}, bytes);
-  weight.state.nested_absmax = torch::full({(blocks + qat::kNestedBlocksize - 1) / qat::kNestedBlocksize}, 0.01,
-                                           torch::TensorOptions().dtype(torch::kFloat32).device(device));
-  weight.state.code = tables.state.code.to(device);
-  weight.state.nested_code = tables.state.nested_code.to(device);
-  return weight;
-}
-
-// A random LLM.int8 weight [out, in] on the device: int8 codes and a row absmax of about what a
-// 0.02-scaled weight has. Outlier columns come from the activations, not from here.
-std::shared_ptr<qat::Int8Linear> random_int8(int64_t out, int64_t in, const torch::Tensor& bias,
-                                             const torch::Device& device, torch::ScalarType dtype) {
-  const auto codes = torch::randint(-127, 128, {out, in}, torch::TensorOptions().dtype(torch::kChar).device(device));
-  const auto absmax = torch::full({out}, 0.08, torch::TensorOptions().dtype(torch::kFloat32).device(device));
-  return std::make_shared<qat::Int8Linear>(codes, absmax, bias, /*threshold=*/6.0, dtype);
-}
-
 void synchronize(const torch::Device& device) {
 #ifdef QTRAIN_WITH_CUDA
   if (device.is_cuda()) at::cuda::getCurrentCUDAStream(device.index()).synchronize();
@@ -109,9 +80,11 @@ void synchronize(const torch::Device& device) {
 trainer::Recipe bench_recipe(const trainer::BaseQuantizationRow& base, bool fake_quant, int64_t lora_rank,
                              const std::string& optimizer_name, bool checkpointing, int64_t loss_chunk) {
   auto recipe = trainer::default_recipe();
-  recipe.quant = fake_quant ? "qat" : base.kind == trainer::BaseQuantization::kNone ? "none" : "qlora";
-  if (base.kind != trainer::BaseQuantization::kNone) recipe.qlora.quant_type = base.name;
-  recipe.qat.base = base.name;  // QAT-LoRA on this base (read only with quant: qat)
+  recipe.quant = fake_quant                                     ? trainer::QuantMethod::kQat
+                 : base.kind == trainer::BaseQuantization::kNone ? trainer::QuantMethod::kNone
+                                                                 : trainer::QuantMethod::kQlora;
+  if (base.kind != trainer::BaseQuantization::kNone) recipe.qlora.quant_type = base.kind;
+  recipe.qat.base = base.kind;  // QAT-LoRA on this base (read only with quant: qat)
   recipe.qat.weights.scale_dtype = "fp16";  // GGUF Q4_0's grid: int4, groups of 32, fp16 scales
   recipe.lora.rank = lora_rank;
   recipe.lora.alpha = 2.0 * static_cast<double>(lora_rank);
@@ -254,31 +227,59 @@ std::pair<int64_t, double> longest_context(const torch::Device& device, int64_t 
   }
 }
 
-}  // namespace
-
-int run_bench(const Arguments& arguments) {
-  std::string shape, quant, dtype_name, device_name, checkpoint_run, optimizer_name, trace_path, lora_gradient;
-  int64_t micro_batch = 0, sequence = 0, steps = 0, warmup = 0, lora_rank = 0, loss_chunk = 0, profile_steps = 0;
-  int64_t mlp_chunk = 0, packed_samples = 0, checkpoint_every = 1;
+// What `qtrain bench` was asked to measure: its options as given, and what they resolve to.
+struct BenchOptions {
+  std::string shape;
+  std::string quant;  // --quant as given (qlora: nf4)
+  std::string optimizer_name;
+  std::string dtype_name;
+  std::string device_name;
+  std::string lora_gradient;   // with --qat
+  std::string checkpoint_run;  // --save-checkpoint: RUN, or empty
+  std::string trace_path;      // with --profile
+  int64_t micro_batch = 0;
+  int64_t sequence = 0;  // tokens; --max-context: the first probe's
+  int64_t steps = 0;     // timed
+  int64_t warmup = 0;
+  int64_t lora_rank = 0;
+  int64_t loss_chunk = 0;  // 0 automatic, -1 unchunked
+  int64_t profile_steps = 0;
+  int64_t mlp_chunk = 0;
+  int64_t packed_samples = 0;
+  int64_t checkpoint_every = 1;
   double memory_limit_gib = 0;
+  bool fake_quant = false;  // --qat
+  bool checkpointing = false;
+  bool packed_mask = false;
+  bool max_context = false;
+  bool json = false;
+  // Resolved:
+  const trainer::BaseQuantizationRow* base = nullptr;
+  torch::Device device = torch::kCPU;
+  torch::ScalarType dtype = torch::kBFloat16;
+  trainer::LlamaOptions llama;
+  trainer::Recipe recipe;  // the run measured, as Finetune would build it
+};
+
+po::options_description bench_option_descriptions(BenchOptions& bench) {
   po::options_description options("bench options");
   options.add_options()
-      ("shape", po::value(&shape)->default_value("llama3-8b"),
+      ("shape", po::value(&bench.shape)->default_value("llama3-8b"),
        "llama3-8b, llama3-1b, qwen3-8b, qwen2.5-7b, mistral-7b, gemma2-9b, gemma3-12b, phi4-mini or tiny (random weights)")
-      ("quant", po::value(&quant)->default_value("qlora"),
+      ("quant", po::value(&bench.quant)->default_value("qlora"),
        "the frozen base: qlora (= nf4, double-quant), nf4, fp4, int8 (LLM.int8, threshold 6), fp8 (e4m3 rows, FP8 "
        "tensor cores) or none (16-bit)")
-      ("optim", po::value(&optimizer_name)->default_value("adamw"), "adamw or adamw8bit")
-      ("micro-batch", po::value(&micro_batch)->default_value(1), "sequences per step")
-      ("seq", po::value(&sequence)->default_value(2048), "tokens per sequence")
+      ("optim", po::value(&bench.optimizer_name)->default_value("adamw"), "adamw or adamw8bit")
+      ("micro-batch", po::value(&bench.micro_batch)->default_value(1), "sequences per step")
+      ("seq", po::value(&bench.sequence)->default_value(2048), "tokens per sequence")
       ("checkpointing", po::bool_switch(), "recompute every decoder layer in backward")
-      ("checkpoint-every", po::value(&checkpoint_every)->default_value(1),
+      ("checkpoint-every", po::value(&bench.checkpoint_every)->default_value(1),
        "with --checkpointing: only every K-th decoder layer (train.gradient_checkpointing_every)")
       ("offload-activations", po::bool_switch(), "with --checkpointing: the layers' inputs wait in pinned host memory "
        "(train.offload_activations)")
-      ("mlp-chunk", po::value(&mlp_chunk)->default_value(0), "MLP chunk tokens (train.mlp_chunk_tokens); 0: whole")
+      ("mlp-chunk", po::value(&bench.mlp_chunk)->default_value(0), "MLP chunk tokens (train.mlp_chunk_tokens); 0: whole")
       ("unfused-loss", po::bool_switch(), "each loss chunk's whole logits (train.fused_loss: false)")
-      ("packed-samples", po::value(&packed_samples)->default_value(0),
+      ("packed-samples", po::value(&bench.packed_samples)->default_value(0),
        "pack each sequence with this many samples of equal length (attention stays inside each); 0: unpacked")
       ("packed-mask", po::bool_switch(), "with --packed-samples: SDPA over the written-out block-causal mask instead "
        "of flash attention over the samples' spans (to compare)")
@@ -292,7 +293,7 @@ int run_bench(const Arguments& arguments) {
       ("max-context", po::bool_switch(),
        "find the longest sequence one micro-batch trains in the GPU's memory: measure the peak at two lengths, "
        "extrapolate, then train at the longest that fits (stepping down on out-of-memory); prints its tokens/s")
-      ("memory-limit-gib", po::value(&memory_limit_gib)->default_value(0.0),
+      ("memory-limit-gib", po::value(&bench.memory_limit_gib)->default_value(0.0),
        "cap the device memory the caching allocator may use (e.g. 79 to act as an 80 GB card on a larger one); "
        "0: the whole device")
       ("dora", po::bool_switch(), "DoRA adapters (lora.use_dora) instead of LoRA")
@@ -303,76 +304,121 @@ int run_bench(const Arguments& arguments) {
        "(qlora.fp8_compute)")
       ("qat", po::bool_switch(), "fake-quantize the merged weights (int4, groups of 32, fp16 scales) over the --quant base, "
        "as quant: qat with qat.base")
-      ("lora-gradient", po::value(&lora_gradient)->default_value("identity"),
+      ("lora-gradient", po::value(&bench.lora_gradient)->default_value("identity"),
        "with --qat: the adapters' gradient, identity or masked (qat.lora_gradient)")
-      ("loss-chunk", po::value(&loss_chunk)->default_value(0), "loss chunk tokens; 0 automatic, -1 unchunked")
-      ("dtype", po::value(&dtype_name)->default_value("bf16"), "compute dtype: bf16, fp16 or fp32")
-      ("device", po::value(&device_name)->default_value("auto"), "cuda, cpu or auto")
-      ("lora-rank", po::value(&lora_rank)->default_value(16), "LoRA rank (alpha = 2 rank)")
-      ("steps", po::value(&steps)->default_value(5), "timed steps (the median is reported)")
-      ("warmup", po::value(&warmup)->default_value(2), "untimed steps first")
-      ("save-checkpoint", po::value(&checkpoint_run), "after the steps, time writing the training state into RUN/checkpoints")
-      ("profile", po::value(&profile_steps)->default_value(0),
+      ("loss-chunk", po::value(&bench.loss_chunk)->default_value(0), "loss chunk tokens; 0 automatic, -1 unchunked")
+      ("dtype", po::value(&bench.dtype_name)->default_value("bf16"), "compute dtype: bf16, fp16 or fp32")
+      ("device", po::value(&bench.device_name)->default_value("auto"), "cuda, cpu or auto")
+      ("lora-rank", po::value(&bench.lora_rank)->default_value(16), "LoRA rank (alpha = 2 rank)")
+      ("steps", po::value(&bench.steps)->default_value(5), "timed steps (the median is reported)")
+      ("warmup", po::value(&bench.warmup)->default_value(2), "untimed steps first")
+      ("save-checkpoint", po::value(&bench.checkpoint_run), "after the steps, time writing the training state into RUN/checkpoints")
+      ("profile", po::value(&bench.profile_steps)->default_value(0),
        "after the timed steps, profile this many more and print where the GPU spent its time")
-      ("trace", po::value(&trace_path), "with --profile: also write a Chrome trace to this file")
+      ("trace", po::value(&bench.trace_path), "with --profile: also write a Chrome trace to this file")
       ("json", po::bool_switch(), "end with one JSON object");
+  return options;
+}
+
+// The command line, read and checked; nothing when it asked for --help.
+std::optional<BenchOptions> parse_bench_options(const Arguments& arguments) {
+  BenchOptions bench;
+  const auto options = bench_option_descriptions(bench);
   po::variables_map values;
   if (!parse_command_line("usage: qtrain bench [--shape S] [--quant Q] [--micro-batch B] [--seq T] [--checkpointing]",
                           options, arguments, values)) {
-    return 0;
+    return std::nullopt;
   }
-  const auto& base = trainer::base_quantization_named(quant == "qlora" ? "nf4" : quant, "--quant");
-  if (steps < 1 || micro_batch < 1 || sequence < 2) throw Error(ErrorCode::kUsage, "--steps, --micro-batch must be >= 1 and --seq >= 2");
-  const bool fake_quant = values["qat"].as<bool>();
-  qat::parse_lora_gradient(lora_gradient, "--lora-gradient");
-  const auto device = trainer::resolve_device(device_name);
-  const auto dtype = trainer::parse_dtype_name(dtype_name, "--dtype");
-  const bool checkpointing = values["checkpointing"].as<bool>();
-  const auto llama = trainer::llama_shape(shape);
-  auto recipe = bench_recipe(base, fake_quant, lora_rank, optimizer_name, checkpointing, loss_chunk);
+  const auto flag = [&](const char* name) { return values[name].as<bool>(); };
+  bench.base = &trainer::base_quantization_named(bench.quant == "qlora" ? "nf4" : bench.quant, "--quant");
+  if (bench.steps < 1 || bench.micro_batch < 1 || bench.sequence < 2) {
+    throw Error(ErrorCode::kUsage, "--steps, --micro-batch must be >= 1 and --seq >= 2");
+  }
+  bench.fake_quant = flag("qat");
+  qat::parse_lora_gradient(bench.lora_gradient, "--lora-gradient");
+  bench.device = trainer::resolve_device(bench.device_name);
+  bench.dtype = trainer::parse_dtype_name(bench.dtype_name, "--dtype");
+  bench.checkpointing = flag("checkpointing");
+  bench.llama = trainer::llama_shape(bench.shape);
+  auto& recipe = bench.recipe;
+  recipe = bench_recipe(*bench.base, bench.fake_quant, bench.lora_rank, bench.optimizer_name, bench.checkpointing,
+                        bench.loss_chunk);
   // Every projection of the shape's block: Phi-3's fused ones by their own names.
-  recipe.lora.target_modules = recipe.qat.target_modules = llama.projection_names();
-  recipe.lora.use_dora = values["dora"].as<bool>();
-  recipe.qlora.fp8_fast_accumulation = values["fp8-fast-accumulation"].as<bool>();
-  recipe.qlora.fp8_compute = values["fp8-compute"].as<bool>();
-  recipe.qat.lora_gradient = lora_gradient;
-  recipe.train.offload_activations = values["offload-activations"].as<bool>();
-  recipe.train.mlp_chunk_tokens = mlp_chunk;
-  recipe.train.fused_loss = !values["unfused-loss"].as<bool>();
-  recipe.train.keep_built_weights = !values["rebuild-weights"].as<bool>();
-  recipe.train.embeddings_on_host = values["embeddings-on-host"].as<bool>();
-  recipe.train.lm_head_on_host = values["lm-head-on-host"].as<bool>();
-  recipe.train.optimizer_states_on_host = values["optimizer-states-on-host"].as<bool>();
-  if (checkpoint_every < 1) throw Error(ErrorCode::kUsage, "--checkpoint-every must be >= 1");
-  if (checkpoint_every > 1 && !checkpointing) {
+  recipe.lora.target_modules = recipe.qat.target_modules = bench.llama.projection_names();
+  recipe.lora.use_dora = flag("dora");
+  recipe.qlora.fp8_fast_accumulation = flag("fp8-fast-accumulation");
+  recipe.qlora.fp8_compute = flag("fp8-compute");
+  recipe.qat.lora_gradient = bench.lora_gradient;
+  recipe.train.offload_activations = flag("offload-activations");
+  recipe.train.mlp_chunk_tokens = bench.mlp_chunk;
+  recipe.train.fused_loss = !flag("unfused-loss");
+  recipe.train.keep_built_weights = !flag("rebuild-weights");
+  recipe.train.embeddings_on_host = flag("embeddings-on-host");
+  recipe.train.lm_head_on_host = flag("lm-head-on-host");
+  recipe.train.optimizer_states_on_host = flag("optimizer-states-on-host");
+  if (bench.checkpoint_every < 1) throw Error(ErrorCode::kUsage, "--checkpoint-every must be >= 1");
+  if (bench.checkpoint_every > 1 && !bench.checkpointing) {
     throw Error(ErrorCode::kUsage, "--checkpoint-every picks the layers --checkpointing recomputes: add --checkpointing");
   }
-  recipe.train.gradient_checkpointing_every = checkpoint_every;
-  if (recipe.train.offload_activations && !checkpointing) {
+  recipe.train.gradient_checkpointing_every = bench.checkpoint_every;
+  if (recipe.train.offload_activations && !bench.checkpointing) {
     throw Error(ErrorCode::kUsage, "--offload-activations moves what --checkpointing keeps: add --checkpointing");
   }
-  if (packed_samples < 0 || packed_samples > sequence) throw Error(ErrorCode::kUsage, "--packed-samples must be 0..--seq");
-  if (values["packed-mask"].as<bool>() && packed_samples == 0) {
+  if (bench.packed_samples < 0 || bench.packed_samples > bench.sequence) {
+    throw Error(ErrorCode::kUsage, "--packed-samples must be 0..--seq");
+  }
+  bench.packed_mask = flag("packed-mask");
+  if (bench.packed_mask && bench.packed_samples == 0) {
     throw Error(ErrorCode::kUsage, "--packed-mask compares packed attention: add --packed-samples");
   }
-  const bool max_context = values["max-context"].as<bool>();
-  if (max_context && packed_samples > 0) throw Error(ErrorCode::kUsage, "--max-context measures one unpacked sequence");
-  if (max_context && micro_batch != 1) throw Error(ErrorCode::kUsage, "--max-context measures one sequence: --micro-batch 1");
-  if (memory_limit_gib > 0) limit_device_memory(device, memory_limit_gib);
-  if (base.kind == trainer::BaseQuantization::kFp8) qat::require_float8_tensor_cores(device, dtype, "--quant fp8", "--dtype");
+  bench.max_context = flag("max-context");
+  if (bench.max_context && bench.packed_samples > 0) throw Error(ErrorCode::kUsage, "--max-context measures one unpacked sequence");
+  if (bench.max_context && bench.micro_batch != 1) {
+    throw Error(ErrorCode::kUsage, "--max-context measures one sequence: --micro-batch 1");
+  }
+  bench.json = flag("json");
+  return bench;
+}
+
+// The model a bench trains, built on the device, with the optimizer and the step a run of its
+// recipe would use.
+struct BenchRun {
+  trainer::LlamaForCausalLM model{nullptr};
+  trainer::TrainedParameters trained;
+  std::unique_ptr<optim::Optimizer> optimizer;
+  std::unique_ptr<trainer::LossScaler> scaler;
+  int64_t loss_chunk_tokens = 0;  // as the step runs it (-1: unchunked)
+  std::unique_ptr<trainer::TrainingStep> step;
+};
+
+// The device's limits and what its tensor cores take, before anything is built on it.
+void prepare_device(const BenchOptions& bench) {
+  const auto& base = *bench.base;
+  const auto& qlora = bench.recipe.qlora;
+  if (bench.memory_limit_gib > 0) limit_device_memory(bench.device, bench.memory_limit_gib);
+  if (base.kind == trainer::BaseQuantization::kFp8) {
+    qat::require_float8_tensor_cores(bench.device, bench.dtype, "--quant fp8", "--dtype");
+  }
   const bool four_bit = base.kind == trainer::BaseQuantization::kNf4 || base.kind == trainer::BaseQuantization::kFp4;
-  if (recipe.qlora.fp8_compute && !four_bit && base.kind != trainer::BaseQuantization::kNone) {
+  if (qlora.fp8_compute && !four_bit && base.kind != trainer::BaseQuantization::kNone) {
     throw Error(ErrorCode::kUsage, "--fp8-compute needs a 4-bit (qlora, nf4, fp4) or 16-bit (none) --quant");
   }
-  if (recipe.qlora.fp8_compute) qat::require_float8_tensor_cores(device, dtype, "--fp8-compute", "--dtype");
-  if (recipe.qlora.fp8_fast_accumulation && base.kind != trainer::BaseQuantization::kFp8 && !recipe.qlora.fp8_compute) {
+  if (qlora.fp8_compute) qat::require_float8_tensor_cores(bench.device, bench.dtype, "--fp8-compute", "--dtype");
+  if (qlora.fp8_fast_accumulation && base.kind != trainer::BaseQuantization::kFp8 && !qlora.fp8_compute) {
     throw Error(ErrorCode::kUsage, "--fp8-fast-accumulation needs --quant fp8 or --fp8-compute");
   }
+}
 
+BenchRun build_bench(const BenchOptions& bench) {
+  const auto& recipe = bench.recipe;
+  const auto& device = bench.device;
+  const auto dtype = bench.dtype;
+  const auto& base = *bench.base;
   torch::manual_seed(0);
-  const auto tables = qat::quantize_4bit(
+  const auto four_bit_tables = qat::quantize_4bit(
       torch::randn({4096}) * 0.02, base.kind == trainer::BaseQuantization::kFp4 ? qat::FourBitType::kFp4 : qat::FourBitType::kNf4,
       recipe.qlora.blocksize, recipe.qlora.double_quant);
+  const auto settings = trainer::base_quantization_settings(base.kind, recipe.qlora, dtype, device);
   const auto build_start = std::chrono::steady_clock::now();
   // Quantized projections are made on the device, one at a time: the 16-bit model never exists.
   const trainer::LinearFactory make_linear = [&](const std::string& name, const qat::DenseLinearOptions& linear)
@@ -381,99 +427,115 @@ int run_bench(const Arguments& arguments) {
     const auto on_device = torch::TensorOptions().dtype(dtype).device(device);
     const auto bias = linear.bias ? torch::randn({linear.out_features}, on_device) * 0.02 : torch::Tensor();
     if (qat::module_name_matches(name, recipe.qlora.skip_modules)) return std::make_shared<qat::DenseLinear>(linear);
-    switch (base.kind) {
-      case trainer::BaseQuantization::kNf4:
-      case trainer::BaseQuantization::kFp4: {
-        auto layer = std::make_shared<qat::FourBitLinear>(
-            random_four_bit(linear.out_features, linear.in_features, tables, device, dtype), bias, dtype);
-        if (recipe.qlora.fp8_compute) layer->multiply_on_float8(recipe.qlora.fp8_fast_accumulation);
-        return layer;
-      }
-      case trainer::BaseQuantization::kInt8:
-        return random_int8(linear.out_features, linear.in_features, bias, device, dtype);
-      case trainer::BaseQuantization::kNone:
-        if (!recipe.qlora.fp8_compute) break;
-        [[fallthrough]];  // e4m3 rows as the FP8 base's, the 16-bit weights kept on the host
-      case trainer::BaseQuantization::kFp8:
-        return qat::Float8Linear::from_dense(
-            torch::randn({linear.out_features, linear.in_features}, on_device) * 0.02, bias,
-            {dtype, device, recipe.qlora.fp8_fast_accumulation,
-             /*keep_dense_weight_on_host=*/base.kind == trainer::BaseQuantization::kNone});
-    }
-    return std::make_shared<qat::DenseLinear>(linear);
+    return base.random_layer({linear, bias, device, four_bit_tables}, settings);
   };
-  trainer::LlamaForCausalLM model(llama, dtype, make_linear);
-  model->to(device);
+  BenchRun run;
+  run.model = trainer::LlamaForCausalLM(bench.llama, dtype, make_linear);
+  auto& model = *run.model;
+  model.to(device);
   const auto adapters = trainer::lora_adapter_config(recipe);
-  qat::apply_lora(*model, adapters.targets, adapters.lora);
-  trainer::apply_recipe_qat(*model, recipe);
-  auto trained = trainer::mark_trained_parameters(*model, recipe);
-  model->train();
-  trainer::apply_recipe_memory_settings(*model, recipe);
-  auto optimizer = trainer::recipe_optimizer(recipe, trained.tensors);
-  trainer::LossScaler scaler(/*enabled=*/dtype == torch::kFloat16);
-  auto step_options = trainer::training_step_options(recipe, llama.vocab_size, device);
-  if (loss_chunk < 0) step_options.loss_chunk_tokens = -1;
-  if (values["packed-mask"].as<bool>()) step_options.packed_attention = trainer::PackedAttention::kWrittenOutMask;
-  const int64_t chunk = step_options.loss_chunk_tokens;
-  trainer::TrainingStep train_step(*model, trained.tensors, *optimizer, scaler, step_options);
+  qat::apply_lora(model, adapters.targets, adapters.lora);
+  trainer::apply_recipe_qat(model, recipe);
+  run.trained = trainer::mark_trained_parameters(model, recipe);
+  model.train();
+  trainer::apply_recipe_memory_settings(model, recipe);
+  run.optimizer = trainer::recipe_optimizer(recipe, run.trained.tensors);
+  run.scaler = std::make_unique<trainer::LossScaler>(/*enabled=*/dtype == torch::kFloat16);
+  auto step_options = trainer::training_step_options(recipe, bench.llama.vocab_size, device);
+  if (bench.loss_chunk < 0) step_options.loss_chunk_tokens = -1;
+  if (bench.packed_mask) step_options.packed_attention = trainer::PackedAttention::kWrittenOutMask;
+  run.loss_chunk_tokens = step_options.loss_chunk_tokens;
+  run.step = std::make_unique<trainer::TrainingStep>(model, run.trained.tensors, *run.optimizer, *run.scaler, step_options);
   synchronize(device);
   std::printf("bench: model built in %.1f s\n",
               std::chrono::duration<double>(std::chrono::steady_clock::now() - build_start).count());
   std::fflush(stdout);
+  return run;
+}
 
+// What a bench measured.
+struct BenchMeasurement {
+  int64_t sequence = 0;  // tokens a sequence: --seq, or the longest --max-context found
+  double step_seconds = 0;  // the median of the timed steps
+  trainer::MemoryUsage memory;  // after the timed steps
+  double checkpoint_seconds = 0;  // --save-checkpoint
+};
+
+// The timed steps (or the --max-context search), then --profile's steps and --save-checkpoint's write.
+BenchMeasurement measure_bench(const BenchOptions& bench, BenchRun& run) {
+  const auto& device = bench.device;
   int64_t next_step = 0;
   // `timed` steps of `tokens`-long sequences after `untimed` ones: the median step time and the
   // peak memory of the timed steps.
   const auto measure = [&](int64_t tokens, int64_t untimed, int64_t timed) {
-    const std::vector<data::Batch> batches = {random_batch(micro_batch, tokens, llama.vocab_size, packed_samples)};
+    const std::vector<data::Batch> batches = {random_batch(bench.micro_batch, tokens, bench.llama.vocab_size, bench.packed_samples)};
     std::vector<double> seconds;
     trainer::reset_peak_memory(device);
     for (int64_t step = 0; step < untimed + timed; ++step) {
       if (step == untimed) trainer::reset_peak_memory(device);
       synchronize(device);
       const auto start = std::chrono::steady_clock::now();
-      train_step.run(batches, next_step++);
+      run.step->run(batches, next_step++);
       synchronize(device);
       if (step >= untimed) seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     }
     std::sort(seconds.begin(), seconds.end());
     return std::make_pair(seconds[seconds.size() / 2], trainer::memory_usage(device).peak_bytes);
   };
-  double median = 0;
-  if (max_context) {
-    const auto found = longest_context(device, sequence, steps, memory_limit_gib, measure, llama, dtype,
-                                       recipe.train.offload_activations);
-    sequence = found.first;
-    median = found.second;
+  BenchMeasurement measured;
+  measured.sequence = bench.sequence;
+  if (bench.max_context) {
+    std::tie(measured.sequence, measured.step_seconds) =
+        longest_context(device, bench.sequence, bench.steps, bench.memory_limit_gib, measure, bench.llama, bench.dtype,
+                        bench.recipe.train.offload_activations);
   } else {
-    median = measure(sequence, warmup, steps).first;
+    measured.step_seconds = measure(bench.sequence, bench.warmup, bench.steps).first;
   }
-  const std::vector<data::Batch> batches = {random_batch(micro_batch, sequence, llama.vocab_size, packed_samples)};
-  const auto memory = trainer::memory_usage(device);
-  if (profile_steps > 0) {
+  const std::vector<data::Batch> batches = {
+      random_batch(bench.micro_batch, measured.sequence, bench.llama.vocab_size, bench.packed_samples)};
+  measured.memory = trainer::memory_usage(device);
+  if (bench.profile_steps > 0) {
     KernelProfile profile(device.is_cuda());
-    for (int64_t step = 0; step < profile_steps; ++step) train_step.run(batches, next_step++);
+    for (int64_t step = 0; step < bench.profile_steps; ++step) run.step->run(batches, next_step++);
     synchronize(device);
-    profile.finish(trace_path, profile_steps, 25, std::cout);
+    profile.finish(bench.trace_path, bench.profile_steps, 25, std::cout);
   }
-  double checkpoint_seconds = 0.0;
-  if (!checkpoint_run.empty()) {
+  if (!bench.checkpoint_run.empty()) {
     // What a run's checkpoint holds for this model: LoRA weights and AdamW moments (the random,
     // loader and recipe parts are a few kilobytes).
     trainer::TrainingCheckpoint checkpoint;
-    for (size_t index = 0; index < trained.names.size(); ++index) {
-      checkpoint.trainable.emplace_back(trained.names[index], trained.tensors[index]);
+    for (size_t index = 0; index < run.trained.names.size(); ++index) {
+      checkpoint.trainable.emplace_back(run.trained.names[index], run.trained.tensors[index]);
     }
-    train_step.settle_optimizer_state();
-    checkpoint.optimizer = optimizer->state();
+    run.step->settle_optimizer_state();
+    checkpoint.optimizer = run.optimizer->state();
     checkpoint.state = {{"step", next_step}};
     const auto start = std::chrono::steady_clock::now();
-    const auto path = trainer::write_training_checkpoint(checkpoint_run, next_step, checkpoint);
-    checkpoint_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    std::printf("bench: training checkpoint %s written in %.2f s\n", path.c_str(), checkpoint_seconds);
+    const auto path = trainer::write_training_checkpoint(bench.checkpoint_run, next_step, checkpoint);
+    measured.checkpoint_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::printf("bench: training checkpoint %s written in %.2f s\n", path.c_str(), measured.checkpoint_seconds);
   }
-  const double tokens_per_second = static_cast<double>(micro_batch * sequence) / median;
+  return measured;
+}
+
+// The row's name as tools/bench.sh names rows: the base, then what runs on it.
+std::string bench_row_name(const BenchOptions& bench) {
+  const auto& recipe = bench.recipe;
+  std::string name = bench.base->kind == trainer::BaseQuantization::kNf4 ? "qlora" : bench.base->name;
+  if (bench.fake_quant) name += bench.lora_gradient == "identity" ? "+qat" : "+qat(" + bench.lora_gradient + ")";
+  if (recipe.lora.use_dora) name += "+dora";
+  if (recipe.qlora.fp8_compute) name += "+fp8-compute";
+  if (recipe.qlora.fp8_fast_accumulation) name += "+fast-accumulation";
+  return name;
+}
+
+// Tokens per second, MFU and peak memory, as lines and with --json as one JSON object.
+void report_bench(const BenchOptions& bench, const BenchRun& run, const BenchMeasurement& measured) {
+  const auto& llama = bench.llama;
+  const auto& recipe = bench.recipe;
+  const int64_t sequence = measured.sequence;
+  const double median = measured.step_seconds;
+  const double tokens_per_second = static_cast<double>(bench.micro_batch * sequence) / median;
 
   const double matmul_parameters =
       static_cast<double>(llama.num_hidden_layers) *
@@ -482,27 +544,25 @@ int run_bench(const Arguments& arguments) {
            3.0 * llama.hidden_size * llama.intermediate_size) +
       static_cast<double>(llama.hidden_size) * llama.vocab_size;
   // A token attends within its sample: packed rows do less attention work than one long sequence.
-  const double attended = packed_samples > 0 ? static_cast<double>(sequence) / packed_samples : sequence;
+  const double attended = bench.packed_samples > 0 ? static_cast<double>(sequence) / bench.packed_samples : sequence;
   const double attention = 4.0 * llama.num_hidden_layers * attended * llama.num_attention_heads * llama.head_dim;
   const double flops_per_token = 4.0 * matmul_parameters + 3.0 * attention;
-  const double peak = peak_flops(device);
+  const double peak = peak_flops(bench.device);
   const double mfu = peak > 0 ? tokens_per_second * flops_per_token / peak : 0.0;
 
-  quant = base.kind == trainer::BaseQuantization::kNf4 ? "qlora" : base.name;  // as tools/bench.sh names rows
-  if (fake_quant) quant += lora_gradient == "identity" ? "+qat" : "+qat(" + lora_gradient + ")";
-  if (recipe.lora.use_dora) quant += "+dora";
-  if (recipe.qlora.fp8_compute) quant += "+fp8-compute";
-  if (recipe.qlora.fp8_fast_accumulation) quant += "+fast-accumulation";
+  const std::string quant = bench_row_name(bench);
   std::printf("bench: %s %s + %s, %s compute on %s, micro-batch %lld x %lld, checkpointing %s%s, loss chunk %lld%s%s\n",
-              shape.c_str(), quant.c_str(), optimizer_name.c_str(), dtype_name.c_str(), device.str().c_str(), static_cast<long long>(micro_batch),
-              static_cast<long long>(sequence),
-              !checkpointing ? "off" : checkpoint_every == 1 ? "on" : ("every " + std::to_string(checkpoint_every) + " layers").c_str(),
-              recipe.train.offload_activations ? " (inputs offloaded)" : "", static_cast<long long>(chunk),
+              bench.shape.c_str(), quant.c_str(), bench.optimizer_name.c_str(), bench.dtype_name.c_str(),
+              bench.device.str().c_str(), static_cast<long long>(bench.micro_batch), static_cast<long long>(sequence),
+              !bench.checkpointing ? "off"
+              : bench.checkpoint_every == 1 ? "on"
+                                            : ("every " + std::to_string(bench.checkpoint_every) + " layers").c_str(),
+              recipe.train.offload_activations ? " (inputs offloaded)" : "", static_cast<long long>(run.loss_chunk_tokens),
               recipe.train.fused_loss ? " (fused)" : "",
-              mlp_chunk > 0 ? (", MLP chunk " + std::to_string(mlp_chunk)).c_str() : "");
-  if (packed_samples > 0) {
-    std::printf("  packed: %lld samples a sequence, attention %s\n", static_cast<long long>(packed_samples),
-                values["packed-mask"].as<bool>() ? "over the written-out block-causal mask" : "over the samples' spans");
+              bench.mlp_chunk > 0 ? (", MLP chunk " + std::to_string(bench.mlp_chunk)).c_str() : "");
+  if (bench.packed_samples > 0) {
+    std::printf("  packed: %lld samples a sequence, attention %s\n", static_cast<long long>(bench.packed_samples),
+                bench.packed_mask ? "over the written-out block-causal mask" : "over the samples' spans");
   }
   if (recipe.train.offload_activations) {
     std::printf("  pinned host memory: %s (pinning took %.1f s in all, in the first step at each length)\n",
@@ -510,38 +570,49 @@ int run_bench(const Arguments& arguments) {
                 trainer::ActivationOffload::pinning_seconds());
   }
   std::printf("  %.0f tokens/s (median of %lld steps, %.3f s each), MFU %.1f%%, peak memory %s\n", tokens_per_second,
-              static_cast<long long>(steps), median, 100.0 * mfu, trainer::format_bytes(memory.peak_bytes).c_str());
-  if (values["json"].as<bool>()) {
-    std::cout << nlohmann::json{{"shape", shape},
-                                {"quant", quant},
-                                {"optim", optimizer_name},
-                                {"dtype", dtype_name},
-                                {"micro_batch", micro_batch},
-                                {"seq", sequence},
-                                {"checkpointing", checkpointing},
-                                {"offload_activations", recipe.train.offload_activations},
-                                {"mlp_chunk_tokens", mlp_chunk},
-                                {"packed_samples", packed_samples},
-                                {"packed_mask", values["packed-mask"].as<bool>()},
-                                {"fused_loss", recipe.train.fused_loss},
-                                {"keep_built_weights", recipe.train.keep_built_weights},
-                                {"embeddings_on_host", recipe.train.embeddings_on_host},
-                                {"lm_head_on_host", recipe.train.lm_head_on_host},
-                                {"optimizer_states_on_host", recipe.train.optimizer_states_on_host},
-                                {"checkpoint_every", checkpointing ? checkpoint_every : 0},
-                                {"max_context", max_context},
-                                {"pinned_host_bytes", trainer::ActivationOffload::pinned_bytes()},
-                                {"pinning_seconds", trainer::ActivationOffload::pinning_seconds()},
-                                {"dora", recipe.lora.use_dora},
-                                {"loss_chunk_tokens", chunk},
-                                {"tokens_per_second", tokens_per_second},
-                                {"mfu", mfu},
-                                {"peak_memory_bytes", memory.peak_bytes},
-                                {"step_seconds", median},
-                                {"checkpoint_seconds", checkpoint_seconds}}
-                     .dump()
-              << std::endl;
-  }
+              static_cast<long long>(bench.steps), median, 100.0 * mfu,
+              trainer::format_bytes(measured.memory.peak_bytes).c_str());
+  if (!bench.json) return;
+  std::cout << nlohmann::json{{"shape", bench.shape},
+                              {"quant", quant},
+                              {"optim", bench.optimizer_name},
+                              {"dtype", bench.dtype_name},
+                              {"micro_batch", bench.micro_batch},
+                              {"seq", sequence},
+                              {"checkpointing", bench.checkpointing},
+                              {"offload_activations", recipe.train.offload_activations},
+                              {"mlp_chunk_tokens", bench.mlp_chunk},
+                              {"packed_samples", bench.packed_samples},
+                              {"packed_mask", bench.packed_mask},
+                              {"fused_loss", recipe.train.fused_loss},
+                              {"keep_built_weights", recipe.train.keep_built_weights},
+                              {"embeddings_on_host", recipe.train.embeddings_on_host},
+                              {"lm_head_on_host", recipe.train.lm_head_on_host},
+                              {"optimizer_states_on_host", recipe.train.optimizer_states_on_host},
+                              {"checkpoint_every", bench.checkpointing ? bench.checkpoint_every : 0},
+                              {"max_context", bench.max_context},
+                              {"pinned_host_bytes", trainer::ActivationOffload::pinned_bytes()},
+                              {"pinning_seconds", trainer::ActivationOffload::pinning_seconds()},
+                              {"dora", recipe.lora.use_dora},
+                              {"loss_chunk_tokens", run.loss_chunk_tokens},
+                              {"tokens_per_second", tokens_per_second},
+                              {"mfu", mfu},
+                              {"peak_memory_bytes", measured.memory.peak_bytes},
+                              {"step_seconds", median},
+                              {"checkpoint_seconds", measured.checkpoint_seconds}}
+                   .dump()
+            << std::endl;
+}
+
+}  // namespace
+
+int run_bench(const Arguments& arguments) {
+  const auto bench = parse_bench_options(arguments);
+  if (!bench) return 0;
+  prepare_device(*bench);
+  auto run = build_bench(*bench);
+  const auto measured = measure_bench(*bench, run);
+  report_bench(*bench, run, measured);
   return 0;
 }
 

@@ -75,16 +75,16 @@ int run_quantize(const Arguments& arguments) {
     // The float model: a 16-bit base that trained on FP8 tensor cores (qlora.fp8_compute) loads as
     // its 16-bit weights, not as the e4m3 rows it multiplied by.
     run = trainer::load_trained_run(run_dir, "", /*quantize_base=*/false);
-    if (run->recipe.quant != "none") {
-      throw Error(ErrorCode::kUsage, run_dir + ": the run trained with quant: " + run->recipe.quant +
+    if (run->recipe.quant != trainer::QuantMethod::kNone) {
+      throw Error(ErrorCode::kUsage, run_dir + ": the run trained with quant: " + trainer::quant_method_name(run->recipe.quant) +
                   "; PTQ starts from a float model (a run with quant: none, or a Hugging Face directory)");
     }
     model_dir = run->recipe.model.path;  // its config and tokenizer
   }
   if (!model_dir.empty()) overrides.push_back("model.path=" + model_dir);
   const auto recipe = trainer::load_recipe(recipe_path, overrides);
-  if (recipe.quant != "qat") {
-    throw Error(ErrorCode::kRecipe, recipe_path + ": quant is '" + recipe.quant + "'; qtrain quantize applies the qat section, so the recipe "
+  if (recipe.quant != trainer::QuantMethod::kQat) {
+    throw Error(ErrorCode::kRecipe, recipe_path + ": quant is '" + trainer::quant_method_name(recipe.quant) + "'; qtrain quantize applies the qat section, so the recipe "
                 "needs quant: qat (recipes/qat_llama.yaml, recipes/qat_llama_q4_0.yaml)");
   }
   if (recipe.model.path.empty()) throw Error(ErrorCode::kUsage, "no model: pass --model DIR or set model.path in the recipe");

@@ -63,7 +63,7 @@ Finetune::Finetune(Recipe recipe, std::string resume)
 void Finetune::setup() {
   if (recipe_.model.path.empty()) throw Error(ErrorCode::kRecipe, "model.path is not set: point it at a Hugging Face model directory");
   require_training_data(recipe_);
-  if (recipe_.quant == "qat") qat_linear_options(recipe_);  // the scheme, checked before minutes of loading
+  if (recipe_.quant == QuantMethod::kQat) qat_linear_options(recipe_);  // the scheme, checked before minutes of loading
   device_ = resolve_device(recipe_.train.device, launch_.local_rank);
   compute_dtype_ = parse_dtype_name(recipe_.train.dtype, "train.dtype");
   if (compute_dtype_ == torch::kFloat16) {
@@ -129,7 +129,7 @@ void Finetune::setup_adapters() {
     require_model_projections(model.options(), recipe_.lora.target_modules, "lora.target_modules");
     qat::apply_lora(model, adapter_config_.targets, adapter_config_.lora);
   }
-  if (recipe_.quant == "qat") require_model_projections(model.options(), recipe_.qat.target_modules, "qat.target_modules");
+  if (recipe_.quant == QuantMethod::kQat) require_model_projections(model.options(), recipe_.qat.target_modules, "qat.target_modules");
   // After LoRA, so that QAT fake-quantizes the merged weight a merged export writes.
   const auto quantized = apply_recipe_qat(model, recipe_);
   if (!quantized.empty()) {
@@ -147,7 +147,7 @@ void Finetune::setup_adapters() {
                                       ? std::string("full weights")
                                       : "LoRA r=" + std::to_string(adapter_config_.lora.rank);
   std::printf("model: %s, quant %s, compute %s on %s; trainable %.3fM parameters (%s)\n",
-              recipe_.model.path.c_str(), recipe_.quant.c_str(), dtype_short_name(compute_dtype_).c_str(),
+              recipe_.model.path.c_str(), quant_method_name(recipe_.quant), dtype_short_name(compute_dtype_).c_str(),
               device_.str().c_str(), trained.count / 1e6, what_trains.c_str());
   model.train();
 }
@@ -198,7 +198,7 @@ StepResult Finetune::train_step(int64_t step) {
   const auto position = train_batches_->state();
   // QAT: observers may run before qat.start_step; the rounding starts there (train() sets the
   // state the run starts or resumes in).
-  if (recipe_.quant == "qat" && step == recipe_.qat.start_step) qat::set_fake_quant_enabled(*loaded_.model, true);
+  if (recipe_.quant == QuantMethod::kQat && step == recipe_.qat.start_step) qat::set_fake_quant_enabled(*loaded_.model, true);
   // The schedule follows optimizer steps taken: a skipped step does not advance it.
   optimizer_->set_learning_rate(optim::learning_rate_at(schedule_, optimizer_steps_));
   std::vector<data::Batch> micro_batches;
@@ -254,7 +254,7 @@ double Finetune::evaluate_and_log(int64_t step) {
     // The held-out data must not move a QAT run's calibrated ranges; before the first step has
     // observed them, the evaluation is of the float model.
     auto& model = *loaded_.model;
-    const bool qat_run = recipe_.quant == "qat";
+    const bool qat_run = recipe_.quant == QuantMethod::kQat;
     bool was_quantizing = false;
     if (qat_run) {
       const auto quantized_layers = qat::find_qat_layers(model);
@@ -404,7 +404,7 @@ bool Finetune::resume_if_asked() {
 TrainSummary Finetune::train() {
   TrainSummary summary;
   const auto start = Clock::now();
-  if (recipe_.quant == "qat") qat::set_fake_quant_enabled(*loaded_.model, first_step_ >= recipe_.qat.start_step);
+  if (recipe_.quant == QuantMethod::kQat) qat::set_fake_quant_enabled(*loaded_.model, first_step_ >= recipe_.qat.start_step);
   summary.first_eval_loss =
       first_step_ == 0 ? evaluate_and_log(0) : std::numeric_limits<double>::quiet_NaN();
   summary.last_eval_loss = summary.first_eval_loss;
@@ -480,7 +480,7 @@ TrainSummary Finetune::train() {
   ActivationOffload::release_unused_host_buffers();
   if (first_step_ < total_steps_) summary.checkpoint_dir = save_checkpoint(total_steps_);
   // What is evaluated and exported is the quantized model, even when qat.start_step was never reached.
-  if (recipe_.quant == "qat") qat::set_fake_quant_enabled(*loaded_.model, true);
+  if (recipe_.quant == QuantMethod::kQat) qat::set_fake_quant_enabled(*loaded_.model, true);
   summary.last_eval_loss = evaluate_and_log(total_steps_);
   if (!trains_full_weights(recipe_)) summary.adapter_dir = save_adapter();
   summary.exports = write_exports();

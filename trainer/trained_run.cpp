@@ -12,11 +12,11 @@ namespace {
 // for a LoRA run; the last checkpoint for runs whose weights an adapter cannot hold (full
 // weights, and QAT's quantizer state).
 std::string final_weights_source(const std::string& run_dir, const Recipe& recipe) {
-  if (!trains_full_weights(recipe) && recipe.quant != "qat") return run_dir + "/adapter";
+  if (!trains_full_weights(recipe) && recipe.quant != QuantMethod::kQat) return run_dir + "/adapter";
   const auto newest = newest_valid_checkpoint(run_dir);
   if (!newest) {
     throw Error(ErrorCode::kCheckpoint, run_dir + "/checkpoints: no valid checkpoint, and this run (" +
-                (recipe.quant == "qat" ? std::string("quant: qat") : std::string("full weights")) +
+                (recipe.quant == QuantMethod::kQat ? std::string("quant: qat") : std::string("full weights")) +
                 ") keeps its trained weights there; did it finish?");
   }
   return *newest;
@@ -52,7 +52,7 @@ TrainedRun load_trained_run(const std::string& run_dir, const std::string& check
   size_t trained = qat_state_buffers(model).size();
   for (const auto& item : model.named_parameters()) trained += is_trained_parameter(run.recipe, item.key()) ? 1 : 0;
   load_trainable_tensors(model, state.trainable, trained, run.adapter_source);
-  if (run.recipe.quant == "qat") qat::set_fake_quant_enabled(model, true);
+  if (run.recipe.quant == QuantMethod::kQat) qat::set_fake_quant_enabled(model, true);
   return run;
 }
 

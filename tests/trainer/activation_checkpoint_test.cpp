@@ -170,7 +170,7 @@ TEST(EmbeddingsOnHost, TheRecipeRefusesTiedOrTrainedTables) {
   recipe.train.embeddings_on_host = true;
   auto untied = refused_when_tied(recipe);
   recipe.lora.rank = 0;  // every weight trains, the embedding too
-  recipe.quant = "none";
+  recipe.quant = QuantMethod::kNone;
   EXPECT_NE(refusal(*untied, recipe).find("model.embed_tokens.weight"), std::string::npos);
 }
 
@@ -194,10 +194,10 @@ TEST(LmHeadOnHost, TheRecipeRefusesTiedTrainedAdaptedOrQuantizedHeads) {
   EXPECT_NE(refusal(*untied, adapted).find("include lm_head"), std::string::npos);
   auto full = recipe;
   full.lora.rank = 0;  // every weight trains, lm_head too
-  full.quant = "none";
+  full.quant = QuantMethod::kNone;
   EXPECT_NE(refusal(*untied, full).find("lm_head.weight"), std::string::npos);
   auto fake_quantized = recipe;
-  fake_quantized.quant = "qat";
+  fake_quantized.quant = QuantMethod::kQat;
   fake_quantized.qat.target_modules = {"lm_head"};
   EXPECT_NE(refusal(*untied, fake_quantized).find("qat.target_modules"), std::string::npos);
   qat::quantize_linear_layers(*untied, qat::FourBitOptions{}, {});  // lm_head too

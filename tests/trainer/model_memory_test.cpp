@@ -396,7 +396,7 @@ TEST(ModelMemory, SetupReadsTheRecipeAsFinetuneDoes) {
                                    "lora.target_modules=[q_proj, v_proj]", "data.pack=true"});
   const auto model_options = tiny_llama_options();
   const auto setup = training_memory_setup(recipe, model_options);
-  EXPECT_EQ(base_quantization_row(setup.base.kind).name, recipe.quant == "qlora" ? recipe.qlora.quant_type : "none");
+  EXPECT_EQ(setup.base.kind, recipe.quant == QuantMethod::kQlora ? recipe.qlora.quant_type : BaseQuantization::kNone);
   EXPECT_EQ(setup.base.four_bit.blocksize, recipe.qlora.blocksize);
   EXPECT_EQ(setup.base.four_bit.double_quant, recipe.qlora.double_quant);
   EXPECT_EQ(setup.base.skip_modules, recipe.qlora.skip_modules);

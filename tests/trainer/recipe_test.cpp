@@ -10,6 +10,7 @@
 #include <functional>
 #include <random>
 #include <set>
+#include <stdexcept>
 
 #include "kernels/error.h"
 #include "support.h"
@@ -56,9 +57,9 @@ const std::vector<std::string> kLlamaProjections = {"q_proj",    "k_proj",  "v_p
 
 TEST(RecipeDefaults, AreWhatTorchtuneAndAxolotlUsersExpect) {
   const Recipe recipe = default_recipe();
-  EXPECT_EQ(recipe.quant, "qlora");
+  EXPECT_EQ(recipe.quant, QuantMethod::kQlora);
   EXPECT_EQ(recipe.model.dtype, "bf16");
-  EXPECT_EQ(recipe.qlora.quant_type, "nf4");
+  EXPECT_EQ(recipe.qlora.quant_type, BaseQuantization::kNf4);
   EXPECT_EQ(recipe.qlora.blocksize, 64);
   EXPECT_TRUE(recipe.qlora.double_quant);
   EXPECT_EQ(recipe.qlora.skip_modules, std::vector<std::string>{"lm_head"});
@@ -115,38 +116,38 @@ TEST(ShippedRecipes, EveryOneParses) {
 
 TEST(ShippedRecipes, SayWhatTheirNamesPromise) {
   const Recipe demo = load_recipe(shipped("demo_tiny.yaml"), {});
-  EXPECT_EQ(demo.quant, "qlora");
-  EXPECT_EQ(demo.qlora.quant_type, "nf4");
+  EXPECT_EQ(demo.quant, QuantMethod::kQlora);
+  EXPECT_EQ(demo.qlora.quant_type, BaseQuantization::kNf4);
   EXPECT_EQ(demo.lora.rank, 8);
   EXPECT_EQ(demo.train.device, "cpu");
   EXPECT_EQ(demo.model.path, qtrain::testing::source_dir() + "/recipes/demo/tiny-llama");
   EXPECT_EQ(demo.data.train, std::vector<std::string>{qtrain::testing::source_dir() + "/recipes/demo/brown-train.jsonl"});
   const Recipe low_memory = load_recipe(shipped("qlora_llama_low_memory.yaml"), {});
-  EXPECT_EQ(low_memory.qlora.quant_type, "nf4");
+  EXPECT_EQ(low_memory.qlora.quant_type, BaseQuantization::kNf4);
   EXPECT_TRUE(low_memory.qlora.fp8_compute);
   EXPECT_TRUE(low_memory.train.gradient_checkpointing && low_memory.train.offload_activations &&
               low_memory.train.embeddings_on_host && low_memory.train.lm_head_on_host);
   EXPECT_EQ(demo.train.output_dir, qtrain::testing::source_dir() + "/runs/demo_tiny");
 
-  EXPECT_EQ(load_recipe(shipped("qlora_llama.yaml"), {}).quant, "qlora");
+  EXPECT_EQ(load_recipe(shipped("qlora_llama.yaml"), {}).quant, QuantMethod::kQlora);
 
   const Recipe int8 = load_recipe(shipped("lora_int8_llama.yaml"), {});
-  EXPECT_EQ(int8.quant, "qlora");
-  EXPECT_EQ(int8.qlora.quant_type, "int8");
+  EXPECT_EQ(int8.quant, QuantMethod::kQlora);
+  EXPECT_EQ(int8.qlora.quant_type, BaseQuantization::kInt8);
   EXPECT_EQ(int8.qlora.llm_int8_threshold, 6.0);
   EXPECT_EQ(int8.optim.name, "adamw8bit");
 
   const Recipe fp8 = load_recipe(shipped("lora_fp8_llama.yaml"), {});
-  EXPECT_EQ(fp8.qlora.quant_type, "fp8");
+  EXPECT_EQ(fp8.qlora.quant_type, BaseQuantization::kFp8);
   EXPECT_EQ(fp8.train.dtype, "bf16");
   EXPECT_EQ(base_quantization(fp8, torch::kBFloat16).kind, BaseQuantization::kFp8);
 
   const Recipe lora = load_recipe(shipped("lora_llama.yaml"), {});
-  EXPECT_EQ(lora.quant, "none");
+  EXPECT_EQ(lora.quant, QuantMethod::kNone);
   EXPECT_EQ(lora.model.dtype, "bf16");
 
   const Recipe qat = load_recipe(shipped("qat_llama.yaml"), {});
-  EXPECT_EQ(qat.quant, "qat");
+  EXPECT_EQ(qat.quant, QuantMethod::kQat);
   EXPECT_EQ(qat.qat.weights.bits, 4);
   EXPECT_TRUE(qat.qat.weights.symmetric);
   EXPECT_EQ(qat.qat.weights.granularity, "per_group");
@@ -376,7 +377,7 @@ TEST(RecipeOverrides, SetReplacesValuesFromTheFile) {
   EXPECT_EQ(recipe.qat.weights.bits, 8);
   EXPECT_EQ(recipe.qat.weights.group_size, 64);
   EXPECT_TRUE(recipe.data.pack);
-  EXPECT_EQ(recipe.quant, "none");
+  EXPECT_EQ(recipe.quant, QuantMethod::kNone);
   EXPECT_EQ(apply_override(default_recipe(), "train.steps=7").train.steps, 7);
 }
 
@@ -384,7 +385,7 @@ TEST(RecipeOverrides, LaterSetWinsAndKeysMayDisagreeUntilTheLast) {
   const Recipe recipe =
       load_recipe("", {"lora.rank=0", "quant=none", "lora.rank=2", "lora.rank=0"});
   EXPECT_EQ(recipe.lora.rank, 0);
-  EXPECT_EQ(recipe.quant, "none");
+  EXPECT_EQ(recipe.quant, QuantMethod::kNone);
 }
 
 TEST(RecipeOverrides, ErrorsNameTheSetArgument) {
@@ -445,7 +446,7 @@ TEST(RecipeQat, NestedWeightAndActivationKeysReachTheirFields) {
   EXPECT_EQ(recipe.qat.weights.observer, "moving_average");
   EXPECT_TRUE(recipe.qat.weights.learned_scale);
   EXPECT_EQ(recipe.qat.weights.group_size, 32);
-  EXPECT_EQ(recipe.qat.activations.format, "fp8_e4m3");
+  EXPECT_EQ(recipe.qat.activations.format, qat::QuantFormat::kFp8E4m3);
   EXPECT_EQ(recipe.qat.activations.bits, 8);
   EXPECT_EQ(recipe.qat.activations.granularity, "per_group");
   EXPECT_EQ(recipe.qat.activations.group_size, 128);
@@ -465,6 +466,73 @@ TEST(RecipeQat, NestedWeightAndActivationKeysReachTheirFields) {
             per_token +
                 ":3: 'qat.weights.granularity' must be one of per_tensor, per_channel, "
                 "per_group, got 'per_token'");
+}
+
+const RecipeKey& recipe_key(const std::string& name) {
+  const auto& keys = recipe_keys();
+  const auto found = std::find_if(keys.begin(), keys.end(), [&](const RecipeKey& key) { return key.name == name; });
+  if (found == keys.end()) throw std::runtime_error("no recipe key " + name);
+  return *found;
+}
+
+// The enum keys' choices are their tables' names (quant_methods(), base_quantizations()' rows,
+// qat::quant_formats()), as the docs list them, fp4_e2m1 included.
+TEST(RecipeEnums, ChoicesAreTheTablesNames) {
+  using Names = std::vector<std::string>;
+  EXPECT_EQ(recipe_key("quant").choices, (Names{"qlora", "qat", "none"}));
+  EXPECT_EQ(recipe_key("qlora.quant_type").choices, (Names{"nf4", "fp4", "int8", "fp8"}));
+  EXPECT_EQ(recipe_key("qat.base").choices, (Names{"none", "nf4", "fp4", "int8"}));
+  const Names formats = {"int", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "nf4", "fp4"};
+  EXPECT_EQ(recipe_key("qat.weights.format").choices, formats);
+  EXPECT_EQ(recipe_key("qat.activations.format").choices, formats);
+  EXPECT_EQ(qat::quant_formats().size(), formats.size());
+  EXPECT_EQ(base_quantizations().size(), 5u);
+}
+
+// Each name parses to its value, prints back as the same name, and --set takes it like a file.
+TEST(RecipeEnums, NamesParseToTheirValuesAndPrintBack) {
+  for (const auto& [method, name] : std::vector<std::pair<QuantMethod, std::string>>{
+           {QuantMethod::kQlora, "qlora"}, {QuantMethod::kQat, "qat"}, {QuantMethod::kNone, "none"}}) {
+    EXPECT_EQ(apply_override(default_recipe(), "quant=" + name).quant, method) << name;
+    EXPECT_EQ(quant_method_name(method), name);
+  }
+  for (const auto& row : base_quantizations()) {
+    if (row.qlora_quant_type) {
+      EXPECT_EQ(apply_override(default_recipe(), "qlora.quant_type=" + std::string(row.name)).qlora.quant_type, row.kind);
+    }
+    if (row.qat_base) EXPECT_EQ(apply_override(default_recipe(), "qat.base=" + std::string(row.name)).qat.base, row.kind);
+  }
+  const auto recipe = load_recipe("", {"quant=qat", "lora.dropout=0", "qat.weights.format=fp4_e2m1", "qat.base=int8",
+                                       "qlora.quant_type=fp4", "qat.activations.format=nf4"});
+  EXPECT_EQ(recipe.qat.weights.format, qat::QuantFormat::kFp4E2m1);
+  EXPECT_EQ(recipe.qat.activations.format, qat::QuantFormat::kNf4);
+  const std::string yaml = recipe_to_yaml(recipe);
+  for (const char* line : {"\nquant: qat ", "  quant_type: fp4 ", "    format: fp4_e2m1 ", "    format: nf4 ", "  base: int8 "}) {
+    EXPECT_NE(yaml.find(line), std::string::npos) << line << " in\n" << yaml;
+  }
+  EXPECT_EQ(recipe_differences(default_recipe(), recipe).front().text, "quant: qlora -> qat");
+}
+
+// qat.weights and qat.activations are one list of keys (zero_point_domain only for weights), in
+// the same order, each reaching its own quantizer.
+TEST(RecipeEnums, QuantizerSectionsHaveTheSameKeys) {
+  std::vector<std::string> weights, activations;
+  for (const auto& key : recipe_keys()) {
+    if (key.name.rfind("qat.weights.", 0) == 0) weights.push_back(key.name.substr(std::string("qat.weights.").size()));
+    if (key.name.rfind("qat.activations.", 0) == 0) {
+      activations.push_back(key.name.substr(std::string("qat.activations.").size()));
+    }
+  }
+  EXPECT_EQ(weights, (std::vector<std::string>{"format", "bits", "symmetric", "granularity", "group_size", "scale_dtype",
+                                                "zero_point_domain", "observer", "momentum", "learned_scale",
+                                                "learned_scale_init"}));
+  weights.erase(std::find(weights.begin(), weights.end(), "zero_point_domain"));
+  EXPECT_EQ(weights, activations);
+  const auto recipe = load_recipe("", {"qat.weights.format=fp8_e5m2", "qat.activations.momentum=0.5"});
+  EXPECT_EQ(recipe.qat.weights.format, qat::QuantFormat::kFp8E5m2);
+  EXPECT_EQ(recipe.qat.activations.format, qat::QuantFormat::kInt);
+  EXPECT_EQ(recipe.qat.activations.momentum, 0.5);
+  EXPECT_EQ(recipe.qat.weights.momentum, 0.01);
 }
 
 // One table of export formats: the recipe's export.formats accepts exactly its names, and an

@@ -121,17 +121,88 @@ double dense_bytes(int64_t out, int64_t in, const BaseQuantizationSettings& sett
   return static_cast<double>(out * in) * static_cast<double>(c10::elementSize(settings.compute_dtype));
 }
 
+// A base of `kind` computing in `compute_dtype`, every other setting at its default.
+BaseQuantizationSettings compute_settings(BaseQuantization kind, torch::ScalarType compute_dtype) {
+  BaseQuantizationSettings settings;
+  settings.kind = kind;
+  settings.compute_dtype = compute_dtype;
+  settings.four_bit.compute_dtype = compute_dtype;
+  settings.int8.compute_dtype = compute_dtype;
+  settings.float8.compute_dtype = compute_dtype;
+  return settings;
+}
+
+// ---- random layers (qtrain bench) ----
+
+// Random 4-bit codes and double-quantized absmax codes, indexing a real quantization's tables.
+// Quantizing 8B random weights would run bnb's exact codec on the CPU for minutes and measure
+// nothing a training step does.
+std::shared_ptr<qat::LinearLayer> random_four_bit(const RandomLayerOptions& layer, const BaseQuantizationSettings& settings) {
+  const auto& tables = layer.four_bit_tables;
+  const int64_t out = layer.linear.out_features;
+  const int64_t in = layer.linear.in_features;
+  qat::FourBitTensor weight;
+  weight.state = tables.state;
+  weight.state.shape = {out, in};
+  weight.state.dtype = settings.compute_dtype;
+  const auto bytes = torch::TensorOptions().dtype(torch::kUInt8).device(layer.device);
+  weight.packed = torch::randint(256, {(out * in + 1) / 2, 1}, bytes);
+  const int64_t blocks = weight.state.blocks();
+  weight.state.absmax = torch::randint(256, {blocks}, bytes);
+  weight.state.nested_absmax = torch::full({(blocks + qat::kNestedBlocksize - 1) / qat::kNestedBlocksize}, 0.01,
+                                           torch::TensorOptions().dtype(torch::kFloat32).device(layer.device));
+  weight.state.code = tables.state.code.to(layer.device);
+  weight.state.nested_code = tables.state.nested_code.to(layer.device);
+  auto result = std::make_shared<qat::FourBitLinear>(weight, layer.bias, settings.compute_dtype);
+  if (settings.multiply_on_float8) result->multiply_on_float8(settings.float8.fast_accumulation);
+  return result;
+}
+
+// Random int8 codes and a row absmax of about what a 0.02-scaled weight has. Outlier columns come
+// from the activations, not from here.
+std::shared_ptr<qat::LinearLayer> random_int8(const RandomLayerOptions& layer, const BaseQuantizationSettings& settings) {
+  const auto codes = torch::randint(-127, 128, {layer.linear.out_features, layer.linear.in_features},
+                                    torch::TensorOptions().dtype(torch::kChar).device(layer.device));
+  const auto absmax =
+      torch::full({layer.linear.out_features}, 0.08, torch::TensorOptions().dtype(torch::kFloat32).device(layer.device));
+  return std::make_shared<qat::Int8Linear>(codes, absmax, layer.bias, settings.int8.threshold, settings.compute_dtype);
+}
+
+// e4m3 rows of a random 0.02-scaled weight; `options` says whether its 16-bit weight waits on the host.
+std::shared_ptr<qat::LinearLayer> random_float8_rows(const RandomLayerOptions& layer, const qat::Float8Options& options) {
+  const auto on_device = torch::TensorOptions().dtype(options.compute_dtype).device(layer.device);
+  return qat::Float8Linear::from_dense(
+      torch::randn({layer.linear.out_features, layer.linear.in_features}, on_device) * 0.02, layer.bias, options);
+}
+
+std::shared_ptr<qat::LinearLayer> random_float8(const RandomLayerOptions& layer, const BaseQuantizationSettings& settings) {
+  return random_float8_rows(layer, settings.float8);
+}
+
+// The 16-bit layer as the model builds it, or, multiplying on FP8, e4m3 rows as the FP8 base's
+// with the 16-bit weight kept on the host.
+std::shared_ptr<qat::LinearLayer> random_dense(const RandomLayerOptions& layer, const BaseQuantizationSettings& settings) {
+  if (!settings.multiply_on_float8) return std::make_shared<qat::DenseLinear>(layer.linear);
+  auto options = settings.float8;
+  options.keep_dense_weight_on_host = true;
+  return random_float8_rows(layer, options);
+}
+
 }  // namespace
 
 const std::vector<BaseQuantizationRow>& base_quantizations() {
   static const std::vector<BaseQuantizationRow> rows = {
-      {BaseQuantization::kNone, "none", "16-bit base", keep_dense, dense_bytes, true, false},
-      {BaseQuantization::kNf4, "nf4", "NF4 base (bitsandbytes Linear4bit)", quantize_four_bit, four_bit_bytes, true, true},
-      {BaseQuantization::kFp4, "fp4", "FP4 base (bitsandbytes Linear4bit)", quantize_four_bit, four_bit_bytes, true, true},
-      {BaseQuantization::kInt8, "int8", "LLM.int8 base (bitsandbytes Linear8bitLt)", quantize_int8, int8_bytes, false,
-       false},
-      {BaseQuantization::kFp8, "fp8", "FP8 e4m3 base, a scale per row, FP8 tensor-core matmuls", quantize_float8,
-       float8_bytes, true, false},
+      // kind, name, description, qlora.quant_type, qat.base, quantize, weight_bytes, fused_lora,
+      // keeps_built_weights, random_layer
+      {BaseQuantization::kNone, "none", "16-bit base", false, true, keep_dense, dense_bytes, true, false, random_dense},
+      {BaseQuantization::kNf4, "nf4", "NF4 base (bitsandbytes Linear4bit)", true, true, quantize_four_bit, four_bit_bytes,
+       true, true, random_four_bit},
+      {BaseQuantization::kFp4, "fp4", "FP4 base (bitsandbytes Linear4bit)", true, true, quantize_four_bit, four_bit_bytes,
+       true, true, random_four_bit},
+      {BaseQuantization::kInt8, "int8", "LLM.int8 base (bitsandbytes Linear8bitLt)", true, true, quantize_int8,
+       int8_bytes, false, false, random_int8},
+      {BaseQuantization::kFp8, "fp8", "FP8 e4m3 base, a scale per row, FP8 tensor-core matmuls", true, false,
+       quantize_float8, float8_bytes, true, false, random_float8},
   };
   return rows;
 }
@@ -143,58 +214,60 @@ const BaseQuantizationRow& base_quantization_row(BaseQuantization kind) {
   throw Error(ErrorCode::kInternal, "base quantization kind " + std::to_string(static_cast<int>(kind)) + " has no row");
 }
 
-const BaseQuantizationRow& base_quantization_named(const std::string& name, const std::string& what, ErrorCode code) {
+const BaseQuantizationRow& base_quantization_named(const std::string& name, const std::string& what) {
   std::string names;
   for (const auto& row : base_quantizations()) {
     if (row.name == name) return row;
     names += (names.empty() ? "" : ", ") + std::string(row.name);
   }
-  throw Error(code, what + ": '" + name + "' is not a base quantization (one of " + names + ")");
+  throw Error(ErrorCode::kUsage, what + ": '" + name + "' is not a base quantization (one of " + names + ")");
+}
+
+BaseQuantizationSettings base_quantization_settings(BaseQuantization kind, const QloraRecipe& qlora,
+                                                    torch::ScalarType compute_dtype, const torch::Device& device) {
+  BaseQuantizationSettings settings = compute_settings(kind, compute_dtype);
+  settings.skip_modules = qlora.skip_modules;
+  settings.four_bit.blocksize = qlora.blocksize;
+  settings.four_bit.double_quant = qlora.double_quant;
+  settings.four_bit.device = device;
+  settings.int8.threshold = qlora.llm_int8_threshold;
+  settings.float8.fast_accumulation = qlora.fp8_fast_accumulation;
+  settings.multiply_on_float8 = qlora.fp8_compute;
+  settings.int8.device = device;
+  settings.float8.device = device;
+  return settings;
 }
 
 BaseQuantizationSettings base_quantization(const Recipe& recipe, torch::ScalarType compute_dtype,
                                            const torch::Device& device) {
-  BaseQuantizationSettings settings;
-  settings.compute_dtype = compute_dtype;
-  settings.four_bit.compute_dtype = compute_dtype;
-  settings.int8.compute_dtype = compute_dtype;
-  settings.float8.compute_dtype = compute_dtype;
-  if (recipe.quant == "qlora") {
-    settings.kind = base_quantization_named(recipe.qlora.quant_type, "qlora.quant_type", ErrorCode::kRecipe).kind;
-  } else if (recipe.quant == "qat") {
-    settings.kind = base_quantization_named(recipe.qat.base, "qat.base", ErrorCode::kRecipe).kind;
+  BaseQuantization kind = BaseQuantization::kNone;
+  if (recipe.quant == QuantMethod::kQlora) {
+    kind = recipe.qlora.quant_type;
+  } else if (recipe.quant == QuantMethod::kQat) {
+    kind = recipe.qat.base;
   }
-  const bool four_bit = settings.kind == BaseQuantization::kNf4 || settings.kind == BaseQuantization::kFp4;
-  if (recipe.qlora.fp8_compute && recipe.quant != "qlora" && recipe.quant != "none") {
+  const bool four_bit = kind == BaseQuantization::kNf4 || kind == BaseQuantization::kFp4;
+  if (recipe.qlora.fp8_compute && recipe.quant == QuantMethod::kQat) {
     throw Error(ErrorCode::kRecipe, "qlora.fp8_compute multiplies a frozen 4-bit (quant: qlora) or 16-bit (quant: none) "
-                "base on FP8 tensor cores, and quant is " + recipe.quant + ": remove the key");
+                "base on FP8 tensor cores, and quant is " + std::string(quant_method_name(recipe.quant)) + ": remove the key");
   }
-  const bool dense_on_float8 = recipe.qlora.fp8_compute && recipe.quant == "none";
+  const bool dense_on_float8 = recipe.qlora.fp8_compute && recipe.quant == QuantMethod::kNone;
   if (dense_on_float8 && recipe.lora.rank == 0 && recipe.lora.init_from.empty()) {
     throw Error(ErrorCode::kRecipe, "qlora.fp8_compute multiplies a frozen base on FP8 tensor cores, and lora.rank: 0 "
                 "trains every weight: give lora.rank, or remove the key");
   }
   if (recipe.qlora.fp8_compute && !four_bit && !dense_on_float8) {
     throw Error(ErrorCode::kRecipe, "qlora.fp8_compute multiplies a 4-bit base (nf4 or fp4) on FP8 tensor cores, and the "
-                "base here is " + std::string(base_quantization_row(settings.kind).name) +
-                (settings.kind == BaseQuantization::kFp8 ? " (which multiplies on them already)" : "") + ": remove the key");
+                "base here is " + std::string(base_quantization_row(kind).name) +
+                (kind == BaseQuantization::kFp8 ? " (which multiplies on them already)" : "") + ": remove the key");
   }
-  if (recipe.qlora.fp8_fast_accumulation && settings.kind != BaseQuantization::kFp8 && !recipe.qlora.fp8_compute) {
+  if (recipe.qlora.fp8_fast_accumulation && kind != BaseQuantization::kFp8 && !recipe.qlora.fp8_compute) {
     throw Error(ErrorCode::kRecipe, "qlora.fp8_fast_accumulation applies to FP8 matmuls only (qlora.quant_type: fp8, or "
-                "qlora.fp8_compute: true), and the base here is " + std::string(base_quantization_row(settings.kind).name) +
+                "qlora.fp8_compute: true), and the base here is " + std::string(base_quantization_row(kind).name) +
                 ": remove the key");
   }
-  if (settings.kind == BaseQuantization::kNone && !dense_on_float8) return settings;
-  settings.skip_modules = recipe.qlora.skip_modules;
-  settings.four_bit.blocksize = recipe.qlora.blocksize;
-  settings.four_bit.double_quant = recipe.qlora.double_quant;
-  settings.four_bit.device = device;
-  settings.int8.threshold = recipe.qlora.llm_int8_threshold;
-  settings.float8.fast_accumulation = recipe.qlora.fp8_fast_accumulation;
-  settings.multiply_on_float8 = recipe.qlora.fp8_compute;
-  settings.int8.device = device;
-  settings.float8.device = device;
-  return settings;
+  if (kind == BaseQuantization::kNone && !dense_on_float8) return compute_settings(kind, compute_dtype);
+  return base_quantization_settings(kind, recipe.qlora, compute_dtype, device);
 }
 
 }  // namespace qtrain::trainer

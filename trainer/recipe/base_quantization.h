@@ -5,7 +5,7 @@
 // The recipe spells it `quant: qlora` + `qlora.quant_type: nf4 | fp4 | int8 | fp8`, or `quant: qat` +
 // `qat.base` (QAT-LoRA on a frozen quantized base; none: 16-bit); `quant: none` keeps a 16-bit
 // base (`qlora.fp8_compute` puts its projections on FP8 tensor cores). QAT's fake quantization wraps
-// the layers afterwards.
+// the layers afterwards. Adding a kind is one enum value (trainer/recipe/recipe.h) and one row.
 #include <torch/torch.h>
 
 #include <string>
@@ -13,14 +13,13 @@
 
 #include "kernels/error.h"
 #include "qat/float8_linear.h"
+#include "qat/four_bit_codec.h"
 #include "qat/four_bit_linear.h"
 #include "qat/int8_linear.h"
 #include "trainer/model/llama.h"
 #include "trainer/recipe/recipe.h"
 
 namespace qtrain::trainer {
-
-enum class BaseQuantization { kNone, kNf4, kFp4, kInt8, kFp8 };
 
 // A base's settings, from the recipe's qlora section.
 struct BaseQuantizationSettings {
@@ -36,10 +35,24 @@ struct BaseQuantizationSettings {
   std::vector<std::string> skip_modules = {"lm_head"};  // linear layers kept in the compute dtype
 };
 
+// One frozen layer made from random values on the device (`qtrain bench`: no checkpoint, and no
+// 16-bit model that quantizing would need).
+struct RandomLayerOptions {
+  qat::DenseLinearOptions linear;  // the projection's shape (a 16-bit base's own layer)
+  torch::Tensor bias;              // [out_features] in the compute dtype, or undefined
+  torch::Device device = torch::kCPU;
+  // nf4 / fp4: a real quantization's code tables and block layout, which the random codes index.
+  qat::FourBitTensor four_bit_tables;
+};
+
 struct BaseQuantizationRow {
   BaseQuantization kind;
-  const char* name;         // qlora.quant_type's spelling ("none": a 16-bit base)
+  const char* name;         // qlora.quant_type's and qat.base's spelling ("none": a 16-bit base)
   const char* description;  // for bench and inspect lines
+  // Which keys may name it: qlora.quant_type (none is `quant: none` there) and qat.base (QAT-LoRA's
+  // frozen bases, docs/QAT.md).
+  bool qlora_quant_type;
+  bool qat_base;
   // Replaces every linear layer of `model` not in skip_modules by this kind's frozen layer,
   // quantized from its weight in `compute_dtype` on `device`, one layer at a time.
   void (*quantize)(LlamaForCausalLMImpl& model, const BaseQuantizationSettings& settings);
@@ -50,17 +63,25 @@ struct BaseQuantizationRow {
   // A checkpointed layer's recomputation keeps its dequantized weights for its backward
   // (qat::KeepBuiltWeights).
   bool keeps_built_weights;
+  // A frozen layer of this kind with random codes of about a 0.02-scaled weight's magnitude.
+  std::shared_ptr<qat::LinearLayer> (*random_layer)(const RandomLayerOptions& layer,
+                                                    const BaseQuantizationSettings& settings);
 };
 
 const std::vector<BaseQuantizationRow>& base_quantizations();
 const BaseQuantizationRow& base_quantization_row(BaseQuantization kind);
-// By name ("nf4", ...); anything else is an Error (`code`) naming `what` and listing the names.
-const BaseQuantizationRow& base_quantization_named(const std::string& name, const std::string& what,
-                                                   ErrorCode code = ErrorCode::kUsage);
+// By name ("nf4", ...), as a command-line option (`what`) gives it; anything else is a usage
+// Error naming `what` and listing the names. (A recipe's keys hold the kind, parsed.)
+const BaseQuantizationRow& base_quantization_named(const std::string& name, const std::string& what);
 
 // The recipe's base: quant qlora -> qlora.quant_type's row, quant qat -> qat.base's, with qlora.*'s
-// settings; otherwise none.
+// settings; otherwise none. Throws where the qlora keys do not fit that base.
 BaseQuantizationSettings base_quantization(const Recipe& recipe, torch::ScalarType compute_dtype,
                                            const torch::Device& device = torch::kCPU);
+
+// A `kind` base with the qlora section's settings, unchecked (base_quantization checks them
+// against the recipe; `qtrain bench` against its options).
+BaseQuantizationSettings base_quantization_settings(BaseQuantization kind, const QloraRecipe& qlora,
+                                                    torch::ScalarType compute_dtype, const torch::Device& device);
 
 }  // namespace qtrain::trainer

@@ -207,7 +207,7 @@ LlamaParameterCounts llama_parameter_counts(const LlamaOptions& options) {
 
 TrainingMemorySetup training_memory_setup(const Recipe& recipe, const LlamaOptions& model) {
   TrainingMemorySetup setup;
-  if (recipe.quant == "qat") {
+  if (recipe.quant == QuantMethod::kQat) {
     const auto options = qat_linear_options(recipe);
     if (trains_full_weights(recipe) || !qat::quantizer_fuses_merge(options.weights)) {
       throw Error(ErrorCode::kRecipe, "quant: qat is estimated for QAT-LoRA (lora.rank > 0) with qat.weights on an int grid, "

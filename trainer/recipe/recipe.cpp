@@ -284,6 +284,24 @@ std::vector<YAML::Node> list_entries(const RecipeKey& spec, const YAML::Node& va
   return std::vector<YAML::Node>(value.begin(), value.end());
 }
 
+// An enum key's value by its name, which check_choice has found among the key's choices (every
+// choice is a name of the table behind the key).
+template <typename Enum>
+Enum enum_value(const std::string& name) {
+  for (const auto& [value, value_name] : enum_names(Enum{})) {
+    if (value_name == name) return value;
+  }
+  throw Error(ErrorCode::kInternal, "'" + name + "' is a key's choice but names no value of its table (internal error)");
+}
+
+template <typename Enum>
+const std::string& enum_name(Enum value) {
+  for (const auto& [named, name] : enum_names(value)) {
+    if (named == value) return name;
+  }
+  throw Error(ErrorCode::kInternal, "enum value " + std::to_string(static_cast<int>(value)) + " has no name (internal error)");
+}
+
 [[noreturn]] void fail_expecting(const RecipeKey& spec, const std::string& expected,
                                  const YAML::Node& value, const std::string& where) {
   fail(where, "'" + spec.name + "' expects " + expected + ", got " + describe(value));
@@ -321,6 +339,10 @@ void assign(const RecipeKey& spec, const YAML::Node& value, const Source& source
           } else {
             fail_expecting(spec, "true or false", value, where);
           }
+        } else if constexpr (std::is_enum_v<Field>) {
+          const std::string text = scalar("one of " + join(spec.choices, ", "));
+          check_choice(spec, text, where);
+          *field = enum_value<Field>(text);
         } else if constexpr (std::is_same_v<Field, std::string>) {
           if (value.IsNull() && spec.choices.empty()) {
             *field = "";
@@ -545,6 +567,8 @@ std::string value_yaml(RecipeField field) {
           return float_yaml(*value);
         } else if constexpr (std::is_same_v<Field, bool>) {
           return *value ? "true" : "false";
+        } else if constexpr (std::is_enum_v<Field>) {
+          return yaml_scalar(enum_name(*value));
         } else if constexpr (std::is_same_v<Field, std::string>) {
           return yaml_scalar(*value);
         } else {
@@ -681,6 +705,23 @@ bool operator==(const Recipe& a, const Recipe& b) {
     if (!same) return false;
   }
   return true;
+}
+
+const std::vector<QuantMethod>& quant_methods() {
+  static const std::vector<QuantMethod> methods = {QuantMethod::kQlora, QuantMethod::kQat, QuantMethod::kNone};
+  return methods;
+}
+
+const char* quant_method_name(QuantMethod method) {
+  switch (method) {
+    case QuantMethod::kQlora:
+      return "qlora";
+    case QuantMethod::kQat:
+      return "qat";
+    case QuantMethod::kNone:
+      return "none";
+  }
+  throw Error(ErrorCode::kInternal, "quant method " + std::to_string(static_cast<int>(method)) + " has no name");
 }
 
 bool trains_full_weights(const Recipe& recipe) {

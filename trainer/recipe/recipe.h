@@ -15,7 +15,24 @@
 #include <string>
 #include <vector>
 
+#include "qat/quant_format.h"
+
 namespace qtrain::trainer {
+
+// `quant`: how the model is quantized while it trains. Parsed once where the recipe is read; the
+// recipe spells it quant_method_name's way.
+enum class QuantMethod {
+  kQlora,  // a frozen quantized base (qlora.quant_type) + LoRA
+  kQat,    // fake-quantized training (the qat section)
+  kNone,   // a 16-bit model
+};
+// Every method, in the order `--print-recipe` lists them.
+const std::vector<QuantMethod>& quant_methods();
+const char* quant_method_name(QuantMethod method);  // "qlora" | "qat" | "none"
+
+// The frozen base's storage (`qlora.quant_type`, `qat.base`); each kind's name and behaviour is a
+// row of trainer/recipe/base_quantization.h.
+enum class BaseQuantization { kNone, kNf4, kFp4, kInt8, kFp8 };
 
 struct ModelRecipe {
   std::string path;   // Hugging Face checkpoint directory
@@ -24,7 +41,7 @@ struct ModelRecipe {
 
 // quant: qlora — the frozen base, as bitsandbytes stores it.
 struct QloraRecipe {
-  std::string quant_type;  // nf4 | fp4 | int8 (LLM.int8) | fp8 (e4m3 rows: qat/float8_linear.h)
+  BaseQuantization quant_type{};  // nf4 | fp4 | int8 (LLM.int8) | fp8 (e4m3 rows: qat/float8_linear.h)
   int64_t blocksize{};
   bool double_quant{};
   double llm_int8_threshold{};
@@ -45,7 +62,7 @@ struct LoraRecipe {
 
 // One fake quantizer of quant: qat (qat.weights, qat.activations).
 struct QuantizerRecipe {
-  std::string format;  // int | fp8_e4m3 | fp8_e5m2 | fp4 | nf4
+  qat::QuantFormat format{};  // int | fp8_e4m3 | fp8_e5m2 | fp4_e2m1 | nf4 | fp4 (qat/quant_format.h)
   int64_t bits{};      // for format int; activations: 0 turns them off
   bool symmetric{};
   std::string granularity;  // per_tensor | per_channel | per_group | per_token
@@ -61,7 +78,7 @@ struct QuantizerRecipe {
 struct QatRecipe {
   QuantizerRecipe weights;
   QuantizerRecipe activations;
-  std::string base;           // none | nf4 | fp4 | int8: the frozen base under QAT-LoRA (qlora.* settings)
+  BaseQuantization base{};    // none | nf4 | fp4 | int8: the frozen base under QAT-LoRA (qlora.* settings)
   std::string lora_gradient;  // identity | masked (qat/qat_lora_matmul.h)
   int64_t start_step{};
   std::vector<std::string> target_modules;
@@ -151,7 +168,7 @@ struct ExportRecipe {
 
 struct Recipe {
   ModelRecipe model;
-  std::string quant;  // qlora | qat | none
+  QuantMethod quant{};  // qlora | qat | none
   QloraRecipe qlora;
   LoraRecipe lora;
   QatRecipe qat;

@@ -4,9 +4,10 @@
 #include "qat/lora_options.h"
 #include "trainer/formats/export_formats.h"
 #include "trainer/model/llama_options.h"
+#include "trainer/recipe/base_quantization.h"
 
 #include <algorithm>
-
+#include <iterator>
 
 namespace qtrain::trainer {
 namespace {
@@ -31,11 +32,29 @@ std::string all_projections_yaml() {
   return list + "]";
 }
 const std::vector<std::string> kDtypes = {"bf16", "fp16", "fp32"};
-const std::vector<std::string> kQuantizerFormats = {"int", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "fp4", "nf4"};
-const std::vector<std::string> kWeightBits = {"2", "3", "4", "5", "6", "7", "8"};
-const std::vector<std::string> kActivationBits = {"0", "2", "3", "4", "5", "6", "7", "8"};
 
-std::vector<RecipeKey> make_recipe_keys() {
+void append(std::vector<RecipeKey>& keys, std::vector<RecipeKey> more) {
+  keys.insert(keys.end(), std::make_move_iterator(more.begin()), std::make_move_iterator(more.end()));
+}
+
+// The choices of an enum key: every value's name, in its table's order.
+template <typename Enum>
+std::vector<std::string> all_names() {
+  std::vector<std::string> names;
+  for (const auto& [value, name] : enum_names(Enum{})) names.push_back(name);
+  return names;
+}
+
+// The base kinds a key may name: the rows that `named_by` marks.
+std::vector<std::string> base_names(bool BaseQuantizationRow::*named_by) {
+  std::vector<std::string> names;
+  for (const auto& row : base_quantizations()) {
+    if (row.*named_by) names.push_back(row.name);
+  }
+  return names;
+}
+
+std::vector<RecipeKey> model_keys() {
   return {
       key("model.path", "\"\"", QTRAIN_FIELD(model.path),
           "Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)").shapes_model()
@@ -43,15 +62,23 @@ std::vector<RecipeKey> make_recipe_keys() {
       key("model.dtype", "bf16", QTRAIN_FIELD(model.dtype),
           "dtype of the weights kept unquantized (all of them with quant: none)")
           .one_of(kDtypes),
+  };
+}
 
+std::vector<RecipeKey> quant_keys() {
+  return {
       key("quant", "qlora", QTRAIN_FIELD(quant),
           "qlora: frozen 4-bit/8-bit base + LoRA; qat: fake-quantized training; none: plain").shapes_model()
-          .one_of({"qlora", "qat", "none"}),
+          .one_of(all_names<QuantMethod>()),
+  };
+}
 
+std::vector<RecipeKey> qlora_keys() {
+  return {
       key("qlora.quant_type", "nf4", QTRAIN_FIELD(qlora.quant_type),
           "base format: bitsandbytes NF4 or FP4, int8 (LLM.int8 rows), or fp8 (e4m3 rows, FP8 tensor-core matmuls)")
           .shapes_model()
-          .one_of({"nf4", "fp4", "int8", "fp8"}),
+          .one_of(base_names(&BaseQuantizationRow::qlora_quant_type)),
       key("qlora.blocksize", "64", QTRAIN_FIELD(qlora.blocksize),
           "weights sharing one absmax (4-bit formats)").shapes_model()
           .one_of({"64", "128", "256", "512", "1024", "2048", "4096"}),
@@ -71,7 +98,11 @@ std::vector<RecipeKey> make_recipe_keys() {
           .at_least(0),
       key("qlora.skip_modules", "[lm_head]", QTRAIN_FIELD(qlora.skip_modules),
           "modules kept unquantized, by name pattern"),
+  };
+}
 
+std::vector<RecipeKey> lora_keys() {
+  return {
       key("lora.rank", std::to_string(qat::LoraOptions{}.rank), QTRAIN_FIELD(lora.rank),
           "adapter rank r; 0 trains the full weights instead (not with quant: qlora)").shapes_model()
           .at_least(0),
@@ -89,70 +120,82 @@ std::vector<RecipeKey> make_recipe_keys() {
       key("lora.init_from", "\"\"", QTRAIN_FIELD(lora.init_from),
           "PEFT adapter directory to start from; empty: fresh adapters")
           .path(),
+  };
+}
 
-      key("qat.weights.format", "int", QTRAIN_FIELD(qat.weights.format), "weight grid").shapes_model()
-          .one_of(kQuantizerFormats),
-      key("qat.weights.bits", "4", QTRAIN_FIELD(qat.weights.bits), "integer width (format int)").shapes_model()
-          .one_of(kWeightBits),
-      key("qat.weights.symmetric", "true", QTRAIN_FIELD(qat.weights.symmetric),
-          "no zero point (symmetric int4 groups of 32 are GGUF Q4_0)").shapes_model(),
-      key("qat.weights.granularity", "per_group", QTRAIN_FIELD(qat.weights.granularity),
-          "weights sharing one scale").shapes_model()
-          .one_of({"per_tensor", "per_channel", "per_group"}),
-      key("qat.weights.group_size", "32", QTRAIN_FIELD(qat.weights.group_size),
-          "input features per group (per_group)").shapes_model()
-          .at_least(1),
-      key("qat.weights.scale_dtype", "fp32", QTRAIN_FIELD(qat.weights.scale_dtype),
-          "dtype the scales are rounded to and stored in (fp16: GGUF's Q4_0 / Q8_0)").shapes_model()
-          .one_of({"fp32", "fp16"}),
-      key("qat.weights.zero_point_domain", "int", QTRAIN_FIELD(qat.weights.zero_point_domain),
-          "float: each group's own [min, max] with a float zero point, torchao's int4 weight-only grid (symmetric: false)")
+// The keys of one fake quantizer, qat.weights or qat.activations (the QuantizerRecipe `Quantizer`
+// names): one list, where `pick` gives what the two say differently, the weights' first.
+template <QuantizerRecipe QatRecipe::*Quantizer>
+std::vector<RecipeKey> quantizer_keys() {
+  constexpr bool weights = Quantizer == &QatRecipe::weights;
+  const auto pick = [](auto for_weights, auto for_activations) { return weights ? for_weights : for_activations; };
+  using Names = std::vector<std::string>;
+  const std::string section = pick("qat.weights", "qat.activations");
+#define QTRAIN_QUANTIZER_FIELD(member) [](Recipe& recipe) -> RecipeField { return &(recipe.qat.*Quantizer).member; }
+  std::vector<RecipeKey> keys = {
+      key(section + ".format", "int", QTRAIN_QUANTIZER_FIELD(format), pick("weight grid", "activation grid"))
           .shapes_model()
-          .one_of({"int", "float"}),
-      key("qat.weights.observer", "dynamic", QTRAIN_FIELD(qat.weights.observer),
-          "dynamic: scale from the current weights at every step; minmax, moving_average: running range").shapes_model()
-          .one_of({"dynamic", "minmax", "moving_average"}),
-      key("qat.weights.momentum", "0.01", QTRAIN_FIELD(qat.weights.momentum),
-          "averaging constant of observer moving_average").shapes_model()
-          .above(0)
-          .at_most(1),
-      key("qat.weights.learned_scale", "false", QTRAIN_FIELD(qat.weights.learned_scale),
-          "train the scale (LSQ); needs observer minmax or moving_average").shapes_model(),
-      key("qat.weights.learned_scale_init", "observer", QTRAIN_FIELD(qat.weights.learned_scale_init),
-          "observer: the first scale from the observed range; paper: LSQ's 2 mean|w| / sqrt(Qp)").shapes_model()
-          .one_of({"observer", "paper"}),
-      key("qat.activations.format", "int", QTRAIN_FIELD(qat.activations.format), "activation grid").shapes_model()
-          .one_of(kQuantizerFormats),
-      key("qat.activations.bits", "0", QTRAIN_FIELD(qat.activations.bits),
-          "integer width (format int); 0: activations stay unquantized").shapes_model()
-          .one_of(kActivationBits),
-      key("qat.activations.symmetric", "false", QTRAIN_FIELD(qat.activations.symmetric),
-          "no zero point").shapes_model(),
-      key("qat.activations.granularity", "per_token", QTRAIN_FIELD(qat.activations.granularity),
-          "activations sharing one scale").shapes_model()
-          .one_of({"per_tensor", "per_token", "per_group"}),
-      key("qat.activations.group_size", "32", QTRAIN_FIELD(qat.activations.group_size),
-          "features per group (per_group)").shapes_model()
+          .one_of(all_names<qat::QuantFormat>()),
+      key(section + ".bits", pick("4", "0"), QTRAIN_QUANTIZER_FIELD(bits),
+          pick("integer width (format int)", "integer width (format int); 0: activations stay unquantized"))
+          .shapes_model()
+          .one_of(pick(Names{"2", "3", "4", "5", "6", "7", "8"}, Names{"0", "2", "3", "4", "5", "6", "7", "8"})),
+      key(section + ".symmetric", pick("true", "false"), QTRAIN_QUANTIZER_FIELD(symmetric),
+          pick("no zero point (symmetric int4 groups of 32 are GGUF Q4_0)", "no zero point"))
+          .shapes_model(),
+      key(section + ".granularity", pick("per_group", "per_token"), QTRAIN_QUANTIZER_FIELD(granularity),
+          pick("weights sharing one scale", "activations sharing one scale"))
+          .shapes_model()
+          .one_of(pick(Names{"per_tensor", "per_channel", "per_group"}, Names{"per_tensor", "per_token", "per_group"})),
+      key(section + ".group_size", "32", QTRAIN_QUANTIZER_FIELD(group_size),
+          pick("input features per group (per_group)", "features per group (per_group)"))
+          .shapes_model()
           .at_least(1),
-      key("qat.activations.scale_dtype", "fp32", QTRAIN_FIELD(qat.activations.scale_dtype),
-          "dtype the scales are rounded to").shapes_model()
+      key(section + ".scale_dtype", "fp32", QTRAIN_QUANTIZER_FIELD(scale_dtype),
+          pick("dtype the scales are rounded to and stored in (fp16: GGUF's Q4_0 / Q8_0)", "dtype the scales are rounded to"))
+          .shapes_model()
           .one_of({"fp32", "fp16"}),
-      key("qat.activations.observer", "dynamic", QTRAIN_FIELD(qat.activations.observer),
-          "dynamic: scale from each batch; minmax, moving_average: calibrated, then fixed").shapes_model()
-          .one_of({"minmax", "moving_average", "dynamic"}),
-      key("qat.activations.momentum", "0.01", QTRAIN_FIELD(qat.activations.momentum),
-          "averaging constant of observer moving_average").shapes_model()
+  };
+  if (weights) {  // torchao's float zero point is a weight grid
+    keys.push_back(
+        key(section + ".zero_point_domain", "int", QTRAIN_QUANTIZER_FIELD(zero_point_domain),
+            "float: each group's own [min, max] with a float zero point, torchao's int4 weight-only grid (symmetric: false)")
+            .shapes_model()
+            .one_of({"int", "float"}));
+  }
+  std::vector<RecipeKey> observing = {
+      key(section + ".observer", "dynamic", QTRAIN_QUANTIZER_FIELD(observer),
+          pick("dynamic: scale from the current weights at every step; minmax, moving_average: running range",
+               "dynamic: scale from each batch; minmax, moving_average: calibrated, then fixed"))
+          .shapes_model()
+          .one_of(pick(Names{"dynamic", "minmax", "moving_average"}, Names{"minmax", "moving_average", "dynamic"})),
+      key(section + ".momentum", "0.01", QTRAIN_QUANTIZER_FIELD(momentum), "averaging constant of observer moving_average")
+          .shapes_model()
           .above(0)
           .at_most(1),
-      key("qat.activations.learned_scale", "false", QTRAIN_FIELD(qat.activations.learned_scale),
-          "train the scale (LSQ), starting from the observer's").shapes_model(),
-      key("qat.activations.learned_scale_init", "observer", QTRAIN_FIELD(qat.activations.learned_scale_init),
-          "observer: the first scale from the observed range; paper: LSQ's 2 mean|x| / sqrt(Qp)").shapes_model()
+      key(section + ".learned_scale", "false", QTRAIN_QUANTIZER_FIELD(learned_scale),
+          pick("train the scale (LSQ); needs observer minmax or moving_average",
+               "train the scale (LSQ), starting from the observer's"))
+          .shapes_model(),
+      key(section + ".learned_scale_init", "observer", QTRAIN_QUANTIZER_FIELD(learned_scale_init),
+          pick("observer: the first scale from the observed range; paper: LSQ's 2 mean|w| / sqrt(Qp)",
+               "observer: the first scale from the observed range; paper: LSQ's 2 mean|x| / sqrt(Qp)"))
+          .shapes_model()
           .one_of({"observer", "paper"}),
+  };
+#undef QTRAIN_QUANTIZER_FIELD
+  append(keys, std::move(observing));
+  return keys;
+}
+
+std::vector<RecipeKey> qat_keys() {
+  auto keys = quantizer_keys<&QatRecipe::weights>();
+  append(keys, quantizer_keys<&QatRecipe::activations>());
+  std::vector<RecipeKey> rest = {
       key("qat.base", "none", QTRAIN_FIELD(qat.base),
           "frozen base of QAT-LoRA: none (16-bit), or nf4 / fp4 / int8 kept as quant: qlora keeps it (qlora.blocksize, "
           "qlora.double_quant)").shapes_model()
-          .one_of({"none", "nf4", "fp4", "int8"}),
+          .one_of(base_names(&BaseQuantizationRow::qat_base)),
       key("qat.lora_gradient", "identity", QTRAIN_FIELD(qat.lora_gradient),
           "the adapters' gradient through the weight quantizer: identity (LoRA's low-rank gradients) or masked "
           "(torchao's: the merged weight's gradient, zero where clipped)")
@@ -165,7 +208,13 @@ std::vector<RecipeKey> make_recipe_keys() {
       key("qat.calibration_batches", "16", QTRAIN_FIELD(qat.calibration_batches),
           "qtrain quantize: training batches that calibrate static activation ranges (minmax, moving_average)")
           .at_least(0),
+  };
+  append(keys, std::move(rest));
+  return keys;
+}
 
+std::vector<RecipeKey> data_keys() {
+  return {
       key("data.train", "[]", QTRAIN_FIELD(data.train),
           "training data: files or directories of shards (JSONL, .txt, or llm.c .bin for tokens)")
           .path(),
@@ -201,7 +250,11 @@ std::vector<RecipeKey> make_recipe_keys() {
       key("data.prefetch_batches", "2", QTRAIN_FIELD(data.prefetch_batches),
           "batches prepared ahead on a background thread; 0: none")
           .at_least(0),
+  };
+}
 
+std::vector<RecipeKey> optim_keys() {
+  return {
       key("optim.name", "adamw", QTRAIN_FIELD(optim.name),
           "adamw: fp32 states; adamw8bit: blockwise 8-bit states")
           .one_of({"adamw", "adamw8bit", "sgd"}),
@@ -213,7 +266,11 @@ std::vector<RecipeKey> make_recipe_keys() {
           .below(1)
           .of_length(2),
       key("optim.eps", "1e-8", QTRAIN_FIELD(optim.eps), "Adam's epsilon").above(0),
+  };
+}
 
+std::vector<RecipeKey> schedule_keys() {
+  return {
       key("schedule.name", "cosine", QTRAIN_FIELD(schedule.name), "learning rate after warmup")
           .one_of({"cosine", "linear", "constant"}),
       key("schedule.warmup_steps", "100", QTRAIN_FIELD(schedule.warmup_steps),
@@ -223,7 +280,11 @@ std::vector<RecipeKey> make_recipe_keys() {
           "final learning rate as a fraction of optim.lr")
           .at_least(0)
           .at_most(1),
+  };
+}
 
+std::vector<RecipeKey> train_keys() {
+  return {
       key("train.steps", "0", QTRAIN_FIELD(train.steps),
           "optimizer steps to run; 0: train.epochs passes over the data")
           .at_least(0),
@@ -291,24 +352,40 @@ std::vector<RecipeKey> make_recipe_keys() {
       key("train.output_dir", "runs/qtrain", QTRAIN_FIELD(train.output_dir),
           "run directory: checkpoints, metrics.jsonl, exports")
           .path(),
+  };
+}
 
+std::vector<RecipeKey> checkpoint_keys() {
+  return {
       key("checkpoint.every", "500", QTRAIN_FIELD(checkpoint.every),
           "save every N steps; 0: only at the end")
           .at_least(0),
       key("checkpoint.keep_last", "3", QTRAIN_FIELD(checkpoint.keep_last),
           "checkpoints kept; 0: all")
           .at_least(0),
+  };
+}
 
+std::vector<RecipeKey> eval_keys() {
+  return {
       key("eval.every", "500", QTRAIN_FIELD(eval.every),
           "evaluate every N steps; 0: only at the end (needs data.eval)")
           .at_least(0),
       key("eval.max_batches", "0", QTRAIN_FIELD(eval.max_batches),
           "eval batches per evaluation; 0: the whole eval split")
           .at_least(0),
+  };
+}
 
+std::vector<RecipeKey> log_keys() {
+  return {
       key("log.every", "10", QTRAIN_FIELD(log.every), "progress line and metrics every N steps")
           .at_least(1),
+  };
+}
 
+std::vector<RecipeKey> dist_keys() {
+  return {
       key("dist.backend", "auto", QTRAIN_FIELD(dist.backend), "auto: nccl on GPUs, gloo on CPUs")
           .one_of({"auto", "nccl", "gloo"}),
       key("dist.timeout_s", "600", QTRAIN_FIELD(dist.timeout_s),
@@ -317,7 +394,11 @@ std::vector<RecipeKey> make_recipe_keys() {
       key("dist.bucket_mb", "25", QTRAIN_FIELD(dist.bucket_mb),
           "gradient all-reduce bucket size in MiB")
           .at_least(1),
+  };
+}
 
+std::vector<RecipeKey> export_keys() {
+  return {
       key("export.formats", "[peft]", QTRAIN_FIELD(export_.formats),
           "written at the end of training and by `qtrain export`")
           .one_of(export_format_names()),
@@ -327,9 +408,46 @@ std::vector<RecipeKey> make_recipe_keys() {
   };
 }
 
+// Every key, section by section, in the order --print-recipe shows them.
+std::vector<RecipeKey> make_recipe_keys() {
+  std::vector<RecipeKey> keys;
+  for (const auto section : {model_keys, quant_keys, qlora_keys, lora_keys, qat_keys, data_keys, optim_keys,
+                             schedule_keys, train_keys, checkpoint_keys, eval_keys, log_keys, dist_keys, export_keys}) {
+    append(keys, section());
+  }
+  return keys;
+}
+
 #undef QTRAIN_FIELD
 
 }  // namespace
+
+const EnumNames<QuantMethod>& enum_names(QuantMethod) {
+  static const EnumNames<QuantMethod> names = [] {
+    EnumNames<QuantMethod> all;
+    for (const auto method : quant_methods()) all.emplace_back(method, quant_method_name(method));
+    return all;
+  }();
+  return names;
+}
+
+const EnumNames<BaseQuantization>& enum_names(BaseQuantization) {
+  static const EnumNames<BaseQuantization> names = [] {
+    EnumNames<BaseQuantization> all;
+    for (const auto& row : base_quantizations()) all.emplace_back(row.kind, row.name);
+    return all;
+  }();
+  return names;
+}
+
+const EnumNames<qat::QuantFormat>& enum_names(qat::QuantFormat) {
+  static const EnumNames<qat::QuantFormat> names = [] {
+    EnumNames<qat::QuantFormat> all;
+    for (const auto format : qat::quant_formats()) all.emplace_back(format, qat::quant_format_name(format));
+    return all;
+  }();
+  return names;
+}
 
 const std::vector<RecipeKey>& recipe_keys() {
   static const std::vector<RecipeKey> keys = make_recipe_keys();
@@ -337,14 +455,15 @@ const std::vector<RecipeKey>& recipe_keys() {
 }
 
 std::optional<RecipeConflict> find_conflict(const Recipe& recipe) {
-  if (recipe.quant == "qlora" && recipe.lora.rank == 0) {
+  if (recipe.quant == QuantMethod::kQlora && recipe.lora.rank == 0) {
     return RecipeConflict{"lora.rank",
                           "quant: qlora trains adapters on a frozen base, so lora.rank must be at "
                           "least 1 (quant: none or qat train the full weights with rank 0)"};
   }
-  if (recipe.quant == "qat" && recipe.qat.base != "none" && recipe.lora.rank == 0) {
+  if (recipe.quant == QuantMethod::kQat && recipe.qat.base != BaseQuantization::kNone && recipe.lora.rank == 0) {
+    const std::string base = base_quantization_row(recipe.qat.base).name;
     return RecipeConflict{"qat.base",
-                          "qat.base: " + recipe.qat.base + " keeps the base frozen in " + recipe.qat.base +
+                          "qat.base: " + base + " keeps the base frozen in " + base +
                               ", so QAT trains adapters on it: set lora.rank to at least 1 (or qat.base: none "
                               "to train the full weights)"};
   }
@@ -384,13 +503,13 @@ std::optional<RecipeConflict> find_conflict(const Recipe& recipe) {
   const auto& formats = recipe.export_.formats;
   for (const auto& row : export_formats()) {
     const bool exported = std::find(formats.begin(), formats.end(), row.name) != formats.end();
-    if (recipe.quant != "qat" && exported && !row.accepts(ExportedWeights::kFloat)) {
+    if (recipe.quant != QuantMethod::kQat && exported && !row.accepts(ExportedWeights::kFloat)) {
       return RecipeConflict{"export.formats", export_formats_refusing(ExportedWeights::kFloat) +
                                                   " write the weights on a QAT grid, so they need quant: qat (to "
                                                   "quantize a finished model, use qtrain quantize)"};
     }
   }
-  if (recipe.quant == "qat" && !trains_full_weights(recipe) && recipe.lora.dropout > 0) {
+  if (recipe.quant == QuantMethod::kQat && !trains_full_weights(recipe) && recipe.lora.dropout > 0) {
     return RecipeConflict{"lora.dropout",
                           "quant: qat fake-quantizes the merged weight W + scale * B A, which has no place for "
                           "dropout on the adapters' input: set lora.dropout: 0"};

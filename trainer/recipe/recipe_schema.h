@@ -15,9 +15,18 @@
 
 namespace qtrain::trainer {
 
-// The field behind a key; the alternative held is the key's type.
+// The field behind a key; the alternative held is the key's type. An enum key is written and
+// shown by its values' names (enum_names).
 using RecipeField = std::variant<int64_t*, double*, bool*, std::string*, std::vector<std::string>*,
-                                 std::vector<double>*>;
+                                 std::vector<double>*, QuantMethod*, BaseQuantization*, qat::QuantFormat*>;
+
+// The name of every value of an enum key's type, from the table that names it (quant_methods(),
+// base_quantizations(), qat::quant_formats()), in its order; enum_names(Enum{}) picks by type.
+template <typename Enum>
+using EnumNames = std::vector<std::pair<Enum, std::string>>;
+const EnumNames<QuantMethod>& enum_names(QuantMethod);
+const EnumNames<BaseQuantization>& enum_names(BaseQuantization);
+const EnumNames<qat::QuantFormat>& enum_names(qat::QuantFormat);
 
 struct RecipeKey {
   std::string name;          // dotted: "lora.rank"

@@ -54,7 +54,7 @@ namespace {
 qat::FakeQuantizerOptions fake_quantizer_options(const QuantizerRecipe& quantizer, const std::string& what) {
   qat::FakeQuantizerOptions options;
   auto& spec = options.spec;
-  spec.format = qat::parse_quant_format(quantizer.format, what + ".format");
+  spec.format = quantizer.format;
   spec.bits = spec.is_integer() ? quantizer.bits : spec.format_info().bits;
   spec.symmetric = quantizer.symmetric;
   spec.granularity = qat::parse_granularity(quantizer.granularity, what + ".granularity");
@@ -83,7 +83,7 @@ qat::QatLinearOptions qat_linear_options(const Recipe& recipe) {
 }
 
 std::vector<std::string> apply_recipe_qat(torch::nn::Module& model, const Recipe& recipe) {
-  if (recipe.quant != "qat") return {};
+  if (recipe.quant != QuantMethod::kQat) return {};
   qat::LoraTargets targets;
   targets.include.names = recipe.qat.target_modules;
   return qat::apply_qat(model, targets, qat_linear_options(recipe), "qat");
@@ -147,7 +147,7 @@ void keep_lm_head_on_host(LlamaForCausalLMImpl& model, const Recipe& recipe) {
   }
   qat::LoraTargets fake_quantized;
   fake_quantized.include.names = recipe.qat.target_modules;
-  if (recipe.quant == "qat" && fake_quantized.matches("lm_head")) refuse("qat.target_modules includes lm_head");
+  if (recipe.quant == QuantMethod::kQat && fake_quantized.matches("lm_head")) refuse("qat.target_modules includes lm_head");
   model.keep_lm_head_on_host();
 }
 
@@ -157,7 +157,7 @@ void apply_recipe_memory_settings(LlamaForCausalLMImpl& model, const Recipe& rec
   auto& backbone = *model.model;
   backbone.set_gradient_checkpointing(recipe.train.gradient_checkpointing ? recipe.train.gradient_checkpointing_every : 0);
   backbone.set_activation_offloading(recipe.train.offload_activations);
-  if (recipe.train.mlp_chunk_tokens > 0 && recipe.quant == "qat" && recipe.qat.activations.bits > 0) {
+  if (recipe.train.mlp_chunk_tokens > 0 && recipe.quant == QuantMethod::kQat && recipe.qat.activations.bits > 0) {
     // Dynamic per-tensor scales and observers would see one chunk's inputs, not the batch's.
     throw Error(ErrorCode::kRecipe,
                 "train.mlp_chunk_tokens runs the MLP a chunk of tokens at a time, which would change what "
