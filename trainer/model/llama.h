@@ -126,9 +126,9 @@ class LlamaDecoderLayerImpl : public torch::nn::Module {
                         torch::ScalarType dtype, int64_t sliding_window = 0);
   torch::Tensor forward(const torch::Tensor& hidden, const torch::Tensor& cos, const torch::Tensor& sin,
                         const AttentionMask& attention_mask, LayerKeyValues* cache = nullptr);
-  // Run the feed-forward block (with its norms and residual add) over slices of this many tokens, each its own
-  // checkpoint (recomputed in backward), so no [tokens, intermediate] tensor exists whole: long
-  // sequences. 0: the whole input at once.
+  // Run the feed-forward block (with its norms and residual add) over slices of this many tokens,
+  // each its own checkpoint (recomputed in backward), so no [tokens, intermediate] tensor exists
+  // whole: long sequences. 0: the whole input at once.
   void set_mlp_chunk_tokens(int64_t tokens) { mlp_chunk_tokens_ = tokens; }
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   // LlamaOptions::sandwich_norms only (Gemma): around the feed-forward block.
@@ -158,7 +158,8 @@ class LlamaBackboneImpl : public torch::nn::Module {
   // With checkpointing: the checkpointed layers' inputs wait in pinned host memory until their
   // backward (trainer/model/activation_offload.h).
   void set_activation_offloading(bool offload) { offload_activations_ = offload; }
-  // Every decoder layer's feed-forward block in slices of this many tokens (LlamaDecoderLayerImpl); 0: whole.
+  // Every decoder layer's feed-forward block in slices of this many tokens
+  // (LlamaDecoderLayerImpl); 0: whole.
   void set_mlp_chunk_tokens(int64_t tokens);
   // With checkpointing: whether a recomputed layer keeps the weights it built (dequantized,
   // fake-quantized) for its backward (qat::KeepBuiltWeights), or builds them again there.

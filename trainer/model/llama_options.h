@@ -50,7 +50,7 @@ struct LlamaOptions {
   bool attention_bias = false;  // q_proj, k_proj and v_proj have a bias
   bool output_bias = false;     // o_proj has one (Llama: as attention_bias; Qwen2: never)
   bool mlp_bias = false;
-  FeedForwardKind feed_forward = FeedForwardKind::kDense;
+  FeedForwardKind feed_forward = FeedForwardKind::kDense;  // what follows attention in every layer
   bool tie_word_embeddings = false;
   RopeOptions rope;
   // The leading fraction of each head the rotary embedding turns; the rest passes unrotated
