@@ -16,6 +16,7 @@
 #include "trainer/formats/merged_export.h"
 #include "trainer/formats/peft_adapter.h"
 #include "trainer/formats/safetensors.h"
+#include "trainer/model/dense_mlp.h"
 
 namespace qtrain::trainer {
 namespace {
@@ -171,7 +172,7 @@ TEST(MergedExport, FourBitBaseIsDequantizedAndLosesItsQuantizationConfig) {
   EXPECT_EQ(config.at("dtype"), "float32");
   const auto weights = SafetensorsCheckpoint::open(out);
   EXPECT_FALSE(weights.contains("model.layers.0.mlp.up_proj.weight.absmax"));
-  auto* up_proj = loaded.model->model->layers[0]->as<LlamaDecoderLayer>()->mlp->up_proj.get();
+  auto* up_proj = loaded.model->model->layers[0]->as<LlamaDecoderLayer>()->mlp->as<DenseMlp>()->up_proj.get();
   ASSERT_NE(dynamic_cast<qat::FourBitLinear*>(up_proj), nullptr);
   EXPECT_TRUE(torch::equal(weights.tensor("model.layers.0.mlp.up_proj.weight"), up_proj->dense_weight(torch::kFloat32)));
   auto reloaded = load_llama(out);

@@ -19,6 +19,7 @@
 #include "trainer/model/causal_lm_loss.h"
 #include "trainer/formats/hf_checkpoint.h"
 #include "trainer/formats/peft_adapter.h"
+#include "trainer/model/dense_mlp.h"
 #include "trainer/formats/safetensors.h"
 
 namespace qtrain::trainer {
@@ -103,7 +104,7 @@ TEST(PeftAdapter, WrapsEveryTargetProjectionAndNothingElse) {
   // The blocks' own pointers (what forward() calls) follow the swap.
   auto layer = model->model->layers->ptr<LlamaDecoderLayerImpl>(2);
   EXPECT_TRUE(std::dynamic_pointer_cast<qat::LoraLinear>(layer->self_attn->q_proj));
-  EXPECT_TRUE(std::dynamic_pointer_cast<qat::LoraLinear>(layer->mlp->down_proj));
+  EXPECT_TRUE(std::dynamic_pointer_cast<qat::LoraLinear>(layer->mlp->as<DenseMlp>()->down_proj));
   EXPECT_FALSE(lora_layers_of(*model).front().second->is_training()) << "an eval-mode model stays in eval mode";
   // A and B train in fp32; the projections they wrap are frozen (other weights are the trainer's call).
   for (const auto& item : model->named_parameters()) {

@@ -14,12 +14,6 @@ namespace qtrain::trainer {
 
 namespace F = torch::nn::functional;
 
-LinearFactory dense_linear_factory() {
-  return [](const std::string&, const qat::DenseLinearOptions& options) -> std::shared_ptr<qat::LinearLayer> {
-    return std::make_shared<qat::DenseLinear>(options);
-  };
-}
-
 RMSNormImpl::RMSNormImpl(int64_t hidden_size, double eps, torch::ScalarType dtype, NormStyle style)
     : eps_(eps), style_(style) {
   const auto options = torch::TensorOptions().dtype(dtype);
@@ -138,25 +132,30 @@ std::pair<torch::Tensor, torch::Tensor> RotaryEmbedding::tables(const torch::Ten
   return {embedding.cos().to(dtype), embedding.sin().to(dtype)};
 }
 
-namespace {
-
-qat::DenseLinearOptions linear_options(int64_t in, int64_t out, bool bias, torch::ScalarType dtype) {
-  qat::DenseLinearOptions options;
-  options.in_features = in;
-  options.out_features = out;
-  options.bias = bias;
-  options.dtype = dtype;
-  return options;
+std::vector<ProjectionShape> attention_projections(const LlamaOptions& options) {
+  const int64_t hidden = options.hidden_size;
+  const int64_t query_width = options.num_attention_heads * options.head_dim;
+  const int64_t key_value_width = options.num_key_value_heads * options.head_dim;
+  const bool bias = options.attention_bias;
+  const ProjectionShape output{"o_proj", query_width, hidden, options.output_bias, ProjectionInput::kBlockActivation};
+  if (options.fused_projections) return {{"qkv_proj", hidden, query_width + 2 * key_value_width, bias}, output};
+  return {{"q_proj", hidden, query_width, bias},
+          {"k_proj", hidden, key_value_width, bias},
+          {"v_proj", hidden, key_value_width, bias},
+          output};
 }
 
-// Points `slot` (the member forward() calls) and the registered child `child_name` at `layer`.
-void replace_projection(torch::nn::Module& owner, std::shared_ptr<qat::LinearLayer>* slot,
-                        const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) {
-  if (slot == nullptr || !*slot) throw Error(ErrorCode::kInternal, owner.name() + " has no linear layer '" + child_name + "' to replace");
-  *slot = owner.replace_module(child_name, std::move(layer));
+std::vector<std::string> LlamaOptions::projection_names() const {
+  std::vector<std::string> names;
+  for (const auto& shape : attention_projections(*this)) names.push_back(shape.name);
+  for (const auto& shape : feed_forward_row(*this).projections(*this)) names.push_back(shape.name);
+  return names;
 }
 
-}  // namespace
+const std::vector<std::string>& decoder_projection_names() {
+  static const std::vector<std::string> names = LlamaOptions{}.projection_names();
+  return names;
+}
 
 LlamaAttentionImpl::LlamaAttentionImpl(const LlamaOptions& options, const std::string& prefix,
                                        const LinearFactory& make_linear, torch::ScalarType dtype,
@@ -167,20 +166,8 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaOptions& options, const std::s
       sliding_window_(sliding_window),
       scale_(options.attention_scale()),
       softcap_(options.attention_softcap) {
-  const int64_t hidden = options.hidden_size;
-  const int64_t query_width = num_heads_ * head_dim_;
-  const int64_t key_value_width = num_key_value_heads_ * head_dim_;
-  const bool bias = options.attention_bias;
-  if (options.fused_projections) {
-    qkv_proj = register_module("qkv_proj", make_linear(prefix + ".qkv_proj",
-                                                       linear_options(hidden, query_width + 2 * key_value_width, bias, dtype)));
-  } else {
-    q_proj = register_module("q_proj", make_linear(prefix + ".q_proj", linear_options(hidden, query_width, bias, dtype)));
-    k_proj = register_module("k_proj", make_linear(prefix + ".k_proj", linear_options(hidden, key_value_width, bias, dtype)));
-    v_proj = register_module("v_proj", make_linear(prefix + ".v_proj", linear_options(hidden, key_value_width, bias, dtype)));
-  }
-  o_proj = register_module("o_proj", make_linear(prefix + ".o_proj",
-                                                 linear_options(query_width, hidden, options.output_bias, dtype)));
+  register_projections(*this, attention_projections(options), prefix, make_linear, dtype,
+                       [this](const std::string& name) { return slot(name); });
   if (options.query_key_norm) {
     q_norm = register_module("q_norm", RMSNorm(head_dim_, options.rms_norm_eps, dtype, options.norm_style));
     k_norm = register_module("k_norm", RMSNorm(head_dim_, options.rms_norm_eps, dtype, options.norm_style));
@@ -288,72 +275,17 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden, const tor
   return o_proj->forward(attended.transpose(1, 2).reshape({batch, sequence, num_heads_ * head_dim_}));
 }
 
+std::shared_ptr<qat::LinearLayer>* LlamaAttentionImpl::slot(const std::string& child_name) {
+  return child_name == "q_proj"     ? &q_proj
+         : child_name == "qkv_proj" ? &qkv_proj
+         : child_name == "k_proj"   ? &k_proj
+         : child_name == "v_proj"   ? &v_proj
+         : child_name == "o_proj"   ? &o_proj
+                                    : nullptr;
+}
+
 void LlamaAttentionImpl::replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) {
-  auto* slot = child_name == "q_proj" ? &q_proj
-               : child_name == "qkv_proj" ? &qkv_proj
-               : child_name == "k_proj" ? &k_proj
-               : child_name == "v_proj" ? &v_proj
-               : child_name == "o_proj" ? &o_proj
-                                        : nullptr;
-  replace_projection(*this, slot, child_name, std::move(layer));
-}
-
-LlamaMlpImpl::LlamaMlpImpl(const LlamaOptions& options, const std::string& prefix, const LinearFactory& make_linear,
-                           torch::ScalarType dtype)
-    : activation_(options.activation) {
-  const int64_t hidden = options.hidden_size;
-  const int64_t intermediate = options.intermediate_size;
-  const bool bias = options.mlp_bias;
-  if (options.fused_projections) {
-    gate_up_proj = register_module("gate_up_proj", make_linear(prefix + ".gate_up_proj",
-                                                               linear_options(hidden, 2 * intermediate, bias, dtype)));
-  } else {
-    gate_proj = register_module("gate_proj", make_linear(prefix + ".gate_proj", linear_options(hidden, intermediate, bias, dtype)));
-    up_proj = register_module("up_proj", make_linear(prefix + ".up_proj", linear_options(hidden, intermediate, bias, dtype)));
-  }
-  down_proj = register_module("down_proj", make_linear(prefix + ".down_proj", linear_options(intermediate, hidden, bias, dtype)));
-}
-
-torch::Tensor LlamaMlpImpl::forward(const torch::Tensor& hidden, const qat::LinearLayer::InputRebuild& rebuild_hidden) {
-  // up before gate: the order GCC evaluated them in as arguments of one call, which LoRA
-  // dropout's masks draw their random numbers in (runs keep the numbers they always had).
-  torch::Tensor gate, up;
-  if (gate_up_proj) {
-    const auto fused = gate_up_proj->forward_rebuilding_input(hidden, rebuild_hidden);  // gate's half first, as Phi-3's chunk(2)
-    const int64_t intermediate = fused.size(-1) / 2;
-    // Contiguous halves: the activation's kernels keep these very tensors (not copies of views),
-    // which down_proj's rebuild below reads too.
-    gate = fused.narrow(-1, 0, intermediate).contiguous();
-    up = fused.narrow(-1, intermediate, intermediate).contiguous();
-  } else {
-    up = up_proj->forward_rebuilding_input(hidden, rebuild_hidden);
-    gate = gate_proj->forward_rebuilding_input(hidden, rebuild_hidden);
-  }
-  const bool gelu = activation_ == Activation::kGeluTanh;
-  const auto product = gelu ? geglu(gate, up) : swiglu(gate, up);
-  if (!torch::GradMode::is_enabled()) {
-    // Let go of gate and up before down_proj runs: where autograd keeps nothing (checkpointing's
-    // first forward, evaluation) their 2 x [tokens, intermediate] go back now, not after it.
-    gate = up = torch::Tensor();
-    return down_proj->forward(product);
-  }
-  // The activation's backward keeps gate and up; down_proj's adapter makes the product again from
-  // them for its own backward instead of keeping it too ([tokens, intermediate]: a fifth of what a
-  // layer keeps). The same kernel on the same values: the same bits.
-  const auto rebuild = [gate = gate.detach(), up = up.detach(), gelu] {
-    return gelu ? geglu(gate, up) : swiglu(gate, up);
-  };
-  gate = up = torch::Tensor();
-  return down_proj->forward_rebuilding_input(product, rebuild);
-}
-
-void LlamaMlpImpl::replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) {
-  auto* slot = child_name == "gate_proj" ? &gate_proj
-               : child_name == "gate_up_proj" ? &gate_up_proj
-               : child_name == "up_proj" ? &up_proj
-               : child_name == "down_proj" ? &down_proj
-                                           : nullptr;
-  replace_projection(*this, slot, child_name, std::move(layer));
+  replace_projection(*this, [this](const std::string& name) { return slot(name); }, child_name, std::move(layer));
 }
 
 LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaOptions& options, const std::string& prefix,
@@ -368,7 +300,8 @@ LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaOptions& options, const 
     pre_feedforward_layernorm = register_module("pre_feedforward_layernorm", norm());
     post_feedforward_layernorm = register_module("post_feedforward_layernorm", norm());
   }
-  mlp = register_module("mlp", LlamaMlp(options, prefix + ".mlp", make_linear, dtype));
+  const auto& block = feed_forward_row(options);
+  mlp = register_module(block.module_name, block.make(options, prefix + "." + block.module_name, make_linear, dtype));
 }
 
 torch::Tensor LlamaDecoderLayerImpl::forward(const torch::Tensor& hidden, const torch::Tensor& cos,
@@ -496,8 +429,8 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaOptions& options, torch::S
     : options_(options), dtype_(dtype) {
   model = register_module("model", LlamaBackbone(options, make_linear, dtype));
   if (!options.tie_word_embeddings) {
-    lm_head = register_module("lm_head",
-                              make_linear("lm_head", linear_options(options.hidden_size, options.vocab_size, false, dtype)));
+    lm_head = register_module("lm_head", make_linear("lm_head", projection_options({"lm_head", options.hidden_size,
+                                                                                   options.vocab_size, false}, dtype)));
   }
 }
 
@@ -533,7 +466,8 @@ torch::Tensor LlamaForCausalLMImpl::logits(const torch::Tensor& hidden) {
 
 void LlamaForCausalLMImpl::replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) {
   if (child_name == "lm_head") host_lm_head_.reset();  // the new layer's weights are where it put them
-  replace_projection(*this, child_name == "lm_head" ? &lm_head : nullptr, child_name, std::move(layer));
+  replace_projection(*this, [this](const std::string& name) { return name == "lm_head" ? &lm_head : nullptr; },
+                     child_name, std::move(layer));
 }
 
 void LlamaForCausalLMImpl::keep_lm_head_on_host() {

@@ -15,16 +15,12 @@
 
 #include "qat/linear.h"
 #include "trainer/model/attention_mask.h"
+#include "trainer/model/feed_forward.h"
 #include "trainer/model/host_resident_weight.h"
 #include "trainer/model/llama_options.h"
+#include "trainer/model/projections.h"
 
 namespace qtrain::trainer {
-
-// Builds the projection a model position needs (`name` like "model.layers.0.self_attn.q_proj").
-// The default makes dense layers; QLoRA / QAT pass factories that make their own kinds.
-using LinearFactory = std::function<std::shared_ptr<qat::LinearLayer>(const std::string& name,
-                                                                      const qat::DenseLinearOptions&)>;
-LinearFactory dense_linear_factory();
 
 class RMSNormImpl : public torch::nn::Module {
  public:
@@ -92,6 +88,10 @@ class KeyValueCache {
   std::vector<LayerKeyValues> layers_;
 };
 
+// The attention's projections, named relative to it (`q_proj`: model.layers.N.self_attn.q_proj),
+// in the order it registers them.
+std::vector<ProjectionShape> attention_projections(const LlamaOptions& options);
+
 // The blocks holding projections implement qat::LinearLayerOwner, so that swapping one (LoRA,
 // QAT) updates the pointer forward() calls as well as the registered child.
 class LlamaAttentionImpl : public torch::nn::Module, public qat::LinearLayerOwner {
@@ -112,6 +112,7 @@ class LlamaAttentionImpl : public torch::nn::Module, public qat::LinearLayerOwne
   RMSNorm q_norm{nullptr}, k_norm{nullptr};  // LlamaOptions::query_key_norm only
 
  private:
+  std::shared_ptr<qat::LinearLayer>* slot(const std::string& child_name);
   int64_t num_heads_, num_key_value_heads_, head_dim_;
   int64_t sliding_window_;
   double scale_;    // of the scores
@@ -119,39 +120,26 @@ class LlamaAttentionImpl : public torch::nn::Module, public qat::LinearLayerOwne
 };
 TORCH_MODULE(LlamaAttention);
 
-class LlamaMlpImpl : public torch::nn::Module, public qat::LinearLayerOwner {
- public:
-  LlamaMlpImpl(const LlamaOptions& options, const std::string& prefix, const LinearFactory& make_linear,
-               torch::ScalarType dtype);
-  // `rebuild_hidden`: LinearLayer::forward_rebuilding_input's, for gate and up.
-  torch::Tensor forward(const torch::Tensor& hidden, const qat::LinearLayer::InputRebuild& rebuild_hidden = {});
-  void replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) override;
-  std::shared_ptr<qat::LinearLayer> gate_proj, up_proj, down_proj;
-  std::shared_ptr<qat::LinearLayer> gate_up_proj;  // instead of gate and up: LlamaOptions::fused_projections
-
- private:
-  Activation activation_;
-};
-TORCH_MODULE(LlamaMlp);
-
 class LlamaDecoderLayerImpl : public torch::nn::Module {
  public:
   LlamaDecoderLayerImpl(const LlamaOptions& options, const std::string& prefix, const LinearFactory& make_linear,
                         torch::ScalarType dtype, int64_t sliding_window = 0);
   torch::Tensor forward(const torch::Tensor& hidden, const torch::Tensor& cos, const torch::Tensor& sin,
                         const AttentionMask& attention_mask, LayerKeyValues* cache = nullptr);
-  // Run the MLP (with its norms and residual add) over slices of this many tokens, each its own
-  // checkpoint (recomputed in backward), so no [tokens, intermediate] tensor exists whole: long
-  // sequences. 0: the whole input at once.
+  // Run the feed-forward block (with its norms and residual add) over slices of this many tokens,
+  // each its own checkpoint (recomputed in backward), so no [tokens, intermediate] tensor exists
+  // whole: long sequences. 0: the whole input at once.
   void set_mlp_chunk_tokens(int64_t tokens) { mlp_chunk_tokens_ = tokens; }
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
-  // LlamaOptions::sandwich_norms only (Gemma): around the MLP.
+  // LlamaOptions::sandwich_norms only (Gemma): around the feed-forward block.
   RMSNorm pre_feedforward_layernorm{nullptr}, post_feedforward_layernorm{nullptr};
   LlamaAttention self_attn{nullptr};
-  LlamaMlp mlp{nullptr};
+  // The block LlamaOptions::feed_forward names (trainer/model/feed_forward.h), registered under
+  // its row's module_name.
+  FeedForward mlp{nullptr};
 
  private:
-  torch::Tensor feed_forward(const torch::Tensor& residual);  // residual + the MLP sublayer
+  torch::Tensor feed_forward(const torch::Tensor& residual);  // residual + the feed-forward sublayer
   torch::Tensor feed_forward_in_chunks(const torch::Tensor& residual);
   int64_t mlp_chunk_tokens_ = 0;
 };
@@ -170,7 +158,8 @@ class LlamaBackboneImpl : public torch::nn::Module {
   // With checkpointing: the checkpointed layers' inputs wait in pinned host memory until their
   // backward (trainer/model/activation_offload.h).
   void set_activation_offloading(bool offload) { offload_activations_ = offload; }
-  // Every decoder layer's MLP in slices of this many tokens (LlamaDecoderLayerImpl); 0: whole.
+  // Every decoder layer's feed-forward block in slices of this many tokens
+  // (LlamaDecoderLayerImpl); 0: whole.
   void set_mlp_chunk_tokens(int64_t tokens);
   // With checkpointing: whether a recomputed layer keeps the weights it built (dequantized,
   // fake-quantized) for its backward (qat::KeepBuiltWeights), or builds them again there.

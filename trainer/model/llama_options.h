@@ -10,20 +10,13 @@
 
 namespace qtrain::trainer {
 
-// The linear layers of each decoder block, by the names transformers and peft give them.
-inline const std::vector<std::string>& decoder_projection_names() {
-  static const std::vector<std::string> names = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
-  return names;
-}
-// Phi-3's: q, k and v as one projection, gate and up as another.
-inline const std::vector<std::string>& fused_decoder_projection_names() {
-  static const std::vector<std::string> names = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"};
-  return names;
-}
-
 // kLongRope: Phi-3's, frequencies divided per dimension by short_factor, or by long_factor once a
 // position passes original_max_position_embeddings, and cos / sin scaled by attention_factor.
 enum class RopeType { kDefault, kLinear, kDynamic, kLlama3, kLongRope };
+
+// The decoder layer's feed-forward block (trainer/model/feed_forward.h): kDense, a gated MLP
+// (gate, up, down).
+enum class FeedForwardKind { kDense };
 
 // The MLP's gate activation: silu (SwiGLU: Llama, Mistral, Qwen) or tanh-approximated GELU
 // (GeGLU, transformers' gelu_pytorch_tanh: Gemma).
@@ -57,6 +50,7 @@ struct LlamaOptions {
   bool attention_bias = false;  // q_proj, k_proj and v_proj have a bias
   bool output_bias = false;     // o_proj has one (Llama: as attention_bias; Qwen2: never)
   bool mlp_bias = false;
+  FeedForwardKind feed_forward = FeedForwardKind::kDense;  // what follows attention in every layer
   bool tie_word_embeddings = false;
   RopeOptions rope;
   // The leading fraction of each head the rotary embedding turns; the rest passes unrotated
@@ -91,9 +85,9 @@ struct LlamaOptions {
   double final_logit_softcap = 0;
 
   int64_t rotary_dim() const { return static_cast<int64_t>(static_cast<double>(head_dim) * partial_rotary_factor); }
-  const std::vector<std::string>& projection_names() const {
-    return fused_projections ? fused_decoder_projection_names() : decoder_projection_names();
-  }
+  // The linear layers of each decoder layer, by the names transformers and peft give them: the
+  // attention's, then the feed-forward block's (trainer/model/llama.cpp asks both).
+  std::vector<std::string> projection_names() const;
   double attention_scale() const {
     // pow, as Python's ** computes transformers' scaling.
     return std::pow(query_pre_attn_scalar > 0 ? query_pre_attn_scalar : static_cast<double>(head_dim), -0.5);
@@ -108,5 +102,8 @@ struct LlamaOptions {
            sliding_layers[static_cast<size_t>(layer)];
   }
 };
+
+// The projections of a default (Llama) decoder layer: q, k, v, o, gate, up, down.
+const std::vector<std::string>& decoder_projection_names();
 
 }  // namespace qtrain::trainer

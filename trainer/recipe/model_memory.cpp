@@ -13,42 +13,33 @@ namespace qtrain::trainer {
 namespace {
 
 // The tensor a projection reads; projections reading the same one share what is saved of it.
-enum class ProjectionInput { kNormedForAttention, kAttentionOutput, kNormedForMlp, kMlpProduct };
+// kMlpProduct: the feed-forward block's inner activation (the dense MLP's gated product).
+enum class LayerInput { kNormedForAttention, kAttentionOutput, kNormedForMlp, kMlpProduct };
 
 struct Projection {
   std::string name;  // the module's dotted path, e.g. "model.layers.3.self_attn.q_proj"
   int64_t in = 0;
   int64_t out = 0;
   bool bias = false;
-  ProjectionInput input = ProjectionInput::kNormedForAttention;
+  LayerInput input = LayerInput::kNormedForAttention;
 };
 
+// Layer `layer`'s projections, as its attention and its feed-forward block make them.
 std::vector<Projection> decoder_projections(const LlamaOptions& model, int64_t layer) {
-  const std::string attention = "model.layers." + std::to_string(layer) + ".self_attn.";
-  const std::string mlp = "model.layers." + std::to_string(layer) + ".mlp.";
-  const int64_t hidden = model.hidden_size;
-  const int64_t query = model.num_attention_heads * model.head_dim;
-  const int64_t key_value = model.num_key_value_heads * model.head_dim;
-  const int64_t intermediate = model.intermediate_size;
-  const bool attention_bias = model.attention_bias;
-  const bool mlp_bias = model.mlp_bias;
-  if (model.fused_projections) {
-    return {
-        {attention + "qkv_proj", hidden, query + 2 * key_value, attention_bias, ProjectionInput::kNormedForAttention},
-        {attention + "o_proj", query, hidden, model.output_bias, ProjectionInput::kAttentionOutput},
-        {mlp + "gate_up_proj", hidden, 2 * intermediate, mlp_bias, ProjectionInput::kNormedForMlp},
-        {mlp + "down_proj", intermediate, hidden, mlp_bias, ProjectionInput::kMlpProduct},
-    };
+  const std::string prefix = "model.layers." + std::to_string(layer) + ".";
+  std::vector<Projection> projections;
+  for (const auto& shape : attention_projections(model)) {
+    projections.push_back({prefix + "self_attn." + shape.name, shape.in, shape.out, shape.bias,
+                           shape.input == ProjectionInput::kBlockInput ? LayerInput::kNormedForAttention
+                                                                       : LayerInput::kAttentionOutput});
   }
-  return {
-      {attention + "q_proj", hidden, query, attention_bias, ProjectionInput::kNormedForAttention},
-      {attention + "k_proj", hidden, key_value, attention_bias, ProjectionInput::kNormedForAttention},
-      {attention + "v_proj", hidden, key_value, attention_bias, ProjectionInput::kNormedForAttention},
-      {attention + "o_proj", query, hidden, model.output_bias, ProjectionInput::kAttentionOutput},
-      {mlp + "gate_proj", hidden, intermediate, mlp_bias, ProjectionInput::kNormedForMlp},
-      {mlp + "up_proj", hidden, intermediate, mlp_bias, ProjectionInput::kNormedForMlp},
-      {mlp + "down_proj", intermediate, hidden, mlp_bias, ProjectionInput::kMlpProduct},
-  };
+  const auto& block = feed_forward_row(model);
+  for (const auto& shape : block.projections(model)) {
+    projections.push_back({prefix + block.module_name + "." + shape.name, shape.in, shape.out, shape.bias,
+                           shape.input == ProjectionInput::kBlockInput ? LayerInput::kNormedForMlp
+                                                                       : LayerInput::kMlpProduct});
+  }
+  return projections;
 }
 
 // Every linear layer of the model: the decoder projections, then lm_head unless it is tied.
@@ -112,7 +103,6 @@ double decoder_layer_activation_bytes(const LlamaOptions& model, const TrainingM
   const double heads = static_cast<double>(model.num_attention_heads);
   const double query = heads * static_cast<double>(model.head_dim);
   const double key_value = static_cast<double>(model.num_key_value_heads * model.head_dim);
-  const double intermediate = static_cast<double>(model.intermediate_size);
   const double mask_bytes = setup.device == torch::kCUDA ? 1.0 : s;  // CUDA's fused dropout keeps a bool mask
   const bool fused_layers = setup.device == torch::kCUDA;  // RMSNorm and SwiGLU kernels (trainer/model/llama_layers.h)
   // The first layer's input comes from the frozen embeddings and does not require grad.
@@ -120,11 +110,13 @@ double decoder_layer_activation_bytes(const LlamaOptions& model, const TrainingM
 
   double bytes = rms_norm_bytes(tokens, model.hidden_size, s, setup.full_finetune, fused_layers);  // post_attention_layernorm
   if (input_requires_grad) bytes += rms_norm_bytes(tokens, model.hidden_size, s, setup.full_finetune, fused_layers);
-  std::map<ProjectionInput, bool> input_saved, input_rebuilt;
+  std::map<LayerInput, bool> input_saved, input_rebuilt;
+  std::map<LayerInput, double> input_width;  // values per token
   for (const auto& projection : decoder_projections(model, layer)) {
     const double in = static_cast<double>(projection.in);
+    input_width[projection.input] = in;
     const double out = static_cast<double>(projection.out);
-    const bool input_needs_grad = input_requires_grad || projection.input != ProjectionInput::kNormedForAttention;
+    const bool input_needs_grad = input_requires_grad || projection.input != LayerInput::kNormedForAttention;
     // A 4-bit base keeps nothing: qat/four_bit_matmul.h dequantizes again in backward.
     if (setup.full_finetune) {
       input_saved[projection.input] = true;  // for the weight's gradient
@@ -150,8 +142,8 @@ double decoder_layer_activation_bytes(const LlamaOptions& model, const TrainingM
       // inputs (RMSNormImpl::forward_rebuildable), down_proj's, the MLP's product, from gate and up.
       if (setup.compute_dtype != torch::kFloat32) bytes += rank * (in + out) * s;
       if (dropout) bytes += tokens * in;
-      if (projection.input == ProjectionInput::kAttentionOutput) input_saved[projection.input] = true;
-      if (projection.input == ProjectionInput::kNormedForAttention || projection.input == ProjectionInput::kNormedForMlp) {
+      if (projection.input == LayerInput::kAttentionOutput) input_saved[projection.input] = true;
+      if (projection.input == LayerInput::kNormedForAttention || projection.input == LayerInput::kNormedForMlp) {
         input_rebuilt[projection.input] = true;
       }
       continue;
@@ -164,18 +156,18 @@ double decoder_layer_activation_bytes(const LlamaOptions& model, const TrainingM
     }
   }
   const bool math_attention = uses_math_attention(model, setup);
-  if (input_saved[ProjectionInput::kNormedForAttention]) bytes += tokens * hidden * s;
+  if (input_saved[LayerInput::kNormedForAttention]) bytes += tokens * hidden * s;
   // A fused kernel's output is o_proj's input as it is (a view); the math path's is a copy.
-  if (input_saved[ProjectionInput::kAttentionOutput] && math_attention) bytes += tokens * query * s;
-  if (input_saved[ProjectionInput::kNormedForMlp]) bytes += tokens * hidden * s;
+  if (input_saved[LayerInput::kAttentionOutput] && math_attention) bytes += tokens * query * s;
+  if (input_saved[LayerInput::kNormedForMlp]) bytes += tokens * hidden * s;
   // A rebuilt norm output keeps the norm's input, which the norm keeps as it is only with a backward
   // of its own and where it keeps it unconverted (the fused kernel; the torch operations in fp32).
   const bool norm_keeps_its_input = fused_layers || s == 4.0;
-  if (input_rebuilt[ProjectionInput::kNormedForAttention] && !(input_requires_grad && norm_keeps_its_input)) {
+  if (input_rebuilt[LayerInput::kNormedForAttention] && !(input_requires_grad && norm_keeps_its_input)) {
     bytes += tokens * hidden * s;
   }
-  if (input_rebuilt[ProjectionInput::kNormedForMlp] && !norm_keeps_its_input) bytes += tokens * hidden * s;
-  if (input_saved[ProjectionInput::kMlpProduct]) bytes += tokens * intermediate * s;
+  if (input_rebuilt[LayerInput::kNormedForMlp] && !norm_keeps_its_input) bytes += tokens * hidden * s;
+  if (input_saved[LayerInput::kMlpProduct]) bytes += tokens * input_width[LayerInput::kMlpProduct] * s;
 
   if (math_attention) {
     // softmax probabilities [batch, heads, seq, seq]; q, and k and v repeated to every head
@@ -185,8 +177,9 @@ double decoder_layer_activation_bytes(const LlamaOptions& model, const TrainingM
     // becomes a [batch, 1, seq, seq] tensor of the compute dtype in every call.
     bytes += tokens * ((2.0 * query + 2.0 * key_value) * s + 4.0 * heads) + (setup.packed ? tokens * sequence * s : 0.0);
   }
-  // SwiGLU: the gate and up outputs, and the torch operations' silu(gate) too.
-  bytes += (fused_layers ? 2.0 : 3.0) * tokens * intermediate * s;
+  // The feed-forward block's activation (SwiGLU: the gate and up outputs, and the torch operations'
+  // silu(gate) too).
+  bytes += tokens * feed_forward_row(model).activation_values_per_token(model, fused_layers) * s;
   return bytes;
 }
 
@@ -282,11 +275,13 @@ double PeakMemoryEstimate::total() const {
 
 double PeakMemoryEstimate::lowest_total() const { return peak_of(*this, true, true, fused_loss_applies); }
 
-PeakMemoryEstimate estimate_peak_memory(const LlamaOptions& model, const TrainingMemorySetup& setup) {
-  const double s = element_bytes(setup.compute_dtype);
-  PeakMemoryEstimate estimate;
+namespace {
 
-  // Weights and trainable state.
+// The frozen weights and the trainable state (with what the setup keeps on the host). Returns
+// whether lm_head trains (fully or through an adapter).
+bool estimate_weights_and_state(const LlamaOptions& model, const TrainingMemorySetup& setup,
+                                PeakMemoryEstimate& estimate) {
+  const double s = element_bytes(setup.compute_dtype);
   bool lm_head_trains = setup.full_finetune;
   for (const auto& projection : all_projections(model)) {
     const int64_t weights = projection.in * projection.out;
@@ -342,8 +337,13 @@ PeakMemoryEstimate estimate_peak_memory(const LlamaOptions& model, const Trainin
     estimate.host_state_bytes = static_cast<double>(estimate.trainable_parameters) *
                                 (masters ? kHostStateBytesWithMaster : kHostStateBytes);
   }
+  return lm_head_trains;
+}
 
-  // Activations of one micro-batch.
+// What the forward of one micro-batch keeps, with and without checkpointing, and QAT-LoRA's
+// weight build.
+void estimate_activations(const LlamaOptions& model, const TrainingMemorySetup& setup, PeakMemoryEstimate& estimate) {
+  const double s = element_bytes(setup.compute_dtype);
   const double tokens = static_cast<double>(setup.micro_batch_size * setup.sequence_length);
   const double hidden = static_cast<double>(model.hidden_size);
   const double per_micro_batch = tokens * 2.0 * static_cast<double>(model.head_dim) * s +  // rotary cos, sin
@@ -397,7 +397,13 @@ PeakMemoryEstimate estimate_peak_memory(const LlamaOptions& model, const Trainin
   estimate.fake_quant_build_bytes = largest_fake_quantized * (setup.device == torch::kCPU ? 4.0 * 4.0 + s : s);
   estimate.attention_keeps_probabilities = uses_math_attention(model, setup);
   estimate.uses_checkpointing = setup.gradient_checkpointing;
+}
 
+// The loss's peak: whole, chunked and fused.
+void estimate_loss(const LlamaOptions& model, const TrainingMemorySetup& setup, bool lm_head_trains,
+                   PeakMemoryEstimate& estimate) {
+  const double s = element_bytes(setup.compute_dtype);
+  const double hidden = static_cast<double>(model.hidden_size);
   // The loss: three fp32 [tokens, vocab] tensors at the start of its backward.
   estimate.predicted_tokens = setup.micro_batch_size * std::max<int64_t>(setup.sequence_length - 1, 0);
   const double predicted = static_cast<double>(estimate.predicted_tokens);
@@ -432,6 +438,15 @@ PeakMemoryEstimate estimate_peak_memory(const LlamaOptions& model, const Trainin
   const double tile_element_bytes = 4.0 + (s < 4.0 ? s : 0.0) + (model.final_logit_softcap > 0 ? s : 0.0);
   estimate.fused_loss_bytes = tile * tile_element_bytes + chunk * hidden * (4.0 + s) + 2.0 * final_states +
                               predicted * (4.0 + 8.0);
+}
+
+}  // namespace
+
+PeakMemoryEstimate estimate_peak_memory(const LlamaOptions& model, const TrainingMemorySetup& setup) {
+  PeakMemoryEstimate estimate;
+  const bool lm_head_trains = estimate_weights_and_state(model, setup, estimate);
+  estimate_activations(model, setup, estimate);
+  estimate_loss(model, setup, lm_head_trains, estimate);
   return estimate;
 }
 

@@ -3,7 +3,9 @@
 // anything is loaded (`qtrain inspect`). Every figure follows what this code base allocates and
 // what autograd keeps for backward, read off trainer/model/llama.cpp, qat/lora_linear.cpp,
 // qat/four_bit_linear.cpp and trainer/model/causal_lm_loss.cpp; tests/trainer/model_memory_test.cpp
-// checks them against the tensors of a real model and the bytes a real step allocates.
+// checks them against the tensors of a real model and the bytes a real step allocates. The
+// projections and the feed-forward block's activation are the blocks' own figures
+// (attention_projections, trainer/model/feed_forward.h's row).
 //
 // Counted, with s = bytes of the compute dtype (train.dtype), T = micro_batch_size x seq tokens:
 //

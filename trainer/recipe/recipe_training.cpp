@@ -1,5 +1,7 @@
 #include "trainer/recipe/recipe_training.h"
 
+#include <algorithm>
+
 #include "kernels/error.h"
 #include "qat/quant_format.h"
 #include "trainer/model/causal_lm_loss.h"
@@ -22,17 +24,19 @@ PeftAdapterConfig lora_adapter_config(const Recipe& recipe) {
 
 void require_model_projections(const LlamaOptions& model, const std::vector<std::string>& target_modules,
                                const std::string& key) {
-  if (!model.fused_projections) return;
+  // The names a Llama layer has and this model's do not: what its blocks fused or name otherwise.
+  const auto names = model.projection_names();
+  std::string listed;
+  for (const auto& name : names) listed += (listed.empty() ? "[" : ", ") + name;
   for (const auto& entry : target_modules) {
-    for (const char* fused_away : {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}) {
-      const std::string name = fused_away;
+    for (const auto& name : decoder_projection_names()) {
+      if (std::find(names.begin(), names.end(), name) != names.end()) continue;
       const bool names_it = entry == name || (entry.size() > name.size() && entry.compare(entry.size() - name.size() - 1,
                                                                                           std::string::npos, "." + name) == 0);
       if (!names_it) continue;
       throw Error(ErrorCode::kRecipe,
-                  key + " names '" + entry + "', which this model does not have: Phi-3 fuses q_proj, k_proj and v_proj "
-                  "into qkv_proj and gate_proj and up_proj into gate_up_proj. Target [qkv_proj, o_proj, gate_up_proj, "
-                  "down_proj] (peft's names for Phi-3, as recipes/qlora_phi3.yaml does) or all-linear");
+                  key + " names '" + entry + "', which this model does not have: its decoder layers' projections are " +
+                  listed + "] (peft's names; a fused one joins the projections it replaces). Target those or all-linear");
     }
   }
 }

@@ -1,0 +1,89 @@
+#include "trainer/model/dense_mlp.h"
+
+#include "trainer/model/llama_layers.h"
+
+namespace qtrain::trainer {
+
+namespace {
+
+std::vector<ProjectionShape> dense_mlp_projections(const LlamaOptions& options) {
+  const int64_t hidden = options.hidden_size;
+  const int64_t intermediate = options.intermediate_size;
+  const bool bias = options.mlp_bias;
+  const ProjectionShape down{"down_proj", intermediate, hidden, bias, ProjectionInput::kBlockActivation};
+  if (options.fused_projections) return {{"gate_up_proj", hidden, 2 * intermediate, bias}, down};
+  return {{"gate_proj", hidden, intermediate, bias}, {"up_proj", hidden, intermediate, bias}, down};
+}
+
+// The gate and up outputs, which the activation's backward keeps, and the torch operations' act(gate).
+double dense_mlp_activation_values_per_token(const LlamaOptions& options, bool fused_kernels) {
+  return (fused_kernels ? 2.0 : 3.0) * static_cast<double>(options.intermediate_size);
+}
+
+FeedForward make_dense_mlp(const LlamaOptions& options, const std::string& prefix, const LinearFactory& make_linear,
+                           torch::ScalarType dtype) {
+  // As the interface's pointer: a ModuleHolder converts to another no other way.
+  return FeedForward(std::shared_ptr<FeedForwardImpl>(std::make_shared<DenseMlpImpl>(options, prefix, make_linear, dtype)));
+}
+
+}  // namespace
+
+const FeedForwardRow& dense_mlp_row() {
+  static const FeedForwardRow row{FeedForwardKind::kDense, "mlp", dense_mlp_projections,
+                                  dense_mlp_activation_values_per_token, make_dense_mlp};
+  return row;
+}
+
+DenseMlpImpl::DenseMlpImpl(const LlamaOptions& options, const std::string& prefix, const LinearFactory& make_linear,
+                           torch::ScalarType dtype)
+    : activation_(options.activation) {
+  register_projections(*this, dense_mlp_projections(options), prefix, make_linear, dtype,
+                       [this](const std::string& name) { return slot(name); });
+}
+
+std::shared_ptr<qat::LinearLayer>* DenseMlpImpl::slot(const std::string& child_name) {
+  return child_name == "gate_proj"      ? &gate_proj
+         : child_name == "gate_up_proj" ? &gate_up_proj
+         : child_name == "up_proj"      ? &up_proj
+         : child_name == "down_proj"    ? &down_proj
+                                        : nullptr;
+}
+
+torch::Tensor DenseMlpImpl::forward(const torch::Tensor& hidden, const qat::LinearLayer::InputRebuild& rebuild_hidden) {
+  // up before gate: the order GCC evaluated them in as arguments of one call, which LoRA
+  // dropout's masks draw their random numbers in (runs keep the numbers they always had).
+  torch::Tensor gate, up;
+  if (gate_up_proj) {
+    const auto fused = gate_up_proj->forward_rebuilding_input(hidden, rebuild_hidden);  // gate's half first, as Phi-3's chunk(2)
+    const int64_t intermediate = fused.size(-1) / 2;
+    // Contiguous halves: the activation's kernels keep these very tensors (not copies of views),
+    // which down_proj's rebuild below reads too.
+    gate = fused.narrow(-1, 0, intermediate).contiguous();
+    up = fused.narrow(-1, intermediate, intermediate).contiguous();
+  } else {
+    up = up_proj->forward_rebuilding_input(hidden, rebuild_hidden);
+    gate = gate_proj->forward_rebuilding_input(hidden, rebuild_hidden);
+  }
+  const bool gelu = activation_ == Activation::kGeluTanh;
+  const auto product = gelu ? geglu(gate, up) : swiglu(gate, up);
+  if (!torch::GradMode::is_enabled()) {
+    // Let go of gate and up before down_proj runs: where autograd keeps nothing (checkpointing's
+    // first forward, evaluation) their 2 x [tokens, intermediate] go back now, not after it.
+    gate = up = torch::Tensor();
+    return down_proj->forward(product);
+  }
+  // The activation's backward keeps gate and up; down_proj's adapter makes the product again from
+  // them for its own backward instead of keeping it too ([tokens, intermediate]: a fifth of what a
+  // layer keeps). The same kernel on the same values: the same bits.
+  const auto rebuild = [gate = gate.detach(), up = up.detach(), gelu] {
+    return gelu ? geglu(gate, up) : swiglu(gate, up);
+  };
+  gate = up = torch::Tensor();
+  return down_proj->forward_rebuilding_input(product, rebuild);
+}
+
+void DenseMlpImpl::replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) {
+  replace_projection(*this, [this](const std::string& name) { return slot(name); }, child_name, std::move(layer));
+}
+
+}  // namespace qtrain::trainer
