@@ -42,7 +42,7 @@
 #include "trainer/formats/training_checkpoint.h"
 #include "trainer/model/activation_offload.h"
 #include "trainer/model/llama.h"
-#include "trainer/model/llama_shapes.h"
+#include "trainer/formats/llama_shapes.h"
 #include "trainer/recipe/base_quantization.h"
 #include "trainer/recipe/recipe_training.h"
 #include "trainer/training_step.h"

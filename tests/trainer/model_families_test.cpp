@@ -18,7 +18,7 @@
 #include "trainer/formats/gguf_export.h"
 #include "trainer/formats/hf_checkpoint.h"
 #include "trainer/formats/hf_config.h"
-#include "trainer/model/llama_shapes.h"
+#include "trainer/formats/llama_shapes.h"
 #include "trainer/model/model_families.h"
 #include "trainer/recipe/model_memory.h"
 #include "trainer/formats/peft_adapter.h"
@@ -341,7 +341,7 @@ TEST(ModelFamilies, EachBenchShapeIsReadByItsOwnFamily) {
 }
 
 // Adding a family is one file in trainer/model/families/ and its line in the list there
-// (family_list.cpp): each other file there is one row, and no two rows take the same config.json.
+// (families.h): each other .cpp file there is one row, and no two rows take the same config.json.
 TEST(ModelFamilies, EachFileOfTheFamiliesFolderIsOneRow) {
   size_t files = 0;
   for (const auto& entry : std::filesystem::directory_iterator(std::string(QTRAIN_SOURCE_DIR) + "/trainer/model/families")) {

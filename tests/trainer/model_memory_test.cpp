@@ -22,7 +22,7 @@
 #include "trainer/model/batch_inputs.h"
 #include "trainer/model/causal_lm_loss.h"
 #include "trainer/formats/hf_checkpoint.h"
-#include "trainer/model/llama_shapes.h"
+#include "trainer/formats/llama_shapes.h"
 #include "trainer/base/memory_stats.h"
 #include "trainer/recipe/model_memory.h"
 #include "trainer/recipe/recipe.h"

@@ -118,7 +118,11 @@ std::vector<std::pair<std::string, GgufValue>> model_metadata(const HfModelConfi
     throw Error(ErrorCode::kModelConfig, config.path + ": rope type '" + config.rope_type_name +
                 "' is not supported by GGUF export of '" + architecture.name + "' yet (default and linear are; longrope on phi3)");
   }
-  if (architecture.add_metadata != nullptr) architecture.add_metadata(llama, key, metadata);
+  if (architecture.add_metadata != nullptr) {
+    GgufMetadata own;
+    architecture.add_metadata(llama, key, own);
+    for (auto& [name, value] : own) metadata.emplace_back(name, std::visit([](auto number) { return GgufValue(number); }, value));
+  }
   metadata.emplace_back("general.file_type", file_type);
   metadata.emplace_back("general.quantization_version", kQuantizationVersion);
   return metadata;

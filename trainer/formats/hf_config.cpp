@@ -7,7 +7,7 @@
 #include <sstream>
 
 #include "kernels/error.h"
-#include "trainer/formats/hf_config_reader.h"
+#include "trainer/model/config_reader.h"
 #include "trainer/model/model_families.h"
 
 namespace qtrain::trainer {

@@ -2,18 +2,19 @@
 // The decoder families qtrain loads, one row each (trainer/model/families/NAME.cpp): how
 // config.json names them, what each reads from it and changes in the Llama decoder
 // (trainer/model/llama.h builds them all), how llama.cpp runs it, its chat templates and the bench
-// shapes of its published models. Adding a family is one file there, its line in families.h and
-// family_list.cpp there, and, where it needs new math, a switch in LlamaOptions.
+// shapes of its published models. Adding a family is one file there and its line in families.h's
+// list there, and, where it needs new math, a switch in LlamaOptions.
+#include <cstdint>
 #include <string>
 #include <utility>
+#include <variant>
 #include <vector>
 
-#include "trainer/formats/gguf_file.h"
 #include "trainer/model/llama_options.h"
 
 namespace qtrain::trainer {
 
-class HfConfigReader;  // trainer/formats/hf_config_reader.h
+class HfConfigReader;  // trainer/model/config_reader.h
 
 // Which projections of the attention carry a bias.
 enum class AttentionBias {
@@ -32,7 +33,9 @@ enum class SlidingWindowKeys {
                         // (ModelFamily::sliding_pattern by default) (Gemma 2, Gemma 3)
 };
 
-using GgufMetadata = std::vector<std::pair<std::string, GgufValue>>;
+// An architecture's own GGUF keys ("gemma2.attn_logit_softcapping"), each a u32 or an f32 as
+// llama.cpp reads it; the exporter (trainer/formats/gguf_export.cpp) writes them as GGUF values.
+using GgufMetadata = std::vector<std::pair<std::string, std::variant<uint32_t, float>>>;
 
 // llama.cpp's loader treats a general.name that mentions some families specially, whatever the
 // file's architecture: it looks up `tokens`, and a vocabulary without one of them fails to load.
@@ -106,7 +109,7 @@ struct ModelFamily {
   std::vector<BenchShape> bench_shapes;
 };
 
-// Every family's row (trainer/model/families/family_list.cpp).
+// Every family's row, in trainer/model/families/families.h's order.
 const std::vector<ModelFamily>& model_families();
 
 // The row for `architecture` (or, when that is empty, `model_type`); nullptr when none matches.

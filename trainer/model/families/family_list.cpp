@@ -1,18 +1,12 @@
-// The list of the families, one line each, in the order supported_architectures() names them.
+// model_families(): the rows of families.h's list, built once.
 #include "trainer/model/families/families.h"
 
 namespace qtrain::trainer {
 
 const std::vector<ModelFamily>& model_families() {
-  static const std::vector<ModelFamily> families = {
-      llama_family(),
-      mistral_family(),
-      qwen2_family(),
-      qwen3_family(),
-      gemma2_family(),
-      gemma3_family(),
-      phi3_family(),
-  };
+#define QTRAIN_FAMILY_ROW(name) name##_family(),
+  static const std::vector<ModelFamily> families = {QTRAIN_MODEL_FAMILIES(QTRAIN_FAMILY_ROW)};
+#undef QTRAIN_FAMILY_ROW
   return families;
 }
 

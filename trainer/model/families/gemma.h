@@ -3,7 +3,7 @@
 // from config.json, written as llama.cpp's keys, and checked against what llama.cpp fixes.
 #include <string>
 
-#include "trainer/formats/hf_config_reader.h"
+#include "trainer/model/config_reader.h"
 #include "trainer/model/model_families.h"
 
 namespace qtrain::trainer {

@@ -1,6 +1,6 @@
 // Phi-3, Phi-3.5 and Phi-4(-mini): q, k and v from one projection and gate and up from another,
 // partial rotary and longrope; Phi-3-mini slides over 2047 keys in every layer.
-#include "trainer/formats/hf_config_reader.h"
+#include "trainer/model/config_reader.h"
 #include "trainer/model/families/families.h"
 
 namespace qtrain::trainer {

@@ -1,4 +1,4 @@
-#include "trainer/model/llama_shapes.h"
+#include "trainer/formats/llama_shapes.h"
 
 #include "kernels/error.h"
 #include "trainer/formats/hf_config.h"
