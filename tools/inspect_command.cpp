@@ -66,7 +66,7 @@ void print_model(const std::string& model_dir, const trainer::HfModelConfig& con
   if (llama.sliding_rope) {
     std::printf("             sliding layers: theta %g, factor %g\n", llama.sliding_rope->theta, llama.sliding_rope->factor);
   }
-  if (llama.norm_style == trainer::NormStyle::kGemma) {
+  if (llama.norm_style == trainer::NormStyle::kUnitOffset) {
     std::printf("block        Gemma: RMSNorm x (1 + w), %s, %s, embeddings x sqrt(hidden)",
                 llama.sandwich_norms ? "4 norms per layer" : "2 norms per layer",
                 llama.activation == trainer::Activation::kGeluTanh ? "GeGLU" : "SwiGLU");

@@ -72,7 +72,7 @@ std::map<std::string, ExpectedTensor> expected_tensors(LoadedModel& loaded, qat:
     if (permuted && name.find("k_proj") != std::string::npos) values = llama_cpp_permute(values, options.num_key_value_heads);
     // Gemma's norms as llama.cpp multiplies them: 1 + w (convert_hf_to_gguf adds the 1).
     const bool norm = name.size() > 11 && name.compare(name.size() - 11, 11, "norm.weight") == 0;
-    if (options.norm_style == NormStyle::kGemma && norm) values = values + 1;
+    if (options.norm_style == NormStyle::kUnitOffset && norm) values = values + 1;
     expected[gguf_tensor_name(name, architecture)] = {values.contiguous(), type};
   }
   return expected;

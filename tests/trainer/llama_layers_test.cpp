@@ -229,9 +229,9 @@ TEST(LlamaLayers, AdaptersRebuildingANormsOutputGetTheSameGradientsBitwise) {
   if (kernels::kCudaKernelsBuilt && torch::cuda::is_available()) devices.emplace_back(torch::kCUDA, 0);
   for (const auto& device : devices) {
     for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
-      for (const auto style : {NormStyle::kLlama, NormStyle::kGemma}) {
+      for (const auto style : {NormStyle::kLlama, NormStyle::kUnitOffset}) {
         const std::string what = device.str() + ", " + std::string(c10::toString(dtype)) +
-                                 (style == NormStyle::kGemma ? ", Gemma's norm" : ", Llama's norm");
+                                 (style == NormStyle::kUnitOffset ? ", Gemma's norm" : ", Llama's norm");
         torch::manual_seed(3);
         RMSNorm norm(16, 1e-6, dtype, style);
         std::vector<std::shared_ptr<qat::LoraLinear>> adapters;
@@ -246,7 +246,7 @@ TEST(LlamaLayers, AdaptersRebuildingANormsOutputGetTheSameGradientsBitwise) {
         }
         {
           torch::NoGradGuard no_grad;
-          norm->weight.normal_(style == NormStyle::kGemma ? 0.0 : 1.0, 0.2);
+          norm->weight.normal_(style == NormStyle::kUnitOffset ? 0.0 : 1.0, 0.2);
           for (auto& adapter : adapters) {
             for (auto& parameter : adapter->base_layer()->parameters()) parameter.normal_(0.0, 0.2);
             adapter->lora_B().normal_(0.0, 0.05);

@@ -257,7 +257,7 @@ LlamaOptions table_options(const TableShape& shape) {
   const std::string name = shape.name;
   if (name == "gemma2-9b" || name == "gemma3-12b") {
     const bool gemma3 = name == "gemma3-12b";
-    options.norm_style = NormStyle::kGemma;
+    options.norm_style = NormStyle::kUnitOffset;
     options.sandwich_norms = true;
     options.scale_embeddings = true;
     options.activation = Activation::kGeluTanh;

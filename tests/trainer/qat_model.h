@@ -23,7 +23,7 @@ inline void sharpen_attention(LoadedModel& loaded, double query_key_scale) {
       if (normed && (name.find("q_norm.") != std::string::npos || name.find("k_norm.") != std::string::npos)) {
         // Llama's x w, Gemma's x (1 + w): both come out query_key_scale times larger.
         auto& weight = item.value();
-        weight.copy_(options.norm_style == NormStyle::kGemma ? (weight + 1) * query_key_scale - 1 : weight * query_key_scale);
+        weight.copy_(options.norm_style == NormStyle::kUnitOffset ? (weight + 1) * query_key_scale - 1 : weight * query_key_scale);
       } else if (!normed && (name.find("q_proj.") != std::string::npos || name.find("k_proj.") != std::string::npos)) {
         item.value().mul_(query_key_scale);
       } else if (!normed && name.find("qkv_proj.") != std::string::npos) {

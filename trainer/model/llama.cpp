@@ -17,14 +17,14 @@ namespace F = torch::nn::functional;
 RMSNormImpl::RMSNormImpl(int64_t hidden_size, double eps, torch::ScalarType dtype, NormStyle style)
     : eps_(eps), style_(style) {
   const auto options = torch::TensorOptions().dtype(dtype);
-  weight = register_parameter("weight", style == NormStyle::kGemma ? torch::zeros({hidden_size}, options)
+  weight = register_parameter("weight", style == NormStyle::kUnitOffset ? torch::zeros({hidden_size}, options)
                                                                    : torch::ones({hidden_size}, options));
 }
 
 namespace {
 
 torch::Tensor normalized(const torch::Tensor& x, const torch::Tensor& weight, double eps, NormStyle style) {
-  return style == NormStyle::kGemma ? unit_offset_rms_norm(x, weight, eps) : rms_norm(x, weight, eps);
+  return style == NormStyle::kUnitOffset ? unit_offset_rms_norm(x, weight, eps) : rms_norm(x, weight, eps);
 }
 
 }  // namespace

@@ -23,8 +23,8 @@ enum class FeedForwardKind { kDense };
 enum class Activation { kSilu, kGeluTanh };
 
 // RMSNorm's scale: Llama's casts the normed fp32 rows to the input dtype and multiplies by the
-// weight there; Gemma's multiplies the fp32 rows by (1 + weight) and casts the product.
-enum class NormStyle { kLlama, kGemma };
+// weight there; kUnitOffset (Gemma's) multiplies the fp32 rows by (1 + weight) and casts the product.
+enum class NormStyle { kLlama, kUnitOffset };
 
 struct RopeOptions {
   RopeType type = RopeType::kDefault;

@@ -62,7 +62,7 @@ struct GgufArchitecture {
   // A sliding window and its layer pattern (add_metadata writes them); elsewhere llama.cpp attends
   // over every earlier key, and a window shorter than the context is refused.
   bool reads_sliding_window = false;
-  // Norm weights stored as 1 + w: the model's RMSNorm is x (1 + w) (NormStyle::kGemma), llama.cpp's
+  // Norm weights stored as 1 + w: the model's RMSNorm is x (1 + w) (NormStyle::kUnitOffset), llama.cpp's
   // x w, and convert_hf_to_gguf adds the 1.
   bool norm_weights_plus_one = false;
   // Names inside model.layers.N. that llama.cpp spells its own way for this architecture, looked up

@@ -34,7 +34,7 @@ int64_t sliding_pattern_of(const LlamaOptions& llama) {
 }  // namespace
 
 void read_gemma_block(const HfConfigReader& reader, LlamaOptions& llama) {
-  llama.norm_style = NormStyle::kGemma;
+  llama.norm_style = NormStyle::kUnitOffset;
   llama.sandwich_norms = true;
   llama.scale_embeddings = true;
   llama.query_pre_attn_scalar = reader.number_or("query_pre_attn_scalar", 256.0);
