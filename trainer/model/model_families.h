@@ -85,6 +85,14 @@ struct BenchShape {
 };
 
 struct ModelFamily {
+  // What every row names: config.json's architectures[0] and model_type, and llama.cpp's
+  // architecture (GgufArchitecture::name); the rest starts at the Llama decoder's defaults.
+  ModelFamily(std::string architecture, std::string model_type, std::string gguf_name);
+
+  // Appends the bench shape `name` whose config.json holds this row's architectures and model_type,
+  // then `keys` (its other keys, as JSON members).
+  void add_bench_shape(const std::string& name, const std::string& keys);
+
   std::string architecture;  // config.json's architectures[0]
   std::string model_type;    // config.json's model_type
   // The decoder's switches (llama_options.h).

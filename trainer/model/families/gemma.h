@@ -1,6 +1,7 @@
 #pragma once
 // What Gemma 2 and Gemma 3 share (defined in gemma2.cpp): Gemma's block (llama_options.h), read
 // from config.json, written as llama.cpp's keys, and checked against what llama.cpp fixes.
+#include <cstdint>
 #include <string>
 
 #include "trainer/model/config_reader.h"
@@ -21,5 +22,11 @@ void add_gemma_metadata(const LlamaOptions& llama, const std::string& prefix, Gg
 // the sliding layers, and, unless `caps_scores`, no soft-capped scores.
 std::string gemma_llama_cpp_difference(const LlamaOptions& llama, const std::string& name, int64_t large_model_layers,
                                        bool caps_scores);
+
+// The row both start from: Gemma's block (read_gemma_block), layer_types or else all but every
+// `sliding_pattern`-th layer sliding, hidden_activation, and llama.cpp's (1 + w) norms, Gemma keys
+// (add_gemma_metadata), sandwich norms' tensor names and `llama_cpp_difference`.
+ModelFamily gemma_family(std::string architecture, std::string model_type, std::string gguf_name, int64_t sliding_pattern,
+                         std::string (*llama_cpp_difference)(const LlamaOptions& llama));
 
 }  // namespace qtrain::trainer

@@ -9,14 +9,13 @@ namespace {
 
 // transformers' Gemma2Config ties the embeddings by default, and the published config.json leaves
 // tie_word_embeddings out: it is written here.
-constexpr const char* kGemma2_9b = R"({
-  "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "vocab_size": 256000, "hidden_size": 3584,
-  "intermediate_size": 14336, "num_hidden_layers": 42, "num_attention_heads": 16, "num_key_value_heads": 8,
-  "head_dim": 256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-06, "rope_theta": 10000.0,
-  "attention_bias": false, "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
-  "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
-  "sliding_window": 4096, "tie_word_embeddings": true
-})";  // google/gemma-2-9b
+constexpr const char* kGemma2_9b = R"(
+  "vocab_size": 256000, "hidden_size": 3584, "intermediate_size": 14336, "num_hidden_layers": 42,
+  "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "max_position_embeddings": 8192,
+  "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "attention_bias": false, "hidden_act": "gelu_pytorch_tanh",
+  "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0,
+  "final_logit_softcapping": 30.0, "sliding_window": 4096, "tie_word_embeddings": true
+)";  // google/gemma-2-9b
 
 // llama.cpp's sliding-window pattern for the layers of `llama`: the p for which layer il slides
 // exactly when il % p < p - 1 (attention.sliding_window_pattern); 0 when no p gives its layers.
@@ -29,6 +28,11 @@ int64_t sliding_pattern_of(const LlamaOptions& llama) {
     if (matches) return pattern;
   }
   return 0;
+}
+
+// llama.cpp scales the 27B's (46 layers) queries by its hidden size per head.
+std::string gemma2_llama_cpp_difference(const LlamaOptions& llama) {
+  return gemma_llama_cpp_difference(llama, "gemma2", 46, /*caps_scores=*/true);
 }
 
 }  // namespace
@@ -90,16 +94,13 @@ std::string gemma_llama_cpp_difference(const LlamaOptions& llama, const std::str
   return "";
 }
 
-ModelFamily gemma2_family() {
-  ModelFamily family;
-  family.architecture = "Gemma2ForCausalLM";
-  family.model_type = "gemma2";
-  family.attention_bias = AttentionBias::kFromConfig;
+ModelFamily gemma_family(std::string architecture, std::string model_type, std::string gguf_name, int64_t sliding_pattern,
+                         std::string (*llama_cpp_difference)(const LlamaOptions& llama)) {
+  ModelFamily family(std::move(architecture), std::move(model_type), std::move(gguf_name));
   family.sliding_window = SlidingWindowKeys::kLayerTypesOrPattern;
-  family.sliding_pattern = 2;
+  family.sliding_pattern = sliding_pattern;
   family.activation_key = "hidden_activation";  // its hidden_act, where present, is ignored
   family.read_config = read_gemma_block;
-  family.gguf.name = "gemma2";
   family.gguf.reads_sliding_window = true;
   family.gguf.norm_weights_plus_one = true;
   // llama.cpp names the attention's output norm post_attention_norm and the MLP's input norm
@@ -110,12 +111,15 @@ ModelFamily gemma2_family() {
       {"post_feedforward_layernorm.", "post_ffw_norm."},
   };
   family.gguf.add_metadata = add_gemma_metadata;
-  // llama.cpp scales the 27B's (46 layers) queries by its hidden size per head.
-  family.gguf.llama_cpp_difference = [](const LlamaOptions& llama) {
-    return gemma_llama_cpp_difference(llama, "gemma2", 46, /*caps_scores=*/true);
-  };
+  family.gguf.llama_cpp_difference = llama_cpp_difference;
+  return family;
+}
+
+ModelFamily gemma2_family() {
+  ModelFamily family =
+      gemma_family("Gemma2ForCausalLM", "gemma2", "gemma2", /*sliding_pattern=*/2, gemma2_llama_cpp_difference);
   family.chat_templates = {"gemma"};
-  family.bench_shapes = {{"gemma2-9b", kGemma2_9b}};
+  family.add_bench_shape("gemma2-9b", kGemma2_9b);
   return family;
 }
 
