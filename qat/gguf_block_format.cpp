@@ -19,49 +19,56 @@ enum LlamaFileType : uint32_t {
   kMostlyBF16 = 32,
 };
 
-void encode_q4_0(const int8_t* codes, const uint16_t* scales, int64_t blocks, uint8_t* out) {
+// The blocks of llama.cpp's `Block` (an fp16 scale d, then qs) for `blocks` blocks of 32 codes and
+// their scales; `pack` writes one block's codes into qs.
+template <typename Block, typename Pack>
+void encode_blocks(const int8_t* codes, const uint16_t* scales, int64_t blocks, uint8_t* out, Pack pack) {
   for (int64_t block = 0; block < blocks; ++block) {
-    const int8_t* q = codes + block * kGgufBlockElements;
-    GgufBlockQ4_0 packed{};
+    Block packed{};
     packed.d = scales[block];
+    pack(codes + block * kGgufBlockElements, packed.qs);
+    std::memcpy(out + block * sizeof(packed), &packed, sizeof(packed));
+  }
+}
+
+// encode_blocks' inverse: `unpack` reads one block's qs into its 32 codes.
+template <typename Block, typename Unpack>
+void decode_blocks(const uint8_t* bytes, int64_t blocks, int8_t* codes, uint16_t* scales, Unpack unpack) {
+  for (int64_t block = 0; block < blocks; ++block) {
+    Block packed;
+    std::memcpy(&packed, bytes + block * sizeof(packed), sizeof(packed));
+    scales[block] = packed.d;
+    unpack(packed.qs, codes + block * kGgufBlockElements);
+  }
+}
+
+void encode_q4_0(const int8_t* codes, const uint16_t* scales, int64_t blocks, uint8_t* out) {
+  encode_blocks<GgufBlockQ4_0>(codes, scales, blocks, out, [](const int8_t* q, uint8_t* qs) {
     for (int64_t j = 0; j < kGgufBlockElements / 2; ++j) {
       const int low = q[j] + kQ4Offset;
       const int high = q[j + kGgufBlockElements / 2] + kQ4Offset;
-      packed.qs[j] = static_cast<uint8_t>(low | (high << 4));
+      qs[j] = static_cast<uint8_t>(low | (high << 4));
     }
-    std::memcpy(out + block * sizeof(packed), &packed, sizeof(packed));
-  }
+  });
 }
 
 void decode_q4_0(const uint8_t* bytes, int64_t blocks, int8_t* codes, uint16_t* scales) {
-  for (int64_t block = 0; block < blocks; ++block) {
-    GgufBlockQ4_0 packed;
-    std::memcpy(&packed, bytes + block * sizeof(packed), sizeof(packed));
-    scales[block] = packed.d;
-    int8_t* q = codes + block * kGgufBlockElements;
+  decode_blocks<GgufBlockQ4_0>(bytes, blocks, codes, scales, [](const uint8_t* qs, int8_t* q) {
     for (int64_t j = 0; j < kGgufBlockElements / 2; ++j) {
-      q[j] = static_cast<int8_t>((packed.qs[j] & 0x0F) - kQ4Offset);
-      q[j + kGgufBlockElements / 2] = static_cast<int8_t>((packed.qs[j] >> 4) - kQ4Offset);
+      q[j] = static_cast<int8_t>((qs[j] & 0x0F) - kQ4Offset);
+      q[j + kGgufBlockElements / 2] = static_cast<int8_t>((qs[j] >> 4) - kQ4Offset);
     }
-  }
+  });
 }
 
 void encode_q8_0(const int8_t* codes, const uint16_t* scales, int64_t blocks, uint8_t* out) {
-  for (int64_t block = 0; block < blocks; ++block) {
-    GgufBlockQ8_0 packed{};
-    packed.d = scales[block];
-    std::memcpy(packed.qs, codes + block * kGgufBlockElements, kGgufBlockElements);
-    std::memcpy(out + block * sizeof(packed), &packed, sizeof(packed));
-  }
+  encode_blocks<GgufBlockQ8_0>(codes, scales, blocks, out,
+                               [](const int8_t* q, int8_t* qs) { std::memcpy(qs, q, kGgufBlockElements); });
 }
 
 void decode_q8_0(const uint8_t* bytes, int64_t blocks, int8_t* codes, uint16_t* scales) {
-  for (int64_t block = 0; block < blocks; ++block) {
-    GgufBlockQ8_0 packed;
-    std::memcpy(&packed, bytes + block * sizeof(packed), sizeof(packed));
-    scales[block] = packed.d;
-    std::memcpy(codes + block * kGgufBlockElements, packed.qs, kGgufBlockElements);
-  }
+  decode_blocks<GgufBlockQ8_0>(bytes, blocks, codes, scales,
+                               [](const int8_t* qs, int8_t* q) { std::memcpy(q, qs, kGgufBlockElements); });
 }
 
 // The row of each type. The switch has no default, and -Wswitch is an error here, so that a new

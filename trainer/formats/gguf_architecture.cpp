@@ -2,7 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
-#include <cstring>
+#include <utility>
 
 #include "data/tokenizer.h"
 #include "kernels/error.h"
@@ -14,18 +14,14 @@ namespace {
 // llama.cpp's names for a decoder's tensors that every architecture shares (gguf-py's
 // tensor_mapping.py: MODEL_ARCH.LLAMA, QWEN2, QWEN3, PHI3); GgufArchitecture::layer_tensor_names
 // come first. Fused projections stay fused: attn_qkv, and ffn_up holding gate's rows then up's,
-// which llama.cpp's SwiGLU splits in that order.
-struct NameMapping {
-  const char* hf;
-  const char* gguf;
-};
-constexpr NameMapping kModelTensors[] = {
+// which llama.cpp's SwiGLU splits in that order. Each is {Hugging Face prefix, GGUF prefix}.
+constexpr std::pair<const char*, const char*> kModelTensors[] = {
     {"model.embed_tokens.", "token_embd."},
     {"model.norm.", "output_norm."},
     {"lm_head.", "output."},
 };
 // Inside model.layers.N. -> blk.N.
-constexpr NameMapping kLayerTensors[] = {
+constexpr std::pair<const char*, const char*> kLayerTensors[] = {
     {"self_attn.q_proj.", "attn_q."},   {"self_attn.k_proj.", "attn_k."},   {"self_attn.v_proj.", "attn_v."},
     {"self_attn.o_proj.", "attn_output."}, {"mlp.gate_proj.", "ffn_gate."}, {"mlp.up_proj.", "ffn_up."},
     {"mlp.down_proj.", "ffn_down."},   {"input_layernorm.", "attn_norm."}, {"post_attention_layernorm.", "ffn_norm."},
@@ -35,6 +31,17 @@ constexpr NameMapping kLayerTensors[] = {
 constexpr const char* kLayerPrefix = "model.layers.";
 
 bool starts_with(const std::string& text, const std::string& prefix) { return text.compare(0, prefix.size(), prefix) == 0; }
+
+// `name` with its Hugging Face prefix written as llama.cpp's, by the first of `prefixes`
+// ({Hugging Face prefix, GGUF prefix}) it starts with; "" when it starts with none.
+template <typename Prefixes>
+std::string with_gguf_prefix(const Prefixes& prefixes, const std::string& name) {
+  for (const auto& [hf, gguf] : prefixes) {
+    const std::string hf_prefix = hf;
+    if (starts_with(name, hf_prefix)) return gguf + name.substr(hf_prefix.size());
+  }
+  return "";
+}
 
 // The first family's row written as llama.cpp's `name`; nullptr when none is.
 const GgufArchitecture* find_gguf_architecture(const std::string& name) {
@@ -77,22 +84,18 @@ const GgufArchitecture& gguf_architecture_for(const HfModelConfig& config) {
 
 std::string gguf_tensor_name(const std::string& hf_name, const std::string& architecture) {
   const auto* own = find_gguf_architecture(architecture);
-  const auto own_names = own != nullptr ? own->layer_tensor_names : decltype(own->layer_tensor_names){};
-  for (const auto& mapping : kModelTensors) {
-    if (starts_with(hf_name, mapping.hf)) return mapping.gguf + hf_name.substr(std::strlen(mapping.hf));
-  }
-  if (starts_with(hf_name, kLayerPrefix)) {
-    const auto rest = hf_name.substr(std::strlen(kLayerPrefix));
+  const auto model_tensor = with_gguf_prefix(kModelTensors, hf_name);
+  if (!model_tensor.empty()) return model_tensor;
+  const std::string layer_prefix = kLayerPrefix;
+  if (starts_with(hf_name, layer_prefix)) {
+    const auto rest = hf_name.substr(layer_prefix.size());
     const auto dot = rest.find('.');
     const auto layer = rest.substr(0, dot);
     if (dot != std::string::npos && !layer.empty() && layer.find_first_not_of("0123456789") == std::string::npos) {
       const auto inner = rest.substr(dot + 1);
-      for (const auto& [hf, gguf] : own_names) {
-        if (starts_with(inner, hf)) return "blk." + layer + "." + gguf + inner.substr(hf.size());
-      }
-      for (const auto& mapping : kLayerTensors) {
-        if (starts_with(inner, mapping.hf)) return "blk." + layer + "." + mapping.gguf + inner.substr(std::strlen(mapping.hf));
-      }
+      auto layer_tensor = own != nullptr ? with_gguf_prefix(own->layer_tensor_names, inner) : std::string();
+      if (layer_tensor.empty()) layer_tensor = with_gguf_prefix(kLayerTensors, inner);
+      if (!layer_tensor.empty()) return "blk." + layer + "." + layer_tensor;
     }
   }
   throw Error(ErrorCode::kInternal, "GGUF export: tensor '" + hf_name + "' has no place in llama.cpp's decoders (they hold "
