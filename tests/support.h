@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <cstdlib>
@@ -87,6 +88,15 @@ inline std::string import_statements(const std::string& modules) {
 // True when the interop Python imports every module in `modules` (space separated).
 inline bool python_has(const std::string& modules) {
   return run_command(python() + " -c '" + import_statements(modules) + "' >/dev/null 2>&1").status == 0;
+}
+
+// Why a test that needs every module in `modules` (space separated) in the interop Python skips
+// ("python3 lacks torch/safetensors (run tools/setup.sh)"); "" when that Python has them all.
+inline std::string python_lacks(const std::string& modules) {
+  if (python_has(modules)) return "";
+  std::string names = modules;
+  std::replace(names.begin(), names.end(), ' ', '/');
+  return python() + " lacks " + names + " (run tools/setup.sh)";
 }
 
 // The interop Python (QTRAIN_PYTHON) if it imports every module in `modules` (space

@@ -25,6 +25,14 @@ std::string family_targets(const std::string& family) {
          " --set 'qat.target_modules=[qkv_proj, o_proj, gate_up_proj, down_proj]'";
 }
 
+// The qtrain CLI on recipes/`recipe` with model.path `model_dir`, then `flags`, writing its run to
+// `run_dir`; its output holds stderr too.
+testing::CommandResult run_recipe(const std::string& recipe, const std::string& model_dir, const std::string& flags,
+                                  const std::string& run_dir) {
+  return testing::run_command(testing::qtrain_binary() + " --recipe " + testing::source_dir() + "/recipes/" + recipe +
+                              " --set model.path=" + model_dir + flags + " --set train.output_dir=" + run_dir + " 2>&1");
+}
+
 // A few QLoRA steps through the CLI on `model_dir` (with `flags`), then: peft on the adapter they
 // wrote gives our logits, and transformers on their merged export gives ours for it.
 // `reference` holds the inputs under `input_key` and the base's logits under `logits_key`.
@@ -35,11 +43,10 @@ void expect_trained_adapter_and_merge_match_peft(const std::string& name, const 
   const auto python = testing::find_python_with("peft transformers safetensors");
   if (python.empty()) GTEST_SKIP() << "no Python with peft and transformers (set QTRAIN_PYTHON)";
   testing::TempDir temp;
-  const auto trained = testing::run_command(
-      testing::qtrain_binary() + " --recipe " + testing::source_dir() + "/recipes/demo_tiny.yaml --set model.path=" +
-      model_dir + flags + " --set train.steps=3 --set schedule.warmup_steps=0 --set eval.every=0 --set data.eval=" +
-      " --set checkpoint.every=0" +
-      " --set train.output_dir=" + temp.file("run") + " 2>&1");
+  const auto trained = run_recipe("demo_tiny.yaml", model_dir,
+                                  flags + " --set train.steps=3 --set schedule.warmup_steps=0 --set eval.every=0 "
+                                          "--set data.eval= --set checkpoint.every=0",
+                                  temp.file("run"));
   ASSERT_EQ(trained.status, 0) << trained.output;
   ASSERT_NE(trained.output.find("done: 3 steps"), std::string::npos) << trained.output;
 
@@ -109,11 +116,10 @@ TEST_P(FamilyGgufTraining, QatStepsExportAGgufLlamaCppRunsWithOurLogits) {
   if (python.empty()) GTEST_SKIP() << "no Python with llama_cpp (tools/run-tests.sh installs it)";
   const std::string name = GetParam();
   testing::TempDir temp;
-  const auto trained = testing::run_command(
-      testing::qtrain_binary() + " --recipe " + testing::source_dir() + "/recipes/demo_qat_tiny.yaml --set model.path=" +
-      testing::fixture("families/" + name) + family_targets(name) +
-      " --set train.steps=3 --set eval.every=0 --set data.eval= --set checkpoint.every=0" +
-      " --set 'export.formats=[gguf, safetensors-int]' --set train.output_dir=" + temp.file("run") + " 2>&1");
+  const auto trained = run_recipe("demo_qat_tiny.yaml", testing::fixture("families/" + name),
+                                  family_targets(name) + " --set train.steps=3 --set eval.every=0 --set data.eval= "
+                                                         "--set checkpoint.every=0 --set 'export.formats=[gguf, safetensors-int]'",
+                                  temp.file("run"));
   ASSERT_EQ(trained.status, 0) << trained.output;
   ASSERT_NE(trained.output.find("done: 3 steps"), std::string::npos) << trained.output;
 
@@ -146,9 +152,7 @@ TEST_P(FamilyGgufTraining, QatStepsExportAGgufLlamaCppRunsWithOurLogits) {
 void expect_refused_before_training(const std::string& recipe, const std::string& model_dir, const std::string& flags,
                                     const std::vector<std::string>& needles) {
   testing::TempDir temp;
-  const auto run = testing::run_command(testing::qtrain_binary() + " --recipe " + testing::source_dir() + "/recipes/" +
-                                        recipe + " --set model.path=" + model_dir + flags +
-                                        " --set train.steps=3 --set train.output_dir=" + temp.file("run") + " 2>&1");
+  const auto run = run_recipe(recipe, model_dir, flags + " --set train.steps=3", temp.file("run"));
   EXPECT_NE(run.status, 0) << run.output;
   for (const auto& needle : needles) EXPECT_NE(run.output.find(needle), std::string::npos) << needle << "\n" << run.output;
   EXPECT_EQ(run.output.find("step 1/"), std::string::npos) << run.output;
@@ -183,11 +187,11 @@ TEST(FamilyRuns, Gemma3InFp16IsRefusedNamingTrainDtype) {
 void expect_cuda_bf16_steps_finite(const std::string& model_dir, const std::string& flags) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU";
   testing::TempDir temp;
-  const auto trained = testing::run_command(
-      testing::qtrain_binary() + " --recipe " + testing::source_dir() + "/recipes/demo_tiny.yaml --set model.path=" +
-      model_dir + flags + " --set train.device=cuda --set train.dtype=bf16" +
-      " --set train.steps=5 --set log.every=1 --set eval.every=0 --set eval.max_batches=2 --set checkpoint.every=0" +
-      " --set train.gradient_checkpointing=true --set train.output_dir=" + temp.file("run") + " 2>&1");
+  const auto trained = run_recipe("demo_tiny.yaml", model_dir,
+                                  flags + " --set train.device=cuda --set train.dtype=bf16 --set train.steps=5 "
+                                          "--set log.every=1 --set eval.every=0 --set eval.max_batches=2 "
+                                          "--set checkpoint.every=0 --set train.gradient_checkpointing=true",
+                                  temp.file("run"));
   ASSERT_EQ(trained.status, 0) << trained.output;
   EXPECT_NE(trained.output.find("done: 5 steps"), std::string::npos) << trained.output;
   EXPECT_EQ(trained.output.find("nan"), std::string::npos) << trained.output;
@@ -231,12 +235,12 @@ TEST(FamilySlidingWindow, CudaBf16FlashWindowTrainsWithTheMaskedPathsLoss) {
   double losses[2];
   int index = 0;
   for (const std::string dtype : {"bf16", "fp32"}) {
-    const auto trained = testing::run_command(
-        testing::qtrain_binary() + " --recipe " + testing::source_dir() + "/recipes/demo_tiny.yaml --set model.path=" +
-        temp.file("mistral") + " --set train.device=cuda --set train.dtype=" + dtype +
-        " --set train.steps=3 --set log.every=1 --set eval.every=0 --set data.eval= --set checkpoint.every=0" +
-        " --set train.micro_batch_size=1 --set data.max_seq_len=64 --set lora.dropout=0" +
-        " --set train.output_dir=" + temp.file("run-" + dtype) + " 2>&1");
+    const auto trained = run_recipe("demo_tiny.yaml", temp.file("mistral"),
+                                    " --set train.device=cuda --set train.dtype=" + dtype +
+                                        " --set train.steps=3 --set log.every=1 --set eval.every=0 --set data.eval= "
+                                        "--set checkpoint.every=0 --set train.micro_batch_size=1 --set data.max_seq_len=64 "
+                                        "--set lora.dropout=0",
+                                    temp.file("run-" + dtype));
     ASSERT_EQ(trained.status, 0) << trained.output;
     EXPECT_NE(trained.output.find("done: 3 steps"), std::string::npos) << trained.output;
     losses[index++] = first_step_loss(trained.output);

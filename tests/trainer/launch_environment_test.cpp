@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <map>
+#include <string>
 
 #include "kernels/error.h"
 #include "trainer/dist/launch_environment.h"
@@ -16,25 +17,24 @@ LaunchEnvironment read(const std::map<std::string, std::string>& variables) {
   });
 }
 
+// Where `environment` places its process, as "LAUNCHER rank R/WORLD local L/LOCAL_WORLD ADDR:PORT".
+std::string placement(const LaunchEnvironment& environment) {
+  return environment.launcher + " rank " + std::to_string(environment.rank) + "/" + std::to_string(environment.world_size) +
+         " local " + std::to_string(environment.local_rank) + "/" + std::to_string(environment.local_world_size) + " " +
+         environment.master_addr + ":" + std::to_string(environment.master_port);
+}
+
 TEST(LaunchEnvironment, NoLauncherIsOneProcess) {
   const auto environment = read({});
-  EXPECT_EQ(environment.world_size, 1);
-  EXPECT_EQ(environment.rank, 0);
+  EXPECT_EQ(placement(environment), "none rank 0/1 local 0/1 127.0.0.1:29500");
   EXPECT_FALSE(environment.distributed());
-  EXPECT_EQ(environment.launcher, "none");
 }
 
 TEST(LaunchEnvironment, TorchrunVariables) {
   const auto environment = read({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "4"},
                                  {"MASTER_ADDR", "node0"}, {"MASTER_PORT", "29501"},
                                  {"TORCHELASTIC_RESTART_COUNT", "2"}, {"TORCHELASTIC_USE_AGENT_STORE", "True"}});
-  EXPECT_EQ(environment.launcher, "torchrun");
-  EXPECT_EQ(environment.rank, 5);
-  EXPECT_EQ(environment.world_size, 8);
-  EXPECT_EQ(environment.local_rank, 1);
-  EXPECT_EQ(environment.local_world_size, 4);
-  EXPECT_EQ(environment.master_addr, "node0");
-  EXPECT_EQ(environment.master_port, 29501);
+  EXPECT_EQ(placement(environment), "torchrun rank 5/8 local 1/4 node0:29501");
   EXPECT_EQ(environment.restart_count, 2);
   EXPECT_TRUE(environment.agent_store);
   EXPECT_TRUE(environment.distributed());
@@ -43,13 +43,7 @@ TEST(LaunchEnvironment, TorchrunVariables) {
 TEST(LaunchEnvironment, SlurmStepVariables) {
   const auto environment = read({{"SLURM_PROCID", "3"}, {"SLURM_NTASKS", "4"}, {"SLURM_LOCALID", "1"},
                                  {"SLURM_NTASKS_PER_NODE", "2(x2)"}, {"SLURM_STEP_ID", "0"}, {"MASTER_ADDR", "gpu-01"}});
-  EXPECT_EQ(environment.launcher, "slurm");
-  EXPECT_EQ(environment.rank, 3);
-  EXPECT_EQ(environment.world_size, 4);
-  EXPECT_EQ(environment.local_rank, 1);
-  EXPECT_EQ(environment.local_world_size, 2);
-  EXPECT_EQ(environment.master_addr, "gpu-01");
-  EXPECT_EQ(environment.master_port, 29500);
+  EXPECT_EQ(placement(environment), "slurm rank 3/4 local 1/2 gpu-01:29500");
 }
 
 TEST(LaunchEnvironment, ASlurmBatchScriptOutsideSrunIsOneProcess) {
@@ -59,10 +53,7 @@ TEST(LaunchEnvironment, ASlurmBatchScriptOutsideSrunIsOneProcess) {
 TEST(LaunchEnvironment, OpenMpiVariables) {
   const auto environment = read({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"},
                                  {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}});
-  EXPECT_EQ(environment.launcher, "openmpi");
-  EXPECT_EQ(environment.rank, 1);
-  EXPECT_EQ(environment.local_rank, 1);
-  EXPECT_EQ(environment.master_addr, "127.0.0.1");  // one node: the loopback
+  EXPECT_EQ(placement(environment), "openmpi rank 1/2 local 1/2 127.0.0.1:29500");  // one node: the loopback
 }
 
 TEST(LaunchEnvironment, TorchrunWinsOverAnEnclosingSrun) {

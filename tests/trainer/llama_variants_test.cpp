@@ -12,9 +12,8 @@ namespace qtrain::trainer {
 namespace {
 
 TEST(LlamaVariants, LogitsEqualTransformersInFp32) {
-  if (!testing::python_has("torch transformers safetensors")) {
-    GTEST_SKIP() << testing::python() << " lacks torch/transformers/safetensors (run tools/setup.sh)";
-  }
+  const auto lacks = testing::python_lacks("torch transformers safetensors");
+  if (!lacks.empty()) GTEST_SKIP() << lacks;
   testing::TempDir directory;
   const auto built = testing::run_interop_script("llama_variants.py", directory.path());
   ASSERT_EQ(built.status, 0) << built.output;

@@ -118,9 +118,8 @@ INSTANTIATE_TEST_SUITE_P(Families, FamilyFixture,
 // (tests/interop/peft_logits.py: the base in fp32, eager attention where scores are soft-capped,
 // with the fixture's adapter): ours equal theirs to fp32's rounding.
 TEST(ModelFamilies, GemmaAndPhi3FixturesEqualTransformersAndPeftRunHere) {
-  if (!testing::python_has("torch transformers peft safetensors")) {
-    GTEST_SKIP() << testing::python() << " lacks torch/transformers/peft/safetensors (run tools/setup.sh)";
-  }
+  const auto lacks = testing::python_lacks("torch transformers peft safetensors");
+  if (!lacks.empty()) GTEST_SKIP() << lacks;
   testing::TempDir directory;
   for (const std::string name : {"gemma2", "gemma3", "phi3"}) {
     SCOPED_TRACE(name);
@@ -145,9 +144,8 @@ const char* const kVariants[] = {"mistral_window8_head_dim24", "qwen2_layers_fro
 
 // One test for all the variants: building them costs one Python start.
 TEST(ModelFamilies, HeldOutVariantsEqualTransformersInFp32AndTheirWindowsMatter) {
-  if (!testing::python_has("torch transformers safetensors")) {
-    GTEST_SKIP() << testing::python() << " lacks torch/transformers/safetensors (run tools/setup.sh)";
-  }
+  const auto lacks = testing::python_lacks("torch transformers safetensors");
+  if (!lacks.empty()) GTEST_SKIP() << lacks;
   testing::TempDir directory;
   const auto built = testing::run_interop_script("family_variants.py", directory.path());
   ASSERT_EQ(built.status, 0) << built.output;

@@ -52,6 +52,14 @@ std::string load_error(const std::string& path, const std::vector<std::string>& 
   return error_of([&] { load_recipe(path, overrides); });
 }
 
+// The error loading `text`, written as `name` in `dir`, gives, with the file's path (which every
+// recipe error starts with) shortened to `name`: "x.yaml:4: unknown key ...".
+std::string file_error(const TempDir& dir, const std::string& name, const std::string& text) {
+  const std::string path = dir.write(name, text);
+  const std::string error = load_error(path);
+  return error.rfind(path, 0) == 0 ? name + error.substr(path.size()) : error;
+}
+
 const std::vector<std::string> kLlamaProjections = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
                                                     "gate_proj", "up_proj", "down_proj"};
 
@@ -194,123 +202,92 @@ TEST(RecipeYaml, PrintedRecipeShowsEveryKeyWithItsDoc) {
 
 TEST(RecipeErrors, UnknownKeyNamesFileLineAndTheKeyMeant) {
   TempDir dir;
-  const std::string path = dir.write("x.yaml", "model:\n  dtype: bf16\nlora:\n  rnak: 8\n");
-  EXPECT_EQ(load_error(path), path + ":4: unknown key 'lora.rnak' (did you mean 'lora.rank'?)");
-
-  const std::string section = dir.write("section.yaml", "lroa:\n  rank: 8\n");
-  EXPECT_EQ(load_error(section), section + ":1: unknown key 'lroa' (did you mean 'lora'?)");
-
-  const std::string wrong_section = dir.write("wrong_section.yaml", "train:\n  lr: 1e-4\n");
-  EXPECT_EQ(load_error(wrong_section),
-            wrong_section + ":2: unknown key 'train.lr' (did you mean 'optim.lr'?)");
-
-  const std::string familiar = dir.write("familiar.yaml", "learning_rate: 1e-4\n");
-  EXPECT_EQ(load_error(familiar),
-            familiar + ":1: unknown key 'learning_rate' (did you mean 'optim.lr'?)");
-
-  const std::string far = dir.write("far.yaml", "zzzzzzzz: 1\n");
-  EXPECT_EQ(load_error(far), far + ":1: unknown key 'zzzzzzzz'");
+  EXPECT_EQ(file_error(dir, "x.yaml", "model:\n  dtype: bf16\nlora:\n  rnak: 8\n"),
+            "x.yaml:4: unknown key 'lora.rnak' (did you mean 'lora.rank'?)");
+  EXPECT_EQ(file_error(dir, "x.yaml", "lroa:\n  rank: 8\n"), "x.yaml:1: unknown key 'lroa' (did you mean 'lora'?)");
+  EXPECT_EQ(file_error(dir, "x.yaml", "train:\n  lr: 1e-4\n"),
+            "x.yaml:2: unknown key 'train.lr' (did you mean 'optim.lr'?)");
+  EXPECT_EQ(file_error(dir, "x.yaml", "learning_rate: 1e-4\n"),
+            "x.yaml:1: unknown key 'learning_rate' (did you mean 'optim.lr'?)");
+  EXPECT_EQ(file_error(dir, "x.yaml", "zzzzzzzz: 1\n"), "x.yaml:1: unknown key 'zzzzzzzz'");
 }
 
 TEST(RecipeErrors, WrongTypeNamesFileLineAndExpectedType) {
   TempDir dir;
-  const auto error_for = [&](const std::string& text) {
-    return load_error(dir.write("x.yaml", text));
-  };
-  const std::string path = dir.file("x.yaml");
+  const auto error_for = [&](const std::string& text) { return file_error(dir, "x.yaml", text); };
   EXPECT_EQ(error_for("optim:\n  name: adamw\n  lr: fast\n"),
-            path + ":3: 'optim.lr' expects a number, got 'fast'");
+            "x.yaml:3: 'optim.lr' expects a number, got 'fast'");
   EXPECT_EQ(error_for("lora:\n  rank: 2.5\n"),
-            path + ":2: 'lora.rank' expects an integer, got '2.5'");
+            "x.yaml:2: 'lora.rank' expects an integer, got '2.5'");
   EXPECT_EQ(error_for("lora:\n  rank: abc\n"),
-            path + ":2: 'lora.rank' expects an integer, got 'abc'");
+            "x.yaml:2: 'lora.rank' expects an integer, got 'abc'");
   EXPECT_EQ(error_for("data:\n  pack: maybe\n"),
-            path + ":2: 'data.pack' expects true or false, got 'maybe'");
+            "x.yaml:2: 'data.pack' expects true or false, got 'maybe'");
   EXPECT_EQ(error_for("optim:\n  lr: [1, 2]\n"),
-            path + ":2: 'optim.lr' expects a number, got a list");
+            "x.yaml:2: 'optim.lr' expects a number, got a list");
   EXPECT_EQ(error_for("model:\n  path: {a: 1}\n"),
-            path + ":2: 'model.path' expects text, got a map");
+            "x.yaml:2: 'model.path' expects text, got a map");
   EXPECT_EQ(
       error_for("lora:\n  target_modules: q_proj\n"),
-      path +
-          ":2: 'lora.target_modules' expects a list of names, e.g. [q_proj, k_proj], got 'q_proj'");
+      "x.yaml:2: 'lora.target_modules' expects a list of names, e.g. [q_proj, k_proj], got 'q_proj'");
   EXPECT_EQ(error_for("optim:\n  betas: [0.9]\n"),
-            path + ":2: 'optim.betas' expects 2 numbers, e.g. [0.9, 0.999], got 1");
+            "x.yaml:2: 'optim.betas' expects 2 numbers, e.g. [0.9, 0.999], got 1");
   EXPECT_EQ(error_for("lora: 5\n"),
-            path +
-                ":1: 'lora' is a map of keys (rank, alpha, dropout, rslora, use_dora, target_modules, "
-                "init_from), got '5'");
+            "x.yaml:1: 'lora' is a map of keys (rank, alpha, dropout, rslora, use_dora, target_modules, "
+            "init_from), got '5'");
   EXPECT_EQ(error_for("lora:\n  rank:\n"),
-            path + ":2: 'lora.rank' expects an integer, got nothing");
+            "x.yaml:2: 'lora.rank' expects an integer, got nothing");
 }
 
 TEST(RecipeErrors, OutOfRangeValueSaysTheRange) {
   TempDir dir;
-  const std::string path = dir.write("x.yaml", "lora:\n  dropout: 1.5\n");
-  EXPECT_EQ(load_error(path), path + ":2: 'lora.dropout' must be in [0, 1), got 1.5");
-  const std::string steps = dir.write("steps.yaml", "train:\n  micro_batch_size: 0\n");
-  EXPECT_EQ(load_error(steps), steps + ":2: 'train.micro_batch_size' must be >= 1, got 0");
+  EXPECT_EQ(file_error(dir, "x.yaml", "lora:\n  dropout: 1.5\n"), "x.yaml:2: 'lora.dropout' must be in [0, 1), got 1.5");
+  EXPECT_EQ(file_error(dir, "x.yaml", "train:\n  micro_batch_size: 0\n"),
+            "x.yaml:2: 'train.micro_batch_size' must be >= 1, got 0");
 }
 
 TEST(RecipeErrors, BadChoiceListsAllowedValues) {
   TempDir dir;
-  const std::string path = dir.write("x.yaml", "model:\n  path: m\nquant: qlroa\n");
-  EXPECT_EQ(
-      load_error(path),
-      path + ":3: 'quant' must be one of qlora, qat, none, got 'qlroa' (did you mean 'qlora'?)");
-  const std::string blocksize = dir.write("blocksize.yaml", "qlora:\n  blocksize: 100\n");
-  EXPECT_EQ(load_error(blocksize),
-            blocksize +
-                ":2: 'qlora.blocksize' must be one of 64, 128, 256, 512, 1024, 2048, 4096, "
-                "got '100'");
-  const std::string formats =
-      dir.write("formats.yaml", "export:\n  formats:\n    - peft\n    - ggfu\n");
-  EXPECT_EQ(load_error(formats),
-            formats +
-                ":4: 'export.formats' entries must be one of peft, merged, gguf, "
-                "safetensors-int, got 'ggfu' (did you mean 'gguf'?)");
+  EXPECT_EQ(file_error(dir, "x.yaml", "model:\n  path: m\nquant: qlroa\n"),
+            "x.yaml:3: 'quant' must be one of qlora, qat, none, got 'qlroa' (did you mean 'qlora'?)");
+  EXPECT_EQ(file_error(dir, "x.yaml", "qlora:\n  blocksize: 100\n"),
+            "x.yaml:2: 'qlora.blocksize' must be one of 64, 128, 256, 512, 1024, 2048, 4096, got '100'");
+  EXPECT_EQ(file_error(dir, "x.yaml", "export:\n  formats:\n    - peft\n    - ggfu\n"),
+            "x.yaml:4: 'export.formats' entries must be one of peft, merged, gguf, safetensors-int, got 'ggfu' "
+            "(did you mean 'gguf'?)");
 }
 
 TEST(RecipeErrors, KeySetTwiceNamesBothLines) {
   TempDir dir;
-  const std::string path = dir.write("x.yaml", "lora:\n  rank: 8\n  alpha: 16\n  rank: 4\n");
-  EXPECT_EQ(load_error(path), path + ":4: 'lora.rank' is set twice (first on line 2)");
+  EXPECT_EQ(file_error(dir, "x.yaml", "lora:\n  rank: 8\n  alpha: 16\n  rank: 4\n"),
+            "x.yaml:4: 'lora.rank' is set twice (first on line 2)");
 }
 
 TEST(RecipeErrors, KeysThatDisagreeNameWhereTheyWereSet) {
   TempDir dir;
-  const std::string path = dir.write("x.yaml", "quant: qlora\nlora:\n  rank: 0\n");
-  EXPECT_EQ(load_error(path).rfind(path + ":3: quant: qlora trains adapters", 0), 0u)
-      << load_error(path);
-  const std::string per_token =
-      dir.write("per_token.yaml", "qat:\n  activations:\n    bits: 8\n    observer: minmax\n");
-  EXPECT_EQ(
-      load_error(per_token).rfind(per_token + ":4: 'qat.activations.granularity: per_token' needs "
-                                              "'qat.activations.observer: dynamic'",
-                                  0),
-      0u)
-      << load_error(per_token);
-  const std::string offload = dir.write("offload.yaml", "train:\n  offload_activations: true\n");
-  EXPECT_EQ(load_error(offload).rfind(offload + ":2: train.offload_activations moves the inputs that gradient "
-                                                "checkpointing keeps",
-                                      0),
+  const std::string rank = file_error(dir, "x.yaml", "quant: qlora\nlora:\n  rank: 0\n");
+  EXPECT_EQ(rank.rfind("x.yaml:3: quant: qlora trains adapters", 0), 0u) << rank;
+  const std::string granularity =
+      file_error(dir, "x.yaml", "qat:\n  activations:\n    bits: 8\n    observer: minmax\n");
+  EXPECT_EQ(granularity.rfind("x.yaml:4: 'qat.activations.granularity: per_token' needs "
+                              "'qat.activations.observer: dynamic'",
+                              0),
             0u)
-      << load_error(offload);
+      << granularity;
+  const std::string offload = file_error(dir, "x.yaml", "train:\n  offload_activations: true\n");
+  EXPECT_EQ(offload.rfind("x.yaml:2: train.offload_activations moves the inputs that gradient checkpointing keeps", 0), 0u)
+      << offload;
 }
 
 TEST(RecipeErrors, MalformedYamlNamesFileAndLine) {
   TempDir dir;
-  const std::string path =
-      dir.write("x.yaml", "lora:\n  rank: 8\n  target_modules: [q_proj, v_proj\nquant: qat\n");
-  const std::string error = load_error(path);
-  EXPECT_EQ(error.rfind(path + ":4: ", 0), 0u) << error;
-  const std::string tab = dir.write("tab.yaml", "lora:\n\trank: 8\n");
-  EXPECT_EQ(load_error(tab).rfind(tab + ":2: ", 0), 0u) << load_error(tab);
-  const std::string two = dir.write("two.yaml", "lora:\n  rank: 8\n---\nlora:\n  rank: 4\n");
-  EXPECT_EQ(load_error(two),
-            two + ":3: a recipe is one YAML document, this is a second one (after '---')");
-  const std::string stray = dir.write("stray.yaml", ",cz]9");
-  EXPECT_EQ(load_error(stray), stray + ":1: not valid YAML");
+  const std::string unclosed = file_error(dir, "x.yaml", "lora:\n  rank: 8\n  target_modules: [q_proj, v_proj\nquant: qat\n");
+  EXPECT_EQ(unclosed.rfind("x.yaml:4: ", 0), 0u) << unclosed;
+  const std::string tab = file_error(dir, "x.yaml", "lora:\n\trank: 8\n");
+  EXPECT_EQ(tab.rfind("x.yaml:2: ", 0), 0u) << tab;
+  EXPECT_EQ(file_error(dir, "x.yaml", "lora:\n  rank: 8\n---\nlora:\n  rank: 4\n"),
+            "x.yaml:3: a recipe is one YAML document, this is a second one (after '---')");
+  EXPECT_EQ(file_error(dir, "x.yaml", ",cz]9"), "x.yaml:1: not valid YAML");
 }
 
 TEST(RecipeErrors, MissingRecipeFileIsNamed) {
@@ -454,18 +431,12 @@ TEST(RecipeQat, NestedWeightAndActivationKeysReachTheirFields) {
   EXPECT_EQ(recipe.qat.start_step, 50);
   EXPECT_EQ(recipe.qat.target_modules, std::vector<std::string>{"q_proj"});
 
-  const std::string section = dir.write("section.yaml", "qat:\n  weigths:\n    bits: 4\n");
-  EXPECT_EQ(load_error(section),
-            section + ":2: unknown key 'qat.weigths' (did you mean 'qat.weights'?)");
-  const std::string typo = dir.write("typo.yaml", "qat:\n  weights:\n    bitz: 4\n");
-  EXPECT_EQ(load_error(typo),
-            typo + ":3: unknown key 'qat.weights.bitz' (did you mean 'qat.weights.bits'?)");
-  const std::string per_token =
-      dir.write("per_token.yaml", "qat:\n  weights:\n    granularity: per_token\n");
-  EXPECT_EQ(load_error(per_token),
-            per_token +
-                ":3: 'qat.weights.granularity' must be one of per_tensor, per_channel, "
-                "per_group, got 'per_token'");
+  EXPECT_EQ(file_error(dir, "x.yaml", "qat:\n  weigths:\n    bits: 4\n"),
+            "x.yaml:2: unknown key 'qat.weigths' (did you mean 'qat.weights'?)");
+  EXPECT_EQ(file_error(dir, "x.yaml", "qat:\n  weights:\n    bitz: 4\n"),
+            "x.yaml:3: unknown key 'qat.weights.bitz' (did you mean 'qat.weights.bits'?)");
+  EXPECT_EQ(file_error(dir, "x.yaml", "qat:\n  weights:\n    granularity: per_token\n"),
+            "x.yaml:3: 'qat.weights.granularity' must be one of per_tensor, per_channel, per_group, got 'per_token'");
 }
 
 const RecipeKey& recipe_key(const std::string& name) {

@@ -197,7 +197,8 @@ TEST(Safetensors, WriterPadsTheHeaderToEightBytes) {
 }
 
 TEST(Safetensors, PythonSafetensorsReadsOurFilesAndWeReadItsFiles) {
-  if (!testing::python_has("torch safetensors")) GTEST_SKIP() << testing::python() << " lacks torch / safetensors";
+  const auto lacks = testing::python_lacks("torch safetensors");
+  if (!lacks.empty()) GTEST_SKIP() << lacks;
   TempDir directory;
   const auto tensors = one_tensor_of_each_dtype();
   const std::map<std::string, std::string> metadata{{"format", "pt"}, {"note", "from qtrain"}};
