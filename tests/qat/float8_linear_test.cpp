@@ -16,6 +16,7 @@
 #include "kernels/error.h"
 #include "kernels/float8_gemm.h"
 #include "kernels/float8_rows.h"
+#include "lora_layers.h"
 #include "qat/float8_codec.h"
 #include "qat/float8_linear.h"
 #include "qat/float8_matmul.h"
@@ -120,11 +121,16 @@ TEST(Float8Matmul, InputGradientFoldsTheWeightScalesIntoTheQuantizedGradient) {
   EXPECT_LT((as_double(result) - exact).abs().max().item<double>(), float8_error_bound(grad, weight.t()));
 }
 
-TEST(Float8Linear, ForwardAndBackwardStandaloneWithBiasAndNoParameters) {
-  torch::manual_seed(7);
+// An FP8 layer of `weight` (and `bias`, where defined) computing in fp32.
+std::shared_ptr<Float8Linear> fp32_float8_layer(const torch::Tensor& weight, const torch::Tensor& bias) {
   Float8Options options;
   options.compute_dtype = torch::kFloat;
-  auto layer = Float8Linear::from_dense(torch::randn({32, 64}) * 0.1, torch::randn({32}), options);
+  return Float8Linear::from_dense(weight, bias, options);
+}
+
+TEST(Float8Linear, ForwardAndBackwardStandaloneWithBiasAndNoParameters) {
+  torch::manual_seed(7);
+  auto layer = fp32_float8_layer(torch::randn({32, 64}) * 0.1, torch::randn({32}));
   EXPECT_TRUE(layer->parameters().empty());
   std::vector<std::string> buffers;
   for (const auto& item : layer->named_buffers()) buffers.push_back(item.key());
@@ -150,14 +156,7 @@ TEST(Float8Linear, ForwardAndBackwardStandaloneWithBiasAndNoParameters) {
 
 // A rank-4 adapter over `base` with a random B (a fresh one's B is zero: no update to check).
 std::shared_ptr<LoraLinear> adapter_over(const std::shared_ptr<LinearLayer>& base, double dropout) {
-  LoraOptions options;
-  options.rank = 4;
-  options.alpha = 8;
-  options.dropout = dropout;
-  auto lora = std::make_shared<LoraLinear>(base, options);
-  torch::NoGradGuard no_grad;
-  lora->lora_B().normal_(0.0, 0.1);
-  return lora;
+  return test_layers::lora_over(base, test_layers::lora_options(4, 8, dropout), 0.1);
 }
 
 // Under LoRA the base's share comes from its own products; the adapter's gradients are those of
@@ -185,10 +184,7 @@ AdapterRun run_adapter(const std::shared_ptr<LinearLayer>& base) {
 
 TEST(Float8Linear, LoraOverAnFp8BaseAddsTheBaseProductsToTheAdapters) {
   torch::manual_seed(8);
-  const auto weight = torch::randn({32, 64}) * 0.1;
-  Float8Options options;
-  options.compute_dtype = torch::kFloat;
-  auto base = Float8Linear::from_dense(weight, torch::Tensor(), options);
+  auto base = fp32_float8_layer(torch::randn({32, 64}) * 0.1, torch::Tensor());
   const auto run = run_adapter(base);
   const auto& lora = run.lora;
   const auto &input = run.input, &output = run.output, &grad = run.grad;
@@ -218,10 +214,8 @@ TEST(Float8Matmul, AnInputChangedInPlaceIsQuantizedAgain) {
 // With dropout the adapter's share of forward and backward is the one over any base with the same
 // mask: the same seed over the FP8 layer and over a dense copy of its weight.
 TEST(Float8Linear, LoraDropoutOverAnFp8BaseMasksTheAdapterOnly) {
-  Float8Options options;
-  options.compute_dtype = torch::kFloat;
   torch::manual_seed(11);
-  auto base = Float8Linear::from_dense(torch::randn({32, 64}) * 0.1, torch::Tensor(), options);
+  auto base = fp32_float8_layer(torch::randn({32, 64}) * 0.1, torch::Tensor());
   auto dense = std::make_shared<DenseLinear>(DenseLinearOptions{64, 32, false, torch::kFloat});
   { torch::NoGradGuard no_grad; const_cast<torch::Tensor&>(dense->weight()).copy_(base->dense_weight(torch::kFloat)); }
   const auto input = torch::randn({6, 64});

@@ -6,35 +6,15 @@
 #include <cmath>
 
 #include "kernels/error.h"
+#include "lora_layers.h"
 #include "qat/lora_linear.h"
 
 namespace qtrain::qat {
 namespace {
 
-std::shared_ptr<DenseLinear> dense(int64_t in, int64_t out, bool bias = true,
-                                   torch::ScalarType dtype = torch::kFloat32) {
-  DenseLinearOptions options;
-  options.in_features = in;
-  options.out_features = out;
-  options.bias = bias;
-  options.dtype = dtype;
-  return std::make_shared<DenseLinear>(options);
-}
-
-LoraOptions lora_options(int64_t rank, double alpha, double dropout = 0.0, bool rslora = false) {
-  LoraOptions options;
-  options.rank = rank;
-  options.alpha = alpha;
-  options.dropout = dropout;
-  options.rslora = rslora;
-  return options;
-}
-
-// B is zero after peft's initialisation; tests of the update need a non-zero one.
-void randomise_B(LoraLinear& lora) {
-  torch::NoGradGuard no_grad;
-  lora.lora_B().normal_(0.0, 0.5);
-}
+using test_layers::dense;
+using test_layers::lora_options;
+using test_layers::randomise_B;
 
 // x W^T + b + scale * x A^T B^T in float64, from the layer's own tensors.
 torch::Tensor reference_forward(const LoraLinear& lora, const DenseLinear& base, const torch::Tensor& x) {
@@ -79,7 +59,7 @@ TEST(LoraLinear, ForwardEqualsFloat64Reference) {
   torch::manual_seed(3);
   auto base = dense(96, 80);
   LoraLinear lora(base, lora_options(8, 16));
-  randomise_B(lora);
+  randomise_B(lora, 0.5);
   auto x = torch::randn({4, 7, 96});
   // fp32 accumulation over 96 inputs: a few ulps of the largest output.
   const double error = max_relative_error(lora.forward(x), reference_forward(lora, *base, x));
@@ -92,7 +72,7 @@ TEST(LoraLinear, RsloraScalesByAlphaOverSqrtRank) {
   auto base = dense(64, 64, /*bias=*/false);
   LoraLinear lora(base, lora_options(16, 8, 0.0, /*rslora=*/true));
   EXPECT_DOUBLE_EQ(lora.scale(), 8.0 / 4.0);
-  randomise_B(lora);
+  randomise_B(lora, 0.5);
   auto x = torch::randn({10, 64});
   EXPECT_LT(max_relative_error(lora.forward(x), reference_forward(lora, *base, x)), 1e-6);
 }
@@ -101,7 +81,7 @@ TEST(LoraLinear, GradientsReachAAndBOnly) {
   torch::manual_seed(5);
   auto base = dense(32, 24);
   LoraLinear lora(base, lora_options(4, 8));
-  randomise_B(lora);
+  randomise_B(lora, 0.5);
   EXPECT_FALSE(base->weight().requires_grad());
   EXPECT_FALSE(base->bias().requires_grad());
   std::vector<std::string> trainable;
@@ -128,7 +108,7 @@ TEST(LoraLinear, MergedWeightEqualsBasePlusScaledBA) {
   torch::manual_seed(6);
   auto base = dense(40, 56);
   LoraLinear lora(base, lora_options(8, 32));
-  randomise_B(lora);
+  randomise_B(lora, 0.5);
   auto expected = base->weight().to(torch::kFloat64) +
                   lora.scale() * torch::matmul(lora.lora_B().to(torch::kFloat64), lora.lora_A().to(torch::kFloat64));
   auto merged = lora.dense_weight(torch::kFloat32);
@@ -145,7 +125,7 @@ TEST(LoraLinear, DropoutActsOnTheLoraBranchInTrainingOnly) {
   torch::manual_seed(7);
   auto base = dense(64, 32);
   LoraLinear lora(base, lora_options(8, 16, /*dropout=*/0.5));
-  randomise_B(lora);
+  randomise_B(lora, 0.5);
   auto x = torch::randn({16, 64});
   lora.eval();
   EXPECT_LT(max_relative_error(lora.forward(x), reference_forward(lora, *base, x)), 1e-6);
@@ -166,7 +146,7 @@ TEST(LoraLinear, BranchRunsInTheInputDtypeWithFp32MasterWeights) {
   torch::manual_seed(8);
   auto base = dense(64, 64, /*bias=*/false, torch::kBFloat16);
   LoraLinear lora(base, lora_options(8, 16));
-  randomise_B(lora);
+  randomise_B(lora, 0.5);
   auto x = torch::randn({4, 64}).to(torch::kBFloat16);
   auto y = lora.forward(x);
   EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
@@ -245,7 +225,7 @@ TEST(DoraLinear, ForwardAndMergedWeightEqualFloat64Reference) {
   torch::manual_seed(12);
   auto base = dense(96, 80);
   LoraLinear lora(base, dora_options(8, 16));
-  randomise_B(lora);
+  randomise_B(lora, 0.5);
   {
     torch::NoGradGuard no_grad;
     lora.lora_magnitude().mul_(torch::rand({80}) + 0.5);  // a trained magnitude
@@ -265,7 +245,7 @@ TEST(DoraLinear, GradientsReachTheMagnitudeAAndBButNotTheNorm) {
   torch::manual_seed(13);
   auto base = dense(32, 24, /*bias=*/false);
   LoraLinear lora(base, dora_options(4, 8));
-  randomise_B(lora);
+  randomise_B(lora, 0.5);
   const auto x = torch::randn({6, 32});
   lora.forward(x).sum().backward();
   for (const auto* tensor : {&lora.lora_A(), &lora.lora_B(), &lora.lora_magnitude()}) {
@@ -286,7 +266,7 @@ TEST(DoraLinear, DropoutRescalesTheDroppedInputsProductAsPeft) {
   torch::manual_seed(14);
   auto base = dense(40, 24);
   LoraLinear lora(base, dora_options(4, 8, /*dropout=*/0.5));
-  randomise_B(lora);
+  randomise_B(lora, 0.5);
   lora.train();
   const auto x = torch::randn({5, 40});
   torch::manual_seed(99);

@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include "kernels/cuda_build.h"
+#include "lora_layers.h"
 #include "qat/four_bit_linear.h"
 #include "qat/lora_matmul.h"
 
@@ -84,12 +85,7 @@ TEST(LoraMatmul, DenseBaseWithBiasMatchesFloat64Autograd) {
   expect_matches(result, reference(*base, 2.0, x, a, b, weights), 2e-6);
 }
 
-// An NF4 base of a fresh random [out, in] weight (scaled as trained weights are), computing in fp32.
-std::shared_ptr<FourBitLinear> fp32_four_bit_base(int64_t out, int64_t in) {
-  FourBitOptions options;
-  options.compute_dtype = torch::kFloat32;
-  return FourBitLinear::from_dense(torch::randn({out, in}) * 0.05, torch::Tensor(), options);
-}
+using test_layers::fp32_four_bit_base;
 
 TEST(LoraMatmul, FourBitBaseMatchesFloat64AutogradWithAndWithoutKeptWeights) {
   torch::manual_seed(12);

@@ -8,18 +8,14 @@
 #include <string>
 
 #include "kernels/error.h"
+#include "lora_layers.h"
 #include "qat/qat_linear.h"
 
 namespace qtrain::qat {
 namespace {
 
-std::shared_ptr<DenseLinear> dense(int64_t in, int64_t out, bool bias = true) {
-  DenseLinearOptions options;
-  options.in_features = in;
-  options.out_features = out;
-  options.bias = bias;
-  return std::make_shared<DenseLinear>(options);
-}
+using test_layers::dense;
+using test_layers::lora_over;
 
 QatLinearOptions int4_weights_int8_activations() {
   QatLinearOptions options;
@@ -85,14 +81,7 @@ TEST(QatLinear, WeightGradientIsStraightThrough) {
 TEST(QatLinear, LoraMergedWeightIsFakeQuantizedAndTrainsAdapters) {
   torch::manual_seed(3);
   auto base = dense(64, 32, true);
-  LoraOptions lora_options;
-  lora_options.rank = 4;
-  lora_options.alpha = 8;
-  auto lora = std::make_shared<LoraLinear>(base, lora_options);
-  {
-    torch::NoGradGuard no_grad;
-    lora->lora_B().normal_(0.0, 0.1);
-  }
+  auto lora = lora_over(base, test_layers::lora_options(4, 8), 0.1);
   QatLinearOptions options;
   options.weights.spec = QuantSpec::gguf_q8_0();
   // An observed range takes the composition below (dynamic integer scales take the one-pass node
@@ -116,14 +105,11 @@ TEST(QatLinear, LoraMergedWeightIsFakeQuantizedAndTrainsAdapters) {
 TEST(QatLinear, DoraMergedWeightIsFakeQuantizedAndItsMagnitudeTrains) {
   torch::manual_seed(4);
   auto base = dense(64, 32, false);
-  LoraOptions lora_options;
-  lora_options.rank = 4;
-  lora_options.alpha = 8;
-  lora_options.dora = true;
-  auto lora = std::make_shared<LoraLinear>(base, lora_options);
+  auto dora_options = test_layers::lora_options(4, 8);
+  dora_options.dora = true;
+  auto lora = lora_over(base, dora_options, 0.1);
   {
     torch::NoGradGuard no_grad;
-    lora->lora_B().normal_(0.0, 0.1);
     lora->lora_magnitude().mul_(1.5);  // a trained magnitude, away from the norms it starts at
   }
   QatLinearOptions options;

@@ -9,25 +9,19 @@
 #include <vector>
 
 #include "kernels/cuda_build.h"
+#include "lora_layers.h"
 #include "qat/four_bit_linear.h"
 #include "qat/qat_linear.h"
 #include "qat/qat_lora_matmul.h"
+#include "quant_reference.h"
 
 namespace qtrain::qat {
 namespace {
 
+// A trained-looking adapter (alpha = 2 rank): B is zero only at the start.
 std::shared_ptr<LoraLinear> lora_layer(int64_t in, int64_t out, int64_t rank, bool bias = false) {
-  DenseLinearOptions dense;
-  dense.in_features = in;
-  dense.out_features = out;
-  dense.bias = bias;
-  LoraOptions options;
-  options.rank = rank;
-  options.alpha = 2.0 * static_cast<double>(rank);
-  auto lora = std::make_shared<LoraLinear>(std::make_shared<DenseLinear>(dense), options);
-  torch::NoGradGuard no_grad;
-  lora->lora_B().normal_(0.0, 0.05);  // a trained-looking adapter: B is zero only at the start
-  return lora;
+  return test_layers::lora_over(test_layers::dense(in, out, bias),
+                                test_layers::lora_options(rank, 2.0 * static_cast<double>(rank)), 0.05);
 }
 
 QatLinearOptions weights(const QuantSpec& spec, LoraGradient gradient = LoraGradient::kIdentity) {
@@ -37,16 +31,7 @@ QatLinearOptions weights(const QuantSpec& spec, LoraGradient gradient = LoraGrad
   return options;
 }
 
-QuantSpec int_spec(int64_t bits, bool symmetric, Granularity granularity, int64_t group_size,
-                   torch::ScalarType scale_dtype = torch::kFloat32) {
-  QuantSpec spec;
-  spec.bits = bits;
-  spec.symmetric = symmetric;
-  spec.granularity = granularity;
-  spec.group_size = group_size;
-  spec.scale_dtype = scale_dtype;
-  return spec;
-}
+using reference::int_spec;
 
 // W0 + scale B A in float64, rounded once to fp32.
 torch::Tensor merged_in_float64(const LoraLinear& lora, const torch::Tensor& base) {
@@ -172,17 +157,8 @@ TEST(QatLoraMatmul, LoraGradientsAreTheStatedStraightThroughEstimators) {
 // A frozen NF4 base: what is merged is the base as QLoRA's forward dequantizes it.
 TEST(QatLoraMatmul, FourBitBaseMergesItsDequantizedWeight) {
   torch::manual_seed(14);
-  const auto dense_weight = torch::randn({32, 128}) * 0.05;
-  FourBitOptions four_bit;
-  four_bit.compute_dtype = torch::kFloat32;
-  auto base = FourBitLinear::from_dense(dense_weight, torch::Tensor(), four_bit);
-  LoraOptions options;
-  options.rank = 4;
-  auto lora = std::make_shared<LoraLinear>(base, options);
-  {
-    torch::NoGradGuard no_grad;
-    lora->lora_B().normal_(0.0, 0.05);
-  }
+  auto base = test_layers::fp32_four_bit_base(32, 128);
+  auto lora = test_layers::lora_over(base, test_layers::lora_options(4, /*alpha=*/32), 0.05);
   const auto spec = QuantSpec::gguf_q4_0();
   QatLinear layer(lora, weights(spec));
   const auto merged = merged_in_float64(*lora, base->dense_weight(base->quant_state().dtype));

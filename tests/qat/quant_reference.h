@@ -13,12 +13,14 @@ namespace qtrain::qat::reference {
 
 // x as [blocks, block length] doubles, for a spec (the blocks of quant_spec.h).
 // An integer spec in one line.
-inline QuantSpec int_spec(int64_t bits, bool symmetric, Granularity granularity, int64_t group_size = 32) {
+inline QuantSpec int_spec(int64_t bits, bool symmetric, Granularity granularity, int64_t group_size = 32,
+                          torch::ScalarType scale_dtype = torch::kFloat32) {
   QuantSpec spec;
   spec.bits = bits;
   spec.symmetric = symmetric;
   spec.granularity = granularity;
   spec.group_size = group_size;
+  spec.scale_dtype = scale_dtype;
   return spec;
 }
 
