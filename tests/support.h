@@ -12,11 +12,13 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "kernels/error.h"
 #include "trainer/base/file_system.h"
 
 namespace qtrain::testing {
@@ -65,6 +67,17 @@ inline int free_port() {
   getsockname(socket_fd, reinterpret_cast<sockaddr*>(&address), &length);
   close(socket_fd);
   return ntohs(address.sin_port);
+}
+
+// The qtrain::Error message `action` throws; "" when it throws none (any other exception fails the
+// test).
+inline std::string error_message(const std::function<void()>& action) {
+  try {
+    action();
+  } catch (const Error& error) {
+    return error.what();
+  }
+  return "";
 }
 
 // The whole file, or "" when it cannot be read (for failure messages).

@@ -33,6 +33,11 @@ testing::CommandResult run_recipe(const std::string& recipe, const std::string& 
                               " --set model.path=" + model_dir + flags + " --set train.output_dir=" + run_dir + " 2>&1");
 }
 
+// True when `run` exited 0 having trained all `steps` steps.
+bool trained_all_steps(const testing::CommandResult& run, int steps) {
+  return run.status == 0 && run.output.find("done: " + std::to_string(steps) + " steps") != std::string::npos;
+}
+
 // A few QLoRA steps through the CLI on `model_dir` (with `flags`), then: peft on the adapter they
 // wrote gives our logits, and transformers on their merged export gives ours for it.
 // `reference` holds the inputs under `input_key` and the base's logits under `logits_key`.
@@ -47,8 +52,7 @@ void expect_trained_adapter_and_merge_match_peft(const std::string& name, const 
                                   flags + " --set train.steps=3 --set schedule.warmup_steps=0 --set eval.every=0 "
                                           "--set data.eval= --set checkpoint.every=0",
                                   temp.file("run"));
-  ASSERT_EQ(trained.status, 0) << trained.output;
-  ASSERT_NE(trained.output.find("done: 3 steps"), std::string::npos) << trained.output;
+  ASSERT_TRUE(trained_all_steps(trained, 3)) << trained.output;
 
   const std::string command = "'" + python + "' '" + testing::source_dir() + "/tests/interop/peft_logits.py' '" +
                               model_dir + "' '" + temp.file("run/adapter") + "' '" + reference + "' " + input_key + " '" +
@@ -120,8 +124,7 @@ TEST_P(FamilyGgufTraining, QatStepsExportAGgufLlamaCppRunsWithOurLogits) {
                                   family_targets(name) + " --set train.steps=3 --set eval.every=0 --set data.eval= "
                                                          "--set checkpoint.every=0 --set 'export.formats=[gguf, safetensors-int]'",
                                   temp.file("run"));
-  ASSERT_EQ(trained.status, 0) << trained.output;
-  ASSERT_NE(trained.output.find("done: 3 steps"), std::string::npos) << trained.output;
+  ASSERT_TRUE(trained_all_steps(trained, 3)) << trained.output;
 
   const std::string text = "The Fulton County Grand Jury said Friday an investigation of the recent primary election in Atlanta "
                            "produced no evidence that any irregularities took place.";
@@ -192,8 +195,7 @@ void expect_cuda_bf16_steps_finite(const std::string& model_dir, const std::stri
                                           "--set log.every=1 --set eval.every=0 --set eval.max_batches=2 "
                                           "--set checkpoint.every=0 --set train.gradient_checkpointing=true",
                                   temp.file("run"));
-  ASSERT_EQ(trained.status, 0) << trained.output;
-  EXPECT_NE(trained.output.find("done: 5 steps"), std::string::npos) << trained.output;
+  ASSERT_TRUE(trained_all_steps(trained, 5)) << trained.output;
   EXPECT_EQ(trained.output.find("nan"), std::string::npos) << trained.output;
   EXPECT_EQ(trained.output.find("skipped"), std::string::npos) << trained.output;
 }
@@ -241,8 +243,7 @@ TEST(FamilySlidingWindow, CudaBf16FlashWindowTrainsWithTheMaskedPathsLoss) {
                                         "--set checkpoint.every=0 --set train.micro_batch_size=1 --set data.max_seq_len=64 "
                                         "--set lora.dropout=0",
                                     temp.file("run-" + dtype));
-    ASSERT_EQ(trained.status, 0) << trained.output;
-    EXPECT_NE(trained.output.find("done: 3 steps"), std::string::npos) << trained.output;
+    ASSERT_TRUE(trained_all_steps(trained, 3)) << trained.output;
     losses[index++] = first_step_loss(trained.output);
   }
   std::printf("[ measured ] first loss, window 16 over 64 tokens: bf16 flash window %.5f, fp32 masked %.5f\n", losses[0],

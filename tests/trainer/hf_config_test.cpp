@@ -26,12 +26,7 @@ void write_config(const testing::TempDir& directory, const std::string& text) {
 std::string error_of(const std::string& text) {
   testing::TempDir directory;
   write_config(directory, text);
-  try {
-    read_hf_config(directory.path());
-  } catch (const Error& error) {
-    return error.what();
-  }
-  return "";
+  return testing::error_message([&] { read_hf_config(directory.path()); });
 }
 
 TEST(HfConfig, ReadsTheFixtureModel) {

@@ -250,12 +250,7 @@ std::string load_error(const std::function<void(std::vector<std::pair<std::strin
   change(tensors);
   write_safetensors(dir.file("model.safetensors"), tensors);
   std::filesystem::copy_file(fixture("tiny-llama-bnb-int8/config.json"), dir.file("config.json"));
-  try {
-    load_llama(dir.path());
-  } catch (const Error& error) {
-    return error.what();
-  }
-  return "";
+  return testing::error_message([&] { load_llama(dir.path()); });
 }
 
 TEST(Int8Checkpoint, AMissingScbIsAnErrorNamingTheTensor) {

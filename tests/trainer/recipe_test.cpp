@@ -38,18 +38,8 @@ std::string shipped(const std::string& name) {
 
 using qtrain::testing::TempDir;
 
-// The qtrain::Error message `action` throws; any other exception fails the test.
-std::string error_of(const std::function<void()>& action) {
-  try {
-    action();
-  } catch (const qtrain::Error& error) {
-    return error.what();
-  }
-  return "(no error)";
-}
-
 std::string load_error(const std::string& path, const std::vector<std::string>& overrides = {}) {
-  return error_of([&] { load_recipe(path, overrides); });
+  return testing::error_message([&] { load_recipe(path, overrides); });
 }
 
 // The error loading `text`, written as `name` in `dir`, gives, with the file's path (which every
@@ -326,7 +316,7 @@ TEST(RecipeErrors, NoInputCrashes) {
                                    "\"unterminated\n"};
   for (const char* document : documents) {
     const std::string path = dir.write("x.yaml", document);
-    error_of([&] { load_recipe(path, {}); });  // an Error or a recipe; anything else fails
+    testing::error_message([&] { load_recipe(path, {}); });  // an Error or a recipe; anything else fails
   }
   std::mt19937 random(7);
   const std::string alphabet = "abcdeilmnoprstuqz.:-[]{},#&*!|>'\"\n\t 0123456789";
@@ -335,9 +325,9 @@ TEST(RecipeErrors, NoInputCrashes) {
     const int length = static_cast<int>(random() % 80);
     for (int i = 0; i < length; ++i) text += alphabet[random() % alphabet.size()];
     const std::string path = dir.write("fuzz.yaml", text);
-    error_of([&] { load_recipe(path, {}); });
-    error_of([&] { load_recipe("", {"lora." + text}); });
-    error_of([&] { load_recipe("", {"lora.target_modules=" + text}); });
+    testing::error_message([&] { load_recipe(path, {}); });
+    testing::error_message([&] { load_recipe("", {"lora." + text}); });
+    testing::error_message([&] { load_recipe("", {"lora.target_modules=" + text}); });
   }
 }
 

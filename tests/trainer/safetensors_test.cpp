@@ -49,25 +49,13 @@ std::string tensor_bytes(const torch::Tensor& tensor) {
   return std::string(static_cast<const char*>(contiguous.data_ptr()), contiguous.numel() * contiguous.element_size());
 }
 
-// The message of the qtrain::Error that opening `path` throws; fails the test when none is thrown.
+// The message of the qtrain::Error that opening `path` as a `File` (SafetensorsFile or
+// SafetensorsCheckpoint) throws; fails the test when none is thrown.
+template <typename File>
 std::string open_error(const std::string& path) {
-  try {
-    SafetensorsFile::open(path);
-  } catch (const Error& error) {
-    return error.what();
-  }
-  ADD_FAILURE() << "no Error opening " << path;
-  return "";
-}
-
-std::string checkpoint_error(const std::string& path) {
-  try {
-    SafetensorsCheckpoint::open(path);
-  } catch (const Error& error) {
-    return error.what();
-  }
-  ADD_FAILURE() << "no Error opening " << path;
-  return "";
+  const std::string message = testing::error_message([&] { File::open(path); });
+  if (message.empty()) ADD_FAILURE() << "no Error opening " << path;
+  return message;
 }
 
 // Random bytes of `shape` as `dtype`: every bit pattern, NaNs included (BOOL holds 0 and 1).
@@ -284,12 +272,12 @@ TEST(Safetensors, TruncatedFilesAreErrorsNamingTheFile) {
     SCOPED_TRACE(size);
     const auto path = directory.file("truncated-" + std::to_string(size) + ".safetensors");
     write_bytes(path, bytes.substr(0, size));
-    const auto message = open_error(path);
+    const auto message = open_error<SafetensorsFile>(path);
     EXPECT_NE(message.find(path), std::string::npos) << message;
     EXPECT_NE(message.find("truncated"), std::string::npos) << message;
   }
   // The brief's example: a tensor that ends past the data section names itself and its offsets.
-  const auto message = open_error(directory.file("truncated-" + std::to_string(bytes.size() - 1) + ".safetensors"));
+  const auto message = open_error<SafetensorsFile>(directory.file("truncated-" + std::to_string(bytes.size() - 1) + ".safetensors"));
   EXPECT_NE(message.find("end past the file's data section"), std::string::npos) << message;
 }
 
@@ -309,7 +297,7 @@ TEST(Safetensors, LyingHeaderLengthsAreErrors) {
     SCOPED_TRACE(length);
     const auto path = directory.file("length-" + std::to_string(length) + ".safetensors");
     write_bytes(path, length_prefix(length) + bytes.substr(8));
-    const auto message = open_error(path);
+    const auto message = open_error<SafetensorsFile>(path);
     EXPECT_NE(message.find(path), std::string::npos) << message;
     EXPECT_NE(message.find(expected), std::string::npos) << message;
   }
@@ -364,7 +352,7 @@ TEST(Safetensors, MalformedHeadersAreErrors) {
     SCOPED_TRACE(header.substr(0, 100));
     const auto path = directory.file("malformed-" + std::to_string(index++) + ".safetensors");
     write_bytes(path, safetensors_bytes(header, four_bytes));
-    const auto message = open_error(path);
+    const auto message = open_error<SafetensorsFile>(path);
     EXPECT_NE(message.find(path), std::string::npos) << message;
     EXPECT_NE(message.find(expected), std::string::npos) << message;
   }
@@ -395,7 +383,7 @@ TEST(Safetensors, InconsistentOffsetsAreErrors) {
     SCOPED_TRACE(header);
     const auto path = directory.file("offsets-" + std::to_string(index++) + ".safetensors");
     write_bytes(path, safetensors_bytes(header, std::string(data_bytes, '\1')));
-    const auto message = open_error(path);
+    const auto message = open_error<SafetensorsFile>(path);
     EXPECT_NE(message.find(path), std::string::npos) << message;
     EXPECT_NE(message.find(expected), std::string::npos) << message;
   }
@@ -491,10 +479,10 @@ TEST(SafetensorsCheckpoint, ReadsTheFixtureModelAndAdapterFile) {
     EXPECT_EQ(adapter.names().size(), 4u * 7u * 2u);
     EXPECT_TRUE(adapter.contains("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"));
   }
-  const auto message = checkpoint_error(fixture("tiny-llama-does-not-exist"));
+  const auto message = open_error<SafetensorsCheckpoint>(fixture("tiny-llama-does-not-exist"));
   EXPECT_NE(message.find("tiny-llama-does-not-exist"), std::string::npos) << message;
   TempDir empty;
-  EXPECT_NE(checkpoint_error(empty.path()).find("found neither model.safetensors"), std::string::npos);
+  EXPECT_NE(open_error<SafetensorsCheckpoint>(empty.path()).find("found neither model.safetensors"), std::string::npos);
 }
 
 TEST(SafetensorsCheckpoint, ShardIndexMustStayInsideTheDirectory) {
@@ -506,7 +494,7 @@ TEST(SafetensorsCheckpoint, ShardIndexMustStayInsideTheDirectory) {
     SCOPED_TRACE(shard);
     const auto index_path = directory.file("model/model.safetensors.index.json");
     std::ofstream(index_path) << json{{"weight_map", {{"w", shard}}}}.dump();
-    const auto message = checkpoint_error(directory.file("model"));
+    const auto message = open_error<SafetensorsCheckpoint>(directory.file("model"));
     EXPECT_NE(message.find(index_path), std::string::npos) << message;
     EXPECT_NE(message.find("outside the model directory"), std::string::npos) << message;
   }
@@ -526,7 +514,7 @@ TEST(SafetensorsCheckpoint, DamagedIndexesAreErrors) {
   for (const auto& [text, expected] : cases) {
     SCOPED_TRACE(text.substr(0, 60));
     std::ofstream(directory.file("model.safetensors.index.json")) << text;
-    const auto message = checkpoint_error(directory.path());
+    const auto message = open_error<SafetensorsCheckpoint>(directory.path());
     EXPECT_NE(message.find(directory.path()), std::string::npos) << message;
     EXPECT_NE(message.find(expected), std::string::npos) << message;
   }
