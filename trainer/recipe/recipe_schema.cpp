@@ -37,6 +37,15 @@ void append(std::vector<RecipeKey>& keys, std::vector<RecipeKey> more) {
   keys.insert(keys.end(), std::make_move_iterator(more.begin()), std::make_move_iterator(more.end()));
 }
 
+// An enum's names from the table that names it, in its order: `name_of` gives a row's value and
+// name.
+template <typename Enum, typename Rows, typename NameOf>
+EnumNames<Enum> enum_names_from(const Rows& rows, const NameOf& name_of) {
+  EnumNames<Enum> all;
+  for (const auto& row : rows) all.emplace_back(name_of(row));
+  return all;
+}
+
 // The choices of an enum key: every value's name, in its table's order.
 template <typename Enum>
 std::vector<std::string> all_names() {
@@ -423,29 +432,21 @@ std::vector<RecipeKey> make_recipe_keys() {
 }  // namespace
 
 const EnumNames<QuantMethod>& enum_names(QuantMethod) {
-  static const EnumNames<QuantMethod> names = [] {
-    EnumNames<QuantMethod> all;
-    for (const auto method : quant_methods()) all.emplace_back(method, quant_method_name(method));
-    return all;
-  }();
+  static const auto names = enum_names_from<QuantMethod>(
+      quant_methods(), [](QuantMethod method) { return std::make_pair(method, quant_method_name(method)); });
   return names;
 }
 
 const EnumNames<BaseQuantization>& enum_names(BaseQuantization) {
-  static const EnumNames<BaseQuantization> names = [] {
-    EnumNames<BaseQuantization> all;
-    for (const auto& row : base_quantizations()) all.emplace_back(row.kind, row.name);
-    return all;
-  }();
+  static const auto names = enum_names_from<BaseQuantization>(
+      base_quantizations(), [](const BaseQuantizationRow& row) { return std::make_pair(row.kind, row.name); });
   return names;
 }
 
 const EnumNames<qat::QuantFormat>& enum_names(qat::QuantFormat) {
-  static const EnumNames<qat::QuantFormat> names = [] {
-    EnumNames<qat::QuantFormat> all;
-    for (const auto format : qat::quant_formats()) all.emplace_back(format, qat::quant_format_name(format));
-    return all;
-  }();
+  static const auto names = enum_names_from<qat::QuantFormat>(qat::quant_formats(), [](qat::QuantFormat format) {
+    return std::make_pair(format, qat::quant_format_name(format));
+  });
   return names;
 }
 
