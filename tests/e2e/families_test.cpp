@@ -121,8 +121,9 @@ TEST_P(FamilyGgufTraining, QatStepsExportAGgufLlamaCppRunsWithOurLogits) {
   const std::string name = GetParam();
   testing::TempDir temp;
   const auto trained = run_recipe("demo_qat_tiny.yaml", testing::fixture("families/" + name),
-                                  family_targets(name) + " --set train.steps=3 --set eval.every=0 --set data.eval= "
-                                                         "--set checkpoint.every=0 --set 'export.formats=[gguf, safetensors-int]'",
+                                  family_targets(name) +
+                                      " --set train.steps=3 --set eval.every=0 --set data.eval= --set checkpoint.every=0 "
+                                      "--set 'export.formats=[gguf, safetensors-int]'",
                                   temp.file("run"));
   ASSERT_TRUE(trained_all_steps(trained, 3)) << trained.output;
 

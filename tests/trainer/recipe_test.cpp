@@ -271,7 +271,8 @@ TEST(RecipeErrors, KeysThatDisagreeNameWhereTheyWereSet) {
 
 TEST(RecipeErrors, MalformedYamlNamesFileAndLine) {
   TempDir dir;
-  const std::string unclosed = file_error(dir, "x.yaml", "lora:\n  rank: 8\n  target_modules: [q_proj, v_proj\nquant: qat\n");
+  const std::string unclosed =
+      file_error(dir, "x.yaml", "lora:\n  rank: 8\n  target_modules: [q_proj, v_proj\nquant: qat\n");
   EXPECT_EQ(unclosed.rfind("x.yaml:4: ", 0), 0u) << unclosed;
   const std::string tab = file_error(dir, "x.yaml", "lora:\n\trank: 8\n");
   EXPECT_EQ(tab.rfind("x.yaml:2: ", 0), 0u) << tab;

@@ -277,7 +277,8 @@ TEST(Safetensors, TruncatedFilesAreErrorsNamingTheFile) {
     EXPECT_NE(message.find("truncated"), std::string::npos) << message;
   }
   // The brief's example: a tensor that ends past the data section names itself and its offsets.
-  const auto message = open_error<SafetensorsFile>(directory.file("truncated-" + std::to_string(bytes.size() - 1) + ".safetensors"));
+  const auto message =
+      open_error<SafetensorsFile>(directory.file("truncated-" + std::to_string(bytes.size() - 1) + ".safetensors"));
   EXPECT_NE(message.find("end past the file's data section"), std::string::npos) << message;
 }
 
