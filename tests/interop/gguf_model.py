@@ -16,6 +16,7 @@ import json
 import sys
 
 import numpy as np
+from script_modes import run_mode
 
 
 def check(gguf_path: str, expected_path: str, tokenizer_dir: str, architecture: str) -> int:
@@ -119,15 +120,5 @@ def llama_cpp_logits(gguf_path: str, text: str, out_path: str) -> int:
     return 0
 
 
-def main() -> int:
-    mode, arguments = sys.argv[1], sys.argv[2:]
-    if mode == "check":
-        return check(*arguments)
-    if mode == "llama-cpp":
-        return llama_cpp_logits(*arguments)
-    print(f"unknown mode {mode!r}", file=sys.stderr)
-    return 2
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_mode({"check": check, "llama-cpp": llama_cpp_logits}))

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 from peft_logits import attention_for
+from script_modes import run_mode
 
 
 def logits(model_dir: str, inputs_path: str, input_key: str, out_path: str) -> int:
@@ -41,15 +42,5 @@ def peft_merge(base_dir: str, adapter_dir: str, out_path: str) -> int:
     return 0
 
 
-def main() -> int:
-    mode, arguments = sys.argv[1], sys.argv[2:]
-    if mode == "logits":
-        return logits(*arguments)
-    if mode == "peft-merge":
-        return peft_merge(*arguments)
-    print(f"unknown mode {mode!r}", file=sys.stderr)
-    return 2
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_mode({"logits": logits, "peft-merge": peft_merge}))
