@@ -34,10 +34,10 @@ inline LoraOptions lora_options(int64_t rank, double alpha, double dropout = 0.0
   return options;
 }
 
-// `lora`'s B drawn from N(0, std^2), as training would leave it.
-inline void randomise_B(LoraLinear& lora, double std) {
+// `lora`'s B drawn from N(0, deviation^2), as training would leave it.
+inline void randomise_B(LoraLinear& lora, double deviation) {
   torch::NoGradGuard no_grad;
-  lora.lora_B().normal_(0.0, std);
+  lora.lora_B().normal_(0.0, deviation);
 }
 
 // An adapter with `options` over `base`, its B drawn from N(0, b_std^2).
