@@ -18,10 +18,9 @@
 
 #include "kernels/blockwise_8bit.h"
 #include "kernels/error.h"
+#include "qat/four_bit_type.h"
 
 namespace qtrain::qat {
-
-enum class FourBitType { kNf4, kFp4 };
 
 struct FourBitFormat {
   FourBitType type;

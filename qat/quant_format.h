@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "qat/four_bit_format.h"
+#include "qat/four_bit_type.h"
 
 namespace qtrain::qat {
 

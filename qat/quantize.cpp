@@ -6,6 +6,7 @@
 
 #include "kernels/error.h"
 #include "kernels/fake_quantize.h"
+#include "qat/four_bit_format.h"
 
 namespace qtrain::qat {
 

@@ -521,7 +521,7 @@ BenchMeasurement measure_bench(const BenchOptions& bench, BenchRun& run) {
 // The row's name as tools/bench.sh names rows: the base, then what runs on it.
 std::string bench_row_name(const BenchOptions& bench) {
   const auto& recipe = bench.recipe;
-  std::string name = bench.base->kind == trainer::BaseQuantization::kNf4 ? "qlora" : bench.base->name;
+  std::string name = bench.base->kind == trainer::BaseQuantization::kNf4 ? "qlora" : trainer::base_quantization_name(bench.base->kind);
   if (bench.fake_quant) name += bench.lora_gradient == "identity" ? "+qat" : "+qat(" + bench.lora_gradient + ")";
   if (recipe.lora.use_dora) name += "+dora";
   if (recipe.qlora.fp8_compute) name += "+fp8-compute";

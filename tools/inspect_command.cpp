@@ -104,8 +104,8 @@ void print_peak_estimate(const std::string& recipe_path, const trainer::Training
   std::string training = setup.full_finetune                              ? "full finetune"
                          : base.kind == trainer::BaseQuantization::kNone
                              ? (setup.base.multiply_on_float8 ? "quant none on FP8 tensor cores (16-bit weights on the host)" : "quant none")
-                                                                         : "qlora " + std::string(base.name);
-  if (setup.fake_quantized) training = "qat-lora on a " + std::string(base.kind == trainer::BaseQuantization::kNone ? "16-bit" : base.name) + " base";
+                                                                         : "qlora " + std::string(trainer::base_quantization_name(base.kind));
+  if (setup.fake_quantized) training = "qat-lora on a " + std::string(base.kind == trainer::BaseQuantization::kNone ? "16-bit" : trainer::base_quantization_name(base.kind)) + " base";
   std::string switches;  // the train section's memory switches that are on
   if (setup.gradient_checkpointing && setup.offload_activations) switches += ", checkpointed inputs on the host";
   if (setup.embeddings_on_host) switches += ", embedding table on the host";

@@ -202,7 +202,7 @@ TEST(ModelMemory, FrozenWeightBytesEqualTheQuantizedModelsTensors) {
     auto model = build_model(setup, /*with_adapters=*/false);
     const double actual = tensor_bytes(*model);
     const double estimated = estimate_peak_memory(model_options, setup).frozen_weight_bytes;
-    const std::string name = base_quantization_row(test.base).name;
+    const std::string name = base_quantization_name(test.base);
     EXPECT_NEAR(estimated, actual, 0.01 * actual) << name << " " << test.blocksize;
   }
 }

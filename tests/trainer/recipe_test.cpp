@@ -437,7 +437,7 @@ const RecipeKey& recipe_key(const std::string& name) {
   return *found;
 }
 
-// The enum keys' choices are their tables' names (quant_methods(), base_quantizations()' rows,
+// The enum keys' choices are their tables' names (quant_methods(), base_quantization_names(),
 // qat::quant_formats()), as the docs list them, fp4_e2m1 included.
 TEST(RecipeEnums, ChoicesAreTheTablesNames) {
   using Names = std::vector<std::string>;
@@ -448,7 +448,11 @@ TEST(RecipeEnums, ChoicesAreTheTablesNames) {
   EXPECT_EQ(recipe_key("qat.weights.format").choices, formats);
   EXPECT_EQ(recipe_key("qat.activations.format").choices, formats);
   EXPECT_EQ(qat::quant_formats().size(), formats.size());
-  EXPECT_EQ(base_quantizations().size(), 5u);
+  // Every named kind has its behaviour row, in the same order.
+  ASSERT_EQ(base_quantizations().size(), base_quantization_names().size());
+  for (size_t index = 0; index < base_quantizations().size(); ++index) {
+    EXPECT_EQ(base_quantizations()[index].kind, base_quantization_names()[index].kind);
+  }
 }
 
 // Each name parses to its value, prints back as the same name, and --set takes it like a file.
@@ -458,7 +462,7 @@ TEST(RecipeEnums, NamesParseToTheirValuesAndPrintBack) {
     EXPECT_EQ(apply_override(default_recipe(), "quant=" + name).quant, method) << name;
     EXPECT_EQ(quant_method_name(method), name);
   }
-  for (const auto& row : base_quantizations()) {
+  for (const auto& row : base_quantization_names()) {
     if (row.qlora_quant_type) {
       EXPECT_EQ(apply_override(default_recipe(), "qlora.quant_type=" + std::string(row.name)).qlora.quant_type, row.kind);
     }

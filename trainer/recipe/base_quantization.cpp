@@ -43,7 +43,7 @@ bool is_four_bit(const std::string&, const qat::LinearLayer& layer) {
 
 void quantize_four_bit(LlamaForCausalLMImpl& model, const BaseQuantizationSettings& settings) {
   auto options = settings.four_bit;
-  options.quant_type = base_quantization_row(settings.kind).name;
+  options.quant_type = base_quantization_name(settings.kind);
   const bool on_gpu = options.device && options.device->is_cuda();
   if (settings.multiply_on_float8 && on_gpu) {
     qat::require_float8_tensor_cores(*options.device, settings.compute_dtype, "qlora.fp8_compute", "train.dtype");
@@ -192,16 +192,15 @@ std::shared_ptr<qat::LinearLayer> random_dense(const RandomLayerOptions& layer, 
 
 const std::vector<BaseQuantizationRow>& base_quantizations() {
   static const std::vector<BaseQuantizationRow> rows = {
-      // kind, name, description, qlora.quant_type, qat.base, quantize, weight_bytes, fused_lora,
-      // keeps_built_weights, random_layer
-      {BaseQuantization::kNone, "none", "16-bit base", false, true, keep_dense, dense_bytes, true, false, random_dense},
-      {BaseQuantization::kNf4, "nf4", "NF4 base (bitsandbytes Linear4bit)", true, true, quantize_four_bit, four_bit_bytes,
+      // kind, description, quantize, weight_bytes, fused_lora, keeps_built_weights, random_layer
+      {BaseQuantization::kNone, "16-bit base", keep_dense, dense_bytes, true, false, random_dense},
+      {BaseQuantization::kNf4, "NF4 base (bitsandbytes Linear4bit)", quantize_four_bit, four_bit_bytes,
        true, true, random_four_bit},
-      {BaseQuantization::kFp4, "fp4", "FP4 base (bitsandbytes Linear4bit)", true, true, quantize_four_bit, four_bit_bytes,
+      {BaseQuantization::kFp4, "FP4 base (bitsandbytes Linear4bit)", quantize_four_bit, four_bit_bytes,
        true, true, random_four_bit},
-      {BaseQuantization::kInt8, "int8", "LLM.int8 base (bitsandbytes Linear8bitLt)", true, true, quantize_int8,
+      {BaseQuantization::kInt8, "LLM.int8 base (bitsandbytes Linear8bitLt)", quantize_int8,
        int8_bytes, false, false, random_int8},
-      {BaseQuantization::kFp8, "fp8", "FP8 e4m3 base, a scale per row, FP8 tensor-core matmuls", true, false,
+      {BaseQuantization::kFp8, "FP8 e4m3 base, a scale per row, FP8 tensor-core matmuls",
        quantize_float8, float8_bytes, true, false, random_float8},
   };
   return rows;
@@ -216,8 +215,8 @@ const BaseQuantizationRow& base_quantization_row(BaseQuantization kind) {
 
 const BaseQuantizationRow& base_quantization_named(const std::string& name, const std::string& what) {
   std::string names;
-  for (const auto& row : base_quantizations()) {
-    if (row.name == name) return row;
+  for (const auto& row : base_quantization_names()) {
+    if (row.name == name) return base_quantization_row(row.kind);
     names += (names.empty() ? "" : ", ") + std::string(row.name);
   }
   throw Error(ErrorCode::kUsage, what + ": '" + name + "' is not a base quantization (one of " + names + ")");
@@ -258,12 +257,12 @@ BaseQuantizationSettings base_quantization(const Recipe& recipe, torch::ScalarTy
   }
   if (recipe.qlora.fp8_compute && !four_bit && !dense_on_float8) {
     throw Error(ErrorCode::kRecipe, "qlora.fp8_compute multiplies a 4-bit base (nf4 or fp4) on FP8 tensor cores, and the "
-                "base here is " + std::string(base_quantization_row(kind).name) +
+                "base here is " + std::string(base_quantization_name(kind)) +
                 (kind == BaseQuantization::kFp8 ? " (which multiplies on them already)" : "") + ": remove the key");
   }
   if (recipe.qlora.fp8_fast_accumulation && kind != BaseQuantization::kFp8 && !recipe.qlora.fp8_compute) {
     throw Error(ErrorCode::kRecipe, "qlora.fp8_fast_accumulation applies to FP8 matmuls only (qlora.quant_type: fp8, or "
-                "qlora.fp8_compute: true), and the base here is " + std::string(base_quantization_row(kind).name) +
+                "qlora.fp8_compute: true), and the base here is " + std::string(base_quantization_name(kind)) +
                 ": remove the key");
   }
   if (kind == BaseQuantization::kNone && !dense_on_float8) return compute_settings(kind, compute_dtype);

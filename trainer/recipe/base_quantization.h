@@ -46,13 +46,8 @@ struct RandomLayerOptions {
 };
 
 struct BaseQuantizationRow {
-  BaseQuantization kind;
-  const char* name;         // qlora.quant_type's and qat.base's spelling ("none": a 16-bit base)
+  BaseQuantization kind;     // its name and the keys that may name it: base_quantization_names() (recipe.h)
   const char* description;  // for bench and inspect lines
-  // Which keys may name it: qlora.quant_type (none is `quant: none` there) and qat.base (QAT-LoRA's
-  // frozen bases, docs/QAT.md).
-  bool qlora_quant_type;
-  bool qat_base;
   // Replaces every linear layer of `model` not in skip_modules by this kind's frozen layer,
   // quantized from its weight in `compute_dtype` on `device`, one layer at a time.
   void (*quantize)(LlamaForCausalLMImpl& model, const BaseQuantizationSettings& settings);

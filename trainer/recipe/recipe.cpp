@@ -21,6 +21,25 @@
 #include "trainer/recipe/recipe_schema.h"
 
 namespace qtrain::trainer {
+
+const std::vector<BaseQuantizationName>& base_quantization_names() {
+  static const std::vector<BaseQuantizationName> names = {
+      // kind, name, qlora.quant_type, qat.base
+      {BaseQuantization::kNone, "none", false, true},
+      {BaseQuantization::kNf4, "nf4", true, true},
+      {BaseQuantization::kFp4, "fp4", true, true},
+      {BaseQuantization::kInt8, "int8", true, true},
+      {BaseQuantization::kFp8, "fp8", true, false},
+  };
+  return names;
+}
+
+const char* base_quantization_name(BaseQuantization kind) {
+  for (const auto& row : base_quantization_names()) {
+    if (row.kind == kind) return row.name;
+  }
+  throw Error(ErrorCode::kInternal, "base quantization kind " + std::to_string(static_cast<int>(kind)) + " has no name");
+}
 namespace {
 
 namespace fs = std::filesystem;

@@ -30,9 +30,20 @@ enum class QuantMethod {
 const std::vector<QuantMethod>& quant_methods();
 const char* quant_method_name(QuantMethod method);  // "qlora" | "qat" | "none"
 
-// The frozen base's storage (`qlora.quant_type`, `qat.base`); each kind's name and behaviour is a
-// row of trainer/recipe/base_quantization.h.
+// The frozen base's storage (`qlora.quant_type`, `qat.base`); each kind's behaviour is a row of
+// trainer/recipe/base_quantization.h.
 enum class BaseQuantization { kNone, kNf4, kFp4, kInt8, kFp8 };
+
+// How a recipe names each base kind and which keys may: one row per kind, free of LibTorch so
+// that the recipe's parser (and its fuzz target) reads it.
+struct BaseQuantizationName {
+  BaseQuantization kind;
+  const char* name;       // qlora.quant_type's and qat.base's spelling ("none": a 16-bit base)
+  bool qlora_quant_type;  // qlora.quant_type may name it (none is `quant: none` there)
+  bool qat_base;          // qat.base may name it (QAT-LoRA's frozen bases, docs/QAT.md)
+};
+const std::vector<BaseQuantizationName>& base_quantization_names();
+const char* base_quantization_name(BaseQuantization kind);
 
 struct ModelRecipe {
   std::string path;   // Hugging Face checkpoint directory

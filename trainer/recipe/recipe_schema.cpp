@@ -4,7 +4,6 @@
 #include "qat/lora_options.h"
 #include "trainer/formats/export_formats.h"
 #include "trainer/model/llama_options.h"
-#include "trainer/recipe/base_quantization.h"
 
 #include <algorithm>
 #include <iterator>
@@ -55,9 +54,9 @@ std::vector<std::string> all_names() {
 }
 
 // The base kinds a key may name: the rows that `named_by` marks.
-std::vector<std::string> base_names(bool BaseQuantizationRow::*named_by) {
+std::vector<std::string> base_names(bool BaseQuantizationName::*named_by) {
   std::vector<std::string> names;
-  for (const auto& row : base_quantizations()) {
+  for (const auto& row : base_quantization_names()) {
     if (row.*named_by) names.push_back(row.name);
   }
   return names;
@@ -87,7 +86,7 @@ std::vector<RecipeKey> qlora_keys() {
       key("qlora.quant_type", "nf4", QTRAIN_FIELD(qlora.quant_type),
           "base format: bitsandbytes NF4 or FP4, int8 (LLM.int8 rows), or fp8 (e4m3 rows, FP8 tensor-core matmuls)")
           .shapes_model()
-          .one_of(base_names(&BaseQuantizationRow::qlora_quant_type)),
+          .one_of(base_names(&BaseQuantizationName::qlora_quant_type)),
       key("qlora.blocksize", "64", QTRAIN_FIELD(qlora.blocksize),
           "weights sharing one absmax (4-bit formats)").shapes_model()
           .one_of({"64", "128", "256", "512", "1024", "2048", "4096"}),
@@ -204,7 +203,7 @@ std::vector<RecipeKey> qat_keys() {
       key("qat.base", "none", QTRAIN_FIELD(qat.base),
           "frozen base of QAT-LoRA: none (16-bit), or nf4 / fp4 / int8 kept as quant: qlora keeps it (qlora.blocksize, "
           "qlora.double_quant)").shapes_model()
-          .one_of(base_names(&BaseQuantizationRow::qat_base)),
+          .one_of(base_names(&BaseQuantizationName::qat_base)),
       key("qat.lora_gradient", "identity", QTRAIN_FIELD(qat.lora_gradient),
           "the adapters' gradient through the weight quantizer: identity (LoRA's low-rank gradients) or masked "
           "(torchao's: the merged weight's gradient, zero where clipped)")
@@ -439,7 +438,7 @@ const EnumNames<QuantMethod>& enum_names(QuantMethod) {
 
 const EnumNames<BaseQuantization>& enum_names(BaseQuantization) {
   static const auto names = enum_names_from<BaseQuantization>(
-      base_quantizations(), [](const BaseQuantizationRow& row) { return std::make_pair(row.kind, row.name); });
+      base_quantization_names(), [](const BaseQuantizationName& row) { return std::make_pair(row.kind, row.name); });
   return names;
 }
 
@@ -462,7 +461,7 @@ std::optional<RecipeConflict> find_conflict(const Recipe& recipe) {
                           "least 1 (quant: none or qat train the full weights with rank 0)"};
   }
   if (recipe.quant == QuantMethod::kQat && recipe.qat.base != BaseQuantization::kNone && recipe.lora.rank == 0) {
-    const std::string base = base_quantization_row(recipe.qat.base).name;
+    const std::string base = base_quantization_name(recipe.qat.base);
     return RecipeConflict{"qat.base",
                           "qat.base: " + base + " keeps the base frozen in " + base +
                               ", so QAT trains adapters on it: set lora.rank to at least 1 (or qat.base: none "
