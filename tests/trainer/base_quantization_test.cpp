@@ -28,7 +28,7 @@ TEST(BaseQuantization, OneRowPerKindEachNamedOnce) {
   ASSERT_EQ(base_quantizations().size(), names.size());
   for (size_t index = 0; index < names.size(); ++index) {
     const auto& row = base_quantizations()[index];
-    EXPECT_EQ(row.name, names[index]);
+    EXPECT_EQ(base_quantization_name(row.kind), names[index]);
     EXPECT_EQ(&base_quantization_row(row.kind), &row);
     EXPECT_EQ(&base_quantization_named(names[index], "--quant"), &row);
   }
@@ -54,7 +54,7 @@ TEST(BaseQuantization, RandomLayersAreTheLayersQuantizingMakes) {
       const auto& layer = dynamic_cast<const qat::LinearLayer&>(*quantized);
       random.linear = {layer.in_features(), layer.out_features(), /*bias=*/false, torch::kBFloat16};
       const auto made = row.random_layer(random, settings);
-      const std::string what = std::string(row.name) + (on_float8 ? " on FP8" : "");
+      const std::string what = std::string(base_quantization_name(row.kind)) + (on_float8 ? " on FP8" : "");
       const auto& made_layer = *made;
       EXPECT_EQ(typeid(made_layer), typeid(layer)) << what;
       EXPECT_EQ(tensor_layout(*made), tensor_layout(*quantized)) << what;
