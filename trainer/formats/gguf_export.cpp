@@ -239,7 +239,7 @@ void write_gguf_model(const LlamaForCausalLMImpl& model, const BaseDirectory& ba
       auto rows = heads > 0 ? permute_rows(value, heads) : value;
       if (architecture.norm_weights_plus_one && norm) rows = rows + 1.0;  // x (1 + w) as llama.cpp's x w
       tensor.type = qat::GgufBlockType::kF32;
-      if (value.dim() == 2) tensor.type = options.float_type;  // the norms stay F32
+      if (value.dim() == 2) tensor.type = options.float_type;  // 1-D tensors (norms, biases) stay F32
       const bool half = tensor.type == qat::GgufBlockType::kF16;
       tensor.bytes = [rows, half] { return tensor_bytes(half ? rows.to(torch::kFloat16) : rows); };
     }
