@@ -5,6 +5,8 @@
 // `recipe.qat.weights.bits` is `qat.weights.bits`). Defaults, allowed values and what each
 // key means live in one table, trainer/recipe/recipe_schema.cpp; `qtrain --print-recipe` prints it.
 // The structs carry no defaults of their own: start from default_recipe() or load_recipe().
+// A key whose value names a row of a table (quant, qlora.quant_type, qat.base, qat.*.format) is
+// held as that table's enum, read from and printed as the row's name.
 //
 // Paths (model.path, data.train, data.eval, lora.init_from, export.out, train.output_dir)
 // are stored absolute and lexically normal (data.train is a list of them; a single path
