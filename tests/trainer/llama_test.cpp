@@ -26,6 +26,12 @@ double relative_error(const torch::Tensor& ours, const torch::Tensor& theirs) {
          theirs.abs().max().item<double>();
 }
 
+// The recipe's default target_modules (written out, for the LibTorch-free parser) are the
+// projections a default decoder layer's attention and feed-forward block register.
+TEST(LlamaModel, DefaultProjectionNamesAreTheBlocks) {
+  EXPECT_EQ(LlamaOptions{}.projection_names(), decoder_projection_names());
+}
+
 TEST(LlamaModel, LogitsEqualTransformersInFp32) {
   auto loaded = load_llama(fixture("tiny-llama"));
   const auto reference = base_reference();

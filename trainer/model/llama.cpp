@@ -152,11 +152,6 @@ std::vector<std::string> LlamaOptions::projection_names() const {
   return names;
 }
 
-const std::vector<std::string>& decoder_projection_names() {
-  static const std::vector<std::string> names = LlamaOptions{}.projection_names();
-  return names;
-}
-
 LlamaAttentionImpl::LlamaAttentionImpl(const LlamaOptions& options, const std::string& prefix,
                                        const LinearFactory& make_linear, torch::ScalarType dtype,
                                        int64_t sliding_window)

@@ -103,7 +103,13 @@ struct LlamaOptions {
   }
 };
 
-// The projections of a default (Llama) decoder layer: q, k, v, o, gate, up, down.
-const std::vector<std::string>& decoder_projection_names();
+// The projections of a default (Llama) decoder layer, as peft names them: the recipe's default
+// lora.target_modules. Written out so that the recipe's parser needs no LibTorch;
+// LlamaOptions{}.projection_names(), which asks the layer's blocks, equals it
+// (LlamaModel.DefaultProjectionNamesAreTheBlocks).
+inline const std::vector<std::string>& decoder_projection_names() {
+  static const std::vector<std::string> names = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+  return names;
+}
 
 }  // namespace qtrain::trainer
