@@ -47,6 +47,7 @@
 // dequantizes to exactly the fake-quant weights.
 #include <c10/core/ScalarType.h>
 #include <c10/util/ArrayRef.h>
+#include <torch/types.h>
 
 #include <cstdint>
 #include <string>
