@@ -112,8 +112,10 @@ void Finetune::setup() {
 
 void Finetune::setup_model() {
   loaded_ = load_base_model(recipe_, compute_dtype_, device_);
-  // Before the run, not after it.
-  check_model_exports(BaseDirectory::read(recipe_.model.path, loaded_.config), recipe_.export_.formats);
+  if (!recipe_.export_.formats.empty()) {
+    export_base_ = BaseDirectory::read(recipe_.model.path, loaded_.config);
+    check_model_exports(export_base_, recipe_.export_.formats);  // before the run, not after it
+  }
   loaded_.model->to(device_);
   apply_recipe_memory_settings(*loaded_.model, recipe_);
 }
@@ -312,7 +314,7 @@ std::vector<std::string> Finetune::write_exports() {
                 "export.formats, or run qtrain export --run %s --format merged\n", run_dir_.c_str());
   }
   if (writes_files()) {
-    written = write_model_exports(*loaded_.model, BaseDirectory::read(recipe_.model.path, loaded_.config), formats, out);
+    written = write_model_exports(*loaded_.model, export_base_, formats, out);
     for (const auto& path : written) std::printf("export: %s\n", path.c_str());
   }
   wait_for_all_ranks("the exports written by rank 0");

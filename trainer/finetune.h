@@ -22,6 +22,7 @@
 #include "optim/lr_schedule.h"
 #include "optim/optimizer.h"
 #include "trainer/dist/gradient_buckets.h"
+#include "trainer/formats/base_directory.h"
 #include "trainer/formats/hf_checkpoint.h"
 #include "trainer/dist/launch_environment.h"
 #include "trainer/loss_scaler.h"
@@ -83,6 +84,9 @@ class Finetune {
   torch::Device device_{torch::kCPU};
   torch::ScalarType compute_dtype_ = torch::kFloat32;
   LoadedModel loaded_;
+  // What the exports take from the base directory, read once before training when export.formats
+  // names any (the pre-flight checks it then, the exports at the end write from it).
+  BaseDirectory export_base_;
   PeftAdapterConfig adapter_config_;
   std::vector<torch::Tensor> trainable_;
   std::vector<std::string> trainable_names_;
