@@ -309,7 +309,10 @@ std::vector<std::string> Finetune::write_exports() {
   const std::string out = recipe_.export_.out.empty() ? run_dir_ + "/export" : recipe_.export_.out;
   std::vector<std::string> written;
   const auto& formats = recipe_.export_.formats;
-  if (writes_files() && trains_full_weights(recipe_) && std::find(formats.begin(), formats.end(), "peft") != formats.end()) {
+  const bool asks_for_adapter = std::any_of(formats.begin(), formats.end(), [](const std::string& name) {
+    return find_export_format(name, "export.formats").format == ExportFormat::kPeft;
+  });
+  if (writes_files() && trains_full_weights(recipe_) && asks_for_adapter) {
     std::printf("export: no PEFT adapter, the run trained the full weights; for a Hugging Face model add merged to "
                 "export.formats, or run qtrain export --run %s --format merged\n", run_dir_.c_str());
   }
