@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "kernels/error.h"
+#include "qat/gguf_quants.h"
 
 namespace qtrain::qat {
 
@@ -11,11 +12,20 @@ namespace {
 constexpr int kQ4Offset = 8;  // Q4_0 stores q + 8 in a nibble
 
 // llama.cpp's llama_ftype (llama.h) for general.file_type.
+// A k-quant's file type is its _S mix, the one that keeps most tensors in the type.
 enum LlamaFileType : uint32_t {
   kAllF32 = 0,
   kMostlyF16 = 1,
   kMostlyQ4_0 = 2,
+  kMostlyQ4_1 = 3,
   kMostlyQ8_0 = 7,
+  kMostlyQ5_0 = 8,
+  kMostlyQ5_1 = 9,
+  kMostlyQ2_K = 10,
+  kMostlyQ3_K_S = 11,
+  kMostlyQ4_K_S = 14,
+  kMostlyQ5_K_S = 16,
+  kMostlyQ6_K = 18,
   kMostlyBF16 = 32,
 };
 
@@ -76,16 +86,44 @@ void decode_q8_0(const uint8_t* bytes, int64_t blocks, int8_t* codes, uint16_t* 
 #pragma GCC diagnostic push
 #pragma GCC diagnostic error "-Wswitch"
 GgufBlockFormat row_of(GgufBlockType type) {
+  namespace q = gguf_quants;
+  // A float type: one element per block, no codes.
+  auto values = [type](const char* name, uint32_t id, int64_t bytes, uint32_t file_type) {
+    return GgufBlockFormat{type, name, id, 1, bytes, file_type, std::nullopt, nullptr, nullptr, nullptr, nullptr};
+  };
+  // A block type that only llama.cpp's quantizer fills (no QAT grid yet).
+  auto blocks = [type](const char* name, uint32_t id, int64_t elements, int64_t bytes, uint32_t file_type,
+                       void (*quantize)(const float*, uint8_t*, int64_t), void (*dequantize)(const uint8_t*, float*, int64_t)) {
+    return GgufBlockFormat{type, name, id, elements, bytes, file_type, std::nullopt, nullptr, nullptr, quantize, dequantize};
+  };
   switch (type) {
-    case GgufBlockType::kF32: return {type, "F32", 0, 1, 4, kAllF32, std::nullopt, nullptr, nullptr};
-    case GgufBlockType::kF16: return {type, "F16", 1, 1, 2, kMostlyF16, std::nullopt, nullptr, nullptr};
-    case GgufBlockType::kBF16: return {type, "BF16", 30, 1, 2, kMostlyBF16, std::nullopt, nullptr, nullptr};
+    case GgufBlockType::kF32: return values("F32", 0, 4, kAllF32);
+    case GgufBlockType::kF16: return values("F16", 1, 2, kMostlyF16);
+    case GgufBlockType::kBF16: return values("BF16", 30, 2, kMostlyBF16);
     case GgufBlockType::kQ4_0:
       return {type, "Q4_0", 2, kGgufBlockElements, sizeof(GgufBlockQ4_0), kMostlyQ4_0,
-              GgufBlockGrid{/*bits=*/4, /*symmetric=*/true, /*fp16_scales=*/true}, encode_q4_0, decode_q4_0};
+              GgufBlockGrid{/*bits=*/4, /*symmetric=*/true, /*fp16_scales=*/true}, encode_q4_0, decode_q4_0,
+              q::quantize_q4_0, q::dequantize_q4_0};
+    case GgufBlockType::kQ4_1:
+      return blocks("Q4_1", 3, kGgufBlockElements, q::kQ4_1Bytes, kMostlyQ4_1, q::quantize_q4_1, q::dequantize_q4_1);
+    case GgufBlockType::kQ5_0:
+      return blocks("Q5_0", 6, kGgufBlockElements, q::kQ5_0Bytes, kMostlyQ5_0, q::quantize_q5_0, q::dequantize_q5_0);
+    case GgufBlockType::kQ5_1:
+      return blocks("Q5_1", 7, kGgufBlockElements, q::kQ5_1Bytes, kMostlyQ5_1, q::quantize_q5_1, q::dequantize_q5_1);
     case GgufBlockType::kQ8_0:
       return {type, "Q8_0", 8, kGgufBlockElements, sizeof(GgufBlockQ8_0), kMostlyQ8_0,
-              GgufBlockGrid{/*bits=*/8, /*symmetric=*/true, /*fp16_scales=*/true}, encode_q8_0, decode_q8_0};
+              GgufBlockGrid{/*bits=*/8, /*symmetric=*/true, /*fp16_scales=*/true}, encode_q8_0, decode_q8_0,
+              q::quantize_q8_0, q::dequantize_q8_0};
+    case GgufBlockType::kQ2_K:
+      return blocks("Q2_K", 10, q::kSuperBlock, q::kQ2_KBytes, kMostlyQ2_K, q::quantize_q2_k, q::dequantize_q2_k);
+    case GgufBlockType::kQ3_K:
+      return blocks("Q3_K", 11, q::kSuperBlock, q::kQ3_KBytes, kMostlyQ3_K_S, q::quantize_q3_k, q::dequantize_q3_k);
+    case GgufBlockType::kQ4_K:
+      return blocks("Q4_K", 12, q::kSuperBlock, q::kQ4_KBytes, kMostlyQ4_K_S, q::quantize_q4_k, q::dequantize_q4_k);
+    case GgufBlockType::kQ5_K:
+      return blocks("Q5_K", 13, q::kSuperBlock, q::kQ5_KBytes, kMostlyQ5_K_S, q::quantize_q5_k, q::dequantize_q5_k);
+    case GgufBlockType::kQ6_K:
+      return blocks("Q6_K", 14, q::kSuperBlock, q::kQ6_KBytes, kMostlyQ6_K, q::quantize_q6_k, q::dequantize_q6_k);
     case GgufBlockType::kCount: break;
   }
   throw Error(ErrorCode::kInternal, "GGUF tensor type " + std::to_string(static_cast<int>(type)) + " has no row");

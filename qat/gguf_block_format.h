@@ -2,7 +2,8 @@
 // The tensor types a GGUF file holds, one row each, as ggml's type_traits (ggml.c) and llama.cpp's
 // llama_ftype hold them: the type id a tensor-info records, the elements and bytes of one block
 // (a float type's block is one element), the file type llama.cpp names a file mostly of this type,
-// and for the block formats Q4_0 and Q8_0 (ggml-common.h) the codes a block stores and the
+// for the quantized types llama.cpp's quantizer and dequantizer (qat/gguf_quants.h), and for
+// Q4_0 and Q8_0 (ggml-common.h), which QAT writes exactly, the codes a block stores and the
 // functions that pack and unpack them. Free of LibTorch, so that the GGUF reader
 // (trainer/formats/gguf_file.*) builds without it (its fuzz target does); qat/gguf_block.h
 // encodes a QAT layer's tensors with these rows and tells which QuantSpec fits which type.
@@ -16,7 +17,12 @@
 namespace qtrain::qat {
 
 // In the order of the rows (gguf_block_formats()); kCount is not a type but their number.
-enum class GgufBlockType { kF32, kF16, kBF16, kQ4_0, kQ8_0, kCount };
+enum class GgufBlockType {
+  kF32, kF16, kBF16,
+  kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0,      // blocks of 32 (ggml's legacy types)
+  kQ2_K, kQ3_K, kQ4_K, kQ5_K, kQ6_K,      // super-blocks of 256 (k-quants)
+  kCount
+};
 
 // The codes a quantized type stores exactly, as the QuantSpec fields they match
 // (qat/gguf_block.h's gguf_block_fits): signed integer codes of `bits` bits, their group the
@@ -40,6 +46,11 @@ struct GgufBlockFormat {
   // per block, as its bits) into `out` (blocks * block_bytes), and back. Lossless both ways.
   void (*encode)(const int8_t* codes, const uint16_t* scales, int64_t blocks, uint8_t* out);
   void (*decode)(const uint8_t* bytes, int64_t blocks, int8_t* codes, uint16_t* scales);
+  // Quantized types only: llama.cpp's own quantizer without an importance matrix, `n` floats
+  // (a multiple of block_elements) into n / block_elements blocks, byte for byte as
+  // llama-quantize writes them; and ggml's dequantize_row_* back (qat/gguf_quants.h).
+  void (*quantize)(const float* x, uint8_t* out, int64_t n);
+  void (*dequantize)(const uint8_t* in, float* y, int64_t n);
 };
 
 const GgufBlockFormat& gguf_block_format(GgufBlockType type);

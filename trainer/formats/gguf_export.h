@@ -39,11 +39,6 @@ struct GgufExportOptions {
 // heads: GGUF row r holds Hugging Face row order[r]. int64 [rows].
 torch::Tensor gguf_rope_row_order(int64_t rows, int64_t heads);
 
-// The tokenizer.ggml.* metadata of `base`'s tokenizer.json (+ tokenizer_config.json,
-// chat_template.jinja) for a model of its config. Error for tokenizers GGUF export does not
-// handle yet (sentencepiece-style, unknown pre-tokenizer).
-std::vector<std::pair<std::string, GgufValue>> gguf_tokenizer_metadata(const BaseDirectory& base);
-
 // Error, as write_gguf_model would give it, when a model of `base`'s config with its tokenizer
 // cannot be written as GGUF: for runs to check before they train, not after.
 void require_gguf_exportable(const BaseDirectory& base);
