@@ -36,19 +36,23 @@ TEST(GgufBlock, FormatsAreLlamaCppsSizesAndTypeIds) {
 // One row per type, indexed by the enum, with ggml.h's ids, ggml-common.h's block sizes and
 // llama.h's llama_ftype (ALL_F32 0, MOSTLY_F16 1, MOSTLY_Q4_0 2, MOSTLY_Q8_0 7, MOSTLY_BF16 32).
 TEST(GgufBlock, EveryTypeIsOneRowOfGgmlsTypeTraits) {
+  // ggml.h's ids, ggml-common.h's block sizes, llama.h's file types (a k-quant's: its _S mix).
   struct Expected {
     const char* name;
     uint32_t ggml_type;
     int64_t block_elements;
     int64_t block_bytes;
     uint32_t file_type;
-    bool quantized;
+    bool quantized;   // llama.cpp's quantizer and dequantizer
+    bool qat_codes;   // a QAT grid written as codes + scales
   };
-  const Expected expected[] = {{"F32", 0, 1, 4, 0, false},
-                               {"F16", 1, 1, 2, 1, false},
-                               {"BF16", 30, 1, 2, 32, false},
-                               {"Q4_0", 2, 32, 18, 2, true},
-                               {"Q8_0", 8, 32, 34, 7, true}};
+  const Expected expected[] = {{"F32", 0, 1, 4, 0, false, false},      {"F16", 1, 1, 2, 1, false, false},
+                               {"BF16", 30, 1, 2, 32, false, false},   {"Q4_0", 2, 32, 18, 2, true, true},
+                               {"Q4_1", 3, 32, 20, 3, true, false},    {"Q5_0", 6, 32, 22, 8, true, false},
+                               {"Q5_1", 7, 32, 24, 9, true, false},    {"Q8_0", 8, 32, 34, 7, true, true},
+                               {"Q2_K", 10, 256, 84, 10, true, false}, {"Q3_K", 11, 256, 110, 11, true, false},
+                               {"Q4_K", 12, 256, 144, 14, true, false}, {"Q5_K", 13, 256, 176, 16, true, false},
+                               {"Q6_K", 14, 256, 210, 18, true, false}};
   ASSERT_EQ(gguf_block_formats().size(), std::size(expected));
   for (size_t index = 0; index < std::size(expected); ++index) {
     const auto& row = gguf_block_formats()[index];
@@ -61,11 +65,13 @@ TEST(GgufBlock, EveryTypeIsOneRowOfGgmlsTypeTraits) {
     EXPECT_EQ(row.block_elements, expected[index].block_elements);
     EXPECT_EQ(row.block_bytes, expected[index].block_bytes);
     EXPECT_EQ(row.file_type, expected[index].file_type);
-    EXPECT_EQ(row.grid.has_value(), expected[index].quantized);
-    EXPECT_EQ(row.encode != nullptr, expected[index].quantized);
-    EXPECT_EQ(row.decode != nullptr, expected[index].quantized);
+    EXPECT_EQ(row.quantize != nullptr, expected[index].quantized);
+    EXPECT_EQ(row.dequantize != nullptr, expected[index].quantized);
+    EXPECT_EQ(row.grid.has_value(), expected[index].qat_codes);
+    EXPECT_EQ(row.encode != nullptr, expected[index].qat_codes);
+    EXPECT_EQ(row.decode != nullptr, expected[index].qat_codes);
   }
-  EXPECT_EQ(gguf_block_format_by_id(12), nullptr);  // Q4_K: not a type qtrain reads yet
+  EXPECT_EQ(gguf_block_format_by_id(39), nullptr);  // MXFP4: not a type qtrain reads yet
 }
 
 // general.file_type names a file by its densest type, as the exporter's Q4_0-over-Q8_0-over-F16
