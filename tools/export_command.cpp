@@ -1,10 +1,11 @@
 // qtrain export: what a run trained, in a format other tools load.
 //   --format peft    the run's LoRA adapter as a PEFT adapter directory
 //   --format merged  the base with the adapter merged in, as a plain Hugging Face model directory
-//   --format gguf    a QAT run's model as one GGUF file llama.cpp runs (Q4_0 / Q8_0 weights)
+//   --format gguf    the model as one GGUF file llama.cpp runs, of --gguf-type (llama.cpp's file
+//                    types; a QAT run's trained blocks as they are)
 //   --format safetensors-int  a QAT run's model with integer weights + scales (+ zero points)
-// A run's model (--run) or a model directory with an optional adapter (--model, --adapter, merged
-// only). The result is staged beside --out and renamed into place.
+// A run's model (--run) or a model directory with an optional adapter (--model, --adapter; merged
+// and gguf). The result is staged beside --out and renamed into place.
 #include <cstdio>
 #include <filesystem>
 
@@ -13,6 +14,7 @@
 #include "trainer/base/file_system.h"
 #include "trainer/formats/hf_checkpoint.h"
 #include "trainer/formats/peft_adapter.h"
+#include "trainer/formats/gguf_export.h"
 #include "trainer/formats/merged_export.h"
 #include "trainer/formats/model_exports.h"
 #include "qat/qat_linear.h"
@@ -59,7 +61,7 @@ ExportSource model_with_adapter(const std::string& model_dir, const std::string&
   return source;
 }
 
-// --format gguf | safetensors-int: the QAT layers of the run, as their codes and scales.
+// --format safetensors-int: the QAT layers of the run, as their codes and scales.
 int export_quantized(const std::string& run_dir, const std::string& checkpoint, const trainer::ExportFormatRow& format,
                      const std::string& dtype_name, uint64_t max_shard_bytes, const std::string& out_path) {
   auto run = trainer::load_trained_run(run_dir, checkpoint, /*quantize_base=*/true);
@@ -80,43 +82,52 @@ int export_quantized(const std::string& run_dir, const std::string& checkpoint, 
 }  // namespace
 
 int run_export(const Arguments& arguments) {
-  std::string run_dir, model_dir, adapter_dir, format, out_dir, checkpoint, dtype_name, shard_size;
+  std::string run_dir, model_dir, adapter_dir, format, out_dir, checkpoint, dtype_name, shard_size, gguf_type;
   po::options_description options("export options");
   options.add_options()
       ("run", po::value(&run_dir)->default_value(""), "run directory (train.output_dir of a run)")
       ("checkpoint", po::value(&checkpoint)->default_value(""),
        "a training-state checkpoint of the run (step-000500) instead of its final adapter")
       ("model", po::value(&model_dir)->default_value(""),
-       "merged only, instead of --run: a Hugging Face model directory (bf16/fp32 or bnb 4-bit)")
-      ("adapter", po::value(&adapter_dir)->default_value(""), "merged only, with --model: a PEFT LoRA adapter to merge")
+       "merged and gguf, instead of --run: a Hugging Face model directory (bf16/fp32 or bnb 4-bit)")
+      ("adapter", po::value(&adapter_dir)->default_value(""), "with --model: a PEFT LoRA adapter to merge")
       ("format", po::value(&format)->default_value("peft"), format_choices().c_str())
+      ("gguf-type", po::value(&gguf_type)->default_value(qat::kGgufFileTypeAuto),
+       ("gguf: llama.cpp's file type, " + qat::gguf_file_type_names() +
+        " (quantized types: the bytes llama-quantize writes from the F32 file); auto = a QAT run's trained blocks, "
+        "the rest F32").c_str())
       ("dtype", po::value(&dtype_name)->default_value("base"),
        "merged, safetensors-int: dtype of the unquantized weights, bf16, fp16 or fp32; base = the base model's "
-       "config.json dtype (gguf writes them F32)")
+       "config.json dtype")
       ("shard-size", po::value(&shard_size)->default_value("5GB"),
        "merged: largest safetensors file (5GB, 500MB, 2GiB); more weights are sharded with an index")
       ("out", po::value(&out_dir)->required(), "directory to write (gguf: the .gguf file); must not exist unless --force")
       ("force", po::bool_switch(), "replace an existing --out directory");
   po::variables_map values;
   if (!parse_command_line("usage: qtrain export --run DIR [--checkpoint step-N] --format " + format_names() +
-                          " --out PATH [--force]\n"
-                          "       qtrain export --model DIR [--adapter DIR] --format merged --out DIR [--force]",
+                          " [--gguf-type T] --out PATH [--force]\n"
+                          "       qtrain export --model DIR [--adapter DIR] --format merged|gguf [--gguf-type T] --out PATH [--force]",
                           options, arguments, values)) {
     return 0;
   }
   const auto& export_format = trainer::find_export_format(format, "--format");
   const bool quantized_format = !export_format.accepts(trainer::ExportedWeights::kFloat);
   if (run_dir.empty() == model_dir.empty()) throw Error(ErrorCode::kUsage, "give either --run DIR or --model DIR (not both)");
-  const bool merged_format = export_format.format == trainer::ExportFormat::kMerged;
+  const bool gguf_format = export_format.format == trainer::ExportFormat::kGguf;
   const bool peft_format = export_format.format == trainer::ExportFormat::kPeft;
-  if (!model_dir.empty() && !merged_format) {
-    throw Error(ErrorCode::kUsage, "--model exports only --format merged (a PEFT adapter is already its own export; " +
+  if (!model_dir.empty() && (peft_format || quantized_format)) {
+    throw Error(ErrorCode::kUsage, std::string("--model exports --format merged or gguf, not ") + export_format.name +
+                " (a PEFT adapter is already its own export; " +
                 trainer::export_formats_refusing(trainer::ExportedWeights::kFloat) + " take a QAT run, --run DIR)");
   }
   if (!adapter_dir.empty() && model_dir.empty()) throw Error(ErrorCode::kUsage, "--adapter goes with --model; a run's adapter is found from --run");
   if (!checkpoint.empty() && run_dir.empty()) throw Error(ErrorCode::kUsage, "--checkpoint goes with --run");
+  if (gguf_type != qat::kGgufFileTypeAuto && !gguf_format) {
+    throw Error(ErrorCode::kUsage, "--gguf-type goes with --format gguf");
+  }
   trainer::ModelExportOptions export_options;
   export_options.max_shard_bytes = trainer::parse_byte_size(shard_size, "--shard-size");
+  export_options.gguf_file_type = trainer::parse_gguf_type(gguf_type, "--gguf-type");
   const bool force = values["force"].as<bool>();
   if (std::filesystem::exists(out_dir) && !force) {
     throw Error(ErrorCode::kUsage, out_dir + ": already exists; choose another --out or pass --force to replace it");
@@ -127,9 +138,9 @@ int run_export(const Arguments& arguments) {
 
   ExportSource source;
   if (!run_dir.empty()) {
-    // A merge needs the base the adapter was trained on (quantized, for QLoRA); a PEFT export
-    // only checks the adapter against the base's names and shapes.
-    auto run = trainer::load_trained_run(run_dir, checkpoint, /*quantize_base=*/merged_format);
+    // A merge or a GGUF needs the base the adapter was trained on (quantized, for QLoRA; QAT
+    // layers, for QAT); a PEFT export only checks the adapter against the base's names and shapes.
+    auto run = trainer::load_trained_run(run_dir, checkpoint, /*quantize_base=*/!peft_format);
     if (peft_format) {
       const std::string staged = out_dir + ".staging";
       trainer::remove_tree(staged);
@@ -148,8 +159,12 @@ int run_export(const Arguments& arguments) {
                                               : trainer::parse_dtype_name(dtype_name, "--dtype");
   trainer::write_model_export(export_format, *source.loaded.model,
                               trainer::BaseDirectory::read(source.base_dir, source.loaded.config), out_dir, export_options);
-  std::printf("export: %s merged into a %s Hugging Face model in %s\n", source.description.c_str(),
-              trainer::dtype_short_name(*export_options.dtype).c_str(), out_dir.c_str());
+  if (gguf_format) {
+    std::printf("export: %s written as a GGUF file (%s) to %s\n", source.description.c_str(), gguf_type.c_str(), out_dir.c_str());
+  } else {
+    std::printf("export: %s merged into a %s Hugging Face model in %s\n", source.description.c_str(),
+                trainer::dtype_short_name(*export_options.dtype).c_str(), out_dir.c_str());
+  }
   return 0;
 }
 

@@ -19,6 +19,7 @@
 #include "trainer/base/device.h"
 #include "trainer/model/evaluate.h"
 #include "trainer/base/file_system.h"
+#include "trainer/formats/gguf_export.h"
 #include "trainer/formats/model_exports.h"
 #include "trainer/recipe/recipe.h"
 #include "trainer/recipe/recipe_data.h"
@@ -133,7 +134,9 @@ int run_quantize(const Arguments& arguments) {
 
   const std::string staged = out_dir + ".staging";
   trainer::remove_tree(staged);
-  const auto written = trainer::write_model_exports(model, base, recipe.export_.formats, staged);
+  trainer::ModelExportOptions export_options;
+  export_options.gguf_file_type = trainer::parse_gguf_type(recipe.export_.gguf_type, "export.gguf_type");
+  const auto written = trainer::write_model_exports(model, base, recipe.export_.formats, staged, export_options);
   trainer::replace_directory(staged, out_dir);
   for (const auto& path : written) {
     std::printf("export: %s\n", (out_dir + path.substr(staged.size())).c_str());

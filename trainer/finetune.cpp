@@ -21,6 +21,7 @@
 #include "trainer/base/file_system.h"
 #include "trainer/loss_scaler.h"
 #include "trainer/base/memory_stats.h"
+#include "trainer/formats/gguf_export.h"
 #include "trainer/formats/model_exports.h"
 #include "trainer/base/random_state.h"
 #include "trainer/recipe/recipe_data.h"
@@ -317,7 +318,9 @@ std::vector<std::string> Finetune::write_exports() {
                 "export.formats, or run qtrain export --run %s --format merged\n", run_dir_.c_str());
   }
   if (writes_files()) {
-    written = write_model_exports(*loaded_.model, export_base_, formats, out);
+    ModelExportOptions options;
+    options.gguf_file_type = parse_gguf_type(recipe_.export_.gguf_type, "export.gguf_type");
+    written = write_model_exports(*loaded_.model, export_base_, formats, out, options);
     for (const auto& path : written) std::printf("export: %s\n", path.c_str());
   }
   wait_for_all_ranks("the exports written by rank 0");

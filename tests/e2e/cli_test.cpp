@@ -206,8 +206,12 @@ TEST(Cli, TrainWritesTheRunDirectoryAndAnAdapterThatEvalApplies) {
   };
   EXPECT_EQ(bytes_of(run.file("from-checkpoint/adapter_model.safetensors")),
             bytes_of(run.file("exported/adapter_model.safetensors")));
-  expect_user_error(qtrain("export --run " + run.path() + " --format gguf --out " + run.file("gguf")),
+  expect_user_error(qtrain("export --run " + run.path() + " --format safetensors-int --out " + run.file("int")),
                     "was not trained with quant: qat");
+  expect_user_error(qtrain("export --run " + run.path() + " --format merged --gguf-type Q4_K_M --out " + run.file("m")),
+                    "--gguf-type goes with --format gguf");
+  expect_user_error(qtrain("export --run " + run.path() + " --format gguf --gguf-type Q4_K_X --out " + run.file("g")),
+                    "Q4_K_M");
 }
 
 // `qtrain quantize --run` starts from the run's float model. For a 16-bit base that trained on FP8

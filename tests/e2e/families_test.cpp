@@ -92,6 +92,25 @@ void expect_trained_adapter_and_merge_match_peft(const std::string& name, const 
       (our_merged - their_merged).abs().max().item<double>() / their_merged.abs().max().item<double>();
   std::printf("[ measured ] %s: transformers on the merged export vs ours: %.3g relative\n", name.c_str(), merged_error);
   EXPECT_LE(merged_error, 1e-5);
+
+  // The run as GGUF files: Q4_K_M holds the bytes llama.cpp's quantizer gives the F32 file of the
+  // same run, and llama.cpp runs it.
+  const auto llama_cpp = testing::find_python_with("llama_cpp gguf numpy");
+  if (llama_cpp.empty()) return;
+  for (const std::string type : {"F32", "Q4_K_M"}) {
+    const auto exported = testing::run_command(testing::qtrain_binary() + " export --run " + temp.file("run") +
+                                               " --format gguf --gguf-type " + type + " --out " + temp.file(type + ".gguf") +
+                                               " 2>&1");
+    ASSERT_EQ(exported.status, 0) << exported.output;
+  }
+  const std::string compare = "'" + llama_cpp + "' '" + testing::source_dir() + "/tests/interop/gguf_model.py' quantize-compare '" +
+                              temp.file("F32.gguf") + "' '" + temp.file("") + "' Q4_K_M 2>&1";
+  const auto compared = testing::run_command(compare);
+  EXPECT_EQ(compared.status, 0) << compare << "\n" << compared.output;
+  const auto summary = compared.output.rfind("Q4_K_M: ");
+  ASSERT_NE(summary, std::string::npos) << compared.output;
+  std::printf("[ measured ] %s: GGUF of the run, %s", name.c_str(),
+              compared.output.substr(summary, compared.output.find('\n', summary) - summary + 1).c_str());
 }
 
 TEST_P(FamilyTraining, QloraStepsWriteAnAdapterPeftLoadsWithOurLogits) {

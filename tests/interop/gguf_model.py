@@ -8,6 +8,12 @@
         tokenizer.json as the tokenizers library reads it (tokens by id, merges, special ids); and
         that general.architecture is ARCHITECTURE (llama, qwen2, qwen3, phi3, gemma2, gemma3), which gguf-py knows.
         Prints what differs and exits 1 on any difference.
+    python gguf_model.py quantize-compare F32.gguf PREFIX TYPE...
+        For each TYPE (llama.cpp's file type names: Q4_K_M, Q8_0, F16, ...), quantizes F32.gguf with
+        llama.cpp's own quantizer (llama_model_quantize, default parameters: no importance matrix)
+        and compares PREFIX + TYPE + ".gguf" with it: the same tensors, each of the same type and
+        the same bytes, and the same general.file_type. Then llama.cpp loads each of our files and
+        evaluates a few tokens (finite logits). Prints what differs and exits 1 on any difference.
     python gguf_model.py llama-cpp MODEL.gguf TEXT OUT.safetensors
         Runs llama.cpp (llama-cpp-python) on TEXT tokenized by llama.cpp itself (BOS added as the
         file says); writes `input_ids` (int64 [1, T]) and `logits` (fp32 [1, T, vocab]).
@@ -120,5 +126,63 @@ def llama_cpp_logits(gguf_path: str, text: str, out_path: str) -> int:
     return 0
 
 
+def llama_cpp_file_type(name: str) -> int:
+    import llama_cpp
+    return llama_cpp.LLAMA_FTYPE_ALL_F32 if name == "F32" else getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{name}")
+
+
+def quantize_compare(f32_path: str, prefix: str, *type_names: str) -> int:
+    import ctypes
+    import os
+    import tempfile
+
+    import gguf
+    import llama_cpp
+
+    problems = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for name in type_names:
+            ours_path = f"{prefix}{name}.gguf"
+            theirs_path = os.path.join(scratch, f"{name}.gguf")
+            params = llama_cpp.llama_model_quantize_default_params()
+            params.ftype = llama_cpp_file_type(name)
+            params.nthread = 2
+            status = llama_cpp.llama_model_quantize(f32_path.encode(), theirs_path.encode(), ctypes.byref(params))
+            if status != 0:
+                problems.append(f"{name}: llama_model_quantize failed ({status})")
+                continue
+            ours, theirs = gguf.GGUFReader(ours_path), gguf.GGUFReader(theirs_path)
+            ours_tensors = {tensor.name: tensor for tensor in ours.tensors}
+            theirs_tensors = {tensor.name: tensor for tensor in theirs.tensors}
+            if sorted(ours_tensors) != sorted(theirs_tensors):
+                problems.append(f"{name}: tensors {sorted(set(ours_tensors) ^ set(theirs_tensors))} are in one file only")
+            equal = 0
+            for tensor_name, tensor in theirs_tensors.items():
+                mine = ours_tensors.get(tensor_name)
+                if mine is None:
+                    continue
+                if mine.tensor_type != tensor.tensor_type:
+                    problems.append(f"{name}: {tensor_name} is {mine.tensor_type.name}, llama.cpp wrote "
+                                    f"{tensor.tensor_type.name}")
+                elif not np.array_equal(np.asarray(mine.data).view(np.uint8), np.asarray(tensor.data).view(np.uint8)):
+                    differing = int(np.count_nonzero(np.asarray(mine.data).view(np.uint8) != np.asarray(tensor.data).view(np.uint8)))
+                    problems.append(f"{name}: {tensor_name} ({tensor.tensor_type.name}) has {differing} bytes unlike llama.cpp's")
+                else:
+                    equal += 1
+            file_types = [reader.fields["general.file_type"].contents() for reader in (ours, theirs)]
+            if file_types[0] != file_types[1]:
+                problems.append(f"{name}: general.file_type {file_types[0]}, llama.cpp wrote {file_types[1]}")
+            model = llama_cpp.Llama(model_path=ours_path, n_ctx=64, n_batch=64, logits_all=True, n_threads=2, verbose=False)
+            tokens = model.tokenize(b"The jury said the election was conducted.", add_bos=True, special=False)
+            model.eval(tokens)
+            if not np.isfinite(np.array(model.scores[: len(tokens)])).all():
+                problems.append(f"{name}: llama.cpp's logits of our file are not finite")
+            del model
+            print(f"{name}: {equal} of {len(theirs_tensors)} tensors byte for byte as llama_model_quantize's")
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    return 1 if problems else 0
+
+
 if __name__ == "__main__":
-    sys.exit(run_mode({"check": check, "llama-cpp": llama_cpp_logits}))
+    sys.exit(run_mode({"check": check, "llama-cpp": llama_cpp_logits, "quantize-compare": quantize_compare}))

@@ -11,12 +11,14 @@
 #include "kernels/error.h"
 #include "model_outputs.h"
 #include "qat/gguf_block.h"
+#include "qat/gguf_file_types.h"
 #include "qat_model.h"
 #include "support.h"
 #include "trainer/formats/gguf_export.h"
 #include "trainer/base/file_system.h"
 #include "trainer/formats/gguf_file.h"
 #include "trainer/formats/merged_export.h"
+#include "trainer/formats/peft_adapter.h"
 #include "trainer/formats/safetensors.h"
 #include "trainer/finetune.h"
 #include "trainer/recipe/recipe.h"
@@ -391,6 +393,43 @@ TEST_P(GgufExportFamily, LlamaCppRunsTheF32ExportWithOurLogits) {
   EXPECT_LT(relative, GetParam().architecture.rfind("gemma", 0) == 0 ? 2e-2 : 3e-3);
 }
 
+// Post-training quantization of a LoRA-merged model, as a QLoRA or LoRA run exports it: for each
+// llama.cpp file type, every tensor of our file has the type and the bytes that llama.cpp's own
+// quantizer (llama_model_quantize, no importance matrix) gives the F32 export of the same model,
+// and llama.cpp runs the file. tiny-llama's rows are multiples of 256 (the k-quants' own blocks);
+// the family fixtures' 64 are not (llama.cpp's fallback types).
+TEST_P(GgufExportFamily, QuantizedTypesAreTheBytesOfLlamaQuantize) {
+  const auto python = testing::find_python_with("llama_cpp gguf numpy");
+  if (python.empty()) GTEST_SKIP() << kNoLlamaCpp;
+  TempDir temp;
+  auto loaded = load_llama(model_dir());
+  apply_peft_adapter(*loaded.model, model_dir() + "-lora");
+  const auto base = BaseDirectory::read(model_dir(), loaded.config);
+  const bool every_type = GetParam().fixture_dir == "tiny-llama";
+  std::string type_names;
+  for (const auto& file_type : qat::gguf_file_types()) {
+    const std::string name = file_type.name;
+    const bool asked = every_type || name == "F32" || name == "Q8_0" || name == "Q4_0" || name == "Q4_K_M" ||
+                       name == "Q5_K_M" || name == "Q6_K";
+    if (!asked) continue;
+    GgufExportOptions options;
+    options.file_type = &file_type;
+    write_gguf_model(*loaded.model, base, temp.file(name + ".gguf"), options);
+    if (name != "F32") type_names += " " + name;
+  }
+  const std::string command = "'" + python + "' '" + testing::source_dir() + "/tests/interop/gguf_model.py' quantize-compare '" +
+                              temp.file("F32.gguf") + "' '" + temp.file("") + "'" + type_names + " 2>&1";
+  const auto result = testing::run_command(command);
+  EXPECT_EQ(result.status, 0) << command << "\n" << result.output;
+  size_t line = 0;  // the script's summary lines ("Q4_K_M: 39 of 39 tensors byte for byte ...")
+  while ((line = result.output.find(" byte for byte", line)) != std::string::npos) {
+    const auto start = result.output.rfind('\n', line);
+    std::printf("[ measured ] %s %s\n", GetParam().fixture_dir.c_str(),
+                result.output.substr(start == std::string::npos ? 0 : start + 1, result.output.find('\n', line) - start - 1).c_str());
+    line = result.output.find('\n', line);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Families, GgufExportFamily,
                          ::testing::Values(GgufModel{"tiny-llama", "llama"}, GgufModel{"families/mistral", "llama"},
                                            GgufModel{"families/qwen2", "qwen2"}, GgufModel{"families/qwen3", "qwen3"},
@@ -416,6 +455,7 @@ TEST(GgufExport, QwenPreTokenizerIsLlamaCppsQwen2) {
   const auto digits = llama3_regex.find("\\p{N}{1,3}");
   ASSERT_NE(digits, std::string::npos);
   regex = llama3_regex.substr(0, digits) + "\\p{N}" + llama3_regex.substr(digits + std::string("\\p{N}{1,3}").size());
+  tokenizer_json["model"]["ignore_merges"] = false;  // llama.cpp's qwen2 runs the merges on whole words too
   temp.write("qwen/tokenizer.json", tokenizer_json.dump());
 
   const std::string model_dir = temp.file("qwen");

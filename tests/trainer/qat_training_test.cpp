@@ -57,7 +57,9 @@ TEST(QatRecipe, SchemesThatCannotWorkAreRefusedWhenTheRecipeLoads) {
   EXPECT_NE(load_error(with({"qat.weights.zero_point_domain=float"})).find("qat.weights.zero_point_domain: float"),
             std::string::npos);
   EXPECT_NE(load_error(with({"lora.rank=4", "lora.dropout=0.1"})).find("lora.dropout"), std::string::npos);
-  EXPECT_NE(load_error(with({"quant=none", "export.formats=[gguf]"})).find("quant: qat"), std::string::npos);
+  EXPECT_NE(load_error(with({"quant=none", "export.formats=[safetensors-int]"})).find("quant: qat"), std::string::npos);
+  EXPECT_NE(load_error(with({"export.formats=[merged]", "export.gguf_type=Q4_K_M"})).find("export.gguf_type"), std::string::npos);
+  EXPECT_NE(load_error(with({"export.formats=[gguf]", "export.gguf_type=Q4_K"})).find("export.gguf_type"), std::string::npos);
 }
 
 // Before the model loads: the quantizers' own checks, naming the key.

@@ -526,7 +526,7 @@ TEST(ExportFormats, TheRecipeAndTheCommandsReadOneTable) {
 // before it trains.
 TEST(ExportFormats, EachFormatIsARowWithItsWriter) {
   ASSERT_EQ(export_formats().size(), 4u);
-  EXPECT_EQ(export_formats_refusing(ExportedWeights::kFloat), "gguf and safetensors-int");
+  EXPECT_EQ(export_formats_refusing(ExportedWeights::kFloat), "safetensors-int");
   EXPECT_EQ(export_formats_refusing(ExportedWeights::kQatCodes), "");
   for (const auto& row : export_formats()) {
     SCOPED_TRACE(row.name);

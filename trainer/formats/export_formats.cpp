@@ -15,8 +15,9 @@ const std::vector<ExportFormatRow>& export_formats() {
   static const std::vector<ExportFormatRow> rows = {
       {ExportFormat::kPeft, "peft", "adapter", "the LoRA adapter", false, any_weights},
       {ExportFormat::kMerged, "merged", "merged", "a Hugging Face model with the adapter merged in", false, any_weights},
-      {ExportFormat::kGguf, "gguf", "model.gguf", "a QAT run as one llama.cpp file: --out is the .gguf file", true,
-       qat_codes_only},
+      {ExportFormat::kGguf, "gguf", "model.gguf",
+       "one llama.cpp file of --gguf-type (a QAT run's trained blocks as they are): --out is the .gguf file", true,
+       any_weights},
       {ExportFormat::kSafetensorsInt, "safetensors-int", "safetensors-int", "a QAT run's integer weights + scales", false,
        qat_codes_only},
   };

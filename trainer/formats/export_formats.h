@@ -22,8 +22,8 @@ struct ExportFormatRow {
   const char* target;       // under export.out: a directory, or gguf's one file
   const char* description;  // for `qtrain export --help`
   bool single_file;         // written beside itself and renamed (gguf); the others stage a directory
-  // Whether the format can hold a model whose weights are `weights` (gguf and safetensors-int
-  // write QAT codes, which a float model does not have).
+  // Whether the format can hold a model whose weights are `weights` (safetensors-int writes QAT
+  // codes, which a float model does not have; gguf quantizes a float model itself).
   bool (*accepts)(ExportedWeights weights);
 };
 

@@ -2,10 +2,13 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <map>
+#include <optional>
 
 #include "kernels/error.h"
 #include "qat/gguf_block.h"
+#include "qat/gguf_file_types.h"
 #include "qat/qat_linear.h"
 #include "trainer/formats/gguf_tokenizer.h"
 #include "trainer/formats/merged_export.h"
@@ -89,36 +92,39 @@ void require_gguf_exportable(const BaseDirectory& base) {
   gguf_tokenizer_metadata(base);
 }
 
-void write_gguf_model(const LlamaForCausalLMImpl& model, const BaseDirectory& base, const std::string& out_file,
-                      const GgufExportOptions& options) {
-  if (options.float_type != qat::GgufBlockType::kF32 && options.float_type != qat::GgufBlockType::kF16) {
-    throw Error(ErrorCode::kInternal, "GGUF export: unquantized weights are written as F32 or F16");
-  }
-  const auto& config = base.config;
-  const auto& architecture = gguf_architecture_for(config);
+namespace {
+
+// One tensor of the export before its type is chosen: its fp32 values in llama.cpp's row order,
+// and the QAT layer's codes and scales where the run trained them.
+struct ExportedTensor {
+  std::string hf_name;
+  std::string gguf_name;
+  torch::Tensor values;
+  std::optional<qat::QuantizedTensor> codes;
+};
+
+std::vector<ExportedTensor> exported_tensors(const LlamaForCausalLMImpl& model, const HfModelConfig& config,
+                                             const GgufArchitecture& architecture) {
   const auto& llama = config.llama;
   std::map<std::string, std::shared_ptr<qat::QatLinear>> qat_layers;
   for (const auto& [name, layer] : qat::find_qat_layers(model)) qat_layers[name + ".weight"] = layer;
-
   auto heads_of = [&](const std::string& hf_name) -> int64_t {
     if (!architecture.rope_rows_reordered) return 0;
     if (hf_name.find(".self_attn.q_proj.") != std::string::npos) return llama.num_attention_heads;
     if (hf_name.find(".self_attn.k_proj.") != std::string::npos) return llama.num_key_value_heads;
     return 0;  // no permutation
   };
-
-  std::vector<GgufTensorSource> tensors;
+  std::vector<ExportedTensor> tensors;
   for (const auto& [hf_name, value] : merged_weights(model, torch::kFloat32)) {
     if (llama.tie_word_embeddings && hf_name == "lm_head.weight") continue;
-    GgufTensorSource tensor;
-    tensor.name = gguf_tensor_name(hf_name, architecture.name);
-    tensor.shape = value.sizes().vec();
+    ExportedTensor tensor{hf_name, gguf_tensor_name(hf_name, architecture.name), value, std::nullopt};
     const bool norm = hf_name.size() > 11 && hf_name.compare(hf_name.size() - 11, 11, "norm.weight") == 0;
     const int64_t heads = heads_of(hf_name);
+    if (heads > 0) tensor.values = permute_rows(value, heads);
+    if (architecture.norm_weights_plus_one && norm) tensor.values = tensor.values + 1.0;  // x (1 + w) as llama.cpp's x w
     const auto qat_layer = qat_layers.find(hf_name);
     if (qat_layer != qat_layers.end()) {
       auto quantized = qat_layer->second->convert();
-      tensor.type = qat::gguf_block_type_for(quantized.spec, options.weights_key);
       if (heads > 0) {
         // Whole rows move, and with them their blocks (which run along the row): codes and scales
         // are permuted alike, so the values stay exact.
@@ -126,35 +132,92 @@ void write_gguf_model(const LlamaForCausalLMImpl& model, const BaseDirectory& ba
         quantized.params.scale = permute_rows(quantized.params.scale, heads);
         quantized.params.zero_point = permute_rows(quantized.params.zero_point, heads);
       }
-      const std::string what = options.weights_key + " (" + hf_name + ")";
-      tensor.bytes = [quantized, what] { return qat::encode_gguf_blocks(quantized, what); };
-    } else {
-      auto rows = heads > 0 ? permute_rows(value, heads) : value;
-      if (architecture.norm_weights_plus_one && norm) rows = rows + 1.0;  // x (1 + w) as llama.cpp's x w
-      tensor.type = qat::GgufBlockType::kF32;
-      if (value.dim() == 2) tensor.type = options.float_type;  // 1-D tensors (norms, biases) stay F32
-      const bool half = tensor.type == qat::GgufBlockType::kF16;
-      tensor.bytes = [rows, half] { return tensor_bytes(half ? rows.to(torch::kFloat16) : rows); };
+      tensor.codes = std::move(quantized);
     }
     tensors.push_back(std::move(tensor));
   }
   if (llama.rope.type == RopeType::kLongRope) {
     for (const auto& [gguf_name, factors] : {std::pair{"rope_factors_long.weight", llama.rope.long_factor},
                                              std::pair{"rope_factors_short.weight", llama.rope.short_factor}}) {
-      GgufTensorSource tensor;
-      tensor.name = gguf_name;
-      const auto values = torch::tensor(factors, torch::kFloat64).to(torch::kFloat32);
-      tensor.shape = values.sizes().vec();
-      tensor.type = qat::GgufBlockType::kF32;
-      tensor.bytes = [values] { return tensor_bytes(values); };
-      tensors.push_back(std::move(tensor));
+      tensors.push_back({"", gguf_name, torch::tensor(factors, torch::kFloat64).to(torch::kFloat32), std::nullopt});
     }
   }
+  return tensors;
+}
 
+// The type of each tensor: with a file type, llama.cpp's quantizer's choice for it
+// (qat/gguf_file_types.h); without one, a QAT layer's own block type and F32 for the rest.
+std::vector<qat::GgufBlockType> chosen_types(const std::vector<ExportedTensor>& tensors, const HfModelConfig& config,
+                                             const GgufArchitecture& architecture, const GgufExportOptions& options) {
   std::vector<qat::GgufBlockType> types;
-  for (const auto& tensor : tensors) types.push_back(tensor.type);
+  if (options.file_type == nullptr) {
+    for (const auto& tensor : tensors) {
+      types.push_back(tensor.codes ? qat::gguf_block_type_for(tensor.codes->spec, options.weights_key) : qat::GgufBlockType::kF32);
+    }
+    return types;
+  }
+  const auto& llama = config.llama;
+  qat::GgufModelShape shape;
+  shape.architecture = architecture.name;
+  shape.layers = llama.num_hidden_layers;
+  shape.heads = llama.num_attention_heads;
+  shape.kv_heads = llama.num_key_value_heads;
+  std::vector<qat::GgufTensorShape> shapes;
+  for (const auto& tensor : tensors) shapes.push_back({tensor.gguf_name, tensor.values.sizes().vec()});
+  return qat::gguf_tensor_types(*options.file_type, shape, shapes);
+}
+
+// The bytes of `tensor` as `type`: a QAT layer's own codes when `type` is its block type, else
+// llama.cpp's conversion or quantizer of the fp32 values (what llama-quantize does to an F32 file).
+std::function<std::vector<uint8_t>()> tensor_data(const ExportedTensor& tensor, qat::GgufBlockType type,
+                                                  const GgufExportOptions& options) {
+  const std::string what = options.weights_key + " (" + tensor.hf_name + ")";
+  if (tensor.codes) {
+    const auto trained = qat::gguf_block_type_for(tensor.codes->spec, options.weights_key);
+    if (trained != type) {
+      throw Error(ErrorCode::kUsage, what + ": trained on GGUF " + qat::gguf_block_format(trained).name + " blocks, but --gguf-type " +
+                  options.file_type->name + " writes " + tensor.gguf_name + " as " + qat::gguf_block_format(type).name +
+                  "; export with --gguf-type auto (the grid the run trained on), or train with that file type's grid");
+    }
+    return [quantized = *tensor.codes, what] { return qat::encode_gguf_blocks(quantized, what); };
+  }
+  const auto values = tensor.values.contiguous();
+  // ggml's fp32 -> fp16 / bf16 conversions round to nearest even, as torch's do.
+  if (type == qat::GgufBlockType::kF32) return [values] { return tensor_bytes(values); };
+  if (type == qat::GgufBlockType::kF16) return [values] { return tensor_bytes(values.to(torch::kFloat16)); };
+  if (type == qat::GgufBlockType::kBF16) return [values] { return tensor_bytes(values.to(torch::kBFloat16)); };
+  const auto& format = qat::gguf_block_format(type);
+  if (values.numel() % format.block_elements != 0 || format.quantize == nullptr) {
+    throw Error(ErrorCode::kInternal, tensor.gguf_name + " of shape " + shape_text(values.sizes()) + " cannot be " + format.name);
+  }
+  return [values, &format] {
+    std::vector<uint8_t> bytes(static_cast<size_t>(values.numel() / format.block_elements * format.block_bytes));
+    format.quantize(values.data_ptr<float>(), bytes.data(), values.numel());
+    return bytes;
+  };
+}
+
+}  // namespace
+
+const qat::GgufFileType* parse_gguf_type(const std::string& name, const std::string& key) {
+  if (name == qat::kGgufFileTypeAuto) return nullptr;
+  return &qat::find_gguf_file_type(name, key);
+}
+
+void write_gguf_model(const LlamaForCausalLMImpl& model, const BaseDirectory& base, const std::string& out_file,
+                      const GgufExportOptions& options) {
+  const auto& config = base.config;
+  const auto& architecture = gguf_architecture_for(config);
+  const auto exported = exported_tensors(model, config, architecture);
+  const auto types = chosen_types(exported, config, architecture, options);
+  std::vector<GgufTensorSource> tensors;
+  for (size_t index = 0; index < exported.size(); ++index) {
+    const auto& tensor = exported[index];
+    tensors.push_back({tensor.gguf_name, tensor.values.sizes().vec(), types[index], tensor_data(tensor, types[index], options)});
+  }
   const auto name = gguf_general_name(options.name.empty() ? base.name() : options.name, base);
-  auto metadata = model_metadata(config, architecture, name, qat::gguf_file_type(types));
+  const uint32_t file_type = options.file_type ? options.file_type->llama_ftype : qat::gguf_file_type(types);
+  auto metadata = model_metadata(config, architecture, name, file_type);
   for (auto& entry : gguf_tokenizer_metadata(base)) metadata.push_back(std::move(entry));
   write_gguf(out_file, metadata, tensors);
 }

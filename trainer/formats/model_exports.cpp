@@ -12,10 +12,12 @@ namespace qtrain::trainer {
 
 namespace {
 
-// gguf writes its unquantized tensors F32 whatever the options.
+// gguf's tensor types come from its file type, not from the dtype.
 void write_gguf(const LlamaForCausalLMImpl& model, const BaseDirectory& base, const std::string& path,
-                const ModelExportOptions&) {
-  write_gguf_model(model, base, path);
+                const ModelExportOptions& options) {
+  GgufExportOptions gguf;
+  gguf.file_type = options.gguf_file_type;
+  write_gguf_model(model, base, path, gguf);
 }
 
 void write_merged(const LlamaForCausalLMImpl& model, const BaseDirectory& base, const std::string& path,
@@ -77,14 +79,15 @@ void write_model_export(const ExportFormatRow& format, const LlamaForCausalLMImp
 }
 
 std::vector<std::string> write_model_exports(const LlamaForCausalLMImpl& model, const BaseDirectory& base,
-                                             const std::vector<std::string>& formats, const std::string& out_dir) {
+                                             const std::vector<std::string>& formats, const std::string& out_dir,
+                                             const ModelExportOptions& options) {
   std::vector<std::string> written;
   std::filesystem::create_directories(out_dir);
   for (const auto& name : formats) {
     const auto& format = find_export_format(name, "export.formats");
     if (!export_writer(format.format).write) continue;  // peft: the run's adapter directory
     const std::string target = out_dir + "/" + format.target;
-    write_model_export(format, model, base, target);
+    write_model_export(format, model, base, target, options);
     written.push_back(target);
   }
   return written;

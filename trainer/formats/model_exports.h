@@ -3,7 +3,7 @@
 // (export.out): what a run writes when it finishes and what `qtrain quantize` writes.
 //   OUT/merged/            plain Hugging Face model (trainer/formats/merged_export.h)
 //   OUT/safetensors-int/   QAT layers as integer codes + scales, the rest fp32 (safetensors_int.h)
-//   OUT/model.gguf         llama.cpp's GGUF with Q4_0 / Q8_0 QAT layers (gguf_export.h)
+//   OUT/model.gguf         llama.cpp's GGUF, of export.gguf_type (gguf_export.h)
 // `peft` is not written here: an adapter run keeps it in RUN/adapter. Each export is staged
 // beside its target and renamed into place, so a crash leaves the previous one or none. Every
 // writer takes the base directory read once (base_directory.h).
@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "qat/gguf_file_types.h"
 #include "trainer/formats/base_directory.h"
 #include "trainer/formats/export_formats.h"
 #include "trainer/model/llama.h"
@@ -20,10 +21,12 @@ namespace qtrain::trainer {
 
 // What the writers take beyond the model: the dtype of unquantized weights (merged: the base's
 // config.json dtype when unset; safetensors-int: fp32, so the export evaluates exactly as the QAT
-// model did; gguf writes F32) and the largest safetensors file.
+// model did) and the largest safetensors file.
 struct ModelExportOptions {
   std::optional<torch::ScalarType> dtype;
   std::optional<uint64_t> max_shard_bytes;
+  // gguf: llama.cpp's file type (null: auto; GgufExportOptions::file_type).
+  const qat::GgufFileType* gguf_file_type = nullptr;
 };
 
 // What a format of export_formats.h does with a model, one row each.
@@ -50,6 +53,7 @@ void write_model_export(const ExportFormatRow& format, const LlamaForCausalLMImp
 // Writes every format of `formats` except peft into `out_dir` (created), each at its row's
 // target, and returns the paths written.
 std::vector<std::string> write_model_exports(const LlamaForCausalLMImpl& model, const BaseDirectory& base,
-                                             const std::vector<std::string>& formats, const std::string& out_dir);
+                                             const std::vector<std::string>& formats, const std::string& out_dir,
+                                             const ModelExportOptions& options = {});
 
 }  // namespace qtrain::trainer

@@ -177,6 +177,7 @@ struct DistRecipe {
 struct ExportRecipe {
   std::vector<std::string> formats;  // peft | merged | gguf | safetensors-int
   std::string out;                   // empty: <train.output_dir>/export
+  std::string gguf_type;             // auto | llama.cpp's file types (qat/gguf_file_types.h)
 };
 
 struct Recipe {

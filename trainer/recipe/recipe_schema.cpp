@@ -2,6 +2,7 @@
 #include "trainer/recipe/recipe_schema.h"
 
 #include "qat/lora_options.h"
+#include "qat/gguf_file_types.h"
 #include "trainer/formats/export_formats.h"
 #include "trainer/model/llama_options.h"
 
@@ -405,6 +406,13 @@ std::vector<RecipeKey> dist_keys() {
   };
 }
 
+// export.gguf_type's values: auto and llama.cpp's file types.
+std::vector<std::string> gguf_type_names() {
+  std::vector<std::string> names = {qat::kGgufFileTypeAuto};
+  for (const auto& file_type : qat::gguf_file_types()) names.emplace_back(file_type.name);
+  return names;
+}
+
 std::vector<RecipeKey> export_keys() {
   return {
       key("export.formats", "[peft]", QTRAIN_FIELD(export_.formats),
@@ -413,6 +421,10 @@ std::vector<RecipeKey> export_keys() {
       key("export.out", "\"\"", QTRAIN_FIELD(export_.out),
           "export directory; empty: <train.output_dir>/export")
           .path(),
+      key("export.gguf_type", "auto", QTRAIN_FIELD(export_.gguf_type),
+          "gguf's llama.cpp file type (Q4_K_M, Q8_0, F16, ...: llama-quantize's names, the same bytes); auto: a QAT "
+          "run's trained blocks, the rest F32")
+          .one_of(gguf_type_names()),
   };
 }
 
@@ -508,6 +520,13 @@ std::optional<RecipeConflict> find_conflict(const Recipe& recipe) {
                                                   " write the weights on a QAT grid, so they need quant: qat (to "
                                                   "quantize a finished model, use qtrain quantize)"};
     }
+  }
+  const bool writes_gguf = std::any_of(formats.begin(), formats.end(), [](const std::string& name) {
+    return find_export_format(name, "export.formats").format == ExportFormat::kGguf;
+  });
+  if (recipe.export_.gguf_type != qat::kGgufFileTypeAuto && !writes_gguf) {
+    return RecipeConflict{"export.gguf_type", "export.gguf_type: " + recipe.export_.gguf_type +
+                                                  " names the type of a GGUF export, but export.formats has none: add gguf"};
   }
   if (recipe.quant == QuantMethod::kQat && !trains_full_weights(recipe) && recipe.lora.dropout > 0) {
     return RecipeConflict{"lora.dropout",
