@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "kernels/error.h"
+#include "qat/gguf_grid.h"
 
 namespace qtrain::qat {
 
@@ -16,6 +17,10 @@ FakeQuantizer::FakeQuantizer(const FakeQuantizerOptions& options, std::string wh
     spec.validate_for_shape(what_, fixed_shape_);
   }
   const bool is_static = options_.observer != ObserverKind::kDynamic;
+  if (spec.is_gguf_block() && (is_static || options_.learned_scale || fixed_shape_.size() != 2)) {
+    throw Error(ErrorCode::kRecipe, what_ + ".format: gguf rounds 2-D weights with scales chosen from each weight as it "
+                "passes: it needs observer dynamic without learned_scale, and applies to weights only");
+  }
   if (fixed_shape_.empty() && (is_static || options_.learned_scale) && spec.granularity != Granularity::kPerTensor) {
     throw Error(ErrorCode::kRecipe, what_ + ".granularity: " + granularity_name(spec.granularity) + " cannot keep " +
                 (options_.learned_scale ? "a learned scale" : "an observed range") +
@@ -68,6 +73,9 @@ void FakeQuantizer::initialize_learned_scale(const torch::Tensor& x) {
 
 QuantParams FakeQuantizer::current_qparams(const torch::Tensor& x) const {
   const auto& spec = options_.spec;
+  if (spec.is_gguf_block()) {
+    throw Error(ErrorCode::kInternal, what_ + ": a GGUF block type's scales are its grid's (gguf_grid), not one scale per group");
+  }
   if (options_.learned_scale) {
     if (!learned_scale_initialized()) {
       throw Error(ErrorCode::kInternal, what_ + ": the learned scale is not initialised yet (no fake-quantized forward has run)");
@@ -90,7 +98,33 @@ torch::Tensor FakeQuantizer::forward(const torch::Tensor& x) {
     const double gradient_scale = lsq_gradient_scale(options_.spec, x.numel() / scale_.numel());
     return fake_quantize_learned_scale(x, scale_, zero_point_, options_.spec, gradient_scale);
   }
+  if (options_.spec.is_gguf_block()) {
+    // The values of the weight's blocks on the GGUF type's grid, straight through: adding
+    // x - x.detach() (exactly 0) gives the gradient to x and keeps the values bit for bit.
+    torch::Tensor values;
+    {
+      torch::NoGradGuard no_grad;
+      values = dequantize_gguf_grid(gguf_grid(x)).to(x.scalar_type());
+    }
+    return values + (x - x.detach());
+  }
   return fake_quantize(x, options_.spec, current_qparams(x));
+}
+
+GgufGridTensor FakeQuantizer::gguf_grid(const torch::Tensor& x) const {
+  if (!options_.spec.is_gguf_block()) throw Error(ErrorCode::kInternal, what_ + ": not a GGUF block type quantizer");
+  torch::NoGradGuard no_grad;
+  const auto weight = x.detach().to(torch::kFloat32);
+  if (!llama_cpp_rounding_) return quantize_gguf_grid(weight, options_.spec.gguf_block);
+  const auto& block = gguf_block_format(options_.spec.gguf_block);
+  const auto values = weight.to(torch::kCPU).contiguous();
+  std::vector<uint8_t> bytes(static_cast<size_t>(values.numel() / block.block_elements * block.block_bytes));
+  block.quantize(values.data_ptr<float>(), bytes.data(), values.numel());
+  auto grid = decode_gguf_grid(bytes, block.type, values.size(0), values.size(1));
+  for (auto* level : {&grid.codes, &grid.scales, &grid.mins, &grid.d, &grid.m, &grid.dmin}) {
+    if (level->defined()) *level = level->to(x.device());
+  }
+  return grid;
 }
 
 void FakeQuantizer::pretty_print(std::ostream& stream) const {

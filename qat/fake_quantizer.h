@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "qat/fake_quant.h"
+#include "qat/gguf_grid.h"
 #include "qat/observer.h"
 
 namespace qtrain::qat {
@@ -63,6 +64,13 @@ class FakeQuantizer : public torch::nn::Module {
   QuantParams current_qparams(const torch::Tensor& x) const;
   // x in its quantized form with current_qparams: what `convert` exports.
   QuantizedTensor quantize_tensor(const torch::Tensor& x) const;
+  // Format gguf only: x (a 2-D weight) on the GGUF block type's grid, its codes and scales as
+  // the blocks store them: what the forward's values are, and what a GGUF export writes.
+  GgufGridTensor gguf_grid(const torch::Tensor& x) const;
+  // Format gguf: round with llama.cpp's own quantizer (qat/gguf_quants.h, on the CPU: the bytes
+  // llama-quantize writes) instead of the fast grid search on the weight's device. qtrain
+  // quantize's PTQ rounds this way, so that it is llama-quantize's post-training quantization.
+  void set_llama_cpp_rounding(bool enabled) { llama_cpp_rounding_ = enabled; }
 
   const FakeQuantizerOptions& options() const { return options_; }
   const QuantSpec& spec() const { return options_.spec; }
@@ -85,6 +93,7 @@ class FakeQuantizer : public torch::nn::Module {
   std::string what_;
   std::vector<int64_t> fixed_shape_;
   bool fake_quant_enabled_ = true;
+  bool llama_cpp_rounding_ = false;
   bool observer_enabled_ = true;
   std::shared_ptr<MinMaxObserver> observer_;  // null for dynamic
   torch::Tensor scale_;              // learned only: fp32 Parameter, params shape

@@ -64,6 +64,7 @@ bool gguf_block_fits(const GgufBlockFormat& format, const QuantSpec& spec) {
 }
 
 GgufBlockType gguf_block_type_for(const QuantSpec& spec, const std::string& what) {
+  if (spec.is_gguf_block()) return spec.gguf_block;
   const auto* format = type_of_width(spec);
   if (format == nullptr) {
     std::string widths;  // "int4 (Q4_0) or int8 (Q8_0)"
@@ -71,8 +72,8 @@ GgufBlockType gguf_block_type_for(const QuantSpec& spec, const std::string& what
       if (!candidate.grid) continue;
       widths += (widths.empty() ? "" : " or ") + ("int" + std::to_string(candidate.grid->bits)) + " (" + candidate.name + ")";
     }
-    throw Error(ErrorCode::kRecipe, what + ": GGUF export holds " + widths + " weights only, not " + spec.describe() +
-                "; export it as safetensors-int");
+    throw Error(ErrorCode::kRecipe, what + ": GGUF export holds " + widths + " weights only (and format gguf's own blocks), not " +
+                spec.describe() + "; export it as safetensors-int");
   }
   const auto reason = misfit(*format, spec);
   if (!reason.empty()) throw Error(ErrorCode::kRecipe, what + reason);

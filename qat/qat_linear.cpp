@@ -55,11 +55,22 @@ torch::Tensor QatLinear::forward(const torch::Tensor& input) {
 
 torch::Tensor QatLinear::dense_weight(torch::ScalarType dtype) const {
   if (!fake_quant_enabled()) return inner_->dense_weight(dtype);
+  if (weight_fake_quant_->spec().is_gguf_block()) return dequantize_gguf_grid(convert_gguf_grid()).to(dtype);
   return convert().dequantize().to(dtype);
+}
+
+GgufGridTensor QatLinear::convert_gguf_grid() const {
+  torch::NoGradGuard no_grad;
+  return weight_fake_quant_->gguf_grid(inner_->dense_weight(torch::kFloat32));
 }
 
 QuantizedTensor QatLinear::convert() const {
   torch::NoGradGuard no_grad;
+  if (weight_fake_quant_->spec().is_gguf_block()) {
+    throw Error(ErrorCode::kUsage, weight_fake_quant_->what() + ".format: gguf weights (" + weight_fake_quant_->spec().describe() +
+                ") have a GGUF block type's codes and scales, which the gguf export writes (--format gguf); other formats take "
+                "the model as float weights (merged)");
+  }
   if (fused_lora_) {
     return fake_quantize_merged(*fused_lora_, weight_fake_quant_->spec(), torch::kFloat32, false, true, false).quantized;
   }
@@ -99,7 +110,9 @@ std::vector<std::string> apply_qat(torch::nn::Module& root, const LoraTargets& t
   }
   std::vector<std::string> wrapped;
   for (const auto& target : found) {
-    auto layer = std::make_shared<QatLinear>(target.layer, options, what);
+    auto layer_options = options;
+    if (options.weight_spec_of) layer_options.weights.spec = options.weight_spec_of(target.name);
+    auto layer = std::make_shared<QatLinear>(target.layer, layer_options, what);
     layer->train(target.layer->is_training());
     replace_linear_layer_at(root, target.name, layer);
     wrapped.push_back(target.name);

@@ -23,6 +23,7 @@
 // name. convert() then reads the same builder.
 #include <torch/torch.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -39,6 +40,9 @@ struct QatLinearOptions {
   FakeQuantizerOptions weights;                     // recipe `qat.weights`
   std::optional<FakeQuantizerOptions> activations;  // recipe `qat.activations`; none: inputs unquantized
   LoraGradient lora_gradient = LoraGradient::kIdentity;  // recipe `qat.lora_gradient` (qat/qat_lora_matmul.h)
+  // The weight spec of the layer named `name` (module path), where layers differ: a GGUF file
+  // type gives each tensor its own block type (Q4_K_M: Q6_K for some). Null: `weights.spec` for all.
+  std::function<QuantSpec(const std::string& name)> weight_spec_of;
 };
 
 class QatLinear : public LinearLayer {
@@ -63,7 +67,10 @@ class QatLinear : public LinearLayer {
   void set_observer_enabled(bool enabled);
 
   // The weight as integer codes + scale (+ zero point), with the quantizer's current parameters.
+  // An Error for format gguf, whose codes and scales are convert_gguf_grid's.
   QuantizedTensor convert() const;
+  // Format gguf: the weight on its GGUF block type's grid, exactly as the forward rounds it.
+  GgufGridTensor convert_gguf_grid() const;
 
   const std::shared_ptr<LinearLayer>& inner() const { return inner_; }
   FakeQuantizer& weight_fake_quant() const { return *weight_fake_quant_; }

@@ -10,13 +10,14 @@ namespace {
 
 // One row per format. The minifloat rows are the OCP 8-bit (OFP8) and MX specifications'
 // parameters; e4m3's max is 1.75 * 2^8 because its all-ones code is NaN, not a number.
-const std::array<QuantFormatInfo, 6> kFormats = {{
+const std::array<QuantFormatInfo, 7> kFormats = {{
     {QuantFormat::kInt, "int", GridKind::kInteger, 8},
     {QuantFormat::kFp8E4m3, "fp8_e4m3", GridKind::kMinifloat, 8, 4, 3, 7, 448.0},
     {QuantFormat::kFp8E5m2, "fp8_e5m2", GridKind::kMinifloat, 8, 5, 2, 15, 57344.0},
     {QuantFormat::kFp4E2m1, "fp4_e2m1", GridKind::kMinifloat, 4, 2, 1, 1, 6.0},
     {QuantFormat::kNf4, "nf4", GridKind::kTable, 4, 0, 0, 0, 1.0, FourBitType::kNf4},
     {QuantFormat::kFp4, "fp4", GridKind::kTable, 4, 0, 0, 0, 1.0, FourBitType::kFp4},
+    {QuantFormat::kGguf, "gguf", GridKind::kGgufBlocks, 8},  // bits: the widest block type's (Q8_0)
 }};
 
 }  // namespace

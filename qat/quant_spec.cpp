@@ -60,6 +60,17 @@ int64_t QuantSpec::quant_max() const { return (int64_t{1} << (bits - 1)) - 1; }
 
 void QuantSpec::validate(const std::string& what) const {
   const auto& info = format_info();
+  if (is_gguf_block()) {
+    const auto& block = gguf_block_format(gguf_block);
+    if (block.quantize == nullptr) {
+      throw Error(ErrorCode::kRecipe, what + ".gguf_type: " + block.name + " is not a quantized GGUF block type");
+    }
+    if (granularity != Granularity::kPerGroup || group_size != block.block_elements) {
+      throw Error(ErrorCode::kInternal, what + ": GGUF " + block.name + " rounds blocks of " + std::to_string(block.block_elements) +
+                  " (internal error)");
+    }
+    return;
+  }
   if (is_integer()) {
     if (bits < kMinIntBits || bits > info.bits) {
       throw Error(ErrorCode::kRecipe, what + ".bits: " + std::to_string(bits) + " is out of range (int formats take " +
@@ -105,6 +116,7 @@ void QuantSpec::validate_for_shape(const std::string& what, c10::IntArrayRef sha
 }
 
 std::string QuantSpec::describe() const {
+  if (is_gguf_block()) return std::string("gguf ") + gguf_block_format(gguf_block).name;
   std::string text = is_integer() ? "int" + std::to_string(bits) : std::string(format_info().name);
   text += symmetric ? " symmetric " : " asymmetric ";
   text += granularity_name(granularity);
@@ -113,6 +125,18 @@ std::string QuantSpec::describe() const {
   if (zero_point_domain != ZeroPointDomain::kInt) text += std::string(" zero_point ") + zero_point_domain_name(zero_point_domain);
   if (group_scales.is_two_level()) text += " two-level scales";
   return text;
+}
+
+QuantSpec QuantSpec::gguf_block_type(GgufBlockType type) {
+  QuantSpec spec;
+  spec.format = QuantFormat::kGguf;
+  spec.bits = quant_format_info(QuantFormat::kGguf).bits;
+  spec.symmetric = false;
+  spec.granularity = Granularity::kPerGroup;
+  spec.group_size = gguf_block_format(type).block_elements;
+  spec.scale_dtype = torch::kFloat16;
+  spec.gguf_block = type;
+  return spec;
 }
 
 QuantSpec QuantSpec::gguf_q4_0() {

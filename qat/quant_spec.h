@@ -53,6 +53,7 @@
 #include <string>
 #include <vector>
 
+#include "qat/gguf_block_format.h"
 #include "qat/quant_format.h"
 
 namespace qtrain::qat {
@@ -109,11 +110,16 @@ struct QuantSpec {
   torch::ScalarType scale_dtype = torch::kFloat32;  // kFloat32, or kFloat16 (GGUF's d)
   ZeroPointDomain zero_point_domain = ZeroPointDomain::kInt;  // kFloat: asymmetric int, fp32 scales
   ScaleLevel group_scales;  // how the scales of the groups are stored (above): directly, by default
+  // Format gguf only: the llama.cpp block type the weight is rounded onto (qat/gguf_grid.h), its
+  // codes and every level of its scales as the block stores them. granularity per_group with
+  // group_size the type's block (32, or a k-quant's 256); the other fields are unused.
+  GgufBlockType gguf_block = GgufBlockType::kQ4_K;
 
   // The integer grid's ends (int format only): [-2^(bits-1), 2^(bits-1) - 1].
   int64_t quant_min() const;
   int64_t quant_max() const;
   bool is_integer() const { return format == QuantFormat::kInt; }
+  bool is_gguf_block() const { return format == QuantFormat::kGguf; }
   // Integer codes with an integer zero point: the grids kernels/fake_quantize.h computes.
   bool has_integer_zero_point() const { return is_integer() && zero_point_domain == ZeroPointDomain::kInt; }
   const QuantFormatInfo& format_info() const { return quant_format_info(format); }
@@ -131,6 +137,8 @@ struct QuantSpec {
   // The schemes GGUF holds exactly: symmetric int4 / int8 in groups of 32, fp16 scales.
   static QuantSpec gguf_q4_0();
   static QuantSpec gguf_q8_0();
+  // Any quantized GGUF block type, its own codes and scales (format gguf).
+  static QuantSpec gguf_block_type(GgufBlockType type);
   // torchao's Int8DynActInt4Weight: int4 symmetric weights per group (its default group 256;
   // pass yours), int8 asymmetric activations per token, computed on every call.
   static QuantSpec int4_weight(int64_t group_size);

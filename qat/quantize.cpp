@@ -124,8 +124,9 @@ Quantized quantize_blocks(const QuantSpec& spec, const torch::Tensor& blocks, co
       }
       return {codes.to(torch::kUInt8), scaled.abs() <= info.max_value};
     }
+    case GridKind::kGgufBlocks: break;  // qat/gguf_grid.h rounds onto these
   }
-  throw Error(ErrorCode::kInternal, "unknown grid kind (internal error)");
+  throw Error(ErrorCode::kInternal, std::string("format ") + info.name + " is not rounded here (internal error)");
 }
 
 torch::Tensor dequantize_blocks(const QuantSpec& spec, const torch::Tensor& codes, const QuantParams& params) {
@@ -232,7 +233,8 @@ torch::Tensor float_grid_values(QuantFormat format) {
       return format == QuantFormat::kFp8E4m3 ? e4m3 : format == QuantFormat::kFp8E5m2 ? e5m2 : e2m1;
     }
     case GridKind::kTable: return four_bit_decode_tensor(info.four_bit_type);
-    case GridKind::kInteger: break;
+    case GridKind::kInteger:
+    case GridKind::kGgufBlocks: break;
   }
   throw Error(ErrorCode::kInternal, std::string("format ") + info.name + " has no float grid");
 }

@@ -18,6 +18,7 @@
 #include "trainer/formats/merged_export.h"
 #include "trainer/formats/model_exports.h"
 #include "qat/qat_linear.h"
+#include "trainer/recipe/recipe_training.h"
 #include "trainer/trained_run.h"
 
 namespace po = boost::program_options;
@@ -148,6 +149,13 @@ int run_export(const Arguments& arguments) {
       trainer::replace_directory(staged, out_dir);
       std::printf("export: PEFT adapter of %s written to %s\n", run_dir.c_str(), out_dir.c_str());
       return 0;
+    }
+    if (gguf_format && gguf_type == qat::kGgufFileTypeAuto) {
+      // auto: the file type a run that trained on GGUF blocks trained on.
+      auto recipe = run.recipe;
+      recipe.export_.gguf_type = qat::kGgufFileTypeAuto;
+      gguf_type = trainer::gguf_export_type(recipe);
+      export_options.gguf_file_type = trainer::parse_gguf_type(gguf_type, "--gguf-type");
     }
     source.loaded = std::move(run.loaded);
     source.base_dir = run.recipe.model.path;

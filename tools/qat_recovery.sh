@@ -21,6 +21,7 @@
 #   QTRAIN_RECOVERY_MODELS="A B" which models
 #   QTRAIN_RECOVERY_JOBS=N       runs at a time for each model (default 4 on cuda, 1 on cpu)
 #   QTRAIN_RECOVERY_VARIANTS="qat lsq ..."  which QAT variants (default: all, listed below)
+#   QTRAIN_RECOVERY_SCHEMES="q4_k_m ..."    which schemes (default: all, listed below)
 #   QTRAIN_RECOVERY_BUDGET_S=S   start no run S seconds after the start (default: none); what
 #                                finished is reported, what did not start is marked "not run".
 #                                The longest runs start first, so the last ones are short.
@@ -84,12 +85,17 @@ if [[ "$device" == cuda ]]; then
 fi
 
 # The schemes: qat.* keys on top of recipes/qat_recovery.yaml.
-schemes=(int4-per-channel int3-g32 8da4w int2-g32)
+# q4_k_m / q3_k_m: llama.cpp's file types (each layer on the block type llama-quantize gives its
+# tensor); their PTQ is llama.cpp's own quantizer (qtrain quantize rounds as llama-quantize does).
+schemes=(int4-per-channel int3-g32 8da4w int2-g32 q4_k_m q3_k_m)
+[[ -n "${QTRAIN_RECOVERY_SCHEMES:-}" ]] && read -r -a schemes <<< "$QTRAIN_RECOVERY_SCHEMES"
 declare -A scheme_sets=(
   [int4-per-channel]="qat.weights.bits=4 qat.weights.symmetric=true qat.weights.granularity=per_channel"
   [int3-g32]="qat.weights.bits=3 qat.weights.symmetric=true qat.weights.granularity=per_group qat.weights.group_size=32"
   [8da4w]="qat.weights.bits=4 qat.weights.symmetric=true qat.weights.granularity=per_group qat.weights.group_size=32 qat.activations.bits=8 qat.activations.symmetric=false qat.activations.granularity=per_token qat.activations.observer=dynamic"
   [int2-g32]="qat.weights.bits=2 qat.weights.symmetric=false qat.weights.granularity=per_group qat.weights.group_size=32"
+  [q4_k_m]="qat.weights.format=gguf qat.weights.gguf_type=Q4_K_M"
+  [q3_k_m]="qat.weights.format=gguf qat.weights.gguf_type=Q3_K_M"
 )
 # Training configurations: the fine-tune of each is the baseline of the QAT variants that use it.
 #   base: the model's steps and lr; hilr: 3x the lr; long: 3x the steps.
@@ -172,12 +178,21 @@ finetune() {
 # safetensors-int export (fp32, as qtrain quantize evaluates).
 qat() {
   local model=$1 scheme=$2 variant=$3 config=$4 name="$1-qat-$2-$3" seq=${1}_seq steps; shift 4
+  # GGUF block types have no safetensors-int form: their merged fp32 export holds the weights the
+  # last forward used, exactly (their inputs are not quantized).
+  local exported=safetensors-int
+  [[ "${scheme_sets[$scheme]}" == *format=gguf* ]] && exported=merged
   mapfile -t sets < <(as_sets $(model_sets "$model" "$config") ${scheme_sets[$scheme]} "$@" quant=qat \
-                      export.formats=[safetensors-int] "train.output_dir=$out/runs/$name")
+                      "export.formats=[$([[ $exported == safetensors-int ]] && echo safetensors-int)]" \
+                      "train.output_dir=$out/runs/$name")
   steps=$(printf '%s\n' "${sets[@]}" | sed -n 's/^train.steps=//p')
   sets=("${sets[@]/QUARTER/$(( steps / 4 ))}")
   "$qtrain" --recipe "$recipe" "${sets[@]}" > "$out/logs/$name.log" 2>&1 || { log "FAILED: $name (logs/$name.log)"; return 1; }
-  "$qtrain" eval --model "$out/runs/$name/export/safetensors-int" --data "$eval_data" --max-seq-len "${!seq}" \
+  if [[ $exported == merged ]]; then
+    "$qtrain" export --run "$out/runs/$name" --format merged --dtype fp32 --out "$out/runs/$name/export/merged" --force \
+      >> "$out/logs/$name.log" 2>&1 || { log "FAILED: $name export (logs/$name.log)"; return 1; }
+  fi
+  "$qtrain" eval --model "$out/runs/$name/export/$exported" --data "$eval_data" --max-seq-len "${!seq}" \
     --batch-size "$eval_batch" --device "$device" --dtype fp32 --json > "$out/logs/$name-eval.log" 2>&1 \
     || { log "FAILED: $name eval (logs/$name-eval.log)"; return 1; }
   record "$model" qat "$scheme" "$variant" "$config" "$(tail -1 "$out/logs/$name-eval.log" | sed -E 's/.*"loss":([0-9.eE+-]+).*/\1/')"

@@ -114,9 +114,13 @@ int run_quantize(const Arguments& arguments) {
   };
   report("float:");
 
-  const auto quantized = trainer::apply_recipe_qat(model, recipe);
-  std::printf("quantize: %zu layers, weights %s, inputs %s\n", quantized.size(), qat_options.weights.spec.describe().c_str(),
-              qat_options.activations ? qat_options.activations->spec.describe().c_str() : "unquantized");
+  const auto quantized = trainer::apply_recipe_qat(model, recipe, &loaded.config);
+  // GGUF block types round as llama-quantize does: this is its post-training quantization.
+  for (const auto& [name, layer] : qat::find_qat_layers(model)) layer->weight_fake_quant().set_llama_cpp_rounding(true);
+  const std::string mix =
+      qat_options.weights.spec.is_gguf_block() ? " (" + recipe.qat.weights.gguf_type + "'s mix, llama.cpp's rounding)" : "";
+  std::printf("quantize: %zu layers, weights %s%s, inputs %s\n", quantized.size(), qat_options.weights.spec.describe().c_str(),
+              mix.c_str(), qat_options.activations ? qat_options.activations->spec.describe().c_str() : "unquantized");
   if (needs_calibration(qat_options)) {
     if (recipe.qat.calibration_batches == 0) {
       throw Error(ErrorCode::kRecipe, "qat.calibration_batches is 0, but a quantizer has a static range (observer minmax or "
@@ -135,7 +139,7 @@ int run_quantize(const Arguments& arguments) {
   const std::string staged = out_dir + ".staging";
   trainer::remove_tree(staged);
   trainer::ModelExportOptions export_options;
-  export_options.gguf_file_type = trainer::parse_gguf_type(recipe.export_.gguf_type, "export.gguf_type");
+  export_options.gguf_file_type = trainer::parse_gguf_type(trainer::gguf_export_type(recipe), "export.gguf_type");
   const auto written = trainer::write_model_exports(model, base, recipe.export_.formats, staged, export_options);
   trainer::replace_directory(staged, out_dir);
   for (const auto& path : written) {

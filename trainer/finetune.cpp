@@ -134,7 +134,7 @@ void Finetune::setup_adapters() {
   }
   if (recipe_.quant == QuantMethod::kQat) require_model_projections(model.options(), recipe_.qat.target_modules, "qat.target_modules");
   // After LoRA, so that QAT fake-quantizes the merged weight a merged export writes.
-  const auto quantized = apply_recipe_qat(model, recipe_);
+  const auto quantized = apply_recipe_qat(model, recipe_, &loaded_.config);
   if (!quantized.empty()) {
     const auto options = qat_linear_options(recipe_);
     std::printf("qat: %zu layers, weights %s, inputs %s; fake quantization from step %lld\n", quantized.size(),
@@ -319,7 +319,7 @@ std::vector<std::string> Finetune::write_exports() {
   }
   if (writes_files()) {
     ModelExportOptions options;
-    options.gguf_file_type = parse_gguf_type(recipe_.export_.gguf_type, "export.gguf_type");
+    options.gguf_file_type = parse_gguf_type(gguf_export_type(recipe_), "export.gguf_type");
     written = write_model_exports(*loaded_.model, export_base_, formats, out, options);
     for (const auto& path : written) std::printf("export: %s\n", path.c_str());
   }

@@ -48,7 +48,7 @@ TrainedRun load_trained_run(const std::string& run_dir, const std::string& check
   if (!trains_full_weights(run.recipe)) {
     qat::apply_lora(model, run.adapter.targets, [&](const std::string& name) { return run.adapter.options_for(name); });
   }
-  apply_recipe_qat(model, run.recipe);
+  apply_recipe_qat(model, run.recipe, &run.loaded.config);
   size_t trained = qat_state_buffers(model).size();
   for (const auto& item : model.named_parameters()) trained += is_trained_parameter(run.recipe, item.key()) ? 1 : 0;
   load_trainable_tensors(model, state.trainable, trained, run.adapter_source);

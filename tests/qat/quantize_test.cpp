@@ -275,7 +275,7 @@ TEST(QuantSpec, BadSpecsNameTheKeyAndTheReason) {
   EXPECT_NE(expect_error([&] { fp8.validate("qat.weights"); }).find("does not fit format fp8_e4m3, which has 8 bits"),
             std::string::npos);
   EXPECT_EQ(expect_error([] { parse_quant_format("int3", "qat.weights.format"); }),
-            "qat.weights.format: unknown quant format 'int3' (expected one of int, fp8_e4m3, fp8_e5m2, fp4_e2m1, nf4, fp4)");
+            "qat.weights.format: unknown quant format 'int3' (expected one of int, fp8_e4m3, fp8_e5m2, fp4_e2m1, nf4, fp4, gguf)");
   EXPECT_NE(expect_error([] { parse_granularity("per_row", "qat.weights.granularity"); }).find("'per_row'"),
             std::string::npos);
   auto float_zero_point = QuantSpec::int4_weight_only(32);

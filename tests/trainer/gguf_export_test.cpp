@@ -332,22 +332,29 @@ TEST_P(GgufExportFamily, LlamaCppRunsItWithOurLogits) {
   expect_llama_cpp_runs_our_logits(python, loaded, path, model_dir(), "QAT " + GetParam().fixture_dir);
 }
 
+// A QAT-LoRA run of the bundled tiny model on the CPU in fp32 (`scheme`: its qat.* keys) that
+// exports GGUF at its end, rebuilt from its run directory.
+TrainedRun trained_qat_lora_run(const TempDir& run, const std::vector<std::string>& scheme, int64_t steps) {
+  const std::string demo = testing::source_dir() + "/recipes/demo";
+  std::vector<std::string> settings = {
+      "model.path=" + demo + "/tiny-llama", "data.train=" + demo + "/brown-train.jsonl", "quant=qat", "lora.rank=8",
+      "lora.alpha=16", "lora.dropout=0", "export.formats=[gguf]", "data.max_seq_len=64", "train.micro_batch_size=2",
+      "train.steps=" + std::to_string(steps), "train.dtype=fp32", "train.device=cpu", "optim.lr=2e-3",
+      "schedule.warmup_steps=1", "eval.every=0", "log.every=1", "train.output_dir=" + run.path()};
+  settings.insert(settings.end(), scheme.begin(), scheme.end());
+  Finetune finetune(load_recipe("", settings));
+  finetune.setup();
+  finetune.train();
+  return load_trained_run(run.path(), "", /*quantize_base=*/true);
+}
+
 // QAT-LoRA on a frozen NF4 base (quant: qat, qat.base: nf4), trained on the bundled tiny model:
 // the base stays 4-bit, the run's own GGUF export holds exactly the weights its forward multiplies
 // by (rebuilt from the run directory), and llama.cpp runs it with the agreement above.
 TEST(GgufExport, QatLoraOnAnNf4BaseExportsTheWeightsItTrained) {
   TempDir run;
-  const std::string demo = testing::source_dir() + "/recipes/demo";
-  const auto recipe = load_recipe(
-      "", {"model.path=" + demo + "/tiny-llama", "data.train=" + demo + "/brown-train.jsonl",
-           "quant=qat", "qat.base=nf4", "qat.weights.scale_dtype=fp16", "lora.rank=8", "lora.alpha=16", "lora.dropout=0",
-           "export.formats=[gguf]", "data.max_seq_len=64", "train.micro_batch_size=2", "train.steps=6", "train.dtype=fp32",
-           "train.device=cpu", "optim.lr=2e-3", "schedule.warmup_steps=1", "eval.every=0", "log.every=1",
-           "train.output_dir=" + run.path()});
-  Finetune finetune(recipe);
-  finetune.setup();
-  finetune.train();
-  auto rebuilt = load_trained_run(run.path(), "", /*quantize_base=*/true);
+  auto rebuilt = trained_qat_lora_run(run, {"qat.base=nf4", "qat.weights.scale_dtype=fp16"}, 6);
+  const auto& recipe = rebuilt.recipe;
   const auto layers = qat::find_qat_layers(*rebuilt.loaded.model);
   ASSERT_EQ(layers.size(), 4u * 7u);
   for (const auto& [name, layer] : layers) {
@@ -364,6 +371,80 @@ TEST(GgufExport, QatLoraOnAnNf4BaseExportsTheWeightsItTrained) {
   if (python.empty()) GTEST_SKIP() << kNoLlamaCpp;
   rebuilt.loaded.model->eval();
   expect_llama_cpp_runs_our_logits(python, rebuilt.loaded, path, recipe.model.path, "QAT-LoRA on NF4 (tiny-llama)");
+}
+
+// QAT on llama.cpp's Q4_K_M (qat.weights.format: gguf): each layer trains on the block type
+// llama-quantize gives its tensor (Q4_K, Q6_K for half the attn_v / ffn_down), and the run's GGUF
+// export holds those blocks as the last forward rounded them: gguf-py dequantizes every QAT tensor
+// to the weights the model multiplies by, bit for bit, and llama.cpp's loss on held-out text is
+// within 1% of ours (its activations are Q8_K blocks in its k-quant matmuls).
+TEST(GgufExport, QatOnQ4KmExportsTheBlocksItTrainedOn) {
+  TempDir run;
+  auto rebuilt = trained_qat_lora_run(run, {"qat.weights.format=gguf", "qat.weights.gguf_type=Q4_K_M"}, 4);
+  const auto& recipe = rebuilt.recipe;
+  rebuilt.loaded.model->eval();
+  std::map<std::string, qat::GgufBlockType> trained;  // GGUF name -> the block type the layer trained on
+  for (const auto& [name, layer] : qat::find_qat_layers(*rebuilt.loaded.model)) {
+    trained[gguf_tensor_name(name + ".weight", "llama")] = layer->weight_fake_quant().spec().gguf_block;
+  }
+  ASSERT_EQ(trained.size(), 4u * 7u);
+  std::map<std::string, int> trained_types;
+  for (const auto& [name, type] : trained) ++trained_types[qat::gguf_block_format(type).name];
+  EXPECT_GT(trained_types["Q4_K"], 0);
+  EXPECT_GT(trained_types["Q6_K"], 0);  // Q4_K_M's more bits for some attn_v / ffn_down
+
+  // Expected values: the fake-quant weights for the QAT layers, our ggml port's dequantization
+  // for the tensors llama-quantize's way quantized (embeddings, output), F32 as they are.
+  const auto path = run.file("export/model.gguf");
+  const auto file = GgufFile::open(path);
+  std::vector<std::pair<std::string, torch::Tensor>> values;
+  std::map<std::string, std::string> types;
+  const auto expected = expected_tensors(rebuilt.loaded, qat::GgufBlockType::kF32);
+  for (const auto& info : file.tensors()) {
+    const auto& format = qat::gguf_block_format(info.type);
+    types[info.name] = format.name;
+    if (trained.count(info.name)) {
+      EXPECT_EQ(info.type, trained.at(info.name)) << info.name;
+      values.emplace_back(info.name, expected.at(info.name).values);
+    } else if (format.dequantize != nullptr) {
+      const auto bytes = file.tensor_bytes(info.name);
+      auto decoded = torch::empty(info.shape, torch::kFloat32);
+      format.dequantize(bytes.data(), decoded.data_ptr<float>(), decoded.numel());
+      values.emplace_back(info.name, decoded);
+    } else {
+      values.emplace_back(info.name, expected.at(info.name).values);
+    }
+  }
+  EXPECT_EQ(file.value("general.file_type").as<uint32_t>("file_type"), qat::find_gguf_file_type("Q4_K_M", "test").llama_ftype);
+  const auto python = testing::find_python_with("llama_cpp gguf numpy safetensors tokenizers torch");
+  if (python.empty()) GTEST_SKIP() << kNoLlamaCpp;
+  TempDir temp;
+  write_safetensors(temp.file("expected.safetensors"), values, types);
+  const std::string check = "'" + python + "' '" + testing::source_dir() + "/tests/interop/gguf_model.py' check '" + path +
+                            "' '" + temp.file("expected.safetensors") + "' '" + recipe.model.path + "' llama 2>&1";
+  const auto checked = testing::run_command(check);
+  EXPECT_EQ(checked.status, 0) << check << "\n" << checked.output;
+
+  // Held-out text (the Brown validation split's first lines): the loss llama.cpp's logits give
+  // against ours on the same ids.
+  const std::string text = "Vincent G. Ierulli has been appointed temporary assistant district attorney, it was announced "
+                           "Monday by Charles E. Raymond, District Attorney. Ierulli will replace Desmond D. Connall who has "
+                           "been called to active military service but is expected back on the job by March 31.";
+  const std::string command = "'" + python + "' '" + testing::source_dir() + "/tests/interop/gguf_model.py' llama-cpp '" + path +
+                              "' '" + text + "' '" + temp.file("llama_cpp.safetensors") + "' 2>&1";
+  const auto result = testing::run_command(command);
+  ASSERT_EQ(result.status, 0) << command << "\n" << result.output;
+  const auto theirs = SafetensorsCheckpoint::open(temp.file("llama_cpp.safetensors"));
+  const auto input_ids = theirs.tensor("input_ids");
+  const auto loss_of = [&](const torch::Tensor& logits) {
+    const auto length = input_ids.size(1);
+    return torch::nn::functional::cross_entropy(logits[0].slice(0, 0, length - 1), input_ids[0].slice(0, 1, length)).item<double>();
+  };
+  const double ours = loss_of(testing_outputs::logits_of(*rebuilt.loaded.model, input_ids));
+  const double llama_cpp = loss_of(theirs.tensor("logits"));
+  std::printf("[ measured ] Q4_K_M QAT-LoRA run, held-out loss: ours %.5f, llama.cpp on its GGUF %.5f (%.3f%%)\n", ours, llama_cpp,
+              100 * std::abs(llama_cpp / ours - 1));
+  EXPECT_LT(std::abs(llama_cpp / ours - 1), 0.01);
 }
 
 // The layout alone, without llama.cpp's Q8_0 activations: the model unquantized, written F32,

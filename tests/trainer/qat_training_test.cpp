@@ -191,7 +191,7 @@ TEST(QatTraining, QatEndsBelowFineTuneThenPtq) {
 
   auto fine_tuned = load_trained_run(float_run.path(), "", /*quantize_base=*/true);
   const auto qat_recipe = load_recipe("", qat_settings(qat_run, settings));
-  apply_recipe_qat(*fine_tuned.loaded.model, qat_recipe);
+  apply_recipe_qat(*fine_tuned.loaded.model, qat_recipe, &fine_tuned.loaded.config);
   const auto tokenizer = data::Tokenizer::from_model_dir(qat_recipe.model.path);
   EvalOptions options;
   options.batch_size = qat_recipe.train.micro_batch_size;

@@ -444,9 +444,9 @@ TEST(RecipeEnums, ChoicesAreTheTablesNames) {
   EXPECT_EQ(recipe_key("quant").choices, (Names{"qlora", "qat", "none"}));
   EXPECT_EQ(recipe_key("qlora.quant_type").choices, (Names{"nf4", "fp4", "int8", "fp8"}));
   EXPECT_EQ(recipe_key("qat.base").choices, (Names{"none", "nf4", "fp4", "int8"}));
-  const Names formats = {"int", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "nf4", "fp4"};
+  const Names formats = {"int", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "nf4", "fp4", "gguf"};
   EXPECT_EQ(recipe_key("qat.weights.format").choices, formats);
-  EXPECT_EQ(recipe_key("qat.activations.format").choices, formats);
+  EXPECT_EQ(recipe_key("qat.activations.format").choices, Names(formats.begin(), formats.end() - 1));  // gguf: weights only
   EXPECT_EQ(qat::quant_formats().size(), formats.size());
   // Every named kind has its behaviour row, in the same order.
   ASSERT_EQ(base_quantizations().size(), base_quantization_names().size());
@@ -490,9 +490,10 @@ TEST(RecipeEnums, QuantizerSectionsHaveTheSameKeys) {
     }
   }
   EXPECT_EQ(weights, (std::vector<std::string>{"format", "bits", "symmetric", "granularity", "group_size", "scale_dtype",
-                                                "zero_point_domain", "observer", "momentum", "learned_scale",
+                                                "zero_point_domain", "gguf_type", "observer", "momentum", "learned_scale",
                                                 "learned_scale_init"}));
-  weights.erase(std::find(weights.begin(), weights.end(), "zero_point_domain"));
+  weights.erase(std::find(weights.begin(), weights.end(), "zero_point_domain"));  // weight grids only
+  weights.erase(std::find(weights.begin(), weights.end(), "gguf_type"));
   EXPECT_EQ(weights, activations);
   const auto recipe = load_recipe("", {"qat.weights.format=fp8_e5m2", "qat.activations.momentum=0.5"});
   EXPECT_EQ(recipe.qat.weights.format, qat::QuantFormat::kFp8E5m2);

@@ -9,6 +9,7 @@
 #include "kernels/error.h"
 #include "qat/gguf_block.h"
 #include "qat/gguf_file_types.h"
+#include "qat/gguf_grid.h"
 #include "qat/qat_linear.h"
 #include "trainer/formats/gguf_tokenizer.h"
 #include "trainer/formats/merged_export.h"
@@ -95,13 +96,20 @@ void require_gguf_exportable(const BaseDirectory& base) {
 namespace {
 
 // One tensor of the export before its type is chosen: its fp32 values in llama.cpp's row order,
-// and the QAT layer's codes and scales where the run trained them.
+// and the QAT layer's codes and scales where the run trained them (`codes` for int grids GGUF
+// holds, `grid` for a GGUF block type's own).
 struct ExportedTensor {
   std::string hf_name;
   std::string gguf_name;
   torch::Tensor values;
   std::optional<qat::QuantizedTensor> codes;
+  std::optional<qat::GgufGridTensor> grid;
 };
+
+// The trained block type of a QAT tensor.
+qat::GgufBlockType trained_type(const ExportedTensor& tensor, const std::string& weights_key) {
+  return tensor.grid ? tensor.grid->type : qat::gguf_block_type_for(tensor.codes->spec, weights_key);
+}
 
 std::vector<ExportedTensor> exported_tensors(const LlamaForCausalLMImpl& model, const HfModelConfig& config,
                                              const GgufArchitecture& architecture) {
@@ -117,13 +125,22 @@ std::vector<ExportedTensor> exported_tensors(const LlamaForCausalLMImpl& model, 
   std::vector<ExportedTensor> tensors;
   for (const auto& [hf_name, value] : merged_weights(model, torch::kFloat32)) {
     if (llama.tie_word_embeddings && hf_name == "lm_head.weight") continue;
-    ExportedTensor tensor{hf_name, gguf_tensor_name(hf_name, architecture.name), value, std::nullopt};
+    ExportedTensor tensor{hf_name, gguf_tensor_name(hf_name, architecture.name), value, std::nullopt, std::nullopt};
     const bool norm = hf_name.size() > 11 && hf_name.compare(hf_name.size() - 11, 11, "norm.weight") == 0;
     const int64_t heads = heads_of(hf_name);
     if (heads > 0) tensor.values = permute_rows(value, heads);
     if (architecture.norm_weights_plus_one && norm) tensor.values = tensor.values + 1.0;  // x (1 + w) as llama.cpp's x w
     const auto qat_layer = qat_layers.find(hf_name);
-    if (qat_layer != qat_layers.end()) {
+    if (qat_layer != qat_layers.end() && qat_layer->second->weight_fake_quant().spec().is_gguf_block()) {
+      // Blocks run along the rows, each row its own: permuting the rows of every level is exact.
+      auto grid = qat_layer->second->convert_gguf_grid();
+      if (heads > 0) {
+        for (auto* level : {&grid.codes, &grid.scales, &grid.mins, &grid.d, &grid.m, &grid.dmin}) {
+          if (level->defined()) *level = permute_rows(*level, heads);
+        }
+      }
+      tensor.grid = std::move(grid);
+    } else if (qat_layer != qat_layers.end()) {
       auto quantized = qat_layer->second->convert();
       if (heads > 0) {
         // Whole rows move, and with them their blocks (which run along the row): codes and scales
@@ -139,10 +156,20 @@ std::vector<ExportedTensor> exported_tensors(const LlamaForCausalLMImpl& model, 
   if (llama.rope.type == RopeType::kLongRope) {
     for (const auto& [gguf_name, factors] : {std::pair{"rope_factors_long.weight", llama.rope.long_factor},
                                              std::pair{"rope_factors_short.weight", llama.rope.short_factor}}) {
-      tensors.push_back({"", gguf_name, torch::tensor(factors, torch::kFloat64).to(torch::kFloat32), std::nullopt});
+      tensors.push_back({"", gguf_name, torch::tensor(factors, torch::kFloat64).to(torch::kFloat32), std::nullopt, std::nullopt});
     }
   }
   return tensors;
+}
+
+// What llama.cpp's type choice reads of the model's hyperparameters.
+qat::GgufModelShape gguf_model_shape(const HfModelConfig& config, const GgufArchitecture& architecture) {
+  qat::GgufModelShape shape;
+  shape.architecture = architecture.name;
+  shape.layers = config.llama.num_hidden_layers;
+  shape.heads = config.llama.num_attention_heads;
+  shape.kv_heads = config.llama.num_key_value_heads;
+  return shape;
 }
 
 // The type of each tensor: with a file type, llama.cpp's quantizer's choice for it
@@ -152,19 +179,13 @@ std::vector<qat::GgufBlockType> chosen_types(const std::vector<ExportedTensor>& 
   std::vector<qat::GgufBlockType> types;
   if (options.file_type == nullptr) {
     for (const auto& tensor : tensors) {
-      types.push_back(tensor.codes ? qat::gguf_block_type_for(tensor.codes->spec, options.weights_key) : qat::GgufBlockType::kF32);
+      types.push_back(tensor.codes || tensor.grid ? trained_type(tensor, options.weights_key) : qat::GgufBlockType::kF32);
     }
     return types;
   }
-  const auto& llama = config.llama;
-  qat::GgufModelShape shape;
-  shape.architecture = architecture.name;
-  shape.layers = llama.num_hidden_layers;
-  shape.heads = llama.num_attention_heads;
-  shape.kv_heads = llama.num_key_value_heads;
   std::vector<qat::GgufTensorShape> shapes;
   for (const auto& tensor : tensors) shapes.push_back({tensor.gguf_name, tensor.values.sizes().vec()});
-  return qat::gguf_tensor_types(*options.file_type, shape, shapes);
+  return qat::gguf_tensor_types(*options.file_type, gguf_model_shape(config, architecture), shapes);
 }
 
 // The bytes of `tensor` as `type`: a QAT layer's own codes when `type` is its block type, else
@@ -172,13 +193,14 @@ std::vector<qat::GgufBlockType> chosen_types(const std::vector<ExportedTensor>& 
 std::function<std::vector<uint8_t>()> tensor_data(const ExportedTensor& tensor, qat::GgufBlockType type,
                                                   const GgufExportOptions& options) {
   const std::string what = options.weights_key + " (" + tensor.hf_name + ")";
-  if (tensor.codes) {
-    const auto trained = qat::gguf_block_type_for(tensor.codes->spec, options.weights_key);
+  if (tensor.codes || tensor.grid) {
+    const auto trained = trained_type(tensor, options.weights_key);
     if (trained != type) {
       throw Error(ErrorCode::kUsage, what + ": trained on GGUF " + qat::gguf_block_format(trained).name + " blocks, but --gguf-type " +
                   options.file_type->name + " writes " + tensor.gguf_name + " as " + qat::gguf_block_format(type).name +
                   "; export with --gguf-type auto (the grid the run trained on), or train with that file type's grid");
     }
+    if (tensor.grid) return [grid = *tensor.grid] { return qat::encode_gguf_grid(grid); };
     return [quantized = *tensor.codes, what] { return qat::encode_gguf_blocks(quantized, what); };
   }
   const auto values = tensor.values.contiguous();
@@ -198,6 +220,23 @@ std::function<std::vector<uint8_t>()> tensor_data(const ExportedTensor& tensor, 
 }
 
 }  // namespace
+
+std::map<std::string, qat::GgufBlockType> gguf_layer_types(const torch::nn::Module& model, const HfModelConfig& config,
+                                                           const qat::GgufFileType& file_type) {
+  const auto& architecture = gguf_architecture_for(config);
+  const auto wrapper = [](const qat::LinearLayer& layer) {
+    return dynamic_cast<const qat::QatLinear*>(&layer) != nullptr || dynamic_cast<const qat::LoraLinear*>(&layer) != nullptr;
+  };
+  const auto layers = qat::find_linear_layers(model, [](const std::string&, const qat::LinearLayer&) { return true; }, wrapper);
+  std::vector<qat::GgufTensorShape> shapes;
+  for (const auto& layer : layers) {
+    shapes.push_back({gguf_tensor_name(layer.name + ".weight", architecture.name), {layer.layer->out_features(), layer.layer->in_features()}});
+  }
+  const auto types = qat::gguf_tensor_types(file_type, gguf_model_shape(config, architecture), shapes);
+  std::map<std::string, qat::GgufBlockType> by_layer;
+  for (size_t index = 0; index < layers.size(); ++index) by_layer[layers[index].name] = types[index];
+  return by_layer;
+}
 
 const qat::GgufFileType* parse_gguf_type(const std::string& name, const std::string& key) {
   if (name == qat::kGgufFileTypeAuto) return nullptr;

@@ -19,6 +19,7 @@
 // symmetric int4 / int8, groups of 32, fp16 scales) are written as their Q4_0 / Q8_0 blocks and
 // every other tensor is F32 (exact). What llama.cpp's architecture cannot hold (a sliding window
 // shorter than the context, biases or norms it does not read) is an error.
+#include <map>
 #include <string>
 #include <vector>
 
@@ -53,6 +54,12 @@ torch::Tensor gguf_rope_row_order(int64_t rows, int64_t heads);
 // Error, as write_gguf_model would give it, when a model of `base`'s config with its tokenizer
 // cannot be written as GGUF: for runs to check before they train, not after.
 void require_gguf_exportable(const BaseDirectory& base);
+
+// The block type llama.cpp's quantizer gives each linear layer of `model` (by module path, as
+// qat::find_linear_layers names it) in a file of `file_type`: what QAT on a GGUF file type
+// (qat.weights.format: gguf) trains each layer on, so that the export writes its codes as they are.
+std::map<std::string, qat::GgufBlockType> gguf_layer_types(const torch::nn::Module& model, const HfModelConfig& config,
+                                                           const qat::GgufFileType& file_type);
 
 // Writes `model` as the GGUF file `out_file`. `base` supplies the config and the tokenizer.
 void write_gguf_model(const LlamaForCausalLMImpl& model, const BaseDirectory& base, const std::string& out_file,

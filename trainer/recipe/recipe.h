@@ -75,13 +75,14 @@ struct LoraRecipe {
 
 // One fake quantizer of quant: qat (qat.weights, qat.activations).
 struct QuantizerRecipe {
-  qat::QuantFormat format{};  // int | fp8_e4m3 | fp8_e5m2 | fp4_e2m1 | nf4 | fp4 (qat/quant_format.h)
+  qat::QuantFormat format{};  // int | fp8_e4m3 | fp8_e5m2 | fp4_e2m1 | nf4 | fp4 | gguf (qat/quant_format.h)
   int64_t bits{};      // for format int; activations: 0 turns them off
   bool symmetric{};
   std::string granularity;  // per_tensor | per_channel | per_group | per_token
   int64_t group_size{};
   std::string scale_dtype;  // fp32 | fp16 (GGUF's d)
   std::string zero_point_domain = "int";  // int | float (torchao's int4 weight-only); a weights key only
+  std::string gguf_type = "Q4_K_M";  // format gguf: llama.cpp's file type whose blocks each layer trains on; weights only
   std::string observer;     // dynamic | minmax | moving_average
   double momentum{};        // moving_average
   bool learned_scale{};

@@ -132,6 +132,31 @@ std::vector<RecipeKey> lora_keys() {
   };
 }
 
+// qat.activations.format's values: every grid but gguf's blocks, which are weight formats.
+std::vector<std::string> activation_format_names() {
+  std::vector<std::string> names;
+  for (const auto format : qat::quant_formats()) {
+    if (qat::quant_format_info(format).kind != qat::GridKind::kGgufBlocks) names.emplace_back(qat::quant_format_name(format));
+  }
+  return names;
+}
+
+// qat.weights.gguf_type's values: llama.cpp's file types of quantized blocks.
+std::vector<std::string> quantized_gguf_type_names() {
+  std::vector<std::string> names;
+  for (const auto& file_type : qat::gguf_file_types()) {
+    if (qat::gguf_block_format(file_type.base_type).quantize != nullptr) names.emplace_back(file_type.name);
+  }
+  return names;
+}
+
+// export.gguf_type's values: auto and llama.cpp's file types.
+std::vector<std::string> gguf_type_names() {
+  std::vector<std::string> names = {qat::kGgufFileTypeAuto};
+  for (const auto& file_type : qat::gguf_file_types()) names.emplace_back(file_type.name);
+  return names;
+}
+
 // The keys of one fake quantizer, qat.weights or qat.activations (the QuantizerRecipe `Quantizer`
 // names): one list, where `pick` gives what the two say differently, the weights' first.
 template <QuantizerRecipe QatRecipe::*Quantizer>
@@ -142,9 +167,10 @@ std::vector<RecipeKey> quantizer_keys() {
   const std::string section = pick("qat.weights", "qat.activations");
 #define QTRAIN_QUANTIZER_FIELD(member) [](Recipe& recipe) -> RecipeField { return &(recipe.qat.*Quantizer).member; }
   std::vector<RecipeKey> keys = {
-      key(section + ".format", "int", QTRAIN_QUANTIZER_FIELD(format), pick("weight grid", "activation grid"))
+      key(section + ".format", "int", QTRAIN_QUANTIZER_FIELD(format),
+          pick("weight grid (gguf: llama.cpp's block types, .gguf_type)", "activation grid"))
           .shapes_model()
-          .one_of(all_names<qat::QuantFormat>()),
+          .one_of(pick(all_names<qat::QuantFormat>(), activation_format_names())),
       key(section + ".bits", pick("4", "0"), QTRAIN_QUANTIZER_FIELD(bits),
           pick("integer width (format int)", "integer width (format int); 0: activations stay unquantized"))
           .shapes_model()
@@ -171,6 +197,12 @@ std::vector<RecipeKey> quantizer_keys() {
             "float: each group's own [min, max] with a float zero point, torchao's int4 weight-only grid (symmetric: false)")
             .shapes_model()
             .one_of({"int", "float"}));
+    keys.push_back(
+        key(section + ".gguf_type", "Q4_K_M", QTRAIN_QUANTIZER_FIELD(gguf_type),
+            "format gguf: llama.cpp's file type; each layer trains on the block type llama-quantize gives its tensor "
+            "(Q4_K_M: Q4_K, and Q6_K for half the attn_v / ffn_down), and export.gguf_type auto writes that file type")
+            .shapes_model()
+            .one_of(quantized_gguf_type_names()));
   }
   std::vector<RecipeKey> observing = {
       key(section + ".observer", "dynamic", QTRAIN_QUANTIZER_FIELD(observer),
@@ -406,13 +438,6 @@ std::vector<RecipeKey> dist_keys() {
   };
 }
 
-// export.gguf_type's values: auto and llama.cpp's file types.
-std::vector<std::string> gguf_type_names() {
-  std::vector<std::string> names = {qat::kGgufFileTypeAuto};
-  for (const auto& file_type : qat::gguf_file_types()) names.emplace_back(file_type.name);
-  return names;
-}
-
 std::vector<RecipeKey> export_keys() {
   return {
       key("export.formats", "[peft]", QTRAIN_FIELD(export_.formats),
@@ -520,6 +545,14 @@ std::optional<RecipeConflict> find_conflict(const Recipe& recipe) {
                                                   " write the weights on a QAT grid, so they need quant: qat (to "
                                                   "quantize a finished model, use qtrain quantize)"};
     }
+  }
+  const bool trains_on_gguf = recipe.quant == QuantMethod::kQat && recipe.qat.weights.format == qat::QuantFormat::kGguf;
+  const bool writes_integers = std::any_of(formats.begin(), formats.end(), [](const std::string& name) {
+    return find_export_format(name, "export.formats").format == ExportFormat::kSafetensorsInt;
+  });
+  if (trains_on_gguf && writes_integers) {
+    return RecipeConflict{"export.formats", "qat.weights.format: gguf trains on llama.cpp's blocks, which the gguf export writes; "
+                                            "safetensors-int does not hold them: export gguf (and merged for the float weights)"};
   }
   const bool writes_gguf = std::any_of(formats.begin(), formats.end(), [](const std::string& name) {
     return find_export_format(name, "export.formats").format == ExportFormat::kGguf;

@@ -3,8 +3,10 @@
 #include <algorithm>
 
 #include "kernels/error.h"
+#include "qat/gguf_file_types.h"
 #include "qat/quant_format.h"
 #include "trainer/model/causal_lm_loss.h"
+#include "trainer/formats/gguf_export.h"
 #include "trainer/formats/hf_config.h"
 #include "trainer/recipe/base_quantization.h"
 
@@ -58,13 +60,19 @@ namespace {
 qat::FakeQuantizerOptions fake_quantizer_options(const QuantizerRecipe& quantizer, const std::string& what) {
   qat::FakeQuantizerOptions options;
   auto& spec = options.spec;
+  if (quantizer.format == qat::QuantFormat::kGguf) {
+    // The file type's main block type; apply_recipe_qat gives each layer its own.
+    spec = qat::QuantSpec::gguf_block_type(qat::find_gguf_file_type(quantizer.gguf_type, what + ".gguf_type").base_type);
+  }
   spec.format = quantizer.format;
-  spec.bits = spec.is_integer() ? quantizer.bits : spec.format_info().bits;
-  spec.symmetric = quantizer.symmetric;
-  spec.granularity = qat::parse_granularity(quantizer.granularity, what + ".granularity");
-  spec.group_size = quantizer.group_size;
-  spec.scale_dtype = parse_dtype_name(quantizer.scale_dtype, what + ".scale_dtype");
-  spec.zero_point_domain = qat::parse_zero_point_domain(quantizer.zero_point_domain, what + ".zero_point_domain");
+  if (!spec.is_gguf_block()) {
+    spec.bits = spec.is_integer() ? quantizer.bits : spec.format_info().bits;
+    spec.symmetric = quantizer.symmetric;
+    spec.granularity = qat::parse_granularity(quantizer.granularity, what + ".granularity");
+    spec.group_size = quantizer.group_size;
+    spec.scale_dtype = parse_dtype_name(quantizer.scale_dtype, what + ".scale_dtype");
+    spec.zero_point_domain = qat::parse_zero_point_domain(quantizer.zero_point_domain, what + ".zero_point_domain");
+  }
   spec.validate(what);
   options.observer = qat::parse_observer_kind(quantizer.observer, what + ".observer");
   options.momentum = quantizer.momentum;
@@ -86,11 +94,32 @@ qat::QatLinearOptions qat_linear_options(const Recipe& recipe) {
   return options;
 }
 
-std::vector<std::string> apply_recipe_qat(torch::nn::Module& model, const Recipe& recipe) {
+std::vector<std::string> apply_recipe_qat(torch::nn::Module& model, const Recipe& recipe, const HfModelConfig* config) {
   if (recipe.quant != QuantMethod::kQat) return {};
   qat::LoraTargets targets;
   targets.include.names = recipe.qat.target_modules;
-  return qat::apply_qat(model, targets, qat_linear_options(recipe), "qat");
+  auto options = qat_linear_options(recipe);
+  if (options.weights.spec.is_gguf_block()) {
+    const std::string key = "qat.weights.gguf_type";
+    if (config == nullptr) throw Error(ErrorCode::kUsage, key + ": training on a GGUF file type's blocks needs the model's config.json");
+    const auto& file_type = qat::find_gguf_file_type(recipe.qat.weights.gguf_type, key);
+    options.weight_spec_of = [types = gguf_layer_types(model, *config, file_type), &file_type, key](const std::string& name) {
+      const auto type = types.find(name);
+      if (type == types.end()) throw Error(ErrorCode::kInternal, key + ": no GGUF type for layer " + name);
+      if (qat::gguf_block_format(type->second).quantize == nullptr) {
+        throw Error(ErrorCode::kRecipe, key + ": " + file_type.name + " writes " + name + " as " + qat::gguf_block_format(type->second).name +
+                    " (its rows are not a multiple of 32), which has no grid to train on: leave it out of qat.target_modules");
+      }
+      return qat::QuantSpec::gguf_block_type(type->second);
+    };
+  }
+  return qat::apply_qat(model, targets, options, "qat");
+}
+
+std::string gguf_export_type(const Recipe& recipe) {
+  const bool trained_on_gguf = recipe.quant == QuantMethod::kQat && recipe.qat.weights.format == qat::QuantFormat::kGguf;
+  if (recipe.export_.gguf_type == qat::kGgufFileTypeAuto && trained_on_gguf) return recipe.qat.weights.gguf_type;
+  return recipe.export_.gguf_type;
 }
 
 namespace {

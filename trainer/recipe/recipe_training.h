@@ -39,8 +39,14 @@ qat::QatLinearOptions qat_linear_options(const Recipe& recipe);
 
 // For quant: qat, wraps the qat.target_modules of `model` in fake quantizers (LoRA layers as a
 // whole, so the merged weight is what is quantized: apply LoRA first) and returns their names;
-// for other quant modes, nothing.
-std::vector<std::string> apply_recipe_qat(torch::nn::Module& model, const Recipe& recipe);
+// for other quant modes, nothing. qat.weights.format gguf gives each layer the block type of its
+// tensor in a llama.cpp file of qat.weights.gguf_type, which needs the model's `config`.
+std::vector<std::string> apply_recipe_qat(torch::nn::Module& model, const Recipe& recipe,
+                                          const HfModelConfig* config = nullptr);
+
+// The llama.cpp file type a GGUF export of a run of `recipe` writes: export.gguf_type, whose auto
+// means qat.weights.gguf_type for a run that trained on a GGUF file type's blocks.
+std::string gguf_export_type(const Recipe& recipe);
 
 // Whether the parameter `name` trains in a run of `recipe`: every parameter when the run trains
 // the full weights, else the LoRA adapters'; and the learned QAT scales either way.
