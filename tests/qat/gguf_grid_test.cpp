@@ -2,10 +2,11 @@
 // dequantizes, bit for bit, as gguf-py's numpy `gguf.quants.dequantize` and ggml's dequantize_row_*
 // (qat/gguf_quants.h's port, checked against libggml in gguf_quants_test.cpp) read its exported bytes;
 // every stored number stays in its bit width; the error stays within a stated factor of llama.cpp's
-// own quantizer; and llama.cpp's own bytes come back through decode_gguf_grid unchanged. Inputs are
-// random rows and the edge cases a quantizer must survive: zeros, constant and sparse blocks, all of
-// one sign, tiny, huge and subnormal magnitudes, values already on a grid. The CUDA tests skip without
-// a GPU.
+// own quantizer; llama.cpp's own bytes come back through decode_gguf_grid unchanged; and a weight's
+// grid is the same, bit for bit, on the CPU and CUDA, with any thread count, memory layout or other
+// rows beside it. Inputs are random rows and the edge cases a quantizer must survive: zeros, constant
+// and sparse blocks, all of one sign, tiny, huge and subnormal magnitudes, values already on a grid.
+// The CUDA tests skip without a GPU.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -15,6 +16,7 @@
 #include <fstream>
 #include <iterator>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "qat/gguf_block_format.h"
@@ -47,10 +49,10 @@ std::vector<GgufBlockType> quantized_types() {
 
 struct Input {
   std::string name;
-  torch::Tensor values;  // fp32 [rows, 512]: two k-quant super-blocks, sixteen legacy blocks per row
+  torch::Tensor values;  // fp32 [rows, cols], cols a multiple of 256 (a k-quant super-block)
 };
 
-// Random rows and the edge cases, each [8, 512].
+// Random rows and the edge cases, each [8, 512]: two k-quant super-blocks, sixteen legacy blocks per row.
 std::vector<Input> inputs() {
   torch::manual_seed(20240611);
   constexpr int64_t kRows = 8;
@@ -81,6 +83,42 @@ std::vector<Input> inputs() {
       {"near FLT_MAX", 3e38 * (2 * torch::rand({kRows, kCols}) - 1)},
       {"mixed magnitudes", normal() * magnitudes},
   };
+}
+
+// Random and heavy-tailed weights of other shapes: one row, rows of many scales, an odd row count,
+// one large enough for the CPU to split its ops among threads.
+std::vector<Input> weights_of_several_shapes() {
+  torch::manual_seed(1234);
+  return {
+      {"normal [1, 256]", torch::randn({1, 256})},
+      {"normal, a scale per row [33, 768]", torch::randn({33, 768}) * torch::pow(10.0, torch::rand({33, 1}) * 6 - 4)},
+      {"Student-t 3 [16, 1024]", 0.02 * torch::randn({16, 1024}) / (torch::randn({16, 1024, 3}).square().mean(-1)).sqrt()},
+      {"heavy tails [96, 2048]", 0.02 * torch::randn({96, 2048}) / (torch::rand({96, 2048}) + 1e-3)},
+  };
+}
+
+// A weight, a type and options: one quantize_gguf_grid call of the tests of where a grid is computed.
+struct GridCase {
+  std::string what;  // "Q4_K, 'zeros', search"
+  torch::Tensor weight;
+  GgufBlockType type;
+  GgufGridOptions options;
+};
+
+// Every type, search on and off, on the edge cases and the weights of several shapes.
+std::vector<GridCase> grid_cases() {
+  auto weights = inputs();
+  for (auto& weight : weights_of_several_shapes()) weights.push_back(std::move(weight));
+  std::vector<GridCase> cases;
+  for (const auto type : quantized_types()) {
+    for (const auto& weight : weights) {
+      for (const bool search : {false, true}) {
+        cases.push_back({std::string(gguf_block_format(type).name) + ", '" + weight.name + "', " + (search ? "search" : "min/max"),
+                         weight.values, type, GgufGridOptions{search}});
+      }
+    }
+  }
+  return cases;
 }
 
 // Every (type, input, search on / off) grid, as its bytes and our dequantization.
@@ -128,6 +166,45 @@ int64_t values_differing(const torch::Tensor& a, const torch::Tensor& b) {
 }
 
 double rms(const torch::Tensor& values) { return values.square().mean().sqrt().item<double>(); }
+
+// A grid's tensors by name.
+const std::pair<const char*, torch::Tensor GgufGridTensor::*> kGridParts[] = {
+    {"codes", &GgufGridTensor::codes}, {"scales", &GgufGridTensor::scales}, {"mins", &GgufGridTensor::mins},
+    {"d", &GgufGridTensor::d},         {"m", &GgufGridTensor::m},           {"dmin", &GgufGridTensor::dmin},
+};
+
+// The names of the tensors that differ between two grids, bit for bit and on any device; "" when
+// none does.
+std::string differing_parts(const GgufGridTensor& a, const GgufGridTensor& b) {
+  std::string names = a.type == b.type ? "" : "type";
+  for (const auto& [name, part] : kGridParts) {
+    const auto& x = a.*part;
+    const auto& y = b.*part;
+    if (x.defined() != y.defined() || (x.defined() && !same_bits(x, y))) names += std::string(names.empty() ? "" : ", ") + name;
+  }
+  return names;
+}
+
+// The grid of rows `index` of `grid`.
+GgufGridTensor grid_rows(const GgufGridTensor& grid, const torch::Tensor& index) {
+  GgufGridTensor rows = grid;
+  for (const auto& [name, part] : kGridParts) {
+    if ((grid.*part).defined()) rows.*part = (grid.*part).index_select(0, index);
+  }
+  return rows;
+}
+
+// The grids of consecutive row slices as the grid of all their rows.
+GgufGridTensor concatenated_rows(const std::vector<GgufGridTensor>& slices) {
+  GgufGridTensor all = slices.front();
+  for (const auto& [name, part] : kGridParts) {
+    if (!(all.*part).defined()) continue;
+    std::vector<torch::Tensor> pieces;
+    for (const auto& slice : slices) pieces.push_back(slice.*part);
+    all.*part = torch::cat(pieces);
+  }
+  return all;
+}
 
 // quantize_all on the CPU, made once for the tests that read it.
 const std::vector<Quantized>& cpu_grids() {
@@ -301,17 +378,18 @@ TEST(GgufGrid, RefusesWhatNoBlockCanHold) {
   grid.d = grid.d * (1.0 + 1.0 / 4096);  // 22 significant bits
   EXPECT_NE(testing::error_message([&] { encode_gguf_grid(grid); }).find("not an fp16 value"), std::string::npos);
   grid = quantize_gguf_grid(weight, GgufBlockType::kQ3_K);
-  grid.codes = grid.codes + 8;
+  const auto codes = grid.codes;
+  grid.codes = codes + 8;
   EXPECT_NE(testing::error_message([&] { encode_gguf_grid(grid); }).find("outside their 3 bits"), std::string::npos);
-  grid.codes = grid.codes.to(torch::kInt);
+  grid.codes = codes.to(torch::kInt);  // in range, not as the block stores them
   EXPECT_NE(testing::error_message([&] { encode_gguf_grid(grid); }).find("codes is Int [4, 256], expected Byte [4, 256]"), std::string::npos);
   EXPECT_NE(testing::error_message([&] { decode_gguf_grid(std::vector<uint8_t>(100), GgufBlockType::kQ4_0, 1, 32); }).find("not a [1, 32] tensor"),
             std::string::npos);
 }
 
-// On CUDA the same ops give values that equal ggml's reading of the grid's bytes, and a CPU grid
-// dequantizes to the same bits on either device. (Which scales the fit picks may differ between
-// devices, whose sums round in other orders; the values of a given grid may not.)
+// On CUDA the same ops give values that equal ggml's reading of the grid's bytes, a CPU grid
+// dequantizes to the same bits on either device, and the fit picks the same grid on either device:
+// training fits it on CUDA in each forward, the export may fit it again on the CPU.
 TEST(GgufGrid, CudaGridsDequantizeAsGgmlReadsTheBytes) {
   SKIP_WITHOUT_CUDA();
   for (const auto& quantized : quantize_all(torch::Device(torch::kCUDA, 0))) {
@@ -330,6 +408,63 @@ TEST(GgufGrid, CpuGridsDequantizeToTheSameBitsOnCuda) {
       if (part->defined()) *part = part->to(cuda);
     }
     EXPECT_TRUE(same_bits(dequantize_gguf_grid(grid), quantized.values)) << quantized.what;
+  }
+}
+
+TEST(GgufGrid, CudaFitsTheCpusGridBitForBit) {
+  SKIP_WITHOUT_CUDA();
+  const torch::Device cuda(torch::kCUDA, 0);
+  for (const auto& c : grid_cases()) {
+    const auto on_cuda = quantize_gguf_grid(c.weight.to(cuda), c.type, c.options);
+    ASSERT_TRUE(on_cuda.codes.is_cuda()) << c.what;
+    EXPECT_EQ(differing_parts(on_cuda, quantize_gguf_grid(c.weight, c.type, c.options)), "") << c.what;
+  }
+}
+
+// Where no GPU tests the promise above, the CPU's own ways of ordering a sum: its thread count, the
+// weight's memory layout, the rows beside a row (a sum over a sub-block whose order depended on them
+// would pick another scale now and then).
+TEST(GgufGrid, GridDoesNotDependOnTheThreadCount) {
+  const int threads = torch::get_num_threads();
+  auto grids_with = [](int thread_count) {
+    torch::set_num_threads(thread_count);
+    std::vector<GgufGridTensor> grids;
+    for (const auto& c : grid_cases()) grids.push_back(quantize_gguf_grid(c.weight, c.type, c.options));
+    return grids;
+  };
+  const auto one_thread = grids_with(1);
+  const auto four_threads = grids_with(4);
+  torch::set_num_threads(threads);
+  const auto cases = grid_cases();
+  for (size_t index = 0; index < cases.size(); ++index) {
+    EXPECT_EQ(differing_parts(one_thread[index], four_threads[index]), "") << cases[index].what;
+  }
+}
+
+TEST(GgufGrid, GridDoesNotDependOnTheMemoryLayout) {
+  for (const auto& c : grid_cases()) {
+    const auto grid = quantize_gguf_grid(c.weight, c.type, c.options);
+    const auto column_major = c.weight.t().contiguous().t();
+    const auto every_other_row = torch::stack({c.weight, torch::randn_like(c.weight)}, 1).select(1, 0);
+    EXPECT_EQ(differing_parts(quantize_gguf_grid(column_major, c.type, c.options), grid), "") << c.what << ", column-major";
+    EXPECT_EQ(differing_parts(quantize_gguf_grid(every_other_row, c.type, c.options), grid), "") << c.what << ", rows 2 apart";
+  }
+}
+
+TEST(GgufGrid, EachRowsGridDependsOnThatRowAlone) {
+  torch::manual_seed(11);
+  for (const auto& c : grid_cases()) {
+    const auto grid = quantize_gguf_grid(c.weight, c.type, c.options);
+    const int64_t rows = c.weight.size(0);
+    const auto order = torch::randperm(rows);
+    EXPECT_EQ(differing_parts(quantize_gguf_grid(c.weight.index_select(0, order), c.type, c.options), grid_rows(grid, order)), "")
+        << c.what << ", rows permuted";
+    std::vector<GgufGridTensor> slices;
+    const int64_t slice_rows = (rows + 2) / 3;
+    for (int64_t begin = 0; begin < rows; begin += slice_rows) {
+      slices.push_back(quantize_gguf_grid(c.weight.narrow(0, begin, std::min(slice_rows, rows - begin)), c.type, c.options));
+    }
+    EXPECT_EQ(differing_parts(concatenated_rows(slices), grid), "") << c.what << ", in slices of " << slice_rows << " rows";
   }
 }
 
