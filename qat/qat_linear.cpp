@@ -67,9 +67,8 @@ GgufGridTensor QatLinear::convert_gguf_grid() const {
 QuantizedTensor QatLinear::convert() const {
   torch::NoGradGuard no_grad;
   if (weight_fake_quant_->spec().is_gguf_block()) {
-    throw Error(ErrorCode::kUsage, weight_fake_quant_->what() + ".format: gguf weights (" + weight_fake_quant_->spec().describe() +
-                ") have a GGUF block type's codes and scales, which the gguf export writes (--format gguf); other formats take "
-                "the model as float weights (merged)");
+    throw Error(ErrorCode::kInternal, weight_fake_quant_->what() + ".format: gguf weights (" + weight_fake_quant_->spec().describe() +
+                ") have a GGUF block type's codes and scales: convert_gguf_grid gives them (internal error)");
   }
   if (fused_lora_) {
     return fake_quantize_merged(*fused_lora_, weight_fake_quant_->spec(), torch::kFloat32, false, true, false).quantized;

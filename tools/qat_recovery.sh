@@ -178,21 +178,12 @@ finetune() {
 # safetensors-int export (fp32, as qtrain quantize evaluates).
 qat() {
   local model=$1 scheme=$2 variant=$3 config=$4 name="$1-qat-$2-$3" seq=${1}_seq steps; shift 4
-  # GGUF block types have no safetensors-int form: their merged fp32 export holds the weights the
-  # last forward used, exactly (their inputs are not quantized).
-  local exported=safetensors-int
-  [[ "${scheme_sets[$scheme]}" == *format=gguf* ]] && exported=merged
   mapfile -t sets < <(as_sets $(model_sets "$model" "$config") ${scheme_sets[$scheme]} "$@" quant=qat \
-                      "export.formats=[$([[ $exported == safetensors-int ]] && echo safetensors-int)]" \
-                      "train.output_dir=$out/runs/$name")
+                      export.formats=[safetensors-int] "train.output_dir=$out/runs/$name")
   steps=$(printf '%s\n' "${sets[@]}" | sed -n 's/^train.steps=//p')
   sets=("${sets[@]/QUARTER/$(( steps / 4 ))}")
   "$qtrain" --recipe "$recipe" "${sets[@]}" > "$out/logs/$name.log" 2>&1 || { log "FAILED: $name (logs/$name.log)"; return 1; }
-  if [[ $exported == merged ]]; then
-    "$qtrain" export --run "$out/runs/$name" --format merged --dtype fp32 --out "$out/runs/$name/export/merged" --force \
-      >> "$out/logs/$name.log" 2>&1 || { log "FAILED: $name export (logs/$name.log)"; return 1; }
-  fi
-  "$qtrain" eval --model "$out/runs/$name/export/$exported" --data "$eval_data" --max-seq-len "${!seq}" \
+  "$qtrain" eval --model "$out/runs/$name/export/safetensors-int" --data "$eval_data" --max-seq-len "${!seq}" \
     --batch-size "$eval_batch" --device "$device" --dtype fp32 --json > "$out/logs/$name-eval.log" 2>&1 \
     || { log "FAILED: $name eval (logs/$name-eval.log)"; return 1; }
   record "$model" qat "$scheme" "$variant" "$config" "$(tail -1 "$out/logs/$name-eval.log" | sed -E 's/.*"loss":([0-9.eE+-]+).*/\1/')"

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <map>
 
 #include "kernels/error.h"
 #include "trainer/formats/hf_config.h"
@@ -137,8 +138,16 @@ void Finetune::setup_adapters() {
   const auto quantized = apply_recipe_qat(model, recipe_, &loaded_.config);
   if (!quantized.empty()) {
     const auto options = qat_linear_options(recipe_);
+    std::string weights = options.weights.spec.describe();
+    if (options.weights.spec.is_gguf_block()) {  // "gguf Q4_K_M's mix: 24 Q4_K, 4 Q6_K"
+      std::map<std::string, int> types;
+      for (const auto& [name, layer] : qat::find_qat_layers(model)) ++types[layer->weight_fake_quant().spec().describe()];
+      weights = "gguf " + recipe_.qat.weights.gguf_type + "'s mix:";
+      for (const auto& [type, count] : types) weights += " " + std::to_string(count) + " " + type.substr(5) + ",";
+      weights.pop_back();
+    }
     std::printf("qat: %zu layers, weights %s, inputs %s; fake quantization from step %lld\n", quantized.size(),
-                options.weights.spec.describe().c_str(),
+                weights.c_str(),
                 options.activations ? options.activations->spec.describe().c_str() : "unquantized",
                 static_cast<long long>(recipe_.qat.start_step));
   }

@@ -9,6 +9,7 @@
 #include "kernels/error.h"
 #include "model_outputs.h"
 #include "qat_model.h"
+#include "qat/qat_linear.h"
 #include "support.h"
 #include "trainer/formats/hf_checkpoint.h"
 #include "trainer/formats/safetensors_int.h"
@@ -119,6 +120,37 @@ void expect_load_error(const std::string& dir, const std::string& needle) {
   } catch (const Error& error) {
     EXPECT_NE(std::string(error.what()).find(needle), std::string::npos) << error.what();
   }
+}
+
+// Format gguf (QAT on llama.cpp's block types): each layer's blocks as the GGUF file holds them,
+// with their type, load back (qtrain eval --model) to exactly the weights the QAT forward used.
+TEST(QuantizedCheckpoint, GgufBlockLayersLoadToTheWeightsTheyTrainedOn) {
+  TempDir temp;
+  auto qat_model = tiny_qat_llama(qat::QuantSpec::gguf_block_type(qat::GgufBlockType::kQ4_K));
+  const auto out = temp.file("int");
+  write_quantized_model(*qat_model.model, BaseDirectory::read(fixture("tiny-llama"), qat_model.config), out);
+  const auto weights = SafetensorsCheckpoint::open(out);
+  const std::string q_proj = "model.layers.0.self_attn.q_proj";
+  EXPECT_EQ(weights.info(q_proj + ".weight").dtype, "U8");
+  EXPECT_EQ(weights.info(q_proj + ".weight").shape, (std::vector<int64_t>{256, 144}));  // one 144-byte Q4_K block a row
+  EXPECT_EQ(weights.tensor(q_proj + ".weight_gguf_type").item<int32_t>(), 12);            // ggml's Q4_K
+
+  auto loaded = load_llama(out);
+  const auto loaded_parameters = loaded.model->named_parameters();
+  for (const auto& [name, layer] : qat::find_qat_layers(*qat_model.model)) {
+    const auto* weight = loaded_parameters.find(name + ".weight");
+    ASSERT_NE(weight, nullptr) << name;
+    EXPECT_TRUE(torch::equal(*weight, layer->dense_weight(torch::kFloat32))) << name;
+  }
+  const auto input_ids = reference_input_ids();
+  EXPECT_LE(testing_outputs::max_relative_error(logits_of(*loaded.model, input_ids), logits_of(*qat_model.model, input_ids)), 1e-4);
+
+  // A block type id that is not one, and bytes of the wrong size, are errors naming the tensor.
+  rewrite_weights(out, "", {q_proj + ".weight_gguf_type", torch::full({1}, 99, torch::kInt32)});
+  expect_load_error(out, "'" + q_proj + ".weight_gguf_type' should hold the int32 ggml id");
+  rewrite_weights(out, "", {q_proj + ".weight_gguf_type", torch::full({1}, 12, torch::kInt32)});
+  rewrite_weights(out, "", {q_proj + ".weight", torch::zeros({256, 143}, torch::kUInt8)});
+  expect_load_error(out, "'" + q_proj + ".weight' should hold the Q4_K blocks");
 }
 
 TEST(QuantizedCheckpoint, BrokenFilesAreErrorsNamingTheTensor) {

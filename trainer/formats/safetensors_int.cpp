@@ -1,10 +1,12 @@
 #include "trainer/formats/safetensors_int.h"
 
+#include <algorithm>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 
 #include "kernels/error.h"
+#include "qat/gguf_grid.h"
 #include "qat/input_quantized_linear.h"
 #include "qat/qat_linear.h"
 #include "trainer/base/file_system.h"
@@ -19,6 +21,9 @@ constexpr const char* kQuantMethod = "qtrain";
 constexpr const char* kMetadataKey = "qtrain.quantization";
 constexpr const char* kScaleSuffix = ".weight_scale";
 constexpr const char* kZeroPointSuffix = ".weight_zero_point";
+// Format gguf: `weight` holds the layer's GGUF blocks as bytes, [rows, bytes of a row's blocks],
+// and this int32 [1] the block type's ggml id (a file type's mix gives layers different types).
+constexpr const char* kGgufTypeSuffix = ".weight_gguf_type";
 
 const char* scale_dtype_name(torch::ScalarType dtype) { return dtype == torch::kFloat16 ? "float16" : "float32"; }
 
@@ -75,6 +80,20 @@ nlohmann::ordered_json quantization_config(
   const auto& first = *layers.front().second;
   const auto weights = first.weight_fake_quant().spec();
   const auto* activations = first.activation_fake_quant();
+  if (weights.is_gguf_block()) {
+    // Each layer's block type is its own tensor; the scheme is the format.
+    for (const auto& [name, layer] : layers) {
+      if (!layer->weight_fake_quant().spec().is_gguf_block() || layer->activation_fake_quant() != nullptr) {
+        throw Error(ErrorCode::kRecipe, "safetensors-int export: layer '" + name + "' is quantized differently from '" +
+                    layers.front().first + "'; the format holds one scheme per model");
+      }
+    }
+    nlohmann::ordered_json config;
+    config["quant_method"] = kQuantMethod;
+    config["weights"] = {{"format", qat::quant_format_name(qat::QuantFormat::kGguf)}};
+    config["activations"] = nullptr;
+    return config;
+  }
   for (const auto& [name, layer] : layers) {
     const auto* layer_activations = layer->activation_fake_quant();
     if (layer->weight_fake_quant().spec().describe() != weights.describe() ||
@@ -132,6 +151,17 @@ void write_quantized_model(const LlamaForCausalLMImpl& model, const BaseDirector
       tensors.emplace_back(name, std::move(tensor));
       continue;
     }
+    if (layer->second->weight_fake_quant().spec().is_gguf_block()) {
+      const auto grid = layer->second->convert_gguf_grid();
+      auto bytes = qat::encode_gguf_grid(grid);
+      const int64_t rows = grid.codes.size(0);
+      const auto row_bytes = static_cast<int64_t>(bytes.size()) / rows;
+      tensors.emplace_back(name, torch::from_blob(bytes.data(), {rows, row_bytes}, torch::kUInt8).clone());
+      const auto type_id = static_cast<int32_t>(qat::gguf_block_format(grid.type).ggml_type);
+      tensors.emplace_back(name.substr(0, name.size() - std::string(".weight").size()) + kGgufTypeSuffix,
+                           torch::full({1}, type_id, torch::kInt32));
+      continue;
+    }
     const auto quantized = layer->second->convert();
     const auto& spec = quantized.spec;
     const auto prefix = name.substr(0, name.size() - std::string(".weight").size());
@@ -157,32 +187,14 @@ bool is_qtrain_quantized_checkpoint(const HfModelConfig& config) {
   return quantization.is_object() && quantization.value("quant_method", "") == kQuantMethod;
 }
 
-LoadedModel load_qtrain_quantized_llama(const std::string& model_dir, const HfModelConfig& config,
-                                        const ModelLoadOptions& options) {
-  const std::string what = config.path + ": quantization_config";
-  const auto quantization = nlohmann::json::parse(config.json).at("quantization_config");
-  const auto weight_spec = spec_from_json(quantization.value("weights", nlohmann::json()), what + ".weights");
-  std::optional<qat::FakeQuantizerOptions> activations;
-  if (quantization.contains("activations") && !quantization.at("activations").is_null()) {
-    const auto& section = quantization.at("activations");
-    qat::FakeQuantizerOptions activation_options;
-    activation_options.spec = spec_from_json(section, what + ".activations");
-    activation_options.observer = qat::parse_observer_kind(section.value("observer", "dynamic"), what + ".activations.observer");
-    if (activation_options.observer != qat::ObserverKind::kDynamic) {
-      throw Error(ErrorCode::kModelConfig, what + ".activations.observer: only 'dynamic' activation scales can be loaded");
-    }
-    activations = activation_options;
-  }
+namespace {
 
-  LoadedModel loaded;
-  loaded.config = config;
-  loaded.model = LlamaForCausalLM(config.llama, options.dtype, dense_linear_factory());
-  const auto weights = SafetensorsCheckpoint::open(model_dir);
-  std::map<std::string, torch::Tensor> parameters;
-  for (auto& item : loaded.model->named_parameters(/*recurse=*/true)) parameters[item.key()] = item.value();
-
-  torch::NoGradGuard no_grad;
-  std::set<std::string> loaded_elsewhere;
+// Integer and float grids: every `NAME.weight_scale` names a layer whose `NAME.weight` holds its
+// codes (+ `NAME.weight_zero_point`); each is dequantized as convert does into the model's weight.
+// Returns the layers.
+std::vector<std::string> load_integer_weights(const SafetensorsCheckpoint& weights, std::map<std::string, torch::Tensor>& parameters,
+                                              const qat::QuantSpec& weight_spec, const std::string& what,
+                                              std::set<std::string>& loaded_elsewhere) {
   std::vector<std::string> quantized_layers;
   for (const auto& scale_name : weights.names()) {
     if (!ends_with(scale_name, kScaleSuffix)) continue;
@@ -243,9 +255,87 @@ LoadedModel load_qtrain_quantized_llama(const std::string& model_dir, const HfMo
     loaded_elsewhere.insert(scale_name);
     quantized_layers.push_back(layer);
   }
+  return quantized_layers;
+}
+
+// Format gguf: every `NAME.weight_gguf_type` names a layer whose `NAME.weight` holds its GGUF
+// blocks; each is dequantized as ggml does into the model's weight. Returns the layers.
+std::vector<std::string> load_gguf_block_weights(const SafetensorsCheckpoint& weights, std::map<std::string, torch::Tensor>& parameters,
+                                                 std::set<std::string>& loaded_elsewhere) {
+  std::vector<std::string> layers;
+  for (const auto& type_name : weights.names()) {
+    if (!ends_with(type_name, kGgufTypeSuffix)) continue;
+    const auto layer = type_name.substr(0, type_name.size() - std::string(kGgufTypeSuffix).size());
+    const auto weight_name = layer + ".weight";
+    const auto target = parameters.find(weight_name);
+    if (target == parameters.end() || target->second.dim() != 2) {
+      throw Error(ErrorCode::kWeights, weights.source() + ": '" + type_name + "' belongs to no linear layer of the model (no '" +
+                  weight_name + "')");
+    }
+    const auto type_id = weights.tensor(type_name);
+    const auto* format = type_id.scalar_type() == torch::kInt32 && type_id.numel() == 1
+                             ? qat::gguf_block_format_by_id(static_cast<uint32_t>(type_id.item<int32_t>()))
+                             : nullptr;
+    if (format == nullptr || format->dequantize == nullptr) {
+      throw Error(ErrorCode::kWeights, weights.source() + ": tensor '" + type_name + "' should hold the int32 ggml id of a quantized "
+                  "GGUF block type, found " + std::string(c10::toString(type_id.scalar_type())) + " " + shape_text(type_id.sizes()));
+    }
+    const int64_t rows = target->second.size(0);
+    const int64_t cols = target->second.size(1);
+    const auto bytes = weights.tensor(weight_name).contiguous();
+    if (cols % format->block_elements != 0 || bytes.scalar_type() != torch::kUInt8 ||
+        bytes.sizes() != c10::IntArrayRef({rows, cols / format->block_elements * format->block_bytes})) {
+      throw Error(ErrorCode::kWeights, weights.source() + ": tensor '" + weight_name + "' should hold the " + format->name +
+                  " blocks of a [" + std::to_string(rows) + ", " + std::to_string(cols) + "] weight as uint8 [" +
+                  std::to_string(rows) + ", " + std::to_string(cols / std::max<int64_t>(format->block_elements, 1) * format->block_bytes) +
+                  "], found " + std::string(c10::toString(bytes.scalar_type())) + " " + shape_text(bytes.sizes()));
+    }
+    auto values = torch::empty({rows, cols}, torch::kFloat32);
+    format->dequantize(bytes.data_ptr<uint8_t>(), values.data_ptr<float>(), values.numel());
+    target->second.copy_(values);
+    loaded_elsewhere.insert(weight_name);
+    loaded_elsewhere.insert(type_name);
+    layers.push_back(layer);
+  }
+  return layers;
+}
+
+}  // namespace
+
+LoadedModel load_qtrain_quantized_llama(const std::string& model_dir, const HfModelConfig& config,
+                                        const ModelLoadOptions& options) {
+  const std::string what = config.path + ": quantization_config";
+  const auto quantization = nlohmann::json::parse(config.json).at("quantization_config");
+  const auto weights_section = quantization.value("weights", nlohmann::json());
+  const bool gguf_blocks =
+      weights_section.is_object() && weights_section.value("format", "") == qat::quant_format_name(qat::QuantFormat::kGguf);
+  const auto weight_spec = gguf_blocks ? qat::QuantSpec() : spec_from_json(weights_section, what + ".weights");
+  std::optional<qat::FakeQuantizerOptions> activations;
+  if (quantization.contains("activations") && !quantization.at("activations").is_null()) {
+    const auto& section = quantization.at("activations");
+    qat::FakeQuantizerOptions activation_options;
+    activation_options.spec = spec_from_json(section, what + ".activations");
+    activation_options.observer = qat::parse_observer_kind(section.value("observer", "dynamic"), what + ".activations.observer");
+    if (activation_options.observer != qat::ObserverKind::kDynamic) {
+      throw Error(ErrorCode::kModelConfig, what + ".activations.observer: only 'dynamic' activation scales can be loaded");
+    }
+    activations = activation_options;
+  }
+
+  LoadedModel loaded;
+  loaded.config = config;
+  loaded.model = LlamaForCausalLM(config.llama, options.dtype, dense_linear_factory());
+  const auto weights = SafetensorsCheckpoint::open(model_dir);
+  std::map<std::string, torch::Tensor> parameters;
+  for (auto& item : loaded.model->named_parameters(/*recurse=*/true)) parameters[item.key()] = item.value();
+
+  torch::NoGradGuard no_grad;
+  std::set<std::string> loaded_elsewhere;
+  const auto quantized_layers = gguf_blocks ? load_gguf_block_weights(weights, parameters, loaded_elsewhere)
+                                            : load_integer_weights(weights, parameters, weight_spec, what, loaded_elsewhere);
   if (quantized_layers.empty()) {
     throw Error(ErrorCode::kWeights, weights.source() + ": config.json says the model is quantized (quant_method qtrain) but no tensor "
-                "ends in '" + kScaleSuffix + "'");
+                "ends in '" + (gguf_blocks ? kGgufTypeSuffix : kScaleSuffix) + "'");
   }
   load_state(*loaded.model, weights, model_dir, config.llama.tie_word_embeddings, loaded_elsewhere);
 

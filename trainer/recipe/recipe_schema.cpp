@@ -546,14 +546,6 @@ std::optional<RecipeConflict> find_conflict(const Recipe& recipe) {
                                                   "quantize a finished model, use qtrain quantize)"};
     }
   }
-  const bool trains_on_gguf = recipe.quant == QuantMethod::kQat && recipe.qat.weights.format == qat::QuantFormat::kGguf;
-  const bool writes_integers = std::any_of(formats.begin(), formats.end(), [](const std::string& name) {
-    return find_export_format(name, "export.formats").format == ExportFormat::kSafetensorsInt;
-  });
-  if (trains_on_gguf && writes_integers) {
-    return RecipeConflict{"export.formats", "qat.weights.format: gguf trains on llama.cpp's blocks, which the gguf export writes; "
-                                            "safetensors-int does not hold them: export gguf (and merged for the float weights)"};
-  }
   const bool writes_gguf = std::any_of(formats.begin(), formats.end(), [](const std::string& name) {
     return find_export_format(name, "export.formats").format == ExportFormat::kGguf;
   });
