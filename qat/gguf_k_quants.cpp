@@ -109,6 +109,21 @@ float signed_abs_max(const float* x, int n, float* abs_max) {
   return max;
 }
 
+// The codes of x at inverse scale `inverse` on [-nmax, nmax - 1], written as q + offset when
+// `out` is given, and their x^2-weighted sums sum w x q and sum w q^2 (w = x^2), added in ggml's
+// order.
+void weighted_codes(const float* x, int n, float inverse, int nmax, int offset, int8_t* out, float* sum_xq, float* sum_qq) {
+  *sum_xq = 0;
+  *sum_qq = 0;
+  for (int i = 0; i < n; ++i) {
+    const int q = clamp_int(round_to_int(inverse * x[i]), -nmax, nmax - 1);
+    if (out) out[i] = static_cast<int8_t>(q + offset);
+    const float w = x[i] * x[i];
+    *sum_xq += w * x[i] * q;
+    *sum_qq += w * q * q;
+  }
+}
+
 // Q6_K's sub-block fit (ggml's make_qx_quants, x^2-weighted): codes q in [-nmax, nmax - 1] and a
 // scale d minimising sum x^2 (x - d q)^2. Tries the grid of -max / (nmax + 0.1 k), k = 0, +-1 .. +-9,
 // each with its least-squares d; writes q + nmax into `codes` and returns d.
@@ -119,20 +134,8 @@ float fit_symmetric_scale(const float* x, int n, int nmax, int8_t* codes) {
     std::memset(codes, 0, n);
     return 0.f;
   }
-  // sum w x q and sum w q^2 (w = x^2) of the codes at inverse scale `inverse`; writes the codes
-  // (offset by nmax) when asked.
   auto weighted_sums = [&](float inverse, float* sum_xq, float* sum_qq, int8_t* out) {
-    *sum_xq = 0;
-    *sum_qq = 0;
-    for (int i = 0; i < n; ++i) {
-      const int q = clamp_int(round_to_int(inverse * x[i]), -nmax, nmax - 1);
-      if (out) {
-        out[i] = static_cast<int8_t>(q + nmax);
-      }
-      const float w = x[i] * x[i];
-      *sum_xq += w * x[i] * q;
-      *sum_qq += w * q * q;
-    }
+    weighted_codes(x, n, inverse, nmax, /*offset=*/nmax, out, sum_xq, sum_qq);
   };
   float sum_xq;
   float sum_qq;
@@ -165,16 +168,9 @@ float fit_symmetric_scale_iterated(const float* x, int n, int nmax, int8_t* code
     std::memset(codes, 0, n);
     return 0.f;
   }
-  const float inverse = -nmax / max;
-  float sum_xq = 0;
-  float sum_qq = 0;
-  for (int i = 0; i < n; ++i) {
-    const int q = clamp_int(round_to_int(inverse * x[i]), -nmax, nmax - 1);
-    codes[i] = static_cast<int8_t>(q);
-    const float w = x[i] * x[i];
-    sum_xq += w * x[i] * q;
-    sum_qq += w * q * q;
-  }
+  float sum_xq;
+  float sum_qq;
+  weighted_codes(x, n, -nmax / max, nmax, /*offset=*/0, codes, &sum_xq, &sum_qq);
   for (int pass = 0; pass < 5; ++pass) {
     int changed = 0;
     for (int i = 0; i < n; ++i) {
