@@ -155,7 +155,6 @@ void unpack_codes(const uint8_t* qs, const uint8_t* qh, int* codes) {
   }
 }
 
-
 // value = (code - 2^(bits-1)) * d, the symmetric types' dequantization.
 template <int kBits>
 void expand_symmetric(const int* codes, uint16_t d_bits, float* y) {
@@ -171,47 +170,31 @@ void expand_asymmetric(const int* codes, uint16_t d_bits, uint16_t m_bits, float
   for (int j = 0; j < kBlock; ++j) y[j] = static_cast<float>(codes[j]) * d + m;
 }
 
+// n / 32 blocks of a 4- or 5-bit type: each block's codes with d (and, asymmetric, the min m),
+// the low four bits as nibbles and the 5-bit types' fifth bits in qh.
+template <typename Block, int kBits, bool kAsymmetric>
+void quantize_legacy(const float* x, uint8_t* out, int64_t n) {
+  quantize_blocks<Block, kBlock>(x, out, n, [](const float* values, Block& block) {
+    uint8_t codes[kBlock];
+    if constexpr (kAsymmetric) {
+      float d, min;
+      asymmetric_codes<kBits>(values, codes, d, min);
+      block.d = fp16_bits_from_float(d);
+      block.m = fp16_bits_from_float(min);
+    } else {
+      block.d = fp16_bits_from_float(symmetric_codes<kBits>(values, codes));
+    }
+    pack_nibbles(codes, block.qs);
+    if constexpr (kBits == 5) pack_fifth_bits(codes, block.qh);
+  });
+}
+
 }  // namespace
 
-void quantize_q4_0(const float* x, uint8_t* out, int64_t n) {
-  quantize_blocks<GgufBlockQ4_0, kBlock>(x, out, n, [](const float* values, GgufBlockQ4_0& block) {
-    uint8_t codes[kBlock];
-    block.d = fp16_bits_from_float(symmetric_codes<4>(values, codes));
-    pack_nibbles(codes, block.qs);
-  });
-}
-
-void quantize_q5_0(const float* x, uint8_t* out, int64_t n) {
-  quantize_blocks<BlockQ5_0, kBlock>(x, out, n, [](const float* values, BlockQ5_0& block) {
-    uint8_t codes[kBlock];
-    block.d = fp16_bits_from_float(symmetric_codes<5>(values, codes));
-    pack_nibbles(codes, block.qs);
-    pack_fifth_bits(codes, block.qh);
-  });
-}
-
-void quantize_q4_1(const float* x, uint8_t* out, int64_t n) {
-  quantize_blocks<BlockQ4_1, kBlock>(x, out, n, [](const float* values, BlockQ4_1& block) {
-    uint8_t codes[kBlock];
-    float d, min;
-    asymmetric_codes<4>(values, codes, d, min);
-    block.d = fp16_bits_from_float(d);
-    block.m = fp16_bits_from_float(min);
-    pack_nibbles(codes, block.qs);
-  });
-}
-
-void quantize_q5_1(const float* x, uint8_t* out, int64_t n) {
-  quantize_blocks<BlockQ5_1, kBlock>(x, out, n, [](const float* values, BlockQ5_1& block) {
-    uint8_t codes[kBlock];
-    float d, min;
-    asymmetric_codes<5>(values, codes, d, min);
-    block.d = fp16_bits_from_float(d);
-    block.m = fp16_bits_from_float(min);
-    pack_nibbles(codes, block.qs);
-    pack_fifth_bits(codes, block.qh);
-  });
-}
+void quantize_q4_0(const float* x, uint8_t* out, int64_t n) { quantize_legacy<GgufBlockQ4_0, 4, false>(x, out, n); }
+void quantize_q5_0(const float* x, uint8_t* out, int64_t n) { quantize_legacy<BlockQ5_0, 5, false>(x, out, n); }
+void quantize_q4_1(const float* x, uint8_t* out, int64_t n) { quantize_legacy<BlockQ4_1, 4, true>(x, out, n); }
+void quantize_q5_1(const float* x, uint8_t* out, int64_t n) { quantize_legacy<BlockQ5_1, 5, true>(x, out, n); }
 
 void quantize_q8_0(const float* x, uint8_t* out, int64_t n) {
   quantize_blocks<GgufBlockQ8_0, kBlock>(x, out, n, [](const float* values, GgufBlockQ8_0& block) {
