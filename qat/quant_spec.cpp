@@ -102,6 +102,7 @@ void QuantSpec::validate(const std::string& what) const {
     if (!is_integer()) throw Error(ErrorCode::kRecipe, reason + "format int, got " + info.name);
     if (symmetric) throw Error(ErrorCode::kRecipe, reason + "symmetric: false (its zero point offsets each block's own range)");
     if (scale_dtype != torch::kFloat32) throw Error(ErrorCode::kRecipe, reason + "scale_dtype fp32");
+    if (convention != QuantConvention::kTorchao) throw Error(ErrorCode::kRecipe, reason + "torchao's conventions");
   }
 }
 
@@ -124,6 +125,7 @@ std::string QuantSpec::describe() const {
   text += scale_dtype == torch::kFloat16 ? " scale fp16" : " scale fp32";
   if (zero_point_domain != ZeroPointDomain::kInt) text += std::string(" zero_point ") + zero_point_domain_name(zero_point_domain);
   if (group_scales.is_two_level()) text += " two-level scales";
+  if (convention == QuantConvention::kCompressedTensors) text += " (compressed-tensors)";
   return text;
 }
 
@@ -173,6 +175,37 @@ QuantSpec QuantSpec::int4_weight_only(int64_t group_size) {
   spec.symmetric = false;
   spec.zero_point_domain = ZeroPointDomain::kFloat;
   return spec;
+}
+
+namespace {
+
+QuantSpec preset_grid(const QuantPreset& preset, const QuantPresetGrid& grid, const std::string& what) {
+  if (preset.two_level_scales) {
+    throw Error(ErrorCode::kRecipe, what + ": " + preset.name + " keeps its group scales in e4m3 under a scale of the whole "
+                "tensor, a second level QAT does not train on: train on another scheme and export " + preset.name +
+                " after training");
+  }
+  QuantSpec spec;
+  spec.format = grid.format;
+  spec.bits = grid.bits;
+  spec.symmetric = grid.symmetric;
+  spec.granularity = parse_granularity(grid.granularity, what);
+  spec.group_size = grid.group_size > 0 ? grid.group_size : spec.group_size;
+  spec.convention = QuantConvention::kCompressedTensors;
+  return spec;
+}
+
+}  // namespace
+
+QuantSpec QuantSpec::compressed_tensors_weights(const QuantPreset& preset) {
+  return preset_grid(preset, preset.weights, std::string("scheme ") + preset.name);
+}
+
+QuantSpec QuantSpec::compressed_tensors_activations(const QuantPreset& preset) {
+  if (!preset.quantizes_activations) {
+    throw Error(ErrorCode::kInternal, std::string("scheme ") + preset.name + " leaves activations unquantized (internal error)");
+  }
+  return preset_grid(preset, preset.activations, std::string("scheme ") + preset.name);
 }
 
 std::vector<int64_t> params_shape(const QuantSpec& spec, c10::IntArrayRef shape) {

@@ -45,6 +45,11 @@
 // scale is then clamped to fp16's range and rounded to fp16, and that rounded value is the scale
 // the forward uses: it is what GGUF's Q4_0 / Q8_0 store as the block's `d`, so an exported file
 // dequantizes to exactly the fake-quant weights.
+// compressed-tensors' convention (QuantConvention::kCompressedTensors, its presets: quant_presets.h)
+// differs in two places, and a spec that follows it computes its way: a scale that comes out 0
+// becomes eps (a smaller one is kept), and an asymmetric grid adds the zero point before rounding,
+//   z = round(clamp(quant_min - min / s, quant_min, quant_max)),  q = round(clamp(x / s + z, quant_min, quant_max));
+// each operation in x's dtype (fp32 for fp32 weights; a bf16 weight's scale and quotient are bf16).
 #include <c10/core/ScalarType.h>
 #include <c10/util/ArrayRef.h>
 #include <torch/types.h>
@@ -55,6 +60,7 @@
 
 #include "qat/gguf_block_format.h"
 #include "qat/quant_format.h"
+#include "qat/quant_presets.h"
 
 namespace qtrain::qat {
 
@@ -67,6 +73,9 @@ enum class ZeroPointDomain { kInt, kFloat };
 // "per_tensor" | "per_channel" | "per_token" | "per_group"; anything else is an Error naming `what`.
 Granularity parse_granularity(const std::string& name, const std::string& what);
 const char* granularity_name(Granularity granularity);
+// Whose conventions the grid follows where torchao's and compressed-tensors' differ (above).
+enum class QuantConvention { kTorchao, kCompressedTensors };
+
 // "int" | "float"; anything else is an Error naming `what`.
 ZeroPointDomain parse_zero_point_domain(const std::string& name, const std::string& what);
 const char* zero_point_domain_name(ZeroPointDomain domain);
@@ -114,6 +123,7 @@ struct QuantSpec {
   // codes and every level of its scales as the block stores them. granularity per_group with
   // group_size the type's block (32, or a k-quant's 256); the other fields are unused.
   GgufBlockType gguf_block = GgufBlockType::kQ4_K;
+  QuantConvention convention = QuantConvention::kTorchao;
 
   // The integer grid's ends (int format only): [-2^(bits-1), 2^(bits-1) - 1].
   int64_t quant_min() const;
@@ -146,6 +156,10 @@ struct QuantSpec {
   // torchao's int4 weight-only QAT, QATConfig(Int4WeightOnlyConfig(group_size)): asymmetric int4
   // per group, float zero point (its default group 128).
   static QuantSpec int4_weight_only(int64_t group_size);
+  // A compressed-tensors preset's weight grid and its input activations' (per token; only for a
+  // preset that quantizes them), with its conventions; not for the two-level NVFP4 (an Error).
+  static QuantSpec compressed_tensors_weights(const QuantPreset& preset);
+  static QuantSpec compressed_tensors_activations(const QuantPreset& preset);
 };
 
 // Shapes of the blocks view and of the parameters (scale, zero point) for `shape` (see above).

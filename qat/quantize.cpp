@@ -18,8 +18,12 @@ constexpr double kFp16Max = 65504.0;
 // The float zero point's eps, on the block's range before the division (MSLK's, torchao's).
 constexpr double kRangeEps = 1e-6;
 
+bool is_reduced_float(torch::ScalarType dtype) { return dtype == torch::kBFloat16 || dtype == torch::kFloat16; }
+
+// torchao's grids round in fp32; compressed-tensors' in x's own dtype (quant_spec.h).
 torch::Tensor to_blocks(const QuantSpec& spec, const torch::Tensor& x) {
-  return x.to(torch::kFloat32).reshape(block_view_shape(spec, x.sizes()));
+  const bool own_dtype = spec.convention == QuantConvention::kCompressedTensors && is_reduced_float(x.scalar_type());
+  return x.to(own_dtype ? x.scalar_type() : torch::kFloat32).reshape(block_view_shape(spec, x.sizes()));
 }
 
 void check_params(const QuantSpec& spec, const torch::Tensor& x, const QuantParams& params) {
@@ -91,20 +95,28 @@ struct Quantized {
 };
 
 Quantized quantize_blocks(const QuantSpec& spec, const torch::Tensor& blocks, const QuantParams& params) {
-  const auto scale = params.scale.unsqueeze(-1);
+  // The division runs in the blocks' dtype: fp32, or a compressed-tensors grid's bf16 / fp16.
+  const auto scale = params.scale.unsqueeze(-1).to(blocks.scalar_type());
   const auto& info = spec.format_info();
   switch (info.kind) {
     case GridKind::kInteger: {
       const auto zero_point = params.zero_point.unsqueeze(-1);
       const double quant_min = static_cast<double>(spec.quant_min());
       const double quant_max = static_cast<double>(spec.quant_max());
-      // A float zero point holds the block's minimum m: codes count steps up from it.
-      const auto unclamped = spec.has_integer_zero_point() ? torch::round(blocks / scale) + zero_point
-                                                           : torch::round((blocks - zero_point) / scale) + quant_min;
+      torch::Tensor unclamped;
+      if (spec.convention == QuantConvention::kCompressedTensors) {
+        // The zero point joins before rounding (an integer: exact in any of the dtypes).
+        unclamped = torch::round(blocks / scale + zero_point.to(blocks.scalar_type())).to(torch::kFloat32);
+      } else if (spec.has_integer_zero_point()) {
+        unclamped = torch::round(blocks / scale) + zero_point;
+      } else {
+        // A float zero point holds the block's minimum m: codes count steps up from it.
+        unclamped = torch::round((blocks - zero_point) / scale) + quant_min;
+      }
       return {unclamped.clamp(quant_min, quant_max).to(torch::kInt8), (unclamped >= quant_min) & (unclamped <= quant_max)};
     }
     case GridKind::kMinifloat: {
-      const auto scaled = blocks / scale;
+      const auto scaled = (blocks / scale).to(torch::kFloat32);
       const auto magnitude = scaled.abs();
       auto codes = minifloat_magnitude_codes(info, magnitude.clamp_max(info.max_value));
       const int64_t sign_bit = int64_t{1} << (info.bits - 1);
@@ -147,8 +159,7 @@ BlockMinMax block_min_max(const QuantSpec& spec, const torch::Tensor& x) {
   torch::NoGradGuard no_grad;
   const auto [min, max] = torch::aminmax(to_blocks(spec, x.detach()), -1);  // one pass over x
   const auto dtype = x.scalar_type();
-  const bool reduced_float = dtype == torch::kBFloat16 || dtype == torch::kFloat16;
-  return {min, max, reduced_float ? dtype : torch::kFloat32};
+  return {min.to(torch::kFloat32), max.to(torch::kFloat32), is_reduced_float(dtype) ? dtype : torch::kFloat32};
 }
 
 torch::Tensor effective_scale(const QuantSpec& spec, const torch::Tensor& scale) {
@@ -157,8 +168,37 @@ torch::Tensor effective_scale(const QuantSpec& spec, const torch::Tensor& scale)
   return result;
 }
 
+namespace {
+
+// compressed-tensors' calculate_qparams (quant_presets.h), every operation in the range's dtype.
+QuantParams choose_qparams_compressed_tensors(const QuantSpec& spec, const BlockMinMax& range) {
+  const auto dtype = range.dtype;
+  const auto min_negative = range.min.to(dtype).clamp_max(0.0);
+  const auto max_positive = range.max.to(dtype).clamp_min(0.0);
+  const bool integer = spec.is_integer();
+  const double quant_min = integer ? static_cast<double>(spec.quant_min()) : -spec.format_info().max_value;
+  const double quant_max = integer ? static_cast<double>(spec.quant_max()) : spec.format_info().max_value;
+  torch::Tensor scale;
+  torch::Tensor zero_point = torch::zeros(min_negative.sizes(), min_negative.options().dtype(torch::kFloat32));
+  if (spec.symmetric) {
+    scale = torch::maximum(-min_negative, max_positive) / ((quant_max - quant_min) / 2.0);
+  } else {
+    scale = (max_positive - min_negative) / (quant_max - quant_min);
+    // 0 / 0 where the block is all zeros: its codes are the zero point whatever it is; quant_min.
+    zero_point = torch::nan_to_num((quant_min - min_negative / scale).to(torch::kFloat32), quant_min)
+                     .clamp(quant_min, quant_max)
+                     .round();
+  }
+  const double eps = dtype == torch::kBFloat16 ? 0.0078125 : dtype == torch::kFloat16 ? 0.0009765625 : kScaleEps;
+  scale = torch::where(scale == 0, torch::full_like(scale, eps), scale);
+  return {scale.to(torch::kFloat32), zero_point};
+}
+
+}  // namespace
+
 QuantParams choose_qparams(const QuantSpec& spec, const BlockMinMax& range) {
   torch::NoGradGuard no_grad;
+  if (spec.convention == QuantConvention::kCompressedTensors) return choose_qparams_compressed_tensors(spec, range);
   const double quant_min = static_cast<double>(spec.quant_min());
   const double quant_max = static_cast<double>(spec.quant_max());
   if (spec.is_integer() && !spec.has_integer_zero_point()) {
@@ -198,7 +238,11 @@ torch::Tensor dequantize(const QuantSpec& spec, const torch::Tensor& codes, cons
 }
 
 FakeQuantized fake_quantize_values(const QuantSpec& spec, const torch::Tensor& x, const QuantParams& params) {
-  if (!(kernels::kCudaKernelsBuilt && x.is_cuda() && spec.has_integer_zero_point())) {
+  // The kernel rounds torchao's way in fp32; a compressed-tensors grid only where that is the same
+  // (symmetric: no zero point to add first) and x is fp32.
+  const bool kernel_rounds_alike = spec.convention == QuantConvention::kTorchao ||
+                     (spec.symmetric && x.scalar_type() == torch::kFloat32);
+  if (!(kernels::kCudaKernelsBuilt && x.is_cuda() && spec.has_integer_zero_point() && kernel_rounds_alike)) {
     return fake_quantize_values_reference(spec, x, params);
   }
   check_params(spec, x, params);

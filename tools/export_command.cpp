@@ -4,6 +4,8 @@
 //   --format gguf    the model as one GGUF file llama.cpp runs, of --gguf-type (llama.cpp's file
 //                    types; a QAT run's trained blocks as they are)
 //   --format safetensors-int  a QAT run's model with integer weights + scales (+ zero points)
+//   --format compressed-tensors  the model on a compressed-tensors preset (--scheme) for vLLM /
+//                    SGLang / transformers (a QAT run's trained codes as they are)
 // A run's model (--run) or a model directory with an optional adapter (--model, --adapter; merged
 // and gguf). The result is staged beside --out and renamed into place.
 #include <cstdio>
@@ -18,6 +20,7 @@
 #include "trainer/formats/merged_export.h"
 #include "trainer/formats/model_exports.h"
 #include "qat/qat_linear.h"
+#include "qat/quant_presets.h"
 #include "trainer/recipe/recipe_training.h"
 #include "trainer/trained_run.h"
 
@@ -83,7 +86,7 @@ int export_quantized(const std::string& run_dir, const std::string& checkpoint, 
 }  // namespace
 
 int run_export(const Arguments& arguments) {
-  std::string run_dir, model_dir, adapter_dir, format, out_dir, checkpoint, dtype_name, shard_size, gguf_type;
+  std::string run_dir, model_dir, adapter_dir, format, out_dir, checkpoint, dtype_name, shard_size, gguf_type, scheme;
   po::options_description options("export options");
   options.add_options()
       ("run", po::value(&run_dir)->default_value(""), "run directory (train.output_dir of a run)")
@@ -97,8 +100,14 @@ int run_export(const Arguments& arguments) {
        ("gguf: llama.cpp's file type, " + qat::gguf_file_type_names() +
         " (quantized types: the bytes llama-quantize writes from the F32 file); auto = a QAT run's trained blocks, "
         "the rest F32").c_str())
+      ("scheme", po::value(&scheme)->default_value("auto"),
+       ("compressed-tensors: the preset, " + [] {
+         std::string names;
+         for (const auto& name : qat::quant_preset_names()) names += (names.empty() ? "" : ", ") + name;
+         return names;
+       }() + "; auto = a QAT run's qat.weights.scheme, W4A16 otherwise").c_str())
       ("dtype", po::value(&dtype_name)->default_value("base"),
-       "merged, safetensors-int: dtype of the unquantized weights, bf16, fp16 or fp32; base = the base model's "
+       "merged, safetensors-int, compressed-tensors: dtype of the unquantized weights, bf16, fp16 or fp32; base = the base model's "
        "config.json dtype")
       ("shard-size", po::value(&shard_size)->default_value("5GB"),
        "merged: largest safetensors file (5GB, 500MB, 2GiB); more weights are sharded with an index")
@@ -106,8 +115,9 @@ int run_export(const Arguments& arguments) {
       ("force", po::bool_switch(), "replace an existing --out directory");
   po::variables_map values;
   if (!parse_command_line("usage: qtrain export --run DIR [--checkpoint step-N] --format " + format_names() +
-                          " [--gguf-type T] --out PATH [--force]\n"
-                          "       qtrain export --model DIR [--adapter DIR] --format merged|gguf [--gguf-type T] --out PATH [--force]",
+                          " [--gguf-type T] [--scheme S] --out PATH [--force]\n"
+                          "       qtrain export --model DIR [--adapter DIR] --format merged|gguf|compressed-tensors [--gguf-type T] "
+                          "[--scheme S] --out PATH [--force]",
                           options, arguments, values)) {
     return 0;
   }
@@ -117,7 +127,7 @@ int run_export(const Arguments& arguments) {
   const bool gguf_format = export_format.format == trainer::ExportFormat::kGguf;
   const bool peft_format = export_format.format == trainer::ExportFormat::kPeft;
   if (!model_dir.empty() && (peft_format || quantized_format)) {
-    throw Error(ErrorCode::kUsage, std::string("--model exports --format merged or gguf, not ") + export_format.name +
+    throw Error(ErrorCode::kUsage, std::string("--model exports --format merged, gguf or compressed-tensors, not ") + export_format.name +
                 " (a PEFT adapter is already its own export; " +
                 trainer::export_formats_refusing(trainer::ExportedWeights::kFloat) + " take a QAT run, --run DIR)");
   }
@@ -126,6 +136,9 @@ int run_export(const Arguments& arguments) {
   if (gguf_type != qat::kGgufFileTypeAuto && !gguf_format) {
     throw Error(ErrorCode::kUsage, "--gguf-type goes with --format gguf");
   }
+  const bool compressed_format = export_format.format == trainer::ExportFormat::kCompressedTensors;
+  if (scheme != "auto" && !compressed_format) throw Error(ErrorCode::kUsage, "--scheme goes with --format compressed-tensors");
+  if (scheme != "auto") qat::find_quant_preset(scheme, "--scheme");
   trainer::ModelExportOptions export_options;
   export_options.max_shard_bytes = trainer::parse_byte_size(shard_size, "--shard-size");
   export_options.gguf_file_type = trainer::parse_gguf_type(gguf_type, "--gguf-type");
@@ -157,11 +170,18 @@ int run_export(const Arguments& arguments) {
       gguf_type = trainer::gguf_export_type(recipe);
       export_options.gguf_file_type = trainer::parse_gguf_type(gguf_type, "--gguf-type");
     }
+    if (compressed_format) {
+      // auto: the preset a QAT run trained on.
+      auto recipe = run.recipe;
+      recipe.export_.scheme = scheme;
+      export_options.compressed_tensors_scheme = &trainer::compressed_tensors_export_scheme(recipe);
+    }
     source.loaded = std::move(run.loaded);
     source.base_dir = run.recipe.model.path;
     source.description = run.recipe.model.path + " with the adapter of " + run.adapter_source;
   } else {
     source = model_with_adapter(model_dir, adapter_dir);
+    if (compressed_format) export_options.compressed_tensors_scheme = &qat::find_quant_preset(scheme == "auto" ? "W4A16" : scheme, "--scheme");
   }
   export_options.dtype = dtype_name == "base" ? source.loaded.config.stored_dtype
                                               : trainer::parse_dtype_name(dtype_name, "--dtype");

@@ -9,6 +9,8 @@
 #include "tools/commands.h"
 #include "trainer/formats/hf_config.h"
 #include "trainer/base/memory_stats.h"
+#include "trainer/formats/compressed_tensors.h"
+#include "trainer/formats/compressed_tensors_config.h"
 #include "trainer/recipe/model_memory.h"
 #include "trainer/recipe/recipe.h"
 #include "trainer/formats/safetensors.h"
@@ -80,6 +82,24 @@ void print_model(const std::string& model_dir, const trainer::HfModelConfig& con
   std::printf("dtypes       config %s;", trainer::dtype_short_name(config.stored_dtype).c_str());
   for (const auto& [dtype, elements] : elements_by_dtype) std::printf(" %s %.3fM", dtype.c_str(), elements / 1e6);
   std::printf("\n");
+}
+
+// A compressed-tensors checkpoint: its groups, as qtrain keeps them (quant: none: stored form).
+void print_compressed_tensors(const trainer::HfModelConfig& config) {
+  if (!trainer::is_compressed_tensors_checkpoint(config)) return;
+  const auto parsed = trainer::parse_compressed_tensors_config(config.json, config.path);
+  for (const auto& group : parsed.groups) {
+    if (!group.weights) continue;
+    const auto& weights = *group.weights;
+    std::printf("quantized    compressed-tensors %s: %lld-bit %s %s%s weights%s on %zu target(s), %zu ignored; "
+                "quant: none keeps them stored\n",
+                group.format.c_str(), static_cast<long long>(weights.num_bits), weights.type.c_str(), weights.strategy.c_str(),
+                weights.group_size > 0 ? ("(" + std::to_string(weights.group_size) + ")").c_str() : "",
+                group.input_activations ? (", " + group.input_activations->type + std::to_string(group.input_activations->num_bits) +
+                                           " inputs per " + group.input_activations->strategy).c_str()
+                                        : "",
+                group.targets.size(), parsed.ignore.size());
+  }
 }
 
 void print_training_modes(const trainer::LlamaOptions& llama, int64_t lora_rank) {
@@ -197,7 +217,16 @@ int run_inspect(const Arguments& arguments) {
   const auto config = trainer::read_hf_config(model_dir);
   std::optional<trainer::TrainingMemorySetup> setup;
   if (recipe) setup = trainer::training_memory_setup(*recipe, config.llama);
+  if (setup && recipe->quant == trainer::QuantMethod::kNone && trainer::is_compressed_tensors_checkpoint(config)) {
+    // The checkpoint's projections stay in their stored form (scales in the compute dtype's bytes).
+    const auto parsed = trainer::parse_compressed_tensors_config(config.json, config.path);
+    const int64_t scale_bytes = static_cast<int64_t>(c10::elementSize(setup->compute_dtype));
+    setup->stored_projection_bytes = [parsed, scale_bytes](const std::string& name, int64_t out, int64_t in) {
+      return trainer::compressed_tensors_stored_bytes(parsed, name, out, in, scale_bytes);
+    };
+  }
   print_model(model_dir, config);
+  print_compressed_tensors(config);
   if (setup) {
     print_peak_estimate(recipe_path, *setup, config.llama);
   } else {

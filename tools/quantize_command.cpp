@@ -140,6 +140,7 @@ int run_quantize(const Arguments& arguments) {
   trainer::remove_tree(staged);
   trainer::ModelExportOptions export_options;
   export_options.gguf_file_type = trainer::parse_gguf_type(trainer::gguf_export_type(recipe), "export.gguf_type");
+  export_options.compressed_tensors_scheme = &trainer::compressed_tensors_export_scheme(recipe);
   const auto written = trainer::write_model_exports(model, base, recipe.export_.formats, staged, export_options);
   trainer::replace_directory(staged, out_dir);
   for (const auto& path : written) {

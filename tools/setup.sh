@@ -94,6 +94,14 @@ install_unless_importable() {
 # touching the pinned torch.
 install_torchao() { install_unless_importable torchao "torchao==0.18.0" --no-deps; }
 
+# compressed-tensors (llm-compressor's format), whose own compressors and transformers' loader
+# tests/trainer/compressed_tensors_test.cpp compares our exports and imports with. --no-deps keeps
+# pip from touching torch / transformers; loguru is its one requirement they lack.
+install_compressed_tensors() {
+  install_unless_importable loguru "loguru==0.7.3"
+  install_unless_importable compressed_tensors "compressed-tensors==0.20.0" --no-deps
+}
+
 # llama-cpp-python builds llama.cpp from source (CPU only; several minutes): the library alone,
 # no multimodal (mtmd) library, which llama_cpp imports only on use.
 install_llama_cpp() {
@@ -111,6 +119,7 @@ else
   install_libfuzzer
   install_python_environment
   [ "${QTRAIN_TORCHAO:-1}" = 1 ] && install_torchao
+  install_compressed_tensors
   [ "${QTRAIN_LLAMA_CPP:-0}" = 1 ] && install_llama_cpp
   PYTHON="$VENV_DIR/bin/python"
 fi

@@ -329,6 +329,7 @@ std::vector<std::string> Finetune::write_exports() {
   if (writes_files()) {
     ModelExportOptions options;
     options.gguf_file_type = parse_gguf_type(gguf_export_type(recipe_), "export.gguf_type");
+    options.compressed_tensors_scheme = &compressed_tensors_export_scheme(recipe_);
     written = write_model_exports(*loaded_.model, export_base_, formats, out, options);
     for (const auto& path : written) std::printf("export: %s\n", path.c_str());
   }

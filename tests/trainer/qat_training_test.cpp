@@ -3,6 +3,7 @@
 // QAT exports as a PEFT adapter, and QAT ends below post-training quantization.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 
 #include "kernels/error.h"
@@ -76,6 +77,35 @@ TEST(QatRecipe, AnImpossibleSchemeStopsTheRunBeforeTheModelLoads) {
   // A float format takes its own width: the int width the recipe carries does not apply.
   auto fp8 = load_recipe("", qat_settings(run, {"qat.weights.format=fp8_e4m3", "qat.weights.granularity=per_channel"}));
   EXPECT_EQ(qat_linear_options(fp8).weights.spec.bits, 8);
+}
+
+// qat.weights.scheme: compressed-tensors' preset sets both grids; anything it would silently
+// override is an error naming the key, as is a preset QAT cannot train.
+TEST(QatRecipe, ACompressedTensorsSchemeSetsBothGrids) {
+  testing::TempDir run;
+  auto settings = [&](std::vector<std::string> extra) {
+    auto all = qat_settings(run, extra);
+    all.erase(std::find(all.begin(), all.end(), "qat.weights.scale_dtype=fp16"));
+    return all;
+  };
+  const auto w8a8 = qat_linear_options(load_recipe("", settings({"qat.weights.scheme=W8A8"})));
+  const auto& preset = qat::find_quant_preset("W8A8", "test");
+  EXPECT_EQ(w8a8.weights.spec.describe(), qat::QuantSpec::compressed_tensors_weights(preset).describe());
+  ASSERT_TRUE(w8a8.activations.has_value());
+  EXPECT_EQ(w8a8.activations->spec.describe(), qat::QuantSpec::compressed_tensors_activations(preset).describe());
+  const auto w4a16 = load_recipe("", settings({"qat.weights.scheme=W4A16", "export.formats=[compressed-tensors]"}));
+  EXPECT_FALSE(qat_linear_options(w4a16).activations.has_value());
+  EXPECT_STREQ(compressed_tensors_export_scheme(w4a16).name, "W4A16");
+  EXPECT_STREQ(compressed_tensors_export_scheme(load_recipe("", settings({"quant=none", "lora.rank=4",
+                                                                          "export.formats=[compressed-tensors]"}))).name,
+               "W4A16");
+  for (const auto& bad : std::vector<std::vector<std::string>>{{"qat.weights.scheme=W4A16", "qat.weights.bits=8"},
+                                                              {"qat.weights.scheme=W4A16", "qat.activations.bits=8"},
+                                                              {"qat.weights.scheme=W4A16", "quant=none", "lora.rank=4"},
+                                                              {"qat.weights.scheme=NVFP4A16"}}) {
+    EXPECT_NE(load_error(settings(bad)).find("qat.weights.scheme"), std::string::npos) << load_error(settings(bad));
+  }
+  EXPECT_NE(load_error(settings({"export.scheme=W8A8"})).find("export.scheme"), std::string::npos);
 }
 
 TEST(QatRecipe, AGroupSizeThatDoesNotDivideTheLayerNamesTheKey) {

@@ -243,7 +243,7 @@ TEST(RecipeErrors, BadChoiceListsAllowedValues) {
   EXPECT_EQ(file_error(dir, "x.yaml", "qlora:\n  blocksize: 100\n"),
             "x.yaml:2: 'qlora.blocksize' must be one of 64, 128, 256, 512, 1024, 2048, 4096, got '100'");
   EXPECT_EQ(file_error(dir, "x.yaml", "export:\n  formats:\n    - peft\n    - ggfu\n"),
-            "x.yaml:4: 'export.formats' entries must be one of peft, merged, gguf, safetensors-int, got 'ggfu' "
+            "x.yaml:4: 'export.formats' entries must be one of peft, merged, gguf, safetensors-int, compressed-tensors, got 'ggfu' "
             "(did you mean 'gguf'?)");
 }
 
@@ -490,9 +490,10 @@ TEST(RecipeEnums, QuantizerSectionsHaveTheSameKeys) {
     }
   }
   EXPECT_EQ(weights, (std::vector<std::string>{"format", "bits", "symmetric", "granularity", "group_size", "scale_dtype",
-                                                "zero_point_domain", "gguf_type", "observer", "momentum", "learned_scale",
-                                                "learned_scale_init"}));
+                                                "zero_point_domain", "scheme", "gguf_type", "observer", "momentum",
+                                                "learned_scale", "learned_scale_init"}));
   weights.erase(std::find(weights.begin(), weights.end(), "zero_point_domain"));  // weight grids only
+  weights.erase(std::find(weights.begin(), weights.end(), "scheme"));
   weights.erase(std::find(weights.begin(), weights.end(), "gguf_type"));
   EXPECT_EQ(weights, activations);
   const auto recipe = load_recipe("", {"qat.weights.format=fp8_e5m2", "qat.activations.momentum=0.5"});
@@ -526,7 +527,7 @@ TEST(ExportFormats, TheRecipeAndTheCommandsReadOneTable) {
 // rows, peft alone has no writer here (the adapter is its own), and gguf alone checks a run
 // before it trains.
 TEST(ExportFormats, EachFormatIsARowWithItsWriter) {
-  ASSERT_EQ(export_formats().size(), 4u);
+  ASSERT_EQ(export_formats().size(), 5u);
   EXPECT_EQ(export_formats_refusing(ExportedWeights::kFloat), "safetensors-int");
   EXPECT_EQ(export_formats_refusing(ExportedWeights::kQatCodes), "");
   for (const auto& row : export_formats()) {

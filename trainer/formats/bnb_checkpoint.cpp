@@ -145,45 +145,6 @@ qat::FourBitTensor read_bnb_4bit_weight(const SafetensorsCheckpoint& weights, co
 
 namespace {
 
-// Reads the quantized projection `name` (recording the tensors it used), or returns nullptr for a
-// projection stored dense.
-using QuantizedLayerReader = std::function<std::shared_ptr<qat::LinearLayer>(
-    const std::string& name, const qat::DenseLinearOptions& dense, std::set<std::string>& used)>;
-
-// The Llama of `config` whose projections `read_layer` builds from the stored bytes; everything
-// else (embeddings, norms, lm_head, skipped modules) loads by name in options.dtype.
-LoadedModel load_quantized_llama(const std::string& model_dir, const HfModelConfig& config,
-                                 const ModelLoadOptions& options, const SafetensorsCheckpoint& weights,
-                                 const QuantizedLayerReader& read_layer) {
-  std::set<std::string> used;
-  LinearFactory make_linear = [&](const std::string& name,
-                                  const qat::DenseLinearOptions& dense) -> std::shared_ptr<qat::LinearLayer> {
-    auto quantized = read_layer(name, dense, used);
-    return quantized ? quantized : std::make_shared<qat::DenseLinear>(dense);
-  };
-  LoadedModel loaded;
-  loaded.config = config;
-  loaded.model = LlamaForCausalLM(config.llama, options.dtype, make_linear);
-  // The quantized layers hold what the reader read; everything else loads by name.
-  for (const auto& item : loaded.model->named_modules()) {
-    const auto layer = std::dynamic_pointer_cast<qat::LinearLayer>(item.value());
-    if (!layer || std::dynamic_pointer_cast<qat::DenseLinear>(layer)) continue;
-    for (const auto& buffer : layer->named_buffers()) used.insert(item.key() + "." + buffer.key());
-  }
-  load_state(*loaded.model, weights, model_dir, config.llama.tie_word_embeddings, used);
-  loaded.model->to(options.device);
-  loaded.model->eval();
-  return loaded;
-}
-
-// `<name>.bias` when the projection has one (an Error if the checkpoint lacks it).
-torch::Tensor read_bias(const SafetensorsCheckpoint& weights, const std::string& name,
-                        const qat::DenseLinearOptions& dense, const std::string& source, std::set<std::string>& used) {
-  if (!dense.bias) return torch::Tensor();
-  if (!weights.contains(name + ".bias")) throw Error(ErrorCode::kWeights, source + ": tensor '" + name + ".bias' is missing");
-  used.insert(name + ".bias");
-  return weights.tensor(name + ".bias");
-}
 
 }  // namespace
 

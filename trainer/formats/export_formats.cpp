@@ -20,6 +20,9 @@ const std::vector<ExportFormatRow>& export_formats() {
        any_weights},
       {ExportFormat::kSafetensorsInt, "safetensors-int", "safetensors-int", "a QAT run's integer weights + scales", false,
        qat_codes_only},
+      {ExportFormat::kCompressedTensors, "compressed-tensors", "compressed-tensors",
+       "what vLLM, SGLang and transformers load quantized, on --scheme (a QAT run's trained codes as they are)", false,
+       any_weights},
   };
   return rows;
 }

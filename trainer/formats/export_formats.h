@@ -10,7 +10,7 @@
 
 namespace qtrain::trainer {
 
-enum class ExportFormat { kPeft, kMerged, kGguf, kSafetensorsInt };
+enum class ExportFormat { kPeft, kMerged, kGguf, kSafetensorsInt, kCompressedTensors };
 
 // What a run's weights are when it is exported: dense float weights (LoRA merged in, or trained
 // in full), or QAT layers, whose integer codes and scales a format may store as they are.

@@ -3,6 +3,7 @@
 #include <set>
 
 #include "kernels/error.h"
+#include "qat/compressed_linear.h"
 #include "trainer/formats/safetensors.h"
 
 namespace qtrain::trainer {
@@ -46,67 +47,50 @@ bool is_fp8_block_checkpoint(const HfModelConfig& config) {
   return object.is_object() && object.value("quant_method", std::string()) == "fp8";
 }
 
-torch::Tensor dequantize_fp8_blocks(const torch::Tensor& fp8, const torch::Tensor& scale_inv, int64_t block_rows,
-                                    int64_t block_columns, torch::ScalarType dtype) {
-  const int64_t rows = fp8.size(0);
-  const int64_t columns = fp8.size(1);
-  const auto scales = scale_inv.to(torch::kFloat32)
-                          .repeat_interleave(block_rows, 0)
-                          .repeat_interleave(block_columns, 1)
-                          .narrow(0, 0, rows)
-                          .narrow(1, 0, columns);
-  return (fp8.to(torch::kFloat32) * scales).to(dtype);
-}
-
 LoadedModel load_fp8_block_llama(const std::string& model_dir, const HfModelConfig& config,
                                  const ModelLoadOptions& options) {
   const auto blocks = read_fp8_block_config(config);
   const auto weights = SafetensorsCheckpoint::open(model_dir);
-  LoadedModel loaded;
-  loaded.config = config;
-  loaded.model = LlamaForCausalLM(config.llama, options.dtype, options.make_linear);
-  std::set<std::string> dequantized;
-  {
-    torch::NoGradGuard no_grad;
-    for (auto& item : loaded.model->named_parameters(/*recurse=*/true)) {
-      const std::string& name = item.key();
-      if (!weights.contains(name) || weights.info(name).dtype != "F8_E4M3") continue;
-      const std::string scale_name = name + kScaleSuffix;
-      if (!weights.contains(scale_name)) {
-        throw Error(ErrorCode::kWeights, weights.source() + ": tensor '" + name + "' is FP8 but '" + scale_name +
-                                             "' (its blocks' scales) is missing");
-      }
-      const auto fp8 = weights.tensor(name);
-      const auto scale_inv = weights.tensor(scale_name);
-      auto& target = item.value();
-      const std::vector<int64_t> expected_scales = {(fp8.size(0) + blocks.block_rows - 1) / blocks.block_rows,
-                                                    (fp8.size(1) + blocks.block_columns - 1) / blocks.block_columns};
-      if (fp8.dim() != 2 || fp8.sizes() != target.sizes() || scale_inv.sizes().vec() != expected_scales) {
-        throw Error(ErrorCode::kWeights, weights.source() + ": tensor '" + name + "' " + shape_text(fp8.sizes()) +
-                                             " with scales " + shape_text(scale_inv.sizes()) + ": the model expects " +
-                                             shape_text(target.sizes()) + " and scales of its " +
-                                             std::to_string(blocks.block_rows) + " x " +
-                                             std::to_string(blocks.block_columns) + " blocks");
-      }
-      target.copy_(dequantize_fp8_blocks(fp8, scale_inv, blocks.block_rows, blocks.block_columns, options.dtype));
-      dequantized.insert(name);
-      dequantized.insert(scale_name);
-    }
-  }
   // The activation scales some FP8 checkpoints carry (static activation schemes) are not used:
   // the matmuls run in the compute dtype.
-  std::set<std::string> unused = dequantized;
   const std::string activation_scale = ".input_scale";
-  for (const auto& name : weights.names()) {
-    if (name.size() > activation_scale.size() &&
-        name.compare(name.size() - activation_scale.size(), activation_scale.size(), activation_scale) == 0) {
-      unused.insert(name);
-    }
-  }
-  load_state(*loaded.model, weights, model_dir, config.llama.tie_word_embeddings, unused);
-  loaded.model->to(options.device);
-  loaded.model->eval();
-  return loaded;
+  return load_quantized_llama(
+      model_dir, config, options, weights,
+      [&](const std::string& name, const qat::DenseLinearOptions& dense,
+          std::set<std::string>& used) -> std::shared_ptr<qat::LinearLayer> {
+        const std::string weight_name = name + ".weight";
+        if (!weights.contains(weight_name) || weights.info(weight_name).dtype != "F8_E4M3") return nullptr;
+        const std::string scale_name = weight_name + kScaleSuffix;
+        if (!weights.contains(scale_name)) {
+          throw Error(ErrorCode::kWeights, weights.source() + ": tensor '" + weight_name + "' is FP8 but '" + scale_name +
+                                               "' (its blocks' scales) is missing");
+        }
+        qat::CompressedWeight stored;
+        stored.format = qat::CompressionFormat::kFp8Blocks;
+        stored.spec.format = qat::QuantFormat::kFp8E4m3;
+        stored.spec.bits = 8;
+        stored.out_features = dense.out_features;
+        stored.in_features = dense.in_features;
+        stored.block_rows = blocks.block_rows;
+        stored.block_columns = blocks.block_columns;
+        stored.data = weights.tensor(weight_name);
+        stored.scale = weights.tensor(scale_name);
+        const std::vector<int64_t> expected_scales = {(dense.out_features + blocks.block_rows - 1) / blocks.block_rows,
+                                                      (dense.in_features + blocks.block_columns - 1) / blocks.block_columns};
+        if (stored.data.sizes() != c10::IntArrayRef({dense.out_features, dense.in_features}) ||
+            stored.scale.sizes().vec() != expected_scales || !stored.scale.is_floating_point()) {
+          throw Error(ErrorCode::kWeights, weights.source() + ": tensor '" + weight_name + "' " + shape_text(stored.data.sizes()) +
+                                               " with scales " + shape_text(stored.scale.sizes()) + ": the model expects " +
+                                               shape_text({dense.out_features, dense.in_features}) + " and scales of its " +
+                                               std::to_string(blocks.block_rows) + " x " +
+                                               std::to_string(blocks.block_columns) + " blocks");
+        }
+        used.insert(weight_name);
+        used.insert(scale_name);
+        if (weights.contains(name + activation_scale)) used.insert(name + activation_scale);
+        const auto bias = read_bias(weights, name, dense, model_dir, used);
+        return std::make_shared<qat::CompressedLinear>(std::move(stored), bias, options.dtype);
+      });
 }
 
 }  // namespace qtrain::trainer

@@ -5,10 +5,11 @@
 // weight as F8_E4M3 [out, in] and `<name>_scale_inv` fp32 [ceil(out / 128), ceil(in / 128)]: the
 // weight is fp8 x scale_inv of its 128 x 128 block. Everything else is stored in 16 bits.
 //
-// Loading dequantizes each weight once, the product in fp32 rounded to the compute dtype, so the
-// model trains as a 16-bit base (quant: none) or is quantized again as any QLoRA base: with
-// qlora.quant_type fp8, into e4m3 rows with one scale per row (qat/float8_linear.h), since FP8
-// tensor cores scale rows, not 128 x 128 blocks.
+// Each FP8 projection loads as a qat::CompressedLinear keeping the e4m3 bytes and block scales as
+// stored (a frozen base at one byte per weight, quant: none), each product dequantizing it as
+// transformers does: the product in fp32, rounded once to the compute dtype. quant: qlora quantizes
+// the dequantized weights again as any QLoRA base: with qlora.quant_type fp8, into e4m3 rows with
+// one scale per row (qat/float8_linear.h), since FP8 tensor cores scale rows, not 128 x 128 blocks.
 #include <string>
 
 #include "trainer/formats/hf_checkpoint.h"
@@ -18,14 +19,10 @@ namespace qtrain::trainer {
 // quantization_config.quant_method is "fp8".
 bool is_fp8_block_checkpoint(const HfModelConfig& config);
 
-// The model of `model_dir` with its FP8 weights dequantized (load_llama's path for such a
+// The model of `model_dir` with its FP8 projections kept as stored (load_llama's path for such a
 // checkpoint). Errors name config.json's key or the tensor: another fmt or block layout, a scale
 // of the wrong shape, an FP8 weight without its scale.
 LoadedModel load_fp8_block_llama(const std::string& model_dir, const HfModelConfig& config,
                                  const ModelLoadOptions& options);
-
-// fp8 [out, in] x scale_inv [ceil(out / rows), ceil(in / columns)] in fp32, then `dtype`.
-torch::Tensor dequantize_fp8_blocks(const torch::Tensor& fp8, const torch::Tensor& scale_inv, int64_t block_rows,
-                                    int64_t block_columns, torch::ScalarType dtype);
 
 }  // namespace qtrain::trainer

@@ -5,6 +5,7 @@
 
 #include "kernels/error.h"
 #include "trainer/formats/bnb_checkpoint.h"
+#include "trainer/formats/compressed_tensors.h"
 #include "trainer/formats/fp8_checkpoint.h"
 #include "trainer/formats/safetensors_int.h"
 #include "trainer/formats/safetensors.h"
@@ -63,6 +64,38 @@ void load_state(torch::nn::Module& model, const SafetensorsCheckpoint& weights, 
   }
 }
 
+LoadedModel load_quantized_llama(const std::string& model_dir, const HfModelConfig& config,
+                                 const ModelLoadOptions& options, const SafetensorsCheckpoint& weights,
+                                 const QuantizedLayerReader& read_layer) {
+  std::set<std::string> used;
+  LinearFactory make_linear = [&](const std::string& name,
+                                  const qat::DenseLinearOptions& dense) -> std::shared_ptr<qat::LinearLayer> {
+    auto quantized = read_layer(name, dense, used);
+    return quantized ? quantized : std::make_shared<qat::DenseLinear>(dense);
+  };
+  LoadedModel loaded;
+  loaded.config = config;
+  loaded.model = LlamaForCausalLM(config.llama, options.dtype, make_linear);
+  // The quantized layers hold what the reader read; everything else loads by name.
+  for (const auto& item : loaded.model->named_modules()) {
+    const auto layer = std::dynamic_pointer_cast<qat::LinearLayer>(item.value());
+    if (!layer || std::dynamic_pointer_cast<qat::DenseLinear>(layer)) continue;
+    for (const auto& buffer : layer->named_buffers()) used.insert(item.key() + "." + buffer.key());
+  }
+  load_state(*loaded.model, weights, model_dir, config.llama.tie_word_embeddings, used);
+  loaded.model->to(options.device);
+  loaded.model->eval();
+  return loaded;
+}
+
+torch::Tensor read_bias(const SafetensorsCheckpoint& weights, const std::string& name,
+                        const qat::DenseLinearOptions& dense, const std::string& source, std::set<std::string>& used) {
+  if (!dense.bias) return torch::Tensor();
+  if (!weights.contains(name + ".bias")) throw Error(ErrorCode::kWeights, source + ": tensor '" + name + ".bias' is missing");
+  used.insert(name + ".bias");
+  return weights.tensor(name + ".bias");
+}
+
 LoadedModel load_llama(const std::string& model_dir, const ModelLoadOptions& options) {
   LoadedModel loaded;
   loaded.config = read_hf_config(model_dir);
@@ -70,6 +103,7 @@ LoadedModel load_llama(const std::string& model_dir, const ModelLoadOptions& opt
   if (is_bnb_8bit_checkpoint(loaded.config)) return load_bnb_8bit_llama(model_dir, loaded.config, options);
   if (is_qtrain_quantized_checkpoint(loaded.config)) return load_qtrain_quantized_llama(model_dir, loaded.config, options);
   if (is_fp8_block_checkpoint(loaded.config)) return load_fp8_block_llama(model_dir, loaded.config, options);
+  if (is_compressed_tensors_checkpoint(loaded.config)) return load_compressed_tensors_llama(model_dir, loaded.config, options);
   if (loaded.config.has_quantization_config) {
     throw Error(ErrorCode::kModelConfig, loaded.config.path +
                 ": this checkpoint is pre-quantized (quantization_config); load it as a QLoRA / int8 base");

@@ -1,5 +1,7 @@
 #pragma once
 // Loading a Hugging Face Llama directory (config.json + safetensors) into LlamaForCausalLM.
+#include <functional>
+#include <memory>
 #include <set>
 #include <string>
 
@@ -29,5 +31,22 @@ LoadedModel load_llama(const std::string& model_dir, const ModelLoadOptions& opt
 // already consumed (not unexpected), e.g. by a quantized layer built from its stored state.
 void load_state(torch::nn::Module& model, const SafetensorsCheckpoint& weights, const std::string& source,
                 bool tie_word_embeddings, const std::set<std::string>& loaded_elsewhere = {});
+
+// Pre-quantized checkpoints (bitsandbytes, compressed-tensors): reads the quantized projection
+// `name` from the stored tensors (recording in `used` the ones it took), or returns nullptr for
+// a projection stored dense.
+using QuantizedLayerReader = std::function<std::shared_ptr<qat::LinearLayer>(
+    const std::string& name, const qat::DenseLinearOptions& dense, std::set<std::string>& used)>;
+
+// The Llama of `config` whose projections `read_layer` builds from the stored bytes; everything
+// else (embeddings, norms, lm_head, projections stored dense) loads by name in options.dtype.
+LoadedModel load_quantized_llama(const std::string& model_dir, const HfModelConfig& config,
+                                 const ModelLoadOptions& options, const SafetensorsCheckpoint& weights,
+                                 const QuantizedLayerReader& read_layer);
+
+// `<name>.bias` when the projection has one (an Error naming `source` if the checkpoint lacks it),
+// recorded in `used`; undefined otherwise.
+torch::Tensor read_bias(const SafetensorsCheckpoint& weights, const std::string& name,
+                        const qat::DenseLinearOptions& dense, const std::string& source, std::set<std::string>& used);
 
 }  // namespace qtrain::trainer

@@ -1,9 +1,11 @@
 #include "trainer/formats/model_exports.h"
 
+#include <cstdio>
 #include <filesystem>
 
 #include "kernels/error.h"
 #include "trainer/base/file_system.h"
+#include "trainer/formats/compressed_tensors.h"
 #include "trainer/formats/gguf_export.h"
 #include "trainer/formats/merged_export.h"
 #include "trainer/formats/safetensors_int.h"
@@ -36,6 +38,22 @@ void write_safetensors_int(const LlamaForCausalLMImpl& model, const BaseDirector
   write_quantized_model(model, base, path, quantized);
 }
 
+// compressed-tensors: PTQ in the base's dtype unless --dtype says otherwise.
+void write_compressed_tensors(const LlamaForCausalLMImpl& model, const BaseDirectory& base, const std::string& path,
+                              const ModelExportOptions& options) {
+  CompressedTensorsExportOptions compressed;
+  compressed.preset = options.compressed_tensors_scheme ? options.compressed_tensors_scheme
+                                                         : &qat::find_quant_preset("W4A16", "export.scheme");
+  compressed.dtype = options.dtype.value_or(base.config.stored_dtype);
+  if (options.max_shard_bytes) compressed.max_shard_bytes = *options.max_shard_bytes;
+  const auto dense = write_compressed_tensors_model(model, base, path, compressed);
+  if (!dense.empty()) {
+    std::fprintf(stderr, "compressed-tensors: %zu layer(s) left dense and in `ignore`: %s's groups of %lld do not divide "
+                 "their inputs (first: %s)\n", dense.size(), compressed.preset->name,
+                 static_cast<long long>(compressed.preset->weights.group_size), dense.front().c_str());
+  }
+}
+
 }  // namespace
 
 // The switch has no default, and -Wswitch is an error here, so that a new format does not
@@ -47,11 +65,13 @@ const ExportWriter& export_writer(ExportFormat format) {
   static const ExportWriter merged = {nullptr, write_merged};
   static const ExportWriter gguf = {require_gguf_exportable, write_gguf};
   static const ExportWriter safetensors_int = {nullptr, write_safetensors_int};
+  static const ExportWriter compressed_tensors = {nullptr, write_compressed_tensors};
   switch (format) {
     case ExportFormat::kPeft: return peft;
     case ExportFormat::kMerged: return merged;
     case ExportFormat::kGguf: return gguf;
     case ExportFormat::kSafetensorsInt: return safetensors_int;
+    case ExportFormat::kCompressedTensors: return compressed_tensors;
   }
   throw Error(ErrorCode::kInternal, "export format " + std::to_string(static_cast<int>(format)) + " has no writer");
 }

@@ -4,6 +4,7 @@
 //   OUT/merged/            plain Hugging Face model (trainer/formats/merged_export.h)
 //   OUT/safetensors-int/   QAT layers as integer codes + scales, the rest fp32 (safetensors_int.h)
 //   OUT/model.gguf         llama.cpp's GGUF, of export.gguf_type (gguf_export.h)
+//   OUT/compressed-tensors/  vLLM's and llm-compressor's format, of export.scheme (compressed_tensors.h)
 // `peft` is not written here: an adapter run keeps it in RUN/adapter. Each export is staged
 // beside its target and renamed into place, so a crash leaves the previous one or none. Every
 // writer takes the base directory read once (base_directory.h).
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "qat/gguf_file_types.h"
+#include "qat/quant_presets.h"
 #include "trainer/formats/base_directory.h"
 #include "trainer/formats/export_formats.h"
 #include "trainer/model/llama.h"
@@ -27,6 +29,9 @@ struct ModelExportOptions {
   std::optional<uint64_t> max_shard_bytes;
   // gguf: llama.cpp's file type (null: auto; GgufExportOptions::file_type).
   const qat::GgufFileType* gguf_file_type = nullptr;
+  // compressed-tensors: the preset (qat/quant_presets.h) its weights are written on; null: a QAT
+  // run's own (qat.weights.scheme), W4A16 otherwise.
+  const qat::QuantPreset* compressed_tensors_scheme = nullptr;
 };
 
 // What a format of export_formats.h does with a model, one row each.

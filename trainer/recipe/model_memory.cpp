@@ -65,6 +65,12 @@ bool is_quantized(const Projection& projection, const TrainingMemorySetup& setup
   return quantizes && !qat::module_name_matches(projection.name, setup.base.skip_modules);
 }
 
+// The bytes of a projection a pre-quantized checkpoint keeps in its stored form; negative: none.
+double stored_bytes(const Projection& projection, const TrainingMemorySetup& setup) {
+  if (!setup.stored_projection_bytes || is_quantized(projection, setup)) return -1.0;
+  return setup.stored_projection_bytes(projection.name, projection.out, projection.in);
+}
+
 // The LoRA rank of the adapter on `projection`; 0: none.
 int64_t adapter_rank(const Projection& projection, const TrainingMemorySetup& setup) {
   if (setup.full_finetune || !setup.adapter.targets.matches(projection.name)) return 0;
@@ -291,7 +297,9 @@ bool estimate_weights_and_state(const LlamaOptions& model, const TrainingMemoryS
       continue;
     }
     const double quantized_bytes = base_quantization_row(setup.base.kind).weight_bytes(projection.out, projection.in, setup.base);
+    const double stored = stored_bytes(projection, setup);
     estimate.frozen_weight_bytes += is_quantized(projection, setup) ? quantized_bytes + biases * s
+                                    : stored >= 0                   ? stored + static_cast<double>(biases) * s
                                                                     : static_cast<double>(weights + biases) * s;
     const int64_t rank = adapter_rank(projection, setup);
     if (rank > 0) {
@@ -375,7 +383,8 @@ void estimate_activations(const LlamaOptions& model, const TrainingMemorySetup& 
     if (checkpointed && !setup.full_finetune && setup.keep_built_weights) {
       const bool base_keeps = base_quantization_row(setup.base.kind).keeps_built_weights;
       for (const auto& projection : decoder_projections(model, layer)) {
-        if (is_fake_quantized(projection, setup) || (base_keeps && is_quantized(projection, setup))) {
+        if (is_fake_quantized(projection, setup) || (base_keeps && is_quantized(projection, setup)) ||
+            (adapter_rank(projection, setup) > 0 && stored_bytes(projection, setup) >= 0)) {
           built_weights += static_cast<double>(projection.in * projection.out) * s;
         }
       }

@@ -16,7 +16,10 @@
 //                    (qlora.quant_type int8) as Int8Linear keeps it: one int8 code per weight and
 //                    an fp32 absmax per row. Everything else
 //                    (embeddings, norms, lm_head, skipped or unquantized projections) in s bytes:
-//                    the model is loaded in the compute dtype (model.dtype is not used).
+//                    the model is loaded in the compute dtype (model.dtype is not used). A
+//                    compressed-tensors checkpoint under quant: none keeps the projections it
+//                    quantizes in their stored form (stored_projection_bytes), and a recomputed
+//                    layer keeps their dequantized weights as a 4-bit base's (below).
 //   trainable state  16 bytes per trainable parameter: LoRA A and B are fp32, their fp32 grads,
 //                    AdamW's two fp32 moments. With lora.rank 0 every weight trains: s-byte
 //                    weight and grad, an fp32 master copy when s is 2, two fp32 moments: 16 again.
@@ -95,6 +98,7 @@
 // exceed the total by that and the CUDA context. What autograd saves on CUDA (the attention
 // kernel PyTorch picks, bool dropout masks) was checked on an H100. Sequences are taken at
 // data.max_seq_len: batches of shorter samples (padded to their longest) need less.
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -141,6 +145,10 @@ struct TrainingMemorySetup {
   bool embeddings_on_host = false;   // train.embeddings_on_host: the input embedding table on the host
   bool lm_head_on_host = false;      // train.lm_head_on_host: lm_head on the device only for the loss
   bool optimizer_states_on_host = false;  // train.optimizer_states_on_host: AdamW's state on the host between steps
+  // A pre-quantized checkpoint whose projections stay in their stored form under quant: none
+  // (compressed-tensors: qat/compressed_linear.h): the bytes of projection `name` [out, in], or a
+  // negative number where it is stored dense. Empty: every projection dense.
+  std::function<double(const std::string& name, int64_t out, int64_t in)> stored_projection_bytes;
 };
 
 // quant, qlora.*, lora.* (or the adapter of lora.init_from), train.dtype, train.device ('auto':

@@ -83,6 +83,9 @@ struct QuantizerRecipe {
   std::string scale_dtype;  // fp32 | fp16 (GGUF's d)
   std::string zero_point_domain = "int";  // int | float (torchao's int4 weight-only); a weights key only
   std::string gguf_type = "Q4_K_M";  // format gguf: llama.cpp's file type whose blocks each layer trains on; weights only
+  // weights only: a compressed-tensors preset (qat/quant_presets.h) whose weight and activation
+  // grids replace the other keys; empty: the keys as set.
+  std::string scheme;
   std::string observer;     // dynamic | minmax | moving_average
   double momentum{};        // moving_average
   bool learned_scale{};
@@ -176,9 +179,10 @@ struct DistRecipe {
 };
 
 struct ExportRecipe {
-  std::vector<std::string> formats;  // peft | merged | gguf | safetensors-int
+  std::vector<std::string> formats;  // peft | merged | gguf | safetensors-int | compressed-tensors
   std::string out;                   // empty: <train.output_dir>/export
   std::string gguf_type;             // auto | llama.cpp's file types (qat/gguf_file_types.h)
+  std::string scheme;                // compressed-tensors: auto | a preset (qat/quant_presets.h)
 };
 
 struct Recipe {

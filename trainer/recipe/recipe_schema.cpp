@@ -3,6 +3,7 @@
 
 #include "qat/lora_options.h"
 #include "qat/gguf_file_types.h"
+#include "qat/quant_presets.h"
 #include "trainer/formats/export_formats.h"
 #include "trainer/model/llama_options.h"
 
@@ -157,6 +158,13 @@ std::vector<std::string> gguf_type_names() {
   return names;
 }
 
+// export.scheme's values: auto and compressed-tensors' presets.
+std::vector<std::string> compressed_tensors_scheme_names() {
+  std::vector<std::string> names = {"auto"};
+  for (auto& name : qat::quant_preset_names()) names.push_back(std::move(name));
+  return names;
+}
+
 // The keys of one fake quantizer, qat.weights or qat.activations (the QuantizerRecipe `Quantizer`
 // names): one list, where `pick` gives what the two say differently, the weights' first.
 template <QuantizerRecipe QatRecipe::*Quantizer>
@@ -197,6 +205,15 @@ std::vector<RecipeKey> quantizer_keys() {
             "float: each group's own [min, max] with a float zero point, torchao's int4 weight-only grid (symmetric: false)")
             .shapes_model()
             .one_of({"int", "float"}));
+    std::vector<std::string> schemes = {""};
+    for (auto& name : qat::trainable_quant_preset_names()) schemes.push_back(std::move(name));
+    keys.push_back(
+        key(section + ".scheme", "\"\"", QTRAIN_QUANTIZER_FIELD(scheme),
+            "a compressed-tensors preset (W4A16, W8A8, FP8_DYNAMIC, ...: llm-compressor's names) that sets the weight and "
+            "activation grids exactly as compressed-tensors rounds them, instead of the keys above; export.scheme auto "
+            "writes it")
+            .shapes_model()
+            .one_of(schemes));
     keys.push_back(
         key(section + ".gguf_type", "Q4_K_M", QTRAIN_QUANTIZER_FIELD(gguf_type),
             "format gguf: llama.cpp's file type; each layer trains on the block type llama-quantize gives its tensor "
@@ -450,6 +467,10 @@ std::vector<RecipeKey> export_keys() {
           "gguf's llama.cpp file type (Q4_K_M, Q8_0, F16, ...: llama-quantize's names, the same bytes); auto: a QAT "
           "run's trained blocks, the rest F32")
           .one_of(gguf_type_names()),
+      key("export.scheme", "auto", QTRAIN_FIELD(export_.scheme),
+          "compressed-tensors' preset (W4A16, W4A16_ASYM, W8A16, W8A8, FP8_DYNAMIC, NVFP4A16); auto: a QAT run's "
+          "qat.weights.scheme, W4A16 otherwise")
+          .one_of(compressed_tensors_scheme_names()),
   };
 }
 
@@ -549,6 +570,32 @@ std::optional<RecipeConflict> find_conflict(const Recipe& recipe) {
   const bool writes_gguf = std::any_of(formats.begin(), formats.end(), [](const std::string& name) {
     return find_export_format(name, "export.formats").format == ExportFormat::kGguf;
   });
+  const bool writes_compressed_tensors = std::any_of(formats.begin(), formats.end(), [](const std::string& name) {
+    return find_export_format(name, "export.formats").format == ExportFormat::kCompressedTensors;
+  });
+  if (recipe.export_.scheme != "auto" && !writes_compressed_tensors) {
+    return RecipeConflict{"export.scheme", "export.scheme: " + recipe.export_.scheme +
+                                               " names the scheme of a compressed-tensors export, but export.formats has "
+                                               "none: add compressed-tensors"};
+  }
+  if (!recipe.qat.weights.scheme.empty()) {
+    const auto& weights = recipe.qat.weights;
+    if (recipe.quant != QuantMethod::kQat) {
+      return RecipeConflict{"qat.weights.scheme", "qat.weights.scheme: " + weights.scheme +
+                                                      " is a QAT grid, and quant is not qat: set quant: qat, or export the "
+                                                      "finished model with export.scheme (post-training rounding)"};
+    }
+    // The grid keys at their defaults (quantizer_keys): a preset sets them all itself.
+    const bool grid_keys_default = weights.format == qat::QuantFormat::kInt && weights.bits == 4 && weights.symmetric &&
+                                   weights.granularity == "per_group" && weights.group_size == 32 &&
+                                   weights.scale_dtype == "fp32" && weights.zero_point_domain == "int" &&
+                                   weights.observer == "dynamic" && !weights.learned_scale;
+    if (!grid_keys_default || recipe.qat.activations.bits != 0) {
+      return RecipeConflict{"qat.weights.scheme", "qat.weights.scheme: " + weights.scheme +
+                                                      " sets the weight and activation grids itself (dynamic scales); "
+                                                      "remove the other qat.weights keys and qat.activations.bits"};
+    }
+  }
   if (recipe.export_.gguf_type != qat::kGgufFileTypeAuto && !writes_gguf) {
     return RecipeConflict{"export.gguf_type", "export.gguf_type: " + recipe.export_.gguf_type +
                                                   " names the type of a GGUF export, but export.formats has none: add gguf"};

@@ -6,6 +6,7 @@
 #include "qat/gguf_file_types.h"
 #include "qat/quant_format.h"
 #include "trainer/model/causal_lm_loss.h"
+#include "trainer/formats/compressed_tensors.h"
 #include "trainer/formats/gguf_export.h"
 #include "trainer/formats/hf_config.h"
 #include "trainer/recipe/base_quantization.h"
@@ -48,6 +49,9 @@ LoadedModel load_base_model(const Recipe& recipe, torch::ScalarType dtype, const
   ModelLoadOptions options;
   options.dtype = dtype;
   auto loaded = load_llama(recipe.model.path, options);
+  // A compressed-tensors base stays in its stored form under quant: none; QLoRA quantizes it
+  // again (NF4, ...) and QAT trains on its weights, from the decompressed values.
+  if (recipe.quant != QuantMethod::kNone) decompress_linear_layers(*loaded.model, dtype);
   if (quantize_base) {
     const auto base = base_quantization(recipe, dtype, device);
     base_quantization_row(base.kind).quantize(*loaded.model, base);
@@ -86,9 +90,22 @@ qat::FakeQuantizerOptions fake_quantizer_options(const QuantizerRecipe& quantize
 
 qat::QatLinearOptions qat_linear_options(const Recipe& recipe) {
   qat::QatLinearOptions options;
-  options.weights = fake_quantizer_options(recipe.qat.weights, "qat.weights");
-  if (recipe.qat.activations.bits != 0) {
-    options.activations = fake_quantizer_options(recipe.qat.activations, "qat.activations");
+  if (!recipe.qat.weights.scheme.empty()) {
+    // A compressed-tensors preset: its grids, scales from the current values at every step.
+    const auto& preset = qat::find_quant_preset(recipe.qat.weights.scheme, "qat.weights.scheme");
+    options.weights.spec = qat::QuantSpec::compressed_tensors_weights(preset);
+    options.weights.observer = qat::ObserverKind::kDynamic;
+    if (preset.quantizes_activations) {
+      qat::FakeQuantizerOptions activations;
+      activations.spec = qat::QuantSpec::compressed_tensors_activations(preset);
+      activations.observer = qat::ObserverKind::kDynamic;
+      options.activations = activations;
+    }
+  } else {
+    options.weights = fake_quantizer_options(recipe.qat.weights, "qat.weights");
+    if (recipe.qat.activations.bits != 0) {
+      options.activations = fake_quantizer_options(recipe.qat.activations, "qat.activations");
+    }
   }
   options.lora_gradient = qat::parse_lora_gradient(recipe.qat.lora_gradient, "qat.lora_gradient");
   return options;
@@ -120,6 +137,12 @@ std::string gguf_export_type(const Recipe& recipe) {
   const bool trained_on_gguf = recipe.quant == QuantMethod::kQat && recipe.qat.weights.format == qat::QuantFormat::kGguf;
   if (recipe.export_.gguf_type == qat::kGgufFileTypeAuto && trained_on_gguf) return recipe.qat.weights.gguf_type;
   return recipe.export_.gguf_type;
+}
+
+const qat::QuantPreset& compressed_tensors_export_scheme(const Recipe& recipe) {
+  if (recipe.export_.scheme != "auto") return qat::find_quant_preset(recipe.export_.scheme, "export.scheme");
+  const bool trained_on_preset = recipe.quant == QuantMethod::kQat && !recipe.qat.weights.scheme.empty();
+  return qat::find_quant_preset(trained_on_preset ? recipe.qat.weights.scheme : "W4A16", "qat.weights.scheme");
 }
 
 namespace {

@@ -9,6 +9,7 @@
 
 #include "optim/optimizer.h"
 #include "qat/qat_linear.h"
+#include "qat/quant_presets.h"
 #include "trainer/formats/hf_checkpoint.h"
 #include "trainer/formats/peft_adapter.h"
 #include "trainer/recipe/recipe.h"
@@ -47,6 +48,10 @@ std::vector<std::string> apply_recipe_qat(torch::nn::Module& model, const Recipe
 // The llama.cpp file type a GGUF export of a run of `recipe` writes: export.gguf_type, whose auto
 // means qat.weights.gguf_type for a run that trained on a GGUF file type's blocks.
 std::string gguf_export_type(const Recipe& recipe);
+
+// The compressed-tensors preset an export of a run of `recipe` writes: export.scheme, whose auto
+// means qat.weights.scheme for a run that trained on one, W4A16 otherwise.
+const qat::QuantPreset& compressed_tensors_export_scheme(const Recipe& recipe);
 
 // Whether the parameter `name` trains in a run of `recipe`: every parameter when the run trains
 // the full weights, else the LoRA adapters'; and the learned QAT scales either way.

@@ -1,0 +1,53 @@
+#include "qat/compressed_linear.h"
+
+#include "kernels/error.h"
+
+namespace qtrain::qat {
+
+const char* CompressedLinear::data_name(CompressionFormat format) {
+  const bool packed = format == CompressionFormat::kPackQuantized || format == CompressionFormat::kNvfp4PackQuantized;
+  return packed ? "weight_packed" : "weight";
+}
+
+const char* CompressedLinear::scale_name(CompressionFormat format) {
+  return format == CompressionFormat::kFp8Blocks ? "weight_scale_inv" : "weight_scale";
+}
+
+CompressedLinear::CompressedLinear(CompressedWeight weight, const torch::Tensor& bias, torch::ScalarType compute_dtype)
+    : weight_(std::move(weight)) {
+  weight_.data = register_buffer(data_name(weight_.format), weight_.data);
+  weight_.scale = register_buffer(scale_name(weight_.format), weight_.scale);
+  if (weight_.zero_point.defined()) weight_.zero_point = register_buffer("weight_zero_point", weight_.zero_point);
+  if (weight_.global_scale.defined()) weight_.global_scale = register_buffer("weight_global_scale", weight_.global_scale);
+  if (bias.defined()) {
+    if (bias.numel() != out_features()) {
+      throw Error(ErrorCode::kWeights, "CompressedLinear: bias has " + std::to_string(bias.numel()) + " values, the weight has " +
+                  std::to_string(out_features()) + " rows");
+    }
+    const auto device = weight_.data.device();
+    bias_ = register_buffer("bias", bias.detach().to(device, compute_dtype).clone());
+  }
+}
+
+torch::Tensor CompressedLinear::forward(const torch::Tensor& input) {
+  const auto weight = weight_.dequantize(input.scalar_type());
+  return torch::nn::functional::linear(input, weight, bias_.defined() ? bias_.to(input.scalar_type()) : torch::Tensor());
+}
+
+void CompressedLinear::pretty_print(std::ostream& stream) const {
+  stream << "qtrain::CompressedLinear(in_features=" << in_features() << ", out_features=" << out_features()
+         << ", format=" << compression_format_name(weight_.format) << ", " << weight_.spec.describe()
+         << ", bias=" << (bias_.defined() ? "true" : "false") << ")";
+}
+
+// Buffers share their tensors with weight_, and Module::to changes them in place (set_data).
+void CompressedLinear::to(torch::Dtype dtype, bool non_blocking) {
+  if (bias_.defined()) bias_.set_data(bias_.to(dtype, non_blocking));
+}
+
+void CompressedLinear::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
+  torch::nn::Module::to(device, non_blocking);
+  to(dtype, non_blocking);
+}
+
+}  // namespace qtrain::qat
