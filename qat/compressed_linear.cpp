@@ -1,6 +1,8 @@
 #include "qat/compressed_linear.h"
 
 #include "kernels/error.h"
+#include "qat/float8_linear.h"
+#include "qat/input_quantized_linear.h"
 
 namespace qtrain::qat {
 
@@ -48,6 +50,39 @@ void CompressedLinear::to(torch::Dtype dtype, bool non_blocking) {
 void CompressedLinear::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
   torch::nn::Module::to(device, non_blocking);
   to(dtype, non_blocking);
+}
+
+namespace {
+
+// The stored layer under `layer` (itself, or what an InputQuantizedLinear wraps) when it holds
+// e4m3 rows with one scale each.
+const CompressedLinear* stored_float8_rows(const LinearLayer& layer) {
+  const auto* stored = dynamic_cast<const CompressedLinear*>(&layer);
+  if (const auto* wrapper = dynamic_cast<const InputQuantizedLinear*>(&layer)) {
+    stored = dynamic_cast<const CompressedLinear*>(wrapper->inner().get());
+  }
+  if (stored == nullptr) return nullptr;
+  const auto& weight = stored->compressed_weight();
+  const bool rows = weight.format == CompressionFormat::kFloatQuantized && weight.spec.granularity == Granularity::kPerChannel;
+  return rows ? stored : nullptr;
+}
+
+}  // namespace
+
+std::vector<std::string> multiply_stored_float8_rows_on_tensor_cores(torch::nn::Module& root, torch::ScalarType compute_dtype,
+                                                                     bool fast_accumulation) {
+  const auto found = find_linear_layers(
+      root, [](const std::string&, const LinearLayer& layer) { return stored_float8_rows(layer) != nullptr; },
+      [](const LinearLayer&) { return true; });
+  std::vector<std::string> names;
+  for (const auto& entry : found) {
+    const auto& weight = stored_float8_rows(*entry.layer)->compressed_weight();
+    Float8Rows rows{weight.data, weight.scale.to(torch::kFloat32).reshape({weight.out_features, 1})};
+    replace_linear_layer_at(root, entry.name,
+                            std::make_shared<Float8Linear>(rows, entry.layer->bias(), compute_dtype, fast_accumulation));
+    names.push_back(entry.name);
+  }
+  return names;
 }
 
 }  // namespace qtrain::qat

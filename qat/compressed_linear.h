@@ -17,6 +17,7 @@
 #include <torch/torch.h>
 
 #include <string>
+#include <vector>
 
 #include "qat/compressed_weight.h"
 #include "qat/linear.h"
@@ -52,5 +53,13 @@ class CompressedLinear : public LinearLayer {
   CompressedWeight weight_;  // its tensors are this module's buffers
   torch::Tensor bias_;
 };
+
+// The projections under `root` kept as e4m3 with a scale per output row (compressed-tensors'
+// FP8_DYNAMIC: float-quantized, per channel; with or without their per-token input quantization)
+// become Float8Linear layers of the same codes and scales, which multiply on FP8 tensor cores and
+// quantize their inputs per token themselves (qlora.fp8_compute on such a checkpoint). Returns the
+// names replaced.
+std::vector<std::string> multiply_stored_float8_rows_on_tensor_cores(torch::nn::Module& root, torch::ScalarType compute_dtype,
+                                                                     bool fast_accumulation);
 
 }  // namespace qtrain::qat

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "kernels/error.h"
+#include "kernels/packed_int_dequantize.h"
 
 namespace qtrain::qat {
 
@@ -139,6 +140,14 @@ torch::Tensor CompressedWeight::dequantize(torch::ScalarType dtype) const {
   }
   // transformers loads the scales into parameters of the model's dtype and decompresses there.
   const auto scale_dtype = dtype;
+  const bool reduced_or_single = dtype == torch::kFloat32 || dtype == torch::kBFloat16 || dtype == torch::kFloat16;
+  if (kernels::kCudaKernelsBuilt && data.is_cuda() && format == CompressionFormat::kPackQuantized &&
+      (spec.bits == 4 || spec.bits == 8) && reduced_or_single) {
+    // One pass on the GPU, the bits of the operations below.
+    return kernels::dequantize_packed_int_cuda(data.contiguous(), scale.to(dtype).contiguous(),
+                                               zero_point.defined() ? zero_point.contiguous() : torch::Tensor(), spec.bits,
+                                               in_features);
+  }
   auto values = codes().to(scale_dtype);
   const int64_t groups = groups_of(*this);
   if (zero_point.defined()) {

@@ -118,6 +118,12 @@ Quantized quantize_blocks(const QuantSpec& spec, const torch::Tensor& blocks, co
     case GridKind::kMinifloat: {
       const auto scaled = (blocks / scale).to(torch::kFloat32);
       const auto magnitude = scaled.abs();
+      if (info.bits == 8) {
+        // The OCP FP8 formats are torch's own dtypes, whose conversion rounds to nearest even as
+        // the bit fields below do: one cast, after the saturation, gives their bytes.
+        const auto dtype = info.format == QuantFormat::kFp8E4m3 ? torch::kFloat8_e4m3fn : torch::kFloat8_e5m2;
+        return {scaled.clamp(-info.max_value, info.max_value).to(dtype).view(torch::kUInt8), magnitude <= info.max_value};
+      }
       auto codes = minifloat_magnitude_codes(info, magnitude.clamp_max(info.max_value));
       const int64_t sign_bit = int64_t{1} << (info.bits - 1);
       codes = codes + (scaled < 0).to(torch::kInt64) * sign_bit;

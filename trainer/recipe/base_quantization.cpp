@@ -3,6 +3,7 @@
 #include <functional>
 
 #include "kernels/error.h"
+#include "qat/compressed_linear.h"
 #include "qat/float8_matmul.h"
 #include "qat/layer_replacement.h"
 #include "qat/four_bit_codec.h"
@@ -82,6 +83,11 @@ void quantize_float8(LlamaForCausalLMImpl& model, const BaseQuantizationSettings
 // kept on the host.
 void keep_dense(LlamaForCausalLMImpl& model, const BaseQuantizationSettings& settings) {
   if (!settings.multiply_on_float8) return;
+  // A checkpoint's own e4m3 rows (compressed-tensors FP8_DYNAMIC) multiply as they are stored.
+  if (settings.float8.device && settings.float8.device->is_cuda()) {
+    qat::require_float8_tensor_cores(*settings.float8.device, settings.compute_dtype, "qlora.fp8_compute", "train.dtype");
+  }
+  qat::multiply_stored_float8_rows_on_tensor_cores(model, settings.compute_dtype, settings.float8.fast_accumulation);
   auto options = settings.float8;
   options.keep_dense_weight_on_host = true;
   quantize_rows_float8(model, settings, options, "qlora.fp8_compute");
