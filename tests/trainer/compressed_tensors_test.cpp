@@ -235,6 +235,7 @@ TEST(CompressedTensorsImport, PackageMadeW4A16TrainsLoraKeptPackedAndPeftLoadsTh
   ASSERT_EQ(made.status, 0) << made.output;
 
   auto loaded = load_llama(base);
+  const auto parsed = parse_compressed_tensors_config(loaded.config.json, loaded.config.path);
   int64_t packed_bytes = 0;
   int64_t dense_bytes = 0;
   for (const auto& found : qat::find_linear_layers(
@@ -244,6 +245,10 @@ TEST(CompressedTensorsImport, PackageMadeW4A16TrainsLoraKeptPackedAndPeftLoadsTh
     const auto* compressed = dynamic_cast<const qat::CompressedLinear*>(found.layer.get());
     ASSERT_NE(compressed, nullptr) << found.name << " is not kept compressed";
     packed_bytes += compressed->compressed_weight().stored_bytes();
+    // The memory estimate (qtrain inspect) counts what the layer holds (fp32 scales here).
+    EXPECT_EQ(compressed_tensors_stored_bytes(parsed, found.name, found.layer->out_features(), found.layer->in_features(), 4),
+              static_cast<double>(compressed->compressed_weight().stored_bytes()))
+        << found.name;
     dense_bytes += 2 * found.layer->in_features() * found.layer->out_features();
   }
   EXPECT_LT(static_cast<double>(packed_bytes), 0.3 * static_cast<double>(dense_bytes));

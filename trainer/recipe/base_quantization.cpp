@@ -3,6 +3,8 @@
 #include <functional>
 
 #include "kernels/error.h"
+#include "kernels/cuda_build.h"
+#include "kernels/float8_rows.h"
 #include "qat/compressed_linear.h"
 #include "qat/float8_matmul.h"
 #include "qat/layer_replacement.h"
@@ -82,12 +84,20 @@ void quantize_float8(LlamaForCausalLMImpl& model, const BaseQuantizationSettings
 // A 16-bit base stays dense, or multiplies on FP8 tensor cores from e4m3 rows, its 16-bit weights
 // kept on the host.
 void keep_dense(LlamaForCausalLMImpl& model, const BaseQuantizationSettings& settings) {
-  if (!settings.multiply_on_float8) return;
-  // A checkpoint's own e4m3 rows (compressed-tensors FP8_DYNAMIC) multiply as they are stored.
-  if (settings.float8.device && settings.float8.device->is_cuda()) {
-    qat::require_float8_tensor_cores(*settings.float8.device, settings.compute_dtype, "qlora.fp8_compute", "train.dtype");
+  // A checkpoint's own e4m3 rows (compressed-tensors FP8_DYNAMIC: FP8 weights, FP8 inputs per token)
+  // multiply as they are stored, on FP8 tensor cores: under qlora.fp8_compute, and by default where
+  // the GPU has them and the run computes in bf16 (the emulation runs at about a third of the speed).
+  const auto& device = settings.float8.device;
+  const bool on_tensor_cores = device && device->is_cuda() && kernels::kCudaKernelsBuilt &&
+                               settings.compute_dtype == torch::kBFloat16 &&
+                               kernels::float8_tensor_cores(device->has_index() ? device->index() : -1);
+  if (settings.multiply_on_float8 && device && device->is_cuda()) {
+    qat::require_float8_tensor_cores(*device, settings.compute_dtype, "qlora.fp8_compute", "train.dtype");
   }
-  qat::multiply_stored_float8_rows_on_tensor_cores(model, settings.compute_dtype, settings.float8.fast_accumulation);
+  if (settings.multiply_on_float8 || on_tensor_cores) {
+    qat::multiply_stored_float8_rows_on_tensor_cores(model, settings.compute_dtype, settings.float8.fast_accumulation);
+  }
+  if (!settings.multiply_on_float8) return;
   auto options = settings.float8;
   options.keep_dense_weight_on_host = true;
   quantize_rows_float8(model, settings, options, "qlora.fp8_compute");
@@ -271,7 +281,11 @@ BaseQuantizationSettings base_quantization(const Recipe& recipe, torch::ScalarTy
                 "qlora.fp8_compute: true), and the base here is " + std::string(base_quantization_name(kind)) +
                 ": remove the key");
   }
-  if (kind == BaseQuantization::kNone && !dense_on_float8) return compute_settings(kind, compute_dtype);
+  if (kind == BaseQuantization::kNone && !dense_on_float8) {
+    auto settings = compute_settings(kind, compute_dtype);
+    settings.float8.device = device;  // where a checkpoint's own e4m3 rows multiply (keep_dense)
+    return settings;
+  }
   return base_quantization_settings(kind, recipe.qlora, compute_dtype, device);
 }
 
