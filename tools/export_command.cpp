@@ -189,6 +189,10 @@ int run_export(const Arguments& arguments) {
                               trainer::BaseDirectory::read(source.base_dir, source.loaded.config), out_dir, export_options);
   if (gguf_format) {
     std::printf("export: %s written as a GGUF file (%s) to %s\n", source.description.c_str(), gguf_type.c_str(), out_dir.c_str());
+  } else if (compressed_format) {
+    std::printf("export: %s written as a compressed-tensors %s checkpoint (%s elsewhere) in %s\n", source.description.c_str(),
+                export_options.compressed_tensors_scheme->name, trainer::dtype_short_name(*export_options.dtype).c_str(),
+                out_dir.c_str());
   } else {
     std::printf("export: %s merged into a %s Hugging Face model in %s\n", source.description.c_str(),
                 trainer::dtype_short_name(*export_options.dtype).c_str(), out_dir.c_str());
