@@ -299,6 +299,13 @@ TEST(CompressedTensorsImport, BadCheckpointsAreErrorsNamingTheTensorOrKey) {
   config["quantization_config"]["config_groups"]["group_0"]["format"] = "marlin-24";
   temp.write("w4a16/config.json", config.dump());
   EXPECT_NE(testing::error_message([&] { load_llama(dir); }).find("marlin-24"), std::string::npos);
+  // A quantization_config of a kind no row reads names the kinds that are read.
+  auto other = config;
+  other["quantization_config"] = {{"quant_method", "awq"}, {"bits", 4}};
+  temp.write("w4a16/config.json", other.dump());
+  const auto unknown = testing::error_message([&] { load_llama(dir); });
+  EXPECT_NE(unknown.find("quantization_config"), std::string::npos) << unknown;
+  EXPECT_NE(unknown.find("compressed-tensors"), std::string::npos) << unknown;
   config["quantization_config"]["kv_cache_scheme"] = {{"num_bits", 8}};
   EXPECT_NE(testing::error_message([&] { parse_compressed_tensors_config(config.dump(), "config.json"); }).find("kv_cache_scheme"),
             std::string::npos);

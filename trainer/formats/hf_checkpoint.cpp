@@ -2,6 +2,7 @@
 
 #include <set>
 #include <sstream>
+#include <vector>
 
 #include "kernels/error.h"
 #include "trainer/formats/bnb_checkpoint.h"
@@ -96,17 +97,40 @@ torch::Tensor read_bias(const SafetensorsCheckpoint& weights, const std::string&
   return weights.tensor(name + ".bias");
 }
 
+namespace {
+
+// The pre-quantized checkpoint formats, one row each: which quantization_config it is, and its
+// loader (which keeps the quantized projections in their stored form where it can).
+struct PrequantizedFormat {
+  const char* name;  // for messages: what quant_method it reads
+  bool (*is)(const HfModelConfig& config);
+  LoadedModel (*load)(const std::string& model_dir, const HfModelConfig& config, const ModelLoadOptions& options);
+};
+
+const std::vector<PrequantizedFormat>& prequantized_formats() {
+  static const std::vector<PrequantizedFormat> rows = {
+      {"bitsandbytes 4-bit", is_bnb_4bit_checkpoint, load_bnb_4bit_llama},
+      {"bitsandbytes 8-bit", is_bnb_8bit_checkpoint, load_bnb_8bit_llama},
+      {"qtrain (safetensors-int)", is_qtrain_quantized_checkpoint, load_qtrain_quantized_llama},
+      {"fp8 (fine-grained)", is_fp8_block_checkpoint, load_fp8_block_llama},
+      {"compressed-tensors", is_compressed_tensors_checkpoint, load_compressed_tensors_llama},
+  };
+  return rows;
+}
+
+}  // namespace
+
 LoadedModel load_llama(const std::string& model_dir, const ModelLoadOptions& options) {
   LoadedModel loaded;
   loaded.config = read_hf_config(model_dir);
-  if (is_bnb_4bit_checkpoint(loaded.config)) return load_bnb_4bit_llama(model_dir, loaded.config, options);
-  if (is_bnb_8bit_checkpoint(loaded.config)) return load_bnb_8bit_llama(model_dir, loaded.config, options);
-  if (is_qtrain_quantized_checkpoint(loaded.config)) return load_qtrain_quantized_llama(model_dir, loaded.config, options);
-  if (is_fp8_block_checkpoint(loaded.config)) return load_fp8_block_llama(model_dir, loaded.config, options);
-  if (is_compressed_tensors_checkpoint(loaded.config)) return load_compressed_tensors_llama(model_dir, loaded.config, options);
+  std::string known;
+  for (const auto& format : prequantized_formats()) {
+    if (format.is(loaded.config)) return format.load(model_dir, loaded.config, options);
+    known += (known.empty() ? "" : ", ") + std::string(format.name);
+  }
   if (loaded.config.has_quantization_config) {
-    throw Error(ErrorCode::kModelConfig, loaded.config.path +
-                ": this checkpoint is pre-quantized (quantization_config); load it as a QLoRA / int8 base");
+    throw Error(ErrorCode::kModelConfig, loaded.config.path + ": quantization_config is of a kind qtrain does not read (it reads " +
+                known + "); give the unquantized model, or one of those");
   }
   auto weights = SafetensorsCheckpoint::open(model_dir);
   loaded.model = LlamaForCausalLM(loaded.config.llama, options.dtype, options.make_linear);
