@@ -3,6 +3,7 @@
 #include "kernels/error.h"
 #include "qat/float8_linear.h"
 #include "qat/input_quantized_linear.h"
+#include "qat/layer_replacement.h"
 
 namespace qtrain::qat {
 
@@ -52,37 +53,51 @@ void CompressedLinear::to(torch::Device device, torch::Dtype dtype, bool non_blo
   to(dtype, non_blocking);
 }
 
+const CompressedLinear* stored_compressed_layer(const LinearLayer& layer) {
+  if (const auto* wrapper = dynamic_cast<const InputQuantizedLinear*>(&layer)) {
+    return dynamic_cast<const CompressedLinear*>(wrapper->inner().get());
+  }
+  return dynamic_cast<const CompressedLinear*>(&layer);
+}
+
+std::vector<std::string> decompress_stored_linear_layers(torch::nn::Module& root, torch::ScalarType dtype) {
+  return replace_linear_layers(
+      root, [](const std::string&, const LinearLayer& layer) { return stored_compressed_layer(layer) != nullptr; },
+      [dtype](const LinearLayer& layer) {
+        DenseLinearOptions options;
+        options.in_features = layer.in_features();
+        options.out_features = layer.out_features();
+        options.bias = layer.bias().defined();
+        options.dtype = dtype;
+        auto dense = std::make_shared<DenseLinear>(options);
+        dense->to(module_device(layer));
+        dense->weight().copy_(layer.dense_weight(dtype));
+        if (options.bias) dense->bias().copy_(layer.bias());
+        return dense;
+      });
+}
+
 namespace {
 
-// The stored layer under `layer` (itself, or what an InputQuantizedLinear wraps) when it holds
-// e4m3 rows with one scale each.
-const CompressedLinear* stored_float8_rows(const LinearLayer& layer) {
-  const auto* stored = dynamic_cast<const CompressedLinear*>(&layer);
-  if (const auto* wrapper = dynamic_cast<const InputQuantizedLinear*>(&layer)) {
-    stored = dynamic_cast<const CompressedLinear*>(wrapper->inner().get());
-  }
-  if (stored == nullptr) return nullptr;
+// Whether `layer` is stored as e4m3 rows with one scale each (FP8_DYNAMIC's weights).
+bool stores_float8_rows(const LinearLayer& layer) {
+  const auto* stored = stored_compressed_layer(layer);
+  if (stored == nullptr) return false;
   const auto& weight = stored->compressed_weight();
-  const bool rows = weight.format == CompressionFormat::kFloatQuantized && weight.spec.granularity == Granularity::kPerChannel;
-  return rows ? stored : nullptr;
+  return weight.format == CompressionFormat::kFloatQuantized && weight.spec.granularity == Granularity::kPerChannel;
 }
 
 }  // namespace
 
 std::vector<std::string> multiply_stored_float8_rows_on_tensor_cores(torch::nn::Module& root, torch::ScalarType compute_dtype,
                                                                      bool fast_accumulation) {
-  const auto found = find_linear_layers(
-      root, [](const std::string&, const LinearLayer& layer) { return stored_float8_rows(layer) != nullptr; },
-      [](const LinearLayer&) { return true; });
-  std::vector<std::string> names;
-  for (const auto& entry : found) {
-    const auto& weight = stored_float8_rows(*entry.layer)->compressed_weight();
-    Float8Rows rows{weight.data, weight.scale.to(torch::kFloat32).reshape({weight.out_features, 1})};
-    replace_linear_layer_at(root, entry.name,
-                            std::make_shared<Float8Linear>(rows, entry.layer->bias(), compute_dtype, fast_accumulation));
-    names.push_back(entry.name);
-  }
-  return names;
+  return replace_linear_layers(
+      root, [](const std::string&, const LinearLayer& layer) { return stores_float8_rows(layer); },
+      [&](const LinearLayer& layer) {
+        const auto& weight = stored_compressed_layer(layer)->compressed_weight();
+        Float8Rows rows{weight.data, weight.scale.to(torch::kFloat32).reshape({weight.out_features, 1})};
+        return std::make_shared<Float8Linear>(rows, layer.bias(), compute_dtype, fast_accumulation);
+      });
 }
 
 }  // namespace qtrain::qat

@@ -54,6 +54,14 @@ class CompressedLinear : public LinearLayer {
   torch::Tensor bias_;
 };
 
+// The stored layer of `layer`: itself, or the one an InputQuantizedLinear wraps; null for any other.
+const CompressedLinear* stored_compressed_layer(const LinearLayer& layer);
+
+// Replaces every stored layer under `root` (with its input quantization, if any) by a dense layer
+// holding its dequantized weight in `dtype`: a base quantized again (quant: qlora) or trained
+// through QAT starts from the checkpoint's values. Returns the names replaced.
+std::vector<std::string> decompress_stored_linear_layers(torch::nn::Module& root, torch::ScalarType dtype);
+
 // The projections under `root` kept as e4m3 with a scale per output row (compressed-tensors'
 // FP8_DYNAMIC: float-quantized, per channel; with or without their per-token input quantization)
 // become Float8Linear layers of the same codes and scales, which multiply on FP8 tensor cores and

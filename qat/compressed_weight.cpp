@@ -18,10 +18,8 @@ const std::array<std::pair<CompressionFormat, const char*>, 4> kFormatNames = {{
     {CompressionFormat::kNvfp4PackQuantized, "nvfp4-pack-quantized"},
 }};
 
-// e4m3's largest value and the scale eps compressed-tensors gives an e4m3 scale that comes out 0.
-constexpr double kE4m3Max = 448.0;
+// The eps compressed-tensors gives an e4m3 scale that comes out 0 (its _get_dtype_eps).
 constexpr double kE4m3ScaleEps = 0.125;
-constexpr double kE2m1Max = 6.0;
 constexpr int64_t kNvfp4Group = 16;
 
 int64_t groups_of(const CompressedWeight& weight) {
@@ -227,19 +225,21 @@ CompressedWeight compress_nvfp4(const torch::Tensor& weight, const torch::Tensor
                 " does not divide into them");
   }
   const auto dtype = weight.scalar_type();
+  const double e4m3_max = quant_format_info(QuantFormat::kFp8E4m3).max_value;
+  const double e2m1_max = quant_format_info(QuantFormat::kFp4E2m1).max_value;
   const auto groups = weight.reshape({out, in / kNvfp4Group, kNvfp4Group});
   const auto absmax = groups.abs().amax(-1);  // [out, groups], the weight's dtype
   // generate_gparam: 448 * 6 / absmax in the weight's dtype (absmax at least its smallest normal
   // number), 1 where that is not finite, then fp32.
   const auto whole = (tensor_absmax.defined() ? tensor_absmax : weight.abs().max()).to(dtype).reshape({1});
-  const double tiny = dtype == torch::kBFloat16 ? 1.1754943508222875e-38
-                    : dtype == torch::kFloat16  ? 6.103515625e-05
+  const double tiny = dtype == torch::kBFloat16 ? static_cast<double>(std::numeric_limits<c10::BFloat16>::min())
+                    : dtype == torch::kFloat16  ? static_cast<double>(std::numeric_limits<c10::Half>::min())
                                                 : static_cast<double>(std::numeric_limits<float>::min());
   // Python's `2688.0 / tensor` is torch's reciprocal, then the product: one more rounding than a division.
   const auto global_scale =
-      torch::nan_to_num(whole.clamp_min(tiny).reciprocal() * (kE4m3Max * kE2m1Max), 1.0, 1.0, 1.0).to(torch::kFloat32);
+      torch::nan_to_num(whole.clamp_min(tiny).reciprocal() * (e4m3_max * e2m1_max), 1.0, 1.0, 1.0).to(torch::kFloat32);
   // scale = e4m3(global * absmax / 6), 0.125 where it is 0.
-  auto scale = (global_scale * (absmax / kE2m1Max)).clamp(-kE4m3Max, kE4m3Max).to(torch::kFloat8_e4m3fn).to(torch::kFloat32);
+  auto scale = (global_scale * (absmax / e2m1_max)).clamp(-e4m3_max, e4m3_max).to(torch::kFloat8_e4m3fn).to(torch::kFloat32);
   scale = torch::where(scale == 0, torch::full_like(scale, kE4m3ScaleEps), scale);
   QuantSpec spec;
   spec.format = QuantFormat::kFp4E2m1;

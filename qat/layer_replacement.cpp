@@ -13,32 +13,28 @@ bool module_name_matches(const std::string& name, const std::vector<std::string>
   return false;
 }
 
-std::vector<std::string> replace_dense_linear_layers(
-    torch::nn::Module& root, const std::vector<std::string>& skip_modules,
-    const std::function<std::shared_ptr<LinearLayer>(const DenseLinear&)>& make_layer) {
-  struct Target {
-    std::string name;
-    std::shared_ptr<DenseLinear> layer;
-  };
-  std::vector<Target> targets;
-  for (const auto& item : root.named_modules()) {
-    auto dense = std::dynamic_pointer_cast<DenseLinear>(item.value());
-    if (dense && !item.key().empty() && !module_name_matches(item.key(), skip_modules)) {
-      targets.push_back({item.key(), dense});
-    }
-  }
-  const auto modules = root.named_modules();
+std::vector<std::string> replace_linear_layers(
+    torch::nn::Module& root, const std::function<bool(const std::string&, const LinearLayer&)>& select,
+    const std::function<std::shared_ptr<LinearLayer>(const LinearLayer&)>& make_layer) {
+  const auto targets = find_linear_layers(root, select, [&](const LinearLayer& layer) { return select("", layer); });
   std::vector<std::string> replaced;
   torch::NoGradGuard no_grad;
   for (const auto& target : targets) {
-    const auto dot = target.name.rfind('.');
-    const std::string parent_name = dot == std::string::npos ? "" : target.name.substr(0, dot);
-    const std::string child_name = dot == std::string::npos ? target.name : target.name.substr(dot + 1);
-    torch::nn::Module& parent = parent_name.empty() ? root : *modules[parent_name];
-    replace_linear_layer(parent, child_name, make_layer(*target.layer));
+    replace_linear_layer_at(root, target.name, make_layer(*target.layer));
     replaced.push_back(target.name);
   }
   return replaced;
+}
+
+std::vector<std::string> replace_dense_linear_layers(
+    torch::nn::Module& root, const std::vector<std::string>& skip_modules,
+    const std::function<std::shared_ptr<LinearLayer>(const DenseLinear&)>& make_layer) {
+  return replace_linear_layers(
+      root,
+      [&](const std::string& name, const LinearLayer& layer) {
+        return dynamic_cast<const DenseLinear*>(&layer) != nullptr && !module_name_matches(name, skip_modules);
+      },
+      [&](const LinearLayer& layer) { return make_layer(static_cast<const DenseLinear&>(layer)); });
 }
 
 std::vector<std::string> quantize_dense_linear_layers(

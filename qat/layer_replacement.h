@@ -16,6 +16,13 @@ namespace qtrain::qat {
 // True when `name` equals an entry or ends in "." + entry.
 bool module_name_matches(const std::string& name, const std::vector<std::string>& entries);
 
+// Replaces every linear layer under `root` that `select` accepts (without looking inside it) by
+// make_layer(layer), one at a time, so only one layer exists twice at a time. Returns the replaced
+// names, in module order.
+std::vector<std::string> replace_linear_layers(
+    torch::nn::Module& root, const std::function<bool(const std::string&, const LinearLayer&)>& select,
+    const std::function<std::shared_ptr<LinearLayer>(const LinearLayer&)>& make_layer);
+
 // Replaces every DenseLinear under `root` whose dotted name does not match `skip_modules` by
 // make_layer(dense), one at a time through replace_linear_layer (so only one layer exists twice at
 // a time). Returns the replaced names, in module order.

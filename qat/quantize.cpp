@@ -195,7 +195,10 @@ QuantParams choose_qparams_compressed_tensors(const QuantSpec& spec, const Block
                      .clamp(quant_min, quant_max)
                      .round();
   }
-  const double eps = dtype == torch::kBFloat16 ? 0.0078125 : dtype == torch::kFloat16 ? 0.0009765625 : kScaleEps;
+  // finfo(dtype).eps, as compressed-tensors takes it.
+  const double eps = dtype == torch::kBFloat16 ? static_cast<double>(std::numeric_limits<c10::BFloat16>::epsilon())
+                   : dtype == torch::kFloat16  ? static_cast<double>(std::numeric_limits<c10::Half>::epsilon())
+                                               : kScaleEps;
   scale = torch::where(scale == 0, torch::full_like(scale, eps), scale);
   return {scale.to(torch::kFloat32), zero_point};
 }

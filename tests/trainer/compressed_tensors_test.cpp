@@ -278,6 +278,26 @@ TEST(CompressedTensorsImport, PackageMadeW4A16TrainsLoraKeptPackedAndPeftLoadsTh
   EXPECT_GT((logits_of(*plain.model, input_ids) - ours).abs().max().item<float>(), 1e-3);
 }
 
+// quant: qlora / qat start from the checkpoint's values: every stored layer, with its input
+// quantization (W8A8), becomes a dense layer of its dequantized weight.
+TEST(CompressedTensorsImport, StoredLayersDecompressToDenseOnesOfTheSameWeights) {
+  TempDir temp;
+  const auto dir = temp.file("w8a8");
+  export_model(fixture("tiny-llama"), qat::find_quant_preset("W8A8", "scheme"), torch::kFloat32, dir);
+  auto loaded = load_llama(dir);
+  std::map<std::string, torch::Tensor> stored;
+  const auto all = [](const auto&...) { return true; };
+  for (const auto& found : qat::find_linear_layers(*loaded.model, all, all)) {
+    if (qat::stored_compressed_layer(*found.layer) != nullptr) stored[found.name] = found.layer->dense_weight(torch::kFloat32);
+  }
+  ASSERT_EQ(stored.size(), 28u);
+  EXPECT_EQ(qat::decompress_stored_linear_layers(*loaded.model, torch::kFloat32).size(), 28u);
+  for (const auto& found : qat::find_linear_layers(*loaded.model, all, all)) {
+    ASSERT_NE(dynamic_cast<const qat::DenseLinear*>(found.layer.get()), nullptr) << found.name;
+    if (stored.count(found.name)) EXPECT_TRUE(torch::equal(found.layer->dense_weight(torch::kFloat32), stored[found.name])) << found.name;
+  }
+}
+
 // Errors name the tensor or the key.
 TEST(CompressedTensorsImport, BadCheckpointsAreErrorsNamingTheTensorOrKey) {
   TempDir temp;

@@ -167,12 +167,18 @@ qat::QuantSpec weight_spec(const CompressedTensorsArgs& args, qat::CompressionFo
                 "' is not read (qtrain reads tensor, channel, group and NVFP4's tensor_group weights)");
   }
   spec.granularity = strategy->second;
-  const bool packed_int = format == qat::CompressionFormat::kPackQuantized || format == qat::CompressionFormat::kIntQuantized;
-  const bool fits = packed_int ? args.type == "int" && args.strategy != "tensor_group"
-                  : format == qat::CompressionFormat::kFloatQuantized ? args.type == "float" && args.num_bits == 8 && args.symmetric &&
-                                                                          args.strategy != "tensor_group"
-                                                                      : args.type == "float" && args.num_bits == 4 &&
-                                                                          args.strategy == "tensor_group" && args.group_size == 16;
+  bool fits = false;
+  switch (format) {
+    case qat::CompressionFormat::kPackQuantized:
+    case qat::CompressionFormat::kIntQuantized: fits = args.type == "int" && args.strategy != "tensor_group"; break;
+    case qat::CompressionFormat::kFloatQuantized:
+      fits = args.type == "float" && args.num_bits == 8 && args.symmetric && args.strategy != "tensor_group";
+      break;
+    case qat::CompressionFormat::kNvfp4PackQuantized:
+      fits = args.type == "float" && args.num_bits == 4 && args.strategy == "tensor_group" && args.group_size == 16;
+      break;
+    case qat::CompressionFormat::kFp8Blocks: break;
+  }
   if (!fits) {
     throw Error(ErrorCode::kModelConfig, where + ".weights: " + std::to_string(args.num_bits) + "-bit " + args.type + " " +
                 args.strategy + " weights are not what format " + qat::compression_format_name(format) + " holds");
@@ -188,8 +194,7 @@ qat::QuantSpec weight_spec(const CompressedTensorsArgs& args, qat::CompressionFo
 
 // The dynamic per-token input quantization of a group, as a fake quantizer.
 qat::FakeQuantizerOptions input_quantizer(const CompressedTensorsArgs& args, const std::string& where) {
-  if (!args.dynamic || args.strategy != "token" || !args.symmetric ||
-      !(args.type == "int" ? args.num_bits == 8 : args.num_bits == 8)) {
+  if (!args.dynamic || args.strategy != "token" || !args.symmetric || args.num_bits != 8) {
     throw Error(ErrorCode::kModelConfig, where + ".input_activations: " + std::to_string(args.num_bits) + "-bit " + args.type +
                 " " + args.strategy + (args.dynamic ? " dynamic" : " static") +
                 " activations are not read (qtrain runs dynamic symmetric per-token int8 and fp8 inputs)");
@@ -308,29 +313,6 @@ LoadedModel load_compressed_tensors_llama(const std::string& model_dir, const Hf
         }
         return layer;
       });
-}
-
-std::vector<std::string> decompress_linear_layers(torch::nn::Module& root, torch::ScalarType dtype) {
-  const auto compressed = qat::find_linear_layers(
-      root, [](const std::string&, const qat::LinearLayer& layer) { return dynamic_cast<const qat::CompressedLinear*>(&layer) != nullptr; },
-      [](const qat::LinearLayer&) { return false; });
-  std::vector<std::string> names;
-  torch::NoGradGuard no_grad;
-  for (const auto& found : compressed) {
-    qat::DenseLinearOptions options;
-    options.in_features = found.layer->in_features();
-    options.out_features = found.layer->out_features();
-    options.bias = found.layer->bias().defined();
-    options.dtype = dtype;
-    auto dense = std::make_shared<qat::DenseLinear>(options);
-    const auto device = qat::module_device(*found.layer);
-    dense->to(device);
-    dense->weight().copy_(found.layer->dense_weight(dtype));
-    if (options.bias) dense->bias().copy_(found.layer->bias());
-    qat::replace_linear_layer_at(root, found.name, dense);
-    names.push_back(found.name);
-  }
-  return names;
 }
 
 }  // namespace qtrain::trainer

@@ -47,8 +47,4 @@ bool is_compressed_tensors_checkpoint(const HfModelConfig& config);
 LoadedModel load_compressed_tensors_llama(const std::string& model_dir, const HfModelConfig& config,
                                           const ModelLoadOptions& options);
 
-// Replaces every qat::CompressedLinear under `root` by a dense layer holding its decompressed
-// weight in `dtype` (a base quantized again, quant: qlora). Returns the names replaced.
-std::vector<std::string> decompress_linear_layers(torch::nn::Module& root, torch::ScalarType dtype);
-
 }  // namespace qtrain::trainer

@@ -585,12 +585,11 @@ std::optional<RecipeConflict> find_conflict(const Recipe& recipe) {
                                                       " is a QAT grid, and quant is not qat: set quant: qat, or export the "
                                                       "finished model with export.scheme (post-training rounding)"};
     }
-    // The grid keys at their defaults (quantizer_keys): a preset sets them all itself.
-    const bool grid_keys_default = weights.format == qat::QuantFormat::kInt && weights.bits == 4 && weights.symmetric &&
-                                   weights.granularity == "per_group" && weights.group_size == 32 &&
-                                   weights.scale_dtype == "fp32" && weights.zero_point_domain == "int" &&
-                                   weights.observer == "dynamic" && !weights.learned_scale;
-    if (!grid_keys_default || recipe.qat.activations.bits != 0) {
+    // Every other qat.weights key at its default (the table's), activations off: the preset sets them.
+    Recipe others_default = default_recipe();
+    others_default.qat.weights = weights;
+    others_default.qat.weights.scheme.clear();
+    if (!(others_default == default_recipe()) || recipe.qat.activations.bits != 0) {
       return RecipeConflict{"qat.weights.scheme", "qat.weights.scheme: " + weights.scheme +
                                                       " sets the weight and activation grids itself (dynamic scales); "
                                                       "remove the other qat.weights keys and qat.activations.bits"};

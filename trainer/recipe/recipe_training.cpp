@@ -3,10 +3,10 @@
 #include <algorithm>
 
 #include "kernels/error.h"
+#include "qat/compressed_linear.h"
 #include "qat/gguf_file_types.h"
 #include "qat/quant_format.h"
 #include "trainer/model/causal_lm_loss.h"
-#include "trainer/formats/compressed_tensors.h"
 #include "trainer/formats/gguf_export.h"
 #include "trainer/formats/hf_config.h"
 #include "trainer/recipe/base_quantization.h"
@@ -51,7 +51,7 @@ LoadedModel load_base_model(const Recipe& recipe, torch::ScalarType dtype, const
   auto loaded = load_llama(recipe.model.path, options);
   // A compressed-tensors base stays in its stored form under quant: none; QLoRA quantizes it
   // again (NF4, ...) and QAT trains on its weights, from the decompressed values.
-  if (recipe.quant != QuantMethod::kNone) decompress_linear_layers(*loaded.model, dtype);
+  if (recipe.quant != QuantMethod::kNone) qat::decompress_stored_linear_layers(*loaded.model, dtype);
   if (quantize_base) {
     const auto base = base_quantization(recipe, dtype, device);
     base_quantization_row(base.kind).quantize(*loaded.model, base);
