@@ -1,9 +1,11 @@
 #include "qat/lora_linear.h"
 
 #include <cmath>
+#include <map>
 
 #include "data/unicode_regex.h"
 #include "kernels/error.h"
+#include "qat/expert_linear.h"
 #include "qat/lora_matmul.h"
 #include "qat/qat_linear.h"
 
@@ -172,12 +174,14 @@ std::string ModuleSelector::describe() const {
 }
 
 bool LoraTargets::matches(const std::string& module_name) const {
-  return include.matches(module_name) && !exclude.matches(module_name);
+  const bool parameter = !parameters.empty() && (parameters.matches(module_name) || parameters.matches(module_name + ".weight"));
+  return (include.matches(module_name) || parameter) && !exclude.matches(module_name);
 }
 
 std::vector<LoraTarget> find_lora_targets(const torch::nn::Module& root, const LoraTargets& targets) {
   // Adapters already in place, bare or inside a QAT layer (which fake-quantizes their merge).
   const auto is_adapter = [](const LinearLayer& layer) {
+    if (dynamic_cast<const ExpertLora*>(&layer) != nullptr) return true;
     if (const auto* quantized = dynamic_cast<const QatLinear*>(&layer)) {
       return dynamic_cast<const LoraLinear*>(quantized->inner().get()) != nullptr;
     }
@@ -195,8 +199,25 @@ std::vector<std::string> apply_lora(torch::nn::Module& root, const LoraTargets& 
     throw Error(ErrorCode::kRecipe, "no linear layer matches the LoRA target modules " + targets.include.describe() +
                 " (module names look like 'model.layers.0.self_attn.q_proj')");
   }
+  // The experts each bank of a mixture-of-experts block holds, by the bank's name.
+  std::map<std::string, int64_t> banks;
+  for (const auto& item : root.named_modules("", /*include_self=*/false)) {
+    const auto* owner = dynamic_cast<const ExpertBankOwner*>(item.value().get());
+    if (owner == nullptr) continue;
+    for (const auto& child : item.value()->named_children()) {
+      if (const int64_t experts = owner->bank_experts(child.key())) banks[item.key() + "." + child.key()] = experts;
+    }
+  }
   std::vector<std::string> wrapped;
   for (const auto& target : found) {
+    const auto bank = banks.find(target.name);
+    if (bank != banks.end()) {
+      auto lora = std::make_shared<ExpertLora>(target.layer, bank->second, options_for(target.name));
+      lora->train(target.layer->is_training());
+      replace_linear_layer_at(root, target.name, lora);
+      wrapped.push_back(target.name);
+      continue;
+    }
     auto lora = std::make_shared<LoraLinear>(target.layer, options_for(target.name));
     lora->train(target.layer->is_training());  // a model in eval mode stays there: no dropout
     replace_linear_layer_at(root, target.name, lora);

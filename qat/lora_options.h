@@ -45,6 +45,10 @@ struct ModuleSelector {
 struct LoraTargets {
   ModuleSelector include;  // peft's target_modules
   ModuleSelector exclude;  // peft's exclude_modules
+  // peft's target_parameters, by parameter name: an expert bank's own name
+  // ("model.layers.0.mlp.experts.gate_up_proj", transformers' 3D parameter), another layer's
+  // NAME.weight ("mlp.gate.weight", a router). Entries match as target_modules' list form does.
+  ModuleSelector parameters;
   bool matches(const std::string& module_name) const;
 };
 

@@ -343,8 +343,18 @@ std::optional<BenchOptions> parse_bench_options(const Arguments& arguments) {
   auto& recipe = bench.recipe;
   recipe = bench_recipe(*bench.base, bench.fake_quant, bench.lora_rank, bench.optimizer_name, bench.checkpointing,
                         bench.loss_chunk);
-  // Every projection of the shape's block: Phi-3's fused ones by their own names.
-  recipe.lora.target_modules = recipe.qat.target_modules = bench.llama.projection_names();
+  // Every projection of the shape's block (Phi-3's fused ones by their own names, a mixture of
+  // experts' banks), but a router, which the peers' recipes leave frozen; a quantized base keeps it dense.
+  const auto dense = trainer::dense_base_projections(bench.llama);
+  recipe.lora.target_modules.clear();
+  for (const auto& name : bench.llama.projection_names()) {
+    const bool router = std::any_of(dense.begin(), dense.end(), [&](const std::string& kept) {
+      return kept.size() >= name.size() && kept.compare(kept.size() - name.size(), name.size(), name) == 0;
+    });
+    if (!router) recipe.lora.target_modules.push_back(name);
+  }
+  recipe.qat.target_modules = recipe.lora.target_modules;
+  for (const auto& name : dense) recipe.qlora.skip_modules.push_back(name);
   recipe.lora.use_dora = flag("dora");
   recipe.qlora.fp8_fast_accumulation = flag("fp8-fast-accumulation");
   recipe.qlora.fp8_compute = flag("fp8-compute");

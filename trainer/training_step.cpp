@@ -79,14 +79,25 @@ StepResult TrainingStep::run(const std::vector<data::Batch>& micro_batches, int6
     const auto& batch = micro_batches[index];
     auto labels = batch.labels.to(options_.device);
     model_.prefetch_lm_head();  // train.lm_head_on_host: it travels while the layers run
+    auto* router_loss = model_.router_loss();
+    if (router_loss) router_loss->begin();
     auto hidden = model_.hidden_states(model_inputs(batch, options_.device, options_.packed_attention));
     auto loss = causal_lm_loss(model_, hidden, labels, loss_options);
+    // A mixture of experts' load-balancing loss, router_aux_loss_coef · aux per micro-batch as
+    // transformers adds it to the mean loss: here weighted by the micro-batch's predicted tokens,
+    // as its share of the window's token-weighted loss. Its gradient joins in backward.
+    double router_loss_sum = 0;
+    if (router_loss) {
+      const double weight = model_.options().experts.router_aux_loss_coef * static_cast<double>(batch.predicted_tokens);
+      router_loss_sum = weight * router_loss->value();
+      router_loss->set_gradient_scale(weight * loss_weight);
+    }
     // Ranks exchange gradients only in the window's last backward, overlapped with it.
     if (buckets_ && index + 1 == micro_batches.size()) buckets_->arm();
     state_prefetch_armed_ = states_on_host_ && index + 1 == micro_batches.size();
     (loss.loss_sum * loss_weight).backward();
     state_prefetch_armed_ = false;
-    loss_sum += loss.loss_sum.item<double>();
+    loss_sum += loss.loss_sum.item<double>() + router_loss_sum;
   }
   if (buckets_) {
     buckets_->finish();

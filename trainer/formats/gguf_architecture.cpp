@@ -27,6 +27,10 @@ constexpr std::pair<const char*, const char*> kLayerTensors[] = {
     {"mlp.down_proj.", "ffn_down."},   {"input_layernorm.", "attn_norm."}, {"post_attention_layernorm.", "ffn_norm."},
     {"self_attn.q_norm.", "attn_q_norm."}, {"self_attn.k_norm.", "attn_k_norm."},
     {"self_attn.qkv_proj.", "attn_qkv."},  {"mlp.gate_up_proj.", "ffn_up."},
+    // A mixture of experts: the router, and each bank as one 3D tensor [experts, out, in], gate and
+    // up apart (the exporter splits the fused bank: gguf_export.cpp).
+    {"mlp.gate.", "ffn_gate_inp."}, {"mlp.experts.gate_proj.", "ffn_gate_exps."}, {"mlp.experts.up_proj.", "ffn_up_exps."},
+    {"mlp.experts.down_proj.", "ffn_down_exps."},
 };
 constexpr const char* kLayerPrefix = "model.layers.";
 
@@ -70,6 +74,13 @@ const GgufArchitecture& gguf_architecture_for(const HfModelConfig& config) {
     problem = config.architecture + " with attention_bias: llama.cpp's '" + found->name + "' reads no biases";
   } else if (llama.query_key_norm && !found->reads_query_key_norm) {
     problem = config.architecture + " with q_norm / k_norm: llama.cpp's '" + found->name + "' reads none";
+  } else if (llama.feed_forward == FeedForwardKind::kExperts &&
+             std::find(llama.dense_layers.begin(), llama.dense_layers.end(), true) != llama.dense_layers.end()) {
+    problem = config.architecture + " with dense layers among its expert layers (mlp_only_layers / decoder_sparse_step): llama.cpp's '" +
+              found->name + "' has experts in every layer";
+  } else if (llama.feed_forward == FeedForwardKind::kExperts && !llama.experts.normalize_top_k) {
+    problem = config.architecture + " with norm_topk_prob false: llama.cpp's '" + found->name +
+              "' renormalises the chosen experts' weights";
   } else if (found->llama_cpp_difference != nullptr) {
     const auto difference = found->llama_cpp_difference(llama);
     if (!difference.empty()) problem = config.architecture + " with " + difference;

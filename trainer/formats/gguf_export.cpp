@@ -66,6 +66,10 @@ std::vector<std::pair<std::string, GgufValue>> model_metadata(const HfModelConfi
     throw Error(ErrorCode::kModelConfig, config.path + ": rope type '" + config.rope_type_name +
                 "' is not supported by GGUF export of '" + architecture.name + "' yet (default and linear are; longrope on phi3)");
   }
+  if (llama.feed_forward == FeedForwardKind::kExperts) {
+    metadata.emplace_back(key + "expert_count", static_cast<uint32_t>(llama.experts.num_experts));
+    metadata.emplace_back(key + "expert_used_count", static_cast<uint32_t>(llama.experts.experts_per_token));
+  }
   if (architecture.add_metadata != nullptr) {
     GgufMetadata own;
     architecture.add_metadata(llama, key, own);
@@ -106,6 +110,32 @@ struct ExportedTensor {
   std::optional<qat::GgufGridTensor> grid;
 };
 
+// The model's tensors with each expert bank as llama.cpp holds it: [experts, out, in], the fused
+// gate_up_proj as two tensors (gate's rows, then up's, of every expert) under the names
+// `mlp.experts.gate_proj.weight` / `up_proj` that gguf_tensor_name maps.
+std::vector<std::pair<std::string, torch::Tensor>> expert_banks_apart(std::vector<std::pair<std::string, torch::Tensor>> tensors,
+                                                                     const LlamaOptions& llama) {
+  if (llama.feed_forward != FeedForwardKind::kExperts) return tensors;
+  const std::string gate_up = ".mlp.experts.gate_up_proj.weight", down = ".mlp.experts.down_proj.weight";
+  const auto ends_with = [](const std::string& name, const std::string& suffix) {
+    return name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  std::vector<std::pair<std::string, torch::Tensor>> apart;
+  for (auto& [name, value] : tensors) {
+    if (ends_with(name, gate_up)) {
+      const auto prefix = name.substr(0, name.size() - gate_up.size());
+      const auto halves = value.view({llama.experts.num_experts, 2, llama.experts.intermediate_size, -1});
+      apart.emplace_back(prefix + ".mlp.experts.gate_proj.weight", halves.select(1, 0).contiguous());
+      apart.emplace_back(prefix + ".mlp.experts.up_proj.weight", halves.select(1, 1).contiguous());
+    } else if (ends_with(name, down)) {
+      apart.emplace_back(name, value.view({llama.experts.num_experts, llama.hidden_size, -1}));
+    } else {
+      apart.emplace_back(std::move(name), std::move(value));
+    }
+  }
+  return apart;
+}
+
 // The trained block type of a QAT tensor.
 qat::GgufBlockType trained_type(const ExportedTensor& tensor, const std::string& weights_key) {
   return tensor.grid ? tensor.grid->type : qat::gguf_block_type_for(tensor.codes->spec, weights_key);
@@ -123,7 +153,9 @@ std::vector<ExportedTensor> exported_tensors(const LlamaForCausalLMImpl& model, 
     return 0;  // no permutation
   };
   std::vector<ExportedTensor> tensors;
-  for (const auto& [hf_name, value] : merged_weights(model, torch::kFloat32)) {
+  for (const auto& [merged_name, merged_value] : expert_banks_apart(merged_weights(model, torch::kFloat32), llama)) {
+    const auto& hf_name = merged_name;
+    const auto& value = merged_value;
     if (llama.tie_word_embeddings && hf_name == "lm_head.weight") continue;
     ExportedTensor tensor{hf_name, gguf_tensor_name(hf_name, architecture.name), value, std::nullopt, std::nullopt};
     const bool norm = hf_name.size() > 11 && hf_name.compare(hf_name.size() - 11, 11, "norm.weight") == 0;
@@ -131,6 +163,10 @@ std::vector<ExportedTensor> exported_tensors(const LlamaForCausalLMImpl& model, 
     if (heads > 0) tensor.values = permute_rows(value, heads);
     if (architecture.norm_weights_plus_one && norm) tensor.values = tensor.values + 1.0;  // x (1 + w) as llama.cpp's x w
     const auto qat_layer = qat_layers.find(hf_name);
+    if (value.dim() == 3 && qat_layer != qat_layers.end()) {
+      throw Error(ErrorCode::kUsage, "GGUF export: " + hf_name + " is an expert bank trained with QAT, whose codes the GGUF "
+                  "export does not write yet; export merged or safetensors-int, or leave the experts out of qat.target_modules");
+    }
     if (qat_layer != qat_layers.end() && qat_layer->second->weight_fake_quant().spec().is_gguf_block()) {
       // Blocks run along the rows, each row its own: permuting the rows of every level is exact.
       auto grid = qat_layer->second->convert_gguf_grid();
@@ -169,6 +205,7 @@ qat::GgufModelShape gguf_model_shape(const HfModelConfig& config, const GgufArch
   shape.layers = config.llama.num_hidden_layers;
   shape.heads = config.llama.num_attention_heads;
   shape.kv_heads = config.llama.num_key_value_heads;
+  if (config.llama.feed_forward == FeedForwardKind::kExperts) shape.experts = config.llama.experts.num_experts;
   return shape;
 }
 

@@ -7,6 +7,7 @@
 #include "kernels/error.h"
 #include "trainer/formats/bnb_checkpoint.h"
 #include "trainer/formats/compressed_tensors.h"
+#include "trainer/formats/expert_checkpoint.h"
 #include "trainer/formats/fp8_checkpoint.h"
 #include "trainer/formats/safetensors_int.h"
 #include "trainer/formats/safetensors.h"
@@ -134,7 +135,9 @@ LoadedModel load_llama(const std::string& model_dir, const ModelLoadOptions& opt
   }
   auto weights = SafetensorsCheckpoint::open(model_dir);
   loaded.model = LlamaForCausalLM(loaded.config.llama, options.dtype, options.make_linear);
-  load_state(*loaded.model, weights, model_dir, loaded.config.llama.tie_word_embeddings);
+  std::set<std::string> experts;  // a mixture of experts' banks, stored per expert or fused
+  load_expert_tensors(*loaded.model, loaded.config, weights, model_dir, experts);
+  load_state(*loaded.model, weights, model_dir, loaded.config.llama.tie_word_embeddings, experts);
   loaded.model->to(options.device);
   loaded.model->eval();
   return loaded;

@@ -7,6 +7,7 @@
 #include "kernels/error.h"
 #include "qat/linear.h"
 #include "trainer/base/file_system.h"
+#include "trainer/formats/expert_checkpoint.h"
 #include "trainer/formats/generation_config.h"
 #include "trainer/formats/safetensors.h"
 
@@ -103,7 +104,12 @@ uint64_t parse_byte_size(const std::string& text, const std::string& what) {
 
 void write_merged_model(const LlamaForCausalLMImpl& model, const BaseDirectory& base, const std::string& out_dir,
                         const MergedExportOptions& options) {
-  write_safetensors_checkpoint(out_dir, merged_weights(model, options.dtype), options.max_shard_bytes);
+  // A mixture of experts' banks go out one tensor per expert, as its published checkpoints hold them.
+  std::vector<std::pair<std::string, torch::Tensor>> tensors;
+  for (const auto& [name, tensor] : merged_weights(model, options.dtype)) {
+    for (auto& published : published_expert_tensors(base.config, name, tensor)) tensors.push_back(std::move(published));
+  }
+  write_safetensors_checkpoint(out_dir, tensors, options.max_shard_bytes);
   write_file_atomically(out_dir + "/config.json", merged_config_json(base.config, options.dtype));
   write_generation_config_and_tokenizer(base, out_dir);
 }

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -11,6 +12,7 @@
 #include <sstream>
 
 #include "kernels/error.h"
+#include "qat/expert_linear.h"
 #include "qat/qat_linear.h"
 #include "trainer/base/file_system.h"
 #include "trainer/formats/safetensors.h"
@@ -27,21 +29,89 @@ constexpr const char* kWeightsFile = kPeftWeightsFile;
 // peft saves the state dict of PeftModel -> LoraModel (`base_model`) -> the transformers model (`model`).
 constexpr const char* kPeftPrefix = "base_model.model.";
 
-std::string lora_A_name(const std::string& module_name) { return kPeftPrefix + module_name + ".lora_A.weight"; }
-std::string lora_B_name(const std::string& module_name) { return kPeftPrefix + module_name + ".lora_B.weight"; }
+std::string lora_A_name(const std::string& key) { return kPeftPrefix + key + ".lora_A.weight"; }
+std::string lora_B_name(const std::string& key) { return kPeftPrefix + key + ".lora_B.weight"; }
 // DoRA's magnitude: peft saves its DoraLinearLayer's weight without the ".weight".
-std::string magnitude_name(const std::string& module_name) {
-  return kPeftPrefix + module_name + ".lora_magnitude_vector";
+std::string magnitude_name(const std::string& key) { return kPeftPrefix + key + ".lora_magnitude_vector"; }
+
+// A LoRA layer's trained tensors: a LoraLinear's (bare, or inside a QAT layer under the same name)
+// or an expert bank's ExpertLora.
+struct Adapter {
+  std::string name;
+  qat::LoraOptions options;
+  torch::Tensor lora_A, lora_B, magnitude;  // magnitude: DoRA only
+};
+
+std::vector<Adapter> lora_layers(const torch::nn::Module& model) {
+  std::vector<Adapter> layers;
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+    auto lora = std::dynamic_pointer_cast<qat::LoraLinear>(item.value());
+    if (auto quantized = std::dynamic_pointer_cast<qat::QatLinear>(item.value())) {
+      lora = std::dynamic_pointer_cast<qat::LoraLinear>(quantized->inner());
+    }
+    if (lora) layers.push_back({item.key(), lora->options(), lora->lora_A(), lora->lora_B(), lora->lora_magnitude()});
+    if (auto bank = std::dynamic_pointer_cast<qat::ExpertLora>(item.value())) {
+      layers.push_back({item.key(), bank->options(), bank->lora_A(), bank->lora_B(), torch::Tensor()});
+    }
+  }
+  return layers;
 }
 
-std::vector<std::pair<std::string, std::shared_ptr<qat::LoraLinear>>> lora_layers(const torch::nn::Module& model) {
-  std::vector<std::pair<std::string, std::shared_ptr<qat::LoraLinear>>> layers;
+std::vector<std::string> adapter_names(const std::vector<Adapter>& adapters) {
+  std::vector<std::string> names;
+  for (const auto& adapter : adapters) names.push_back(adapter.name);
+  return names;
+}
+
+// The experts of the bank `name` (qat/expert_linear.h), 0 when it is none.
+int64_t bank_experts(const torch::nn::Module& model, const std::string& name) {
+  const auto dot = name.rfind('.');
+  if (dot == std::string::npos) return 0;
   for (const auto& item : model.named_modules("", /*include_self=*/false)) {
-    if (auto lora = std::dynamic_pointer_cast<qat::LoraLinear>(item.value())) layers.emplace_back(item.key(), lora);
-    // Under QAT the adapters sit inside the fake-quantizing layer, under the same names.
-    if (auto quantized = std::dynamic_pointer_cast<qat::QatLinear>(item.value())) {
-      if (auto lora = std::dynamic_pointer_cast<qat::LoraLinear>(quantized->inner())) layers.emplace_back(item.key(), lora);
+    if (item.key() != name.substr(0, dot)) continue;
+    const auto* owner = dynamic_cast<const qat::ExpertBankOwner*>(item.value().get());
+    return owner ? owner->bank_experts(name.substr(dot + 1)) : 0;
+  }
+  return 0;
+}
+
+// One adapted layer as peft holds it. In a mixture-of-experts model peft adapts what sits in the
+// feed-forward blocks as parameters (target_parameters: transformers 5 has no modules there for
+// the experts, and rewrites MLP module names of target_modules into its fused ones), each wrapped
+// around the module that holds it: the keys of the banks of one block nest, the first the block
+// defines innermost (mlp.experts.base_layer.lora_A for gate_up_proj when down_proj is adapted too).
+struct PeftLayer {
+  std::string name;       // the module's path in the model
+  std::string key;        // its path in peft's keys
+  std::string parameter;  // under target_parameters: the parameter's name; empty under target_modules
+  int64_t experts = 0;    // > 0: an expert bank
+};
+
+std::vector<PeftLayer> peft_layers(const LlamaForCausalLMImpl& model, const std::vector<std::string>& adapted) {
+  const bool experts_model = model.options().feed_forward == FeedForwardKind::kExperts;
+  std::vector<PeftLayer> layers;
+  for (const auto& name : adapted) {
+    PeftLayer layer{name, name, "", bank_experts(model, name)};
+    if (layer.experts > 0) {
+      layer.parameter = name;
+      const std::string owner = name.substr(0, name.rfind('.'));
+      layer.key = owner;
+      bool after = false;
+      for (const auto& child : model.named_modules("", /*include_self=*/false)) {
+        const auto& child_name = child.key();
+        const bool in_owner = child_name.size() > owner.size() + 1 && child_name.compare(0, owner.size() + 1, owner + ".") == 0 &&
+                              child_name.find('.', owner.size() + 1) == std::string::npos;
+        if (!in_owner) continue;
+        if (child_name == name) {
+          after = true;
+        } else if (after && std::find(adapted.begin(), adapted.end(), child_name) != adapted.end()) {
+          layer.key += ".base_layer";
+        }
+      }
+    } else if (experts_model && name.find(".mlp.") != std::string::npos) {
+      layer.parameter = name + ".weight";
     }
+    layers.push_back(layer);
   }
   return layers;
 }
@@ -106,11 +176,18 @@ void apply_peft_adapter(LlamaForCausalLMImpl& model, const std::string& adapter_
     }
     expected.insert(name);
   };
-  for (const auto& target : targets) {
+  std::vector<std::string> target_names;
+  for (const auto& target : targets) target_names.push_back(target.name);
+  const auto keyed = peft_layers(model, target_names);
+  for (size_t index = 0; index < targets.size(); ++index) {
+    const auto& target = targets[index];
+    const auto& key = keyed[index].key;
     const int64_t rank = config.options_for(target.name).rank;
-    check(lora_A_name(target.name), {rank, target.layer->in_features()});
-    check(lora_B_name(target.name), {target.layer->out_features(), rank});
-    if (config.options_for(target.name).dora) check(magnitude_name(target.name), {target.layer->out_features()});
+    // An expert bank: A [experts · rank, in], B [each expert's rows, rank · experts].
+    const int64_t experts = std::max<int64_t>(keyed[index].experts, 1);
+    check(lora_A_name(key), {rank * experts, target.layer->in_features()});
+    check(lora_B_name(key), {target.layer->out_features() / experts, rank * experts});
+    if (config.options_for(target.name).dora) check(magnitude_name(key), {target.layer->out_features()});
   }
   std::vector<std::string> unexpected;
   for (const auto& name : weights.names()) {
@@ -126,10 +203,13 @@ void apply_peft_adapter(LlamaForCausalLMImpl& model, const std::string& adapter_
 
   qat::apply_lora(model, config.targets, [&](const std::string& name) { return config.options_for(name); });
   torch::NoGradGuard no_grad;
-  for (const auto& [name, lora] : lora_layers(model)) {
-    std::vector<std::pair<std::string, torch::Tensor>> parts = {{lora_A_name(name), lora->lora_A()},
-                                                                {lora_B_name(name), lora->lora_B()}};
-    if (lora->options().dora) parts.emplace_back(magnitude_name(name), lora->lora_magnitude());
+  const auto adapters = lora_layers(model);
+  const auto applied = peft_layers(model, adapter_names(adapters));
+  for (size_t index = 0; index < adapters.size(); ++index) {
+    const auto& lora = adapters[index];
+    const auto& key = applied[index].key;
+    std::vector<std::pair<std::string, torch::Tensor>> parts = {{lora_A_name(key), lora.lora_A}, {lora_B_name(key), lora.lora_B}};
+    if (lora.options.dora) parts.emplace_back(magnitude_name(key), lora.magnitude);
     for (const auto& [tensor_name, target] : parts) {
       auto stored = weights.tensor(tensor_name);
       if (!stored.is_floating_point()) {
@@ -152,15 +232,19 @@ void write_peft_adapter(const LlamaForCausalLMImpl& model, const PeftAdapterConf
   if (layers.empty()) throw Error(ErrorCode::kAdapter, out.string() + ": the model has no LoRA layers to write as a PEFT adapter");
 
   // The config must describe the model, or peft would build a different adapter from it.
-  std::vector<std::string> wrapped;
+  std::vector<std::string> wrapped, parameters;  // target_modules' and target_parameters' exact names
   std::vector<std::pair<std::string, torch::Tensor>> tensors;
-  for (const auto& [name, lora] : layers) {
+  const auto keyed = peft_layers(model, adapter_names(layers));
+  for (size_t index = 0; index < layers.size(); ++index) {
+    const auto& name = layers[index].name;
+    const auto& key = keyed[index].key;
+    const auto* lora = &layers[index];
     if (!config.targets.matches(name)) {
       throw Error(ErrorCode::kAdapter, out.string() + ": module '" + name + "' has a LoRA layer but target_modules " +
                   config.targets.include.describe() + " does not select it");
     }
     const auto expected = config.options_for(name);
-    const auto& actual = lora->options();
+    const auto& actual = lora->options;
     if (actual.rank != expected.rank || actual.alpha != expected.alpha || actual.rslora != expected.rslora ||
         actual.dora != expected.dora) {
       throw Error(ErrorCode::kAdapter, out.string() + ": module '" + name + "' has LoRA r=" + std::to_string(actual.rank) +
@@ -168,11 +252,15 @@ void write_peft_adapter(const LlamaForCausalLMImpl& model, const PeftAdapterConf
                   " but the adapter config says r=" + std::to_string(expected.rank) + " alpha=" +
                   number_text(expected.alpha) + (expected.rslora ? " (rsLoRA)" : "") + (expected.dora ? " (DoRA)" : ""));
     }
-    wrapped.push_back(name);
-    tensors.emplace_back(lora_A_name(name), lora->lora_A().detach().to(torch::kCPU, torch::kFloat32).contiguous());
-    tensors.emplace_back(lora_B_name(name), lora->lora_B().detach().to(torch::kCPU, torch::kFloat32).contiguous());
+    if (keyed[index].parameter.empty()) {
+      wrapped.push_back(name);
+    } else {
+      parameters.push_back(keyed[index].parameter);
+    }
+    tensors.emplace_back(lora_A_name(key), lora->lora_A.detach().to(torch::kCPU, torch::kFloat32).contiguous());
+    tensors.emplace_back(lora_B_name(key), lora->lora_B.detach().to(torch::kCPU, torch::kFloat32).contiguous());
     if (actual.dora) {
-      tensors.emplace_back(magnitude_name(name), lora->lora_magnitude().detach().to(torch::kCPU, torch::kFloat32).contiguous());
+      tensors.emplace_back(magnitude_name(key), lora->magnitude.detach().to(torch::kCPU, torch::kFloat32).contiguous());
     }
   }
   const auto unwrapped = qat::find_lora_targets(model, config.targets);
@@ -185,8 +273,12 @@ void write_peft_adapter(const LlamaForCausalLMImpl& model, const PeftAdapterConf
   Json rank_pattern = Json::object(), alpha_pattern = Json::object();
   for (const auto& [pattern, rank] : config.rank_pattern) rank_pattern[pattern] = rank;
   for (const auto& [pattern, alpha] : config.alpha_pattern) alpha_pattern[pattern] = alpha;
-  Json target_modules, exclude_modules;
-  if (peft_reads_targets_alike(config.targets)) {
+  Json target_modules, exclude_modules, target_parameters;
+  if (!parameters.empty()) {
+    // Exact names: peft would rewrite MLP names in target_modules into transformers 5's fused ones.
+    target_modules = wrapped;
+    target_parameters = parameters;
+  } else if (peft_reads_targets_alike(config.targets)) {
     target_modules = selector_json(config.targets.include);
     if (!config.targets.exclude.empty()) exclude_modules = selector_json(config.targets.exclude);
   } else {
@@ -216,6 +308,9 @@ void write_peft_adapter(const LlamaForCausalLMImpl& model, const PeftAdapterConf
       {"rank_pattern", rank_pattern},
       {"revision", nullptr},
       {"target_modules", target_modules},
+  });
+  if (!target_parameters.is_null()) json["target_parameters"] = target_parameters;
+  json.update(Json{
       {"task_type", "CAUSAL_LM"},
       {"use_dora", config.lora.dora},
       {"use_rslora", config.lora.rslora},

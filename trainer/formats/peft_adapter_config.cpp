@@ -175,7 +175,6 @@ PeftAdapterConfig parse_peft_adapter_config(const std::string& text, const std::
   config.require_unset("alora_invocation_tokens", "activated LoRA");
   config.require_unset("modules_to_save", "fully trained modules saved next to the adapter");
   config.require_unset("trainable_token_indices", "trainable token embeddings");
-  config.require_unset("target_parameters", "LoRA on parameters instead of modules");
   config.require_unset("layers_to_transform", "LoRA on a subset of layer indices");
   config.require_unset("layers_pattern", "LoRA on a subset of layer indices");
   config.require_unset("layer_replication", "layer replication");
@@ -199,7 +198,9 @@ PeftAdapterConfig parse_peft_adapter_config(const std::string& text, const std::
   result.lora.rslora = config.boolean("use_rslora", false);
   result.lora.dora = config.boolean("use_dora", false);
   result.targets.include = config.selector("target_modules");
-  if (result.targets.include.empty()) {
+  result.targets.parameters = config.selector("target_parameters");
+  if (result.targets.parameters.regex) config.fail("target_parameters", "must be a list of parameter names");
+  if (result.targets.include.empty() && result.targets.parameters.empty()) {
     config.fail("target_modules", "is missing or empty; name the adapted modules, e.g. [\"q_proj\", \"v_proj\"]");
   }
   result.targets.exclude = config.selector("exclude_modules");

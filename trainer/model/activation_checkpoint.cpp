@@ -9,6 +9,20 @@ namespace qtrain::trainer {
 
 namespace {
 
+thread_local bool recomputing_now = false;
+
+// Marks the recomputation for as long as it lives (nested checkpoints restore the outer mark).
+class Recomputing {
+ public:
+  Recomputing() : previous_(recomputing_now) { recomputing_now = true; }
+  ~Recomputing() { recomputing_now = previous_; }
+  Recomputing(const Recomputing&) = delete;
+  Recomputing& operator=(const Recomputing&) = delete;
+
+ private:
+  bool previous_;
+};
+
 using torch::autograd::Edge;
 using torch::autograd::variable_list;
 
@@ -48,6 +62,7 @@ class CheckpointBackward : public torch::autograd::Node {
       const auto now = RandomState::capture(random_state_.device_id);
       random_state_.restore();
       torch::AutoGradMode enable_grad(true);
+      const Recomputing recomputing;
       output = function_(inputs);
       now.restore();
     }
@@ -73,6 +88,8 @@ class CheckpointBackward : public torch::autograd::Node {
 };
 
 }  // namespace
+
+bool recomputing() { return recomputing_now; }
 
 torch::Tensor checkpoint(const CheckpointedFunction& function, const std::vector<torch::Tensor>& inputs,
                          const std::vector<torch::Tensor>& parameters,

@@ -23,6 +23,10 @@ using CheckpointedFunction = std::function<torch::Tensor(const std::vector<torch
 // none). `function` must depend on nothing else that trains, and must stay callable until
 // backward. Without grad mode, or with nothing to differentiate, it simply runs. With `offload`,
 // the inputs wait in its host memory until backward instead of on the device.
+// Whether this thread is running a checkpointed function again for its backward: what a forward
+// pass records once (trainer/model/router_loss.h) it skips then.
+bool recomputing();
+
 torch::Tensor checkpoint(const CheckpointedFunction& function, const std::vector<torch::Tensor>& inputs,
                          const std::vector<torch::Tensor>& parameters,
                          const std::shared_ptr<ActivationOffload>& offload = nullptr);

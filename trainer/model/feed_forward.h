@@ -1,6 +1,6 @@
 #pragma once
 // The decoder layer's feed-forward block: what runs on the residual stream after attention. A
-// dense gated MLP today (trainer/model/dense_mlp.h). The layer, its MLP chunks, the memory
+// dense gated MLP (trainer/model/dense_mlp.h) or a router and its experts (sparse_moe.h). The layer, its MLP chunks, the memory
 // estimate and LoRA targeting reach the block only through FeedForwardImpl and its row, so a new
 // kind (experts and a router) is one class, one FeedForwardKind and one case in feed_forward_row.
 #include <torch/torch.h>
@@ -11,6 +11,7 @@
 #include "qat/linear.h"
 #include "trainer/model/llama_options.h"
 #include "trainer/model/projections.h"
+#include "trainer/model/router_loss.h"
 
 namespace qtrain::trainer {
 
@@ -24,6 +25,9 @@ class FeedForwardImpl : public torch::nn::Module, public qat::LinearLayerOwner {
   // LinearLayer::forward_rebuilding_input's, for the projections that read `hidden`.
   virtual torch::Tensor forward(const torch::Tensor& hidden,
                                 const qat::LinearLayer::InputRebuild& rebuild_hidden = {}) = 0;
+  // The model's load-balancing loss (trainer/model/router_loss.h), which a block with a router
+  // reports to; the others ignore it.
+  virtual void share_router_loss(const std::shared_ptr<RouterLoss>& loss) { (void)loss; }
 };
 TORCH_MODULE(FeedForward);
 
@@ -44,7 +48,12 @@ struct FeedForwardRow {
                       torch::ScalarType dtype);
 };
 
-// The row of options.feed_forward.
-const FeedForwardRow& feed_forward_row(const LlamaOptions& options);
+// The projections of `options`' blocks that a quantized base leaves dense (stays_dense), as
+// "MODULE.NAME" ("mlp.gate"): entries for qlora.skip_modules' list.
+std::vector<std::string> dense_base_projections(const LlamaOptions& options);
+
+// The row of `kind`; of options.feed_forward, the model's block (its dense_layers take kDense's).
+const FeedForwardRow& feed_forward_row(FeedForwardKind kind);
+inline const FeedForwardRow& feed_forward_row(const LlamaOptions& options) { return feed_forward_row(options.feed_forward); }
 
 }  // namespace qtrain::trainer

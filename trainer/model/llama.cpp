@@ -149,6 +149,10 @@ std::vector<std::string> LlamaOptions::projection_names() const {
   std::vector<std::string> names;
   for (const auto& shape : attention_projections(*this)) names.push_back(shape.name);
   for (const auto& shape : feed_forward_row(*this).projections(*this)) names.push_back(shape.name);
+  // A mixture of experts with dense layers (Qwen3-MoE's mlp_only_layers) has their names too.
+  if (std::find(dense_layers.begin(), dense_layers.end(), true) != dense_layers.end() && feed_forward != FeedForwardKind::kDense) {
+    for (const auto& shape : feed_forward_row(FeedForwardKind::kDense).projections(*this)) names.push_back(shape.name);
+  }
   return names;
 }
 
@@ -283,9 +287,10 @@ void LlamaAttentionImpl::replace_linear(const std::string& child_name, std::shar
   replace_projection(*this, [this](const std::string& name) { return slot(name); }, child_name, std::move(layer));
 }
 
-LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaOptions& options, const std::string& prefix,
-                                             const LinearFactory& make_linear, torch::ScalarType dtype,
-                                             int64_t sliding_window) {
+LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaOptions& options, int64_t layer, const LinearFactory& make_linear,
+                                             torch::ScalarType dtype) {
+  const std::string prefix = "model.layers." + std::to_string(layer);
+  const int64_t sliding_window = options.layer_slides(layer) ? options.sliding_window : 0;
   const auto norm = [&] { return RMSNorm(options.hidden_size, options.rms_norm_eps, dtype, options.norm_style); };
   input_layernorm = register_module("input_layernorm", norm());
   self_attn = register_module("self_attn",
@@ -295,7 +300,7 @@ LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaOptions& options, const 
     pre_feedforward_layernorm = register_module("pre_feedforward_layernorm", norm());
     post_feedforward_layernorm = register_module("post_feedforward_layernorm", norm());
   }
-  const auto& block = feed_forward_row(options);
+  const auto& block = feed_forward_row(options.layer_feed_forward(layer));
   mlp = register_module(block.module_name, block.make(options, prefix + "." + block.module_name, make_linear, dtype));
 }
 
@@ -355,8 +360,7 @@ LlamaBackboneImpl::LlamaBackboneImpl(const LlamaOptions& options, const LinearFa
   embed_tokens->weight.set_data(embed_tokens->weight.data().normal_(0.0, 0.02).to(dtype));
   layers = register_module("layers", torch::nn::ModuleList());
   for (int64_t index = 0; index < options.num_hidden_layers; ++index) {
-    layers->push_back(LlamaDecoderLayer(options, "model.layers." + std::to_string(index), make_linear, dtype,
-                                        options.layer_slides(index) ? options.sliding_window : 0));
+    layers->push_back(LlamaDecoderLayer(options, index, make_linear, dtype));
   }
   norm = register_module("norm", RMSNorm(options.hidden_size, options.rms_norm_eps, dtype, options.norm_style));
 }
@@ -426,6 +430,10 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaOptions& options, torch::S
   if (!options.tie_word_embeddings) {
     lm_head = register_module("lm_head", make_linear("lm_head", projection_options({"lm_head", options.hidden_size,
                                                                                    options.vocab_size, false}, dtype)));
+  }
+  if (options.feed_forward == FeedForwardKind::kExperts && options.experts.output_router_logits) {
+    router_loss_ = std::make_shared<RouterLoss>(options.experts.num_experts);
+    for (const auto& layer : *model->layers) layer->as<LlamaDecoderLayer>()->mlp->share_router_loss(router_loss_);
   }
 }
 

@@ -122,8 +122,9 @@ TORCH_MODULE(LlamaAttention);
 
 class LlamaDecoderLayerImpl : public torch::nn::Module {
  public:
-  LlamaDecoderLayerImpl(const LlamaOptions& options, const std::string& prefix, const LinearFactory& make_linear,
-                        torch::ScalarType dtype, int64_t sliding_window = 0);
+  // Decoder layer `layer` (model.layers.LAYER), its window and feed-forward block as `options` say.
+  LlamaDecoderLayerImpl(const LlamaOptions& options, int64_t layer, const LinearFactory& make_linear,
+                        torch::ScalarType dtype);
   torch::Tensor forward(const torch::Tensor& hidden, const torch::Tensor& cos, const torch::Tensor& sin,
                         const AttentionMask& attention_mask, LayerKeyValues* cache = nullptr);
   // Run the feed-forward block (with its norms and residual add) over slices of this many tokens,
@@ -203,6 +204,9 @@ class LlamaForCausalLMImpl : public torch::nn::Module, public qat::LinearLayerOw
   void replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) override;
   const LlamaOptions& options() const { return options_; }
   torch::ScalarType dtype() const { return dtype_; }
+  // The load-balancing loss the training loss adds (trainer/model/router_loss.h): for a mixture of
+  // experts whose config.json sets output_router_logits, else null.
+  RouterLoss* router_loss() const { return router_loss_.get(); }
 
   // train.lm_head_on_host: lm_head's frozen weight waits in pinned host memory and visits the
   // device for each use (trainer/model/host_resident_weight.h). Needs an untied, plain
@@ -226,6 +230,7 @@ class LlamaForCausalLMImpl : public torch::nn::Module, public qat::LinearLayerOw
   LlamaOptions options_;
   torch::ScalarType dtype_;
   std::unique_ptr<HostResidentWeight> host_lm_head_;
+  std::shared_ptr<RouterLoss> router_loss_;
 };
 TORCH_MODULE(LlamaForCausalLM);
 

@@ -15,8 +15,28 @@ namespace qtrain::trainer {
 enum class RopeType { kDefault, kLinear, kDynamic, kLlama3, kLongRope };
 
 // The decoder layer's feed-forward block (trainer/model/feed_forward.h): kDense, a gated MLP
-// (gate, up, down).
-enum class FeedForwardKind { kDense };
+// (gate, up, down); kExperts, a router choosing experts_per_token gated MLPs out of num_experts for
+// each token (trainer/model/sparse_moe.h: Qwen3-MoE, Mixtral).
+enum class FeedForwardKind { kDense, kExperts };
+
+// A mixture-of-experts block's shape and routing, as config.json gives them.
+struct ExpertOptions {
+  int64_t num_experts = 0;
+  int64_t experts_per_token = 0;  // top-k
+  int64_t intermediate_size = 0;  // each expert's (Qwen3-MoE's moe_intermediate_size)
+  // The top-k probabilities (of the softmax over every expert) divided by their sum, so that the
+  // chosen experts' weights add to 1 (Mixtral always; Qwen3-MoE's norm_topk_prob).
+  bool normalize_top_k = true;
+  // The chosen experts' weights stay fp32 and multiply their outputs there (Mixtral); else they
+  // are rounded to the model dtype first (Qwen3-MoE).
+  bool weights_in_fp32 = false;
+  // Mixtral's router_jitter_noise: in training, the block's input times uniform(1 - j, 1 + j).
+  double router_jitter_noise = 0;
+  // The load-balancing loss (transformers' load_balancing_loss_func) joins the training loss times
+  // router_aux_loss_coef where config.json's output_router_logits asks for it.
+  bool output_router_logits = false;
+  double router_aux_loss_coef = 0.001;
+};
 
 // The MLP's gate activation: silu (SwiGLU: Llama, Mistral, Qwen) or tanh-approximated GELU
 // (GeGLU, transformers' gelu_pytorch_tanh: Gemma).
@@ -51,6 +71,10 @@ struct LlamaOptions {
   bool output_bias = false;     // o_proj has one (Llama: as attention_bias; Qwen2: never)
   bool mlp_bias = false;
   FeedForwardKind feed_forward = FeedForwardKind::kDense;  // what follows attention in every layer
+  ExpertOptions experts;  // FeedForwardKind::kExperts
+  // With kExperts: layers whose block is the dense MLP of intermediate_size instead (Qwen3-MoE's
+  // mlp_only_layers and decoder_sparse_step); empty: none.
+  std::vector<bool> dense_layers;
   bool tie_word_embeddings = false;
   RopeOptions rope;
   // The leading fraction of each head the rotary embedding turns; the rest passes unrotated
@@ -84,6 +108,11 @@ struct LlamaOptions {
   double attention_softcap = 0;
   double final_logit_softcap = 0;
 
+  // The block of decoder layer `layer`.
+  FeedForwardKind layer_feed_forward(int64_t layer) const {
+    const bool dense = layer < static_cast<int64_t>(dense_layers.size()) && dense_layers[static_cast<size_t>(layer)];
+    return dense ? FeedForwardKind::kDense : feed_forward;
+  }
   int64_t rotary_dim() const { return static_cast<int64_t>(static_cast<double>(head_dim) * partial_rotary_factor); }
   // The linear layers of each decoder layer, by the names transformers and peft give them: the
   // attention's, then the feed-forward block's (trainer/model/llama.cpp asks both).

@@ -84,6 +84,15 @@ struct BenchShape {
   std::string config_json;
 };
 
+// How a mixture-of-experts family's published checkpoints name each expert's tensors, one module
+// per expert: model.layers.N.BLOCK.experts.E.GATE.weight (transformers 4's layout, which vLLM,
+// llama.cpp's converter and transformers 5, fusing them as it loads, all read). qtrain reads these
+// and transformers 5's fused [experts, ...] tensors, and exports these.
+struct ExpertTensorNames {
+  std::string block = "mlp";  // the block's module (its router is BLOCK.gate)
+  std::string gate = "gate_proj", up = "up_proj", down = "down_proj";
+};
+
 struct ModelFamily {
   // What every row names: config.json's architectures[0] and model_type, and llama.cpp's
   // architecture (GgufArchitecture::name); the rest starts at the Llama decoder's defaults.
@@ -112,6 +121,7 @@ struct ModelFamily {
   std::string activation_key = "hidden_act";
   std::vector<std::pair<std::string, std::string>> rope_type_aliases;
   void (*read_config)(const HfConfigReader& config, LlamaOptions& llama) = nullptr;
+  ExpertTensorNames expert_names;  // FeedForwardKind::kExperts only
   GgufArchitecture gguf;
   std::vector<std::string> chat_templates;  // data/chat_template.h's families its checkpoints use
   std::vector<BenchShape> bench_shapes;

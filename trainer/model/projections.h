@@ -30,6 +30,11 @@ struct ProjectionShape {
   int64_t out = 0;
   bool bias = false;
   ProjectionInput input = ProjectionInput::kBlockInput;
+  // > 0: a bank of this many experts' weights (qat/expert_linear.h), `out` = experts × each one's rows.
+  int64_t experts = 0;
+  // The frozen base keeps it in the model dtype whatever it quantizes (a router: bitsandbytes'
+  // QLoRA of transformers 5 leaves it too, as it is no nn.Linear there).
+  bool stays_dense = false;
 };
 
 qat::DenseLinearOptions projection_options(const ProjectionShape& shape, torch::ScalarType dtype);

@@ -22,6 +22,7 @@ struct Projection {
   int64_t out = 0;
   bool bias = false;
   LayerInput input = LayerInput::kNormedForAttention;
+  int64_t experts = 0;  // > 0: an expert bank (out = experts × each one's rows)
 };
 
 // Layer `layer`'s projections, as its attention and its feed-forward block make them.
@@ -33,11 +34,12 @@ std::vector<Projection> decoder_projections(const LlamaOptions& model, int64_t l
                            shape.input == ProjectionInput::kBlockInput ? LayerInput::kNormedForAttention
                                                                        : LayerInput::kAttentionOutput});
   }
-  const auto& block = feed_forward_row(model);
+  const auto& block = feed_forward_row(model.layer_feed_forward(layer));
   for (const auto& shape : block.projections(model)) {
     projections.push_back({prefix + block.module_name + "." + shape.name, shape.in, shape.out, shape.bias,
                            shape.input == ProjectionInput::kBlockInput ? LayerInput::kNormedForMlp
-                                                                       : LayerInput::kMlpProduct});
+                                                                       : LayerInput::kMlpProduct,
+                           shape.experts});
   }
   return projections;
 }
@@ -224,6 +226,7 @@ TrainingMemorySetup training_memory_setup(const Recipe& recipe, const LlamaOptio
   }
   setup.compute_dtype = parse_dtype_name(recipe.train.dtype, "train.dtype");
   setup.base = base_quantization(recipe, setup.compute_dtype);
+  for (auto& name : dense_base_projections(model)) setup.base.skip_modules.push_back(std::move(name));
   setup.adapter = lora_adapter_config(recipe);
   setup.full_finetune = recipe.lora.init_from.empty() && recipe.lora.rank == 0;
   if (recipe.lora.init_from.empty() && !setup.full_finetune) {
@@ -303,7 +306,8 @@ bool estimate_weights_and_state(const LlamaOptions& model, const TrainingMemoryS
                                                                     : static_cast<double>(weights + biases) * s;
     const int64_t rank = adapter_rank(projection, setup);
     if (rank > 0) {
-      estimate.trainable_parameters += rank * (projection.in + projection.out);
+      // An expert bank's adapter has rank rows of A per expert: A [experts · rank, in], B [out / experts, experts · rank].
+      estimate.trainable_parameters += rank * (std::max<int64_t>(projection.experts, 1) * projection.in + projection.out);
       ++estimate.adapted_layers;
       lm_head_trains |= projection.name == "lm_head";
     }

@@ -53,7 +53,8 @@ LoadedModel load_base_model(const Recipe& recipe, torch::ScalarType dtype, const
   // again (NF4, ...) and QAT trains on its weights, from the decompressed values.
   if (recipe.quant != QuantMethod::kNone) qat::decompress_stored_linear_layers(*loaded.model, dtype);
   if (quantize_base) {
-    const auto base = base_quantization(recipe, dtype, device);
+    auto base = base_quantization(recipe, dtype, device);
+    for (auto& name : dense_base_projections(loaded.config.llama)) base.skip_modules.push_back(std::move(name));
     base_quantization_row(base.kind).quantize(*loaded.model, base);
   }
   return loaded;

@@ -11,7 +11,9 @@
   X(qwen3)                       \
   X(gemma2)                      \
   X(gemma3)                      \
-  X(phi3)
+  X(phi3)                        \
+  X(qwen3_moe)                   \
+  X(mixtral)
 
 namespace qtrain::trainer {
 

@@ -1,0 +1,108 @@
+#include "qat/expert_linear.h"
+
+#include <cmath>
+#include <vector>
+
+#include "kernels/error.h"
+
+namespace qtrain::qat {
+
+namespace {
+
+// torch's grouped GEMM takes bf16 / fp16 operands whose rows are whole 16-byte multiples.
+bool grouped_gemm_takes(const torch::Tensor& rows, const torch::Tensor& weights) {
+  if (!rows.is_cuda()) return false;
+  const auto dtype = rows.scalar_type();
+  if (dtype != torch::kBFloat16 || weights.scalar_type() != dtype) return false;
+  const int64_t per_16_bytes = 8;
+  return rows.size(1) % per_16_bytes == 0 && weights.size(1) % per_16_bytes == 0;
+}
+
+}  // namespace
+
+torch::Tensor grouped_linear(const torch::Tensor& rows, const torch::Tensor& weights, const torch::Tensor& counts) {
+  if (grouped_gemm_takes(rows, weights)) {
+    const auto offsets = counts.cumsum(0).to(torch::kInt32);
+    return at::_grouped_mm(rows.contiguous(), weights.transpose(1, 2), offsets);
+  }
+  // One product per expert with rows, in expert order: the counts come to the host once.
+  const auto host_counts = counts.to(torch::kCPU, torch::kInt64);
+  const auto* count = host_counts.data_ptr<int64_t>();
+  std::vector<torch::Tensor> outputs;
+  int64_t start = 0;
+  for (int64_t expert = 0; expert < weights.size(0); ++expert) {
+    if (count[expert] == 0) continue;
+    outputs.push_back(torch::nn::functional::linear(rows.narrow(0, start, count[expert]), weights[expert]));
+    start += count[expert];
+  }
+  if (outputs.empty()) return rows.new_empty({0, weights.size(1)});
+  return torch::cat(outputs);
+}
+
+torch::Tensor expert_weights(const LinearLayer& bank, int64_t experts, torch::ScalarType dtype) {
+  const auto weight = bank.matmul_weight_kind() == LinearLayer::MatmulWeight::kNone || bank.multiplies_itself()
+                          ? bank.dense_weight(dtype)
+                          : bank.matmul_weight(dtype);
+  return weight.view({experts, -1, bank.in_features()});
+}
+
+ExpertLora::ExpertLora(std::shared_ptr<LinearLayer> base, int64_t experts, const LoraOptions& options)
+    : base_(std::move(base)), experts_(experts), options_(options), scale_(options.scale()) {
+  if (!base_) throw Error(ErrorCode::kInternal, "ExpertLora needs a base layer, got none");
+  if (experts_ <= 0 || base_->out_features() % experts_ != 0) {
+    throw Error(ErrorCode::kInternal, "an expert bank of " + std::to_string(base_->out_features()) +
+                                          " rows does not split into " + std::to_string(experts_) + " experts");
+  }
+  if (options_.dropout != 0.0 || options_.dora) {
+    throw Error(ErrorCode::kRecipe, std::string("LoRA on experts takes no ") + (options_.dora ? "DoRA" : "dropout") +
+                                        " (peft's ParamWrapper, which loads such adapters, refuses it): set " +
+                                        (options_.dora ? "lora.dora: false" : "lora.dropout: 0") +
+                                        ", or leave the experts out of lora.target_modules");
+  }
+  register_module("base_layer", base_);
+  for (auto& parameter : base_->parameters()) parameter.requires_grad_(false);
+  const auto device = module_device(*base_);
+  const int64_t ranks = options_.rank * experts_;
+  lora_A_ = register_module("lora_A", torch::nn::Linear(torch::nn::LinearOptions(in_features(), ranks).bias(false)));
+  lora_B_ = register_module("lora_B", torch::nn::Linear(torch::nn::LinearOptions(ranks, out_features() / experts_).bias(false)));
+  lora_A_->to(device, torch::kFloat32);
+  lora_B_->to(device, torch::kFloat32);
+  reset();
+}
+
+void ExpertLora::reset() {
+  torch::NoGradGuard no_grad;
+  torch::nn::init::kaiming_uniform_(lora_A_->weight, /*a=*/std::sqrt(5.0));
+  lora_B_->weight.zero_();
+}
+
+torch::Tensor ExpertLora::grouped_forward(const torch::Tensor& rows, const torch::Tensor& counts) {
+  const auto dtype = rows.scalar_type();
+  const int64_t rank = options_.rank;
+  const auto base = grouped_linear(rows, expert_weights(*base_, experts_, dtype), counts);
+  // A_e: rows e·rank ... of A; B_e: columns e, e + experts, ... of B.
+  const auto a = lora_A_->weight.to(dtype).view({experts_, rank, -1});
+  const auto b = lora_B_->weight.to(dtype).view({-1, rank, experts_}).permute({2, 0, 1});
+  const auto update = grouped_linear(grouped_linear(rows, a, counts), b.contiguous(), counts);
+  return base + update * scale_;
+}
+
+torch::Tensor ExpertLora::forward(const torch::Tensor&) {
+  throw Error(ErrorCode::kInternal, "an expert bank multiplies tokens sorted by expert (grouped_forward), not all rows");
+}
+
+torch::Tensor ExpertLora::dense_weight(torch::ScalarType dtype) const {
+  const int64_t rank = options_.rank;
+  const auto a = lora_A_->weight.view({experts_, rank, -1});
+  const auto b = lora_B_->weight.view({-1, rank, experts_}).permute({2, 0, 1});
+  const auto update = torch::bmm(b, a).reshape({-1, in_features()});  // [experts · out, in]
+  return (base_->dense_weight(torch::kFloat32) + scale_ * update).to(dtype);
+}
+
+void ExpertLora::pretty_print(std::ostream& stream) const {
+  stream << "qtrain::qat::ExpertLora(experts=" << experts_ << ", in_features=" << in_features()
+         << ", out_features=" << out_features() / experts_ << ", rank=" << options_.rank << ", alpha=" << options_.alpha
+         << ", scale=" << scale_ << (options_.rslora ? ", rslora" : "") << ")";
+}
+
+}  // namespace qtrain::qat

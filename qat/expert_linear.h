@@ -1,0 +1,84 @@
+#pragma once
+// A bank of experts' weights for one projection of a mixture-of-experts block, and LoRA on it as
+// peft adapts such a bank (its ParamWrapper on transformers' fused 3D expert parameters).
+//
+// The bank is an ordinary LinearLayer of `experts × out` rows by `in` columns: expert e's weight
+// [out, in] is rows e·out ... (e+1)·out − 1, as transformers' [experts, out, in] parameter
+// flattened. Every frozen-base kind (NF4, FP4, int8, FP8 rows) quantizes it as it quantizes any
+// projection, with the same bytes it would give the 3D tensor (bitsandbytes flattens it too).
+// It is never multiplied whole: grouped_linear multiplies each expert's rows of a token batch
+// sorted by expert by that expert's weight alone.
+//
+// ExpertLora adds peft's per-expert update, with scale = alpha / rank (alpha / sqrt(rank) with
+// rsLoRA):
+//
+//     W'_e = W_e + scale · B_e A_e,   A [experts · rank, in], A_e = A[e·rank : (e+1)·rank]
+//                                     B [out, rank · experts], B_e = B[:, e :: experts]
+//
+// (A expert-major, B rank-major: the layouts peft saves). The update runs on the activations,
+// (x A_e^T) B_e^T per expert, as two more grouped products: peft merges it into the weight
+// instead; the two agree to rounding.
+#include <torch/torch.h>
+
+#include <memory>
+#include <string>
+
+#include "qat/linear.h"
+#include "qat/lora_options.h"
+
+namespace qtrain::qat {
+
+// rows [tokens, in], sorted by expert; counts [experts] int64 (how many rows each expert takes,
+// on the rows' device); weights [experts, out, in] -> [tokens, out]. On a CUDA device in bf16 /
+// fp16 with dimensions of whole 16-byte rows, one grouped GEMM (torch's _grouped_mm, no host
+// synchronisation); elsewhere one matmul per expert that has rows (the CPU's exact path).
+torch::Tensor grouped_linear(const torch::Tensor& rows, const torch::Tensor& weights, const torch::Tensor& counts);
+
+// A module whose children include expert banks (trainer/model/sparse_moe.h) says how many experts
+// each holds, so that apply_lora gives them ExpertLora instead of LoraLinear. 0: not a bank.
+class ExpertBankOwner {
+ public:
+  virtual ~ExpertBankOwner() = default;
+  virtual int64_t bank_experts(const std::string& child_name) const = 0;
+};
+
+// The bank's weights as [experts, out, in] in `dtype`, as its forward multiplies them (a
+// dequantization for quantized bases).
+torch::Tensor expert_weights(const LinearLayer& bank, int64_t experts, torch::ScalarType dtype);
+
+class ExpertLora : public LinearLayer {
+ public:
+  // `base` [experts × out, in] becomes the frozen child `base_layer`. peft's ParamWrapper trains
+  // no dropout, DoRA or bias: options asking for them are an Error.
+  ExpertLora(std::shared_ptr<LinearLayer> base, int64_t experts, const LoraOptions& options);
+  // peft's initialisation: A kaiming-uniform (a = sqrt(5)), B zero.
+  void reset();
+
+  // rows sorted by expert, counts as grouped_linear's -> [tokens, out].
+  torch::Tensor grouped_forward(const torch::Tensor& rows, const torch::Tensor& counts);
+  // A bank has no product over all of its rows.
+  torch::Tensor forward(const torch::Tensor& input) override;
+  int64_t in_features() const override { return base_->in_features(); }
+  int64_t out_features() const override { return base_->out_features(); }
+  // [experts × out, in]: W_e + scale B_e A_e for every expert, in fp32, returned in `dtype`.
+  torch::Tensor dense_weight(torch::ScalarType dtype) const override;
+  torch::Tensor bias() const override { return base_->bias(); }
+  void pretty_print(std::ostream& stream) const override;
+
+  int64_t experts() const { return experts_; }
+  const LoraOptions& options() const { return options_; }
+  double scale() const { return scale_; }
+  const std::shared_ptr<LinearLayer>& base_layer() const { return base_; }
+  // Registered as `lora_A.weight` / `lora_B.weight`, peft's names.
+  const torch::Tensor& lora_A() const { return lora_A_->weight; }  // [experts × rank, in], fp32
+  const torch::Tensor& lora_B() const { return lora_B_->weight; }  // [out, rank × experts], fp32
+
+ private:
+  std::shared_ptr<LinearLayer> base_;
+  int64_t experts_;
+  LoraOptions options_;
+  double scale_;
+  torch::nn::Linear lora_A_{nullptr}, lora_B_{nullptr};
+};
+
+}  // namespace qtrain::qat

@@ -1,0 +1,135 @@
+#include "trainer/model/sparse_moe.h"
+
+#include "kernels/error.h"
+#include "trainer/model/llama_layers.h"
+
+namespace qtrain::trainer {
+
+namespace {
+
+std::vector<ProjectionShape> bank_projections(const LlamaOptions& options) {
+  const int64_t experts = options.experts.num_experts;
+  const int64_t hidden = options.hidden_size;
+  const int64_t intermediate = options.experts.intermediate_size;
+  return {{"gate_up_proj", hidden, experts * 2 * intermediate, false, ProjectionInput::kBlockInput, experts},
+          {"down_proj", intermediate, experts * hidden, false, ProjectionInput::kBlockActivation, experts}};
+}
+
+// The router, then the banks under `experts.`: the names transformers gives them.
+std::vector<ProjectionShape> sparse_moe_projections(const LlamaOptions& options) {
+  ProjectionShape router{"gate", options.hidden_size, options.experts.num_experts, false};
+  router.stays_dense = true;
+  std::vector<ProjectionShape> shapes = {router};
+  for (auto shape : bank_projections(options)) {
+    shape.name = "experts." + shape.name;
+    shapes.push_back(shape);
+  }
+  return shapes;
+}
+
+// Per routed token (k of them per token): gate and up (the activation's backward keeps them), the
+// torch operations' act(gate) too, and the sorted copy of the token the banks multiply.
+double sparse_moe_activation_values_per_token(const LlamaOptions& options, bool fused_kernels) {
+  const auto& experts = options.experts;
+  return static_cast<double>(experts.experts_per_token) *
+         ((fused_kernels ? 2.0 : 3.0) * static_cast<double>(experts.intermediate_size) +
+          static_cast<double>(options.hidden_size));
+}
+
+FeedForward make_sparse_moe(const LlamaOptions& options, const std::string& prefix, const LinearFactory& make_linear,
+                            torch::ScalarType dtype) {
+  return FeedForward(std::shared_ptr<FeedForwardImpl>(std::make_shared<SparseMoeBlockImpl>(options, prefix, make_linear, dtype)));
+}
+
+}  // namespace
+
+const FeedForwardRow& sparse_moe_row() {
+  static const FeedForwardRow row{FeedForwardKind::kExperts, "mlp", sparse_moe_projections,
+                                  sparse_moe_activation_values_per_token, make_sparse_moe};
+  return row;
+}
+
+ExpertBanksImpl::ExpertBanksImpl(const LlamaOptions& options, const std::string& prefix, const LinearFactory& make_linear,
+                                 torch::ScalarType dtype)
+    : experts_(options.experts.num_experts), activation_(options.activation) {
+  register_projections(*this, bank_projections(options), prefix, make_linear, dtype,
+                       [this](const std::string& name) { return slot(name); });
+}
+
+std::shared_ptr<qat::LinearLayer>* ExpertBanksImpl::slot(const std::string& child_name) {
+  return child_name == "gate_up_proj" ? &gate_up_proj : child_name == "down_proj" ? &down_proj : nullptr;
+}
+
+int64_t ExpertBanksImpl::bank_experts(const std::string& child_name) const {
+  return child_name == "gate_up_proj" || child_name == "down_proj" ? experts_ : 0;
+}
+
+void ExpertBanksImpl::replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) {
+  replace_projection(*this, [this](const std::string& name) { return slot(name); }, child_name, std::move(layer));
+}
+
+namespace {
+
+torch::Tensor bank_forward(qat::LinearLayer& bank, int64_t experts, const torch::Tensor& rows, const torch::Tensor& counts) {
+  if (auto* lora = dynamic_cast<qat::ExpertLora*>(&bank)) return lora->grouped_forward(rows, counts);
+  return qat::grouped_linear(rows, qat::expert_weights(bank, experts, rows.scalar_type()), counts);
+}
+
+}  // namespace
+
+torch::Tensor ExpertBanksImpl::forward(const torch::Tensor& rows, const torch::Tensor& counts) {
+  const auto fused = bank_forward(*gate_up_proj, experts_, rows, counts);
+  const int64_t intermediate = fused.size(-1) / 2;  // gate's half first, as transformers' chunk(2)
+  const auto gate = fused.narrow(-1, 0, intermediate).contiguous();
+  const auto up = fused.narrow(-1, intermediate, intermediate).contiguous();
+  const auto product = activation_ == Activation::kGeluTanh ? geglu(gate, up) : swiglu(gate, up);
+  return bank_forward(*down_proj, experts_, product, counts);
+}
+
+SparseMoeBlockImpl::SparseMoeBlockImpl(const LlamaOptions& options, const std::string& prefix,
+                                       const LinearFactory& make_linear, torch::ScalarType dtype)
+    : options_(options.experts) {
+  const auto router = sparse_moe_projections(options).front();
+  gate = register_module(router.name, make_linear(prefix + "." + router.name, projection_options(router, dtype)));
+  experts = register_module("experts", ExpertBanks(options, prefix + ".experts", make_linear, dtype));
+}
+
+void SparseMoeBlockImpl::replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) {
+  if (child_name != "gate") throw Error(ErrorCode::kInternal, "a mixture-of-experts block has no linear layer '" + child_name + "'");
+  gate = replace_module(child_name, std::move(layer));
+}
+
+torch::Tensor SparseMoeBlockImpl::forward(const torch::Tensor& hidden, const qat::LinearLayer::InputRebuild&) {
+  const auto shape = hidden.sizes().vec();
+  auto x = hidden.reshape({-1, shape.back()});
+  const double jitter = options_.router_jitter_noise;
+  if (is_training() && jitter > 0) x = x * torch::empty_like(x).uniform_(1.0 - jitter, 1.0 + jitter);
+  const int64_t tokens = x.size(0);
+  const int64_t k = options_.experts_per_token;
+  const int64_t count = options_.num_experts;
+
+  // The router, as transformers' TopKRouter: logits in the model dtype, softmax in fp32.
+  auto probabilities = torch::softmax(gate->forward(x), -1, torch::kFloat32);
+  auto [weights, chosen] = probabilities.topk(k, -1);
+  if (router_loss_) {
+    probabilities = router_loss_->observe(probabilities, chosen);
+    weights = probabilities.gather(1, chosen);  // the same values, through the loss's gradient
+  }
+  if (options_.normalize_top_k) weights = weights / weights.sum(-1, true);
+  if (!options_.weights_in_fp32) weights = weights.to(hidden.scalar_type());
+
+  // Every (token, choice) pair sorted by expert; each expert's rows in token order.
+  const auto flat_choice = chosen.reshape(-1);
+  const auto order = std::get<1>(flat_choice.sort(/*stable=*/true, 0, false));
+  const auto token_of_row = order.div(k, "floor");
+  // How many rows each expert takes, without a trip to the host (bincount's length would need one).
+  const auto counts = torch::zeros({count}, flat_choice.options()).index_add_(0, flat_choice, torch::ones_like(flat_choice));
+  const auto rows = x.index_select(0, token_of_row);
+  auto outputs = experts->forward(rows, counts);
+  outputs = outputs * weights.reshape(-1).index_select(0, order).unsqueeze(1);
+  // Each token's k outputs added in expert order, in the model dtype, as transformers' index_add_.
+  auto result = torch::zeros_like(x).index_add(0, token_of_row, outputs.to(x.scalar_type()));
+  return result.view(shape);
+}
+
+}  // namespace qtrain::trainer

@@ -1,0 +1,63 @@
+#pragma once
+// The mixture-of-experts feed-forward block (FeedForwardKind::kExperts) of Qwen3-MoE and Mixtral,
+// as transformers 5 computes it:
+//
+//     p = softmax(x G^T) in fp32          router `gate` [experts, hidden]
+//     w, e = top-k of p                   (w / sum(w) where ExpertOptions::normalize_top_k)
+//     y = Σ_k w_k · down_e(act(gate_e(x)) · up_e(x))
+//
+// Each expert's gate and up are one fused weight (`experts.gate_up_proj`, gate's rows first, as
+// transformers' [experts, 2 · intermediate, hidden] parameter), its down `experts.down_proj`; both
+// are expert banks (qat/expert_linear.h), so every frozen-base kind and LoRA (peft's
+// target_parameters form) reach them as any projection. Tokens are sorted by expert once per
+// layer and each bank runs as one grouped GEMM on the GPU (no host synchronisation per expert).
+#include <torch/torch.h>
+
+#include <memory>
+#include <string>
+
+#include "qat/expert_linear.h"
+#include "trainer/model/feed_forward.h"
+#include "trainer/model/router_loss.h"
+
+namespace qtrain::trainer {
+
+// The experts' banks: `gate_up_proj` [experts × 2 · intermediate, hidden], `down_proj`
+// [experts × hidden, intermediate].
+class ExpertBanksImpl : public torch::nn::Module, public qat::LinearLayerOwner, public qat::ExpertBankOwner {
+ public:
+  ExpertBanksImpl(const LlamaOptions& options, const std::string& prefix, const LinearFactory& make_linear,
+                  torch::ScalarType dtype);
+  // rows [tokens · k, hidden] sorted by expert, counts [experts] -> each row's expert output.
+  torch::Tensor forward(const torch::Tensor& rows, const torch::Tensor& counts);
+  void replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) override;
+  int64_t bank_experts(const std::string& child_name) const override;
+  std::shared_ptr<qat::LinearLayer> gate_up_proj, down_proj;
+
+ private:
+  std::shared_ptr<qat::LinearLayer>* slot(const std::string& child_name);
+  int64_t experts_;
+  Activation activation_;
+};
+TORCH_MODULE(ExpertBanks);
+
+class SparseMoeBlockImpl : public FeedForwardImpl {
+ public:
+  SparseMoeBlockImpl(const LlamaOptions& options, const std::string& prefix, const LinearFactory& make_linear,
+                     torch::ScalarType dtype);
+  torch::Tensor forward(const torch::Tensor& hidden, const qat::LinearLayer::InputRebuild& rebuild_hidden = {}) override;
+  void replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) override;
+  void share_router_loss(const std::shared_ptr<RouterLoss>& loss) override { router_loss_ = loss; }
+  std::shared_ptr<qat::LinearLayer> gate;  // the router, [experts, hidden]
+  ExpertBanks experts{nullptr};
+
+ private:
+  ExpertOptions options_;
+  std::shared_ptr<RouterLoss> router_loss_;
+};
+TORCH_MODULE(SparseMoeBlock);
+
+// FeedForwardKind::kExperts's row.
+const FeedForwardRow& sparse_moe_row();
+
+}  // namespace qtrain::trainer
