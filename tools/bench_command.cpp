@@ -242,6 +242,7 @@ struct BenchOptions {
   int64_t steps = 0;     // timed
   int64_t warmup = 0;
   int64_t lora_rank = 0;
+  int64_t layers = 0;  // --layers: the shape's first N decoder layers (0: all)
   int64_t loss_chunk = 0;  // 0 automatic, -1 unchunked
   int64_t profile_steps = 0;
   int64_t mlp_chunk = 0;
@@ -264,8 +265,7 @@ struct BenchOptions {
 po::options_description bench_option_descriptions(BenchOptions& bench) {
   po::options_description options("bench options");
   options.add_options()
-      ("shape", po::value(&bench.shape)->default_value("llama3-8b"),
-       "llama3-8b, llama3-1b, qwen3-8b, qwen2.5-7b, mistral-7b, gemma2-9b, gemma3-12b, phi4-mini or tiny (random weights)")
+      ("shape", po::value(&bench.shape)->default_value("llama3-8b"), (trainer::llama_shape_names() + " (random weights)").c_str())
       ("quant", po::value(&bench.quant)->default_value("qlora"),
        "the frozen base: qlora (= nf4, double-quant), nf4, fp4, int8 (LLM.int8, threshold 6), fp8 (e4m3 rows, FP8 "
        "tensor cores) or none (16-bit)")
@@ -310,6 +310,8 @@ po::options_description bench_option_descriptions(BenchOptions& bench) {
       ("dtype", po::value(&bench.dtype_name)->default_value("bf16"), "compute dtype: bf16, fp16 or fp32")
       ("device", po::value(&bench.device_name)->default_value("auto"), "cuda, cpu or auto")
       ("lora-rank", po::value(&bench.lora_rank)->default_value(16), "LoRA rank (alpha = 2 rank)")
+      ("layers", po::value(&bench.layers)->default_value(0),
+       "only the shape's first N decoder layers (a peer's checkpoint cut as deep, where the whole one would not fit its disk); 0: all")
       ("steps", po::value(&bench.steps)->default_value(5), "timed steps (the median is reported)")
       ("warmup", po::value(&bench.warmup)->default_value(2), "untimed steps first")
       ("save-checkpoint", po::value(&bench.checkpoint_run), "after the steps, time writing the training state into RUN/checkpoints")
@@ -340,6 +342,17 @@ std::optional<BenchOptions> parse_bench_options(const Arguments& arguments) {
   bench.dtype = trainer::parse_dtype_name(bench.dtype_name, "--dtype");
   bench.checkpointing = flag("checkpointing");
   bench.llama = trainer::llama_shape(bench.shape);
+  if (bench.layers < 0 || bench.layers > bench.llama.num_hidden_layers) {
+    throw Error(ErrorCode::kUsage, "--layers " + std::to_string(bench.layers) + ": the shape has " +
+                                       std::to_string(bench.llama.num_hidden_layers) + " layers");
+  }
+  if (bench.layers > 0) {
+    auto& llama = bench.llama;
+    llama.num_hidden_layers = bench.layers;
+    for (auto* per_layer : {&llama.sliding_layers, &llama.dense_layers}) {
+      if (per_layer->size() > static_cast<size_t>(bench.layers)) per_layer->resize(static_cast<size_t>(bench.layers));
+    }
+  }
   auto& recipe = bench.recipe;
   recipe = bench_recipe(*bench.base, bench.fake_quant, bench.lora_rank, bench.optimizer_name, bench.checkpointing,
                         bench.loss_chunk);
@@ -584,6 +597,7 @@ void report_bench(const BenchOptions& bench, const BenchRun& run, const BenchMea
               trainer::format_bytes(measured.memory.peak_bytes).c_str());
   if (!bench.json) return;
   std::cout << nlohmann::json{{"shape", bench.shape},
+                              {"layers", bench.llama.num_hidden_layers},
                               {"quant", quant},
                               {"optim", bench.optimizer_name},
                               {"dtype", bench.dtype_name},

@@ -75,6 +75,29 @@ void print_model(const std::string& model_dir, const trainer::HfModelConfig& con
     if (llama.final_logit_softcap > 0) std::printf(", logits soft-capped at %g", llama.final_logit_softcap);
     std::printf("\n");
   }
+  if (llama.feed_forward == trainer::FeedForwardKind::kExperts) {
+    const auto& experts = llama.experts;
+    int64_t expert_layers = 0;
+    for (int64_t layer = 0; layer < llama.num_hidden_layers; ++layer) {
+      expert_layers += llama.layer_feed_forward(layer) == trainer::FeedForwardKind::kExperts;
+    }
+    const double bank_elements = 3.0 * static_cast<double>(experts.num_experts * llama.hidden_size * experts.intermediate_size);
+    std::printf("experts      %lld experts, top %lld per token, each %lld wide, in %lld of %lld layers; router '%s' (%s)\n",
+                static_cast<long long>(experts.num_experts), static_cast<long long>(experts.experts_per_token),
+                static_cast<long long>(experts.intermediate_size), static_cast<long long>(expert_layers),
+                static_cast<long long>(llama.num_hidden_layers), experts.router.c_str(),
+                experts.top_k_then_softmax ? "softmax of the top-k logits, biased"
+                : experts.normalize_top_k  ? "softmax, top-k renormalised"
+                                           : "softmax, top-k as they are");
+    std::printf("             the experts hold %.3fM parameters (%s in bf16, %s in NF4); a token runs %lld of them per layer;"
+                " load-balancing loss x %g %s\n",
+                bank_elements * static_cast<double>(expert_layers) / 1e6,
+                trainer::format_bytes(bank_elements * static_cast<double>(expert_layers) * 2).c_str(),
+                trainer::format_bytes(bank_elements * static_cast<double>(expert_layers) * 0.5).c_str(),
+                static_cast<long long>(experts.experts_per_token), experts.router_aux_loss_coef,
+                experts.output_router_logits ? "(on: output_router_logits)" : "(off: output_router_logits false)");
+  }
+  if (llama.attention_sinks) std::printf("             a learned sink logit per head (gpt-oss)\n");
   std::printf("embeddings   %s, rms_norm_eps %g, mlp bias %s\n", llama.tie_word_embeddings ? "tied" : "untied",
               llama.rms_norm_eps, llama.mlp_bias ? "yes" : "no");
   std::printf("parameters   %.3fM (config), %.3fM stored in %zu tensors\n", sizes.total / 1e6, stored_elements / 1e6,

@@ -13,6 +13,7 @@
 
 #include "support.h"
 #include "qat/expert_linear.h"
+#include "qat/mxfp4_linear.h"
 #include "trainer/formats/hf_checkpoint.h"
 #include "trainer/formats/peft_adapter.h"
 #include "trainer/formats/safetensors.h"
@@ -158,8 +159,25 @@ TEST_P(MoeFamily, QloraStepsWriteAnAdapterPeftLoadsAndAMergeTransformersLoadsWit
   EXPECT_LE(merged_error, 1e-5);
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, MoeFamily, ::testing::Values("qwen3_moe", "qwen3_moe_step2", "mixtral"),
+INSTANTIATE_TEST_SUITE_P(Families, MoeFamily, ::testing::Values("qwen3_moe", "qwen3_moe_step2", "mixtral", "gpt_oss"),
                          [](const auto& info) { return info.param; });
+
+// gpt-oss as published: its experts in MXFP4, kept so (the frozen base), with transformers' logits.
+TEST(GptOssMxfp4, ExpertsStayMxfp4WithTransformersLogits) {
+  if (!testing::python_has("transformers safetensors")) GTEST_SKIP() << testing::python_lacks("transformers safetensors");
+  const auto& dir = family_fixture("gpt_oss");
+  auto loaded = trainer::load_llama(dir + "/mxfp4");
+  int64_t banks = 0;
+  for (const auto& item : loaded.model->named_modules()) banks += std::dynamic_pointer_cast<qat::Mxfp4Linear>(item.value()) != nullptr;
+  EXPECT_EQ(banks, 2 * loaded.model->options().num_hidden_layers);
+  const auto reference = trainer::SafetensorsFile::open(dir + "/mxfp4/reference.safetensors");
+  torch::NoGradGuard no_grad;
+  trainer::LlamaInputs inputs;
+  inputs.input_ids = reference.tensor("input_ids");
+  const double error = relative_error(loaded.model->forward(inputs), reference.tensor("logits"));
+  std::printf("[ measured ] gpt-oss MXFP4: %lld banks kept as MXFP4, logits %.3g relative\n", static_cast<long long>(banks), error);
+  EXPECT_LE(error, 1e-5);
+}
 
 }  // namespace
 }  // namespace qtrain

@@ -22,6 +22,16 @@ bool has_experts(const LlamaOptions& llama, int64_t layer) {
   return llama.layer_feed_forward(layer) == FeedForwardKind::kExperts;
 }
 
+// gpt-oss's interleaved gate / up along `dim` (gate even, up odd) as the bank's gate-first halves, and back.
+torch::Tensor gate_first(const torch::Tensor& interleaved, int64_t dim) {
+  const int64_t width = interleaved.size(dim);
+  return torch::cat({interleaved.slice(dim, 0, width, 2), interleaved.slice(dim, 1, width, 2)}, dim);
+}
+torch::Tensor interleaved(const torch::Tensor& gate_first_halves, int64_t dim) {
+  const auto halves = gate_first_halves.chunk(2, dim);
+  return torch::stack({halves[0], halves[1]}, dim + 1).flatten(dim, dim + 1);
+}
+
 }  // namespace
 
 void load_expert_tensors(torch::nn::Module& model, const HfModelConfig& config, const SafetensorsCheckpoint& weights,
@@ -58,8 +68,20 @@ void load_expert_tensors(torch::nn::Module& model, const HfModelConfig& config, 
     if (!has_experts(llama, layer)) continue;
     const LayerNames names{"model.layers." + std::to_string(layer) + "."};
     const std::string block = names.layer + stored.block + ".";
-    const std::string router = weights.contains(names.router()) ? names.router() : block + "gate.weight";
-    fill(names.router(), read(router, {experts, hidden}));
+    // Mixtral's published router sits in its block_sparse_moe; elsewhere it loads by its name.
+    if (!weights.contains(names.router()) && weights.contains(block + "gate.weight")) {
+      fill(names.router(), read(block + "gate.weight", {experts, hidden}));
+    }
+    if (llama.experts.interleaved_gate_up) {
+      // gpt-oss: [experts, in, out] as x @ W, gate / up interleaved, with biases (its MXFP4 form
+      // is trainer/formats/mxfp4_checkpoint.h's).
+      const std::string fused = names.layer + "mlp.experts.";
+      fill(names.bank("gate_up_proj"), gate_first(read(fused + "gate_up_proj", {experts, hidden, 2 * intermediate}).transpose(1, 2), 1));
+      fill(names.layer + "mlp.experts.gate_up_proj.bias", gate_first(read(fused + "gate_up_proj_bias", {experts, 2 * intermediate}), 1));
+      fill(names.bank("down_proj"), read(fused + "down_proj", {experts, intermediate, hidden}).transpose(1, 2));
+      fill(names.layer + "mlp.experts.down_proj.bias", read(fused + "down_proj_bias", {experts, hidden}));
+      continue;
+    }
     if (weights.contains(names.layer + "mlp.experts.gate_up_proj")) {
       fill(names.bank("gate_up_proj"), read(names.layer + "mlp.experts.gate_up_proj", {experts, 2 * intermediate, hidden}));
       fill(names.bank("down_proj"), read(names.layer + "mlp.experts.down_proj", {experts, hidden, intermediate}));
@@ -87,10 +109,21 @@ std::vector<std::pair<std::string, torch::Tensor>> published_expert_tensors(cons
     if (!has_experts(llama, layer)) continue;
     const LayerNames names{"model.layers." + std::to_string(layer) + "."};
     const std::string block = names.layer + stored.block + ".";
-    if (name == names.router()) return {{block + "gate.weight", tensor}};
+    const int64_t experts = llama.experts.num_experts;
+    if (llama.experts.interleaved_gate_up) {
+      // gpt-oss: fused, [experts, in, out], gate / up interleaved, biases beside.
+      const std::string fused = names.layer + "mlp.experts.";
+      if (name == names.bank("gate_up_proj")) {
+        return {{fused + "gate_up_proj", interleaved(tensor.reshape({experts, -1, tensor.size(-1)}), 1).transpose(1, 2).contiguous()}};
+      }
+      if (name == fused + "gate_up_proj.bias") return {{fused + "gate_up_proj_bias", interleaved(tensor.reshape({experts, -1}), 1).contiguous()}};
+      if (name == names.bank("down_proj")) return {{fused + "down_proj", tensor.reshape({experts, -1, tensor.size(-1)}).transpose(1, 2).contiguous()}};
+      if (name == fused + "down_proj.bias") return {{fused + "down_proj_bias", tensor.reshape({experts, -1})}};
+      continue;
+    }
+    if (name == names.router() && stored.block != "mlp") return {{block + "gate.weight", tensor}};
     const bool gate_up = name == names.bank("gate_up_proj");
     if (!gate_up && name != names.bank("down_proj")) continue;
-    const int64_t experts = llama.experts.num_experts;
     const auto banks = tensor.reshape({experts, -1, tensor.size(-1)});
     std::vector<std::pair<std::string, torch::Tensor>> published;
     for (int64_t expert = 0; expert < experts; ++expert) {

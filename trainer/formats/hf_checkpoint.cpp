@@ -9,6 +9,7 @@
 #include "trainer/formats/compressed_tensors.h"
 #include "trainer/formats/expert_checkpoint.h"
 #include "trainer/formats/fp8_checkpoint.h"
+#include "trainer/formats/mxfp4_checkpoint.h"
 #include "trainer/formats/safetensors_int.h"
 #include "trainer/formats/safetensors.h"
 
@@ -115,6 +116,7 @@ const std::vector<PrequantizedFormat>& prequantized_formats() {
       {"qtrain (safetensors-int)", is_qtrain_quantized_checkpoint, load_qtrain_quantized_llama},
       {"fp8 (fine-grained)", is_fp8_block_checkpoint, load_fp8_block_llama},
       {"compressed-tensors", is_compressed_tensors_checkpoint, load_compressed_tensors_llama},
+      {"mxfp4", is_mxfp4_checkpoint, load_mxfp4_llama},
   };
   return rows;
 }

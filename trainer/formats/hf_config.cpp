@@ -51,8 +51,10 @@ RopeOptions read_rope_settings(const HfConfigReader& config, const json& paramet
     rope.type = RopeType::kLlama3;
   } else if (type_name == "longrope") {
     rope.type = RopeType::kLongRope;
+  } else if (type_name == "yarn") {
+    rope.type = RopeType::kYarn;
   } else {
-    config.fail("rope type '" + type_name + "' is not supported (supported: default, linear, dynamic, llama3, longrope)");
+    config.fail("rope type '" + type_name + "' is not supported (supported: default, linear, dynamic, llama3, longrope, yarn)");
   }
   if (rope.type == RopeType::kLongRope) return rope;  // read_longrope reads the rest
   if (rope.type != RopeType::kDefault) {
@@ -63,6 +65,19 @@ RopeOptions read_rope_settings(const HfConfigReader& config, const json& paramet
   rope.low_freq_factor = scaling.number_or("low_freq_factor", 1.0);
   rope.high_freq_factor = scaling.number_or("high_freq_factor", 4.0);
   rope.original_max_position_embeddings = scaling.positive_int_or("original_max_position_embeddings", 0);
+  if (rope.type == RopeType::kYarn) {
+    // As transformers' _compute_yarn_parameters.
+    if (rope.original_max_position_embeddings == 0) {
+      config.fail("rope type 'yarn' needs 'original_max_position_embeddings' in " + parameters_key);
+    }
+    rope.beta_fast = scaling.number_or("beta_fast", 32.0);
+    rope.beta_slow = scaling.number_or("beta_slow", 1.0);
+    rope.truncate = scaling.bool_or("truncate", true);
+    const auto mscale = [](double scale, double m) { return scale <= 1 ? 1.0 : 0.1 * m * std::log(scale) + 1.0; };
+    const double m = scaling.number_or("mscale", 0), m_all = scaling.number_or("mscale_all_dim", 0);
+    rope.attention_factor = scaling.number_or(
+        "attention_factor", m != 0 && m_all != 0 ? mscale(rope.factor, m) / mscale(rope.factor, m_all) : mscale(rope.factor, 1));
+  }
   if (rope.type == RopeType::kLlama3) {
     if (rope.original_max_position_embeddings == 0) {
       config.fail("rope type 'llama3' needs 'original_max_position_embeddings' in " + parameters_key);

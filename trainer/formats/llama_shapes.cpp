@@ -13,8 +13,15 @@ constexpr int64_t kBenchPositions = 8192;
 
 }  // namespace
 
-LlamaOptions llama_shape(const std::string& name) {
+std::string llama_shape_names() {
   std::string known;
+  for (const auto& family : model_families()) {
+    for (const auto& shape : family.bench_shapes) known += (known.empty() ? "" : ", ") + shape.name;
+  }
+  return known;
+}
+
+LlamaOptions llama_shape(const std::string& name) {
   for (const auto& family : model_families()) {
     for (const auto& shape : family.bench_shapes) {
       if (shape.name == name) {
@@ -22,10 +29,9 @@ LlamaOptions llama_shape(const std::string& name) {
         options.max_position_embeddings = kBenchPositions;
         return options;
       }
-      known += (known.empty() ? "" : ", ") + shape.name;
     }
   }
-  throw Error(ErrorCode::kUsage, "unknown model shape '" + name + "' (known: " + known + ")");
+  throw Error(ErrorCode::kUsage, "unknown model shape '" + name + "' (known: " + llama_shape_names() + ")");
 }
 
 }  // namespace qtrain::trainer

@@ -11,5 +11,7 @@ namespace qtrain::trainer {
 
 // Error listing the known names for any other.
 LlamaOptions llama_shape(const std::string& name);
+// "llama3-8b, llama3-1b, ...": every family's shapes, in the families' order, for help and messages.
+std::string llama_shape_names();
 
 }  // namespace qtrain::trainer

@@ -85,13 +85,27 @@ struct PeftLayer {
   std::string key;        // its path in peft's keys
   std::string parameter;  // under target_parameters: the parameter's name; empty under target_modules
   int64_t experts = 0;    // > 0: an expert bank
+  // Where peft's lora_B rows differ from the bank's: published row i is the bank's row
+  // published_rows[i] (gpt-oss's interleaved gate / up); undefined: the same order.
+  torch::Tensor published_rows;
 };
+
+// Bank rows gate-first -> transformers' interleaved order (gate j, up j, ...), for `rows` rows.
+torch::Tensor interleaved_rows(int64_t rows) {
+  const auto half = torch::arange(rows / 2, torch::kInt64);
+  return torch::stack({half, half + rows / 2}, 1).flatten();
+}
 
 std::vector<PeftLayer> peft_layers(const LlamaForCausalLMImpl& model, const std::vector<std::string>& adapted) {
   const bool experts_model = model.options().feed_forward == FeedForwardKind::kExperts;
   std::vector<PeftLayer> layers;
   for (const auto& name : adapted) {
-    PeftLayer layer{name, name, "", bank_experts(model, name)};
+    PeftLayer layer{name, name, "", bank_experts(model, name), torch::Tensor()};
+    const std::string gate_up = ".gate_up_proj";
+    if (layer.experts > 0 && model.options().experts.interleaved_gate_up && name.size() > gate_up.size() &&
+        name.compare(name.size() - gate_up.size(), gate_up.size(), gate_up) == 0) {
+      layer.published_rows = interleaved_rows(2 * model.options().experts.intermediate_size);
+    }
     if (layer.experts > 0) {
       layer.parameter = name;
       const std::string owner = name.substr(0, name.rfind('.'));
@@ -212,6 +226,8 @@ void apply_peft_adapter(LlamaForCausalLMImpl& model, const std::string& adapter_
     if (lora.options.dora) parts.emplace_back(magnitude_name(key), lora.magnitude);
     for (const auto& [tensor_name, target] : parts) {
       auto stored = weights.tensor(tensor_name);
+      const auto& rows = applied[index].published_rows;
+      if (rows.defined() && tensor_name == lora_B_name(key)) stored = torch::empty_like(stored).index_copy_(0, rows, stored);
       if (!stored.is_floating_point()) {
         throw Error(ErrorCode::kAdapter, weights_path + ": tensor '" + tensor_name + "' has dtype " +
                     std::string(c10::toString(stored.scalar_type())) + ", expected floating point weights");
@@ -258,7 +274,9 @@ void write_peft_adapter(const LlamaForCausalLMImpl& model, const PeftAdapterConf
       parameters.push_back(keyed[index].parameter);
     }
     tensors.emplace_back(lora_A_name(key), lora->lora_A.detach().to(torch::kCPU, torch::kFloat32).contiguous());
-    tensors.emplace_back(lora_B_name(key), lora->lora_B.detach().to(torch::kCPU, torch::kFloat32).contiguous());
+    auto lora_B = lora->lora_B.detach().to(torch::kCPU, torch::kFloat32);
+    if (keyed[index].published_rows.defined()) lora_B = lora_B.index_select(0, keyed[index].published_rows);
+    tensors.emplace_back(lora_B_name(key), lora_B.contiguous());
     if (actual.dora) {
       tensors.emplace_back(magnitude_name(key), lora->magnitude.detach().to(torch::kCPU, torch::kFloat32).contiguous());
     }

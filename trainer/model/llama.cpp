@@ -6,6 +6,7 @@
 
 #include "kernels/error.h"
 #include "trainer/model/activation_checkpoint.h"
+#include "trainer/model/attention_sinks.h"
 #include "trainer/model/llama_layers.h"
 #include "trainer/model/flash_attention.h"
 #include "trainer/model/softcapped_attention.h"
@@ -78,6 +79,29 @@ torch::Tensor longrope_inverse_frequencies(const std::vector<double>& factors, d
   return torch::reciprocal(factor_tensor * torch::pow(theta, exponent));
 }
 
+// YaRN, as transformers' _compute_yarn_parameters: fp32 frequencies, the ramp's ends in double.
+torch::Tensor yarn_inverse_frequencies(const RopeOptions& rope, int64_t dim) {
+  const double original = static_cast<double>(rope.original_max_position_embeddings);
+  const auto correction_dim = [&](double rotations) {
+    return (static_cast<double>(dim) * std::log(original / (rotations * 2 * M_PI))) / (2 * std::log(rope.theta));
+  };
+  double low = correction_dim(rope.beta_fast), high = correction_dim(rope.beta_slow);
+  if (rope.truncate) {
+    low = std::floor(low);
+    high = std::ceil(high);
+  }
+  low = std::max(low, 0.0);
+  high = std::min(high, static_cast<double>(dim - 1));
+  if (low == high) high += 0.001;
+  const auto ramp = ((torch::arange(dim / 2, torch::kFloat32) - low) / (high - low)).clamp(0, 1);
+  const auto position_frequencies =
+      torch::pow(rope.theta, torch::arange(0, dim, 2, torch::kInt64).to(torch::kFloat32) / static_cast<double>(dim));
+  const auto extrapolation = 1.0 / position_frequencies;
+  const auto interpolation = 1.0 / (rope.factor * position_frequencies);
+  const auto kept = 1 - ramp;  // inv_freq_extrapolation_factor
+  return interpolation * (1 - kept) + extrapolation * kept;
+}
+
 }  // namespace
 
 RotaryEmbedding::RotaryEmbedding(const LlamaOptions& options, const RopeOptions& rope) : options_(options) {
@@ -94,6 +118,7 @@ RotaryEmbedding::RotaryEmbedding(const LlamaOptions& options, const RopeOptions&
       long_inverse_frequencies_ =
           longrope_inverse_frequencies(options_.rope.long_factor, options_.rope.theta, options_.rotary_dim());
       break;
+    case RopeType::kYarn: frequencies = yarn_inverse_frequencies(options_.rope, options_.rotary_dim()); break;
     case RopeType::kDefault:
     case RopeType::kDynamic: break;
   }
@@ -127,7 +152,8 @@ std::pair<torch::Tensor, torch::Tensor> RotaryEmbedding::tables(const torch::Ten
   // product: the same bits as this multiply, without a batched matmul's launch cost per token.
   auto angles = position_ids.to(torch::kFloat32).unsqueeze(-1) * frequencies;
   auto embedding = torch::cat({angles, angles}, -1);
-  const double scale = options_.rope.type == RopeType::kLongRope ? options_.rope.attention_factor : 1.0;
+  const bool scaled = options_.rope.type == RopeType::kLongRope || options_.rope.type == RopeType::kYarn;
+  const double scale = scaled ? options_.rope.attention_factor : 1.0;
   if (scale != 1.0) return {(embedding.cos() * scale).to(dtype), (embedding.sin() * scale).to(dtype)};
   return {embedding.cos().to(dtype), embedding.sin().to(dtype)};
 }
@@ -171,6 +197,7 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaOptions& options, const std::s
     q_norm = register_module("q_norm", RMSNorm(head_dim_, options.rms_norm_eps, dtype, options.norm_style));
     k_norm = register_module("k_norm", RMSNorm(head_dim_, options.rms_norm_eps, dtype, options.norm_style));
   }
+  if (options.attention_sinks) sinks = register_parameter("sinks", torch::zeros({num_heads_}, torch::TensorOptions().dtype(dtype)));
 }
 
 std::pair<torch::Tensor, torch::Tensor> LayerKeyValues::append(const torch::Tensor& key, const torch::Tensor& value) {
@@ -234,6 +261,16 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden, const tor
     // Gemma 2 on CUDA: the cap, the causal / window mask and the softmax as one kernel.
     const auto attended = softcapped_causal_attention(query, key, value, past, window_cuts ? sliding_window_ : 0,
                                                       scale_, softcap_);
+    return o_proj->forward(attended.transpose(1, 2).reshape({batch, sequence, num_heads_ * head_dim_}));
+  }
+  if (sinks.defined()) {
+    // gpt-oss: no SDPA kernel takes sinks; the visible keys are written out.
+    auto visible = visible_keys(past, sequence, window_cuts ? sliding_window_ : 0, hidden.device());
+    if (attention_mask.defined()) {
+      const auto& mask = attention_mask.dense();
+      visible = visible & (mask.scalar_type() == torch::kBool ? mask : mask.eq(0));
+    }
+    const auto attended = sink_attention(query, key, value, visible, scale_, sinks);
     return o_proj->forward(attended.transpose(1, 2).reshape({batch, sequence, num_heads_ * head_dim_}));
   }
   if (softcap_ > 0) {

@@ -110,6 +110,7 @@ class LlamaAttentionImpl : public torch::nn::Module, public qat::LinearLayerOwne
   std::shared_ptr<qat::LinearLayer> q_proj, k_proj, v_proj, o_proj;
   std::shared_ptr<qat::LinearLayer> qkv_proj;  // instead of q, k and v: LlamaOptions::fused_projections
   RMSNorm q_norm{nullptr}, k_norm{nullptr};  // LlamaOptions::query_key_norm only
+  torch::Tensor sinks;                        // LlamaOptions::attention_sinks only: [heads]
 
  private:
   std::shared_ptr<qat::LinearLayer>* slot(const std::string& child_name);

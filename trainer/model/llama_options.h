@@ -12,7 +12,10 @@ namespace qtrain::trainer {
 
 // kLongRope: Phi-3's, frequencies divided per dimension by short_factor, or by long_factor once a
 // position passes original_max_position_embeddings, and cos / sin scaled by attention_factor.
-enum class RopeType { kDefault, kLinear, kDynamic, kLlama3, kLongRope };
+// kYarn: YaRN (gpt-oss), frequencies blended between factor-interpolated and kept along a ramp
+// between the dimensions that turn beta_fast and beta_slow times over the original context, cos
+// and sin scaled by attention_factor.
+enum class RopeType { kDefault, kLinear, kDynamic, kLlama3, kLongRope, kYarn };
 
 // The decoder layer's feed-forward block (trainer/model/feed_forward.h): kDense, a gated MLP
 // (gate, up, down); kExperts, a router choosing experts_per_token gated MLPs out of num_experts for
@@ -32,6 +35,17 @@ struct ExpertOptions {
   bool weights_in_fp32 = false;
   // Mixtral's router_jitter_noise: in training, the block's input times uniform(1 - j, 1 + j).
   double router_jitter_noise = 0;
+  // gpt-oss: the router is `router` (else `gate`) with a bias, the experts' banks have biases, the
+  // top-k logits' own softmax (in the model dtype) weighs the chosen experts, and their SwiGLU is
+  // clamped: (clamp(up, ±limit) + 1) · g σ(1.702 g), g = min(gate, limit).
+  std::string router = "gate";
+  bool biases = false;
+  bool top_k_then_softmax = false;
+  double swiglu_limit = 0;  // 0: the plain activation
+  // transformers holds gate_up_proj as [experts, hidden, 2 · intermediate] (x @ W) with gate's and
+  // up's columns interleaved (gpt-oss); qtrain's bank keeps gate's rows first all the same, and
+  // checkpoints, peft adapters and exports are reordered at the edge.
+  bool interleaved_gate_up = false;
   // The load-balancing loss (transformers' load_balancing_loss_func) joins the training loss times
   // router_aux_loss_coef where config.json's output_router_logits asks for it.
   bool output_router_logits = false;
@@ -54,7 +68,9 @@ struct RopeOptions {
   double high_freq_factor = 4.0;         // llama3
   int64_t original_max_position_embeddings = 0;  // llama3, dynamic, longrope (0 = max_position_embeddings)
   std::vector<double> short_factor, long_factor;   // longrope: [rotary dims / 2] each
-  double attention_factor = 1.0;                   // longrope: multiplies cos and sin
+  double attention_factor = 1.0;                   // longrope, yarn: multiplies cos and sin
+  double beta_fast = 32.0, beta_slow = 1.0;        // yarn
+  bool truncate = true;                            // yarn: the ramp's ends rounded to whole dimensions
 };
 
 struct LlamaOptions {
@@ -107,6 +123,9 @@ struct LlamaOptions {
   // of the final logits; 0: none.
   double attention_softcap = 0;
   double final_logit_softcap = 0;
+  // gpt-oss: a learned logit per head (`self_attn.sinks`) joins every query's softmax as one more
+  // key with no value, so a query may attend to nothing.
+  bool attention_sinks = false;
 
   // The block of decoder layer `layer`.
   FeedForwardKind layer_feed_forward(int64_t layer) const {

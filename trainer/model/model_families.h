@@ -91,6 +91,8 @@ struct BenchShape {
 struct ExpertTensorNames {
   std::string block = "mlp";  // the block's module (its router is BLOCK.gate)
   std::string gate = "gate_proj", up = "up_proj", down = "down_proj";
+  // A family whose experts transformers holds interleaved (ExpertOptions::interleaved_gate_up:
+  // gpt-oss) publishes them fused instead, as transformers holds them (trainer/formats/expert_checkpoint.h).
 };
 
 struct ModelFamily {

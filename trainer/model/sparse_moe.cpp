@@ -11,13 +11,14 @@ std::vector<ProjectionShape> bank_projections(const LlamaOptions& options) {
   const int64_t experts = options.experts.num_experts;
   const int64_t hidden = options.hidden_size;
   const int64_t intermediate = options.experts.intermediate_size;
-  return {{"gate_up_proj", hidden, experts * 2 * intermediate, false, ProjectionInput::kBlockInput, experts},
-          {"down_proj", intermediate, experts * hidden, false, ProjectionInput::kBlockActivation, experts}};
+  const bool bias = options.experts.biases;
+  return {{"gate_up_proj", hidden, experts * 2 * intermediate, bias, ProjectionInput::kBlockInput, experts},
+          {"down_proj", intermediate, experts * hidden, bias, ProjectionInput::kBlockActivation, experts}};
 }
 
 // The router, then the banks under `experts.`: the names transformers gives them.
 std::vector<ProjectionShape> sparse_moe_projections(const LlamaOptions& options) {
-  ProjectionShape router{"gate", options.hidden_size, options.experts.num_experts, false};
+  ProjectionShape router{options.experts.router, options.hidden_size, options.experts.num_experts, options.experts.biases};
   router.stays_dense = true;
   std::vector<ProjectionShape> shapes = {router};
   for (auto shape : bank_projections(options)) {
@@ -51,7 +52,7 @@ const FeedForwardRow& sparse_moe_row() {
 
 ExpertBanksImpl::ExpertBanksImpl(const LlamaOptions& options, const std::string& prefix, const LinearFactory& make_linear,
                                  torch::ScalarType dtype)
-    : experts_(options.experts.num_experts), activation_(options.activation) {
+    : experts_(options.experts.num_experts), activation_(options.activation), swiglu_limit_(options.experts.swiglu_limit) {
   register_projections(*this, bank_projections(options), prefix, make_linear, dtype,
                        [this](const std::string& name) { return slot(name); });
 }
@@ -70,20 +71,35 @@ void ExpertBanksImpl::replace_linear(const std::string& child_name, std::shared_
 
 namespace {
 
-torch::Tensor bank_forward(qat::LinearLayer& bank, int64_t experts, const torch::Tensor& rows, const torch::Tensor& counts) {
-  if (auto* lora = dynamic_cast<qat::ExpertLora*>(&bank)) return lora->grouped_forward(rows, counts);
-  return qat::grouped_linear(rows, qat::expert_weights(bank, experts, rows.scalar_type()), counts);
+// Each row times its expert's weight, plus its expert's bias where the bank has them (gpt-oss).
+torch::Tensor bank_forward(qat::LinearLayer& bank, int64_t experts, const torch::Tensor& rows, const torch::Tensor& counts,
+                           const torch::Tensor& row_experts) {
+  auto* lora = dynamic_cast<qat::ExpertLora*>(&bank);
+  auto product = lora ? lora->grouped_forward(rows, counts)
+                      : qat::grouped_linear(rows, qat::expert_weights(bank, experts, rows.scalar_type()), counts);
+  const auto bias = bank.bias();
+  if (!bias.defined()) return product;
+  return product + bias.to(product.scalar_type()).view({experts, -1}).index_select(0, row_experts);
+}
+
+// gpt-oss's SwiGLU: gate capped at `limit` from above, up clamped to ±limit, then
+// (up + 1) · gate σ(1.702 gate), as transformers' GptOssExperts.
+torch::Tensor clamped_swiglu(const torch::Tensor& gate, const torch::Tensor& up, double limit) {
+  const auto capped = gate.clamp_max(limit);
+  return (up.clamp(-limit, limit) + 1) * (capped * torch::sigmoid(capped * 1.702));
 }
 
 }  // namespace
 
-torch::Tensor ExpertBanksImpl::forward(const torch::Tensor& rows, const torch::Tensor& counts) {
-  const auto fused = bank_forward(*gate_up_proj, experts_, rows, counts);
+torch::Tensor ExpertBanksImpl::forward(const torch::Tensor& rows, const torch::Tensor& counts, const torch::Tensor& row_experts) {
+  const auto fused = bank_forward(*gate_up_proj, experts_, rows, counts, row_experts);
   const int64_t intermediate = fused.size(-1) / 2;  // gate's half first, as transformers' chunk(2)
   const auto gate = fused.narrow(-1, 0, intermediate).contiguous();
   const auto up = fused.narrow(-1, intermediate, intermediate).contiguous();
-  const auto product = activation_ == Activation::kGeluTanh ? geglu(gate, up) : swiglu(gate, up);
-  return bank_forward(*down_proj, experts_, product, counts);
+  const auto product = swiglu_limit_ > 0                      ? clamped_swiglu(gate, up, swiglu_limit_)
+                       : activation_ == Activation::kGeluTanh ? geglu(gate, up)
+                                                              : swiglu(gate, up);
+  return bank_forward(*down_proj, experts_, product, counts, row_experts);
 }
 
 SparseMoeBlockImpl::SparseMoeBlockImpl(const LlamaOptions& options, const std::string& prefix,
@@ -91,11 +107,14 @@ SparseMoeBlockImpl::SparseMoeBlockImpl(const LlamaOptions& options, const std::s
     : options_(options.experts) {
   const auto router = sparse_moe_projections(options).front();
   gate = register_module(router.name, make_linear(prefix + "." + router.name, projection_options(router, dtype)));
+  router_name_ = router.name;
   experts = register_module("experts", ExpertBanks(options, prefix + ".experts", make_linear, dtype));
 }
 
 void SparseMoeBlockImpl::replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) {
-  if (child_name != "gate") throw Error(ErrorCode::kInternal, "a mixture-of-experts block has no linear layer '" + child_name + "'");
+  if (child_name != router_name_) {
+    throw Error(ErrorCode::kInternal, "a mixture-of-experts block has no linear layer '" + child_name + "'");
+  }
   gate = replace_module(child_name, std::move(layer));
 }
 
@@ -108,15 +127,31 @@ torch::Tensor SparseMoeBlockImpl::forward(const torch::Tensor& hidden, const qat
   const int64_t k = options_.experts_per_token;
   const int64_t count = options_.num_experts;
 
-  // The router, as transformers' TopKRouter: logits in the model dtype, softmax in fp32.
-  auto probabilities = torch::softmax(gate->forward(x), -1, torch::kFloat32);
-  auto [weights, chosen] = probabilities.topk(k, -1);
-  if (router_loss_) {
-    probabilities = router_loss_->observe(probabilities, chosen);
-    weights = probabilities.gather(1, chosen);  // the same values, through the loss's gradient
+  // The router, as transformers' TopKRouter: logits in the model dtype.
+  const auto logits = gate->forward(x);
+  torch::Tensor weights, chosen, balance;
+  if (options_.top_k_then_softmax) {
+    // gpt-oss: the top-k logits' own softmax, in the model dtype.
+    auto top = logits.topk(k, -1);
+    chosen = std::get<1>(top);
+    weights = torch::softmax(std::get<0>(top), -1, logits.scalar_type());
+    if (router_loss_) {
+      // The balance loss reads the softmax over every expert, which the output does not: its
+      // gradient joins through a term that adds nothing.
+      const auto observed = router_loss_->observe(torch::softmax(logits, -1, torch::kFloat32), chosen);
+      if (observed.requires_grad()) balance = observed.sum() * 0;
+    }
+  } else {
+    // softmax in fp32 over every expert, then the top k.
+    auto probabilities = torch::softmax(logits, -1, torch::kFloat32);
+    std::tie(weights, chosen) = probabilities.topk(k, -1);
+    if (router_loss_) {
+      probabilities = router_loss_->observe(probabilities, chosen);
+      weights = probabilities.gather(1, chosen);  // the same values, through the loss's gradient
+    }
+    if (options_.normalize_top_k) weights = weights / weights.sum(-1, true);
+    if (!options_.weights_in_fp32) weights = weights.to(hidden.scalar_type());
   }
-  if (options_.normalize_top_k) weights = weights / weights.sum(-1, true);
-  if (!options_.weights_in_fp32) weights = weights.to(hidden.scalar_type());
 
   // Every (token, choice) pair sorted by expert; each expert's rows in token order.
   const auto flat_choice = chosen.reshape(-1);
@@ -125,10 +160,11 @@ torch::Tensor SparseMoeBlockImpl::forward(const torch::Tensor& hidden, const qat
   // How many rows each expert takes, without a trip to the host (bincount's length would need one).
   const auto counts = torch::zeros({count}, flat_choice.options()).index_add_(0, flat_choice, torch::ones_like(flat_choice));
   const auto rows = x.index_select(0, token_of_row);
-  auto outputs = experts->forward(rows, counts);
+  auto outputs = experts->forward(rows, counts, flat_choice.index_select(0, order));
   outputs = outputs * weights.reshape(-1).index_select(0, order).unsqueeze(1);
   // Each token's k outputs added in expert order, in the model dtype, as transformers' index_add_.
   auto result = torch::zeros_like(x).index_add(0, token_of_row, outputs.to(x.scalar_type()));
+  if (balance.defined()) result = result + balance.to(result.scalar_type());
   return result.view(shape);
 }
 

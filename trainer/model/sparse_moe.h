@@ -1,11 +1,13 @@
 #pragma once
-// The mixture-of-experts feed-forward block (FeedForwardKind::kExperts) of Qwen3-MoE and Mixtral,
-// as transformers 5 computes it:
+// The mixture-of-experts feed-forward block (FeedForwardKind::kExperts) of Qwen3-MoE, Mixtral and
+// gpt-oss, as transformers 5 computes it:
 //
 //     p = softmax(x G^T) in fp32          router `gate` [experts, hidden]
 //     w, e = top-k of p                   (w / sum(w) where ExpertOptions::normalize_top_k)
 //     y = Σ_k w_k · down_e(act(gate_e(x)) · up_e(x))
 //
+// (gpt-oss: the router has a bias and weighs the top-k logits by their own softmax, the banks have
+// biases, the activation is clamped: ExpertOptions.)
 // Each expert's gate and up are one fused weight (`experts.gate_up_proj`, gate's rows first, as
 // transformers' [experts, 2 · intermediate, hidden] parameter), its down `experts.down_proj`; both
 // are expert banks (qat/expert_linear.h), so every frozen-base kind and LoRA (peft's
@@ -28,8 +30,9 @@ class ExpertBanksImpl : public torch::nn::Module, public qat::LinearLayerOwner, 
  public:
   ExpertBanksImpl(const LlamaOptions& options, const std::string& prefix, const LinearFactory& make_linear,
                   torch::ScalarType dtype);
-  // rows [tokens · k, hidden] sorted by expert, counts [experts] -> each row's expert output.
-  torch::Tensor forward(const torch::Tensor& rows, const torch::Tensor& counts);
+  // rows [tokens · k, hidden] sorted by expert, counts [experts], row_experts [tokens · k] (each
+  // row's expert) -> each row's expert output.
+  torch::Tensor forward(const torch::Tensor& rows, const torch::Tensor& counts, const torch::Tensor& row_experts);
   void replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) override;
   int64_t bank_experts(const std::string& child_name) const override;
   std::shared_ptr<qat::LinearLayer> gate_up_proj, down_proj;
@@ -38,6 +41,7 @@ class ExpertBanksImpl : public torch::nn::Module, public qat::LinearLayerOwner, 
   std::shared_ptr<qat::LinearLayer>* slot(const std::string& child_name);
   int64_t experts_;
   Activation activation_;
+  double swiglu_limit_;
 };
 TORCH_MODULE(ExpertBanks);
 
@@ -48,11 +52,12 @@ class SparseMoeBlockImpl : public FeedForwardImpl {
   torch::Tensor forward(const torch::Tensor& hidden, const qat::LinearLayer::InputRebuild& rebuild_hidden = {}) override;
   void replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) override;
   void share_router_loss(const std::shared_ptr<RouterLoss>& loss) override { router_loss_ = loss; }
-  std::shared_ptr<qat::LinearLayer> gate;  // the router, [experts, hidden]
+  std::shared_ptr<qat::LinearLayer> gate;  // the router, [experts, hidden], registered as ExpertOptions::router
   ExpertBanks experts{nullptr};
 
  private:
   ExpertOptions options_;
+  std::string router_name_;
   std::shared_ptr<RouterLoss> router_loss_;
 };
 TORCH_MODULE(SparseMoeBlock);

@@ -33,7 +33,11 @@ void require_model_projections(const LlamaOptions& model, const std::vector<std:
   for (const auto& name : names) listed += (listed.empty() ? "[" : ", ") + name;
   for (const auto& entry : target_modules) {
     for (const auto& name : decoder_projection_names()) {
-      if (std::find(names.begin(), names.end(), name) != names.end()) continue;
+      // The model has it as a block's child too ("experts.down_proj": a mixture of experts' bank).
+      const bool has = std::any_of(names.begin(), names.end(), [&](const std::string& own) {
+        return own == name || (own.size() > name.size() && own.compare(own.size() - name.size() - 1, std::string::npos, "." + name) == 0);
+      });
+      if (has) continue;
       const bool names_it = entry == name || (entry.size() > name.size() && entry.compare(entry.size() - name.size() - 1,
                                                                                           std::string::npos, "." + name) == 0);
       if (!names_it) continue;

@@ -13,7 +13,8 @@
   X(gemma3)                      \
   X(phi3)                        \
   X(qwen3_moe)                   \
-  X(mixtral)
+  X(mixtral)                     \
+  X(gpt_oss)
 
 namespace qtrain::trainer {
 
