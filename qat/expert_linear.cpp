@@ -54,10 +54,8 @@ ExpertLora::ExpertLora(std::shared_ptr<LinearLayer> base, int64_t experts, const
                                           " rows does not split into " + std::to_string(experts_) + " experts");
   }
   if (options_.dropout != 0.0 || options_.dora) {
-    throw Error(ErrorCode::kRecipe, std::string("LoRA on experts takes no ") + (options_.dora ? "DoRA" : "dropout") +
-                                        " (peft's ParamWrapper, which loads such adapters, refuses it): set " +
-                                        (options_.dora ? "lora.dora: false" : "lora.dropout: 0") +
-                                        ", or leave the experts out of lora.target_modules");
+    throw Error(ErrorCode::kRecipe, std::string("LoRA on an expert bank takes no ") + (options_.dora ? "DoRA" : "dropout") +
+                                        " (peft's ParamWrapper, which loads such adapters, refuses it)");
   }
   register_module("base_layer", base_);
   for (auto& parameter : base_->parameters()) parameter.requires_grad_(false);

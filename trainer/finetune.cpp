@@ -131,6 +131,7 @@ void Finetune::setup_adapters() {
                 recipe_.lora.init_from.c_str());
   } else if (!trains_full_weights(recipe_)) {
     require_model_projections(model.options(), recipe_.lora.target_modules, "lora.target_modules");
+    require_lora_on_experts_supported(model.options(), recipe_);
     qat::apply_lora(model, adapter_config_.targets, adapter_config_.lora);
   }
   if (recipe_.quant == QuantMethod::kQat) require_model_projections(model.options(), recipe_.qat.target_modules, "qat.target_modules");

@@ -102,6 +102,16 @@ TEST_P(MoeFamily, PeftAdapterOnTheExpertsGivesPeftsLogits) {
   EXPECT_GT((logits - trainer::SafetensorsFile::open(dir + "/model/reference.safetensors").tensor("logits")).abs().max().item<double>(), 1e-3);
 }
 
+// A tiny model of `family` with the qwen3 fixture's 8,192-token tokenizer, in `dir`.
+void make_with_tokenizer(const std::string& family, const std::string& dir) {
+  const auto made = testing::run_command("MOE_VOCAB=8192 " + testing::python() + " " + testing::source_dir() +
+                                         "/tests/interop/moe_model.py make " + family + " " + dir + " 2>&1");
+  ASSERT_EQ(made.status, 0) << made.output;
+  for (const char* file : {"tokenizer.json", "tokenizer_config.json"}) {
+    fs::copy_file(testing::fixture(std::string("families/qwen3/") + file), dir + "/" + file);
+  }
+}
+
 // The CLI on recipes/demo_tiny.yaml with model.path `model_dir` and `flags`, its run in `run_dir`.
 testing::CommandResult run_demo(const std::string& model_dir, const std::string& flags, const std::string& run_dir) {
   return testing::run_command(testing::qtrain_binary() + " --recipe " + testing::source_dir() + "/recipes/demo_tiny.yaml --set model.path=" +
@@ -111,13 +121,8 @@ testing::CommandResult run_demo(const std::string& model_dir, const std::string&
 TEST_P(MoeFamily, QloraStepsWriteAnAdapterPeftLoadsAndAMergeTransformersLoadsWithOurLogits) {
   testing::TempDir temp;
   const std::string model_dir = temp.file("model");
-  // The family's tiny model with the qwen3 fixture's 8,192-token tokenizer, so the demo's text trains it.
-  const auto made = testing::run_command("MOE_VOCAB=8192 " + testing::python() + " " + testing::source_dir() +
-                                         "/tests/interop/moe_model.py make " + GetParam() + " " + model_dir + " 2>&1");
-  ASSERT_EQ(made.status, 0) << made.output;
-  for (const char* file : {"tokenizer.json", "tokenizer_config.json"}) {
-    fs::copy_file(testing::fixture(std::string("families/qwen3/") + file), model_dir + "/" + file);
-  }
+  // The family's tiny model with an 8,192-token tokenizer, so the demo's text trains it.
+  make_with_tokenizer(GetParam(), model_dir);
   ask_for_router_loss(model_dir);  // its gradient joins the run's
   const auto trained = run_demo(model_dir,
                                 " --set 'lora.target_modules=[q_proj, k_proj, v_proj, o_proj, gate_up_proj, down_proj]'"
@@ -161,6 +166,80 @@ TEST_P(MoeFamily, QloraStepsWriteAnAdapterPeftLoadsAndAMergeTransformersLoadsWit
 
 INSTANTIATE_TEST_SUITE_P(Families, MoeFamily, ::testing::Values("qwen3_moe", "qwen3_moe_step2", "mixtral", "gpt_oss"),
                          [](const auto& info) { return info.param; });
+
+// GGUF export of the experts (ffn_gate_inp, ffn_{gate,up,down}_exps): llama.cpp runs the file with our logits.
+class MoeGguf : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(MoeGguf, LlamaCppRunsTheExportWithOurLogits) {
+  const auto llama_cpp = testing::find_python_with("llama_cpp gguf numpy");
+  if (llama_cpp.empty()) GTEST_SKIP() << "no Python with llama-cpp-python and gguf";
+  testing::TempDir temp;
+  const std::string model_dir = temp.file("model");
+  make_with_tokenizer(GetParam(), model_dir);
+  if (GetParam() == "mixtral") {
+    // llama.cpp's llama attends over every earlier key: the same checkpoint without its window.
+    const auto path = model_dir + "/config.json";
+    auto config = nlohmann::json::parse(std::ifstream(path));
+    config["sliding_window"] = nullptr;
+    std::ofstream(path) << config.dump(2);
+  }
+  const auto exported = testing::run_command(testing::qtrain_binary() + " export --model " + model_dir +
+                                             " --format gguf --gguf-type F32 --out " + temp.file("model.gguf") + " 2>&1");
+  ASSERT_EQ(exported.status, 0) << exported.output;
+  const std::string run = "'" + llama_cpp + "' '" + testing::source_dir() + "/tests/interop/gguf_model.py' llama-cpp '" +
+                          temp.file("model.gguf") + "' 'The jury said it did find that the' '" + temp.file("llama.safetensors") + "' 2>&1";
+  const auto ran = testing::run_command(run);
+  ASSERT_EQ(ran.status, 0) << run << "\n" << ran.output;
+  const auto theirs = trainer::SafetensorsFile::open(temp.file("llama.safetensors"));
+  auto loaded = trainer::load_llama(model_dir);
+  torch::NoGradGuard no_grad;
+  trainer::LlamaInputs inputs;
+  inputs.input_ids = theirs.tensor("input_ids");
+  const auto ours = loaded.model->forward(inputs);
+  const double error = relative_error(ours, theirs.tensor("logits"));
+  std::printf("[ measured ] %s: llama.cpp on the F32 GGUF vs ours: %.3g relative over %lld tokens\n", GetParam().c_str(), error,
+              static_cast<long long>(inputs.input_ids.size(1)));
+  EXPECT_LE(error, 1e-2);  // llama.cpp's own kernels (its CPU matmuls round inputs to its vector dot types)
+  EXPECT_TRUE(torch::equal(ours.argmax(-1), theirs.tensor("logits").argmax(-1)));
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, MoeGguf, ::testing::Values("qwen3_moe_all", "mixtral", "gpt_oss"),
+                         [](const auto& info) { return info.param; });
+
+TEST(MoeGguf, DenseLayersAmongExpertsAreRefusedNamingWhy) {
+  if (!testing::python_has("transformers safetensors")) GTEST_SKIP() << testing::python_lacks("transformers safetensors");
+  const auto& dir = family_fixture("qwen3_moe");
+  testing::TempDir temp;
+  const auto exported = testing::run_command(testing::qtrain_binary() + " export --model " + dir + "/model --format gguf --out " +
+                                             temp.file("model.gguf") + " 2>&1");
+  EXPECT_NE(exported.status, 0);
+  EXPECT_NE(exported.output.find("dense layers among its expert layers"), std::string::npos) << exported.output;
+}
+
+// peft cannot load LoRA with dropout on expert parameters: such a recipe stops before training, naming the key.
+TEST(MoeRecipes, DropoutOnTheExpertsIsRefusedNamingTheKey) {
+  if (!testing::python_has("transformers safetensors")) GTEST_SKIP() << testing::python_lacks("transformers safetensors");
+  testing::TempDir temp;
+  make_with_tokenizer("mixtral", temp.file("model"));
+  const auto run = run_demo(temp.file("model"), " --set 'lora.target_modules=[q_proj, gate_up_proj, down_proj]' --set lora.dropout=0.05",
+                            temp.file("run"));
+  EXPECT_NE(run.status, 0);
+  EXPECT_NE(run.output.find("lora.dropout is set, and lora.target_modules selects the experts' 'experts.gate_up_proj'"),
+            std::string::npos) << run.output;
+}
+
+// inspect reads the experts from config.json and estimates a run of the shipped MoE recipe.
+TEST(MoeInspect, ShowsTheExpertsAndEstimatesTheRecipe) {
+  if (!testing::python_has("transformers safetensors")) GTEST_SKIP() << testing::python_lacks("transformers safetensors");
+  const auto& dir = family_fixture("qwen3_moe");
+  const auto result = testing::run_command(testing::qtrain_binary() + " inspect --recipe " + testing::source_dir() +
+                                           "/recipes/qlora_qwen3_moe.yaml --set model.path=" + dir + "/model --set train.device=cpu 2>&1");
+  ASSERT_EQ(result.status, 0) << result.output;
+  for (const char* fact : {"Qwen3MoeForCausalLM", "8 experts, top 2 per token, each 24 wide, in 3 of 4 layers; router 'gate'",
+                           "softmax, top-k renormalised"}) {
+    EXPECT_NE(result.output.find(fact), std::string::npos) << fact << "\n" << result.output;
+  }
+}
 
 // gpt-oss as published: its experts in MXFP4, kept so (the frozen base), with transformers' logits.
 TEST(GptOssMxfp4, ExpertsStayMxfp4WithTransformersLogits) {

@@ -17,6 +17,7 @@ the same FAMILY always gives the same weights, whatever the make mode):
                      (layer 2 is a dense SwiGLU MLP of intermediate 96), q/k norms.
     qwen3_moe_step2  4 layers, decoder_sparse_step 2 (MoE on layers 1 and 3, dense on 0 and 2),
                      norm_topk_prob false (routing weights are the un-renormalised softmax top-2).
+    qwen3_moe_all    3 layers, all of them experts (8, top-2, renormalised): what llama.cpp's qwen3moe holds.
     mixtral          3 layers, 4 experts top-2, intermediate 40, sliding_window 8 on every layer.
     gpt_oss          4 layers (sliding 8 / full alternating, layer_types), 6 experts top-3,
                      intermediate 96, q/k/v/o biases, sinks, router bias, expert biases, yarn rope as
@@ -94,6 +95,10 @@ FAMILIES = {
                         dict(num_hidden_layers=4, intermediate_size=96, moe_intermediate_size=24, num_experts=8,
                              num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[], decoder_sparse_step=2,
                              router_aux_loss_coef=0.02)),
+    "qwen3_moe_all": (Qwen3MoeConfig, Qwen3MoeForCausalLM,
+                      dict(num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=24, num_experts=8,
+                           num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[], decoder_sparse_step=1,
+                           router_aux_loss_coef=0.02)),
     "mixtral": (MixtralConfig, MixtralForCausalLM,
                 dict(num_hidden_layers=3, intermediate_size=40, num_local_experts=4, num_experts_per_tok=2,
                      sliding_window=8, router_aux_loss_coef=0.02)),

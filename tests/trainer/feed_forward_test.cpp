@@ -6,6 +6,7 @@
 #include "small_llama.h"
 #include "trainer/model/dense_mlp.h"
 #include "trainer/model/llama.h"
+#include "trainer/model/sparse_moe.h"
 #include "trainer/recipe/recipe_training.h"
 
 namespace qtrain::trainer {
@@ -54,6 +55,34 @@ TEST(FeedForward, DenseBlockBuildsTheProjectionsItsRowReports) {
   EXPECT_EQ(shapes.front().out, 2 * fused_options().intermediate_size);  // gate's rows, then up's
 }
 
+TEST(FeedForward, ExpertBlockBuildsTheRouterAndBanksItsRowReports) {
+  auto options = testing::small_llama_options(32, 2);
+  options.feed_forward = FeedForwardKind::kExperts;
+  options.experts.num_experts = 4;
+  options.experts.experts_per_token = 2;
+  options.experts.intermediate_size = 24;
+  for (const bool biased : {false, true}) {
+    options.experts.biases = biased;
+    options.experts.router = biased ? "router" : "gate";
+    const auto& row = feed_forward_row(options);
+    EXPECT_EQ(row.kind, FeedForwardKind::kExperts);
+    auto block = row.make(options, "model.layers.0.mlp", dense_linear_factory(), torch::kFloat32);
+    auto* moe = block->as<SparseMoeBlock>();
+    ASSERT_NE(moe, nullptr);
+    // The router, then the banks under `experts.`.
+    auto built = registered_projections(*block);
+    for (auto bank : registered_projections(*moe->experts)) {
+      bank.name = "experts." + bank.name;
+      built.push_back(bank);
+    }
+    expect_same_shapes(built, row.projections(options));
+    EXPECT_EQ(dense_base_projections(options), std::vector<std::string>{"mlp." + options.experts.router});
+    // Its output has the input's shape, through the router and the banks.
+    const auto hidden = torch::randn({2, 5, options.hidden_size});
+    EXPECT_EQ(block->forward(hidden).sizes(), hidden.sizes());
+  }
+}
+
 TEST(FeedForward, AttentionBuildsTheProjectionsItReports) {
   for (const auto& options : {testing::small_llama_options(32, 2), fused_options()}) {
     SCOPED_TRACE(options.fused_projections ? "fused" : "separate");
@@ -71,7 +100,7 @@ TEST(FeedForward, ProjectionNamesAreTheDecoderLayersLinearLayers) {
   EXPECT_EQ(fused_options().projection_names(),
             (std::vector<std::string>{"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}));
   for (const auto& options : {testing::small_llama_options(32, 2), fused_options()}) {
-    LlamaDecoderLayer layer(options, "model.layers.0", dense_linear_factory(), torch::kFloat32);
+    LlamaDecoderLayer layer(options, 0, dense_linear_factory(), torch::kFloat32);
     std::vector<std::string> linear_names;
     for (const auto& module : layer->named_modules()) {
       if (std::dynamic_pointer_cast<qat::LinearLayer>(module.value())) {
@@ -98,7 +127,7 @@ class PassThroughBlock : public FeedForwardImpl {
 TEST(FeedForward, DecoderLayerRunsTheBlockItHoldsWholeAndInChunks) {
   torch::manual_seed(0);
   const auto options = testing::small_llama_options(32, 1);
-  LlamaDecoderLayer layer(options, "model.layers.0", dense_linear_factory(), torch::kFloat32);
+  LlamaDecoderLayer layer(options, 0, dense_linear_factory(), torch::kFloat32);
   auto block = std::make_shared<PassThroughBlock>();
   layer->mlp = layer->replace_module("mlp", FeedForward(std::shared_ptr<FeedForwardImpl>(block)));
   EXPECT_EQ(layer->named_parameters().find("mlp.down_proj.weight"), nullptr);

@@ -10,6 +10,7 @@
 #include <tuple>
 
 #include "trainer/base/memory_stats.h"
+#include "trainer/model/attention_sinks.h"
 
 namespace qtrain::trainer {
 namespace {
@@ -94,6 +95,50 @@ TEST(SlidingWindowAttention, CudaFlashWindowEqualsTheMaskedAttentionWithItsGradi
   const auto moved = k_.grad().abs().sum({0, 1, 3}).ne(0).nonzero().flatten();
   EXPECT_EQ(moved.min().item<int64_t>(), 236);
   EXPECT_EQ(moved.max().item<int64_t>(), 299);
+}
+
+// gpt-oss's sinks on flash attention (its output times sigmoid(logsumexp - sink), the logsumexp's
+// gradient folded into flash's backward) against the written-out path of transformers' eager
+// attention, with and without a window: output and the gradients of q, k, v and the sinks, each
+// within bf16's rounding of the fp32 written-out values and no further than that path in bf16.
+TEST(SinkAttention, CudaFlashWithSinksEqualsTheWrittenOutPathWithItsGradients) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU";
+  torch::manual_seed(1);
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA);
+  const double scale = 0.125;
+  const auto q = torch::randn({2, 8, 300, 64}, cuda).to(torch::kBFloat16).to(torch::kFloat32);
+  const auto k = torch::randn({2, 2, 300, 64}, cuda).to(torch::kBFloat16).to(torch::kFloat32);
+  const auto v = torch::randn({2, 2, 300, 64}, cuda).to(torch::kBFloat16).to(torch::kFloat32);
+  const auto grad_out = torch::randn({2, 8, 300, 64}, cuda).to(torch::kBFloat16).to(torch::kFloat32);
+  // Sinks around the scores' own scale, so that they take a real share of each row.
+  const auto sinks = (torch::randn({8}, cuda) * 2).to(torch::kBFloat16).to(torch::kFloat32);
+  for (const int64_t window : {0, 64}) {
+    const auto visible = window_mask(300, window > 0 ? window : 300, q.device());
+    struct Result {
+      Attended attended;
+      torch::Tensor grad_sinks;
+    };
+    const auto run_with = [&](bool flash, torch::ScalarType dtype) {
+      auto s_ = sinks.to(dtype).detach().requires_grad_(true);
+      Result result;
+      result.attended = run(
+          [&](auto&& a, auto&& b, auto&& c) {
+            return flash ? flash_window_attention(a, b, c, window, scale, s_) : sink_attention(a, b, c, visible, scale, s_);
+          },
+          q, k, v, grad_out, dtype);
+      result.grad_sinks = s_.grad();
+      return result;
+    };
+    const auto reference = run_with(false, torch::kFloat32);
+    const auto dense_bf16 = run_with(false, torch::kBFloat16);
+    const auto ours = run_with(true, torch::kBFloat16);
+    const std::string label = window > 0 ? "sinks, window 64" : "sinks, causal";
+    expect_as_close_as_the_mask(ours.attended, dense_bf16.attended, reference.attended, label);
+    const double sink_error = relative_error(ours.grad_sinks, reference.grad_sinks);
+    std::printf("[ measured ] %s, grad sinks: flash %.3g, written out in bf16 %.3g (relative to fp32)\n", label.c_str(),
+                sink_error, relative_error(dense_bf16.grad_sinks, reference.grad_sinks));
+    EXPECT_LE(sink_error, 2e-2) << label;
+  }
 }
 
 // What the window saves at Mistral 7B v0.1's shape (32 heads over 8, head_dim 128, window 4096)

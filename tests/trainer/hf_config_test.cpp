@@ -78,8 +78,10 @@ TEST(HfConfig, HeadDimDefaultsToHiddenOverHeads) {
 
 TEST(HfConfig, UnsupportedArchitectureIsNamed) {
   auto config = fixture_config();
-  config["architectures"] = {"MixtralForCausalLM"};
-  EXPECT_NE(error_of(config.dump()).find("unsupported architecture 'MixtralForCausalLM'"), std::string::npos);
+  config["architectures"] = {"DeepseekV3ForCausalLM"};
+  const auto message = error_of(config.dump());
+  EXPECT_NE(message.find("unsupported architecture 'DeepseekV3ForCausalLM'"), std::string::npos) << message;
+  EXPECT_NE(message.find("Qwen3MoeForCausalLM, MixtralForCausalLM, GptOssForCausalLM"), std::string::npos) << message;
 }
 
 TEST(HfConfig, ErrorsNameTheFileAndTheKey) {
@@ -98,8 +100,11 @@ TEST(HfConfig, ErrorsNameTheFileAndTheKey) {
   EXPECT_NE(error_of(bad_heads.dump()).find("multiple of num_key_value_heads"), std::string::npos);
 
   auto bad_rope = fixture_config();
-  bad_rope["rope_parameters"] = {{"rope_type", "yarn"}, {"rope_theta", 1e4}, {"factor", 2.0}};
-  EXPECT_NE(error_of(bad_rope.dump()).find("rope type 'yarn' is not supported"), std::string::npos);
+  bad_rope["rope_parameters"] = {{"rope_type", "ntk-by-parts"}, {"rope_theta", 1e4}, {"factor", 2.0}};
+  EXPECT_NE(error_of(bad_rope.dump()).find("rope type 'ntk-by-parts' is not supported"), std::string::npos);
+  auto yarn = fixture_config();  // YaRN (gpt-oss) needs its pre-training context
+  yarn["rope_parameters"] = {{"rope_type", "yarn"}, {"rope_theta", 1e4}, {"factor", 2.0}};
+  EXPECT_NE(error_of(yarn.dump()).find("rope type 'yarn' needs 'original_max_position_embeddings'"), std::string::npos);
 }
 
 TEST(HfConfig, MalformedJsonIsAnErrorNotACrash) {

@@ -315,8 +315,32 @@ std::string describe(const LlamaOptions& options) {
 
 TEST(ModelFamilies, BenchShapesBuildTheOptionsOfQtrainsFormerTable) {
   size_t shapes = 0;
-  for (const auto& family : model_families()) shapes += family.bench_shapes.size();
+  std::vector<std::string> expert_shapes;  // the mixtures of experts came after that table
+  for (const auto& family : model_families()) {
+    for (const auto& shape : family.bench_shapes) {
+      if (llama_shape(shape.name).feed_forward == FeedForwardKind::kExperts) {
+        expert_shapes.push_back(shape.name);
+      } else {
+        ++shapes;
+      }
+    }
+  }
   EXPECT_EQ(shapes, std::size(kTableShapes));
+  EXPECT_EQ(expert_shapes, (std::vector<std::string>{"qwen3-30b-a3b", "mixtral-8x7b", "gpt-oss-20b"}));
+  // Their published configs, as read: Qwen3-30B-A3B 48 layers of 128 experts (top 8, 768 wide,
+  // renormalised); gpt-oss-20b 32 experts (top 4) with sinks, YaRN and alternating windows.
+  const auto qwen3 = llama_shape("qwen3-30b-a3b");
+  EXPECT_EQ(qwen3.num_hidden_layers, 48);
+  EXPECT_EQ(qwen3.experts.num_experts, 128);
+  EXPECT_EQ(qwen3.experts.experts_per_token, 8);
+  EXPECT_EQ(qwen3.experts.intermediate_size, 768);
+  EXPECT_TRUE(qwen3.experts.normalize_top_k);
+  const auto gpt_oss = llama_shape("gpt-oss-20b");
+  EXPECT_EQ(gpt_oss.experts.num_experts, 32);
+  EXPECT_EQ(gpt_oss.experts.experts_per_token, 4);
+  EXPECT_TRUE(gpt_oss.attention_sinks && gpt_oss.experts.top_k_then_softmax && gpt_oss.experts.interleaved_gate_up);
+  EXPECT_EQ(gpt_oss.rope.type, RopeType::kYarn);
+  EXPECT_TRUE(gpt_oss.layer_slides(0) && !gpt_oss.layer_slides(1));
   for (const auto& shape : kTableShapes) {
     SCOPED_TRACE(shape.name);
     EXPECT_EQ(describe(llama_shape(shape.name)), describe(table_options(shape)));

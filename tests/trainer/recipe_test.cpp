@@ -30,7 +30,8 @@ namespace fs = std::filesystem;
 
 const char* const kShippedRecipes[] = {"demo_tiny.yaml",      "qlora_llama.yaml",    "lora_llama.yaml",
                                        "qat_llama.yaml",      "qat_llama_q4_0.yaml", "qat_llama_int4_weight_only.yaml",
-                                       "lora_int8_llama.yaml", "lora_fp8_llama.yaml", "qlora_llama_low_memory.yaml"};
+                                       "lora_int8_llama.yaml", "lora_fp8_llama.yaml", "qlora_llama_low_memory.yaml",
+                                       "qlora_qwen3_moe.yaml", "qlora_gpt_oss.yaml"};
 
 std::string shipped(const std::string& name) {
   return qtrain::testing::source_dir() + "/recipes/" + name;

@@ -78,7 +78,8 @@ const GgufArchitecture& gguf_architecture_for(const HfModelConfig& config) {
              std::find(llama.dense_layers.begin(), llama.dense_layers.end(), true) != llama.dense_layers.end()) {
     problem = config.architecture + " with dense layers among its expert layers (mlp_only_layers / decoder_sparse_step): llama.cpp's '" +
               found->name + "' has experts in every layer";
-  } else if (llama.feed_forward == FeedForwardKind::kExperts && !llama.experts.normalize_top_k) {
+  } else if (llama.feed_forward == FeedForwardKind::kExperts && !llama.experts.normalize_top_k &&
+             !llama.experts.top_k_then_softmax) {
     problem = config.architecture + " with norm_topk_prob false: llama.cpp's '" + found->name +
               "' renormalises the chosen experts' weights";
   } else if (found->llama_cpp_difference != nullptr) {
@@ -86,8 +87,8 @@ const GgufArchitecture& gguf_architecture_for(const HfModelConfig& config) {
     if (!difference.empty()) problem = config.architecture + " with " + difference;
   }
   if (!problem.empty()) {
-    throw Error(ErrorCode::kUsage, "GGUF export: " + problem + " (it writes Llama, Mistral and Phi-3 without a window "
-                "shorter than the context, Qwen2, Qwen3, and Gemma 2 / 3 as llama.cpp fixes them); export safetensors-int or merged, and convert that with llama.cpp's "
+    throw Error(ErrorCode::kUsage, "GGUF export: " + problem + " (it writes Llama, Mistral, Mixtral and Phi-3 without a "
+                "window shorter than the context, Qwen2, Qwen3, Qwen3-MoE, gpt-oss, and Gemma 2 / 3 as llama.cpp fixes them); export safetensors-int or merged, and convert that with llama.cpp's "
                 "convert_hf_to_gguf.py");
   }
   return *found;

@@ -58,6 +58,11 @@ std::vector<std::pair<std::string, GgufValue>> model_metadata(const HfModelConfi
   if (llama.rope.type == RopeType::kLinear) {
     metadata.emplace_back(key + "rope.scaling.type", std::string("linear"));
     metadata.emplace_back(key + "rope.scaling.factor", static_cast<float>(llama.rope.factor));
+  } else if (llama.rope.type == RopeType::kYarn) {
+    // llama.cpp reads YaRN's betas at its defaults (32 / 1) and rounds the ramp's ends as truncate does.
+    metadata.emplace_back(key + "rope.scaling.type", std::string("yarn"));
+    metadata.emplace_back(key + "rope.scaling.factor", static_cast<float>(llama.rope.factor));
+    metadata.emplace_back(key + "rope.scaling.original_context_length", static_cast<uint32_t>(llama.rope.original_max_position_embeddings));
   } else if (llama.rope.type == RopeType::kLongRope && architecture.reads_rope_factors) {
     metadata.emplace_back(key + "rope.scaling.attn_factor", static_cast<float>(llama.rope.attention_factor));
     metadata.emplace_back(key + "rope.scaling.original_context_length",
@@ -116,22 +121,27 @@ struct ExportedTensor {
 std::vector<std::pair<std::string, torch::Tensor>> expert_banks_apart(std::vector<std::pair<std::string, torch::Tensor>> tensors,
                                                                      const LlamaOptions& llama) {
   if (llama.feed_forward != FeedForwardKind::kExperts) return tensors;
-  const std::string gate_up = ".mlp.experts.gate_up_proj.weight", down = ".mlp.experts.down_proj.weight";
   const auto ends_with = [](const std::string& name, const std::string& suffix) {
     return name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
   };
+  const int64_t experts = llama.experts.num_experts;
   std::vector<std::pair<std::string, torch::Tensor>> apart;
   for (auto& [name, value] : tensors) {
-    if (ends_with(name, gate_up)) {
-      const auto prefix = name.substr(0, name.size() - gate_up.size());
-      const auto halves = value.view({llama.experts.num_experts, 2, llama.experts.intermediate_size, -1});
-      apart.emplace_back(prefix + ".mlp.experts.gate_proj.weight", halves.select(1, 0).contiguous());
-      apart.emplace_back(prefix + ".mlp.experts.up_proj.weight", halves.select(1, 1).contiguous());
-    } else if (ends_with(name, down)) {
-      apart.emplace_back(name, value.view({llama.experts.num_experts, llama.hidden_size, -1}));
-    } else {
-      apart.emplace_back(std::move(name), std::move(value));
+    // Weights [experts, rows, in]; biases (gpt-oss) [experts, rows].
+    for (const std::string part : {"weight", "bias"}) {
+      const std::string gate_up = ".mlp.experts.gate_up_proj." + part, down = ".mlp.experts.down_proj." + part;
+      if (ends_with(name, gate_up)) {
+        const auto prefix = name.substr(0, name.size() - gate_up.size());
+        const auto halves = value.dim() == 2 ? value.view({experts, 2, -1, value.size(1)}) : value.view({experts, 2, -1});
+        apart.emplace_back(prefix + ".mlp.experts.gate_proj." + part, halves.select(1, 0).contiguous());
+        apart.emplace_back(prefix + ".mlp.experts.up_proj." + part, halves.select(1, 1).contiguous());
+        value = torch::Tensor();
+      } else if (ends_with(name, down)) {
+        apart.emplace_back(name, value.dim() == 2 ? value.view({experts, -1, value.size(1)}) : value.view({experts, -1}));
+        value = torch::Tensor();
+      }
     }
+    if (value.defined()) apart.emplace_back(std::move(name), std::move(value));
   }
   return apart;
 }

@@ -23,13 +23,14 @@ bool flash_attention_applies(const torch::Tensor& query, const torch::Tensor& ke
 torch::Tensor visible_keys(int64_t past, int64_t sequence, int64_t window, const torch::Device& device);
 
 // The attention output [batch, heads, T, head_dim]; differentiable in query, key and value.
-// window 0: no window.
+// window 0: no window. `sinks` [heads], if defined: gpt-oss's sink logits (trainer/model/attention_sinks.h),
+// differentiable too.
 torch::Tensor flash_window_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
-                                     int64_t window, double scale);
+                                     int64_t window, double scale, const torch::Tensor& sinks = {});
 
 // The same over packed samples: `spans` cut the batch's batch * T tokens into the samples (and
 // each row's padding) that attend only within themselves; a window, if any, applies within each.
 torch::Tensor flash_packed_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
-                                     const SampleSpans& spans, int64_t window, double scale);
+                                     const SampleSpans& spans, int64_t window, double scale, const torch::Tensor& sinks = {});
 
 }  // namespace qtrain::trainer

@@ -263,30 +263,30 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden, const tor
                                                       scale_, softcap_);
     return o_proj->forward(attended.transpose(1, 2).reshape({batch, sequence, num_heads_ * head_dim_}));
   }
-  if (sinks.defined()) {
-    // gpt-oss: no SDPA kernel takes sinks; the visible keys are written out.
-    auto visible = visible_keys(past, sequence, window_cuts ? sliding_window_ : 0, hidden.device());
-    if (attention_mask.defined()) {
-      const auto& mask = attention_mask.dense();
-      visible = visible & (mask.scalar_type() == torch::kBool ? mask : mask.eq(0));
-    }
-    const auto attended = sink_attention(query, key, value, visible, scale_, sinks);
+  const SampleSpans* spans = attention_mask.spans();
+  if (sinks.defined() && past == 0 && (spans != nullptr || !attention_mask.defined()) && flash_attention_applies(query, key)) {
+    // gpt-oss on CUDA: flash attention, its output weighed by what the sink leaves the keys
+    // (trainer/model/flash_attention.h), no [T, T] scores.
+    const int64_t window = window_cuts ? sliding_window_ : 0;
+    const auto attended = spans != nullptr ? flash_packed_attention(query, key, value, *spans, window, scale_, sinks)
+                                           : flash_window_attention(query, key, value, window, scale_, sinks);
     return o_proj->forward(attended.transpose(1, 2).reshape({batch, sequence, num_heads_ * head_dim_}));
   }
-  if (softcap_ > 0) {
-    // Gemma 2: no SDPA kernel soft-caps its scores; the visible keys are written out.
+  if (sinks.defined() || softcap_ > 0) {
+    // gpt-oss's sinks, Gemma 2's soft-capped scores: no SDPA kernel takes them; the visible keys
+    // are written out.
     auto visible = visible_keys(past, sequence, window_cuts ? sliding_window_ : 0, hidden.device());
     if (attention_mask.defined()) {
       const auto& mask = attention_mask.dense();
       visible = visible & (mask.scalar_type() == torch::kBool ? mask : mask.eq(0));
     }
-    const auto attended = softcapped_attention(query, key, value, visible, scale_, softcap_);
+    const auto attended = sinks.defined() ? sink_attention(query, key, value, visible, scale_, sinks)
+                                          : softcapped_attention(query, key, value, visible, scale_, softcap_);
     return o_proj->forward(attended.transpose(1, 2).reshape({batch, sequence, num_heads_ * head_dim_}));
   }
   // SDPA's is_causal aligns its mask to the top left, right only without cached keys before the
   // new queries and without a window that cuts keys off; otherwise the mask is written out.
   // (One new token after the cache, within the window, sees every key: no mask at all.)
-  const SampleSpans* spans = attention_mask.spans();
   if (spans != nullptr && past == 0 && flash_attention_applies(query, key)) {
     // Packed samples as flash attention's cumulative lengths: no [T, T] mask, and no work on the
     // blocks across samples (trainer/model/flash_attention.h).

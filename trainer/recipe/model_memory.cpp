@@ -231,6 +231,7 @@ TrainingMemorySetup training_memory_setup(const Recipe& recipe, const LlamaOptio
   setup.full_finetune = recipe.lora.init_from.empty() && recipe.lora.rank == 0;
   if (recipe.lora.init_from.empty() && !setup.full_finetune) {
     require_model_projections(model, recipe.lora.target_modules, "lora.target_modules");
+    require_lora_on_experts_supported(model, recipe);
   }
   setup.device = recipe.train.device == "cpu" ? torch::kCPU : torch::kCUDA;  // auto: a GPU, where runs go
   setup.micro_batch_size = recipe.train.micro_batch_size;

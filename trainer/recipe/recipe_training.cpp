@@ -4,6 +4,7 @@
 
 #include "kernels/error.h"
 #include "qat/compressed_linear.h"
+#include "qat/expert_linear.h"
 #include "qat/gguf_file_types.h"
 #include "qat/quant_format.h"
 #include "trainer/model/causal_lm_loss.h"
@@ -45,6 +46,19 @@ void require_model_projections(const LlamaOptions& model, const std::vector<std:
                   key + " names '" + entry + "', which this model does not have: its decoder layers' projections are " +
                   listed + "] (peft's names; a fused one joins the projections it replaces). Target those or all-linear");
     }
+  }
+}
+
+void require_lora_on_experts_supported(const LlamaOptions& model, const Recipe& recipe) {
+  if (model.feed_forward != FeedForwardKind::kExperts || (recipe.lora.dropout == 0 && !recipe.lora.use_dora)) return;
+  const auto targets = lora_adapter_config(recipe).targets;
+  for (const auto& shape : feed_forward_row(model).projections(model)) {
+    if (shape.experts == 0 || !targets.matches(std::string(feed_forward_row(model).module_name) + "." + shape.name)) continue;
+    const std::string key = recipe.lora.use_dora ? "lora.use_dora" : "lora.dropout";
+    throw Error(ErrorCode::kRecipe, key + " is set, and lora.target_modules selects the experts' '" + shape.name +
+                "': peft trains expert parameters without dropout or DoRA (its ParamWrapper refuses them, so it could not "
+                "load the adapter); set " + (recipe.lora.use_dora ? "lora.use_dora: false" : "lora.dropout: 0") +
+                ", or leave gate_up_proj / down_proj out of lora.target_modules");
   }
 }
 
@@ -120,6 +134,18 @@ std::vector<std::string> apply_recipe_qat(torch::nn::Module& model, const Recipe
   if (recipe.quant != QuantMethod::kQat) return {};
   qat::LoraTargets targets;
   targets.include.names = recipe.qat.target_modules;
+  // A mixture of experts' banks multiply grouped by expert, which QAT's layers do not.
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+    const auto* owner = dynamic_cast<const qat::ExpertBankOwner*>(item.value().get());
+    if (owner == nullptr) continue;
+    for (const auto& child : item.value()->named_children()) {
+      const std::string name = item.key() + "." + child.key();
+      if (owner->bank_experts(child.key()) == 0 || !targets.matches(name)) continue;
+      throw Error(ErrorCode::kRecipe, "qat.target_modules selects the expert bank '" + name +
+                  "': QAT on experts is not implemented; leave gate_up_proj / down_proj out of qat.target_modules "
+                  "(the experts keep the frozen base, and LoRA may train them)");
+    }
+  }
   auto options = qat_linear_options(recipe);
   if (options.weights.spec.is_gguf_block()) {
     const std::string key = "qat.weights.gguf_type";

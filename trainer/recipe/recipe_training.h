@@ -30,6 +30,10 @@ void require_model_projections(const LlamaOptions& model, const std::vector<std:
 // for quant: qlora its linear layers quantized with the qlora section's format on `device`
 // (where the packed weights stay; the rest of the model is still on the CPU). quantize_base
 // false skips that, for callers that only need the model's shapes and names.
+// A recipe whose LoRA reaches a mixture of experts' banks with dropout or DoRA: an Error naming the
+// key (peft cannot load such an adapter).
+void require_lora_on_experts_supported(const LlamaOptions& model, const Recipe& recipe);
+
 LoadedModel load_base_model(const Recipe& recipe, torch::ScalarType dtype, const torch::Device& device = torch::kCPU,
                             bool quantize_base = true);
 

@@ -56,10 +56,39 @@ void read_gpt_oss(const HfConfigReader& config, LlamaOptions& llama) {
   }
 }
 
+// llama.cpp's gpt-oss: each expert's width, the window and its layer pattern (every other layer,
+// the first sliding: llama.cpp's default of 2).
+void add_gpt_oss_metadata(const LlamaOptions& llama, const std::string& prefix, GgufMetadata& metadata) {
+  metadata.emplace_back(prefix + "expert_feed_forward_length", static_cast<uint32_t>(llama.experts.intermediate_size));
+  metadata.emplace_back(prefix + "attention.sliding_window", static_cast<uint32_t>(llama.sliding_window));
+  metadata.emplace_back(prefix + "attention.sliding_window_pattern", static_cast<uint32_t>(2));
+}
+
+// What llama.cpp's gpt-oss fixes (llama-model.cpp; src/models/openai-moe.cpp): YaRN with beta 32 / 1,
+// sliding and full layers alternating from a sliding first one, untied embeddings.
+std::string gpt_oss_llama_cpp_difference(const LlamaOptions& llama) {
+  if (llama.rope.type != RopeType::kYarn || llama.rope.beta_fast != 32 || llama.rope.beta_slow != 1) {
+    return "a rope other than YaRN with beta_fast 32 and beta_slow 1 (what llama.cpp's 'gpt-oss' runs)";
+  }
+  for (size_t layer = 0; layer < static_cast<size_t>(llama.num_hidden_layers); ++layer) {
+    const bool slides = layer < llama.sliding_layers.size() && llama.sliding_layers[layer];
+    if (slides != (layer % 2 == 0)) return "sliding layers other than every other one from the first (llama.cpp's pattern)";
+  }
+  if (llama.tie_word_embeddings) return "tied embeddings (llama.cpp's 'gpt-oss' needs its own output.weight)";
+  return "";
+}
+
 }  // namespace
 
 ModelFamily gpt_oss_family() {
-  ModelFamily family("GptOssForCausalLM", "gpt_oss", "");  // no GGUF export yet (its sinks and MXFP4 experts)
+  ModelFamily family("GptOssForCausalLM", "gpt_oss", "gpt-oss");
+  family.gguf.reads_attention_bias = true;
+  family.gguf.reads_sliding_window = true;
+  family.gguf.add_metadata = add_gpt_oss_metadata;
+  family.gguf.llama_cpp_difference = gpt_oss_llama_cpp_difference;
+  family.gguf.layer_tensor_names = {{"mlp.router.", "ffn_gate_inp."},
+                                    {"post_attention_layernorm.", "post_attention_norm."},
+                                    {"self_attn.sinks", "attn_sinks.weight"}};
   family.sliding_window = SlidingWindowKeys::kLayerTypes;
   family.rope_theta = 150000.0;
   family.read_config = read_gpt_oss;
