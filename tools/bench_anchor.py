@@ -70,6 +70,9 @@ def main():
     dtype = torch.bfloat16
     torch.manual_seed(0)
     shape = dict(SHAPES[args.shape])
+    if not 0 <= args.layers <= shape["num_hidden_layers"]:
+        parser.error(f"--layers {args.layers}: {args.shape} has {shape['num_hidden_layers']} layers")
+    shape["num_hidden_layers"] = args.layers or shape["num_hidden_layers"]
     config_class = getattr(transformers, shape.pop("config_class", "LlamaConfig"))
     shape.setdefault("rope_theta", 500000.0)
     config = config_class(**shape, max_position_embeddings=max(args.seq, 8192), tie_word_embeddings=False,
@@ -118,9 +121,10 @@ def main():
     print(f"  {tokens_per_second:.0f} tokens/s (median of {args.steps} steps, {median:.3f} s each), "
           f"peak memory {peak / 2**30:.2f} GiB")
     if args.json:
-        print(json.dumps(dict(shape=args.shape, quant=args.quant, micro_batch=args.micro_batch, seq=args.seq,
-                              checkpointing=args.checkpointing, tokens_per_second=tokens_per_second,
-                              peak_memory_bytes=peak, step_seconds=median, versions=versions)))
+        print(json.dumps(dict(shape=args.shape, layers=config.num_hidden_layers, quant=args.quant,
+                              micro_batch=args.micro_batch, seq=args.seq, checkpointing=args.checkpointing,
+                              tokens_per_second=tokens_per_second, peak_memory_bytes=peak, step_seconds=median,
+                              versions=versions)))
     return 0
 
 

@@ -10,4 +10,6 @@ def add_row_arguments(parser):
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=0,
+                        help="only the shape's first N decoder layers (0: all; the Unsloth anchor's mixtures: 12)")
     parser.add_argument("--json", action="store_true")
