@@ -125,7 +125,8 @@ TEST_P(MoeFamily, QloraStepsWriteAnAdapterPeftLoadsAndAMergeTransformersLoadsWit
   make_with_tokenizer(GetParam(), model_dir);
   ask_for_router_loss(model_dir);  // its gradient joins the run's
   const auto trained = run_demo(model_dir,
-                                " --set 'lora.target_modules=[q_proj, k_proj, v_proj, o_proj, gate_up_proj, down_proj]'"
+                                // The router too (`gate`, gpt-oss's `router`): peft's target_parameters `...gate.weight`.
+                                " --set 'lora.target_modules=[q_proj, k_proj, v_proj, o_proj, gate_up_proj, down_proj, gate, router]'"
                                 " --set lora.dropout=0 --set train.steps=3 --set schedule.warmup_steps=0 --set eval.every=0"
                                 " --set data.eval= --set checkpoint.every=0 --set train.gradient_checkpointing=true",
                                 temp.file("run"));
@@ -138,7 +139,9 @@ TEST_P(MoeFamily, QloraStepsWriteAnAdapterPeftLoadsAndAMergeTransformersLoadsWit
                                                                     " '" + ids + "' " + temp.file("peft.safetensors"));
   ASSERT_EQ(peft.status, 0) << peft.output;
   const auto config = nlohmann::json::parse(std::ifstream(temp.file("run/adapter/adapter_config.json")));
-  EXPECT_TRUE(config.contains("target_parameters")) << config.dump();
+  ASSERT_TRUE(config.contains("target_parameters")) << config.dump();
+  const auto parameters = config.at("target_parameters").dump();
+  EXPECT_NE(parameters.find(GetParam() == "gpt_oss" ? "mlp.router.weight" : "mlp.gate.weight"), std::string::npos) << parameters;
   auto loaded = trainer::load_llama(model_dir);
   trainer::apply_peft_adapter(*loaded.model, temp.file("run/adapter"));
   torch::NoGradGuard no_grad;
