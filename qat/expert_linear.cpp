@@ -39,6 +39,18 @@ torch::Tensor grouped_linear(const torch::Tensor& rows, const torch::Tensor& wei
   return torch::cat(outputs);
 }
 
+std::map<std::string, int64_t> expert_banks(const torch::nn::Module& root) {
+  std::map<std::string, int64_t> banks;
+  for (const auto& item : root.named_modules("", /*include_self=*/false)) {
+    const auto* owner = dynamic_cast<const ExpertBankOwner*>(item.value().get());
+    if (owner == nullptr) continue;
+    for (const auto& child : item.value()->named_children()) {
+      if (const int64_t experts = owner->bank_experts(child.key())) banks[item.key() + "." + child.key()] = experts;
+    }
+  }
+  return banks;
+}
+
 torch::Tensor expert_weights(const LinearLayer& bank, int64_t experts, torch::ScalarType dtype) {
   const auto weight = bank.matmul_weight_kind() == LinearLayer::MatmulWeight::kNone || bank.multiplies_itself()
                           ? bank.dense_weight(dtype)

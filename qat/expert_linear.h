@@ -20,6 +20,7 @@
 // instead; the two agree to rounding.
 #include <torch/torch.h>
 
+#include <map>
 #include <memory>
 #include <string>
 
@@ -41,6 +42,10 @@ class ExpertBankOwner {
   virtual ~ExpertBankOwner() = default;
   virtual int64_t bank_experts(const std::string& child_name) const = 0;
 };
+
+// Every expert bank under `root`, by its dotted name ("model.layers.0.mlp.experts.gate_up_proj"),
+// with the experts it holds: what apply_lora, the peft writer and the recipe's checks ask.
+std::map<std::string, int64_t> expert_banks(const torch::nn::Module& root);
 
 // The bank's weights as [experts, out, in] in `dtype`, as its forward multiplies them (a
 // dequantization for quantized bases).

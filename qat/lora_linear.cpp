@@ -1,7 +1,6 @@
 #include "qat/lora_linear.h"
 
 #include <cmath>
-#include <map>
 
 #include "data/unicode_regex.h"
 #include "kernels/error.h"
@@ -199,15 +198,7 @@ std::vector<std::string> apply_lora(torch::nn::Module& root, const LoraTargets& 
     throw Error(ErrorCode::kRecipe, "no linear layer matches the LoRA target modules " + targets.include.describe() +
                 " (module names look like 'model.layers.0.self_attn.q_proj')");
   }
-  // The experts each bank of a mixture-of-experts block holds, by the bank's name.
-  std::map<std::string, int64_t> banks;
-  for (const auto& item : root.named_modules("", /*include_self=*/false)) {
-    const auto* owner = dynamic_cast<const ExpertBankOwner*>(item.value().get());
-    if (owner == nullptr) continue;
-    for (const auto& child : item.value()->named_children()) {
-      if (const int64_t experts = owner->bank_experts(child.key())) banks[item.key() + "." + child.key()] = experts;
-    }
-  }
+  const auto banks = expert_banks(root);  // a mixture of experts' banks get ExpertLora
   std::vector<std::string> wrapped;
   for (const auto& target : found) {
     const auto bank = banks.find(target.name);

@@ -63,18 +63,6 @@ std::vector<std::string> adapter_names(const std::vector<Adapter>& adapters) {
   return names;
 }
 
-// The experts of the bank `name` (qat/expert_linear.h), 0 when it is none.
-int64_t bank_experts(const torch::nn::Module& model, const std::string& name) {
-  const auto dot = name.rfind('.');
-  if (dot == std::string::npos) return 0;
-  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
-    if (item.key() != name.substr(0, dot)) continue;
-    const auto* owner = dynamic_cast<const qat::ExpertBankOwner*>(item.value().get());
-    return owner ? owner->bank_experts(name.substr(dot + 1)) : 0;
-  }
-  return 0;
-}
-
 // One adapted layer as peft holds it. In a mixture-of-experts model peft adapts what sits in the
 // feed-forward blocks as parameters (target_parameters: transformers 5 has no modules there for
 // the experts, and rewrites MLP module names of target_modules into its fused ones), each wrapped
@@ -98,9 +86,11 @@ torch::Tensor interleaved_rows(int64_t rows) {
 
 std::vector<PeftLayer> peft_layers(const LlamaForCausalLMImpl& model, const std::vector<std::string>& adapted) {
   const bool experts_model = model.options().feed_forward == FeedForwardKind::kExperts;
+  const auto banks = qat::expert_banks(model);
   std::vector<PeftLayer> layers;
   for (const auto& name : adapted) {
-    PeftLayer layer{name, name, "", bank_experts(model, name), torch::Tensor()};
+    const auto bank = banks.find(name);
+    PeftLayer layer{name, name, "", bank == banks.end() ? 0 : bank->second, torch::Tensor()};
     const std::string gate_up = ".gate_up_proj";
     if (layer.experts > 0 && model.options().experts.interleaved_gate_up && name.size() > gate_up.size() &&
         name.compare(name.size() - gate_up.size(), gate_up.size(), gate_up) == 0) {

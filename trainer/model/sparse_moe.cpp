@@ -160,7 +160,8 @@ torch::Tensor SparseMoeBlockImpl::forward(const torch::Tensor& hidden, const qat
   // How many rows each expert takes, without a trip to the host (bincount's length would need one).
   const auto counts = torch::zeros({count}, flat_choice.options()).index_add_(0, flat_choice, torch::ones_like(flat_choice));
   const auto rows = x.index_select(0, token_of_row);
-  auto outputs = experts->forward(rows, counts, flat_choice.index_select(0, order));
+  // Each row's expert, for the banks' biases (gpt-oss) only.
+  auto outputs = experts->forward(rows, counts, options_.biases ? flat_choice.index_select(0, order) : torch::Tensor());
   outputs = outputs * weights.reshape(-1).index_select(0, order).unsqueeze(1);
   // Each token's k outputs added in expert order, in the model dtype, as transformers' index_add_.
   auto result = torch::zeros_like(x).index_add(0, token_of_row, outputs.to(x.scalar_type()));

@@ -31,7 +31,7 @@ class ExpertBanksImpl : public torch::nn::Module, public qat::LinearLayerOwner, 
   ExpertBanksImpl(const LlamaOptions& options, const std::string& prefix, const LinearFactory& make_linear,
                   torch::ScalarType dtype);
   // rows [tokens · k, hidden] sorted by expert, counts [experts], row_experts [tokens · k] (each
-  // row's expert) -> each row's expert output.
+  // row's expert; needed only where the banks have biases) -> each row's expert output.
   torch::Tensor forward(const torch::Tensor& rows, const torch::Tensor& counts, const torch::Tensor& row_experts);
   void replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) override;
   int64_t bank_experts(const std::string& child_name) const override;

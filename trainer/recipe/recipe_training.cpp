@@ -135,16 +135,11 @@ std::vector<std::string> apply_recipe_qat(torch::nn::Module& model, const Recipe
   qat::LoraTargets targets;
   targets.include.names = recipe.qat.target_modules;
   // A mixture of experts' banks multiply grouped by expert, which QAT's layers do not.
-  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
-    const auto* owner = dynamic_cast<const qat::ExpertBankOwner*>(item.value().get());
-    if (owner == nullptr) continue;
-    for (const auto& child : item.value()->named_children()) {
-      const std::string name = item.key() + "." + child.key();
-      if (owner->bank_experts(child.key()) == 0 || !targets.matches(name)) continue;
-      throw Error(ErrorCode::kRecipe, "qat.target_modules selects the expert bank '" + name +
-                  "': QAT on experts is not implemented; leave gate_up_proj / down_proj out of qat.target_modules "
-                  "(the experts keep the frozen base, and LoRA may train them)");
-    }
+  for (const auto& [name, experts] : qat::expert_banks(model)) {
+    if (!targets.matches(name)) continue;
+    throw Error(ErrorCode::kRecipe, "qat.target_modules selects the expert bank '" + name +
+                "': QAT on experts is not implemented; leave gate_up_proj / down_proj out of qat.target_modules "
+                "(the experts keep the frozen base, and LoRA may train them)");
   }
   auto options = qat_linear_options(recipe);
   if (options.weights.spec.is_gguf_block()) {
