@@ -18,6 +18,7 @@ int run_export(const Arguments& arguments);
 int run_generate(const Arguments& arguments);
 int run_bench(const Arguments& arguments);
 int run_quantize(const Arguments& arguments);
+int run_plot(const Arguments& arguments);
 
 // Parses `arguments` against `options`; `--help` prints usage and the options with their
 // defaults. Returns false when help was printed (the command should exit 0).

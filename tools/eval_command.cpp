@@ -11,6 +11,7 @@
 #include "trainer/formats/hf_checkpoint.h"
 #include "trainer/formats/peft_adapter.h"
 #include "tools/commands.h"
+#include "trainer/formats/hf_hub_cache.h"
 
 namespace po = boost::program_options;
 
@@ -21,7 +22,7 @@ int run_eval(const Arguments& arguments) {
   int64_t max_seq_len = 0, batch_size = 0, max_batches = 0;
   po::options_description options("eval options");
   options.add_options()
-      ("model", po::value(&model_dir)->required(), "Hugging Face model directory (config.json, safetensors, tokenizer.json)")
+      ("model", po::value(&model_dir)->required(), "Hugging Face model directory or ORG/NAME[@REVISION] in the HF cache (config.json, safetensors, tokenizer.json)")
       ("data", po::value(&data_path)->required(), "data file or directory of shards, in --format")
       ("format", po::value(&format)->default_value("text"), "text (cut into windows), instruct, chat (loss on the responses) or tokens")
       ("chat-template", po::value(&chat_template)->default_value(""), "chat: llama3 or chatml instead of the model's")
@@ -36,6 +37,7 @@ int run_eval(const Arguments& arguments) {
   if (!parse_command_line("usage: qtrain eval --model DIR --data PATH [--format F] [options]", options, arguments, values)) {
     return 0;
   }
+  model_dir = trainer::resolve_model_path(model_dir, "--model");  // a folder, or ORG/NAME in the HF cache
 
   trainer::ModelLoadOptions load;
   load.dtype = trainer::parse_dtype_name(dtype_name, "--dtype");

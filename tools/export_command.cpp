@@ -13,6 +13,7 @@
 
 #include "kernels/error.h"
 #include "tools/commands.h"
+#include "trainer/formats/hf_hub_cache.h"
 #include "trainer/base/file_system.h"
 #include "trainer/formats/hf_checkpoint.h"
 #include "trainer/formats/peft_adapter.h"
@@ -121,6 +122,7 @@ int run_export(const Arguments& arguments) {
                           options, arguments, values)) {
     return 0;
   }
+  model_dir = trainer::resolve_model_path(model_dir, "--model");  // a folder, or ORG/NAME in the HF cache
   const auto& export_format = trainer::find_export_format(format, "--format");
   const bool quantized_format = !export_format.accepts(trainer::ExportedWeights::kFloat);
   if (run_dir.empty() == model_dir.empty()) throw Error(ErrorCode::kUsage, "give either --run DIR or --model DIR (not both)");

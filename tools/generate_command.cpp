@@ -12,6 +12,7 @@
 #include "data/tokenizer.h"
 #include "kernels/error.h"
 #include "tools/commands.h"
+#include "trainer/formats/hf_hub_cache.h"
 #include "tools/kernel_profile.h"
 #include "trainer/base/device.h"
 #include "trainer/model/generation.h"
@@ -72,7 +73,7 @@ int run_generate(const Arguments& arguments) {
   std::string model_dir, adapter_dir, prompt, chat_file, chat_template, dtype_name, device_name, trace_path;
   po::options_description options("generate options");
   options.add_options()
-      ("model", po::value(&model_dir)->required(), "Hugging Face model directory (bf16/fp32, or bnb 4-bit)")
+      ("model", po::value(&model_dir)->required(), "Hugging Face model directory or ORG/NAME[@REVISION] in the HF cache (bf16/fp32, or bnb 4-bit)")
       ("adapter", po::value(&adapter_dir)->default_value(""), "PEFT LoRA adapter directory to apply")
       ("prompt", po::value(&prompt)->default_value(""), "text to continue (BOS added as the tokenizer does)")
       ("chat", po::value(&chat_file)->default_value(""),
@@ -103,6 +104,7 @@ int run_generate(const Arguments& arguments) {
                           options, arguments, values)) {
     return 0;
   }
+  model_dir = trainer::resolve_model_path(model_dir, "--model");  // a folder, or ORG/NAME in the HF cache
   if (prompt.empty() == chat_file.empty()) throw Error(ErrorCode::kUsage, "give either --prompt TEXT or --chat FILE.jsonl");
 
   const auto config = trainer::read_hf_config(model_dir);

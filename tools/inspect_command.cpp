@@ -7,6 +7,7 @@
 
 #include "kernels/error.h"
 #include "tools/commands.h"
+#include "trainer/formats/hf_hub_cache.h"
 #include "trainer/formats/hf_config.h"
 #include "trainer/base/memory_stats.h"
 #include "trainer/formats/compressed_tensors.h"
@@ -212,7 +213,7 @@ int run_inspect(const Arguments& arguments) {
   int64_t lora_rank = 0;
   po::options_description options("inspect options");
   options.add_options()
-      ("model", po::value(&model_dir), "Hugging Face model directory")
+      ("model", po::value(&model_dir), "Hugging Face model directory or ORG/NAME[@REVISION] in the HF cache")
       ("recipe", po::value(&recipe_path), "YAML recipe: also estimate its run's peak memory (the model is its model.path)")
       ("set", po::value(&overrides)->composing(), "override a recipe key: --set train.micro_batch_size=8 (repeatable)")
       ("lora-rank", po::value(&lora_rank)->default_value(16), "LoRA rank for the memory table of --model");
@@ -222,6 +223,7 @@ int run_inspect(const Arguments& arguments) {
                           options, arguments, values)) {
     return 0;
   }
+  model_dir = trainer::resolve_model_path(model_dir, "--model");  // a folder, or ORG/NAME in the HF cache
   if (model_dir.empty() == recipe_path.empty()) {
     throw Error(ErrorCode::kUsage, "inspect needs --model DIR or --recipe FILE, one of them (a recipe's model is its model.path; "
                 "--set model.path=DIR changes it)");
@@ -231,7 +233,7 @@ int run_inspect(const Arguments& arguments) {
   std::optional<trainer::Recipe> recipe;
   if (!recipe_path.empty()) {
     recipe = trainer::load_recipe(recipe_path, overrides);
-    model_dir = recipe->model.path;
+    model_dir = trainer::resolve_model_path(recipe->model.path, "model.path");
     if (model_dir.empty()) {
       throw Error(ErrorCode::kRecipe, recipe_path + ": model.path is not set; point it at a Hugging Face model directory "
                   "(--set model.path=DIR)");

@@ -1,6 +1,6 @@
 // qtrain: quantization-aware training and QLoRA fine-tuning of Llama models.
 //   qtrain [train] --recipe FILE [--set key=value ...] [--print-recipe]
-//   qtrain eval | generate | tokenize | data | inspect | export | quantize | bench ... (qtrain SUBCOMMAND --help)
+//   qtrain eval | generate | tokenize | data | inspect | export | quantize | bench | plot ... (qtrain SUBCOMMAND --help)
 //   --debug (anywhere): errors keep their full text and LibTorch's stack traces.
 #include <algorithm>
 #include <iostream>
@@ -46,6 +46,7 @@ const std::map<std::string, Command>& commands() {
       {"inspect", {run_inspect, "architecture, sizes and memory needs of a Hugging Face model"}},
       {"bench", {run_bench, "training tokens/s and peak memory of a random Llama-, Qwen-, Mistral-, Gemma- or Phi-3-shaped model"}},
       {"generate", {run_generate, "text from a model (and adapter): greedy or sampled, streamed, with a KV cache"}},
+      {"plot", {run_plot, "the loss and learning-rate curves of one or more runs as an SVG picture"}},
       {"quantize", {run_quantize, "post-training quantization with a QAT recipe's scheme (PTQ), exported"}},
       {"export", {run_export, "a run's PEFT adapter, or its model with the adapter merged, into a new directory"}},
   };

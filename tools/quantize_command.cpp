@@ -15,6 +15,7 @@
 #include "data/batching.h"
 #include "kernels/error.h"
 #include "tools/commands.h"
+#include "trainer/formats/hf_hub_cache.h"
 #include "trainer/model/batch_inputs.h"
 #include "trainer/base/device.h"
 #include "trainer/model/evaluate.h"
@@ -60,7 +61,7 @@ int run_quantize(const Arguments& arguments) {
   po::options_description options("quantize options");
   options.add_options()
       ("recipe", po::value(&recipe_path)->required(), "a QAT recipe: its qat section is the scheme, export.formats what is written")
-      ("model", po::value(&model_dir)->default_value(""), "Hugging Face model directory (default: the recipe's model.path)")
+      ("model", po::value(&model_dir)->default_value(""), "Hugging Face model directory or ORG/NAME[@REVISION] in the HF cache (default: the recipe's model.path)")
       ("run", po::value(&run_dir)->default_value(""), "instead of --model: the model a run trained (its final weights)")
       ("set", po::value(&overrides)->composing(), "override a recipe key: --set qat.weights.bits=8 (repeatable)")
       ("out", po::value(&out_dir)->required(), "directory to write the exports into; must not exist unless --force")
@@ -70,6 +71,7 @@ int run_quantize(const Arguments& arguments) {
                           options, arguments, values)) {
     return 0;
   }
+  model_dir = trainer::resolve_model_path(model_dir, "--model");  // a folder, or ORG/NAME in the HF cache
   if (!model_dir.empty() && !run_dir.empty()) throw Error(ErrorCode::kUsage, "give --model DIR or --run DIR, not both");
   std::optional<trainer::TrainedRun> run;
   if (!run_dir.empty()) {

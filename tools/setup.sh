@@ -28,7 +28,7 @@ PYTHON_PINS=(
 DEBIAN_PACKAGES=(
   build-essential cmake ninja-build ccache git python3 python3-venv python3-pip
   libboost-program-options-dev libyaml-cpp-dev nlohmann-json3-dev libpcre2-dev libgtest-dev libgloo-dev
-  clang
+  clang libprotobuf-dev protobuf-compiler
 )
 
 log() { printf '[setup] %s\n' "$*" >&2; }
@@ -102,6 +102,10 @@ install_compressed_tensors() {
   install_unless_importable compressed_tensors "compressed-tensors==0.20.0" --no-deps
 }
 
+# tensorboard, whose EventAccumulator tests/e2e/run_outputs_test.cpp reads our event files with
+# (it brings its protobuf, grpcio, markdown and werkzeug; nothing pinned above changes).
+install_tensorboard() { install_unless_importable tensorboard "tensorboard==2.21.0"; }
+
 # llama-cpp-python builds llama.cpp from source (CPU only; several minutes): the library alone,
 # no multimodal (mtmd) library, which llama_cpp imports only on use.
 install_llama_cpp() {
@@ -120,6 +124,7 @@ else
   install_python_environment
   [ "${QTRAIN_TORCHAO:-1}" = 1 ] && install_torchao
   install_compressed_tensors
+  install_tensorboard
   [ "${QTRAIN_LLAMA_CPP:-0}" = 1 ] && install_llama_cpp
   PYTHON="$VENV_DIR/bin/python"
 fi

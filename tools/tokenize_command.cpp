@@ -11,6 +11,7 @@
 #include "data/tokenizer.h"
 #include "kernels/error.h"
 #include "tools/commands.h"
+#include "trainer/formats/hf_hub_cache.h"
 #include "trainer/base/file_system.h"
 #include "trainer/recipe/recipe.h"
 #include "trainer/recipe/recipe_data.h"
@@ -91,6 +92,7 @@ int run_tokenize(const Arguments& arguments) {
                           options, arguments, values)) {
     return 0;
   }
+  model_dir = trainer::resolve_model_path(model_dir, "--model");  // a folder, or ORG/NAME in the HF cache
   if (out_path.empty()) {
     if (model_dir.empty()) throw Error(ErrorCode::kUsage, "--model DIR is required (or --out FILE.bin to tokenize a dataset)");
     if (!recipe_path.empty() || !data_path.empty() || !format.empty() || !overrides.empty()) {

@@ -22,9 +22,10 @@ int run_train(const Arguments& arguments) {
       ("set", po::value(&overrides)->composing(), "override a recipe key: --set optim.lr=2e-4 (repeatable)")
       ("resume", po::value(&resume)->default_value(""),
        "auto: continue from the newest valid checkpoint of train.output_dir (fresh if none); or a checkpoint directory")
-      ("print-recipe", po::bool_switch(), "print the resolved recipe (every key) as YAML and exit");
+      ("print-recipe", po::bool_switch(), "print the resolved recipe (every key) as YAML and exit")
+      ("no-progress", po::bool_switch(), "no progress line redrawn on the terminal: plain lines, as when stdout is a file");
   po::variables_map values;
-  if (!parse_command_line("usage: qtrain [train] --recipe FILE [--set key=value ...] [--resume auto|DIR] [--print-recipe]", options,
+  if (!parse_command_line("usage: qtrain [train] --recipe FILE [--set key=value ...] [--resume auto|DIR] [--print-recipe] [--no-progress]", options,
                           arguments, values)) {
     return 0;
   }
@@ -38,6 +39,7 @@ int run_train(const Arguments& arguments) {
   if (trainer::read_launch_environment().rank > 0) std::freopen("/dev/null", "w", stdout);
   trainer::install_stop_signal_handlers();
   trainer::Finetune finetune(recipe, resume);
+  finetune.set_progress_line(trainer::stdout_is_terminal() && !values["no-progress"].as<bool>());
   finetune.setup();
   const auto summary = finetune.train();
   if (summary.stopped) {

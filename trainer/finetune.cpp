@@ -12,6 +12,7 @@
 
 #include "kernels/error.h"
 #include "trainer/formats/hf_config.h"
+#include "trainer/formats/hf_hub_cache.h"
 #include "trainer/model/model_families.h"
 #include "optim/grad_clip.h"
 #include "trainer/model/activation_offload.h"
@@ -41,19 +42,6 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-std::string format_duration(double seconds) {
-  char text[32];
-  const auto whole = static_cast<int64_t>(seconds);
-  if (whole >= 3600) {
-    std::snprintf(text, sizeof text, "%lldh%02lldm", static_cast<long long>(whole / 3600),
-                  static_cast<long long>(whole % 3600 / 60));
-  } else {
-    std::snprintf(text, sizeof text, "%lldm%02llds", static_cast<long long>(whole / 60),
-                  static_cast<long long>(whole % 60));
-  }
-  return text;
-}
-
 }  // namespace
 
 Finetune::Finetune(Recipe recipe, std::string resume)
@@ -63,7 +51,12 @@ Finetune::Finetune(Recipe recipe, std::string resume)
 }
 
 void Finetune::setup() {
-  if (recipe_.model.path.empty()) throw Error(ErrorCode::kRecipe, "model.path is not set: point it at a Hugging Face model directory");
+  if (recipe_.model.path.empty()) throw Error(ErrorCode::kRecipe, "model.path is not set: point it at a Hugging Face model directory or ORG/NAME");
+  const std::string named_model = recipe_.model.path;
+  recipe_.model.path = resolve_model_path(named_model, "model.path");
+  if (recipe_.model.path != named_model) {
+    std::printf("model: %s is %s (the Hugging Face cache)\n", named_model.c_str(), recipe_.model.path.c_str());
+  }
   require_training_data(recipe_);
   if (recipe_.quant == QuantMethod::kQat) qat_linear_options(recipe_);  // the scheme, checked before minutes of loading
   device_ = resolve_device(recipe_.train.device, launch_.local_rank);
@@ -101,9 +94,13 @@ void Finetune::setup() {
   setup_adapters();
   setup_optimizer();
   setup_data();
-  // A resumed run appends to the metrics of the steps it continues.
+  // A resumed run continues the metrics of the steps up to its checkpoint.
   const bool resumed = resume_if_asked();
-  if (!resumed && writes_files()) std::ofstream(run_dir_ + "/metrics.jsonl", std::ios::trunc);
+  if (writes_files()) {
+    run_log_ = std::make_unique<RunLog>(RunLogOptions{run_dir_, recipe_.log.tensorboard},
+                                        resumed ? std::optional<int64_t>(first_step_) : std::nullopt);
+    run_log_->text("recipe", "```yaml\n" + recipe_to_yaml(recipe_) + "```\n", first_step_);
+  }
   if (group_) {
     // Rank 0's weights everywhere, whatever each rank initialised or read.
     group_->broadcast(trainable_, 0, "the broadcast of the initial weights");
@@ -235,10 +232,11 @@ void Finetune::handle_skipped_step(int64_t step, const StepResult& result, bool 
   if (!scale_overflow || scaler_.scale() < 1.0) ++consecutive_skips_;
   const std::string where = "step " + std::to_string(step + 1) + " (data epoch " + std::to_string(result.epoch) +
                             ", batch " + std::to_string(result.batch_in_epoch) + ")";
-  std::printf("%s: skipped, %s%s\n", where.c_str(), result.skip_reason.c_str(),
-              scaler_.enabled() ? ("; loss scale now " + std::to_string(scaler_.scale())).c_str() : "");
+  print_line(where + ": skipped, " + result.skip_reason +
+             (scaler_.enabled() ? "; loss scale now " + std::to_string(scaler_.scale()) : ""));
   log_metrics({{"step", step + 1},
                {"skipped", true},
+               {"skipped_steps", skipped_steps_},
                {"reason", result.skip_reason},
                {"loss_scale", scaler_.scale()},
                {"epoch", result.epoch},
@@ -290,18 +288,22 @@ double Finetune::evaluate_and_log(int64_t step) {
   }
   const double loss = loss_sum / std::max(tokens, 1.0);
   const double perplexity = std::exp(loss);
-  std::printf("eval  step %lld/%lld | eval_loss %.4f | perplexity %.2f | %lld tokens\n", static_cast<long long>(step),
-              static_cast<long long>(total_steps_), loss, perplexity, static_cast<long long>(tokens));
+  char text[160];
+  std::snprintf(text, sizeof text, "eval  step %lld/%lld | eval_loss %.4f | perplexity %.2f | %lld tokens",
+                static_cast<long long>(step), static_cast<long long>(total_steps_), loss, perplexity,
+                static_cast<long long>(tokens));
+  print_line(text);
   log_metrics({{"step", step}, {"eval_loss", loss}, {"eval_perplexity", perplexity},
                {"eval_tokens", static_cast<int64_t>(tokens)}});
   return loss;
 }
 
 void Finetune::log_metrics(const nlohmann::json& line) {
-  if (!writes_files()) return;
-  std::ofstream metrics(run_dir_ + "/metrics.jsonl", std::ios::app);
-  metrics << line.dump() << "\n";
-  if (!metrics) throw Error(ErrorCode::kFileSystem, run_dir_ + "/metrics.jsonl: cannot write (is the disk full?)");
+  if (run_log_) run_log_->record(line);
+}
+
+void Finetune::print_line(const std::string& line) {
+  progress_.print(line);
 }
 
 std::string Finetune::save_adapter() {
@@ -372,8 +374,9 @@ std::string Finetune::save_checkpoint(int64_t steps_done) {
     prune_training_checkpoints(run_dir_, recipe_.checkpoint.keep_last);
   }
   wait_for_all_ranks("the checkpoint written by rank 0");
-  std::printf("checkpoint: %s (%.2f s)\n", path.c_str(), seconds_since(start));
-  std::fflush(stdout);
+  char seconds[32];
+  std::snprintf(seconds, sizeof seconds, " (%.2f s)", seconds_since(start));
+  print_line("checkpoint: " + path + seconds);
   return path;
 }
 
@@ -431,12 +434,22 @@ TrainSummary Finetune::train() {
   auto window_start = Clock::now();
   int64_t window_tokens = 0;
   double train_seconds = 0;
+  double step_seconds = 0, recent_tokens_per_second = 0;  // for the progress line
   CpuThreadGovernor cpu_threads(device_.is_cpu());
   for (int64_t step = first_step_; step < total_steps_; ++step) {
     cpu_threads.between_work();
+    const auto step_start = Clock::now();
     const StepResult result = train_step(step);
     window_tokens += result.tokens;
     const int64_t done = step + 1;
+    if (progress_.enabled()) {
+      const double seconds = seconds_since(step_start);
+      step_seconds += seconds;
+      const double rate = result.tokens / std::max(seconds, 1e-9);
+      recent_tokens_per_second = step == first_step_ ? rate : 0.8 * recent_tokens_per_second + 0.2 * rate;
+      progress_.update(done, total_steps_, result.loss, recent_tokens_per_second,
+                       step_seconds / static_cast<double>(done - first_step_) * static_cast<double>(total_steps_ - done));
+    }
     if (recipe_.train.empty_cache_steps > 0 && done % recipe_.train.empty_cache_steps == 0) {
       release_cached_memory(device_);
     }
@@ -452,12 +465,14 @@ TrainSummary Finetune::train() {
       if (scaler_.enabled()) precision += " | scale " + std::to_string(static_cast<int64_t>(scaler_.scale()));
       if (skipped_steps_ > 0) precision += " | skipped " + std::to_string(skipped_steps_);
       if (group_) extras += " on rank 0";
-      std::printf("step %lld/%lld | loss %.4f | lr %.2e | grad_norm %.3f | %.0f tokens/s | memory %s (peak %s%s)%s | eta %s\n",
-                  static_cast<long long>(done), static_cast<long long>(total_steps_), result.loss,
-                  optimizer_->learning_rate(), result.grad_norm, tokens_per_second,
-                  format_bytes(memory.current_bytes).c_str(), format_bytes(memory.peak_bytes).c_str(), extras.c_str(),
-                  precision.c_str(), format_duration(eta).c_str());
-      std::fflush(stdout);
+      char text[320];
+      std::snprintf(text, sizeof text,
+                    "step %lld/%lld | loss %.4f | lr %.2e | grad_norm %.3f | %.0f tokens/s | memory %s (peak %s%s)%s | eta %s",
+                    static_cast<long long>(done), static_cast<long long>(total_steps_), result.loss,
+                    optimizer_->learning_rate(), result.grad_norm, tokens_per_second,
+                    format_bytes(memory.current_bytes).c_str(), format_bytes(memory.peak_bytes).c_str(), extras.c_str(),
+                    precision.c_str(), format_duration(eta).c_str());
+      print_line(text);
       nlohmann::json line = {{"step", done},
                              {"loss", result.loss},
                              {"lr", optimizer_->learning_rate()},
@@ -482,6 +497,7 @@ TrainSummary Finetune::train() {
       summary.stopped = true;
       summary.steps = done;
       summary.checkpoint_dir = save_checkpoint(done);
+      write_curves();
       summary.seconds = seconds_since(start);
       return summary;
     }
@@ -494,6 +510,7 @@ TrainSummary Finetune::train() {
       window_start = Clock::now();
     }
   }
+  progress_.finish();
   summary.steps = total_steps_;
   // Evaluation and the exports offload nothing: the pinned buffers of the steps go back to the host.
   ActivationOffload::release_unused_host_buffers();
@@ -503,8 +520,14 @@ TrainSummary Finetune::train() {
   summary.last_eval_loss = evaluate_and_log(total_steps_);
   if (!trains_full_weights(recipe_)) summary.adapter_dir = save_adapter();
   summary.exports = write_exports();
+  write_curves();
   summary.seconds = seconds_since(start);
   return summary;
+}
+
+void Finetune::write_curves() {
+  progress_.finish();
+  if (run_log_) print_line("curves: " + run_log_->write_curves());
 }
 
 }  // namespace qtrain::trainer

@@ -4,6 +4,8 @@
 // writes the run directory:
 //   RUN/recipe.yaml     the resolved recipe
 //   RUN/metrics.jsonl   one JSON object per logged step (and per evaluation)
+//   RUN/tensorboard/    the same metrics as TensorBoard event files (log.tensorboard)
+//   RUN/curves.svg      the loss and learning-rate curves (trainer/logging/run_log.h)
 //   RUN/adapter/        the final PEFT adapter (runs that train adapters)
 //   RUN/export/<format> export.formats besides peft: merged, safetensors-int, gguf (export.out)
 //   RUN/checkpoints/    training-state checkpoints (trainer/formats/training_checkpoint.h)
@@ -25,6 +27,8 @@
 #include "trainer/formats/base_directory.h"
 #include "trainer/formats/hf_checkpoint.h"
 #include "trainer/dist/launch_environment.h"
+#include "trainer/logging/progress_line.h"
+#include "trainer/logging/run_log.h"
 #include "trainer/loss_scaler.h"
 #include "trainer/formats/peft_adapter.h"
 #include "trainer/dist/process_group.h"
@@ -54,6 +58,9 @@ class Finetune {
 
   // The training step's seam (trainer/training_step.h): after each step's backward.
   void set_after_backward(AfterBackward hook) { after_backward_ = std::move(hook); }
+  // Redraws a progress line on the terminal after each step (trainer/logging/progress_line.h);
+  // off by default, as for output to a file.
+  void set_progress_line(bool enabled) { progress_ = ProgressLine(enabled && launch_.rank == 0); }
 
  private:
   void setup_model();
@@ -66,6 +73,10 @@ class Finetune {
   void handle_skipped_step(int64_t step, const StepResult& result, bool scale_overflow);
   double evaluate_and_log(int64_t step);
   void log_metrics(const nlohmann::json& line);
+  // A line of the run's output (above the progress line, when there is one).
+  void print_line(const std::string& line);
+  // Ends the progress line and writes RUN/curves.svg.
+  void write_curves();
   std::string save_adapter();
   std::vector<std::string> write_exports();
   std::string save_checkpoint(int64_t steps_done);
@@ -105,6 +116,8 @@ class Finetune {
   std::string resume_;
   int64_t first_step_ = 0;  // steps already done by the checkpoint resumed from
   std::string run_dir_;
+  std::unique_ptr<RunLog> run_log_;  // rank 0's
+  ProgressLine progress_;
 };
 
 }  // namespace qtrain::trainer

@@ -26,13 +26,15 @@ const std::map<std::string, std::set<std::string>>& allowed_includes() {
       {"data", {"kernels"}},
       {"trainer/base", {"kernels"}},
       {"trainer/dist", {"kernels", "trainer/base"}},
+      // What a run reports: metrics.jsonl, TensorBoard, the curves picture, the progress line.
+      {"trainer/logging", {"kernels", "trainer/base"}},
       {"trainer/model", {"kernels", "qat", "data", "trainer/base"}},
       // One file per decoder family, on the decoder's layer.
       {"trainer/model/families", {"kernels", "qat", "data", "trainer/base", "trainer/model"}},
       {"trainer/formats", {"kernels", "qat", "data", "optim", "trainer/base", "trainer/model"}},
       {"trainer/recipe", {"kernels", "qat", "data", "optim", "trainer/base", "trainer/model", "trainer/formats", "trainer/dist"}},
-      {"trainer", {"kernels", "qat", "data", "optim", "trainer/base", "trainer/dist", "trainer/model", "trainer/formats",
-                   "trainer/recipe"}},
+      {"trainer", {"kernels", "qat", "data", "optim", "trainer/base", "trainer/dist", "trainer/logging", "trainer/model",
+                   "trainer/formats", "trainer/recipe"}},
   };
   return allowed;
 }

@@ -18,6 +18,7 @@
 #include <type_traits>
 
 #include "kernels/error.h"
+#include "trainer/formats/hf_hub_cache.h"
 #include "trainer/recipe/recipe_schema.h"
 
 namespace qtrain::trainer {
@@ -286,6 +287,21 @@ std::string resolve_path(const std::string& written, const fs::path& base_dir) {
   return normal;
 }
 
+// A path key's value as resolve_path makes it. A model's that names no existing path but a
+// repository in the Hugging Face cache is that snapshot; one in neither stays as written, a
+// repository id that trainer::resolve_model_path refuses where the model is loaded (naming the
+// cache and the `hf download` command), so that a recipe still loads and prints without it.
+std::string resolve_written_path(const RecipeKey& spec, const std::string& written, const fs::path& base_dir) {
+  const std::string path = resolve_path(written, base_dir);
+  std::error_code error;
+  if (!spec.names_model || written.empty() || fs::exists(path, error)) return path;
+  const auto at = written.find('@');
+  if (!is_hf_repo_id(written.substr(0, at))) return path;
+  const auto snapshot =
+      find_cached_snapshot(written.substr(0, at), at == std::string::npos ? "main" : written.substr(at + 1));
+  return snapshot ? *snapshot : written;
+}
+
 // An example of a key's list for messages: its default when short, else its first entries.
 std::string list_example(const RecipeKey& spec) {
   if (spec.default_yaml.size() <= 24) return spec.default_yaml;
@@ -370,7 +386,7 @@ void assign(const RecipeKey& spec, const YAML::Node& value, const Source& source
           const std::string text =
               scalar(spec.choices.empty() ? "text" : "one of " + join(spec.choices, ", "));
           check_choice(spec, text, where);
-          *field = spec.is_path ? resolve_path(text, source.base_dir) : text;
+          *field = spec.is_path ? resolve_written_path(spec, text, source.base_dir) : text;
         } else if constexpr (std::is_same_v<Field, std::vector<std::string>>) {
           if (spec.is_path && (value.IsNull() || value.IsScalar())) {  // `data.train: file.jsonl`: a list of one
             *field = {};

@@ -170,6 +170,7 @@ struct EvalRecipe {
 
 struct LogRecipe {
   int64_t every{};
+  bool tensorboard{};  // RUN/tensorboard/events.out.tfevents.*
 };
 
 struct DistRecipe {

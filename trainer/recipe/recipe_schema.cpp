@@ -67,8 +67,9 @@ std::vector<std::string> base_names(bool BaseQuantizationName::*named_by) {
 std::vector<RecipeKey> model_keys() {
   return {
       key("model.path", "\"\"", QTRAIN_FIELD(model.path),
-          "Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)").shapes_model()
-          .path(),
+          "Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json), or ORG/NAME[@REVISION] "
+          "in the Hugging Face cache").shapes_model()
+          .model_path(),
       key("model.dtype", "bf16", QTRAIN_FIELD(model.dtype),
           "dtype of the weights kept unquantized (all of them with quant: none)")
           .one_of(kDtypes),
@@ -439,6 +440,8 @@ std::vector<RecipeKey> log_keys() {
   return {
       key("log.every", "10", QTRAIN_FIELD(log.every), "progress line and metrics every N steps")
           .at_least(1),
+      key("log.tensorboard", "true", QTRAIN_FIELD(log.tensorboard),
+          "TensorBoard event files in train.output_dir/tensorboard (the metrics of metrics.jsonl, the recipe as text)"),
   };
 }
 

@@ -44,6 +44,9 @@ struct RecipeKey {
   bool max_open = false;
   std::size_t list_length = 0;  // number lists: exactly this many entries (0: any)
   bool is_path = false;         // resolved against the recipe's directory at load time
+  // A path, or a Hugging Face repository id ORG/NAME[@REVISION] found in the Hugging Face cache
+  // (trainer/formats/hf_hub_cache.h) where no such path exists.
+  bool names_model = false;
   // The value decides the model a checkpoint holds (its base, quantization, adapter shapes):
   // resuming a checkpoint under another value is an error, not a recipe change.
   bool model_shaping = false;
@@ -76,6 +79,11 @@ struct RecipeKey {
   }
   RecipeKey&& path() && {
     is_path = true;
+    return std::move(*this);
+  }
+  RecipeKey&& model_path() && {
+    is_path = true;
+    names_model = true;
     return std::move(*this);
   }
   RecipeKey&& shapes_model() && {
