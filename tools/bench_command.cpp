@@ -43,6 +43,7 @@
 #include "trainer/model/activation_offload.h"
 #include "trainer/model/llama.h"
 #include "trainer/formats/llama_shapes.h"
+#include "trainer/recipe/memory_plan.h"
 #include "trainer/recipe/base_quantization.h"
 #include "trainer/recipe/recipe_training.h"
 #include "trainer/training_step.h"
@@ -235,6 +236,7 @@ struct BenchOptions {
   std::string dtype_name;
   std::string device_name;
   std::string lora_gradient;   // with --qat
+  std::string memory;          // --memory: auto (a run's default plan) | manual
   std::string checkpoint_run;  // --save-checkpoint: RUN, or empty
   std::string trace_path;      // with --profile
   int64_t micro_batch = 0;
@@ -290,6 +292,9 @@ po::options_description bench_option_descriptions(BenchOptions& bench) {
        "(train.lm_head_on_host)")
       ("optimizer-states-on-host", po::bool_switch(), "the optimizer's state waits on the host between steps "
        "(train.optimizer_states_on_host)")
+      ("memory", po::value(&bench.memory)->default_value("auto"),
+       "auto: the host switches a run's train.memory: auto turns on besides those given (trainer/recipe/memory_plan.h); "
+       "manual: only the switches given")
       ("max-context", po::bool_switch(),
        "find the longest sequence one micro-batch trains in the GPU's memory: measure the peak at two lengths, "
        "extrapolate, then train at the longest that fits (stepping down on out-of-memory); prints its tokens/s")
@@ -379,6 +384,8 @@ std::optional<BenchOptions> parse_bench_options(const Arguments& arguments) {
   recipe.train.embeddings_on_host = flag("embeddings-on-host");
   recipe.train.lm_head_on_host = flag("lm-head-on-host");
   recipe.train.optimizer_states_on_host = flag("optimizer-states-on-host");
+  if (bench.memory != "auto" && bench.memory != "manual") throw Error(ErrorCode::kUsage, "--memory is auto or manual");
+  recipe.train.memory = bench.memory;
   if (bench.checkpoint_every < 1) throw Error(ErrorCode::kUsage, "--checkpoint-every must be >= 1");
   if (bench.checkpoint_every > 1 && !bench.checkpointing) {
     throw Error(ErrorCode::kUsage, "--checkpoint-every picks the layers --checkpointing recomputes: add --checkpointing");
@@ -386,6 +393,14 @@ std::optional<BenchOptions> parse_bench_options(const Arguments& arguments) {
   recipe.train.gradient_checkpointing_every = bench.checkpoint_every;
   if (recipe.train.offload_activations && !bench.checkpointing) {
     throw Error(ErrorCode::kUsage, "--offload-activations moves what --checkpointing keeps: add --checkpointing");
+  }
+  // A run's default, train.memory: auto; what it chose goes to stderr (beside --json's object).
+  recipe.train.micro_batch_size = bench.micro_batch;  // the plan weighs the tokens of a micro-batch and a step
+  recipe.train.grad_accum_steps = 1;
+  recipe.data.max_seq_len = bench.sequence;
+  const auto memory_plan = trainer::plan_memory(recipe, bench.llama.tie_word_embeddings, bench.device.is_cuda());
+  for (const auto& line : trainer::describe_memory_plan(recipe, memory_plan, bench.device.is_cuda())) {
+    std::fprintf(stderr, "%s\n", line.c_str());
   }
   if (bench.packed_samples < 0 || bench.packed_samples > bench.sequence) {
     throw Error(ErrorCode::kUsage, "--packed-samples must be 0..--seq");

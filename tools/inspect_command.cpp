@@ -8,6 +8,7 @@
 #include "kernels/error.h"
 #include "tools/commands.h"
 #include "trainer/formats/hf_hub_cache.h"
+#include "trainer/recipe/memory_plan.h"
 #include "trainer/formats/hf_config.h"
 #include "trainer/base/memory_stats.h"
 #include "trainer/formats/compressed_tensors.h"
@@ -241,7 +242,13 @@ int run_inspect(const Arguments& arguments) {
   }
   const auto config = trainer::read_hf_config(model_dir);
   std::optional<trainer::TrainingMemorySetup> setup;
-  if (recipe) setup = trainer::training_memory_setup(*recipe, config.llama);
+  std::vector<std::string> memory_plan;  // what train.memory chose (auto: on a GPU, unless train.device is cpu)
+  if (recipe) {
+    const bool on_gpu = recipe->train.device != "cpu";
+    memory_plan = trainer::describe_memory_plan(
+        *recipe, trainer::plan_memory(*recipe, config.llama.tie_word_embeddings, on_gpu), on_gpu);
+    setup = trainer::training_memory_setup(*recipe, config.llama);
+  }
   if (setup && recipe->quant == trainer::QuantMethod::kNone && trainer::is_compressed_tensors_checkpoint(config)) {
     // The checkpoint's projections stay in their stored form (scales in the compute dtype's bytes).
     const auto parsed = trainer::parse_compressed_tensors_config(config.json, config.path);
@@ -254,6 +261,7 @@ int run_inspect(const Arguments& arguments) {
   print_compressed_tensors(config);
   if (setup) {
     print_peak_estimate(recipe_path, *setup, config.llama);
+    for (const auto& line : memory_plan) std::printf("%s\n", line.c_str());
   } else {
     print_training_modes(config.llama, lora_rank);
   }

@@ -26,6 +26,7 @@
 #include "trainer/formats/gguf_export.h"
 #include "trainer/formats/model_exports.h"
 #include "trainer/base/random_state.h"
+#include "trainer/recipe/memory_plan.h"
 #include "trainer/recipe/recipe_data.h"
 #include "trainer/recipe/recipe_training.h"
 #include "trainer/base/cpu_threads.h"
@@ -61,8 +62,12 @@ void Finetune::setup() {
   if (recipe_.quant == QuantMethod::kQat) qat_linear_options(recipe_);  // the scheme, checked before minutes of loading
   device_ = resolve_device(recipe_.train.device, launch_.local_rank);
   compute_dtype_ = parse_dtype_name(recipe_.train.dtype, "train.dtype");
+  const auto config = read_hf_config(recipe_.model.path);
+  // train.memory: auto turns on the switches that cost no speed, before the recipe is written.
+  const auto memory_plan = plan_memory(recipe_, config.llama.tie_word_embeddings, device_.is_cuda());
+  for (const auto& line : describe_memory_plan(recipe_, memory_plan, device_.is_cuda())) std::printf("%s\n", line.c_str());
   if (compute_dtype_ == torch::kFloat16) {
-    const auto* family = read_hf_config(recipe_.model.path).family;
+    const auto* family = config.family;
     if (family->fp16_overflows) {
       throw Error(ErrorCode::kRecipe, "train.dtype: fp16 with " + family->architecture + " (" + recipe_.model.path +
                   "): its activations pass fp16's largest value (65,504) and the run would go to inf / NaN; "

@@ -176,6 +176,23 @@ TEST(RunOutputs, TheProgressLineIsRedrawnOnATerminalOnly) {
   EXPECT_NE(plain.output.find("step 3/3 | loss "), std::string::npos) << plain.output;
 }
 
+// train.memory: auto, as `inspect --recipe` reports it for the shipped 8B recipe (a GPU run,
+// micro-batch 2 x 2048 accumulated 8 times) on the tiny model's files.
+TEST(RunOutputs, InspectSaysWhatTheMemoryPlanChoseAndWhy) {
+  const auto inspected = qtrain("inspect --recipe " + testing::source_dir() + "/recipes/qlora_llama.yaml --set model.path=" +
+                                tiny_llama());
+  ASSERT_EQ(inspected.status, 0) << inspected.output;
+  for (const char* line : {"memory: auto: train.offload_activations on (the checkpointed layer inputs wait in host memory)",
+                           "memory: auto: train.embeddings_on_host on",
+                           "memory: auto: train.lm_head_on_host off (a micro-batch of 4096 tokens is too short",
+                           "memory: auto: train.optimizer_states_on_host on"}) {
+    EXPECT_NE(inspected.output.find(line), std::string::npos) << line << "\n" << inspected.output;
+  }
+  const auto manual = qtrain("inspect --recipe " + testing::source_dir() + "/recipes/qlora_llama.yaml --set model.path=" +
+                             tiny_llama() + " --set train.memory=manual");
+  EXPECT_NE(manual.output.find("memory: manual: the train.* switches as set"), std::string::npos) << manual.output;
+}
+
 // Models by name: a Hugging Face cache laid out as huggingface_hub leaves a download
 // (tests/interop/hf_cache.py: blobs, snapshot links, refs), where its snapshot_download(...,
 // local_files_only=True) finds the model.

@@ -146,6 +146,7 @@ struct TrainRecipe {
   int64_t gradient_checkpointing_every{};  // checkpoint every k-th decoder layer
   int64_t loss_chunk_tokens{};             // 0: sized from the vocabulary
   bool fused_loss{};                       // the loss over vocabulary tiles, never [chunk, vocab] logits
+  std::string memory;                      // auto: the plan of trainer/recipe/memory_plan.h | manual
   bool offload_activations{};              // checkpointed layer inputs wait in pinned host memory
   int64_t mlp_chunk_tokens{};              // the MLP recomputed in chunks of this many tokens; 0: whole
   bool keep_built_weights{};               // a recomputed layer keeps its dequantized weights for backward

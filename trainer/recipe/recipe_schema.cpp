@@ -378,6 +378,10 @@ std::vector<RecipeKey> train_keys() {
       key("train.fused_loss", "true", QTRAIN_FIELD(train.fused_loss),
           "the loss over vocabulary tiles with an online log-sum-exp: no [tokens, vocab] logits are kept; "
           "false: each chunk's whole logits, as transformers computes them"),
+      key("train.memory", "auto", QTRAIN_FIELD(train.memory),
+          "auto: on a GPU, also turn on the host-memory switches below that cost no measurable speed, where the run "
+          "allows them (the run's first lines and inspect --recipe say which and why); manual: the switches as set")
+          .one_of({"auto", "manual"}),
       key("train.offload_activations", "false", QTRAIN_FIELD(train.offload_activations),
           "with gradient checkpointing: keep each checkpointed layer's input in pinned host memory until its "
           "backward (copied on a side stream, fetched back one layer ahead)"),

@@ -219,17 +219,11 @@ namespace {
 // train.lm_head_on_host, refused where the recipe will train, adapt or fake-quantize lm_head
 // (LoRA and QAT wrap it after this, so the recipe says it, not the model yet).
 void keep_lm_head_on_host(LlamaForCausalLMImpl& model, const Recipe& recipe) {
-  const auto refuse = [](const std::string& why) {
+  const std::string why = lm_head_on_host_refusal(recipe, model.options().tie_word_embeddings);
+  if (!why.empty()) {
     throw Error(ErrorCode::kRecipe, "train.lm_head_on_host keeps a frozen plain lm_head on the host, but " + why +
                                         ": set train.lm_head_on_host: false");
-  };
-  if (is_trained_parameter(recipe, "lm_head.weight")) refuse("this run trains lm_head.weight");
-  if (!trains_full_weights(recipe) && lora_adapter_config(recipe).targets.matches("lm_head")) {
-    refuse("the adapters' target modules include lm_head");
   }
-  qat::LoraTargets fake_quantized;
-  fake_quantized.include.names = recipe.qat.target_modules;
-  if (recipe.quant == QuantMethod::kQat && fake_quantized.matches("lm_head")) refuse("qat.target_modules includes lm_head");
   model.keep_lm_head_on_host();
 }
 
@@ -249,17 +243,33 @@ void apply_recipe_memory_settings(LlamaForCausalLMImpl& model, const Recipe& rec
   backbone.set_keep_built_weights(recipe.train.keep_built_weights);
   if (recipe.train.lm_head_on_host) keep_lm_head_on_host(model, recipe);
   if (!recipe.train.embeddings_on_host) return;
-  if (model.options().tie_word_embeddings) {
-    throw Error(ErrorCode::kRecipe,
-                "train.embeddings_on_host: this model ties lm_head to its input embeddings (tie_word_embeddings), "
-                "and the output projection needs the table on the device: set train.embeddings_on_host: false");
-  }
-  if (is_trained_parameter(recipe, "model.embed_tokens.weight")) {
-    throw Error(ErrorCode::kRecipe,
-                "train.embeddings_on_host keeps a frozen table on the host, but this run trains "
-                "model.embed_tokens.weight: set train.embeddings_on_host: false");
+  const std::string why = embeddings_on_host_refusal(recipe, model.options().tie_word_embeddings);
+  if (!why.empty()) {
+    throw Error(ErrorCode::kRecipe, "train.embeddings_on_host keeps the frozen input embedding table on the host, but " +
+                                        why + ": set train.embeddings_on_host: false");
   }
   backbone.embed_tokens->to(torch::kCPU);
+}
+
+std::string lm_head_on_host_refusal(const Recipe& recipe, bool tied_embeddings) {
+  if (tied_embeddings) return "this model ties lm_head to its input embeddings (tie_word_embeddings)";
+  if (is_trained_parameter(recipe, "lm_head.weight")) return "this run trains lm_head.weight";
+  if (!trains_full_weights(recipe) && lora_adapter_config(recipe).targets.matches("lm_head")) {
+    return "the adapters' target modules include lm_head";
+  }
+  qat::LoraTargets fake_quantized;
+  fake_quantized.include.names = recipe.qat.target_modules;
+  if (recipe.quant == QuantMethod::kQat && fake_quantized.matches("lm_head")) return "qat.target_modules includes lm_head";
+  return "";
+}
+
+std::string embeddings_on_host_refusal(const Recipe& recipe, bool tied_embeddings) {
+  if (tied_embeddings) {
+    return "this model ties lm_head to its input embeddings (tie_word_embeddings), and the output projection needs "
+           "the table on the device";
+  }
+  if (is_trained_parameter(recipe, "model.embed_tokens.weight")) return "this run trains model.embed_tokens.weight";
+  return "";
 }
 
 int64_t loss_chunk_tokens(const Recipe& recipe, int64_t vocab_size) {

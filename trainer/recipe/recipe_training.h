@@ -85,6 +85,12 @@ std::vector<std::pair<std::string, torch::Tensor>> qat_state_buffers(const torch
 // key when the table is tied to lm_head or trains).
 void apply_recipe_memory_settings(LlamaForCausalLMImpl& model, const Recipe& recipe);
 
+// Why the frozen lm_head / input embedding table of this run cannot wait on the host (tied to
+// each other, trained, adapted, fake-quantized), or "" when it can: the errors of
+// train.lm_head_on_host / train.embeddings_on_host, and what train.memory: auto asks.
+std::string lm_head_on_host_refusal(const Recipe& recipe, bool tied_embeddings);
+std::string embeddings_on_host_refusal(const Recipe& recipe, bool tied_embeddings);
+
 // train.loss_chunk_tokens, or the automatic chunk for the model's vocabulary when it is 0.
 int64_t loss_chunk_tokens(const Recipe& recipe, int64_t vocab_size);
 

@@ -1,0 +1,38 @@
+#pragma once
+// train.memory: auto, the default: the memory switches a run gets without setting them. On a GPU
+// it turns on, where the run allows them, the switches whose cost in tokens/s was within the
+// noise when measured (docs/PERFORMANCE.md):
+//   train.offload_activations       with gradient checkpointing: the checkpointed inputs wait on
+//                                   the host (copies overlap the layers, on a side stream)
+//   train.embeddings_on_host        the frozen input table; a batch's rows are gathered there
+//   train.lm_head_on_host           the frozen head, copied in on a side stream during forward,
+//                                   where a micro-batch holds 8,192 tokens or more
+//   train.optimizer_states_on_host  the optimizer's state between steps (the same updates), where a
+//                                   step holds 8,192 tokens or more (shorter ones show the copies),
+//                                   and only for adapters (full fine-tuning's state is the model twice)
+// A switch the run cannot take (a tied, trained, adapted or fake-quantized table or head; no
+// checkpointing) stays off, said why. It never turns a switch off, and leaves what costs speed as
+// set: train.keep_built_weights (8% slower off) and train.mlp_chunk_tokens. On the CPU (the host
+// is the device) and under train.memory: manual it changes nothing.
+#include <string>
+#include <vector>
+
+#include "trainer/recipe/recipe.h"
+
+namespace qtrain::trainer {
+
+struct MemoryChoice {
+  std::string key;  // train.offload_activations, ...
+  bool on = false;  // what the run does
+  std::string why;
+};
+
+// Applies train.memory to `recipe`'s switches and returns each switch's choice (none under
+// manual). `tied_embeddings`: the model's config.json ties lm_head to its input table.
+std::vector<MemoryChoice> plan_memory(Recipe& recipe, bool tied_embeddings, bool on_gpu);
+
+// The lines the run's start and `inspect --recipe` print: "memory: auto: train.X on (why)".
+std::vector<std::string> describe_memory_plan(const Recipe& recipe, const std::vector<MemoryChoice>& choices,
+                                              bool on_gpu);
+
+}  // namespace qtrain::trainer
