@@ -396,7 +396,6 @@ std::optional<BenchOptions> parse_bench_options(const Arguments& arguments) {
   }
   // A run's default, train.memory: auto; what it chose goes to stderr (beside --json's object).
   recipe.train.micro_batch_size = bench.micro_batch;  // the plan weighs the tokens of a micro-batch and a step
-  recipe.train.grad_accum_steps = 1;
   recipe.data.max_seq_len = bench.sequence;
   const auto memory_plan = trainer::plan_memory(recipe, bench.llama.tie_word_embeddings, bench.device.is_cuda());
   for (const auto& line : trainer::describe_memory_plan(recipe, memory_plan, bench.device.is_cuda())) {

@@ -114,6 +114,7 @@ TEST(RunOutputs, AResumedRunLogsEachStepOnce) {
   testing::TempDir run;
   ASSERT_EQ(train(run.path(), 6, " --set checkpoint.every=2 --set checkpoint.keep_last=0").status, 0);
   const auto first = logged(metrics_lines(run.path()), "loss");
+  std::ofstream(run.file("metrics.jsonl"), std::ios::app) << "{\"step\": 7, \"lo";  // killed mid-write
   const auto resumed = train(run.path(), 6, " --set checkpoint.every=2 --set checkpoint.keep_last=0 --resume " +
                                                 run.file("checkpoints/step-000004"));
   ASSERT_EQ(resumed.status, 0) << resumed.output;

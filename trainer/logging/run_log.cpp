@@ -6,6 +6,8 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
 
 #include "kernels/error.h"
@@ -63,7 +65,10 @@ std::string tensorboard_tag(const std::string& metric) {
 RunLog::RunLog(RunLogOptions options, std::optional<int64_t> resumed_step) : options_(std::move(options)) {
   std::vector<nlohmann::json> kept;
   if (resumed_step && std::filesystem::exists(metrics_path(options_))) {
-    for (auto& line : read_metrics_file(metrics_path(options_))) {
+    std::ifstream file(metrics_path(options_), std::ios::binary);
+    std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+    text.resize(text.rfind('\n') + 1);  // a run killed mid-write leaves a torn last line: it goes
+    for (auto& line : parse_metrics_lines(text, metrics_path(options_))) {
       if (line["step"].get<int64_t>() <= *resumed_step) kept.push_back(std::move(line));
     }
   }
