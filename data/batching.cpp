@@ -44,6 +44,17 @@ Batch collate(const std::vector<const Example*>& rows, int64_t pad_id) {
       }
     }
   }
+  const bool referenced = !rows.empty() && std::all_of(rows.begin(), rows.end(), [](const Example* row) {
+    return row->reference_log_probs.size() == 2;
+  });
+  if (referenced) {
+    batch.reference_log_probs = torch::empty({row_count, 2}, torch::kFloat64);
+    auto reference = batch.reference_log_probs.accessor<double, 2>();
+    for (int64_t row = 0; row < row_count; ++row) {
+      reference[row][0] = rows[row]->reference_log_probs[0];
+      reference[row][1] = rows[row]->reference_log_probs[1];
+    }
+  }
   return batch;
 }
 

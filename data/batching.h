@@ -18,6 +18,8 @@ struct Batch {
   // sample of its row each token belongs to (-1 on padding), for block-diagonal attention.
   torch::Tensor position_ids;  // [batch, longest] int64
   torch::Tensor sample_ids;    // [batch, longest] int64
+  // Preference pairs whose rows all carry reference_log_probs: [batch, 2] fp64 (else undefined).
+  torch::Tensor reference_log_probs;
   int64_t input_tokens = 0;      // real (unpadded) tokens
   int64_t predicted_tokens = 0;  // labels that a next-token loss uses
 };

@@ -58,6 +58,38 @@ std::vector<std::string> source_files(const std::string& source, const DataOptio
   return files;
 }
 
+// A preference pair: each sequence cut to its first max_seq_len tokens (TRL's keep_start) or the
+// pair dropped (data.overlong); a pair whose prompt fills max_seq_len, or with a completion of no
+// token, is dropped.
+void add_fitted_pair(Example pair, const DataOptions& options, std::vector<Example>& out, DataStats& stats) {
+  const int64_t limit = options.max_seq_len;
+  const bool overlong = pair.sample_lengths[0] > limit || pair.sample_lengths[1] > limit;
+  if (overlong && options.overlong == "drop") {
+    ++stats.dropped;
+    return;
+  }
+  Example fitted;
+  int64_t begin = 0;
+  for (const int64_t length : pair.sample_lengths) {
+    const int64_t kept = std::min(length, limit);
+    const auto first = static_cast<std::ptrdiff_t>(begin);
+    const auto last = static_cast<std::ptrdiff_t>(begin + kept);
+    fitted.input_ids.insert(fitted.input_ids.end(), pair.input_ids.begin() + first, pair.input_ids.begin() + last);
+    fitted.labels.insert(fitted.labels.end(), pair.labels.begin() + first, pair.labels.begin() + last);
+    const bool learned = std::any_of(pair.labels.begin() + first + 1, pair.labels.begin() + last,
+                                     [](int64_t label) { return label != kIgnoreLabel; });
+    if (!learned) {
+      ++stats.dropped;
+      return;
+    }
+    fitted.sample_lengths.push_back(kept);
+    begin += length;
+  }
+  fitted.reference_log_probs = std::move(pair.reference_log_probs);
+  if (overlong) ++stats.truncated;
+  out.push_back(std::move(fitted));
+}
+
 // Cuts or drops a sample to fit max_seq_len (see dataset.h) and appends what remains.
 void add_fitted(Example sample, bool windowed, const DataOptions& options, std::vector<Example>& out,
                 DataStats& stats) {
@@ -71,6 +103,10 @@ void add_fitted(Example sample, bool windowed, const DataOptions& options, std::
       window.labels.assign(sample.labels.begin() + begin, sample.labels.begin() + end);
       if (window.predicted_tokens() > 0) out.push_back(std::move(window));
     }
+    return;
+  }
+  if (sample.sample_lengths.size() == 2) {
+    add_fitted_pair(std::move(sample), options, out, stats);
     return;
   }
   if (sample.size() > limit) {

@@ -15,6 +15,10 @@ struct Example {
   // Packed examples: the length of each sample in order (they sum to the length); attention and
   // positions restart at every boundary. Empty: one sample.
   std::vector<int64_t> sample_lengths;
+  // A preference pair (data.format preference) is two samples, the prompt with the chosen and then
+  // with the rejected completion, only the completions labelled. reference_log_probs: the reference
+  // model's log-probabilities of the two completions, when computed before training; else empty.
+  std::vector<double> reference_log_probs;
 
   int64_t size() const { return static_cast<int64_t>(input_ids.size()); }
   // Labels a next-token loss uses: those after the first position that are not ignored.

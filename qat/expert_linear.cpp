@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "kernels/error.h"
+#include "qat/adapter_switch.h"
 
 namespace qtrain::qat {
 
@@ -90,6 +91,7 @@ torch::Tensor ExpertLora::grouped_forward(const torch::Tensor& rows, const torch
   const auto dtype = rows.scalar_type();
   const int64_t rank = options_.rank;
   const auto base = grouped_linear(rows, expert_weights(*base_, experts_, dtype), counts);
+  if (!adapters_enabled()) return base;
   // A_e: rows e·rank ... of A; B_e: columns e, e + experts, ... of B.
   const auto a = lora_A_->weight.to(dtype).view({experts_, rank, -1});
   const auto b = lora_B_->weight.to(dtype).view({-1, rank, experts_}).permute({2, 0, 1});
@@ -102,6 +104,7 @@ torch::Tensor ExpertLora::forward(const torch::Tensor&) {
 }
 
 torch::Tensor ExpertLora::dense_weight(torch::ScalarType dtype) const {
+  if (!adapters_enabled()) return base_->dense_weight(dtype);
   const int64_t rank = options_.rank;
   const auto a = lora_A_->weight.view({experts_, rank, -1});
   const auto b = lora_B_->weight.view({-1, rank, experts_}).permute({2, 0, 1});

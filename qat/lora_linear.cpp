@@ -4,6 +4,7 @@
 
 #include "data/unicode_regex.h"
 #include "kernels/error.h"
+#include "qat/adapter_switch.h"
 #include "qat/expert_linear.h"
 #include "qat/lora_matmul.h"
 #include "qat/qat_linear.h"
@@ -86,11 +87,13 @@ torch::Tensor LoraLinear::dora_forward(const torch::Tensor& input) {
 }
 
 torch::Tensor LoraLinear::forward(const torch::Tensor& input) {
+  if (!adapters_enabled()) return base_->forward(input);
   if (options_.dora) return dora_forward(input);
   return lora_forward(input, is_training() ? options_.dropout : 0.0);
 }
 
 torch::Tensor LoraLinear::forward_rebuilding_input(const torch::Tensor& input, const InputRebuild& rebuild) {
+  if (!adapters_enabled()) return base_->forward_rebuilding_input(input, rebuild);
   if (options_.dora) return dora_forward(input);
   return lora_forward(input, is_training() ? options_.dropout : 0.0, rebuild);
 }
@@ -107,6 +110,7 @@ torch::Tensor LoraLinear::lora_forward(const torch::Tensor& input, double dropou
 }
 
 torch::Tensor LoraLinear::dense_weight(torch::ScalarType dtype) const {
+  if (!adapters_enabled()) return base_->dense_weight(dtype);
   auto merged = base_->dense_weight(torch::kFloat32) + scale_ * torch::matmul(lora_B_->weight, lora_A_->weight);
   if (magnitude_.defined()) merged = (magnitude_ / adapted_row_norms(torch::kFloat32)).unsqueeze(1) * merged;
   return merged.to(dtype);

@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "kernels/error.h"
+#include "qat/adapter_switch.h"
 
 namespace qtrain::qat {
 
@@ -40,7 +41,8 @@ QatLinear::QatLinear(std::shared_ptr<LinearLayer> inner, const QatLinearOptions&
 }
 
 torch::Tensor QatLinear::forward(const torch::Tensor& input) {
-  if (fused_lora_) {
+  // Adapters off (qat/adapter_switch.h): the quantized base alone, through the unfused path.
+  if (fused_lora_ && adapters_enabled()) {
     const auto quantized_input = activation_fake_quant_ ? activation_fake_quant_->forward(input) : input;
     if (!fake_quant_enabled()) return fused_lora_->forward(quantized_input);
     return qat_lora_matmul(quantized_input, fused_lora_, weight_fake_quant_->spec(), lora_gradient_);

@@ -36,6 +36,7 @@
 #include "qat/lora_linear.h"
 #include "qat/qat_lora_matmul.h"
 #include "tools/commands.h"
+#include "trainer/objectives/objectives.h"
 #include "tools/kernel_profile.h"
 #include "trainer/base/device.h"
 #include "trainer/base/memory_stats.h"
@@ -99,7 +100,9 @@ trainer::Recipe bench_recipe(const trainer::BaseQuantizationRow& base, bool fake
 // One micro-batch of random tokens, on the CPU as the data loader hands them out. samples > 0:
 // each row packs that many samples of equal length (the last takes the remainder), as
 // data::collate marks packed rows: positions restart at each sample, whose first token is no label.
-data::Batch random_batch(int64_t micro_batch, int64_t sequence, int64_t vocab_size, int64_t samples = 0) {
+// pairs: the samples are preference pairs, the first quarter of each a prompt, not labelled.
+data::Batch random_batch(int64_t micro_batch, int64_t sequence, int64_t vocab_size, int64_t samples = 0,
+                         bool pairs = false) {
   data::Batch batch;
   batch.input_ids = torch::randint(vocab_size, {micro_batch, sequence}, torch::kInt64);
   batch.labels = batch.input_ids.clone();
@@ -111,8 +114,12 @@ data::Batch random_batch(int64_t micro_batch, int64_t sequence, int64_t vocab_si
     const auto position = torch::arange(sequence, torch::kInt64) - sample * length;
     batch.sample_ids = sample.unsqueeze(0).expand({micro_batch, -1}).contiguous();
     batch.position_ids = position.unsqueeze(0).expand({micro_batch, -1}).contiguous();
-    batch.labels.masked_fill_((position == 0).unsqueeze(0).expand({micro_batch, -1}), data::kIgnoreLabel);
-    batch.predicted_tokens = micro_batch * (sequence - samples);
+    const auto unlabelled = pairs ? position < std::max<int64_t>(length / 4, 1) : position == 0;
+    batch.labels.masked_fill_(unlabelled.unsqueeze(0).expand({micro_batch, -1}), data::kIgnoreLabel);
+    batch.predicted_tokens = batch.labels.index({torch::indexing::Slice(), torch::indexing::Slice(1, torch::indexing::None)})
+                                 .ne(data::kIgnoreLabel)
+                                 .sum()
+                                 .item<int64_t>();
   }
   return batch;
 }
@@ -249,6 +256,7 @@ struct BenchOptions {
   int64_t profile_steps = 0;
   int64_t mlp_chunk = 0;
   int64_t packed_samples = 0;
+  std::string objective;  // train.objective
   int64_t checkpoint_every = 1;
   double memory_limit_gib = 0;
   bool fake_quant = false;  // --qat
@@ -281,6 +289,10 @@ po::options_description bench_option_descriptions(BenchOptions& bench) {
        "(train.offload_activations)")
       ("mlp-chunk", po::value(&bench.mlp_chunk)->default_value(0), "MLP chunk tokens (train.mlp_chunk_tokens); 0: whole")
       ("unfused-loss", po::bool_switch(), "each loss chunk's whole logits (train.fused_loss: false)")
+      ("objective", po::value(&bench.objective)->default_value("sft"),
+       "sft, or dpo / orpo / simpo (train.objective): each row a preference pair, the prompt with a chosen and a "
+       "rejected completion of --seq / 2 tokens each (the first quarter of each the prompt); compare with sft "
+       "--packed-samples 2, the same tokens")
       ("packed-samples", po::value(&bench.packed_samples)->default_value(0),
        "pack each sequence with this many samples of equal length (attention stays inside each); 0: unpacked")
       ("packed-mask", po::bool_switch(), "with --packed-samples: SDPA over the written-out block-causal mask instead "
@@ -401,6 +413,11 @@ std::optional<BenchOptions> parse_bench_options(const Arguments& arguments) {
   for (const auto& line : trainer::describe_memory_plan(recipe, memory_plan, bench.device.is_cuda())) {
     std::fprintf(stderr, "%s\n", line.c_str());
   }
+  recipe.train.objective = trainer::find_objective(bench.objective, "--objective").name;
+  if (trainer::find_objective(bench.objective, "--objective").pairs) {
+    if (bench.packed_samples > 0) throw Error(ErrorCode::kUsage, "--objective " + bench.objective + " makes each row a pair: drop --packed-samples");
+    bench.packed_samples = 2;
+  }
   if (bench.packed_samples < 0 || bench.packed_samples > bench.sequence) {
     throw Error(ErrorCode::kUsage, "--packed-samples must be 0..--seq");
   }
@@ -505,7 +522,8 @@ BenchMeasurement measure_bench(const BenchOptions& bench, BenchRun& run) {
   // `timed` steps of `tokens`-long sequences after `untimed` ones: the median step time and the
   // peak memory of the timed steps.
   const auto measure = [&](int64_t tokens, int64_t untimed, int64_t timed) {
-    const std::vector<data::Batch> batches = {random_batch(bench.micro_batch, tokens, bench.llama.vocab_size, bench.packed_samples)};
+    const std::vector<data::Batch> batches = {random_batch(bench.micro_batch, tokens, bench.llama.vocab_size, bench.packed_samples,
+                                                                bench.recipe.train.objective != "sft")};
     std::vector<double> seconds;
     trainer::reset_peak_memory(device);
     for (int64_t step = 0; step < untimed + timed; ++step) {
@@ -529,7 +547,8 @@ BenchMeasurement measure_bench(const BenchOptions& bench, BenchRun& run) {
     measured.step_seconds = measure(bench.sequence, bench.warmup, bench.steps).first;
   }
   const std::vector<data::Batch> batches = {
-      random_batch(bench.micro_batch, measured.sequence, bench.llama.vocab_size, bench.packed_samples)};
+      random_batch(bench.micro_batch, measured.sequence, bench.llama.vocab_size, bench.packed_samples,
+                   bench.recipe.train.objective != "sft")};
   measured.memory = trainer::memory_usage(device);
   if (bench.profile_steps > 0) {
     KernelProfile profile(device.is_cuda());
@@ -597,7 +616,13 @@ void report_bench(const BenchOptions& bench, const BenchRun& run, const BenchMea
               recipe.train.offload_activations ? " (inputs offloaded)" : "", static_cast<long long>(run.loss_chunk_tokens),
               recipe.train.fused_loss ? " (fused)" : "",
               bench.mlp_chunk > 0 ? (", MLP chunk " + std::to_string(bench.mlp_chunk)).c_str() : "");
-  if (bench.packed_samples > 0) {
+  if (recipe.train.objective != "sft") {
+    std::printf("  objective: %s, each row a pair of %lld-token sequences (a quarter of each the prompt)%s\n",
+                recipe.train.objective.c_str(), static_cast<long long>(sequence / 2),
+                trainer::objective_row(trainer::find_objective(recipe.train.objective).objective).reference
+                    ? "; the reference: the base with the adapters off, one more forward pass"
+                    : "");
+  } else if (bench.packed_samples > 0) {
     std::printf("  packed: %lld samples a sequence, attention %s\n", static_cast<long long>(bench.packed_samples),
                 bench.packed_mask ? "over the written-out block-causal mask" : "over the samples' spans");
   }
@@ -621,6 +646,7 @@ void report_bench(const BenchOptions& bench, const BenchRun& run, const BenchMea
                               {"offload_activations", recipe.train.offload_activations},
                               {"mlp_chunk_tokens", bench.mlp_chunk},
                               {"packed_samples", bench.packed_samples},
+                              {"objective", recipe.train.objective},
                               {"packed_mask", bench.packed_mask},
                               {"fused_loss", recipe.train.fused_loss},
                               {"keep_built_weights", recipe.train.keep_built_weights},

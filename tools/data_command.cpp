@@ -1,12 +1,13 @@
 // qtrain data --recipe FILE [-n N] [--json]: the first training examples as the model will
-// see them, in training order: the text with the spans the loss ignores marked, or the ids
-// and labels as JSON.
+// see them, in training order: the text with the spans the loss ignores marked (a preference
+// pair's chosen and rejected sequences one after the other), or the ids and labels as JSON.
 #include <cstdio>
 #include <iostream>
 #include <nlohmann/json.hpp>
 
 #include "data/batching.h"
 #include "tools/commands.h"
+#include "trainer/objectives/objectives.h"
 #include "trainer/recipe/recipe.h"
 #include "trainer/recipe/recipe_data.h"
 
@@ -17,13 +18,16 @@ namespace qtrain::tools {
 namespace {
 
 // The example's text, sample by sample, with the tokens that are not labels inside [[ ]].
-std::string marked_text(const data::Example& example, const data::Tokenizer& tokenizer) {
+std::string marked_text(const data::Example& example, const data::Tokenizer& tokenizer, bool pairs) {
   const std::vector<int64_t> whole = {example.size()};
   const auto& lengths = example.sample_lengths.empty() ? whole : example.sample_lengths;
   std::string text;
   size_t position = 0;
   for (size_t sample = 0; sample < lengths.size(); ++sample) {
-    if (lengths.size() > 1) {
+    if (pairs) {
+      text += std::string(sample == 0 ? "" : "\n") + (sample == 0 ? "[chosen, " : "[rejected, ") +
+              std::to_string(lengths[sample]) + " tokens]\n";
+    } else if (lengths.size() > 1) {
       text += "\n[sample " + std::to_string(sample + 1) + " of " + std::to_string(lengths.size()) + ", " +
               std::to_string(lengths[sample]) + " tokens]\n";
     }
@@ -60,6 +64,7 @@ int run_data(const Arguments& arguments) {
   }
   const bool as_json = values["json"].as<bool>();
   const auto recipe = trainer::load_recipe(recipe_path, overrides);
+  const bool pairs = trainer::find_objective(recipe.train.objective).pairs;
   const auto tokenizer = data::Tokenizer::from_model_dir(recipe.model.path);
   auto dataset = trainer::load_training_examples(recipe, tokenizer);
   // The log goes to stderr with --json, so that stdout is JSON Lines.
@@ -85,7 +90,7 @@ int run_data(const Arguments& arguments) {
       std::printf("\n=== example %lld (epoch %lld, batch %lld, row %zu): %lld tokens, %lld learned ===\n%s\n",
                   static_cast<long long>(shown + 1), static_cast<long long>(state.epoch),
                   static_cast<long long>(state.batch_in_epoch), row, static_cast<long long>(example.size()),
-                  static_cast<long long>(example.predicted_tokens()), marked_text(example, tokenizer).c_str());
+                  static_cast<long long>(example.predicted_tokens()), marked_text(example, tokenizer, pairs).c_str());
     }
   }
   return 0;

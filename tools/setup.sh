@@ -106,6 +106,14 @@ install_compressed_tensors() {
 # (it brings its protobuf, grpcio, markdown and werkzeug; nothing pinned above changes).
 install_tensorboard() { install_unless_importable tensorboard "tensorboard==2.21.0"; }
 
+# TRL, whose own DPOTrainer, ORPOTrainer and CPOTrainer tests/trainer/preference_test.cpp compares our
+# preference objectives with (it brings datasets and its pyarrow / pandas; torch, transformers,
+# peft and accelerate are already pinned above and stay).
+install_trl() {
+  install_unless_importable datasets "datasets==5.2.0"
+  install_unless_importable trl "trl==1.16.0"
+}
+
 # llama-cpp-python builds llama.cpp from source (CPU only; several minutes): the library alone,
 # no multimodal (mtmd) library, which llama_cpp imports only on use.
 install_llama_cpp() {
@@ -125,6 +133,7 @@ else
   [ "${QTRAIN_TORCHAO:-1}" = 1 ] && install_torchao
   install_compressed_tensors
   install_tensorboard
+  install_trl
   [ "${QTRAIN_LLAMA_CPP:-0}" = 1 ] && install_llama_cpp
   PYTHON="$VENV_DIR/bin/python"
 fi

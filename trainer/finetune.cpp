@@ -32,6 +32,7 @@
 #include "trainer/base/cpu_threads.h"
 #include "trainer/stop_signal.h"
 #include "trainer/formats/training_checkpoint.h"
+#include "trainer/objectives/preference_eval.h"
 
 namespace qtrain::trainer {
 
@@ -95,6 +96,7 @@ void Finetune::setup() {
     std::filesystem::create_directories(run_dir_);
     write_file_atomically(run_dir_ + "/recipe.yaml", recipe_to_yaml(recipe_));
   }
+  preference_ = preference_options(recipe_);
   setup_model();
   setup_adapters();
   setup_optimizer();
@@ -169,12 +171,13 @@ void Finetune::setup_adapters() {
 
 void Finetune::setup_optimizer() {
   optimizer_ = recipe_optimizer(recipe_, trainable_);
-  step_ = std::make_unique<TrainingStep>(*loaded_.model, trainable_, *optimizer_, scaler_,
-                                         training_step_options(recipe_, loaded_.config.llama.vocab_size, device_));
+  step_options_ = training_step_options(recipe_, loaded_.config.llama.vocab_size, device_);
+  step_ = std::make_unique<TrainingStep>(*loaded_.model, trainable_, *optimizer_, scaler_, step_options_);
 }
 
 void Finetune::setup_data() {
   const auto tokenizer = data::Tokenizer::from_model_dir(recipe_.model.path);
+  pad_id_ = batch_stream_options(recipe_, tokenizer).pad_id;
   auto train = load_training_examples(recipe_, tokenizer);
   std::printf("data: train %s\n", data::describe(train.stats).c_str());
   for (const auto& message : train.stats.bad_record_messages) std::printf("  skipped: %s\n", message.c_str());
@@ -186,6 +189,19 @@ void Finetune::setup_data() {
     eval_examples_.push_back(std::move(eval.examples[index]));
   }
   has_eval_data_ = !eval.examples.empty();
+  if (preference_ && objective_row(preference_->objective).reference) {
+    // A full-weight run's reference is the model as loaded: no adapters to switch off, so its
+    // log-probabilities are taken now, before the first step (and before a resume loads weights).
+    const bool full_weights = trains_full_weights(recipe_);
+    if (full_weights || recipe_.dpo.precompute_reference) {
+      if (full_weights && !recipe_.dpo.precompute_reference) {
+        std::printf("dpo: the run trains the full weights, so the reference's log-probabilities are computed before "
+                    "training (dpo.precompute_reference)\n");
+      }
+      precompute_reference(train.examples, "train");
+      precompute_reference(eval_examples_, "eval");
+    }
+  }
   data::BatchStream stream(std::move(train.examples),
                            batch_stream_options(recipe_, tokenizer, launch_.rank, launch_.world_size));
   const int64_t rows_per_batch = stream.rows_per_batch();
@@ -257,8 +273,56 @@ void Finetune::handle_skipped_step(int64_t step, const StepResult& result, bool 
   }
 }
 
+PairPassOptions Finetune::pair_pass_options() const {
+  PairPassOptions options;
+  options.batch_size = recipe_.train.micro_batch_size;
+  options.loss.chunk_tokens = step_options_.loss_chunk_tokens;
+  options.loss.fused = recipe_.train.fused_loss;
+  options.packed_attention = step_options_.packed_attention;
+  options.pad_id = pad_id_;
+  return options;
+}
+
+void Finetune::precompute_reference(std::vector<data::Example>& examples, const std::string& what) {
+  if (examples.empty()) return;
+  const auto start = Clock::now();
+  compute_reference_log_probs(*loaded_.model, examples, pair_pass_options());
+  std::printf("dpo: reference log-probabilities of %zu %s pairs (%.1f s)\n", examples.size(), what.c_str(),
+              seconds_since(start));
+}
+
+double Finetune::evaluate_pairs_and_log(int64_t step) {
+  auto options = pair_pass_options();
+  // The ranks share the batches: max_batches bounds their total.
+  options.max_batches = (recipe_.eval.max_batches + launch_.world_size - 1) / launch_.world_size;
+  const auto result = evaluate_preference(*loaded_.model, eval_examples_, *preference_, options);
+  std::vector<double> sums = {result.loss_sum, static_cast<double>(result.batches)};
+  for (const auto& metric : result.metric_sums) sums.push_back(metric.second);
+  if (group_) sums = group_->sum(sums, "the evaluation");
+  const double batches = std::max(sums[1], 1.0);
+  const double loss = sums[0] / batches;
+  nlohmann::json line = {{"step", step}, {"eval_loss", loss}};
+  std::string text = "eval  step " + std::to_string(step) + "/" + std::to_string(total_steps_);
+  char value[64];
+  std::snprintf(value, sizeof value, " | eval_loss %.4f", loss);
+  text += value;
+  for (size_t index = 0; index < result.metric_sums.size(); ++index) {
+    const auto& name = result.metric_sums[index].first;
+    const double mean = sums[index + 2] / batches;
+    line["eval_" + name] = mean;
+    if (name == "rewards/accuracies" || name == "rewards/margins") {
+      std::snprintf(value, sizeof value, " | %s %.4f", name.c_str(), mean);
+      text += value;
+    }
+  }
+  print_line(text + " | " + std::to_string(static_cast<int64_t>(sums[1])) + " batches");
+  log_metrics(line);
+  return loss;
+}
+
 double Finetune::evaluate_and_log(int64_t step) {
   if (!has_eval_data_) return std::numeric_limits<double>::quiet_NaN();
+  if (preference_) return evaluate_pairs_and_log(step);
   EvalOptions options;
   options.batch_size = recipe_.train.micro_batch_size;
   // The ranks share the batches: max_batches bounds their total.
@@ -466,15 +530,21 @@ TrainSummary Finetune::train() {
       const double eta = train_seconds / static_cast<double>(done - first_step_) * static_cast<double>(total_steps_ - done);
       std::string extras;
       if (memory.reserved_bytes > 0) extras += ", reserved " + format_bytes(memory.reserved_bytes);
-      std::string precision;
+      std::string precision, extras_metrics;  // extras_metrics: a preference objective's reward accuracy and margin
       if (scaler_.enabled()) precision += " | scale " + std::to_string(static_cast<int64_t>(scaler_.scale()));
       if (skipped_steps_ > 0) precision += " | skipped " + std::to_string(skipped_steps_);
+      for (const auto& [name, value] : result.metrics) {
+        if (name != "rewards/accuracies" && name != "rewards/margins") continue;
+        char metric[64];
+        std::snprintf(metric, sizeof metric, " | %s %.3f", name.substr(8).c_str(), value);
+        extras_metrics += metric;
+      }
       if (group_) extras += " on rank 0";
-      char text[320];
+      char text[400];
       std::snprintf(text, sizeof text,
-                    "step %lld/%lld | loss %.4f | lr %.2e | grad_norm %.3f | %.0f tokens/s | memory %s (peak %s%s)%s | eta %s",
+                    "step %lld/%lld | loss %.4f%s | lr %.2e | grad_norm %.3f | %.0f tokens/s | memory %s (peak %s%s)%s | eta %s",
                     static_cast<long long>(done), static_cast<long long>(total_steps_), result.loss,
-                    optimizer_->learning_rate(), result.grad_norm, tokens_per_second,
+                    extras_metrics.c_str(), optimizer_->learning_rate(), result.grad_norm, tokens_per_second,
                     format_bytes(memory.current_bytes).c_str(), format_bytes(memory.peak_bytes).c_str(), extras.c_str(),
                     precision.c_str(), format_duration(eta).c_str());
       print_line(text);
@@ -488,6 +558,7 @@ TrainSummary Finetune::train() {
                              {"epoch", result.epoch},
                              {"skipped_steps", skipped_steps_}};
       if (memory.reserved_bytes > 0) line["reserved_memory"] = memory.reserved_bytes;
+      for (const auto& [name, value] : result.metrics) line[name] = value;
       if (scaler_.enabled()) line["loss_scale"] = scaler_.scale();
       if (group_) {
         line["world_size"] = launch_.world_size;

@@ -16,6 +16,7 @@
 #include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,7 @@
 #include "trainer/logging/progress_line.h"
 #include "trainer/logging/run_log.h"
 #include "trainer/loss_scaler.h"
+#include "trainer/objectives/preference_eval.h"
 #include "trainer/formats/peft_adapter.h"
 #include "trainer/dist/process_group.h"
 #include "trainer/recipe/recipe.h"
@@ -72,6 +74,13 @@ class Finetune {
   StepResult train_step(int64_t step);
   void handle_skipped_step(int64_t step, const StepResult& result, bool scale_overflow);
   double evaluate_and_log(int64_t step);
+  // A preference objective's evaluation: its loss and metrics over the eval pairs, as eval_*.
+  double evaluate_pairs_and_log(int64_t step);
+  // dpo.precompute_reference (and full-weight DPO): the reference's log-probabilities of every
+  // pair, computed once before training from the model as loaded (`what` names the split).
+  void precompute_reference(std::vector<data::Example>& examples, const std::string& what);
+  // Batches of pairs outside the step (evaluation, the reference pass), as the step runs them.
+  PairPassOptions pair_pass_options() const;
   void log_metrics(const nlohmann::json& line);
   // A line of the run's output (above the progress line, when there is one).
   void print_line(const std::string& line);
@@ -106,9 +115,12 @@ class Finetune {
   std::unique_ptr<data::DataLoader> train_batches_;
   std::vector<data::Example> eval_examples_;  // this rank's share of the eval split
   bool has_eval_data_ = false;
+  std::optional<PreferenceOptions> preference_;  // train.objective dpo, orpo or simpo
   int64_t total_steps_ = 0;
   LossScaler scaler_{false};
+  TrainingStepOptions step_options_;
   std::unique_ptr<TrainingStep> step_;
+  int64_t pad_id_ = 0;
   int64_t optimizer_steps_ = 0;  // steps applied (skipped ones are not)
   int64_t skipped_steps_ = 0;
   int64_t consecutive_skips_ = 0;

@@ -6,6 +6,7 @@
 #include "optim/grad_clip.h"
 #include "trainer/model/batch_inputs.h"
 #include "trainer/model/causal_lm_loss.h"
+#include "trainer/objectives/pair_log_probs.h"
 #include "trainer/recipe/recipe_training.h"
 
 namespace qtrain::trainer {
@@ -17,6 +18,20 @@ TrainingStepOptions training_step_options(const Recipe& recipe, int64_t vocab_si
   options.fused_loss = recipe.train.fused_loss;
   options.max_grad_norm = recipe.train.max_grad_norm;
   options.optimizer_states_on_host = recipe.train.optimizer_states_on_host;
+  options.preference = preference_options(recipe);
+  return options;
+}
+
+std::optional<PreferenceOptions> preference_options(const Recipe& recipe) {
+  const auto& row = find_objective(recipe.train.objective);
+  if (!row.pairs) return std::nullopt;
+  PreferenceOptions options;
+  options.objective = row.objective;
+  options.beta = recipe.dpo.beta;
+  options.loss_type = recipe.dpo.loss_type;
+  options.label_smoothing = recipe.dpo.label_smoothing;
+  options.simpo_gamma = recipe.dpo.simpo_gamma;
+  options.cpo_alpha = recipe.dpo.cpo_alpha;
   return options;
 }
 
@@ -53,6 +68,38 @@ void TrainingStep::set_ranks(ProcessGroup* group, GradientBuckets* buckets) {
   buckets_ = buckets;
 }
 
+double TrainingStep::preference_micro_batch(const data::Batch& cpu_batch, double weight,
+                                            std::vector<std::pair<std::string, double>>& metric_sums) {
+  const auto batch = batch_on_device(cpu_batch, options_.device);
+  LossOptions loss_options;
+  loss_options.chunk_tokens = options_.loss_chunk_tokens;
+  loss_options.fused = options_.fused_loss;
+  const auto& preference = *options_.preference;
+  PairLogProbs reference;
+  if (objective_row(preference.objective).reference) {
+    reference = reference_log_probs(model_, batch, loss_options, options_.packed_attention);
+  }
+  model_.prefetch_lm_head();
+  auto* router_loss = model_.router_loss();
+  if (router_loss) router_loss->begin();
+  const auto hidden = model_.hidden_states(model_inputs(batch, options_.device, options_.packed_attention));
+  const auto policy = pair_log_probs(model_, hidden, batch, loss_options);
+  const auto loss = preference_loss(policy, reference.chosen.defined() ? &reference : nullptr, preference);
+  // A mixture of experts' load-balancing loss joins each micro-batch's loss as TRL adds it.
+  double router_term = 0;
+  if (router_loss) {
+    const double coefficient = model_.options().experts.router_aux_loss_coef;
+    router_term = coefficient * router_loss->value();
+    router_loss->set_gradient_scale(coefficient * weight);
+  }
+  (loss.loss * weight).backward();
+  if (metric_sums.empty()) {
+    for (const auto& [name, value] : loss.metrics) metric_sums.emplace_back(name, 0.0);
+  }
+  for (size_t index = 0; index < loss.metrics.size(); ++index) metric_sums[index].second += loss.metrics[index].second;
+  return loss.loss.item<double>() + router_term;
+}
+
 StepResult TrainingStep::run(const std::vector<data::Batch>& micro_batches, int64_t step,
                              const AfterBackward& after_backward) {
   StepResult result;
@@ -68,6 +115,30 @@ StepResult TrainingStep::run(const std::vector<data::Batch>& micro_batches, int6
     input_tokens = totals[1];
   }
   result.tokens = static_cast<int64_t>(input_tokens);
+  if (options_.preference) {
+    // Each micro-batch's loss is a mean over its pairs; the step's is the mean over the window's
+    // micro-batches on every rank, as TRL (with accelerate) averages them.
+    const double window = static_cast<double>(micro_batches.size()) * (group_ ? group_->world_size() : 1);
+    const double weight = scaler_.scale() / window;
+    double loss_sum = 0;
+    for (size_t index = 0; index < micro_batches.size(); ++index) {
+      if (buckets_ && index + 1 == micro_batches.size()) buckets_->arm();
+      state_prefetch_armed_ = states_on_host_ && index + 1 == micro_batches.size();
+      loss_sum += preference_micro_batch(micro_batches[index], weight, result.metrics);
+      state_prefetch_armed_ = false;
+    }
+    if (buckets_) {
+      buckets_->finish();
+      std::vector<double> sums = {loss_sum};
+      for (const auto& metric : result.metrics) sums.push_back(metric.second);
+      sums = group_->sum(sums, "the loss of the step");
+      loss_sum = sums[0];
+      for (size_t index = 0; index < result.metrics.size(); ++index) result.metrics[index].second = sums[index + 1];
+    }
+    result.loss = loss_sum / window;
+    for (auto& metric : result.metrics) metric.second /= window;
+    return apply_gradients(result, step, after_backward);
+  }
   // The loss is token-weighted over the whole accumulation window (of every rank), as if it
   // were one batch; fp16 scales it so that small gradients survive.
   const double loss_weight = scaler_.scale() / std::max(predicted_tokens, 1.0);
@@ -104,6 +175,10 @@ StepResult TrainingStep::run(const std::vector<data::Batch>& micro_batches, int6
     loss_sum = group_->sum({loss_sum}, "the loss of the step")[0];
   }
   result.loss = loss_sum / std::max(predicted_tokens, 1.0);
+  return apply_gradients(result, step, after_backward);
+}
+
+StepResult TrainingStep::apply_gradients(StepResult result, int64_t step, const AfterBackward& after_backward) {
   if (after_backward) after_backward(step, trainable_);
 
   const bool loss_finite = std::isfinite(result.loss);

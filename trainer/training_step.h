@@ -10,7 +10,9 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "data/batching.h"
@@ -20,6 +22,7 @@
 #include "trainer/loss_scaler.h"
 #include "trainer/model/attention_mask.h"
 #include "trainer/model/llama.h"
+#include "trainer/objectives/preference_loss.h"
 #include "trainer/optimizer_states_on_host.h"
 #include "trainer/recipe/recipe.h"
 
@@ -27,13 +30,17 @@ namespace qtrain::trainer {
 
 // What one optimizer step did.
 struct StepResult {
-  double loss = 0;  // mean over the learned tokens of the accumulation window
+  // sft: the mean over the learned tokens of the accumulation window; a preference objective: the
+  // mean of its micro-batches' losses (over the ranks too), as TRL averages them
+  double loss = 0;
   double grad_norm = 0;
   int64_t tokens = 0;
   bool skipped = false;  // a non-finite loss or gradient: no update
   std::string skip_reason;
   int64_t epoch = 0;  // where in the data the step's batches began
   int64_t batch_in_epoch = 0;
+  // A preference objective's metrics (TRL's names), means over the window's micro-batches.
+  std::vector<std::pair<std::string, double>> metrics;
 };
 
 struct TrainingStepOptions {
@@ -45,11 +52,16 @@ struct TrainingStepOptions {
   // --packed-mask` writes the block-causal mask out instead, to compare.
   PackedAttention packed_attention = PackedAttention::kSpans;
   bool optimizer_states_on_host = false;  // train.optimizer_states_on_host (trainer/optimizer_states_on_host.h)
+  // train.objective dpo, orpo or simpo: micro-batches of pairs (trainer/objectives/); none: sft.
+  std::optional<PreferenceOptions> preference;
 };
 
-// train.loss_chunk_tokens (sized from the vocabulary when 0), train.fused_loss, train.max_grad_norm
-// and train.optimizer_states_on_host.
+// train.loss_chunk_tokens (sized from the vocabulary when 0), train.fused_loss, train.max_grad_norm,
+// train.optimizer_states_on_host, train.objective and the dpo section.
 TrainingStepOptions training_step_options(const Recipe& recipe, int64_t vocab_size, const torch::Device& device);
+
+// train.objective and the dpo section; none for sft.
+std::optional<PreferenceOptions> preference_options(const Recipe& recipe);
 
 // Called after the window's backward, before the gradients are checked and applied: a seam
 // for tests (inject a NaN) and for tools that look at gradients.
@@ -76,6 +88,13 @@ class TrainingStep {
   void settle_optimizer_state() const;
 
  private:
+  // One micro-batch's preference loss, its backward at `weight` (loss scale / micro-batches of the
+  // window), and its metrics added to `metric_sums`; returns the loss.
+  // Checks the window's gradients and applies them (or skips the step); `result` holds its loss.
+  StepResult apply_gradients(StepResult result, int64_t step, const AfterBackward& after_backward);
+  double preference_micro_batch(const data::Batch& batch, double weight,
+                                std::vector<std::pair<std::string, double>>& metric_sums);
+
   LlamaForCausalLMImpl& model_;
   std::vector<torch::Tensor> trainable_;
   optim::Optimizer& optimizer_;

@@ -15,8 +15,9 @@ using testing::run_command;
 // Four steps of the demo recipe without dropout (its masks are drawn per process, so they
 // cannot match an accumulation run), micro-batch 2: qtrain's arguments. On cuda each rank takes
 // the GPU of its LOCAL_RANK and the ranks reduce over NCCL.
-std::string short_run_arguments(const std::string& run_dir, const std::string& device = "cpu") {
-  return " --recipe " + testing::source_dir() + "/recipes/demo_tiny.yaml" +
+std::string short_run_arguments(const std::string& run_dir, const std::string& device = "cpu",
+                                const std::string& recipe = "demo_tiny.yaml") {
+  return " --recipe " + testing::source_dir() + "/recipes/" + recipe +
          " --set train.steps=4 --set log.every=1 --set eval.max_batches=2 --set checkpoint.every=2" +
          " --set train.micro_batch_size=2 --set lora.dropout=0 --set train.device=" + device +
          " --set train.output_dir=" + run_dir;
@@ -24,8 +25,9 @@ std::string short_run_arguments(const std::string& run_dir, const std::string& d
 
 // The same as a shell command, on one thread: every matmul then sums in the same order in
 // every process, whatever the machine's cores.
-std::string short_run(const std::string& run_dir, const std::string& device = "cpu") {
-  return "OMP_NUM_THREADS=1 " + testing::qtrain_binary() + short_run_arguments(run_dir, device);
+std::string short_run(const std::string& run_dir, const std::string& device = "cpu",
+                      const std::string& recipe = "demo_tiny.yaml") {
+  return "OMP_NUM_THREADS=1 " + testing::qtrain_binary() + short_run_arguments(run_dir, device, recipe);
 }
 
 bool has_two_gpus() { return torch::cuda::device_count() >= 2; }
@@ -75,11 +77,13 @@ void expect_same_training(const std::string& accumulated, const std::string& par
 
 // The contract of data parallelism: 2 ranks of micro-batch b take the same steps as 1 process
 // accumulating 2 micro-batches of b over the same samples.
-void expect_two_ranks_train_like_one_accumulating(const std::string& device, const std::string& backend) {
+void expect_two_ranks_train_like_one_accumulating(const std::string& device, const std::string& backend,
+                                                  const std::string& recipe = "demo_tiny.yaml") {
   testing::TempDir runs;
-  const auto one = run_command(short_run(runs.file("one"), device) + " --set train.grad_accum_steps=2 2>&1");
+  const auto one = run_command(short_run(runs.file("one"), device, recipe) + " --set train.grad_accum_steps=2 2>&1");
   ASSERT_EQ(one.status, 0) << one.output;
-  const auto two = run_command("bash -c '" + launch_ranks(2, short_run(runs.file("two"), device), runs.path(), testing::free_port()) +
+  const auto two = run_command("bash -c '" + launch_ranks(2, short_run(runs.file("two"), device, recipe), runs.path(),
+                                                          testing::free_port()) +
                                "wait $pid0; s0=$?; wait $pid1; echo status=$s0,$?'");
   ASSERT_NE(two.output.find("status=0,0"), std::string::npos)
       << two.output << testing::read_text(runs.file("rank0.log")) << testing::read_text(runs.file("rank1.log"));
@@ -92,6 +96,12 @@ void expect_two_ranks_train_like_one_accumulating(const std::string& device, con
 
 TEST(Distributed, TwoRanksTrainLikeOneProcessAccumulatingTwoMicroBatches) {
   expect_two_ranks_train_like_one_accumulating("cpu", "gloo");
+}
+
+// DPO: each micro-batch's loss is a mean over its pairs, and the step's the mean over the
+// micro-batches of every rank, as TRL averages them.
+TEST(Distributed, TwoRanksTrainDpoLikeOneProcessAccumulatingTwoMicroBatches) {
+  expect_two_ranks_train_like_one_accumulating("cpu", "gloo", "demo_dpo_tiny.yaml");
 }
 
 TEST(Distributed, TwoGpuRanksOverNcclTrainLikeOneGpuAccumulatingTwoMicroBatches) {

@@ -31,10 +31,13 @@ const std::map<std::string, std::set<std::string>>& allowed_includes() {
       {"trainer/model", {"kernels", "qat", "data", "trainer/base"}},
       // One file per decoder family, on the decoder's layer.
       {"trainer/model/families", {"kernels", "qat", "data", "trainer/base", "trainer/model"}},
+      // What a run minimises besides the next-token loss: the preference objectives.
+      {"trainer/objectives", {"kernels", "qat", "data", "trainer/base", "trainer/model"}},
       {"trainer/formats", {"kernels", "qat", "data", "optim", "trainer/base", "trainer/model"}},
-      {"trainer/recipe", {"kernels", "qat", "data", "optim", "trainer/base", "trainer/model", "trainer/formats", "trainer/dist"}},
+      {"trainer/recipe", {"kernels", "qat", "data", "optim", "trainer/base", "trainer/model", "trainer/formats", "trainer/dist",
+                          "trainer/objectives"}},
       {"trainer", {"kernels", "qat", "data", "optim", "trainer/base", "trainer/dist", "trainer/logging", "trainer/model",
-                   "trainer/formats", "trainer/recipe"}},
+                   "trainer/formats", "trainer/recipe", "trainer/objectives"}},
   };
   return allowed;
 }

@@ -59,7 +59,15 @@ void remove_event_files(const std::string& directory) {
 
 std::string tensorboard_tag(const std::string& metric) {
   const auto found = tensorboard_tags().find(metric);
-  return found == tensorboard_tags().end() ? "" : found->second;
+  if (found != tensorboard_tags().end()) return found->second;
+  // A preference objective's metrics keep TRL's names under the HF Trainer's sections:
+  // rewards/chosen -> train/rewards/chosen, eval_rewards/chosen -> eval/rewards/chosen.
+  const bool preference = metric.find('/') != std::string::npos || metric == "nll_loss" ||
+                          metric.rfind("log_odds_", 0) == 0 || metric.rfind("eval_nll_loss", 0) == 0 ||
+                          metric.rfind("eval_log_odds_", 0) == 0;
+  if (!preference) return "";
+  if (metric.rfind("eval_", 0) == 0) return "eval/" + metric.substr(5);
+  return "train/" + metric;
 }
 
 RunLog::RunLog(RunLogOptions options, std::optional<int64_t> resumed_step) : options_(std::move(options)) {

@@ -31,9 +31,10 @@ std::optional<OutputProjection> frozen_output_projection(LlamaForCausalLMImpl& m
   return projection;
 }
 
-// Each chunk's whole fp32 logits, then cross_entropy; checkpointed chunks under autograd.
-torch::Tensor logits_loss_sum(LlamaForCausalLMImpl& model, const torch::Tensor& predicting,
-                              const torch::Tensor& targets, int64_t chunk_tokens) {
+// Each chunk's whole fp32 logits, then cross_entropy; checkpointed chunks under autograd. The sum
+// of the per-token losses, or with `per_token` the losses [tokens] (0 where ignored).
+torch::Tensor logits_losses(LlamaForCausalLMImpl& model, const torch::Tensor& predicting, const torch::Tensor& targets,
+                            int64_t chunk_tokens, bool per_token) {
   using torch::indexing::Slice;
   const int64_t total = targets.size(0);
   const bool chunked = chunk_tokens < total;
@@ -46,18 +47,49 @@ torch::Tensor logits_loss_sum(LlamaForCausalLMImpl& model, const torch::Tensor& 
     }
   }
   auto loss_sum = torch::zeros({}, predicting.options().dtype(torch::kFloat32));
+  std::vector<torch::Tensor> token_losses;
   for (int64_t begin = 0; begin < total; begin += chunk_tokens) {
     const int64_t end = std::min(total, begin + chunk_tokens);
     const auto chunk_targets = targets.index({Slice(begin, end)});
-    const auto chunk_loss = [&model, chunk_targets](const std::vector<torch::Tensor>& inputs) {
+    const auto chunk_loss = [&model, chunk_targets, per_token](const std::vector<torch::Tensor>& inputs) {
       auto logits = model.logits(inputs[0]).to(torch::kFloat32);
-      return F::cross_entropy(logits, chunk_targets,
-                              F::CrossEntropyFuncOptions().ignore_index(kIgnoreLabel).reduction(torch::kSum));
+      auto options = F::CrossEntropyFuncOptions().ignore_index(kIgnoreLabel);
+      if (per_token) {
+        options.reduction(torch::kNone);
+      } else {
+        options.reduction(torch::kSum);
+      }
+      return F::cross_entropy(logits, chunk_targets, options);
     };
     const auto states = predicting.index({Slice(begin, end)});
-    loss_sum = loss_sum + (chunked ? checkpoint(chunk_loss, {states}, projection_parameters) : chunk_loss({states}));
+    auto losses = chunked ? checkpoint(chunk_loss, {states}, projection_parameters) : chunk_loss({states});
+    if (per_token) {
+      token_losses.push_back(std::move(losses));
+    } else {
+      loss_sum = loss_sum + losses;
+    }
   }
-  return loss_sum;
+  if (!per_token) return loss_sum;
+  return token_losses.empty() ? torch::zeros({0}, loss_sum.options()) : torch::cat(token_losses);
+}
+
+// The frozen projection the fused loss multiplies by, where options.fused and the model allow it
+// (with train.lm_head_on_host, its copy on the device, which the loss's backward lets go of).
+std::optional<OutputProjection> loss_projection(LlamaForCausalLMImpl& model, const LossOptions& options) {
+  auto projection = options.fused ? frozen_output_projection(model) : std::nullopt;
+  if (projection && model.lm_head_on_host()) {
+    projection->layer = nullptr;
+    projection->weight = model.take_lm_head_weight();
+    projection->weight_bias = model.lm_head_bias_on_device();
+  }
+  return projection;
+}
+
+FusedLossOptions fused_options(const LossOptions& options, int64_t chunk_tokens) {
+  FusedLossOptions fused;
+  fused.chunk_tokens = chunk_tokens;
+  fused.tile_columns = options.vocabulary_tile;
+  return fused;
 }
 
 }  // namespace
@@ -73,23 +105,28 @@ TokenLoss causal_lm_loss(LlamaForCausalLMImpl& model, const torch::Tensor& hidde
   const int64_t chunk_tokens = options.chunk_tokens > 0 ? options.chunk_tokens : std::max<int64_t>(total, 1);
 
   TokenLoss result;
-  auto projection = options.fused ? frozen_output_projection(model) : std::nullopt;
-  if (projection && model.lm_head_on_host()) {
-    // Its copy on the device, which the loss's backward lets go of (train.lm_head_on_host).
-    projection->layer = nullptr;
-    projection->weight = model.take_lm_head_weight();
-    projection->weight_bias = model.lm_head_bias_on_device();
-  }
-  if (projection) {
-    FusedLossOptions fused;
-    fused.chunk_tokens = chunk_tokens;
-    fused.tile_columns = options.vocabulary_tile;
-    result.loss_sum = fused_linear_cross_entropy(predicting, targets, *projection, fused);
+  if (auto projection = loss_projection(model, options)) {
+    result.loss_sum = fused_linear_cross_entropy(predicting, targets, *projection, fused_options(options, chunk_tokens));
   } else {
-    result.loss_sum = logits_loss_sum(model, predicting, targets, chunk_tokens);
+    result.loss_sum = logits_losses(model, predicting, targets, chunk_tokens, /*per_token=*/false);
   }
   result.tokens = targets.ne(kIgnoreLabel).sum();
   return result;
+}
+
+torch::Tensor token_log_probs(LlamaForCausalLMImpl& model, const torch::Tensor& hidden, const torch::Tensor& targets,
+                              const LossOptions& options) {
+  const auto states = hidden.reshape({-1, hidden.size(-1)});
+  const auto flat_targets = targets.reshape({-1});
+  const int64_t total = flat_targets.size(0);
+  const int64_t chunk_tokens = options.chunk_tokens > 0 ? options.chunk_tokens : std::max<int64_t>(total, 1);
+  torch::Tensor losses;
+  if (auto projection = loss_projection(model, options)) {
+    losses = fused_linear_token_losses(states, flat_targets, *projection, fused_options(options, chunk_tokens));
+  } else {
+    losses = logits_losses(model, states, flat_targets, chunk_tokens, /*per_token=*/true);
+  }
+  return losses.neg().view(targets.sizes());
 }
 
 TokenLoss causal_lm_loss(LlamaForCausalLMImpl& model, const torch::Tensor& hidden, const torch::Tensor& labels,

@@ -37,6 +37,13 @@ TokenLoss causal_lm_loss(LlamaForCausalLMImpl& model, const torch::Tensor& hidde
 TokenLoss causal_lm_loss(LlamaForCausalLMImpl& model, const torch::Tensor& hidden, const torch::Tensor& labels,
                          int64_t chunk_tokens);
 
+// The log-probability of each target under the model: hidden [batch, seq, hidden], targets
+// [batch, seq] (targets[:, t] is predicted from hidden[:, t]; kIgnoreLabel where none is) ->
+// [batch, seq] fp32, 0 where ignored. The same two paths and chunks as causal_lm_loss, without
+// transformers' shift: the caller lines the targets up (a preference pair's sequences end inside a row).
+torch::Tensor token_log_probs(LlamaForCausalLMImpl& model, const torch::Tensor& hidden, const torch::Tensor& targets,
+                              const LossOptions& options);
+
 // Whether causal_lm_loss with options.fused takes the fused path for this model now: lm_head
 // multiplies by a plain weight (not a LoRA, QAT or LLM.int8 layer) and, with grad mode on,
 // nothing of the projection trains.

@@ -88,7 +88,7 @@ class FusedCrossEntropyBackward : public torch::autograd::Node {
     if (!states_.defined()) {
       throw Error(ErrorCode::kInternal, "the fused loss was differentiated twice (retain_graph is not supported)");
     }
-    const auto& loss_grad = output_grads[0];  // scalar fp32
+    const auto& loss_grad = output_grads[0];  // scalar fp32, or [tokens] for per-token losses
     if (!loss_grad.defined()) return {torch::Tensor()};
     torch::NoGradGuard no_grad;
     const auto dtype = states_.scalar_type();
@@ -104,7 +104,9 @@ class FusedCrossEntropyBackward : public torch::autograd::Node {
       const auto targets = targets_.slice(0, first, last);
       const auto lse = lse_.slice(0, first, last).unsqueeze(1);
       // g on the learned rows, 0 on the ignored ones: [rows, 1] fp32.
-      const auto row_grad = (targets.ne(kIgnoreLabel).to(torch::kFloat32) * loss_grad).unsqueeze(1);
+      // A per-token loss (fused_linear_token_losses) has a gradient per row.
+      const auto grad = loss_grad.dim() == 0 ? loss_grad : loss_grad.slice(0, first, last);
+      const auto row_grad = (targets.ne(kIgnoreLabel).to(torch::kFloat32) * grad).unsqueeze(1);
       auto summed = torch::zeros({last - first, states_.size(1)}, states_.options().dtype(torch::kFloat32));
       for (int64_t begin = 0; begin < vocab; begin += tile_columns_) {
         const int64_t end = std::min(vocab, begin + tile_columns_);
@@ -157,8 +159,11 @@ torch::Tensor OutputProjection::matmul_weight(torch::ScalarType dtype) const {
 
 torch::Tensor OutputProjection::bias() const { return layer ? layer->bias() : weight_bias; }
 
-torch::Tensor fused_linear_cross_entropy(const torch::Tensor& states, const torch::Tensor& targets,
-                                         const OutputProjection& projection, const FusedLossOptions& options) {
+namespace {
+
+// The pass both entry points share: the sum of the per-token losses, or the losses themselves.
+torch::Tensor fused_losses(const torch::Tensor& states, const torch::Tensor& targets, const OutputProjection& projection,
+                           const FusedLossOptions& options, bool per_token) {
   const int64_t total = states.size(0);
   const int64_t chunk_tokens = chunk_rows(options.chunk_tokens, total);
   const int64_t tile_columns = options.tile_columns > 0
@@ -166,7 +171,7 @@ torch::Tensor fused_linear_cross_entropy(const torch::Tensor& states, const torc
                                    : fused_loss_tile_columns(chunk_tokens, projection.vocab_size());
   const bool differentiate = torch::GradMode::is_enabled() && states.requires_grad();
   const auto fp32 = states.options().dtype(torch::kFloat32);
-  auto loss_sum = torch::zeros({}, fp32);
+  auto losses = per_token ? torch::zeros({total}, fp32) : torch::zeros({}, fp32);
   torch::Tensor lse = differentiate ? torch::empty({total}, fp32) : torch::Tensor();
   {
     torch::NoGradGuard no_grad;
@@ -177,17 +182,34 @@ torch::Tensor fused_linear_cross_entropy(const torch::Tensor& states, const torc
       const auto chunk_targets = targets.slice(0, first, last);
       const auto chunk = chunk_log_sum_exp(states.slice(0, first, last), chunk_targets, weight, bias,
                                            projection.softcap, tile_columns);
-      loss_sum.add_(torch::where(chunk_targets.ne(kIgnoreLabel), chunk.lse - chunk.target_logit, 0.0).sum());
+      const auto chunk_losses = torch::where(chunk_targets.ne(kIgnoreLabel), chunk.lse - chunk.target_logit, 0.0);
+      if (per_token) {
+        losses.slice(0, first, last).copy_(chunk_losses);
+      } else {
+        losses.add_(chunk_losses.sum());
+      }
       if (differentiate) lse.slice(0, first, last).copy_(chunk.lse);
     }
   }
-  if (!differentiate) return loss_sum;
+  if (!differentiate) return losses;
   auto node = std::shared_ptr<FusedCrossEntropyBackward>(
       new FusedCrossEntropyBackward(states.detach(), targets, lse, projection, chunk_tokens, tile_columns),
       torch::autograd::deleteNode);
   node->set_next_edges({torch::autograd::impl::gradient_edge(states)});
-  torch::autograd::create_gradient_edge(loss_sum, node);
-  return loss_sum;
+  torch::autograd::create_gradient_edge(losses, node);
+  return losses;
+}
+
+}  // namespace
+
+torch::Tensor fused_linear_cross_entropy(const torch::Tensor& states, const torch::Tensor& targets,
+                                         const OutputProjection& projection, const FusedLossOptions& options) {
+  return fused_losses(states, targets, projection, options, /*per_token=*/false);
+}
+
+torch::Tensor fused_linear_token_losses(const torch::Tensor& states, const torch::Tensor& targets,
+                                        const OutputProjection& projection, const FusedLossOptions& options) {
+  return fused_losses(states, targets, projection, options, /*per_token=*/true);
 }
 
 int64_t fused_loss_tile_columns(int64_t chunk_tokens, int64_t vocab_size) {

@@ -46,6 +46,12 @@ struct FusedLossOptions {
 torch::Tensor fused_linear_cross_entropy(const torch::Tensor& states, const torch::Tensor& targets,
                                          const OutputProjection& projection, const FusedLossOptions& options);
 
+// The same pass, the per-token losses kept: [tokens] fp32, 0 where the target is ignored;
+// differentiable with respect to states under any gradient of the losses (a preference loss
+// weighs each sequence's tokens by its own factor).
+torch::Tensor fused_linear_token_losses(const torch::Tensor& states, const torch::Tensor& targets,
+                                        const OutputProjection& projection, const FusedLossOptions& options);
+
 // Columns per tile: an fp32 [chunk, tile] block of at most 64 MiB, in multiples of 256 (the
 // widest N tile of the GPU's GEMM kernels, so only the vocabulary's last tile is ragged; rows of
 // a bf16 block stay 512-byte aligned), at least 256, at most the vocabulary.

@@ -134,6 +134,7 @@ struct ScheduleRecipe {
 };
 
 struct TrainRecipe {
+  std::string objective;  // sft | dpo | orpo | simpo (trainer/objectives/objectives.h)
   int64_t steps{};  // optimizer steps; 0: run `epochs` epochs
   int64_t epochs{};
   int64_t micro_batch_size{};
@@ -157,6 +158,16 @@ struct TrainRecipe {
   int64_t max_skipped_steps{};             // consecutive skipped steps before the run stops
   int64_t empty_cache_steps{};             // 0: never
   std::string output_dir;       // the run directory
+};
+
+// The preference objectives' settings (train.objective dpo, orpo or simpo), named as TRL names them.
+struct DpoRecipe {
+  double beta{};                // DPO's beta; ORPO's lambda; SimPO's beta
+  std::string loss_type;        // dpo: sigmoid | ipo | hinge | robust
+  double label_smoothing{};     // dpo robust, simpo: the chance that a pair's preference is flipped
+  double simpo_gamma{};         // simpo: the target reward margin
+  double cpo_alpha{};           // simpo: weight of the NLL on the chosen completions (TRL's CPO)
+  bool precompute_reference{};  // the reference log-probabilities in one pass before training
 };
 
 struct CheckpointRecipe {
@@ -197,6 +208,7 @@ struct Recipe {
   OptimRecipe optim;
   ScheduleRecipe schedule;
   TrainRecipe train;
+  DpoRecipe dpo;
   CheckpointRecipe checkpoint;
   EvalRecipe eval;
   LogRecipe log;

@@ -6,6 +6,7 @@
 #include "qat/quant_presets.h"
 #include "trainer/formats/export_formats.h"
 #include "trainer/model/llama_options.h"
+#include "trainer/objectives/objectives.h"
 
 #include <algorithm>
 #include <iterator>
@@ -285,8 +286,8 @@ std::vector<RecipeKey> data_keys() {
           .path(),
       key("data.format", "text", QTRAIN_FIELD(data.format),
           "text: {\"text\"}; instruct: alpaca fields, loss on the response; chat: {\"messages\"}; "
-          "tokens: llm.c .bin")
-          .one_of({"text", "instruct", "chat", "tokens"}),
+          "preference: {\"prompt\", \"chosen\", \"rejected\"} pairs (train.objective dpo, orpo, simpo); tokens: llm.c .bin")
+          .one_of({"text", "instruct", "chat", "preference", "tokens"}),
       key("data.text_field", "text", QTRAIN_FIELD(data.text_field), "the JSONL field holding the text (format text)"),
       key("data.prompt_template", "alpaca", QTRAIN_FIELD(data.prompt_template),
           "instruct: a named template, or a template text with {instruction} and {input}"),
@@ -343,7 +344,10 @@ std::vector<RecipeKey> schedule_keys() {
 }
 
 std::vector<RecipeKey> train_keys() {
+  std::string objectives;
+  for (const auto& row : objective_rows()) objectives += (objectives.empty() ? "" : "; ") + row.name + ": " + row.doc;
   return {
+      key("train.objective", "sft", QTRAIN_FIELD(train.objective), objectives).one_of(objective_names()),
       key("train.steps", "0", QTRAIN_FIELD(train.steps),
           "optimizer steps to run; 0: train.epochs passes over the data")
           .at_least(0),
@@ -418,6 +422,30 @@ std::vector<RecipeKey> train_keys() {
   };
 }
 
+std::vector<RecipeKey> dpo_keys() {
+  std::string loss_types;
+  for (const auto& row : dpo_loss_type_rows()) loss_types += (loss_types.empty() ? "" : "; ") + row.name + ": " + row.doc;
+  return {
+      key("dpo.beta", "0.1", QTRAIN_FIELD(dpo.beta),
+          "dpo: the KL weight; orpo: lambda, the log-odds term's weight; simpo: the reward scale (TRL's beta)")
+          .above(0),
+      key("dpo.loss_type", "sigmoid", QTRAIN_FIELD(dpo.loss_type), "dpo: " + loss_types)
+          .one_of(dpo_loss_type_names()),
+      key("dpo.label_smoothing", "0.0", QTRAIN_FIELD(dpo.label_smoothing),
+          "dpo robust and simpo: the chance that a pair's preference label is wrong")
+          .at_least(0)
+          .below(0.5),
+      key("dpo.simpo_gamma", "0.5", QTRAIN_FIELD(dpo.simpo_gamma), "simpo: the target reward margin gamma")
+          .at_least(0),
+      key("dpo.cpo_alpha", "1.0", QTRAIN_FIELD(dpo.cpo_alpha),
+          "simpo: weight of the chosen completions' NLL (TRL's CPOConfig default; 0: SimPO as the paper)")
+          .at_least(0),
+      key("dpo.precompute_reference", "false", QTRAIN_FIELD(dpo.precompute_reference),
+          "dpo: the reference's log-probabilities in one pass over the data before training (always so when "
+          "training the full weights); false: each batch's, from the base with the adapters off"),
+  };
+}
+
 std::vector<RecipeKey> checkpoint_keys() {
   return {
       key("checkpoint.every", "500", QTRAIN_FIELD(checkpoint.every),
@@ -485,7 +513,7 @@ std::vector<RecipeKey> export_keys() {
 std::vector<RecipeKey> make_recipe_keys() {
   std::vector<RecipeKey> keys;
   for (const auto section : {model_keys, quant_keys, qlora_keys, lora_keys, qat_keys, data_keys, optim_keys,
-                             schedule_keys, train_keys, checkpoint_keys, eval_keys, log_keys, dist_keys, export_keys}) {
+                             schedule_keys, train_keys, dpo_keys, checkpoint_keys, eval_keys, log_keys, dist_keys, export_keys}) {
     append(keys, section());
   }
   return keys;
@@ -606,6 +634,27 @@ std::optional<RecipeConflict> find_conflict(const Recipe& recipe) {
     return RecipeConflict{"export.gguf_type", "export.gguf_type: " + recipe.export_.gguf_type +
                                                   " names the type of a GGUF export, but export.formats has none: add gguf"};
   }
+  const auto& objective = find_objective(recipe.train.objective);
+  if (objective.pairs != (recipe.data.format == "preference")) {
+    return RecipeConflict{"train.objective",
+                          objective.pairs ? "train.objective: " + objective.name +
+                                                " trains on preference pairs: set data.format: preference "
+                                                "({\"prompt\", \"chosen\", \"rejected\"} records)"
+                                          : "data.format: preference holds pairs for a preference objective: set "
+                                            "train.objective to dpo, orpo or simpo"};
+  }
+  if (objective.pairs && recipe.data.pack) {
+    return RecipeConflict{"data.pack", "data.pack with train.objective " + objective.name +
+                                           ": each row already holds one pair (chosen and rejected in one pass); "
+                                           "pairs are not packed together yet, set data.pack: false"};
+  }
+  const bool smoothing_applies = (objective.objective == Objective::kDpo && recipe.dpo.loss_type == "robust") ||
+                                 objective.objective == Objective::kSimpo;
+  if (recipe.dpo.label_smoothing > 0 && !smoothing_applies) {
+    return RecipeConflict{"dpo.label_smoothing",
+                          "dpo.label_smoothing applies to dpo.loss_type robust and to simpo (TRL 1.16's sigmoid, ipo and "
+                          "hinge ignore it): set dpo.loss_type: robust, or remove dpo.label_smoothing"};
+  }
   if (recipe.quant == QuantMethod::kQat && !trains_full_weights(recipe) && recipe.lora.dropout > 0) {
     return RecipeConflict{"lora.dropout",
                           "quant: qat fake-quantizes the merged weight W + scale * B A, which has no place for "
@@ -638,6 +687,14 @@ const std::vector<std::pair<std::string, std::string>>& familiar_key_names() {
       {"chat_template", "data.chat_template"},
       {"packed", "data.pack"},
       {"learning_rate", "optim.lr"},
+      {"rl", "train.objective"},
+      {"beta", "dpo.beta"},
+      {"rl_beta", "dpo.beta"},
+      {"loss_type", "dpo.loss_type"},
+      {"label_smoothing", "dpo.label_smoothing"},
+      {"simpo_gamma", "dpo.simpo_gamma"},
+      {"cpo_alpha", "dpo.cpo_alpha"},
+      {"precompute_ref_log_probs", "dpo.precompute_reference"},
       {"optimizer", "optim.name"},
       {"lr_scheduler", "schedule.name"},
       {"lr_scheduler_type", "schedule.name"},
