@@ -275,6 +275,7 @@ void Finetune::handle_skipped_step(int64_t step, const StepResult& result, bool 
 
 PairPassOptions Finetune::pair_pass_options() const {
   PairPassOptions options;
+  options.device = device_;
   options.batch_size = recipe_.train.micro_batch_size;
   options.loss.chunk_tokens = step_options_.loss_chunk_tokens;
   options.loss.fused = recipe_.train.fused_loss;

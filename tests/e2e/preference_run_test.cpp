@@ -138,5 +138,22 @@ TEST(PreferenceRun, FullWeightDpoTakesTheReferenceBeforeTraining) {
   }
 }
 
+// QAT-LoRA: the reference is the fake-quantized base with the adapters off; the first step's
+// adapter has B = 0, so the policy is that same model and the loss is log 2.
+TEST(PreferenceRun, QatLoraDpoTakesTheQuantizedBaseAsTheReference) {
+  testing::TempDir temp;
+  const auto trained = qtrain("--recipe " + dpo_recipe() +
+                              " --set quant=qat --set qat.base=nf4 --set qat.weights.bits=4 --set qat.weights.granularity=per_group"
+                              " --set qat.weights.group_size=32 --set qat.weights.observer=dynamic --set lora.dropout=0"
+                              " --set train.steps=2 --set schedule.warmup_steps=0 --set eval.every=0 --set data.eval= --set log.every=1"
+                              " --set train.output_dir=" +
+                              temp.path());
+  ASSERT_EQ(trained.status, 0) << trained.output;
+  const auto losses = logged(metrics_lines(temp.path()), "loss");
+  ASSERT_EQ(losses.size(), 2u);
+  EXPECT_NEAR(losses.at(1), std::log(2.0), 1e-6);
+  EXPECT_LT(losses.at(2), std::log(2.0));
+}
+
 }  // namespace
 }  // namespace qtrain

@@ -9,8 +9,6 @@ namespace qtrain::trainer {
 
 namespace {
 
-torch::Device model_device(LlamaForCausalLMImpl& model) { return model.parameters().front().device(); }
-
 // The model in eval mode (no dropout) for a pass, back in its mode after.
 struct EvalMode {
   explicit EvalMode(LlamaForCausalLMImpl& model) : model(model), was_training(model.is_training()) { model.eval(); }
@@ -21,9 +19,8 @@ struct EvalMode {
 
 // Runs `visit(batch on the device, first pair index)` over the pairs, batch_size at a time.
 template <typename Visit>
-void for_each_batch(LlamaForCausalLMImpl& model, const std::vector<data::Example>& pairs, const PairPassOptions& options,
-                    const Visit& visit) {
-  const auto device = model_device(model);
+void for_each_batch(const std::vector<data::Example>& pairs, const PairPassOptions& options, const Visit& visit) {
+  const auto device = options.device;
   const auto size = static_cast<int64_t>(pairs.size());
   const int64_t batch_size = std::max<int64_t>(options.batch_size, 1);
   int64_t batches = 0;
@@ -44,7 +41,7 @@ PreferenceEval evaluate_preference(LlamaForCausalLMImpl& model, const std::vecto
   EvalMode eval_mode(model);
   PreferenceEval result;
   const bool needs_reference = objective_row(preference.objective).reference;
-  for_each_batch(model, pairs, options, [&](const data::Batch& batch, int64_t) {
+  for_each_batch(pairs, options, [&](const data::Batch& batch, int64_t) {
     PairLogProbs reference;
     if (needs_reference) reference = reference_log_probs(model, batch, options.loss, options.packed_attention);
     const auto hidden = model.hidden_states(model_inputs(batch, batch.input_ids.device(), options.packed_attention));
@@ -67,7 +64,7 @@ void compute_reference_log_probs(LlamaForCausalLMImpl& model, std::vector<data::
   for (auto& pair : pairs) pair.reference_log_probs.clear();  // computed, not read back
   PairPassOptions every = options;
   every.max_batches = 0;
-  for_each_batch(model, pairs, every, [&](const data::Batch& batch, int64_t first) {
+  for_each_batch(pairs, every, [&](const data::Batch& batch, int64_t first) {
     const auto reference = reference_log_probs(model, batch, options.loss, options.packed_attention);
     const auto chosen = reference.chosen.to(torch::kCPU, torch::kFloat64);
     const auto rejected = reference.rejected.to(torch::kCPU, torch::kFloat64);

@@ -15,6 +15,7 @@
 namespace qtrain::trainer {
 
 struct PairPassOptions {
+  torch::Device device{torch::kCPU};  // the run's (the model's layers'; its embeddings may stay on the host)
   int64_t batch_size = 1;
   int64_t max_batches = 0;  // 0: every pair
   LossOptions loss;
