@@ -38,6 +38,10 @@ const ObjectiveRow& find_objective(const std::string& name, const std::string& k
   throw Error(ErrorCode::kRecipe, key + ": '" + name + "' is not an objective; expected one of " + choices);
 }
 
+int64_t longest_row_tokens(const std::string& objective, int64_t max_seq_len) {
+  return find_objective(objective).pairs ? 2 * max_seq_len : max_seq_len;
+}
+
 const std::vector<DpoLossTypeRow>& dpo_loss_type_rows() {
   static const std::vector<DpoLossTypeRow> rows = {
       {"sigmoid", false, "-log sigmoid(beta x margin): the paper's loss"},

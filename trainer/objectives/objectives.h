@@ -9,6 +9,7 @@
 //   simpo  SimPO (Meng et al. 2024) as TRL's CPOTrainer(loss_type="simpo"): length-normalised
 //          rewards with a margin, no reference, plus cpo_alpha times the chosen completions' NLL
 // Adding one is a row here and its formula in preference_loss.cpp.
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,9 @@ std::vector<std::string> objective_names();
 const ObjectiveRow& objective_row(Objective objective);
 // Error naming `key` and the choices when `name` is none of them.
 const ObjectiveRow& find_objective(const std::string& name, const std::string& key = "train.objective");
+
+// The longest row of a batch: a preference pair holds two sequences of data.max_seq_len each.
+int64_t longest_row_tokens(const std::string& objective, int64_t max_seq_len);
 
 // DPO's loss types (dpo.loss_type), TRL's names.
 struct DpoLossTypeRow {

@@ -1,5 +1,6 @@
 #include "trainer/recipe/memory_plan.h"
 
+#include "trainer/objectives/objectives.h"
 #include "trainer/recipe/recipe_training.h"
 
 namespace qtrain::trainer {
@@ -38,7 +39,8 @@ std::vector<MemoryChoice> plan_memory(Recipe& recipe, bool tied_embeddings, bool
                            "the checkpointed layer inputs wait in host memory"));
   choices.push_back(choose(train.embeddings_on_host, "train.embeddings_on_host",
                            embeddings_on_host_refusal(recipe, tied_embeddings), "the frozen input table stays on the host"));
-  const int64_t micro_batch_tokens = train.micro_batch_size * recipe.data.max_seq_len;
+  const int64_t micro_batch_tokens =
+      train.micro_batch_size * longest_row_tokens(train.objective, recipe.data.max_seq_len);
   const std::string head_refusal = lm_head_on_host_refusal(recipe, tied_embeddings);
   choices.push_back(choose(train.lm_head_on_host, "train.lm_head_on_host",
                            head_refusal.empty() ? too_short("micro-batch", micro_batch_tokens) : head_refusal,

@@ -6,6 +6,7 @@
 #include "kernels/error.h"
 #include "trainer/formats/hf_config.h"
 #include "trainer/model/fused_linear_cross_entropy.h"
+#include "trainer/objectives/objectives.h"
 #include "trainer/recipe/recipe_training.h"
 
 namespace qtrain::trainer {
@@ -235,7 +236,7 @@ TrainingMemorySetup training_memory_setup(const Recipe& recipe, const LlamaOptio
   }
   setup.device = recipe.train.device == "cpu" ? torch::kCPU : torch::kCUDA;  // auto: a GPU, where runs go
   setup.micro_batch_size = recipe.train.micro_batch_size;
-  setup.sequence_length = recipe.data.max_seq_len;
+  setup.sequence_length = longest_row_tokens(recipe.train.objective, recipe.data.max_seq_len);
   setup.packed = recipe.data.pack;
   setup.gradient_checkpointing = recipe.train.gradient_checkpointing;
   setup.checkpoint_every = recipe.train.gradient_checkpointing_every;
