@@ -18,10 +18,11 @@ real special tokens at their ids (and a pad that is not the eos), into $QTRAIN_B
 Before writing a checkpoint the script deletes the others it wrote (ubench_*, and the llama3-8b ones
 where $QTRAIN_BENCH_CHECKPOINT is not set), so that the disk holds one; QTRAIN_BENCH_KEEP_CHECKPOINTS=1
 keeps them. `--shape S --layers N --write-checkpoint` only writes S's checkpoint (no GPU needed).
-Unsloth's own recipe:
-FastLanguageModel.from_pretrained (load_in_4bit for QLoRA, NF4), get_peft_model with LoRA r16
-alpha 32 dropout 0 on the 7 projections (phi4-mini: their fused qkv_proj, o_proj, gate_up_proj,
-down_proj; for the mixtures Unsloth adds the fused expert Parameters as peft target_parameters), its default use_gradient_checkpointing="unsloth" (which offloads
+
+Unsloth's own recipe: FastLanguageModel.from_pretrained (load_in_4bit for QLoRA, NF4),
+get_peft_model with LoRA r16 alpha 32 dropout 0 on the 7 projections (phi4-mini: their fused
+qkv_proj, o_proj, gate_up_proj, down_proj; for the mixtures Unsloth adds the fused expert Parameters
+as peft target_parameters), its default use_gradient_checkpointing="unsloth" (which offloads
 activations to the host) with --checkpointing and False without; then a plain loop on random token
 ids: forward with labels under bf16 autocast, backward, clipping at 1, torch AdamW lr 1e-4 on the
 LoRA weights. Prints the median step's tokens/s and the peak allocated memory of the timed steps
@@ -58,10 +59,16 @@ QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_st
                  "</tool_response>", "<think>", "</think>"]
 
 
-def qwen_tokenizer(count, **named):
+def qwen_tokenizer(count, byte_alphabet=False, **named):
     """Qwen's tokenizer: 151,643 ordinary ids, then its first COUNT special tokens."""
     return dict(size=151643 + count, specials={151643 + i: token for i, token in enumerate(QWEN_SPECIALS[:count])},
-                named=named)
+                named=named, byte_alphabet=byte_alphabet)
+
+
+def byte_characters():
+    """Byte-level BPE's 256 characters for the bytes, in GPT-2's order (Qwen's ids 0-255)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    return [chr(b) for b in printable] + [chr(256 + n) for n in range(256 - len(printable))]
 
 
 def gemma_tokenizer(size, turn, extra=None):
@@ -95,18 +102,20 @@ DENSE_SHAPES = {
         tokenizer=qwen_tokenizer(26, eos_token="<|im_end|>", pad_token="<|endoftext|>")),
     # Qwen/Qwen2.5-7B config.json (qwen2.cpp); q, k and v with biases, as transformers' Qwen2 always has.
     # Its tokenizer pads with its eos, <|endoftext|>; here <|vision_pad|> pads (Unsloth would pick a
-    # pad other than the eos itself, and must not add one: that resizes the embeddings).
+    # pad other than the eos itself, and must not add one: that resizes the embeddings). transformers 5
+    # loads a qwen2 model's tokenizer as Qwen2Tokenizer, a byte-level BPE rebuilt from the vocabulary:
+    # ids 0-255 are the byte characters, as in Qwen's, so that text encodes (byte by byte) there too.
     "qwen2.5-7b": dict(full_layers=28, tag="qwen25", classes=("Qwen2Config", "Qwen2ForCausalLM"), config=dict(
         vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
         max_position_embeddings=131072, rms_norm_eps=1e-6, rope_theta=1000000.0, sliding_window=131072,
         use_sliding_window=False, max_window_layers=28, attention_dropout=0.0, hidden_act="silu",
         tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151643, initializer_range=0.02),
-        tokenizer=qwen_tokenizer(22, eos_token="<|endoftext|>", pad_token="<|vision_pad|>")),
+        tokenizer=qwen_tokenizer(22, byte_alphabet=True, eos_token="<|endoftext|>", pad_token="<|vision_pad|>")),
     # mistralai/Mistral-7B-v0.3 config.json (mistral.cpp: no sliding window, 32,768 ids). Its tokenizer
     # has no pad; [control_8] pads here (as Unsloth picks a "[control" token for Mistral).
     "mistral-7b": dict(full_layers=32, tag="mistral", classes=("MistralConfig", "MistralForCausalLM"), config=dict(
         vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-        head_dim=128, max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=1000000.0, sliding_window=None,
+        max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=1000000.0, sliding_window=None,
         attention_dropout=0.0, hidden_act="silu", tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
         initializer_range=0.02),
         tokenizer=dict(size=32768, specials={
@@ -208,9 +217,12 @@ def write_built_tokenizer(shape, path):
     from transformers import PreTrainedTokenizerFast
     spec = BUILT_SHAPES[shape]["tokenizer"]
     specials, named = spec["specials"], spec["named"]
-    vocab = {f"t{i}": i for i in range(spec["size"]) if i not in specials}
+    ordinary = {i: f"t{i}" for i in range(spec["size"]) if i not in specials}
+    if spec.get("byte_alphabet"):
+        ordinary.update(enumerate(byte_characters()))
+    vocab = {token: i for i, token in ordinary.items()}
     vocab.update({token: i for i, token in sorted(specials.items())})
-    unk = named.get("unk_token") or f"t{min(i for i in range(spec['size']) if i not in specials)}"
+    unk = named.get("unk_token") or ordinary[min(ordinary)]
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=unk))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, model_max_length=131072, **named)
