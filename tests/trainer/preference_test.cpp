@@ -84,8 +84,9 @@ const std::vector<Case>& cases() {
   return all;
 }
 
-// TRL's outputs for every case, made once (one Python process: importing TRL takes seconds).
-class PreferenceVsTrl : public ::testing::TestWithParam<Case> {
+// TRL's outputs for every case, made once (one Python process: importing TRL takes seconds). The
+// cases run in one test, so that ctest starts that process once.
+class PreferenceVsTrl : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     skip_reason_ = new std::string(testing::python_lacks("trl peft transformers datasets safetensors"));
@@ -120,10 +121,9 @@ double relative_error(const torch::Tensor& ours, const torch::Tensor& theirs) {
   return (a - b).abs().max().item<double>() / std::max(b.abs().max().item<double>(), 1e-30);
 }
 
-TEST_P(PreferenceVsTrl, LossMetricsAndLoraGradientsEqualTrl) {
-  if (!skip_reason_->empty()) GTEST_SKIP() << *skip_reason_;
-  ASSERT_TRUE(script_output_->empty()) << *script_output_;
-  const Case& item = GetParam();
+void expect_equal_to_trl(const Case& item, const TempDir& temp, const std::map<std::string, std::string>& data_files) {
+  const auto* temp_ = &temp;
+  const auto* data_files_ = &data_files;
   const auto expected = SafetensorsCheckpoint::open(temp_->file("trl/" + item.name + ".safetensors"));
   nlohmann::json trl_metrics;
   std::ifstream(temp_->file("trl/" + item.name + ".json")) >> trl_metrics;
@@ -206,8 +206,14 @@ TEST_P(PreferenceVsTrl, LossMetricsAndLoraGradientsEqualTrl) {
               names.size(), worst);
 }
 
-INSTANTIATE_TEST_SUITE_P(Objectives, PreferenceVsTrl, ::testing::ValuesIn(cases()),
-                         [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+TEST_F(PreferenceVsTrl, EveryObjectivesLossMetricsAndLoraGradientsEqualTrl) {
+  if (!skip_reason_->empty()) GTEST_SKIP() << *skip_reason_;
+  ASSERT_TRUE(script_output_->empty()) << *script_output_;
+  for (const auto& item : cases()) {
+    SCOPED_TRACE(item.name);
+    expect_equal_to_trl(item, *temp_, *data_files_);
+  }
+}
 
 // The reference is the base: switched-off adapters give the base's log-probabilities exactly.
 TEST(Preference, AdaptersOffGiveTheBaseModel) {
