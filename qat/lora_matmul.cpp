@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/functions/utils.h>
 
 #include <string>
+#include <tuple>
 
 #include "kernels/error.h"
 
@@ -21,9 +22,10 @@ torch::Tensor scaled_product(const torch::Tensor& left, const torch::Tensor& rig
   return product.addmm_(left, right, /*beta=*/0.0, /*alpha=*/scale);
 }
 
-// Inverted dropout with a given mask: x * kept / (1 - p), one rounding as F::dropout's.
+// Inverted dropout with a given mask: x * kept / (1 - p) in one pass over x (ATen's kernel for
+// dropout's backward, one rounding as F::dropout's).
 torch::Tensor dropped(const torch::Tensor& x, const torch::Tensor& kept, double dropout) {
-  return x * kept * (1.0 / (1.0 - dropout));
+  return at::native_dropout_backward(x, kept, 1.0 / (1.0 - dropout));
 }
 
 // What backward needs: x (or what makes it again), the dropout mask (1 byte per input value), x A^T
@@ -108,8 +110,13 @@ torch::Tensor lora_matmul(const torch::Tensor& input, const std::shared_ptr<Line
     rows = input.reshape({-1, in});
     a = lora_A.to(dtype);
     b = lora_B.to(dtype);
-    if (dropout > 0.0) kept = torch::empty(rows.sizes(), rows.options().dtype(torch::kBool)).bernoulli_(1.0 - dropout);
-    projected = torch::mm(dropout > 0.0 ? dropped(rows, kept, dropout) : rows, a.t());
+    torch::Tensor adapter_rows = rows;
+    if (dropout > 0.0) {
+      // The mask and the dropped input in one pass (F::dropout's kernel, which keeps the mask).
+      std::tie(adapter_rows, kept) = at::native_dropout(rows, dropout, /*train=*/true);
+      if (kept.scalar_type() != torch::kBool) kept = kept.to(torch::kBool);  // the CPU kernel's is in x's dtype
+    }
+    projected = torch::mm(adapter_rows, a.t());
     output = scaled_product(projected, b.t(), scale, base->bias());
     if (base->multiplies_itself()) {
       base->own_product(rows, output);

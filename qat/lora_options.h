@@ -12,7 +12,7 @@ namespace qtrain::qat {
 // rank and alpha default to what a recipe gets (lora.rank / lora.alpha take these), as Unsloth's
 // and axolotl's QLoRA examples set them; peft's own defaults (r 8, lora_alpha 8) apply where an
 // adapter_config.json omits them (trainer/formats/peft_adapter_config.cpp). dropout defaults to
-// none for a layer built directly; a recipe's lora.dropout (0.05) sets it for training runs.
+// none for a layer built directly; a recipe's lora.dropout (default 0, as peft's) sets it for training runs.
 struct LoraOptions {
   int64_t rank = 16;     // peft's `r`
   double alpha = 32.0;   // peft's `lora_alpha`

@@ -251,6 +251,7 @@ struct BenchOptions {
   int64_t steps = 0;     // timed
   int64_t warmup = 0;
   int64_t lora_rank = 0;
+  double lora_dropout = 0.0;
   int64_t layers = 0;  // --layers: the shape's first N decoder layers (0: all)
   int64_t loss_chunk = 0;  // 0 automatic, -1 unchunked
   int64_t profile_steps = 0;
@@ -327,6 +328,7 @@ po::options_description bench_option_descriptions(BenchOptions& bench) {
       ("dtype", po::value(&bench.dtype_name)->default_value("bf16"), "compute dtype: bf16, fp16 or fp32")
       ("device", po::value(&bench.device_name)->default_value("auto"), "cuda, cpu or auto")
       ("lora-rank", po::value(&bench.lora_rank)->default_value(16), "LoRA rank (alpha = 2 rank)")
+      ("lora-dropout", po::value(&bench.lora_dropout)->default_value(0.0), "dropout on the LoRA input (lora.dropout)")
       ("layers", po::value(&bench.layers)->default_value(0),
        "only the shape's first N decoder layers (a peer's checkpoint cut as deep, where the whole one would not fit its disk); 0: all")
       ("steps", po::value(&bench.steps)->default_value(5), "timed steps (the median is reported)")
@@ -373,6 +375,7 @@ std::optional<BenchOptions> parse_bench_options(const Arguments& arguments) {
   auto& recipe = bench.recipe;
   recipe = bench_recipe(*bench.base, bench.fake_quant, bench.lora_rank, bench.optimizer_name, bench.checkpointing,
                         bench.loss_chunk);
+  recipe.lora.dropout = bench.lora_dropout;  // LoraLinear refuses a value outside [0, 1)
   // Every projection of the shape's block (Phi-3's fused ones by their own names, a mixture of
   // experts' banks), but a router, which the peers' recipes leave frozen; a quantized base keeps it dense.
   const auto dense = trainer::dense_base_projections(bench.llama);
@@ -646,6 +649,7 @@ void report_bench(const BenchOptions& bench, const BenchRun& run, const BenchMea
                               {"offload_activations", recipe.train.offload_activations},
                               {"mlp_chunk_tokens", bench.mlp_chunk},
                               {"packed_samples", bench.packed_samples},
+                              {"lora_dropout", recipe.lora.dropout},
                               {"objective", recipe.train.objective},
                               {"packed_mask", bench.packed_mask},
                               {"fused_loss", recipe.train.fused_loss},

@@ -64,7 +64,7 @@ TEST(RecipeDefaults, AreWhatTorchtuneAndAxolotlUsersExpect) {
   EXPECT_EQ(recipe.qlora.skip_modules, std::vector<std::string>{"lm_head"});
   EXPECT_EQ(recipe.lora.rank, 16);
   EXPECT_EQ(recipe.lora.alpha, 32.0);
-  EXPECT_EQ(recipe.lora.dropout, 0.05);
+  EXPECT_EQ(recipe.lora.dropout, 0.0);
   EXPECT_EQ(recipe.lora.target_modules, kLlamaProjections);
   EXPECT_EQ(recipe.lora.init_from, "");
   EXPECT_EQ(recipe.qat.weights.bits, 4);

@@ -33,7 +33,7 @@ std::string all_projections_yaml() {
   for (const auto& name : decoder_projection_names()) list += (list.empty() ? "[" : ", ") + name;
   return list + "]";
 }
-const std::vector<std::string> kDtypes = {"bf16", "fp16", "fp32"};
+const std::vector<std::string> kComputeDtypes = {"bf16", "fp16", "fp32"};
 
 void append(std::vector<RecipeKey>& keys, std::vector<RecipeKey> more) {
   keys.insert(keys.end(), std::make_move_iterator(more.begin()), std::make_move_iterator(more.end()));
@@ -73,7 +73,7 @@ std::vector<RecipeKey> model_keys() {
           .model_path(),
       key("model.dtype", "bf16", QTRAIN_FIELD(model.dtype),
           "dtype of the weights kept unquantized (all of them with quant: none)")
-          .one_of(kDtypes),
+          .one_of(kComputeDtypes),
   };
 }
 
@@ -121,7 +121,8 @@ std::vector<RecipeKey> lora_keys() {
       key("lora.alpha", std::to_string(static_cast<int64_t>(qat::LoraOptions{}.alpha)), QTRAIN_FIELD(lora.alpha),
           "scaling numerator: alpha / r, or alpha / sqrt(r) with rslora")
           .above(0),
-      key("lora.dropout", "0.05", QTRAIN_FIELD(lora.dropout), "dropout on the adapter input")
+      key("lora.dropout", "0.0", QTRAIN_FIELD(lora.dropout),
+          "dropout on the adapter input (peft's and Unsloth's default of 0 is the fast path; 0.05 costs ~8% of a step)")
           .at_least(0)
           .below(1),
       key("lora.rslora", "false", QTRAIN_FIELD(lora.rslora), "rank-stabilized scaling"),
@@ -362,7 +363,7 @@ std::vector<RecipeKey> train_keys() {
           .at_least(1),
       key("train.dtype", "bf16", QTRAIN_FIELD(train.dtype),
           "compute dtype; fp16 scales the loss dynamically")
-          .one_of(kDtypes),
+          .one_of(kComputeDtypes),
       key("train.device", "auto", QTRAIN_FIELD(train.device), "auto: cuda when there is one")
           .one_of({"auto", "cpu", "cuda"}),
       key("train.seed", "42", QTRAIN_FIELD(train.seed),
