@@ -2,6 +2,7 @@
 
 #include <filesystem>
 
+#include "data/text_affixes.h"
 #include "data/text_file.h"
 #include "data/tokenizer_config.h"
 #include "data/utf8.h"
@@ -93,10 +94,6 @@ std::string lstrip_newlines(const std::string& text) {
 std::string rstrip_newlines(const std::string& text) {
   const size_t end = text.find_last_not_of('\n');
   return end == std::string::npos ? std::string() : text.substr(0, end + 1);
-}
-bool starts_with(const std::string& text, const std::string& prefix) { return text.compare(0, prefix.size(), prefix) == 0; }
-bool ends_with(const std::string& text, const std::string& suffix) {
-  return text.size() >= suffix.size() && text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
 void render_llama3(const std::vector<ChatMessage>& messages, const std::string& bos_token, SegmentWriter& out) {

@@ -9,21 +9,21 @@ namespace qtrain::data {
 
 namespace {
 
-class NfcStep : public NormalizerStep {
+class NfcNormalization : public NormalizerStep {
  public:
   void apply(std::string& text) const override { text = normalize_nfc(text); }
 };
 
-class NfdStep : public NormalizerStep {
+class NfdNormalization : public NormalizerStep {
  public:
   void apply(std::string& text) const override { text = normalize_nfd(text); }
 };
 
 // Drops every mark (Mn, Mc, Me) as tokenizers' StripAccents does; files put NFD before it so
 // that "é" is "e" + U+0301 by then.
-class StripAccentsStep : public NormalizerStep {
+class StripAccentsNormalization : public NormalizerStep {
  public:
-  explicit StripAccentsStep(const JsonNode& config)
+  explicit StripAccentsNormalization(const JsonNode& config)
       : marks_(TextPattern::regex(R"(\p{M}+)", config.file() + ": " + config.path() + " (StripAccents)")) {}
   void apply(std::string& text) const override { text = replace_all(text, marks_, ""); }
 
@@ -32,9 +32,9 @@ class StripAccentsStep : public NormalizerStep {
 };
 
 // Whitespace (Rust's char::is_whitespace) off the start and/or the end.
-class StripStep : public NormalizerStep {
+class StripNormalization : public NormalizerStep {
  public:
-  explicit StripStep(const JsonNode& config)
+  explicit StripNormalization(const JsonNode& config)
       : strip_left_(config.bool_or("strip_left", true)), strip_right_(config.bool_or("strip_right", true)) {}
   void apply(std::string& text) const override {
     size_t end = text.size();
@@ -59,15 +59,15 @@ class StripStep : public NormalizerStep {
 
 // Every byte as its character of GPT-2's byte-level alphabet, as the ByteLevel pre-tokenizer
 // maps it.
-class ByteLevelStep : public NormalizerStep {
+class ByteLevelNormalization : public NormalizerStep {
  public:
   void apply(std::string& text) const override { text = byte_level::encode(text); }
 };
 
 // As tokenizers' Prepend: an empty stretch stays empty (no lone "▁" between two added tokens).
-class PrependStep : public NormalizerStep {
+class PrependNormalization : public NormalizerStep {
  public:
-  explicit PrependStep(const JsonNode& config) : prefix_(config.at("prepend").as_string()) {}
+  explicit PrependNormalization(const JsonNode& config) : prefix_(config.at("prepend").as_string()) {}
   void apply(std::string& text) const override {
     if (!text.empty()) text.insert(0, prefix_);
   }
@@ -76,9 +76,9 @@ class PrependStep : public NormalizerStep {
   std::string prefix_;
 };
 
-class ReplaceStep : public NormalizerStep {
+class ReplaceNormalization : public NormalizerStep {
  public:
-  explicit ReplaceStep(const JsonNode& config)
+  explicit ReplaceNormalization(const JsonNode& config)
       : pattern_(config.at("pattern")), content_(config.at("content").as_string()) {}
   void apply(std::string& text) const override { text = replace_all(text, pattern_, content_); }
 
@@ -92,31 +92,31 @@ using NormalizerRow = std::pair<const char*, std::shared_ptr<const NormalizerSte
 // The normalizers qtrain implements, by tokenizer.json's type name.
 const std::vector<NormalizerRow>& normalizer_rows() {
   static const std::vector<NormalizerRow> rows = {
-      {"NFC", [](const JsonNode&) -> std::shared_ptr<const NormalizerStep> { return std::make_shared<NfcStep>(); }},
-      {"NFD", [](const JsonNode&) -> std::shared_ptr<const NormalizerStep> { return std::make_shared<NfdStep>(); }},
+      {"NFC", [](const JsonNode&) -> std::shared_ptr<const NormalizerStep> { return std::make_shared<NfcNormalization>(); }},
+      {"NFD", [](const JsonNode&) -> std::shared_ptr<const NormalizerStep> { return std::make_shared<NfdNormalization>(); }},
       {"StripAccents", [](const JsonNode& config) -> std::shared_ptr<const NormalizerStep> {
-         return std::make_shared<StripAccentsStep>(config);
+         return std::make_shared<StripAccentsNormalization>(config);
        }},
-      {"Strip", [](const JsonNode& config) -> std::shared_ptr<const NormalizerStep> { return std::make_shared<StripStep>(config); }},
+      {"Strip", [](const JsonNode& config) -> std::shared_ptr<const NormalizerStep> { return std::make_shared<StripNormalization>(config); }},
       {"Prepend", [](const JsonNode& config) -> std::shared_ptr<const NormalizerStep> {
-         return std::make_shared<PrependStep>(config);
+         return std::make_shared<PrependNormalization>(config);
        }},
       {"Replace", [](const JsonNode& config) -> std::shared_ptr<const NormalizerStep> {
-         return std::make_shared<ReplaceStep>(config);
+         return std::make_shared<ReplaceNormalization>(config);
        }},
-      {"ByteLevel", [](const JsonNode&) -> std::shared_ptr<const NormalizerStep> { return std::make_shared<ByteLevelStep>(); }},
+      {"ByteLevel", [](const JsonNode&) -> std::shared_ptr<const NormalizerStep> { return std::make_shared<ByteLevelNormalization>(); }},
   };
   return rows;
 }
 
-void add_steps(const JsonNode& config, std::vector<std::shared_ptr<const NormalizerStep>>& steps) {
+void add_normalizer_steps(const JsonNode& config, std::vector<std::shared_ptr<const NormalizerStep>>& steps) {
   static const std::string kSupported =
       "supported normalizers: NFC, NFD, StripAccents, Strip, Prepend, Replace, ByteLevel, a Sequence of these, or null";
   const JsonNode type_node = config.at("type");
   const std::string type = type_node.as_string();
   if (type == "Sequence") {
     const JsonNode members = config.at("normalizers");
-    for (size_t i = 0; i < members.size(); ++i) add_steps(members.at(i), steps);
+    for (size_t i = 0; i < members.size(); ++i) add_normalizer_steps(members.at(i), steps);
     return;
   }
   for (const auto& [name, make] : normalizer_rows()) {
@@ -141,7 +141,7 @@ void add_steps(const JsonNode& config, std::vector<std::shared_ptr<const Normali
 
 Normalizer Normalizer::from_json(const std::optional<JsonNode>& config) {
   Normalizer normalizer;
-  if (config) add_steps(*config, normalizer.steps_);
+  if (config) add_normalizer_steps(*config, normalizer.steps_);
   return normalizer;
 }
 

@@ -135,12 +135,12 @@ bool append_spans(std::string_view piece, const std::vector<TextSpan>& spans, st
   return first_at_start;
 }
 
-class SplitStep : public PreTokenizerStep {
+class SplitPreTokenization : public PreTokenizerStep {
  public:
-  SplitStep(TextPattern pattern, Behavior behavior, bool invert = false)
+  SplitPreTokenization(TextPattern pattern, Behavior behavior, bool invert = false)
       : behavior_(behavior), pattern_(std::move(pattern)), invert_(invert) {}
-  static std::shared_ptr<SplitStep> from_json(const JsonNode& config) {
-    return std::make_shared<SplitStep>(TextPattern(config.at("pattern")), parse_behavior(config.at("behavior")),
+  static std::shared_ptr<SplitPreTokenization> from_json(const JsonNode& config) {
+    return std::make_shared<SplitPreTokenization>(TextPattern(config.at("pattern")), parse_behavior(config.at("behavior")),
                                        config.bool_or("invert", false));
   }
 
@@ -158,9 +158,9 @@ class SplitStep : public PreTokenizerStep {
 
 // Maps every byte to GPT-2's byte-level alphabet, after an optional leading space and an
 // optional split by GPT-2's pattern.
-class ByteLevelStep : public PreTokenizerStep {
+class ByteLevelPreTokenization : public PreTokenizerStep {
  public:
-  explicit ByteLevelStep(const JsonNode& config) {
+  explicit ByteLevelPreTokenization(const JsonNode& config) {
     add_prefix_space_ = config.bool_or("add_prefix_space", true);
     if (config.bool_or("use_regex", true)) {
       regex_ = std::make_shared<UnicodeRegex>(kGpt2Pattern, config.file() + ": GPT-2 pattern");
@@ -189,9 +189,9 @@ class ByteLevelStep : public PreTokenizerStep {
 };
 
 // Numbers split off from the rest: each digit alone, or runs of digits.
-class DigitsStep : public PreTokenizerStep {
+class DigitsPreTokenization : public PreTokenizerStep {
  public:
-  explicit DigitsStep(const JsonNode& config)
+  explicit DigitsPreTokenization(const JsonNode& config)
       : regex_(config.bool_or("individual_digits", false) ? R"(\p{N})" : R"(\p{N}+)",
                config.file() + ": " + config.path()) {}
 
@@ -208,9 +208,9 @@ class DigitsStep : public PreTokenizerStep {
 
 // Sentencepiece's view of whitespace: every space becomes the replacement character "▁", a
 // "▁" goes in front as the prepend scheme says, and with split each "▁" begins a new piece.
-class MetaspaceStep : public PreTokenizerStep {
+class MetaspacePreTokenization : public PreTokenizerStep {
  public:
-  explicit MetaspaceStep(const JsonNode& config)
+  explicit MetaspacePreTokenization(const JsonNode& config)
       : options_(MetaspaceOptions::from_json(config)),
         space_(TextPattern::literal(" ")),
         replacement_(TextPattern::literal(options_.replacement)) {}
@@ -247,46 +247,46 @@ void add_fixed_split_steps(const JsonNode& config, const std::string& type,
   auto one_of = [&](const std::string& characters) { return TextPattern::regex("[" + characters + "]", where); };
   if (type == "Punctuation") {  // Falcon's
     const std::optional<JsonNode> behavior = config.find("behavior");
-    steps.push_back(std::make_shared<SplitStep>(one_of(kPunctuationCharacters),
+    steps.push_back(std::make_shared<SplitPreTokenization>(one_of(kPunctuationCharacters),
                                                 behavior ? parse_behavior(*behavior) : Behavior::kIsolated));
   } else if (type == "Whitespace") {
     // Keeps the matches of \w+|[^\w\s]+: runs of word characters, runs of other non-spaces.
     const std::string words = kWordCharacters;
-    steps.push_back(std::make_shared<SplitStep>(
+    steps.push_back(std::make_shared<SplitPreTokenization>(
         TextPattern::regex("[" + words + "]+|[^" + words + kWhitespaceCharacters + "]+", where), Behavior::kRemoved,
         /*invert=*/true));
   } else if (type == "WhitespaceSplit") {
-    steps.push_back(std::make_shared<SplitStep>(one_of(kWhitespaceCharacters), Behavior::kRemoved));
+    steps.push_back(std::make_shared<SplitPreTokenization>(one_of(kWhitespaceCharacters), Behavior::kRemoved));
   } else if (type == "BertPreTokenizer") {
-    steps.push_back(std::make_shared<SplitStep>(one_of(kWhitespaceCharacters), Behavior::kRemoved));
-    steps.push_back(std::make_shared<SplitStep>(one_of(kPunctuationCharacters), Behavior::kIsolated));
+    steps.push_back(std::make_shared<SplitPreTokenization>(one_of(kWhitespaceCharacters), Behavior::kRemoved));
+    steps.push_back(std::make_shared<SplitPreTokenization>(one_of(kPunctuationCharacters), Behavior::kIsolated));
   } else {  // CharDelimiterSplit
     const JsonNode delimiter = config.at("delimiter");
     const std::string character = delimiter.as_string();
     if (character.empty() || utf8::character_at(character, 0).length != character.size()) {
       delimiter.fail("must be one character, got '" + character + "'");
     }
-    steps.push_back(std::make_shared<SplitStep>(TextPattern::literal(character), Behavior::kRemoved));
+    steps.push_back(std::make_shared<SplitPreTokenization>(TextPattern::literal(character), Behavior::kRemoved));
   }
 }
 
-void add_steps(const JsonNode& config, std::vector<std::shared_ptr<const PreTokenizerStep>>& steps) {
+void add_pre_tokenizer_steps(const JsonNode& config, std::vector<std::shared_ptr<const PreTokenizerStep>>& steps) {
   const JsonNode type_node = config.at("type");
   const std::string type = type_node.as_string();
   if (type == "Sequence") {
     const JsonNode members = config.at("pretokenizers");
-    for (size_t i = 0; i < members.size(); ++i) add_steps(members.at(i), steps);
+    for (size_t i = 0; i < members.size(); ++i) add_pre_tokenizer_steps(members.at(i), steps);
   } else if (type == "Split") {
-    steps.push_back(SplitStep::from_json(config));
+    steps.push_back(SplitPreTokenization::from_json(config));
   } else if (type == "Punctuation" || type == "Whitespace" || type == "WhitespaceSplit" || type == "BertPreTokenizer" ||
              type == "CharDelimiterSplit") {
     add_fixed_split_steps(config, type, steps);
   } else if (type == "ByteLevel") {
-    steps.push_back(std::make_shared<ByteLevelStep>(config));
+    steps.push_back(std::make_shared<ByteLevelPreTokenization>(config));
   } else if (type == "Digits") {
-    steps.push_back(std::make_shared<DigitsStep>(config));
+    steps.push_back(std::make_shared<DigitsPreTokenization>(config));
   } else if (type == "Metaspace") {
-    steps.push_back(std::make_shared<MetaspaceStep>(config));
+    steps.push_back(std::make_shared<MetaspacePreTokenization>(config));
   } else if (type == "UnicodeScripts") {
     type_node.fail("'UnicodeScripts' is not supported (it cuts where the Unicode script changes; no released "
                    "model's tokenizer.json uses it)");
@@ -333,7 +333,7 @@ MetaspaceOptions MetaspaceOptions::from_json(const JsonNode& config) {
 
 PreTokenizer PreTokenizer::from_json(const std::optional<JsonNode>& config) {
   PreTokenizer pre_tokenizer;
-  if (config) add_steps(*config, pre_tokenizer.steps_);
+  if (config) add_pre_tokenizer_steps(*config, pre_tokenizer.steps_);
   return pre_tokenizer;
 }
 

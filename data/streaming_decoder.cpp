@@ -1,14 +1,14 @@
 #include "data/streaming_decoder.h"
 
+#include "data/text_affixes.h"
+
 namespace qtrain::data {
 
 namespace {
+
 // U+FFFD, what decoding gives for bytes that do not (yet) form a character.
 const std::string kReplacementCharacter = "\xEF\xBF\xBD";
 
-bool ends_with(const std::string& text, const std::string& suffix) {
-  return text.size() >= suffix.size() && text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
 }  // namespace
 
 std::string StreamingDecoder::push(int64_t token) {

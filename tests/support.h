@@ -57,6 +57,9 @@ inline CommandResult run_command(const std::string& command) {
 }
 
 // A local TCP port nobody listens on right now (for a rendezvous in a test).
+// The qtrain binary with these arguments, its stderr folded into the output.
+inline CommandResult qtrain(const std::string& arguments) { return run_command(qtrain_binary() + " " + arguments + " 2>&1"); }
+
 inline int free_port() {
   const int socket_fd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in address{};

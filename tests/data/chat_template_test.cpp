@@ -12,22 +12,19 @@
 #include "data/tokenizer.h"
 #include "kernels/error.h"
 #include "support.h"
+#include "json_support.h"
 
 namespace qtrain::data {
 namespace {
 
-nlohmann::json read_json(const std::string& path) {
-  std::ifstream input(path);
-  return nlohmann::json::parse(input);
-}
-
+using testing::read_json;
 std::vector<ChatMessage> messages_of(const nlohmann::json& list) {
   std::vector<ChatMessage> messages;
   for (const auto& message : list) messages.push_back({message["role"], message["content"]});
   return messages;
 }
 
-const nlohmann::json& reference() {
+const nlohmann::json& template_reference() {
   static const nlohmann::json value = read_json(qtrain::testing::fixture("chat-template-reference.json"));
   return value;
 }
@@ -50,16 +47,16 @@ TEST(ChatTemplate, TinyLlamaTemplateIsLlama3) {
 
 TEST(ChatTemplate, Llama3RenderEqualsTransformers) {
   const ChatTemplate chat_template = ChatTemplate::from_model_dir(qtrain::testing::fixture("tiny-llama"));
-  EXPECT_EQ(chat_template.render(messages_of(reference()["messages"]), /*add_generation_prompt=*/false),
-            reference()["text"].get<std::string>());
+  EXPECT_EQ(chat_template.render(messages_of(template_reference()["messages"]), /*add_generation_prompt=*/false),
+            template_reference()["text"].get<std::string>());
 }
 
 TEST(ChatTemplate, Llama3RenderedIdsEqualTransformers) {
   const ChatTemplate chat_template = ChatTemplate::from_model_dir(qtrain::testing::fixture("tiny-llama"));
   const Tokenizer tokenizer = Tokenizer::from_model_dir(qtrain::testing::fixture("tiny-llama"));
-  const std::string text = chat_template.render(messages_of(reference()["messages"]), false);
+  const std::string text = chat_template.render(messages_of(template_reference()["messages"]), false);
   // The rendered text starts with the BOS text already, so no second BOS is added.
-  EXPECT_EQ(tokenizer.encode(text, /*add_special_tokens=*/false), reference()["ids"].get<std::vector<int64_t>>());
+  EXPECT_EQ(tokenizer.encode(text, /*add_special_tokens=*/false), template_reference()["ids"].get<std::vector<int64_t>>());
 }
 
 TEST(ChatTemplate, Llama3TrimsContentAndAddsGenerationPrompt) {
@@ -93,14 +90,14 @@ TEST(ChatTemplate, ChatmlDefaultSystemPromptEqualsTransformers) {
 
 TEST(ChatTemplate, OnlyAssistantContentAndEndOfTurnAreTrainable) {
   const ChatTemplate llama3 = ChatTemplate::from_model_dir(qtrain::testing::fixture("tiny-llama"));
-  const auto messages = messages_of(reference()["messages"]);
+  const auto messages = messages_of(template_reference()["messages"]);
   const auto segments = llama3.render_segments(messages, false);
   std::string joined, trainable;
   for (const ChatSegment& segment : segments) {
     joined += segment.text;
     if (segment.trainable) trainable += segment.text;
   }
-  EXPECT_EQ(joined, reference()["text"].get<std::string>());
+  EXPECT_EQ(joined, template_reference()["text"].get<std::string>());
   EXPECT_EQ(trainable, "Blue.<|eot_id|>");
 
   const auto chatml_segments = ChatTemplate::named("chatml").render_segments(kConversation, false);

@@ -21,7 +21,7 @@ namespace {
 
 using Strings = std::vector<std::string>;
 
-const nlohmann::json& reference() {
+const nlohmann::json& steps_reference() {
   static const nlohmann::json document = [] {
     std::ifstream input(qtrain::testing::source_dir() + "/tests/data/pipeline/reference.json");
     return nlohmann::json::parse(input);
@@ -36,9 +36,9 @@ const std::string kFile = "reference.json";
 template <typename Step>
 void expect_each_text_as_reference(const std::string& section, size_t count, const std::string& field,
                                    const std::function<nlohmann::json(const Step&, const std::string&)>& output) {
-  const Strings texts = reference()["texts"];
-  ASSERT_EQ(reference()[section].size(), count);
-  for (const auto& entry : reference()[section]) {
+  const Strings texts = steps_reference()["texts"];
+  ASSERT_EQ(steps_reference()[section].size(), count);
+  for (const auto& entry : steps_reference()[section]) {
     const Step step = Step::from_json(JsonNode(entry["config"], kFile));
     for (size_t i = 0; i < texts.size(); ++i) {
       EXPECT_EQ(output(step, texts[i]), entry[field][i]) << entry["config"].dump() << " on '" << texts[i] << "'";
@@ -59,8 +59,8 @@ TEST(PipelineSteps, NormalizersEqualHuggingFaceTokenizers) {
 }
 
 TEST(PipelineSteps, DecodersEqualHuggingFaceTokenizers) {
-  ASSERT_EQ(reference()["decoders"].size(), 2u);
-  for (const auto& entry : reference()["decoders"]) {
+  ASSERT_EQ(steps_reference()["decoders"].size(), 2u);
+  for (const auto& entry : steps_reference()["decoders"]) {
     const Decoder decoder = Decoder::from_json(JsonNode(entry["config"], kFile));
     for (const auto& example : entry["cases"]) {
       EXPECT_EQ(decoder.decode(example["tokens"].get<Strings>()), example["decoded"].get<std::string>())

@@ -1,6 +1,6 @@
 // Records into labelled samples: what the loss sees is exactly the response (instruct) or the
 // assistant turns (chat) plus the end-of-turn token; chat ids equal transformers'
-// apply_chat_template + tokenizer (chat-template-reference.json).
+// apply_chat_template + tiny_tokenizer (chat-template-reference.json).
 #include "data/sample_formats.h"
 
 #include <gtest/gtest.h>
@@ -14,10 +14,10 @@
 namespace qtrain::data {
 namespace {
 
-std::string model_dir() { return qtrain::testing::fixture("tiny-llama"); }
+std::string tiny_model_dir() { return qtrain::testing::fixture("tiny-llama"); }
 
-const Tokenizer& tokenizer() {
-  static const Tokenizer value = Tokenizer::from_model_dir(model_dir());
+const Tokenizer& tiny_tokenizer() {
+  static const Tokenizer value = Tokenizer::from_model_dir(tiny_model_dir());
   return value;
 }
 
@@ -27,7 +27,7 @@ SampleBuilder builder(const std::string& format, bool train_on_inputs = false,
   options.format = format;
   options.train_on_inputs = train_on_inputs;
   options.prompt_template = prompt_template;
-  return SampleBuilder(options, tokenizer(), model_dir());
+  return SampleBuilder(options, tiny_tokenizer(), tiny_model_dir());
 }
 
 Example sample_of(const SampleBuilder& builder, const nlohmann::json& value) {
@@ -41,15 +41,15 @@ std::string learned_text(const Example& sample) {
   for (const int64_t label : sample.labels) {
     if (label != kIgnoreLabel) learned.push_back(label);
   }
-  return tokenizer().decode(learned);
+  return tiny_tokenizer().decode(learned);
 }
 
-std::string all_text(const Example& sample) { return tokenizer().decode(sample.input_ids); }
+std::string all_text(const Example& sample) { return tiny_tokenizer().decode(sample.input_ids); }
 
 TEST(TextSamples, AreBosTextEosAllLearned) {
   const auto sample = sample_of(builder("text"), {{"text", "The jury said."}});
-  auto expected = tokenizer().encode("The jury said.", true);
-  expected.push_back(*tokenizer().eos_id());
+  auto expected = tiny_tokenizer().encode("The jury said.", true);
+  expected.push_back(*tiny_tokenizer().eos_id());
   EXPECT_EQ(sample.input_ids, expected);
   EXPECT_EQ(sample.labels, expected);
 }

@@ -13,6 +13,7 @@
 #include "data/tokenizer.h"
 #include "kernels/error.h"
 #include "support.h"
+#include "json_support.h"
 
 namespace qtrain::data {
 namespace {
@@ -21,12 +22,8 @@ using Ids = std::vector<int64_t>;
 
 std::string reference_dir() { return qtrain::testing::source_dir() + "/tests/data/sentencepiece"; }
 
-nlohmann::json read_json(const std::string& path) {
-  std::ifstream input(path);
-  return nlohmann::json::parse(input);
-}
-
-const nlohmann::json& reference() {
+using testing::read_json;
+const nlohmann::json& sentencepiece_reference() {
   static const nlohmann::json document = read_json(reference_dir() + "/reference.json");
   return document;
 }
@@ -37,7 +34,7 @@ const Tokenizer& tokenizer_of(const std::string& variant_name) {
   static std::map<std::string, Tokenizer> loaded;
   static qtrain::testing::TempDir scratch;
   if (auto found = loaded.find(variant_name); found != loaded.end()) return found->second;
-  const nlohmann::json& variant = reference()["variants"][variant_name];
+  const nlohmann::json& variant = sentencepiece_reference()["variants"][variant_name];
   const std::string base_dir = reference_dir() + "/" + variant["tokenizer"].get<std::string>();
   std::string model_dir = base_dir;
   if (!variant["patch"].empty()) {
@@ -52,7 +49,7 @@ const Tokenizer& tokenizer_of(const std::string& variant_name) {
 
 // Calls check(variant name, tokenizer, case) for every case of every variant.
 void for_each_case(const std::function<void(const std::string&, const Tokenizer&, const nlohmann::json&)>& check) {
-  for (const auto& [name, variant] : reference()["variants"].items()) {
+  for (const auto& [name, variant] : sentencepiece_reference()["variants"].items()) {
     const Tokenizer& tokenizer = tokenizer_of(name);
     for (const auto& example : variant["cases"]) check(name, tokenizer, example);
   }
@@ -61,10 +58,10 @@ void for_each_case(const std::function<void(const std::string&, const Tokenizer&
 TEST(SentencepieceTokenizer, ReferenceCoversEveryVariant) {
   const std::vector<std::string> expected = {"llama2", "mistral", "mistral-llama2-decoder", "llama2-no-byte-fallback",
                                              "metaspace-always-split", "regex-replace-never", "llama2-added-tokens"};
-  ASSERT_EQ(reference()["variants"].size(), expected.size());
+  ASSERT_EQ(sentencepiece_reference()["variants"].size(), expected.size());
   for (const std::string& name : expected) {
-    ASSERT_TRUE(reference()["variants"].contains(name)) << name;
-    EXPECT_EQ(reference()["variants"][name]["cases"].size(), 46u) << name;
+    ASSERT_TRUE(sentencepiece_reference()["variants"].contains(name)) << name;
+    EXPECT_EQ(sentencepiece_reference()["variants"][name]["cases"].size(), 46u) << name;
   }
 }
 

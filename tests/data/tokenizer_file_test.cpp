@@ -14,15 +14,12 @@
 
 #include "kernels/error.h"
 #include "support.h"
+#include "json_support.h"
 
 namespace qtrain::data {
 namespace {
 
-nlohmann::json read_json(const std::string& path) {
-  std::ifstream input(path);
-  return nlohmann::json::parse(input);
-}
-
+using testing::read_json;
 void expect_equal_to_full_parse(const std::string& path) {
   const nlohmann::json full = read_json(path);
   const TokenizerFile streamed = read_tokenizer_file(path);

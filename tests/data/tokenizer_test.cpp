@@ -12,17 +12,14 @@
 
 #include "kernels/error.h"
 #include "support.h"
+#include "json_support.h"
 
 namespace qtrain::data {
 namespace {
 
 using Ids = std::vector<int64_t>;
 
-nlohmann::json read_json(const std::string& path) {
-  std::ifstream input(path);
-  return nlohmann::json::parse(input);
-}
-
+using testing::read_json;
 const Tokenizer& tiny_llama_tokenizer() {
   static const Tokenizer tokenizer = Tokenizer::from_model_dir(qtrain::testing::fixture("tiny-llama"));
   return tokenizer;

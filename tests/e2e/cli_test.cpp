@@ -21,9 +21,7 @@ using testing::CommandResult;
 using testing::fixture;
 using testing::run_command;
 
-CommandResult qtrain(const std::string& arguments) {
-  return run_command(testing::qtrain_binary() + " " + arguments + " 2>&1");
-}
+using testing::qtrain;
 
 std::string last_line(const std::string& output) {
   auto end = output.find_last_not_of('\n');

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "support.h"
+#include "tensor_support.h"
 #include "qat/expert_linear.h"
 #include "qat/mxfp4_linear.h"
 #include "trainer/formats/hf_checkpoint.h"
@@ -38,10 +39,7 @@ const std::string& family_fixture(const std::string& family) {
   return made.emplace(family, dir).first->second;
 }
 
-double relative_error(const torch::Tensor& ours, const torch::Tensor& theirs) {
-  return (ours - theirs).abs().max().item<double>() / theirs.abs().max().item<double>();
-}
-
+using testing::max_relative_error;
 // Sets config.json's output_router_logits, so that the model computes the load-balancing loss.
 void ask_for_router_loss(const std::string& model_dir) {
   const auto path = model_dir + "/config.json";
@@ -70,7 +68,7 @@ TEST_P(MoeFamily, LogitsAndLoadBalancingLossEqualTransformersInEitherLayout) {
     inputs.input_ids = reference.tensor("input_ids");
     loaded.model->router_loss()->begin();
     const auto logits = loaded.model->forward(inputs);
-    const double error = relative_error(logits, reference.tensor("logits"));
+    const double error = max_relative_error(logits, reference.tensor("logits"));
     const double aux = loaded.model->router_loss()->value();
     const double their_aux = reference.tensor("aux_loss").item<double>();
     std::printf("[ measured ] %s (%s): logits %.3g relative, load-balancing loss %.8f vs transformers' %.8f\n",
@@ -94,7 +92,7 @@ TEST_P(MoeFamily, PeftAdapterOnTheExpertsGivesPeftsLogits) {
   trainer::LlamaInputs inputs;
   inputs.input_ids = reference.tensor("input_ids");
   const auto logits = loaded.model->forward(inputs);
-  const double error = relative_error(logits, reference.tensor("logits"));
+  const double error = max_relative_error(logits, reference.tensor("logits"));
   std::printf("[ measured ] %s: with peft's adapter on %lld expert banks, %.3g relative\n", GetParam().c_str(),
               static_cast<long long>(banks), error);
   EXPECT_LE(error, 1e-5);
@@ -149,7 +147,7 @@ TEST_P(MoeFamily, QloraStepsWriteAnAdapterPeftLoadsAndAMergeTransformersLoadsWit
   trainer::LlamaInputs inputs;
   inputs.input_ids = theirs.tensor("input_ids");
   const auto ours = loaded.model->forward(inputs);
-  const double error = relative_error(ours, theirs.tensor("logits"));
+  const double error = max_relative_error(ours, theirs.tensor("logits"));
   std::printf("[ measured ] %s: peft on the trained adapter vs ours: %.3g relative\n", GetParam().c_str(), error);
   EXPECT_LE(error, 1e-5);
 
@@ -161,7 +159,7 @@ TEST_P(MoeFamily, QloraStepsWriteAnAdapterPeftLoadsAndAMergeTransformersLoadsWit
                                                                       temp.file("merged.safetensors"));
   ASSERT_EQ(logits.status, 0) << logits.output;
   auto merged_model = trainer::load_llama(temp.file("merged"));
-  const double merged_error = relative_error(merged_model.model->forward(inputs),
+  const double merged_error = max_relative_error(merged_model.model->forward(inputs),
                                              trainer::SafetensorsFile::open(temp.file("merged.safetensors")).tensor("logits"));
   std::printf("[ measured ] %s: transformers on the merged export vs ours: %.3g relative\n", GetParam().c_str(), merged_error);
   EXPECT_LE(merged_error, 1e-5);
@@ -199,7 +197,7 @@ TEST_P(MoeGguf, LlamaCppRunsTheExportWithOurLogits) {
   trainer::LlamaInputs inputs;
   inputs.input_ids = theirs.tensor("input_ids");
   const auto ours = loaded.model->forward(inputs);
-  const double error = relative_error(ours, theirs.tensor("logits"));
+  const double error = max_relative_error(ours, theirs.tensor("logits"));
   std::printf("[ measured ] %s: llama.cpp on the F32 GGUF vs ours: %.3g relative over %lld tokens\n", GetParam().c_str(), error,
               static_cast<long long>(inputs.input_ids.size(1)));
   EXPECT_LE(error, 1e-2);  // llama.cpp's own kernels (its CPU matmuls round inputs to its vector dot types)
@@ -256,7 +254,7 @@ TEST(GptOssMxfp4, ExpertsStayMxfp4WithTransformersLogits) {
   torch::NoGradGuard no_grad;
   trainer::LlamaInputs inputs;
   inputs.input_ids = reference.tensor("input_ids");
-  const double error = relative_error(loaded.model->forward(inputs), reference.tensor("logits"));
+  const double error = max_relative_error(loaded.model->forward(inputs), reference.tensor("logits"));
   std::printf("[ measured ] gpt-oss MXFP4: %lld banks kept as MXFP4, logits %.3g relative\n", static_cast<long long>(banks), error);
   EXPECT_LE(error, 1e-5);
 }

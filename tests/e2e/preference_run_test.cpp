@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "support.h"
+#include "json_support.h"
 #include "trainer/formats/hf_checkpoint.h"
 #include "trainer/formats/peft_adapter.h"
 #include "trainer/formats/safetensors.h"
@@ -20,25 +21,13 @@ namespace {
 using testing::CommandResult;
 using testing::run_command;
 
-CommandResult qtrain(const std::string& arguments) { return run_command(testing::qtrain_binary() + " " + arguments + " 2>&1"); }
+using testing::qtrain;
 
 std::string dpo_recipe() { return testing::source_dir() + "/recipes/demo_dpo_tiny.yaml"; }
 
-std::vector<nlohmann::json> metrics_lines(const std::string& run_dir) {
-  std::vector<nlohmann::json> lines;
-  std::ifstream file(run_dir + "/metrics.jsonl");
-  for (std::string line; std::getline(file, line);) lines.push_back(nlohmann::json::parse(line));
-  return lines;
-}
-
+using testing::metrics_lines;
+using testing::logged;
 // {step: value} of a metrics key.
-std::map<int64_t, double> logged(const std::vector<nlohmann::json>& lines, const std::string& key) {
-  std::map<int64_t, double> values;
-  for (const auto& line : lines) {
-    if (line.contains(key)) values[line["step"].get<int64_t>()] = line[key].get<double>();
-  }
-  return values;
-}
 
 TEST(PreferenceRun, TwentyDpoStepsOfTheDemoRaiseHeldOutRewardAccuracyAndPeftLoadsTheAdapter) {
   testing::TempDir temp;

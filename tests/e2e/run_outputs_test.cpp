@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "support.h"
+#include "json_support.h"
 #include "trainer/formats/hf_hub_cache.h"
 
 namespace qtrain {
@@ -17,7 +18,7 @@ namespace {
 using testing::CommandResult;
 using testing::run_command;
 
-CommandResult qtrain(const std::string& arguments) { return run_command(testing::qtrain_binary() + " " + arguments + " 2>&1"); }
+using testing::qtrain;
 
 std::string demo_recipe() { return testing::source_dir() + "/recipes/demo_tiny.yaml"; }
 std::string tiny_llama() { return testing::source_dir() + "/recipes/demo/tiny-llama"; }
@@ -29,21 +30,9 @@ CommandResult train(const std::string& run_dir, int steps, const std::string& ex
                 " --set train.output_dir=" + run_dir + extra);
 }
 
-std::vector<nlohmann::json> metrics_lines(const std::string& run_dir) {
-  std::vector<nlohmann::json> lines;
-  std::ifstream file(run_dir + "/metrics.jsonl");
-  for (std::string line; std::getline(file, line);) lines.push_back(nlohmann::json::parse(line));
-  return lines;
-}
-
+using testing::metrics_lines;
+using testing::logged;
 // {step: value} of a metrics key.
-std::map<int64_t, double> logged(const std::vector<nlohmann::json>& lines, const char* key) {
-  std::map<int64_t, double> values;
-  for (const auto& line : lines) {
-    if (line.contains(key) && line[key].is_number()) values[line["step"].get<int64_t>()] = line[key].get<double>();
-  }
-  return values;
-}
 
 // What TensorBoard reads from RUN/tensorboard (tests/interop/tensorboard_events.py).
 nlohmann::json tensorboard_events(const std::string& run_dir) {

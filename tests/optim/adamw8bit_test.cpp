@@ -14,7 +14,7 @@
 namespace qtrain::optim {
 namespace {
 
-AdamW8bitOptions test_options() {
+AdamW8bitOptions test_8bit_options() {
   AdamW8bitOptions options;
   options.adamw.lr = 1e-3;
   options.adamw.beta1 = 0.9;
@@ -43,7 +43,7 @@ std::map<std::string, torch::Tensor> state_map(const Optimizer& optimizer) {
 
 TEST(AdamW8bit, LargeParametersKeepBlockwise8bitStateSmallOnesFp32) {
   auto params = parameters(1);
-  AdamW8bit optimizer(params, test_options());
+  AdamW8bit optimizer(params, test_8bit_options());
   set_grads(params, 2);
   optimizer.step();
   const auto state = state_map(optimizer);
@@ -64,7 +64,7 @@ TEST(AdamW8bit, LargeParametersKeepBlockwise8bitStateSmallOnesFp32) {
 TEST(AdamW8bit, FirstStepMovesEachWeightByLrAgainstItsGradient) {
   auto params = parameters(3);
   const auto before = params[0].detach().clone();
-  AdamW8bit optimizer(params, test_options());
+  AdamW8bit optimizer(params, test_8bit_options());
   set_grads(params, 4);
   const auto grad = params[0].grad().clone();
   optimizer.step();
@@ -81,7 +81,7 @@ TEST(AdamW8bit, FirstStepMovesEachWeightByLrAgainstItsGradient) {
 
 TEST(AdamW8bit, ResumesExactlyFromItsSavedState) {
   auto original = parameters(5);
-  AdamW8bit first(original, test_options());
+  AdamW8bit first(original, test_8bit_options());
   for (uint64_t step = 0; step < 3; ++step) {
     set_grads(original, 10 + step);
     first.step();
@@ -89,7 +89,7 @@ TEST(AdamW8bit, ResumesExactlyFromItsSavedState) {
   // A second optimizer on copies of the parameters, loaded from the first one's state.
   std::vector<torch::Tensor> resumed;
   for (const auto& parameter : original) resumed.push_back(parameter.detach().clone().requires_grad_());
-  AdamW8bit second(resumed, test_options());
+  AdamW8bit second(resumed, test_8bit_options());
   NamedTensors saved;
   for (const auto& [name, tensor] : first.state()) saved.emplace_back(name, tensor.clone());
   second.load_state(saved);
@@ -106,7 +106,7 @@ TEST(AdamW8bit, ResumesExactlyFromItsSavedState) {
 
 TEST(AdamW8bit, LoadStateKeepsCodesAsTheyAreAndRejectsWrongTensors) {
   auto params = parameters(6);
-  AdamW8bit optimizer(params, test_options());
+  AdamW8bit optimizer(params, test_8bit_options());
   set_grads(params, 7);
   optimizer.step();
   auto saved = optimizer.state();
@@ -128,7 +128,7 @@ TEST(AdamW8bit, LoadStateKeepsCodesAsTheyAreAndRejectsWrongTensors) {
 TEST(AdamW8bit, NonFiniteGradientsLeaveTheirWeightsAndZeroTheirMoments) {
   auto params = parameters(8);
   const auto before = params[0].detach().clone();
-  AdamW8bit optimizer(params, test_options());
+  AdamW8bit optimizer(params, test_8bit_options());
   set_grads(params, 9);
   params[0].mutable_grad()[0][0] = std::nan("");
   params[0].mutable_grad()[0][1] = INFINITY;
@@ -156,7 +156,7 @@ TEST(AdamW8bit, FusedCudaStepEqualsTheTorchOperationsBitForBit) {
   auto make = [&](bool fused) {
     std::vector<torch::Tensor> params;
     for (const auto& tensor : initial) params.push_back(tensor.clone().requires_grad_());
-    auto options = test_options();
+    auto options = test_8bit_options();
     options.fused_cuda_step = fused;
     return std::make_pair(params, std::make_unique<AdamW8bit>(params, options));
   };
@@ -193,7 +193,7 @@ TEST(AdamW8bit, FusedCudaStepEqualsTheTorchOperationsBitForBit) {
 TEST(AdamW8bit, SmallParametersFollowBitsandbytes32bitUpdate) {
   auto params = parameters(11);
   auto reference = params[1].detach().to(torch::kDouble);
-  const auto options = test_options();
+  const auto options = test_8bit_options();
   AdamW8bit optimizer(params, options);
   auto m = torch::zeros_like(reference), v = torch::zeros_like(reference);
   for (int t = 1; t <= 4; ++t) {

@@ -17,6 +17,7 @@
 #include "qat/four_bit_codec.h"
 #include "qat/four_bit_format.h"
 #include "qat/four_bit_linear.h"
+#include "tensor_support.h"
 
 namespace qtrain::qat {
 namespace {
@@ -26,13 +27,9 @@ namespace {
 
 const torch::Device kCuda(torch::kCUDA, 0);
 
-// Bitwise equality (-0.0 and 0.0 differ, as the bytes would), after bringing both to the CPU.
-bool same_bits(const torch::Tensor& a, const torch::Tensor& b) {
-  if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
-  return torch::equal(a.cpu().contiguous().view(torch::kUInt8), b.cpu().contiguous().view(torch::kUInt8));
-}
+using testing::same_bits;
 
-torch::Tensor unpack_codes(const torch::Tensor& packed, int64_t n) {
+torch::Tensor unpack_device_codes(const torch::Tensor& packed, int64_t n) {
   const auto bytes = packed.cpu().reshape({-1}).to(torch::kInt);
   return torch::stack({torch::bitwise_right_shift(bytes, 4), torch::bitwise_and(bytes, 15)}, 1).reshape({-1}).narrow(0, 0, n);
 }
@@ -130,8 +127,8 @@ TEST(FourBitCuda, QuantizeEqualsTheCpuReferenceUpToTheApproximateReciprocal) {
         EXPECT_EQ(cuda.packed.sizes(), cpu.packed.sizes());
         EXPECT_TRUE(same_bits(cuda.state.absmax, cpu.state.absmax));
         EXPECT_TRUE(same_bits(cuda.state.code, cpu.state.code));
-        expect_codes_differ_only_by_the_reciprocal(unpack_codes(cuda.packed, input.numel()),
-                                                   unpack_codes(cpu.packed, input.numel()), input,
+        expect_codes_differ_only_by_the_reciprocal(unpack_device_codes(cuda.packed, input.numel()),
+                                                   unpack_device_codes(cpu.packed, input.numel()), input,
                                                    cpu.state.absmax, blocksize,
                                                    [&](float x) { return format.quantize(x); });
         // The padding nibble of the odd count, and the block of zeros (codes of NaN).

@@ -95,9 +95,9 @@ TEST(FourBitLinear, RejectsUnsupportedOptions) {
 }
 
 // A parent that keeps typed pointers, as the Llama blocks do.
-class Block : public torch::nn::Module, public LinearLayerOwner {
+class FourBitBlock : public torch::nn::Module, public LinearLayerOwner {
  public:
-  Block() {
+  FourBitBlock() {
     DenseLinearOptions dense;
     dense.in_features = 64;
     dense.out_features = 64;
@@ -113,7 +113,7 @@ class Block : public torch::nn::Module, public LinearLayerOwner {
 
 TEST(QuantizeLinearLayers, ReplacesDenseLayersExceptSkippedOnesThroughTheirOwner) {
   auto root = std::make_shared<torch::nn::Module>();
-  auto block = root->register_module("block", std::make_shared<Block>());
+  auto block = root->register_module("block", std::make_shared<FourBitBlock>());
   DenseLinearOptions dense;
   dense.in_features = 128;
   dense.out_features = 32;

@@ -22,6 +22,7 @@
 #include "qat/gguf_block_format.h"
 #include "qat/gguf_grid.h"
 #include "support.h"
+#include "tensor_support.h"
 
 namespace qtrain::qat {
 namespace {
@@ -155,11 +156,7 @@ torch::Tensor ggml_dequantize(const std::vector<uint8_t>& bytes, GgufBlockType t
   return values;
 }
 
-// Bitwise equality (-0.0 and 0.0 differ), on the CPU.
-bool same_bits(const torch::Tensor& a, const torch::Tensor& b) {
-  if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
-  return torch::equal(a.cpu().contiguous().view(torch::kUInt8), b.cpu().contiguous().view(torch::kUInt8));
-}
+using testing::same_bits;
 
 int64_t values_differing(const torch::Tensor& a, const torch::Tensor& b) {
   return (a.cpu().contiguous().view(torch::kInt) != b.cpu().contiguous().view(torch::kInt)).sum().item<int64_t>();

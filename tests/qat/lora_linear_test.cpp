@@ -8,6 +8,7 @@
 #include "kernels/error.h"
 #include "lora_layers.h"
 #include "qat/lora_linear.h"
+#include "tensor_support.h"
 
 namespace qtrain::qat {
 namespace {
@@ -25,11 +26,7 @@ torch::Tensor reference_forward(const LoraLinear& lora, const DenseLinear& base,
   return result + lora.scale() * update;
 }
 
-double max_relative_error(const torch::Tensor& actual, const torch::Tensor& expected) {
-  auto expected64 = expected.to(torch::kFloat64);
-  return ((actual.to(torch::kFloat64) - expected64).abs().max() / expected64.abs().max()).item<double>();
-}
-
+using testing::max_relative_error;
 TEST(LoraLinear, FreshAdapterLeavesTheBaseOutputUnchanged) {
   torch::manual_seed(1);
   auto base = dense(64, 48);

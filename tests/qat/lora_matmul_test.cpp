@@ -8,6 +8,7 @@
 #include "lora_layers.h"
 #include "qat/four_bit_linear.h"
 #include "qat/lora_matmul.h"
+#include "tensor_support.h"
 
 namespace qtrain::qat {
 namespace {
@@ -41,11 +42,7 @@ Gradients reference(const LinearLayer& base, double scale, const torch::Tensor& 
       x.to(torch::kFloat64), a.to(torch::kFloat64), b.to(torch::kFloat64), output_weights);
 }
 
-double max_relative_error(const torch::Tensor& actual, const torch::Tensor& expected) {
-  const auto expected64 = expected.to(torch::kFloat64).cpu();
-  return ((actual.to(torch::kFloat64).cpu() - expected64).abs().max() / expected64.abs().max()).item<double>();
-}
-
+using testing::max_relative_error;
 void expect_matches(const Gradients& fused, const Gradients& expected, double tolerance) {
   EXPECT_LT(max_relative_error(fused.output, expected.output), tolerance);
   EXPECT_LT(max_relative_error(fused.input, expected.input), tolerance);
@@ -53,7 +50,7 @@ void expect_matches(const Gradients& fused, const Gradients& expected, double to
   EXPECT_LT(max_relative_error(fused.b, expected.b), tolerance);
 }
 
-std::shared_ptr<DenseLinear> dense(int64_t in, int64_t out, bool bias) {
+std::shared_ptr<DenseLinear> frozen_dense(int64_t in, int64_t out, bool bias) {
   DenseLinearOptions options;
   options.in_features = in;
   options.out_features = out;
@@ -74,7 +71,7 @@ Gradients fused(const std::shared_ptr<LinearLayer>& base, double scale, const to
 
 TEST(LoraMatmul, DenseBaseWithBiasMatchesFloat64Autograd) {
   torch::manual_seed(11);
-  const auto base = dense(96, 80, /*bias=*/true);
+  const auto base = frozen_dense(96, 80, /*bias=*/true);
   const auto x = torch::randn({3, 7, 96});
   const auto a = torch::randn({8, 96}) * 0.1;
   const auto b = torch::randn({80, 8}) * 0.1;
@@ -108,7 +105,7 @@ TEST(LoraMatmul, FourBitBaseMatchesFloat64AutogradWithAndWithoutKeptWeights) {
 
 TEST(LoraMatmul, AnInputWithoutGradientStillTrainsTheAdapter) {
   torch::manual_seed(13);
-  const auto base = dense(32, 16, /*bias=*/false);
+  const auto base = frozen_dense(32, 16, /*bias=*/false);
   const auto x = torch::randn({4, 32});
   auto a = (torch::randn({2, 32}) * 0.1).requires_grad_(true);
   auto b = (torch::randn({16, 2}) * 0.1).requires_grad_(true);
@@ -183,7 +180,7 @@ TEST(LoraMatmul, ARebuiltInputIsNotKeptAndGivesTheSameGradientsBitwise) {
 // which shows the mask; the gradients must be those of peft's composition with that mask.
 TEST(LoraMatmul, DropoutMasksTheAdapterInputAndBackwardUsesTheSameMask) {
   torch::manual_seed(15);
-  const auto base = dense(16, 16, /*bias=*/false);
+  const auto base = frozen_dense(16, 16, /*bias=*/false);
   const auto x = torch::randn({64, 16}) + 3.0;  // no zeros: a zero in the update is a dropped value
   auto a = torch::eye(16).requires_grad_(true);
   auto b = torch::eye(16).requires_grad_(true);

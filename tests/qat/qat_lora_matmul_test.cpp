@@ -98,11 +98,11 @@ TEST(QatLoraMatmul, ForwardWeightIsTheGridsRoundingOfTheMergedWeight) {
   }
 }
 
-struct Gradients {
+struct QatGradients {
   torch::Tensor input, lora_A, lora_B;
 };
 
-Gradients run_backward(QatLinear& layer, const LoraLinear& lora, const torch::Tensor& x, const torch::Tensor& upstream) {
+QatGradients run_backward(QatLinear& layer, const LoraLinear& lora, const torch::Tensor& x, const torch::Tensor& upstream) {
   auto input = x.clone().requires_grad_(true);
   layer.forward(input).backward(upstream);
   return {input.grad(), lora.lora_A().grad().clone(), lora.lora_B().grad().clone()};

@@ -11,6 +11,7 @@
 #include "kernels/blockwise_8bit.h"
 #include "optim/adamw8bit.h"
 #include "support.h"
+#include "tensor_support.h"
 #include "trainer/formats/safetensors.h"
 
 namespace qtrain::trainer {
@@ -20,11 +21,7 @@ using testing::fixture;
 
 SafetensorsFile reference_file() { return SafetensorsFile::open(fixture("bnb-8bit-reference.safetensors")); }
 
-bool same_bits(const torch::Tensor& a, const torch::Tensor& b) {
-  if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
-  return torch::equal(a.contiguous().view(torch::kUInt8), b.contiguous().view(torch::kUInt8));
-}
-
+using testing::same_bits;
 TEST(Bnb8bitReference, DynamicMapsEqualBitsandbytesCreateDynamicMap) {
   const auto file = reference_file();
   EXPECT_TRUE(same_bits(kernels::signed_dynamic_map(), file.tensor("blockwise.signed.b256.code")));

@@ -11,6 +11,7 @@
 #include "qat/four_bit_codec.h"
 #include "qat/four_bit_linear.h"
 #include "support.h"
+#include "tensor_support.h"
 #include "trainer/formats/bnb_checkpoint.h"
 #include "trainer/formats/hf_checkpoint.h"
 #include "trainer/formats/safetensors.h"
@@ -20,13 +21,7 @@ namespace {
 
 using testing::fixture;
 
-// Bitwise equality (so -0.0 and 0.0 differ, as the bytes would).
-bool same_bits(const torch::Tensor& a, const torch::Tensor& b) {
-  if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
-  const auto bytes_a = a.contiguous().view(torch::kUInt8);
-  const auto bytes_b = b.contiguous().view(torch::kUInt8);
-  return torch::equal(bytes_a, bytes_b);
-}
+using testing::same_bits;
 
 torch::Tensor unpack(const torch::Tensor& packed, int64_t n) {
   const auto bytes = packed.reshape({-1}).to(torch::kInt);

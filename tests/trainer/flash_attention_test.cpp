@@ -11,6 +11,7 @@
 
 #include "trainer/base/memory_stats.h"
 #include "trainer/model/attention_sinks.h"
+#include "tensor_support.h"
 
 namespace qtrain::trainer {
 namespace {
@@ -28,15 +29,12 @@ torch::Tensor masked_attention(const torch::Tensor& q, const torch::Tensor& k, c
                                           /*enable_gqa=*/q.size(1) != k.size(1));
 }
 
-double relative_error(const torch::Tensor& value, const torch::Tensor& reference) {
-  return (value.to(torch::kFloat32) - reference).abs().max().item<double>() / reference.abs().max().item<double>();
-}
-
+using testing::max_relative_error;
 struct Attended {
   torch::Tensor out, grad_q, grad_k, grad_v;
 };
 template <typename Attention>
-Attended run(Attention attention, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+Attended run_attention(Attention attention, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
              const torch::Tensor& grad_out, torch::ScalarType dtype) {
   auto q_ = q.to(dtype).detach().requires_grad_(true), k_ = k.to(dtype).detach().requires_grad_(true),
        v_ = v.to(dtype).detach().requires_grad_(true);
@@ -56,8 +54,8 @@ void expect_as_close_as_the_mask(const Attended& ours, const Attended& dense_bf1
       {"grad key", ours.grad_k, dense_bf16.grad_k, reference.grad_k},
       {"grad value", ours.grad_v, dense_bf16.grad_v, reference.grad_v}};
   for (const auto& [what, flash, dense, exact] : parts) {
-    const double error = relative_error(flash, exact);
-    const double dense_error = relative_error(dense, exact);
+    const double error = max_relative_error(flash, exact);
+    const double dense_error = max_relative_error(dense, exact);
     std::printf("[ measured ] %s, %s: flash %.3g, SDPA with the mask in bf16 %.3g (relative to fp32)\n", label.c_str(),
                 what, error, dense_error);
     EXPECT_LE(error, 2e-2) << label << ", " << what;
@@ -81,9 +79,9 @@ TEST(SlidingWindowAttention, CudaFlashWindowEqualsTheMaskedAttentionWithItsGradi
 
   auto masked = [&](auto&& a, auto&& b, auto&& c) { return masked_attention(a, b, c, window, scale); };
   auto flash = [&](auto&& a, auto&& b, auto&& c) { return flash_window_attention(a, b, c, window, scale); };
-  const auto reference = run(masked, q, k, v, grad_out, torch::kFloat32);
-  const auto dense_bf16 = run(masked, q, k, v, grad_out, torch::kBFloat16);
-  const auto ours = run(flash, q, k, v, grad_out, torch::kBFloat16);
+  const auto reference = run_attention(masked, q, k, v, grad_out, torch::kFloat32);
+  const auto dense_bf16 = run_attention(masked, q, k, v, grad_out, torch::kBFloat16);
+  const auto ours = run_attention(flash, q, k, v, grad_out, torch::kBFloat16);
   expect_as_close_as_the_mask(ours, dense_bf16, reference, "window 64");
   // Keys outside the window get no gradient from the query that cannot see them: query 299 with
   // window 64 sees 236..299, so grad_out on query 299 alone moves keys 236..299 only.
@@ -121,7 +119,7 @@ TEST(SinkAttention, CudaFlashWithSinksEqualsTheWrittenOutPathWithItsGradients) {
     const auto run_with = [&](bool flash, torch::ScalarType dtype) {
       auto s_ = sinks.to(dtype).detach().requires_grad_(true);
       Result result;
-      result.attended = run(
+      result.attended = run_attention(
           [&](auto&& a, auto&& b, auto&& c) {
             return flash ? flash_window_attention(a, b, c, window, scale, s_) : sink_attention(a, b, c, visible, scale, s_);
           },
@@ -134,9 +132,9 @@ TEST(SinkAttention, CudaFlashWithSinksEqualsTheWrittenOutPathWithItsGradients) {
     const auto ours = run_with(true, torch::kBFloat16);
     const std::string label = window > 0 ? "sinks, window 64" : "sinks, causal";
     expect_as_close_as_the_mask(ours.attended, dense_bf16.attended, reference.attended, label);
-    const double sink_error = relative_error(ours.grad_sinks, reference.grad_sinks);
+    const double sink_error = max_relative_error(ours.grad_sinks, reference.grad_sinks);
     std::printf("[ measured ] %s, grad sinks: flash %.3g, written out in bf16 %.3g (relative to fp32)\n", label.c_str(),
-                sink_error, relative_error(dense_bf16.grad_sinks, reference.grad_sinks));
+                sink_error, max_relative_error(dense_bf16.grad_sinks, reference.grad_sinks));
     EXPECT_LE(sink_error, 2e-2) << label;
   }
 }
@@ -152,12 +150,12 @@ TEST(SlidingWindowAttention, CudaFlashWindowAtLongSequencesMeasured) {
   const auto q = torch::randn({1, 32, length, 128}, options), k = torch::randn({1, 8, length, 128}, options),
              v = torch::randn({1, 8, length, 128}, options), grad_out = torch::randn({1, 32, length, 128}, options);
   auto measure = [&](const char* what, auto attention) {
-    for (int warm = 0; warm < 2; ++warm) run(attention, q, k, v, grad_out, torch::kBFloat16);
+    for (int warm = 0; warm < 2; ++warm) run_attention(attention, q, k, v, grad_out, torch::kBFloat16);
     torch::cuda::synchronize();
     reset_peak_memory(device);
     const double before = memory_usage(device).current_bytes;
     const auto start = std::chrono::steady_clock::now();
-    const auto result = run(attention, q, k, v, grad_out, torch::kBFloat16);
+    const auto result = run_attention(attention, q, k, v, grad_out, torch::kBFloat16);
     torch::cuda::synchronize();
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     const double peak = memory_usage(device).peak_bytes - before;
@@ -171,7 +169,7 @@ TEST(SlidingWindowAttention, CudaFlashWindowAtLongSequencesMeasured) {
   const auto masked = measure("SDPA with the [T, T] mask", [&](auto&& a, auto&& b, auto&& c) {
     return masked_attention(a, b, c, window, scale);
   });
-  EXPECT_LE(relative_error(flash, masked.to(torch::kFloat32)), 2e-2);
+  EXPECT_LE(max_relative_error(flash, masked.to(torch::kFloat32)), 2e-2);
 }
 
 
@@ -229,9 +227,9 @@ TEST(PackedAttention, CudaFlashOverSpansEqualsTheBlockCausalMaskWithItsGradients
       return at::scaled_dot_product_attention(a, b, c, visible, 0.0, false, scale, /*enable_gqa=*/true);
     };
     auto flash = [&](auto&& a, auto&& b, auto&& c) { return flash_packed_attention(a, b, c, spans, window, scale); };
-    const auto reference = run(masked, q, k, v, grad_out, torch::kFloat32);
-    const auto dense_bf16 = run(masked, q, k, v, grad_out, torch::kBFloat16);
-    const auto ours = run(flash, q, k, v, grad_out, torch::kBFloat16);
+    const auto reference = run_attention(masked, q, k, v, grad_out, torch::kFloat32);
+    const auto dense_bf16 = run_attention(masked, q, k, v, grad_out, torch::kBFloat16);
+    const auto ours = run_attention(flash, q, k, v, grad_out, torch::kBFloat16);
     expect_as_close_as_the_mask(ours, dense_bf16, reference, "spans, window " + std::to_string(window));
   }
   // No gradient crosses a sample boundary: the output of row 1's second sample alone moves no
@@ -259,12 +257,12 @@ TEST(PackedAttention, CudaSpansAgainstTheMaskMeasured) {
   const auto q = torch::randn({rows, 32, length, 128}, options), k = torch::randn({rows, 8, length, 128}, options),
              v = torch::randn({rows, 8, length, 128}, options), grad_out = torch::randn({rows, 32, length, 128}, options);
   auto measure = [&](const char* what, auto attention) {
-    for (int warm = 0; warm < 2; ++warm) run(attention, q, k, v, grad_out, torch::kBFloat16);
+    for (int warm = 0; warm < 2; ++warm) run_attention(attention, q, k, v, grad_out, torch::kBFloat16);
     torch::cuda::synchronize();
     const auto start = std::chrono::steady_clock::now();
     const int repeats = 10;
     torch::Tensor out;
-    for (int repeat = 0; repeat < repeats; ++repeat) out = run(attention, q, k, v, grad_out, torch::kBFloat16).out;
+    for (int repeat = 0; repeat < repeats; ++repeat) out = run_attention(attention, q, k, v, grad_out, torch::kBFloat16).out;
     torch::cuda::synchronize();
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / repeats;
     std::printf("[ measured ] %s, %ld x %ld tokens in samples of %ld: forward + backward %.2f ms\n", what,
@@ -277,7 +275,7 @@ TEST(PackedAttention, CudaSpansAgainstTheMaskMeasured) {
   const auto masked = measure("SDPA with the block-causal mask", [&](auto&& a, auto&& b, auto&& c) {
     return at::scaled_dot_product_attention(a, b, c, mask.dense(), 0.0, false, scale, /*enable_gqa=*/true);
   });
-  EXPECT_LE(relative_error(flash, masked.to(torch::kFloat32)), 2e-2);
+  EXPECT_LE(max_relative_error(flash, masked.to(torch::kFloat32)), 2e-2);
 }
 
 }  // namespace

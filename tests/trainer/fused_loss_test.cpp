@@ -13,6 +13,7 @@
 #include "run_metrics.h"
 #include "small_llama.h"
 #include "support.h"
+#include "tensor_support.h"
 #include "trainer/base/memory_stats.h"
 #include "trainer/finetune.h"
 #include "trainer/formats/hf_checkpoint.h"
@@ -25,11 +26,7 @@ namespace {
 
 using testing::fixture;
 
-// max |ours - theirs| / max |theirs|
-double relative_error(const torch::Tensor& ours, const torch::Tensor& theirs) {
-  return (ours.to(torch::kFloat64) - theirs.to(torch::kFloat64)).abs().max().item<double>() /
-         theirs.to(torch::kFloat64).abs().max().item<double>();
-}
+using testing::max_relative_error;
 
 struct LossAndGradient {
   double loss = 0;
@@ -105,9 +102,9 @@ void expect_float64_reference(torch::ScalarType dtype, uint64_t seed, double los
   options.tile_columns = 256;
   const auto actual = fused_loss(problem.states, problem.weight, problem.targets, 0.0, loss_grad, options);
   std::printf("%s: loss relative error %.3g, gradient %.3g\n", c10::toString(dtype),
-              std::abs(actual.loss - expected.loss) / expected.loss, relative_error(actual.grad, expected.grad));
+              std::abs(actual.loss - expected.loss) / expected.loss, max_relative_error(actual.grad, expected.grad));
   EXPECT_NEAR(actual.loss, expected.loss, loss_bound * expected.loss);
-  EXPECT_LE(relative_error(actual.grad, expected.grad), grad_bound);
+  EXPECT_LE(max_relative_error(actual.grad, expected.grad), grad_bound);
   EXPECT_EQ(actual.grad.scalar_type(), dtype);
 }
 
@@ -179,7 +176,7 @@ TEST(FusedLoss, RaggedChunksAndTilesGiveTheSameResult) {
     options.tile_columns = tile;
     const auto actual = fused_loss(problem.states, problem.weight, problem.targets, 0.0, 1.0, options);
     EXPECT_NEAR(actual.loss, expected.loss, 2e-6 * expected.loss) << "chunk " << chunk << ", tile " << tile;
-    EXPECT_LE(relative_error(actual.grad, expected.grad), 5e-6) << "chunk " << chunk << ", tile " << tile;
+    EXPECT_LE(max_relative_error(actual.grad, expected.grad), 5e-6) << "chunk " << chunk << ", tile " << tile;
   }
 }
 
@@ -196,9 +193,9 @@ TEST(FusedLoss, Gemma2SoftcapEqualsAFloat64Reference) {
     const auto actual = fused_loss(problem.states, problem.weight, problem.targets, 5.0, 0.5, options);
     const bool fp32 = dtype == torch::kFloat32;
     std::printf("softcap %s: loss relative error %.3g, gradient %.3g\n", fp32 ? "fp32" : "bf16",
-                std::abs(actual.loss - expected.loss) / expected.loss, relative_error(actual.grad, expected.grad));
+                std::abs(actual.loss - expected.loss) / expected.loss, max_relative_error(actual.grad, expected.grad));
     EXPECT_NEAR(actual.loss, expected.loss, (fp32 ? 2e-6 : 2e-3) * expected.loss) << dtype;
-    EXPECT_LE(relative_error(actual.grad, expected.grad), fp32 ? 1e-5 : 2e-2) << dtype;
+    EXPECT_LE(max_relative_error(actual.grad, expected.grad), fp32 ? 1e-5 : 2e-2) << dtype;
   }
 }
 
@@ -271,7 +268,7 @@ double worst_relative_error(const ModelGradients& ours, const ModelGradients& th
   EXPECT_EQ(ours.trainable.size(), theirs.trainable.size());
   double worst = 0;
   for (size_t index = 0; index < std::min(ours.trainable.size(), theirs.trainable.size()); ++index) {
-    worst = std::max(worst, relative_error(ours.trainable[index], theirs.trainable[index]));
+    worst = std::max(worst, max_relative_error(ours.trainable[index], theirs.trainable[index]));
   }
   return worst;
 }
@@ -317,7 +314,7 @@ TEST(FusedLoss, Gemma2TiedEmbeddingsEqualTheLogitsPath) {
   const auto logits_path = loss_through_model(*model, hidden, input_ids, loss_options(0, false));
   const auto fused = loss_through_model(*model, hidden, input_ids, loss_options(20, true, 3000));
   EXPECT_NEAR(fused.loss, logits_path.loss, 1e-6 * logits_path.loss);
-  EXPECT_LE(relative_error(fused.grad, logits_path.grad), 1e-5);
+  EXPECT_LE(max_relative_error(fused.grad, logits_path.grad), 1e-5);
   // Trained embeddings need autograd's gradient: the logits path, whatever the option says.
   model->model->embed_tokens->weight.set_requires_grad(true);
   EXPECT_FALSE(fused_loss_applies(*model));
@@ -370,7 +367,7 @@ TEST(FusedLoss, AFourBitLmHeadMultipliesByItsDequantizedWeight) {
   const auto logits_path = loss_through_model(*model, hidden, input_ids, loss_options(0, false));
   const auto fused = loss_through_model(*model, hidden, input_ids, loss_options(16, true, 3000));
   EXPECT_NEAR(fused.loss, logits_path.loss, 1e-6 * logits_path.loss);
-  EXPECT_LE(relative_error(fused.grad, logits_path.grad), 1e-5);
+  EXPECT_LE(max_relative_error(fused.grad, logits_path.grad), 1e-5);
 }
 
 // Held-out evaluation (no grad) through the fused forward equals the logits path's (measured 1e-7).
@@ -441,9 +438,9 @@ TEST(FusedLoss, CudaBf16EqualsAFloat64ReferenceAndHoldsLessMemory) {
     options.tile_columns = 5000;
     const auto actual = fused_loss(problem.states, problem.weight, problem.targets, 0.0, 0.37, options);
     std::printf("cuda bf16: loss relative error %.3g, gradient %.3g\n",
-                std::abs(actual.loss - expected.loss) / expected.loss, relative_error(actual.grad, expected.grad));
+                std::abs(actual.loss - expected.loss) / expected.loss, max_relative_error(actual.grad, expected.grad));
     EXPECT_NEAR(actual.loss, expected.loss, 2e-3 * expected.loss);
-    EXPECT_LE(relative_error(actual.grad, expected.grad), 2e-2);
+    EXPECT_LE(max_relative_error(actual.grad, expected.grad), 2e-2);
   }
 
   auto options = testing::small_llama_options(1024, 1);
@@ -469,9 +466,9 @@ TEST(FusedLoss, CudaBf16EqualsAFloat64ReferenceAndHoldsLessMemory) {
   const auto [fused_peak, fused_grad] = peak_bytes(true);
   std::printf("cuda loss peak: fused %s, chunked %s; gradient relative difference %.3g\n",
               format_bytes(fused_peak).c_str(), format_bytes(chunked_peak).c_str(),
-              relative_error(fused_grad, chunked_grad));
+              max_relative_error(fused_grad, chunked_grad));
   EXPECT_LT(fused_peak, 0.5 * chunked_peak);
-  EXPECT_LE(relative_error(fused_grad, chunked_grad), 3e-2);
+  EXPECT_LE(max_relative_error(fused_grad, chunked_grad), 3e-2);
 }
 
 // train.lm_head_on_host on a GPU: the loss and the states' gradient equal those of lm_head on the

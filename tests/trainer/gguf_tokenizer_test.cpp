@@ -23,7 +23,7 @@ using testing::fixture;
 using testing::TempDir;
 using Json = nlohmann::json;
 
-constexpr const char* kPythonModules = "llama_cpp tokenizers";
+constexpr const char* kLlamaCppModules = "llama_cpp tokenizers";
 
 std::string source_file(const std::string& relative) { return testing::source_dir() + "/" + relative; }
 
@@ -162,7 +162,7 @@ std::string tokenizer_directory(const TokenizerCase& tokenizer_case, const TempD
 class GgufTokenizer : public ::testing::TestWithParam<TokenizerCase> {};
 
 TEST_P(GgufTokenizer, LlamaCppGivesOurIdsOnEveryReferenceText) {
-  if (const auto lacking = testing::python_lacks(kPythonModules); !lacking.empty()) GTEST_SKIP() << lacking;
+  if (const auto lacking = testing::python_lacks(kLlamaCppModules); !lacking.empty()) GTEST_SKIP() << lacking;
   TempDir temp;
   const auto directory = tokenizer_directory(GetParam(), temp);
   const auto base = base_of(directory);
@@ -184,7 +184,7 @@ INSTANTIATE_TEST_SUITE_P(Tokenizers, GgufTokenizer, ::testing::ValuesIn(kTokeniz
 // the model was trained with) does, as tokenizers does for Llama 2's Prepend layout: the export
 // writes it as that layout, and llama.cpp gives the ids of the Llama 2 layout of the same vocabulary.
 TEST(GgufTokenizerMetaspace, TokenizesAsSentencepieceWithItsPrefixSpace) {
-  if (const auto lacking = testing::python_lacks(kPythonModules); !lacking.empty()) GTEST_SKIP() << lacking;
+  if (const auto lacking = testing::python_lacks(kLlamaCppModules); !lacking.empty()) GTEST_SKIP() << lacking;
   TempDir temp;
   const auto mistral = base_of(source_file("tests/data/sentencepiece/mistral"));
   const auto file = write_tokenizer_gguf(mistral, temp.file("mistral.gguf"));

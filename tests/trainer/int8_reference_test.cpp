@@ -25,12 +25,12 @@ namespace {
 
 using testing::fixture;
 
-SafetensorsFile reference_file() { return SafetensorsFile::open(fixture("bnb-8bit-reference.safetensors")); }
+SafetensorsFile int8_reference_file() { return SafetensorsFile::open(fixture("bnb-8bit-reference.safetensors")); }
 
 int64_t count_different(const torch::Tensor& a, const torch::Tensor& b) { return (a != b).sum().item<int64_t>(); }
 
 TEST(Int8Reference, VectorwiseQuantizeEqualsBitsandbytesAtThresholds0And6) {
-  const auto file = reference_file();
+  const auto file = int8_reference_file();
   const auto input = file.tensor("vectorwise.input");
   for (const int threshold : {0, 6}) {
     const std::string prefix = "vectorwise.t" + std::to_string(threshold) + ".";
@@ -58,7 +58,7 @@ qat::Int8Options fp16_options(double threshold) {
 }
 
 TEST(Int8Reference, LinearWeightCodesAndOutputMatchLinear8bitLt) {
-  const auto file = reference_file();
+  const auto file = int8_reference_file();
   const auto weight = file.tensor("linear.weight");
   const auto bias = file.tensor("linear.bias");
   const auto input = file.tensor("linear.input");
@@ -91,7 +91,7 @@ TEST(Int8Reference, LinearWeightCodesAndOutputMatchLinear8bitLt) {
 TEST(Int8Reference, CudaLinearOutputMatchesLinear8bitLt) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU on this machine";
   const torch::Device cuda(torch::kCUDA, 0);
-  const auto file = reference_file();
+  const auto file = int8_reference_file();
   for (const int threshold : {0, 6}) {
     const std::string prefix = "linear.t" + std::to_string(threshold) + ".";
     SCOPED_TRACE(prefix);
@@ -109,7 +109,7 @@ TEST(Int8Reference, CudaLinearOutputMatchesLinear8bitLt) {
 
 // Backward reaches the input through the dequantized weight, and LoRA trains on top.
 TEST(Int8Reference, GradientsReachTheInputAndTheAdapterButNotTheBase) {
-  const auto file = reference_file();
+  const auto file = int8_reference_file();
   qat::Int8Options options;
   options.compute_dtype = torch::kFloat;
   auto base = qat::Int8Linear::from_dense(file.tensor("linear.weight").to(torch::kFloat),
@@ -242,7 +242,7 @@ TEST(Int8Checkpoint, MergedWeightsDequantizeTheInt8Base) {
 }
 
 // Copies tiny-llama-bnb-int8 with `change` applied to its tensors, and loads the copy.
-std::string load_error(const std::function<void(std::vector<std::pair<std::string, torch::Tensor>>&)>& change) {
+std::string int8_load_error(const std::function<void(std::vector<std::pair<std::string, torch::Tensor>>&)>& change) {
   testing::TempDir dir;
   const auto source = SafetensorsCheckpoint::open(fixture("tiny-llama-bnb-int8"));
   std::vector<std::pair<std::string, torch::Tensor>> tensors;
@@ -254,7 +254,7 @@ std::string load_error(const std::function<void(std::vector<std::pair<std::strin
 }
 
 TEST(Int8Checkpoint, AMissingScbIsAnErrorNamingTheTensor) {
-  const auto message = load_error([](auto& tensors) {
+  const auto message = int8_load_error([](auto& tensors) {
     tensors.erase(std::remove_if(tensors.begin(), tensors.end(),
                                  [](const auto& item) { return item.first == "model.layers.2.mlp.up_proj.SCB"; }),
                   tensors.end());
@@ -264,7 +264,7 @@ TEST(Int8Checkpoint, AMissingScbIsAnErrorNamingTheTensor) {
 }
 
 TEST(Int8Checkpoint, AnInt8WeightOfTheWrongShapeIsAnErrorNamingTheTensor) {
-  const auto message = load_error([](auto& tensors) {
+  const auto message = int8_load_error([](auto& tensors) {
     for (auto& [name, tensor] : tensors) {
       if (name == "model.layers.1.self_attn.k_proj.weight") tensor = torch::zeros({32, 256}, torch::kChar);
     }

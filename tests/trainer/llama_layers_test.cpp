@@ -57,7 +57,7 @@ struct Outcome {
 };
 
 // Runs `layer` on leaf copies of `inputs` and backpropagates `grad_output`.
-Outcome run(const std::function<torch::Tensor(const std::vector<torch::Tensor>&)>& layer,
+Outcome run_layer(const std::function<torch::Tensor(const std::vector<torch::Tensor>&)>& layer,
             const std::vector<torch::Tensor>& inputs, const torch::Tensor& grad_output) {
   std::vector<torch::Tensor> leaves;
   for (const auto& input : inputs) leaves.push_back(input.detach().clone().requires_grad_(true));
@@ -77,8 +77,8 @@ TEST(LlamaLayersCuda, RmsNormMatchesTheReferenceForwardAndBackward) {
     const auto x = (torch::randn({3, 37, 1000}) * 3).to(on_cuda(dtype));
     const auto weight = (1 + 0.1 * torch::randn({1000})).to(on_cuda(dtype));
     const auto grad = torch::randn({3, 37, 1000}).to(on_cuda(dtype));
-    const auto fused = run([](const auto& in) { return rms_norm(in[0], in[1], 1e-5); }, {x, weight}, grad);
-    const auto expected = run([](const auto& in) { return rms_norm_reference(in[0], in[1], 1e-5); }, {x, weight}, grad);
+    const auto fused = run_layer([](const auto& in) { return rms_norm(in[0], in[1], 1e-5); }, {x, weight}, grad);
+    const auto expected = run_layer([](const auto& in) { return rms_norm_reference(in[0], in[1], 1e-5); }, {x, weight}, grad);
     const std::string name = c10::toString(dtype);
     // Two roundings (the normalized value, then the product): an rstd one fp32 step away can move
     // the first by a step, and the product then rounds again.
@@ -106,9 +106,9 @@ TEST(LlamaLayersCuda, GemmaRmsNormMatchesTheReferenceForwardAndBackward) {
     const auto x = (torch::randn({3, 37, 1000}) * 3).to(on_cuda(dtype));
     const auto weight = (0.3 * torch::randn({1000})).to(on_cuda(dtype));  // around Gemma's zero init
     const auto grad = torch::randn({3, 37, 1000}).to(on_cuda(dtype));
-    const auto fused = run([](const auto& in) { return unit_offset_rms_norm(in[0], in[1], 1e-6); }, {x, weight}, grad);
+    const auto fused = run_layer([](const auto& in) { return unit_offset_rms_norm(in[0], in[1], 1e-6); }, {x, weight}, grad);
     const auto expected =
-        run([](const auto& in) { return unit_offset_rms_norm_reference(in[0], in[1], 1e-6); }, {x, weight}, grad);
+        run_layer([](const auto& in) { return unit_offset_rms_norm_reference(in[0], in[1], 1e-6); }, {x, weight}, grad);
     const std::string name = c10::toString(dtype);
     expect_within_steps(fused.output, expected.output, fp32_spread(dtype, 0.0), "Gemma RMSNorm output " + name);
     expect_within_steps(fused.grads[0], expected.grads[0], fp32_spread(dtype, 0.05), "Gemma RMSNorm input gradient " + name);
@@ -129,8 +129,8 @@ TEST(LlamaLayersCuda, RotaryEmbeddingEqualsTheReferenceForwardAndBackward) {
     const auto cos = torch::cat({angles.cos(), angles.cos()}, -1).to(on_cuda(dtype));
     const auto sin = torch::cat({angles.sin(), angles.sin()}, -1).to(on_cuda(dtype));
     const auto grad = torch::randn({2, 33, 4, 64}).to(on_cuda(dtype));
-    const auto fused = run([&](const auto& in) { return rotary_embedding(in[0], cos, sin); }, {x}, grad);
-    const auto expected = run([&](const auto& in) { return rotary_embedding_reference(in[0], cos, sin); }, {x}, grad);
+    const auto fused = run_layer([&](const auto& in) { return rotary_embedding(in[0], cos, sin); }, {x}, grad);
+    const auto expected = run_layer([&](const auto& in) { return rotary_embedding_reference(in[0], cos, sin); }, {x}, grad);
     const std::string name = c10::toString(dtype);
     // fp32 products may be contracted into a fused multiply-add: one step there.
     if (dtype == torch::kFloat32) {
@@ -157,8 +157,8 @@ TEST(LlamaLayersCuda, GatedActivationsMatchTheReferenceForwardAndBackward) {
       const auto gate = (torch::randn({5, width}) * 4).to(on_cuda(dtype));
       const auto up = torch::randn({5, width}).to(on_cuda(dtype));
       const auto grad = torch::randn({5, width}).to(on_cuda(dtype));
-      const auto fused = run([&](const auto& in) { return fused_path(in[0], in[1]); }, {gate, up}, grad);
-      const auto expected = run([&](const auto& in) { return reference(in[0], in[1]); }, {gate, up}, grad);
+      const auto fused = run_layer([&](const auto& in) { return fused_path(in[0], in[1]); }, {gate, up}, grad);
+      const auto expected = run_layer([&](const auto& in) { return reference(in[0], in[1]); }, {gate, up}, grad);
       const std::string what = name + " " + c10::toString(dtype) + " x " + std::to_string(width);
       expect_within_steps(fused.output, expected.output, fp32_spread(dtype, 0.0), what + " output");
       expect_within_steps(fused.grads[0], expected.grads[0], fp32_spread(dtype, 1e-3), what + " gate gradient");
@@ -190,8 +190,8 @@ TEST(LlamaLayers, PartialRotaryTurnsTheLeadingDimensionsAndPassesTheRest) {
     const auto cos = torch::cat({angles.cos(), angles.cos()}, -1).to(options);
     const auto sin = torch::cat({angles.sin(), angles.sin()}, -1).to(options);
     const auto grad = torch::randn({2, 9, 4, 24}).to(options);
-    const auto ours = run([&](const auto& in) { return rotary_embedding(in[0], cos, sin); }, {x}, grad);
-    const auto theirs = run([&](const auto& in) { return transformers_partial(in[0], cos, sin); }, {x}, grad);
+    const auto ours = run_layer([&](const auto& in) { return rotary_embedding(in[0], cos, sin); }, {x}, grad);
+    const auto theirs = run_layer([&](const auto& in) { return transformers_partial(in[0], cos, sin); }, {x}, grad);
     EXPECT_TRUE(torch::equal(ours.output, theirs.output)) << device;
     EXPECT_TRUE(torch::equal(ours.grads[0], theirs.grads[0])) << device;
     EXPECT_TRUE(torch::equal(ours.output.narrow(-1, 18, 6), x.narrow(-1, 18, 6))) << device;

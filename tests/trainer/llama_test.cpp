@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include "support.h"
+#include "tensor_support.h"
 #include "trainer/model/causal_lm_loss.h"
 #include "trainer/formats/hf_checkpoint.h"
 #include "trainer/formats/safetensors.h"
@@ -20,11 +21,7 @@ Reference base_reference() {
   return {file.tensor("base.input_ids"), file.tensor("base.logits"), file.tensor("base.loss")};
 }
 
-// max |ours - theirs| / max |theirs|
-double relative_error(const torch::Tensor& ours, const torch::Tensor& theirs) {
-  return (ours.to(torch::kFloat64) - theirs.to(torch::kFloat64)).abs().max().item<double>() /
-         theirs.abs().max().item<double>();
-}
+using testing::max_relative_error;
 
 // The recipe's default target_modules (written out, for the LibTorch-free parser) are the
 // projections a default decoder layer's attention and feed-forward block register.
@@ -38,7 +35,7 @@ TEST(LlamaModel, LogitsEqualTransformersInFp32) {
   torch::NoGradGuard no_grad;
   auto logits = loaded.model->forward({reference.input_ids, {}, {}});
   ASSERT_EQ(logits.sizes(), reference.logits.sizes());
-  EXPECT_LE(relative_error(logits, reference.logits), 1e-5);
+  EXPECT_LE(max_relative_error(logits, reference.logits), 1e-5);
   EXPECT_TRUE(torch::allclose(logits, reference.logits, /*rtol=*/1e-4, /*atol=*/1e-4));
 }
 
@@ -75,7 +72,7 @@ TEST(LlamaModel, PaddingAfterASequenceDoesNotChangeItsLogits) {
   auto row = reference.input_ids.slice(0, 0, 1);
   auto padded = torch::cat({row, torch::zeros({1, 5}, torch::kInt64)}, 1);
   auto logits = loaded.model->forward({padded, {}, {}}).slice(1, 0, 48);
-  EXPECT_LE(relative_error(logits, reference.logits.slice(0, 0, 1)), 1e-5);
+  EXPECT_LE(max_relative_error(logits, reference.logits.slice(0, 0, 1)), 1e-5);
 }
 
 TEST(LlamaModel, CudaLogitsEqualTransformersInFp32) {
@@ -87,7 +84,7 @@ TEST(LlamaModel, CudaLogitsEqualTransformersInFp32) {
   torch::NoGradGuard no_grad;
   auto logits = loaded.model->forward({reference.input_ids.to(options.device), {}, {}}).cpu();
   // cuBLAS and the fused attention kernels sum in another order than the CPU: 1e-5 still holds.
-  EXPECT_LE(relative_error(logits, reference.logits), 1e-5);
+  EXPECT_LE(max_relative_error(logits, reference.logits), 1e-5);
 }
 
 TEST(LlamaModel, ParameterNamesAreHuggingFaces) {

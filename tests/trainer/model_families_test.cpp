@@ -12,8 +12,10 @@
 
 #include "data/chat_template.h"
 #include "kernels/error.h"
+#include "model_outputs.h"
 #include "small_llama.h"
 #include "support.h"
+#include "tensor_support.h"
 #include "trainer/model/generation.h"
 #include "trainer/formats/gguf_export.h"
 #include "trainer/formats/hf_checkpoint.h"
@@ -29,16 +31,8 @@ namespace {
 
 using testing::fixture;
 
-double relative_error(const torch::Tensor& got, const torch::Tensor& expected) {
-  return (got - expected).abs().max().item<double>() / expected.abs().max().item<double>();
-}
-
-torch::Tensor logits_of(LlamaForCausalLMImpl& model, const torch::Tensor& input_ids) {
-  torch::NoGradGuard no_grad;
-  LlamaInputs inputs;
-  inputs.input_ids = input_ids;
-  return model.forward(inputs);
-}
+using testing::max_relative_error;
+using testing_outputs::logits_of;
 
 class FamilyFixture : public ::testing::TestWithParam<std::string> {};
 
@@ -62,12 +56,12 @@ TEST_P(FamilyFixture, LogitsEqualTransformersInFp32WithAndWithoutTheAdapter) {
   auto loaded = load_llama(fixture("families/" + name));
   const auto reference = SafetensorsFile::open(fixture("families/" + name + "-reference.safetensors"));
   const auto input_ids = reference.tensor("input_ids");
-  const double base_error = relative_error(logits_of(*loaded.model, input_ids), reference.tensor("logits"));
+  const double base_error = max_relative_error(logits_of(*loaded.model, input_ids), reference.tensor("logits"));
   std::printf("[ measured ] %s fp32 logits vs transformers: %.3g relative\n", name.c_str(), base_error);
   EXPECT_LE(base_error, fixture_tolerance(name));
 
   apply_peft_adapter(*loaded.model, fixture("families/" + name + "-lora"));
-  const double adapter_error = relative_error(logits_of(*loaded.model, input_ids), reference.tensor("lora.logits"));
+  const double adapter_error = max_relative_error(logits_of(*loaded.model, input_ids), reference.tensor("lora.logits"));
   std::printf("[ measured ] %s + peft adapter: %.3g relative\n", name.c_str(), adapter_error);
   EXPECT_LE(adapter_error, fixture_tolerance(name));
 }
@@ -95,7 +89,7 @@ TEST_P(FamilyFixture, CudaLogitsEqualTransformersInFp32) {
   auto loaded = load_llama(fixture("families/" + name), options);
   const auto reference = SafetensorsFile::open(fixture("families/" + name + "-reference.safetensors"));
   const auto logits = logits_of(*loaded.model, reference.tensor("input_ids").to(options.device)).cpu();
-  const double error = relative_error(logits, reference.tensor("logits"));
+  const double error = max_relative_error(logits, reference.tensor("logits"));
   std::printf("[ measured ] %s fp32 logits on CUDA vs transformers: %.3g relative\n", name.c_str(), error);
   EXPECT_LE(error, fixture_tolerance(name));
 }
@@ -131,7 +125,7 @@ TEST(ModelFamilies, GemmaAndPhi3FixturesEqualTransformersAndPeftRunHere) {
     auto loaded = load_llama(fixture("families/" + name));
     apply_peft_adapter(*loaded.model, fixture("families/" + name + "-lora"));
     const auto ours = logits_of(*loaded.model, SafetensorsFile::open(reference).tensor("input_ids"));
-    const double error = relative_error(ours, SafetensorsFile::open(directory.file(name + ".safetensors")).tensor("logits"));
+    const double error = max_relative_error(ours, SafetensorsFile::open(directory.file(name + ".safetensors")).tensor("logits"));
     std::printf("[ measured ] %s + adapter vs peft here: %.3g relative\n", name.c_str(), error);
     EXPECT_LE(error, 1e-5);
   }
@@ -155,12 +149,12 @@ TEST(ModelFamilies, HeldOutVariantsEqualTransformersInFp32AndTheirWindowsMatter)
     EXPECT_GT(loaded.config.llama.sliding_window, 0);
     const auto reference = SafetensorsFile::open(directory.file(variant) + "/reference.safetensors");
     const auto ours = logits_of(*loaded.model, reference.tensor("input_ids"));
-    const double error = relative_error(ours, reference.tensor("logits"));
+    const double error = max_relative_error(ours, reference.tensor("logits"));
     std::printf("[ measured ] %s: %.3g relative\n", variant, error);
     EXPECT_LE(error, 1e-5);
     // 12 positions alone: within longrope's original context, its short factors.
     const auto prefix = logits_of(*loaded.model, reference.tensor("input_ids").narrow(1, 0, 12));
-    EXPECT_LE(relative_error(prefix, reference.tensor("prefix_logits")), 1e-5);
+    EXPECT_LE(max_relative_error(prefix, reference.tensor("prefix_logits")), 1e-5);
     // Greedy decoding through the key/value cache, past the window (and longrope's switch).
     const auto first = reference.tensor("input_ids")[0].narrow(0, 0, 8).contiguous();
     const auto greedy = reference.tensor("greedy").contiguous();
@@ -169,7 +163,7 @@ TEST(ModelFamilies, HeldOutVariantsEqualTransformersInFp32AndTheirWindowsMatter)
     EXPECT_EQ(generate(*loaded.model, std::vector<int64_t>(first.data_ptr<int64_t>(), first.data_ptr<int64_t>() + 8), options).tokens,
               std::vector<int64_t>(greedy.data_ptr<int64_t>(), greedy.data_ptr<int64_t>() + greedy.numel()));
     // The windows are shorter than the input: without them the logits would differ.
-    EXPECT_GT(relative_error(reference.tensor("full_attention_logits"), reference.tensor("logits")), 1e-2);
+    EXPECT_GT(max_relative_error(reference.tensor("full_attention_logits"), reference.tensor("logits")), 1e-2);
   }
 }
 
@@ -202,7 +196,7 @@ TEST(ModelFamilies, DecodingPastTheSlidingWindowGivesTheFullForwardLogits) {
   chunk.input_ids = ids.narrow(1, 15, 4);
   chunk.cache = &cache;
   pieces.push_back(model->forward(chunk));
-  EXPECT_LE(relative_error(torch::cat(pieces, 1), full), 1e-5);
+  EXPECT_LE(max_relative_error(torch::cat(pieces, 1), full), 1e-5);
 }
 
 // The bench shapes are the real models: their parameter counts are the totals of the published

@@ -3,6 +3,7 @@
 // the largest reference logit.
 #include <torch/torch.h>
 
+#include "tensor_support.h"
 #include "trainer/model/llama.h"
 
 namespace qtrain::trainer::testing_outputs {
@@ -14,10 +15,6 @@ inline torch::Tensor logits_of(LlamaForCausalLMImpl& model, const torch::Tensor&
   return model.forward(inputs);
 }
 
-// max |actual - expected| / max |expected|, in double precision
-inline double max_relative_error(const torch::Tensor& actual, const torch::Tensor& expected) {
-  auto expected64 = expected.to(torch::kFloat64);
-  return ((actual.to(torch::kFloat64) - expected64).abs().max() / expected64.abs().max()).item<double>();
-}
+using qtrain::testing::max_relative_error;
 
 }  // namespace qtrain::trainer::testing_outputs

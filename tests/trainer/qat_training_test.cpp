@@ -41,7 +41,7 @@ TrainSummary train(const std::vector<std::string>& overrides, const std::string&
   return finetune.train();
 }
 
-std::string load_error(const std::vector<std::string>& overrides) {
+std::string qat_load_error(const std::vector<std::string>& overrides) {
   try {
     load_recipe("", overrides);
   } catch (const Error& error) {
@@ -53,14 +53,14 @@ std::string load_error(const std::vector<std::string>& overrides) {
 TEST(QatRecipe, SchemesThatCannotWorkAreRefusedWhenTheRecipeLoads) {
   testing::TempDir run;
   const auto with = [&](std::vector<std::string> extra) { return qat_settings(run, extra); };
-  EXPECT_NE(load_error(with({"qat.weights.bits=9"})).find("qat.weights.bits"), std::string::npos);
-  EXPECT_NE(load_error(with({"qat.weights.learned_scale=true"})).find("qat.weights.learned_scale"), std::string::npos);
-  EXPECT_NE(load_error(with({"qat.weights.zero_point_domain=float"})).find("qat.weights.zero_point_domain: float"),
+  EXPECT_NE(qat_load_error(with({"qat.weights.bits=9"})).find("qat.weights.bits"), std::string::npos);
+  EXPECT_NE(qat_load_error(with({"qat.weights.learned_scale=true"})).find("qat.weights.learned_scale"), std::string::npos);
+  EXPECT_NE(qat_load_error(with({"qat.weights.zero_point_domain=float"})).find("qat.weights.zero_point_domain: float"),
             std::string::npos);
-  EXPECT_NE(load_error(with({"lora.rank=4", "lora.dropout=0.1"})).find("lora.dropout"), std::string::npos);
-  EXPECT_NE(load_error(with({"quant=none", "export.formats=[safetensors-int]"})).find("quant: qat"), std::string::npos);
-  EXPECT_NE(load_error(with({"export.formats=[merged]", "export.gguf_type=Q4_K_M"})).find("export.gguf_type"), std::string::npos);
-  EXPECT_NE(load_error(with({"export.formats=[gguf]", "export.gguf_type=Q4_K"})).find("export.gguf_type"), std::string::npos);
+  EXPECT_NE(qat_load_error(with({"lora.rank=4", "lora.dropout=0.1"})).find("lora.dropout"), std::string::npos);
+  EXPECT_NE(qat_load_error(with({"quant=none", "export.formats=[safetensors-int]"})).find("quant: qat"), std::string::npos);
+  EXPECT_NE(qat_load_error(with({"export.formats=[merged]", "export.gguf_type=Q4_K_M"})).find("export.gguf_type"), std::string::npos);
+  EXPECT_NE(qat_load_error(with({"export.formats=[gguf]", "export.gguf_type=Q4_K"})).find("export.gguf_type"), std::string::npos);
 }
 
 // Before the model loads: the quantizers' own checks, naming the key.
@@ -103,9 +103,9 @@ TEST(QatRecipe, ACompressedTensorsSchemeSetsBothGrids) {
                                                               {"qat.weights.scheme=W4A16", "qat.activations.bits=8"},
                                                               {"qat.weights.scheme=W4A16", "quant=none", "lora.rank=4"},
                                                               {"qat.weights.scheme=NVFP4A16"}}) {
-    EXPECT_NE(load_error(settings(bad)).find("qat.weights.scheme"), std::string::npos) << load_error(settings(bad));
+    EXPECT_NE(qat_load_error(settings(bad)).find("qat.weights.scheme"), std::string::npos) << qat_load_error(settings(bad));
   }
-  EXPECT_NE(load_error(settings({"export.scheme=W8A8"})).find("export.scheme"), std::string::npos);
+  EXPECT_NE(qat_load_error(settings({"export.scheme=W8A8"})).find("export.scheme"), std::string::npos);
 }
 
 TEST(QatRecipe, AGroupSizeThatDoesNotDivideTheLayerNamesTheKey) {

@@ -17,12 +17,12 @@
 namespace qtrain::trainer {
 namespace {
 
-struct Attended {
+struct SoftcappedAttended {
   torch::Tensor out, grad_q, grad_k, grad_v;
 };
 
 template <typename Attention>
-Attended run(const Attention& attention, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+SoftcappedAttended run_softcapped(const Attention& attention, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
              const torch::Tensor& grad) {
   auto q_ = q.detach().clone().requires_grad_(true), k_ = k.detach().clone().requires_grad_(true),
        v_ = v.detach().clone().requires_grad_(true);
@@ -60,10 +60,10 @@ TEST(SoftcappedAttentionCuda, FusedScoresEqualTheWrittenOutAttentionForwardAndBa
       const auto grad = torch::randn({2, 8, c.queries, 32}).to(options);
       const double scale = 1.0 / std::sqrt(24.0), cap = 5.0;
       const auto visible = visible_keys(c.past, c.queries, c.window, q.device());
-      const auto fused = run([&](const auto& a, const auto& b, const auto& d) {
+      const auto fused = run_softcapped([&](const auto& a, const auto& b, const auto& d) {
         return softcapped_causal_attention(a, b, d, c.past, c.window, scale, cap);
       }, q, k, v, grad);
-      const auto reference = run([&](const auto& a, const auto& b, const auto& d) {
+      const auto reference = run_softcapped([&](const auto& a, const auto& b, const auto& d) {
         return softcapped_attention(a, b, d, visible, scale, cap);
       }, q, k, v, grad);
       const double step = dtype == torch::kBFloat16 ? 1.0 / 128 : dtype == torch::kHalf ? 1.0 / 1024 : 1e-6;

@@ -39,7 +39,7 @@ struct Outputs {
   torch::Tensor zero_point;
 };
 
-struct Case {
+struct TorchaoCase {
   std::string name;  // the dtype's
   torch::Tensor x;
   torch::Tensor upstream;  // x's shape and dtype
@@ -48,7 +48,7 @@ struct Case {
 // torchao's fake quantizer `scheme` (torchao_fake_quant.py names them) on each case's x, in one
 // Python process; by case name, empty when the script failed.
 std::map<std::string, Outputs> torchao_fake_quant(const std::string& python, const std::string& scheme,
-                                                  const std::vector<Case>& cases) {
+                                                  const std::vector<TorchaoCase>& cases) {
   TempDir temp;
   std::vector<std::pair<std::string, torch::Tensor>> inputs;
   for (const auto& input : cases) {
@@ -92,8 +92,8 @@ Ours our_fake_quant(const QuantSpec& spec, const torch::Tensor& x, const torch::
 // For fp32 and bf16, a standard normal x of `shape` with what quantizers get wrong, block by block
 // (blocks of `block_length` along the last dimension): every 7th an outlier 40x its values, the
 // 3rd all zeros, the 5th negative only; and a standard normal upstream gradient.
-std::vector<Case> hard_inputs(const std::vector<int64_t>& shape, int64_t block_length) {
-  std::vector<Case> cases;
+std::vector<TorchaoCase> hard_inputs(const std::vector<int64_t>& shape, int64_t block_length) {
+  std::vector<TorchaoCase> cases;
   for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
     auto x = torch::randn(shape);
     auto blocks = x.view({-1, block_length});

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "data/text_affixes.h"
 #include "kernels/error.h"
 #include "qat/compressed_linear.h"
 #include "qat/input_quantized_linear.h"
@@ -18,11 +19,9 @@ namespace qtrain::trainer {
 
 namespace {
 
-constexpr const char* kOutputHead = "lm_head";
+using data::ends_with;
 
-bool ends_with(const std::string& text, const std::string& suffix) {
-  return text.size() >= suffix.size() && text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
+constexpr const char* kOutputHead = "lm_head";
 
 // The outermost linear layers (an adapter with its base is one), by name.
 std::map<std::string, std::shared_ptr<qat::LinearLayer>> linear_layers(const LlamaForCausalLMImpl& model) {

@@ -4,12 +4,15 @@
 #include <cctype>
 #include <utility>
 
+#include "data/text_affixes.h"
 #include "data/tokenizer.h"
 #include "kernels/error.h"
 
 namespace qtrain::trainer {
 
 namespace {
+
+using data::starts_with;
 
 // llama.cpp's names for a decoder's tensors that every architecture shares (gguf-py's
 // tensor_mapping.py: MODEL_ARCH.LLAMA, QWEN2, QWEN3, PHI3); GgufArchitecture::layer_tensor_names
@@ -33,8 +36,6 @@ constexpr std::pair<const char*, const char*> kLayerTensors[] = {
     {"mlp.experts.down_proj.", "ffn_down_exps."},
 };
 constexpr const char* kLayerPrefix = "model.layers.";
-
-bool starts_with(const std::string& text, const std::string& prefix) { return text.compare(0, prefix.size(), prefix) == 0; }
 
 // `name` with its Hugging Face prefix written as llama.cpp's, by the first of `prefixes`
 // ({Hugging Face prefix, GGUF prefix}) it starts with; "" when it starts with none.

@@ -137,7 +137,7 @@ bool peft_reads_targets_alike(const qat::LoraTargets& targets) {
   return true;
 }
 
-std::string number_text(double value) {
+std::string streamed_number(double value) {
   std::ostringstream text;
   text << value;
   return text.str();
@@ -254,9 +254,9 @@ void write_peft_adapter(const LlamaForCausalLMImpl& model, const PeftAdapterConf
     if (actual.rank != expected.rank || actual.alpha != expected.alpha || actual.rslora != expected.rslora ||
         actual.dora != expected.dora) {
       throw Error(ErrorCode::kAdapter, out.string() + ": module '" + name + "' has LoRA r=" + std::to_string(actual.rank) +
-                  " alpha=" + number_text(actual.alpha) + (actual.rslora ? " (rsLoRA)" : "") + (actual.dora ? " (DoRA)" : "") +
+                  " alpha=" + streamed_number(actual.alpha) + (actual.rslora ? " (rsLoRA)" : "") + (actual.dora ? " (DoRA)" : "") +
                   " but the adapter config says r=" + std::to_string(expected.rank) + " alpha=" +
-                  number_text(expected.alpha) + (expected.rslora ? " (rsLoRA)" : "") + (expected.dora ? " (DoRA)" : ""));
+                  streamed_number(expected.alpha) + (expected.rslora ? " (rsLoRA)" : "") + (expected.dora ? " (DoRA)" : ""));
     }
     if (keyed[index].parameter.empty()) {
       wrapped.push_back(name);

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "data/text_affixes.h"
 #include "kernels/error.h"
 #include "qat/gguf_grid.h"
 #include "qat/input_quantized_linear.h"
@@ -17,9 +18,11 @@ namespace qtrain::trainer {
 
 namespace {
 
-constexpr const char* kQuantMethod = "qtrain";
+using data::ends_with;
+
+constexpr const char* kIntQuantMethod = "qtrain";
 constexpr const char* kMetadataKey = "qtrain.quantization";
-constexpr const char* kScaleSuffix = ".weight_scale";
+constexpr const char* kIntScaleSuffix = ".weight_scale";
 constexpr const char* kZeroPointSuffix = ".weight_zero_point";
 // Format gguf: `weight` holds the layer's GGUF blocks as bytes, [rows, bytes of a row's blocks],
 // and this int32 [1] the block type's ggml id (a file type's mix gives layers different types).
@@ -89,7 +92,7 @@ nlohmann::ordered_json quantization_config(
       }
     }
     nlohmann::ordered_json config;
-    config["quant_method"] = kQuantMethod;
+    config["quant_method"] = kIntQuantMethod;
     config["weights"] = {{"format", qat::quant_format_name(qat::QuantFormat::kGguf)}};
     config["activations"] = nullptr;
     return config;
@@ -104,7 +107,7 @@ nlohmann::ordered_json quantization_config(
     }
   }
   nlohmann::ordered_json config;
-  config["quant_method"] = kQuantMethod;
+  config["quant_method"] = kIntQuantMethod;
   config["weights"] = spec_json(weights);
   if (activations) {
     const auto& options = activations->options();
@@ -125,10 +128,6 @@ nlohmann::ordered_json quantization_config(
 // Integer zero points are int8; a float zero point's offsets m are fp32 (qat/quant_spec.h).
 torch::ScalarType zero_point_dtype(const qat::QuantSpec& spec) {
   return spec.has_integer_zero_point() ? torch::kInt8 : torch::kFloat32;
-}
-
-bool ends_with(const std::string& text, const std::string& suffix) {
-  return text.size() >= suffix.size() && text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
 }  // namespace
@@ -166,7 +165,7 @@ void write_quantized_model(const LlamaForCausalLMImpl& model, const BaseDirector
     const auto& spec = quantized.spec;
     const auto prefix = name.substr(0, name.size() - std::string(".weight").size());
     tensors.emplace_back(name, quantized.codes.to(torch::kCPU, spec.is_integer() ? torch::kInt8 : torch::kUInt8));
-    tensors.emplace_back(prefix + kScaleSuffix, quantized.params.scale.to(torch::kCPU, spec.scale_dtype));
+    tensors.emplace_back(prefix + kIntScaleSuffix, quantized.params.scale.to(torch::kCPU, spec.scale_dtype));
     if (!spec.symmetric) {
       tensors.emplace_back(prefix + kZeroPointSuffix, quantized.params.zero_point.to(torch::kCPU, zero_point_dtype(spec)));
     }
@@ -184,7 +183,7 @@ bool is_qtrain_quantized_checkpoint(const HfModelConfig& config) {
   const auto json = nlohmann::json::parse(config.json, nullptr, /*allow_exceptions=*/false);
   if (json.is_discarded() || !json.contains("quantization_config")) return false;
   const auto& quantization = json.at("quantization_config");
-  return quantization.is_object() && quantization.value("quant_method", "") == kQuantMethod;
+  return quantization.is_object() && quantization.value("quant_method", "") == kIntQuantMethod;
 }
 
 namespace {
@@ -197,8 +196,8 @@ std::vector<std::string> load_integer_weights(const SafetensorsCheckpoint& weigh
                                               std::set<std::string>& loaded_elsewhere) {
   std::vector<std::string> quantized_layers;
   for (const auto& scale_name : weights.names()) {
-    if (!ends_with(scale_name, kScaleSuffix)) continue;
-    const auto layer = scale_name.substr(0, scale_name.size() - std::string(kScaleSuffix).size());
+    if (!ends_with(scale_name, kIntScaleSuffix)) continue;
+    const auto layer = scale_name.substr(0, scale_name.size() - std::string(kIntScaleSuffix).size());
     const auto weight_name = layer + ".weight";
     const auto target = parameters.find(weight_name);
     if (target == parameters.end()) {
@@ -335,7 +334,7 @@ LoadedModel load_qtrain_quantized_llama(const std::string& model_dir, const HfMo
                                             : load_integer_weights(weights, parameters, weight_spec, what, loaded_elsewhere);
   if (quantized_layers.empty()) {
     throw Error(ErrorCode::kWeights, weights.source() + ": config.json says the model is quantized (quant_method qtrain) but no tensor "
-                "ends in '" + (gguf_blocks ? kGgufTypeSuffix : kScaleSuffix) + "'");
+                "ends in '" + (gguf_blocks ? kGgufTypeSuffix : kIntScaleSuffix) + "'");
   }
   load_state(*loaded.model, weights, model_dir, config.llama.tie_word_embeddings, loaded_elsewhere);
 

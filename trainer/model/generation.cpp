@@ -13,7 +13,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+double seconds_from(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
 // Logits of the last position only: the vocabulary projection of the other prompt positions
 // is never needed. [1, vocab]
@@ -59,7 +59,7 @@ GenerationResult generate(LlamaForCausalLMImpl& model, const std::vector<int64_t
     const auto next = choose_next_tokens(logits, sequence, options.sampling, generator);  // [1]
     const int64_t token = next.item<int64_t>();
     if (result.tokens.empty()) {
-      result.prefill_seconds = seconds_since(start);
+      result.prefill_seconds = seconds_from(start);
       start = Clock::now();
     }
     result.tokens.push_back(token);
@@ -82,7 +82,7 @@ GenerationResult generate(LlamaForCausalLMImpl& model, const std::vector<int64_t
     }
     logits = next_token_logits(model, next.unsqueeze(0).to(device), cache);
   }
-  if (!result.tokens.empty()) result.decode_seconds = seconds_since(start);
+  if (!result.tokens.empty()) result.decode_seconds = seconds_from(start);
   return result;
 }
 
