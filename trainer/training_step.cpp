@@ -68,8 +68,25 @@ void TrainingStep::set_ranks(ProcessGroup* group, GradientBuckets* buckets) {
   buckets_ = buckets;
 }
 
-double TrainingStep::preference_micro_batch(const data::Batch& cpu_batch, double weight,
-                                            std::vector<std::pair<std::string, double>>& metric_sums) {
+double TrainingStep::accumulate(const std::vector<data::Batch>& micro_batches,
+                                const std::function<MicroBatchLoss(const data::Batch&)>& forward) {
+  double loss_sum = 0;
+  for (size_t index = 0; index < micro_batches.size(); ++index) {
+    const bool last = index + 1 == micro_batches.size();
+    const auto loss = forward(micro_batches[index]);
+    // Ranks exchange gradients only in the window's last backward, overlapped with it.
+    if (buckets_ && last) buckets_->arm();
+    state_prefetch_armed_ = states_on_host_ && last;
+    loss.backward_from.backward();
+    state_prefetch_armed_ = false;
+    loss_sum += loss.loss_sum();
+  }
+  if (buckets_) buckets_->finish();
+  return loss_sum;
+}
+
+TrainingStep::MicroBatchLoss TrainingStep::preference_micro_batch(const data::Batch& cpu_batch, double weight,
+                                                                  std::vector<std::pair<std::string, double>>& metric_sums) {
   const auto batch = batch_on_device(cpu_batch, options_.device);
   LossOptions loss_options;
   loss_options.chunk_tokens = options_.loss_chunk_tokens;
@@ -92,12 +109,13 @@ double TrainingStep::preference_micro_batch(const data::Batch& cpu_batch, double
     router_term = coefficient * router_loss->value();
     router_loss->set_gradient_scale(coefficient * weight);
   }
-  (loss.loss * weight).backward();
-  if (metric_sums.empty()) {
-    for (const auto& [name, value] : loss.metrics) metric_sums.emplace_back(name, 0.0);
-  }
-  for (size_t index = 0; index < loss.metrics.size(); ++index) metric_sums[index].second += loss.metrics[index].second;
-  return loss.loss.item<double>() + router_term;
+  // Read after the backward is queued: the loss and the metrics in two copies from the device.
+  PreferenceLoss read_back = loss;
+  read_back.loss = loss.loss.detach();
+  return {loss.loss * weight, [read_back, router_term, &metric_sums] {
+            read_back.add_metrics_to(metric_sums);
+            return read_back.loss.item<double>() + router_term;
+          }};
 }
 
 StepResult TrainingStep::run(const std::vector<data::Batch>& micro_batches, int64_t step,
@@ -120,15 +138,10 @@ StepResult TrainingStep::run(const std::vector<data::Batch>& micro_batches, int6
     // micro-batches on every rank, as TRL (with accelerate) averages them.
     const double window = static_cast<double>(micro_batches.size()) * (group_ ? group_->world_size() : 1);
     const double weight = scaler_.scale() / window;
-    double loss_sum = 0;
-    for (size_t index = 0; index < micro_batches.size(); ++index) {
-      if (buckets_ && index + 1 == micro_batches.size()) buckets_->arm();
-      state_prefetch_armed_ = states_on_host_ && index + 1 == micro_batches.size();
-      loss_sum += preference_micro_batch(micro_batches[index], weight, result.metrics);
-      state_prefetch_armed_ = false;
-    }
+    double loss_sum = accumulate(micro_batches, [&](const data::Batch& batch) {
+      return preference_micro_batch(batch, weight, result.metrics);
+    });
     if (buckets_) {
-      buckets_->finish();
       std::vector<double> sums = {loss_sum};
       for (const auto& metric : result.metrics) sums.push_back(metric.second);
       sums = group_->sum(sums, "the loss of the step");
@@ -145,9 +158,7 @@ StepResult TrainingStep::run(const std::vector<data::Batch>& micro_batches, int6
   LossOptions loss_options;
   loss_options.chunk_tokens = options_.loss_chunk_tokens;
   loss_options.fused = options_.fused_loss;
-  double loss_sum = 0;
-  for (size_t index = 0; index < micro_batches.size(); ++index) {
-    const auto& batch = micro_batches[index];
+  double loss_sum = accumulate(micro_batches, [&](const data::Batch& batch) -> MicroBatchLoss {
     auto labels = batch.labels.to(options_.device);
     model_.prefetch_lm_head();  // train.lm_head_on_host: it travels while the layers run
     auto* router_loss = model_.router_loss();
@@ -163,17 +174,11 @@ StepResult TrainingStep::run(const std::vector<data::Batch>& micro_batches, int6
       router_loss_sum = weight * router_loss->value();
       router_loss->set_gradient_scale(weight * loss_weight);
     }
-    // Ranks exchange gradients only in the window's last backward, overlapped with it.
-    if (buckets_ && index + 1 == micro_batches.size()) buckets_->arm();
-    state_prefetch_armed_ = states_on_host_ && index + 1 == micro_batches.size();
-    (loss.loss_sum * loss_weight).backward();
-    state_prefetch_armed_ = false;
-    loss_sum += loss.loss_sum.item<double>() + router_loss_sum;
-  }
-  if (buckets_) {
-    buckets_->finish();
-    loss_sum = group_->sum({loss_sum}, "the loss of the step")[0];
-  }
+    const auto token_loss_sum = loss.loss_sum.detach();
+    return {loss.loss_sum * loss_weight,
+            [token_loss_sum, router_loss_sum] { return token_loss_sum.item<double>() + router_loss_sum; }};
+  });
+  if (buckets_) loss_sum = group_->sum({loss_sum}, "the loss of the step")[0];
   result.loss = loss_sum / std::max(predicted_tokens, 1.0);
   return apply_gradients(result, step, after_backward);
 }

@@ -92,8 +92,18 @@ class TrainingStep {
   // window), and its metrics added to `metric_sums`; returns the loss.
   // Checks the window's gradients and applies them (or skips the step); `result` holds its loss.
   StepResult apply_gradients(StepResult result, int64_t step, const AfterBackward& after_backward);
-  double preference_micro_batch(const data::Batch& batch, double weight,
-                                std::vector<std::pair<std::string, double>>& metric_sums);
+  // One micro-batch's forward pass: the tensor its backward starts from, and what it adds to the
+  // step's loss sum (read after the backward, so that reading it waits for nothing new).
+  struct MicroBatchLoss {
+    torch::Tensor backward_from;
+    std::function<double()> loss_sum;
+  };
+  // The window's micro-batches, forward then backward each; the ranks' gradient exchange and the
+  // optimizer state's way back start in the last one's backward. Returns the loss sum.
+  double accumulate(const std::vector<data::Batch>& micro_batches,
+                    const std::function<MicroBatchLoss(const data::Batch&)>& forward);
+  MicroBatchLoss preference_micro_batch(const data::Batch& batch, double weight,
+                                        std::vector<std::pair<std::string, double>>& metric_sums);
 
   LlamaForCausalLMImpl& model_;
   std::vector<torch::Tensor> trainable_;

@@ -48,10 +48,7 @@ PreferenceEval evaluate_preference(LlamaForCausalLMImpl& model, const std::vecto
     const auto policy = pair_log_probs(model, hidden, batch, options.loss);
     const auto loss = preference_loss(policy, needs_reference ? &reference : nullptr, preference);
     result.loss_sum += loss.loss.item<double>();
-    if (result.metric_sums.empty()) {
-      for (const auto& [name, value] : loss.metrics) result.metric_sums.emplace_back(name, 0.0);
-    }
-    for (size_t index = 0; index < loss.metrics.size(); ++index) result.metric_sums[index].second += loss.metrics[index].second;
+    loss.add_metrics_to(result.metric_sums);
     ++result.batches;
   });
   return result;

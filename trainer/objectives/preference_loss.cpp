@@ -14,16 +14,31 @@ torch::Tensor log_one_minus_exp(const torch::Tensor& x) {
   return torch::where(x < kMinusLn2, torch::log1p(-torch::exp(x)), torch::log(-torch::expm1(x)));
 }
 
-double mean_of(const torch::Tensor& values) { return values.detach().to(torch::kFloat64).mean().item<double>(); }
+// The metrics' means as 0-d float64 tensors on the device, stacked into the loss's vector.
+class MetricMeans {
+ public:
+  void add(std::string name, const torch::Tensor& values) {
+    names_.push_back(std::move(name));
+    means_.push_back(values.detach().to(torch::kFloat64).mean());
+  }
+
+  void put_into(PreferenceLoss& loss) {
+    loss.metric_names = std::move(names_);
+    loss.metric_values = torch::stack(means_);
+  }
+
+ private:
+  std::vector<std::string> names_;
+  std::vector<torch::Tensor> means_;
+};
 
 // TRL's reward metrics: the rewards of both completions, how often the chosen one's is higher
 // (strictly), and the mean margin.
-void add_reward_metrics(const torch::Tensor& chosen_rewards, const torch::Tensor& rejected_rewards,
-                        std::vector<std::pair<std::string, double>>& metrics) {
-  metrics.emplace_back("rewards/chosen", mean_of(chosen_rewards));
-  metrics.emplace_back("rewards/rejected", mean_of(rejected_rewards));
-  metrics.emplace_back("rewards/accuracies", mean_of(chosen_rewards.gt(rejected_rewards).to(torch::kFloat64)));
-  metrics.emplace_back("rewards/margins", mean_of(chosen_rewards - rejected_rewards));
+void add_reward_metrics(const torch::Tensor& chosen_rewards, const torch::Tensor& rejected_rewards, MetricMeans& metrics) {
+  metrics.add("rewards/chosen", chosen_rewards);
+  metrics.add("rewards/rejected", rejected_rewards);
+  metrics.add("rewards/accuracies", chosen_rewards.gt(rejected_rewards));
+  metrics.add("rewards/margins", chosen_rewards - rejected_rewards);
 }
 
 // -log sigmoid(x) (1 - e) - log sigmoid(-x) e: the sigmoid loss with label smoothing e.
@@ -55,9 +70,11 @@ PreferenceLoss dpo_loss(const PairLogProbs& policy, const PairLogProbs& referenc
   }
   PreferenceLoss result;
   result.loss = per_pair.mean();
-  add_reward_metrics(beta * chosen_ratio.detach(), beta * rejected_ratio.detach(), result.metrics);
-  result.metrics.emplace_back("logps/chosen", mean_of(policy.chosen));
-  result.metrics.emplace_back("logps/rejected", mean_of(policy.rejected));
+  MetricMeans metrics;
+  add_reward_metrics(beta * chosen_ratio.detach(), beta * rejected_ratio.detach(), metrics);
+  metrics.add("logps/chosen", policy.chosen);
+  metrics.add("logps/rejected", policy.rejected);
+  metrics.put_into(result);
   return result;
 }
 
@@ -69,12 +86,14 @@ PreferenceLoss orpo_loss(const PairLogProbs& policy, const PreferenceOptions& op
   const auto nll = policy.chosen_sequence_nll / policy.chosen_sequence_tokens.clamp_min(1);
   PreferenceLoss result;
   result.loss = nll - options.beta * ratio.mean();
-  add_reward_metrics(options.beta * chosen.detach(), options.beta * rejected.detach(), result.metrics);
-  result.metrics.emplace_back("logps/chosen", mean_of(chosen));
-  result.metrics.emplace_back("logps/rejected", mean_of(rejected));
-  result.metrics.emplace_back("nll_loss", mean_of(nll));
-  result.metrics.emplace_back("log_odds_ratio", mean_of(ratio));
-  result.metrics.emplace_back("log_odds_chosen", mean_of(log_odds));
+  MetricMeans metrics;
+  add_reward_metrics(options.beta * chosen.detach(), options.beta * rejected.detach(), metrics);
+  metrics.add("logps/chosen", chosen);
+  metrics.add("logps/rejected", rejected);
+  metrics.add("nll_loss", nll);
+  metrics.add("log_odds_ratio", ratio);
+  metrics.add("log_odds_chosen", log_odds);
+  metrics.put_into(result);
   return result;
 }
 
@@ -89,14 +108,25 @@ PreferenceLoss simpo_loss(const PairLogProbs& policy, const PreferenceOptions& o
   const auto nll = options.cpo_alpha != 0 ? -policy.chosen.sum() / policy.chosen_tokens.sum().clamp_min(1)
                                           : torch::zeros({}, policy.chosen.options());
   if (options.cpo_alpha != 0) result.loss = result.loss + options.cpo_alpha * nll;
-  add_reward_metrics(beta * chosen.detach(), beta * rejected.detach(), result.metrics);
-  result.metrics.emplace_back("logps/chosen", mean_of(chosen));
-  result.metrics.emplace_back("logps/rejected", mean_of(rejected));
-  result.metrics.emplace_back("nll_loss", mean_of(nll));
+  MetricMeans metrics;
+  add_reward_metrics(beta * chosen.detach(), beta * rejected.detach(), metrics);
+  metrics.add("logps/chosen", chosen);
+  metrics.add("logps/rejected", rejected);
+  metrics.add("nll_loss", nll);
+  metrics.put_into(result);
   return result;
 }
 
 }  // namespace
+
+void PreferenceLoss::add_metrics_to(std::vector<std::pair<std::string, double>>& sums) const {
+  const auto host = metric_values.cpu();
+  const double* values = host.data_ptr<double>();
+  if (sums.empty()) {
+    for (const auto& name : metric_names) sums.emplace_back(name, 0.0);
+  }
+  for (size_t index = 0; index < metric_names.size(); ++index) sums[index].second += values[index];
+}
 
 PreferenceLoss preference_loss(const PairLogProbs& policy, const PairLogProbs* reference, const PreferenceOptions& options) {
   switch (options.objective) {

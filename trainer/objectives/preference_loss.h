@@ -46,7 +46,13 @@ struct PairLogProbs {
 
 struct PreferenceLoss {
   torch::Tensor loss;  // scalar fp32, differentiable through the policy's log-probabilities
-  std::vector<std::pair<std::string, double>> metrics;  // TRL's names: rewards/chosen, ...
+  // TRL's metrics (rewards/chosen, ...): their names, and their means as one float64 vector on the
+  // loss's device, so that reading them is one wait for the device, which a step makes after its
+  // backward has been queued.
+  std::vector<std::string> metric_names;
+  torch::Tensor metric_values;
+  // Adds each metric to its running sum in `sums` (the names in order; an empty `sums` starts them).
+  void add_metrics_to(std::vector<std::pair<std::string, double>>& sums) const;
 };
 
 // `reference` is needed by dpo (Error otherwise) and ignored by the others.
