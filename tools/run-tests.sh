@@ -5,7 +5,8 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # The tests also run our GGUF exports in llama.cpp: its Python binding is built once per Python
 # environment (QTRAIN_LLAMA_CPP=0 skips it, and those tests skip).
-QTRAIN_LLAMA_CPP=${QTRAIN_LLAMA_CPP:-1} "$ROOT/tools/setup.sh"
+# The Python packages the interop tests compare with (TRL, compressed-tensors, torchao, tensorboard) too.
+QTRAIN_TEST_PACKAGES=1 QTRAIN_LLAMA_CPP=${QTRAIN_LLAMA_CPP:-1} "$ROOT/tools/setup.sh"
 # The reference outputs the tests compare against live beside the clone, in ../shared/fixtures.
 fixtures=${QTRAIN_FIXTURES:-$ROOT/../shared/fixtures}
 if [ ! -d "$fixtures" ]; then

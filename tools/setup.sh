@@ -130,10 +130,13 @@ else
   install_debian_packages
   install_libfuzzer
   install_python_environment
-  [ "${QTRAIN_TORCHAO:-1}" = 1 ] && install_torchao
-  install_compressed_tensors
-  install_tensorboard
-  install_trl
+  # What only the tests run (the demo needs none of it): tools/run-tests.sh sets QTRAIN_TEST_PACKAGES=1.
+  if [ "${QTRAIN_TEST_PACKAGES:-0}" = 1 ]; then
+    [ "${QTRAIN_TORCHAO:-1}" = 1 ] && install_torchao
+    install_compressed_tensors
+    install_tensorboard
+    install_trl
+  fi
   [ "${QTRAIN_LLAMA_CPP:-0}" = 1 ] && install_llama_cpp
   PYTHON="$VENV_DIR/bin/python"
 fi
