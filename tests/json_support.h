@@ -32,4 +32,13 @@ inline std::map<int64_t, double> logged(const std::vector<nlohmann::json>& lines
   return values;
 }
 
+// The "loss" of every line of RUN/metrics.jsonl that has one, in order.
+inline std::vector<double> logged_losses(const std::string& run_dir) {
+  std::vector<double> losses;
+  for (const auto& line : metrics_lines(run_dir)) {
+    if (line.contains("loss")) losses.push_back(line["loss"].get<double>());
+  }
+  return losses;
+}
+
 }  // namespace qtrain::testing

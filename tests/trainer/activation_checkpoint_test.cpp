@@ -3,6 +3,7 @@
 // plain path bitwise on a CPU in fp32 (tiny-llama with LoRA and dropout, dense and NF4 bases);
 // the MLP in chunks of tokens equals it to fp32 rounding (the adapters' gradients sum over the
 // chunks in another order).
+#include "json_support.h"
 #include "trainer/model/activation_checkpoint.h"
 
 #include <gtest/gtest.h>
@@ -10,7 +11,6 @@
 #include "kernels/error.h"
 #include "qat/four_bit_linear.h"
 #include "qat/lora_linear.h"
-#include "run_metrics.h"
 #include "small_llama.h"
 #include "support.h"
 #include "trainer/finetune.h"

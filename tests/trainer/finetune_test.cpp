@@ -8,8 +8,8 @@
 #include <set>
 #include <nlohmann/json.hpp>
 
+#include "json_support.h"
 #include "kernels/error.h"
-#include "run_metrics.h"
 #include "support.h"
 #include "trainer/model/evaluate.h"
 #include "trainer/finetune.h"

@@ -6,11 +6,11 @@
 
 #include <cmath>
 
+#include "json_support.h"
 #include "kernels/error.h"
 #include "qat/float8_linear.h"
 #include "qat/four_bit_linear.h"
 #include "trainer/recipe/base_quantization.h"
-#include "run_metrics.h"
 #include "small_llama.h"
 #include "support.h"
 #include "trainer/finetune.h"

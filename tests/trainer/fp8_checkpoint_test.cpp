@@ -3,6 +3,7 @@
 // edges), loaded back. Every weight equals fp8 x scale computed in float64 and rounded once;
 // the loaded model's logits equal those of the same values loaded as a plain checkpoint; a QLoRA
 // run trains on it; malformed files are errors naming the key or tensor.
+#include "json_support.h"
 #include "trainer/formats/fp8_checkpoint.h"
 
 #include <gtest/gtest.h>
@@ -13,7 +14,6 @@
 
 #include "kernels/error.h"
 #include "qat/compressed_linear.h"
-#include "run_metrics.h"
 #include "support.h"
 #include "trainer/finetune.h"
 #include "trainer/formats/peft_adapter.h"

@@ -2,6 +2,7 @@
 // float64 log_softmax reference and against the logits path it replaces: the loss, the gradient
 // of the states, ignored labels, ragged chunks and tiles, Gemma 2's cap, the fallback for a
 // projection that trains, whole training runs, and on a GPU the memory it saves.
+#include "json_support.h"
 #include "trainer/model/fused_linear_cross_entropy.h"
 
 #include <gtest/gtest.h>
@@ -10,7 +11,6 @@
 
 #include "qat/four_bit_linear.h"
 #include "qat/lora_linear.h"
-#include "run_metrics.h"
 #include "small_llama.h"
 #include "support.h"
 #include "tensor_support.h"

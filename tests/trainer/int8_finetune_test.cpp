@@ -10,9 +10,9 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "json_support.h"
 #include "optim/optimizer.h"
 #include "qat/int8_linear.h"
-#include "run_metrics.h"
 #include "support.h"
 #include "trainer/finetune.h"
 #include "trainer/formats/hf_checkpoint.h"

@@ -6,8 +6,8 @@
 #include <algorithm>
 #include <filesystem>
 
+#include "json_support.h"
 #include "kernels/error.h"
-#include "run_metrics.h"
 #include "support.h"
 #include "trainer/model/evaluate.h"
 #include "trainer/finetune.h"
