@@ -14,5 +14,24 @@ if [ ! -d "$fixtures" ]; then
        "clone next to shared/ or set QTRAIN_FIXTURES" >&2
 fi
 cd "$ROOT/build"
-# One thread per test process: the suites run side by side on every core.
-OMP_NUM_THREADS=1 ctest --output-on-failure --timeout 600 -j "$(nproc)" "$@"
+# One thread per test process (OMP_NUM_THREADS, which nproc obeys too): the suites run side by side
+# on every core.
+jobs=$(nproc)
+export OMP_NUM_THREADS=1
+# A few hundred tests run Python scripts that import torch, transformers and peft (about 8 s of CPU
+# each on 2 cores): tests/interop/python_server.py imports them once and runs each script in a fork
+# of itself; tests/interop/warm_python, the tests' Python, sends it the scripts (the real Python
+# where the environment differs). QTRAIN_WARM_PYTHON=0 runs every script in a fresh interpreter.
+real_python=$(sed -n 's/^QTRAIN_PYTHON:STRING=//p' CMakeCache.txt)
+if [ "${QTRAIN_WARM_PYTHON:-1}" = 1 ] && [ -x "$real_python" ]; then
+  export QTRAIN_PYTHON_REAL=$real_python
+  export QTRAIN_PYTHON_SERVER=$ROOT/build/Testing/python-server.sock
+  export QTRAIN_PYTHON_SERVER_LOG=$ROOT/build/Testing/python-server-fallbacks.log
+  export QTRAIN_PYTHON=$ROOT/tests/interop/warm_python
+  mkdir -p Testing
+  rm -f "$QTRAIN_PYTHON_SERVER_LOG"
+  "$real_python" "$ROOT/tests/interop/python_server.py" "$QTRAIN_PYTHON_SERVER" &
+  server=$!
+  trap 'kill $server 2>/dev/null' EXIT
+fi
+ctest --output-on-failure --timeout 600 -j "$jobs" "$@"

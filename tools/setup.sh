@@ -71,6 +71,8 @@ install_python_environment() {
   rm -rf "$VENV_DIR"
   python3 -m venv "$VENV_DIR"
   "$VENV_DIR/bin/pip" install -q --upgrade pip
+  # llama.cpp compiles while torch downloads.
+  [ "${QTRAIN_LLAMA_CPP:-0}" = 1 ] && start_llama_cpp_wheel
   "$VENV_DIR/bin/pip" install -q "${PYTHON_PINS[@]}"
   touch "$VENV_DIR/.complete"
 }
@@ -114,13 +116,37 @@ install_trl() {
   install_unless_importable trl "trl==1.16.0"
 }
 
-# llama-cpp-python builds llama.cpp from source (CPU only; several minutes): the library alone,
-# no multimodal (mtmd) library, which llama_cpp imports only on use.
-install_llama_cpp() {
+# llama-cpp-python builds llama.cpp from source (CPU only; minutes of every core): the library
+# alone, no multimodal (mtmd) library, which llama_cpp imports only on use. Its wheel builds in the
+# background from the moment the environment has pip, beside the torch download and qtrain's own
+# build, and is installed at the end.
+LLAMA_CPP_PIN="llama-cpp-python==0.3.36"
+start_llama_cpp_wheel() {
+  if "$VENV_DIR/bin/python" -c "import llama_cpp" 2>/dev/null; then
+    log "$LLAMA_CPP_PIN: present"
+    return
+  fi
+  llama_cpp_wheels=$(mktemp -d)
+  log "$LLAMA_CPP_PIN: building its wheel in the background (log: $llama_cpp_wheels/build.log)"
   CMAKE_ARGS="-DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_BLAS=OFF -DGGML_OPENMP=OFF -DLLAMA_CURL=OFF -DLLAVA_BUILD=OFF \
 -DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache" \
-    CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
-    install_unless_importable llama_cpp "llama-cpp-python==0.3.36" --no-cache-dir
+    CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
+    "$VENV_DIR/bin/pip" wheel --no-deps --no-cache-dir -w "$llama_cpp_wheels" "$LLAMA_CPP_PIN" \
+    >"$llama_cpp_wheels/build.log" 2>&1 &
+  llama_cpp_build=$!
+}
+
+finish_llama_cpp() {
+  [ -n "${llama_cpp_build:-}" ] || return 0
+  log "$LLAMA_CPP_PIN: waiting for its wheel"
+  if ! wait "$llama_cpp_build"; then
+    tail -40 "$llama_cpp_wheels/build.log" >&2
+    log "$LLAMA_CPP_PIN: building the wheel failed (above; QTRAIN_LLAMA_CPP=0 skips llama.cpp and its tests)"
+    exit 1
+  fi
+  "$VENV_DIR/bin/pip" install -q "$llama_cpp_wheels"/llama_cpp_python-*.whl
+  rm -rf "$llama_cpp_wheels"
+  log "$LLAMA_CPP_PIN: installed"
 }
 
 if [ "${QTRAIN_OFFLINE:-0}" = 1 ]; then
@@ -137,7 +163,7 @@ else
     install_tensorboard
     install_trl
   fi
-  [ "${QTRAIN_LLAMA_CPP:-0}" = 1 ] && install_llama_cpp
+  [ "${QTRAIN_LLAMA_CPP:-0}" = 1 ] && [ -z "${llama_cpp_build:-}" ] && start_llama_cpp_wheel
   PYTHON="$VENV_DIR/bin/python"
 fi
 
@@ -159,4 +185,5 @@ cmake "${cmake_args[@]}" >"$ROOT/build-configure.log" 2>&1 \
 log "building (Release, $(nproc) jobs)"
 # QTRAIN_BUILD_TARGET=qtrain builds the binary alone (quick runs on the GPU machine).
 cmake --build "$ROOT/build" -j "$(nproc)" ${QTRAIN_BUILD_TARGET:+--target "$QTRAIN_BUILD_TARGET"}
+finish_llama_cpp
 log "done: $ROOT/build/qtrain"
