@@ -42,4 +42,12 @@ at::Tensor geglu_forward_cuda(const at::Tensor& gate, const at::Tensor& up);
 std::pair<at::Tensor, at::Tensor> geglu_backward_cuda(const at::Tensor& grad_output, const at::Tensor& gate,
                                                       const at::Tensor& up);
 
+// The same on a fused gate_up projection's contiguous output [..., 2 * intermediate] (gate the first
+// half of each row, up the second, as Phi-3's chunk(2)), read in place: forward -> [..., intermediate];
+// backward -> d gate_up [..., 2 * intermediate], equal to the pair kernels' results side by side.
+at::Tensor swiglu_fused_forward_cuda(const at::Tensor& gate_up);
+at::Tensor swiglu_fused_backward_cuda(const at::Tensor& grad_output, const at::Tensor& gate_up);
+at::Tensor geglu_fused_forward_cuda(const at::Tensor& gate_up);
+at::Tensor geglu_fused_backward_cuda(const at::Tensor& grad_output, const at::Tensor& gate_up);
+
 }  // namespace qtrain::kernels

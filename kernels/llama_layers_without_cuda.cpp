@@ -25,6 +25,10 @@ at::Tensor geglu_forward_cuda(const at::Tensor&, const at::Tensor&) { no_cuda_ke
 std::pair<at::Tensor, at::Tensor> geglu_backward_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
   no_cuda_kernels("geglu_backward_cuda");
 }
+at::Tensor swiglu_fused_forward_cuda(const at::Tensor&) { no_cuda_kernels("swiglu_fused_forward_cuda"); }
+at::Tensor swiglu_fused_backward_cuda(const at::Tensor&, const at::Tensor&) { no_cuda_kernels("swiglu_fused_backward_cuda"); }
+at::Tensor geglu_fused_forward_cuda(const at::Tensor&) { no_cuda_kernels("geglu_fused_forward_cuda"); }
+at::Tensor geglu_fused_backward_cuda(const at::Tensor&, const at::Tensor&) { no_cuda_kernels("geglu_fused_backward_cuda"); }
 
 }  // namespace qtrain::kernels
 

@@ -336,7 +336,7 @@ po::options_description bench_option_descriptions(BenchOptions& bench) {
       ("save-checkpoint", po::value(&bench.checkpoint_run), "after the steps, time writing the training state into RUN/checkpoints")
       ("profile", po::value(&bench.profile_steps)->default_value(0),
        "after the timed steps, profile this many more and print where the GPU spent its time")
-      ("trace", po::value(&bench.trace_path), "with --profile: also write a Chrome trace to this file")
+      ("trace", po::value(&bench.trace_path), "with --profile: also write a Chrome trace to this file, with each operator's input shapes")
       ("json", po::bool_switch(), "end with one JSON object");
   return options;
 }
@@ -554,7 +554,7 @@ BenchMeasurement measure_bench(const BenchOptions& bench, BenchRun& run) {
                    bench.recipe.train.objective != "sft")};
   measured.memory = trainer::memory_usage(device);
   if (bench.profile_steps > 0) {
-    KernelProfile profile(device.is_cuda());
+    KernelProfile profile(device.is_cuda(), /*record_shapes=*/!bench.trace_path.empty());
     for (int64_t step = 0; step < bench.profile_steps; ++step) run.step->run(batches, next_step++);
     synchronize(device);
     profile.finish(bench.trace_path, bench.profile_steps, 25, std::cout);

@@ -95,7 +95,7 @@ int run_generate(const Arguments& arguments) {
       ("profile", po::bool_switch(),
        "profile the first prompt's generation: GPU time per kernel and host time per operator, per new token, on "
        "stderr")
-      ("trace", po::value(&trace_path), "with --profile: also write a Chrome trace to this file")
+      ("trace", po::value(&trace_path), "with --profile: also write a Chrome trace to this file, with each operator's input shapes")
       ("json", po::bool_switch(),
        "instead of streaming text, one JSON object per prompt: prompt_tokens, tokens, text, stopped_at_eos, "
        "tokens_per_second");
@@ -127,7 +127,7 @@ int run_generate(const Arguments& arguments) {
   bool profiling = values["profile"].as<bool>();
   for (const auto& ids : prompts) {
     std::optional<KernelProfile> profile;
-    if (profiling) profile.emplace(load.device.is_cuda());
+    if (profiling) profile.emplace(load.device.is_cuda(), /*record_shapes=*/!trace_path.empty());
     data::StreamingDecoder stream(tokenizer);
     auto print = [](const std::string& piece) {
       std::fwrite(piece.data(), 1, piece.size(), stdout);

@@ -68,8 +68,8 @@ std::vector<std::pair<std::string, Total>> by_time(const std::map<std::string, T
 
 }  // namespace
 
-KernelProfile::KernelProfile(bool cuda) {
-  const ProfilerConfig config(ProfilerState::KINETO);
+KernelProfile::KernelProfile(bool cuda, bool record_shapes) {
+  const ProfilerConfig config(ProfilerState::KINETO, /*report_input_shapes=*/record_shapes);
   profiler::prepareProfiler(config, activities(cuda));
   profiler::enableProfiler(config, activities(cuda));
   running_ = true;

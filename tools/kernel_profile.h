@@ -12,7 +12,8 @@ namespace qtrain::tools {
 class KernelProfile {
  public:
   // Starts collecting CPU operators and, when `cuda`, GPU kernels.
-  explicit KernelProfile(bool cuda);
+  // record_shapes: each operator's input shapes and dtypes go into the trace (for a Chrome trace).
+  KernelProfile(bool cuda, bool record_shapes);
   ~KernelProfile();
   KernelProfile(const KernelProfile&) = delete;
   KernelProfile& operator=(const KernelProfile&) = delete;

@@ -167,6 +167,32 @@ TEST(LlamaLayersCuda, GatedActivationsMatchTheReferenceForwardAndBackward) {
   }
 }
 
+// A fused gate_up projection's output (Phi-3 / Phi-4-mini) read in place: the same bits, forward and
+// backward, as the pair kernels on its two halves, which the test above holds to the reference; one
+// gradient [rows, 2 * width] whose halves are theirs.
+TEST(LlamaLayersCuda, GatedActivationsOfAFusedProjectionEqualThePairKernelsOnItsHalves) {
+  SKIP_WITHOUT_CUDA();
+  using Pair = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&);
+  using Fused = torch::Tensor (*)(const torch::Tensor&);
+  for (const auto& [name, fused_path, pair] : {std::tuple<std::string, Fused, Pair>{"SwiGLU", swiglu_of_fused, swiglu},
+                                              std::tuple<std::string, Fused, Pair>{"GeGLU", geglu_of_fused, geglu}}) {
+    // 999 columns per half take the one-value kernel, 1024 the 16-byte one; [2, 3, ...] rows as a batch.
+    for (const auto& [dtype, width] : {std::pair{torch::kBFloat16, 999}, std::pair{torch::kBFloat16, 1024},
+                                       std::pair{torch::kHalf, 1024}, std::pair{torch::kFloat32, 1024}}) {
+      torch::manual_seed(26);
+      const auto gate_up = (torch::randn({2, 3, 2 * width}) * 3).to(on_cuda(dtype));
+      const auto grad = torch::randn({2, 3, width}).to(on_cuda(dtype));
+      const auto fused = run_layer([&](const auto& in) { return fused_path(in[0]); }, {gate_up}, grad);
+      const auto halves = run_layer(
+          [&](const auto& in) { return pair(in[0].contiguous(), in[1].contiguous()); },
+          {gate_up.narrow(-1, 0, width), gate_up.narrow(-1, width, width)}, grad);
+      const std::string what = name + " " + c10::toString(dtype) + " x " + std::to_string(width);
+      EXPECT_TRUE(torch::equal(fused.output, halves.output)) << what << " output";
+      EXPECT_TRUE(torch::equal(fused.grads[0], torch::cat({halves.grads[0], halves.grads[1]}, -1))) << what << " gradient";
+    }
+  }
+}
+
 // Phi-4-mini's partial rotary, written as transformers' apply_rotary_pos_emb: the leading
 // rotary_dim dimensions of each head turn (cos / sin as wide as them), the rest pass unchanged;
 // forward and backward, on the CPU and, through the fused kernel, on CUDA (bf16: equal).
@@ -209,6 +235,12 @@ TEST(LlamaLayers, OnTheCpuEachFunctionIsItsReference) {
   EXPECT_TRUE(torch::equal(rms_norm(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6)));
   EXPECT_TRUE(torch::equal(swiglu(x, x * 2), swiglu_reference(x, x * 2)));
   EXPECT_TRUE(torch::equal(geglu(x, x * 2), geglu_reference(x, x * 2)));
+  // A fused gate_up output as transformers' Phi-3 MLP takes it: chunk(2), gate first, views read
+  // in place (the CPU's kernels round a strided view and a contiguous copy differently).
+  const auto gate_up = torch::cat({x, x * 2}, -1);
+  const auto halves = gate_up.chunk(2, -1);
+  EXPECT_TRUE(torch::equal(swiglu_of_fused(gate_up), swiglu_reference(halves[0], halves[1])));
+  EXPECT_TRUE(torch::equal(geglu_of_fused(gate_up), geglu_reference(halves[0], halves[1])));
   EXPECT_TRUE(torch::equal(unit_offset_rms_norm(x, weight, 1e-6), unit_offset_rms_norm_reference(x, weight, 1e-6)));
   // The rotation keeps each pair's norm: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s).
   const auto rotated = rotary_embedding_reference(x, cos, sin);

@@ -26,6 +26,12 @@ FeedForward make_dense_mlp(const LlamaOptions& options, const std::string& prefi
   return FeedForward(std::shared_ptr<FeedForwardImpl>(std::make_shared<DenseMlpImpl>(options, prefix, make_linear, dtype)));
 }
 
+// act(gate) * up; where `up` is undefined, `gate` is the fused projection's output holding both.
+torch::Tensor gated_activation(bool gelu, const torch::Tensor& gate, const torch::Tensor& up) {
+  if (!up.defined()) return gelu ? geglu_of_fused(gate) : swiglu_of_fused(gate);
+  return gelu ? geglu(gate, up) : swiglu(gate, up);
+}
+
 }  // namespace
 
 const FeedForwardRow& dense_mlp_row() {
@@ -50,22 +56,19 @@ std::shared_ptr<qat::LinearLayer>* DenseMlpImpl::slot(const std::string& child_n
 }
 
 torch::Tensor DenseMlpImpl::forward(const torch::Tensor& hidden, const qat::LinearLayer::InputRebuild& rebuild_hidden) {
-  // up before gate: the order GCC evaluated them in as arguments of one call, which LoRA
-  // dropout's masks draw their random numbers in (runs keep the numbers they always had).
+  // With gate_up_proj, `gate` is its whole [tokens, 2 * intermediate] output (gate's half first, as
+  // Phi-3's chunk(2)), which the activation reads in place, and `up` stays undefined.
   torch::Tensor gate, up;
   if (gate_up_proj) {
-    const auto fused = gate_up_proj->forward_rebuilding_input(hidden, rebuild_hidden);  // gate's half first, as Phi-3's chunk(2)
-    const int64_t intermediate = fused.size(-1) / 2;
-    // Contiguous halves: the activation's kernels keep these very tensors (not copies of views),
-    // which down_proj's rebuild below reads too.
-    gate = fused.narrow(-1, 0, intermediate).contiguous();
-    up = fused.narrow(-1, intermediate, intermediate).contiguous();
+    gate = gate_up_proj->forward_rebuilding_input(hidden, rebuild_hidden);
   } else {
+    // up before gate: the order GCC evaluated them in as arguments of one call, which LoRA
+    // dropout's masks draw their random numbers in (runs keep the numbers they always had).
     up = up_proj->forward_rebuilding_input(hidden, rebuild_hidden);
     gate = gate_proj->forward_rebuilding_input(hidden, rebuild_hidden);
   }
   const bool gelu = activation_ == Activation::kGeluTanh;
-  const auto product = gelu ? geglu(gate, up) : swiglu(gate, up);
+  const auto product = gated_activation(gelu, gate, up);
   if (!torch::GradMode::is_enabled()) {
     // Let go of gate and up before down_proj runs: where autograd keeps nothing (checkpointing's
     // first forward, evaluation) their 2 x [tokens, intermediate] go back now, not after it.
@@ -75,8 +78,8 @@ torch::Tensor DenseMlpImpl::forward(const torch::Tensor& hidden, const qat::Line
   // The activation's backward keeps gate and up; down_proj's adapter makes the product again from
   // them for its own backward instead of keeping it too ([tokens, intermediate]: a fifth of what a
   // layer keeps). The same kernel on the same values: the same bits.
-  const auto rebuild = [gate = gate.detach(), up = up.detach(), gelu] {
-    return gelu ? geglu(gate, up) : swiglu(gate, up);
+  const auto rebuild = [gate = gate.detach(), up = up.defined() ? up.detach() : torch::Tensor(), gelu] {
+    return gated_activation(gelu, gate, up);
   };
   gate = up = torch::Tensor();
   return down_proj->forward_rebuilding_input(product, rebuild);

@@ -59,14 +59,19 @@ class RotaryFunction : public torch::autograd::Function<RotaryFunction> {
   }
 };
 
-// act(gate) * up through one kernel each way: SwiGLU's or GeGLU's (kernels/llama_layers.h).
+// act(gate) * up through one kernel each way: SwiGLU's or GeGLU's (kernels/llama_layers.h), on two
+// tensors or on a fused projection's [..., 2 * intermediate] output.
 struct SiluKernels {
   static constexpr auto forward = kernels::swiglu_forward_cuda;
   static constexpr auto backward = kernels::swiglu_backward_cuda;
+  static constexpr auto fused_forward = kernels::swiglu_fused_forward_cuda;
+  static constexpr auto fused_backward = kernels::swiglu_fused_backward_cuda;
 };
 struct GeluTanhKernels {
   static constexpr auto forward = kernels::geglu_forward_cuda;
   static constexpr auto backward = kernels::geglu_backward_cuda;
+  static constexpr auto fused_forward = kernels::geglu_fused_forward_cuda;
+  static constexpr auto fused_backward = kernels::geglu_fused_backward_cuda;
 };
 
 template <typename Kernels>
@@ -85,6 +90,28 @@ class GatedActivationFunction : public torch::autograd::Function<GatedActivation
     return {grad_gate, grad_up};
   }
 };
+
+// act(gate) * up on the fused [..., 2 * intermediate] projection output, which it keeps whole.
+template <typename Kernels>
+class FusedGatedActivationFunction : public torch::autograd::Function<FusedGatedActivationFunction<Kernels>> {
+ public:
+  static torch::Tensor forward(AutogradContext* context, const torch::Tensor& gate_up) {
+    const auto values = gate_up.contiguous();
+    context->save_for_backward({values});
+    return Kernels::fused_forward(values);
+  }
+
+  static variable_list backward(AutogradContext* context, variable_list grads) {
+    return {Kernels::fused_backward(grads[0].contiguous(), context->get_saved_variables()[0])};
+  }
+};
+
+template <typename Kernels>
+torch::Tensor gated_of_fused(const torch::Tensor& gate_up, torch::Tensor (*pair)(const torch::Tensor&, const torch::Tensor&)) {
+  const int64_t intermediate = gate_up.size(-1) / 2;
+  if (on_fused_kernels(gate_up) && gate_up.size(-1) % 2 == 0) return FusedGatedActivationFunction<Kernels>::apply(gate_up);
+  return pair(gate_up.narrow(-1, 0, intermediate), gate_up.narrow(-1, intermediate, intermediate));
+}
 
 bool kernels_take_pair(const torch::Tensor& gate, const torch::Tensor& up) {
   return on_fused_kernels(gate) && up.scalar_type() == gate.scalar_type() && up.device() == gate.device() &&
@@ -162,6 +189,10 @@ torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tensor& up) {
   if (kernels_take_pair(gate, up)) return GatedActivationFunction<SiluKernels>::apply(gate, up);
   return swiglu_reference(gate, up);
 }
+
+torch::Tensor swiglu_of_fused(const torch::Tensor& gate_up) { return gated_of_fused<SiluKernels>(gate_up, swiglu); }
+
+torch::Tensor geglu_of_fused(const torch::Tensor& gate_up) { return gated_of_fused<GeluTanhKernels>(gate_up, geglu); }
 
 torch::Tensor geglu_reference(const torch::Tensor& gate, const torch::Tensor& up) {
   return torch::gelu(gate, "tanh") * up;

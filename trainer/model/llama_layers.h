@@ -35,4 +35,11 @@ torch::Tensor swiglu_reference(const torch::Tensor& gate, const torch::Tensor& u
 torch::Tensor geglu(const torch::Tensor& gate, const torch::Tensor& up);
 torch::Tensor geglu_reference(const torch::Tensor& gate, const torch::Tensor& up);
 
+// The same on a fused gate_up projection's output [..., 2 * intermediate] (gate the first half of
+// each row, up the second, as Phi-3's chunk(2)): read in place by one kernel each way on CUDA, where
+// splitting it cost three copies of [tokens, intermediate] per layer and step; its gradient comes
+// back as one [..., 2 * intermediate] tensor. Equal to swiglu / geglu on the two halves.
+torch::Tensor swiglu_of_fused(const torch::Tensor& gate_up);
+torch::Tensor geglu_of_fused(const torch::Tensor& gate_up);
+
 }  // namespace qtrain::trainer
