@@ -141,12 +141,11 @@ void check_pair(const at::Tensor& a, const at::Tensor& b, const std::string& wha
 
 // gate and up as [rows, width] views `row_stride` values apart; out [rows, width] contiguous.
 template <typename Activation>
-void gated_forward(const at::Tensor& like, const void* gate, const void* up, int64_t width, int64_t row_stride,
-                   at::Tensor& out) {
-  const c10::cuda::CUDAGuard device_guard(like.device());
+void gated_forward(const void* gate, const void* up, int64_t width, int64_t row_stride, at::Tensor& out) {
+  const c10::cuda::CUDAGuard device_guard(out.device());
   const int64_t n = out.numel();
   if (n == 0) return;
-  dispatch_float_type(like.scalar_type(), "gated activation forward: gate", [&](auto type_tag) {
+  dispatch_float_type(out.scalar_type(), "gated activation forward: gate", [&](auto type_tag) {
     using scalar_t = decltype(type_tag);
     launch<scalar_t>(n, width, row_stride, {gate, up, out.data_ptr()}, [&](auto vector, unsigned blocks) {
       gated_forward_kernel<scalar_t, decltype(vector)::value, Activation>
@@ -184,7 +183,7 @@ at::Tensor pair_forward(const at::Tensor& gate, const at::Tensor& up) {
   check_pair(gate, up, "gated activation forward: gate and up");
   auto out = at::empty_like(gate);
   const int64_t width = std::max<int64_t>(gate.numel(), 1);
-  gated_forward<Activation>(gate, gate.data_ptr(), up.data_ptr(), width, width, out);
+  gated_forward<Activation>(gate.data_ptr(), up.data_ptr(), width, width, out);
   return out;
 }
 
@@ -217,7 +216,7 @@ at::Tensor fused_forward(const at::Tensor& gate_up) {
   sizes.back() = width;
   auto out = at::empty(sizes, gate_up.options());
   const auto* base = static_cast<const char*>(gate_up.data_ptr());
-  gated_forward<Activation>(gate_up, base, base + width * gate_up.element_size(), width, 2 * width, out);
+  gated_forward<Activation>(base, base + width * gate_up.element_size(), width, 2 * width, out);
   return out;
 }
 

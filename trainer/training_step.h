@@ -88,8 +88,6 @@ class TrainingStep {
   void settle_optimizer_state() const;
 
  private:
-  // One micro-batch's preference loss, its backward at `weight` (loss scale / micro-batches of the
-  // window), and its metrics added to `metric_sums`; returns the loss.
   // Checks the window's gradients and applies them (or skips the step); `result` holds its loss.
   StepResult apply_gradients(StepResult result, int64_t step, const AfterBackward& after_backward);
   // One micro-batch's forward pass: the tensor its backward starts from, and what it adds to the
@@ -102,6 +100,8 @@ class TrainingStep {
   // optimizer state's way back start in the last one's backward. Returns the loss sum.
   double accumulate(const std::vector<data::Batch>& micro_batches,
                     const std::function<MicroBatchLoss(const data::Batch&)>& forward);
+  // One micro-batch's preference loss, to be backpropagated at `weight` (loss scale / micro-batches
+  // of the window); its metrics are added to `metric_sums` once its backward has been queued.
   MicroBatchLoss preference_micro_batch(const data::Batch& batch, double weight,
                                         std::vector<std::pair<std::string, double>>& metric_sums);
 

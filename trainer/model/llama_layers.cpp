@@ -108,9 +108,9 @@ class FusedGatedActivationFunction : public torch::autograd::Function<FusedGated
 
 template <typename Kernels>
 torch::Tensor gated_of_fused(const torch::Tensor& gate_up, torch::Tensor (*pair)(const torch::Tensor&, const torch::Tensor&)) {
-  const int64_t intermediate = gate_up.size(-1) / 2;
-  if (on_fused_kernels(gate_up) && gate_up.size(-1) % 2 == 0) return FusedGatedActivationFunction<Kernels>::apply(gate_up);
-  return pair(gate_up.narrow(-1, 0, intermediate), gate_up.narrow(-1, intermediate, intermediate));
+  if (on_fused_kernels(gate_up)) return FusedGatedActivationFunction<Kernels>::apply(gate_up);
+  const auto halves = gate_up.chunk(2, -1);  // on the CPU, transformers' views
+  return pair(halves[0], halves[1]);
 }
 
 bool kernels_take_pair(const torch::Tensor& gate, const torch::Tensor& up) {
