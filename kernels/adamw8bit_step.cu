@@ -21,8 +21,6 @@ namespace {
 
 namespace fast = bnb_fast_math;
 
-constexpr int kWarpSize = 32;
-constexpr int kWarpsPerCudaBlock = 8;
 constexpr int kBlocksize = 256;
 constexpr int kValuesPerLane = kBlocksize / kWarpSize;
 

@@ -24,8 +24,6 @@ namespace {
 
 namespace fast = bnb_fast_math;
 
-constexpr int kWarpSize = 32;
-constexpr int kWarpsPerCudaBlock = 8;
 constexpr int kMaxThresholds = 15;
 
 // FourBitQuantizer as a kernel argument (it lives in the constant bank; every lane reads the same

@@ -14,6 +14,12 @@
 
 namespace qtrain::kernels {
 
+// Launch shapes the kernel files share (one name each: with the unity build, CMakeLists.txt,
+// several kernel files compile as one translation unit).
+constexpr int kWarpSize = 32;
+constexpr int kThreads = 256;  // a CUDA block of the one-element (pair, row) per thread kernels
+constexpr int kWarpsPerCudaBlock = kThreads / kWarpSize;
+
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 inline bool is_power_of_two(int64_t value) { return value > 0 && (value & (value - 1)) == 0; }

@@ -16,8 +16,6 @@ namespace qtrain::kernels {
 
 namespace {
 
-constexpr int kThreads = 256;
-
 __global__ void fake_quantize_int_kernel(const float* __restrict__ x, const float* __restrict__ scale,
                                          const float* __restrict__ zero_point, int64_t n, int64_t block_length,
                                          float quant_min, float quant_max, float* __restrict__ values,

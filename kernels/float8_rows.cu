@@ -21,7 +21,6 @@ namespace qtrain::kernels {
 
 namespace {
 
-constexpr int kThreads = 256;
 constexpr float kLargestCode = kLargestFloat8Code;
 constexpr float kSmallestAbsmax = 1e-12f;
 

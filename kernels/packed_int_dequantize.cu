@@ -15,8 +15,6 @@ namespace qtrain::kernels {
 
 namespace {
 
-constexpr int kThreads = 256;
-
 template <typename T, int kBits>
 __global__ void dequantize_packed_int_kernel(const int32_t* __restrict__ words, const T* __restrict__ scale,
                                              const int32_t* __restrict__ zero_words, int64_t rows, int64_t row_words,

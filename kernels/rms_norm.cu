@@ -18,8 +18,6 @@ namespace qtrain::kernels {
 
 namespace {
 
-constexpr int kThreads = 256;
-
 // The sum of `value` over the block (kThreads threads), returned to every thread.
 __device__ float block_sum(float value) {
   __shared__ float partial[kThreads / 32];

@@ -16,8 +16,6 @@ namespace qtrain::kernels {
 
 namespace {
 
-constexpr int kThreads = 256;
-
 template <typename scalar_t>
 __device__ __forceinline__ float product(float a, float b) {
   return static_cast<float>(static_cast<scalar_t>(a * b));

@@ -20,8 +20,6 @@ namespace qtrain::kernels {
 
 namespace {
 
-constexpr int kThreads = 256;
-
 template <typename scalar_t>
 __device__ __forceinline__ float rounded(float value) {
   return static_cast<float>(static_cast<scalar_t>(value));

@@ -21,8 +21,6 @@ namespace qtrain::kernels {
 
 namespace {
 
-constexpr int kThreads = 256;
-
 // kVector values per thread, loaded and stored 16 bytes at a time (the tensors are fresh or
 // contiguous allocations, 16-byte aligned; launch() checks), or one when n does not divide.
 template <typename scalar_t, int kVector>
