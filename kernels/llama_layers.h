@@ -10,7 +10,8 @@
 // multiply-adds the compiler chooses: within one step of the output dtype.
 //
 // Raw entry points: contiguous CUDA tensors of one floating dtype (fp32, fp16 or bf16) in, fresh
-// tensors out, on the input's device and current stream.
+// tensors out, on the input's device and current stream (rotary_embedding_into_cuda: strided views,
+// written in place).
 #include <ATen/core/Tensor.h>
 
 #include <utility>
@@ -25,10 +26,17 @@ std::pair<at::Tensor, at::Tensor> rms_norm_forward_cuda(const at::Tensor& x, con
 at::Tensor rms_norm_backward_cuda(const at::Tensor& grad_output, const at::Tensor& x, const at::Tensor& weight,
                                   const at::Tensor& rstd, bool unit_offset = false);
 
-// x [batch, seq, heads, head_dim] (the projection's layout), cos/sin [batch, seq, head_dim] ->
+// x [batch, seq, heads, head_dim] (the projection's layout), cos/sin [batch, seq, rotary_dim] ->
 // x * cos + rotate_half(x) * sin, each product and the sum rounded to x's dtype. With `inverse`
-// the transpose (the backward: rotate by -angle).
+// the transpose (the backward: rotate by -angle). rotary_dim (even) may be less than head_dim
+// (partial rotary): the leading rotary_dim dimensions of each head turn, the rest are copied.
 at::Tensor rotary_embedding_cuda(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool inverse);
+// The same from x into `out`, two [batch, seq, heads, head_dim] views that need not be contiguous:
+// each position's heads side by side (stride 1 and head_dim), the positions one row stride apart
+// (each view its own): the query or key columns of a fused qkv projection's output
+// [batch, seq, q + 2 kv] read in place, or of its gradient written in place. out must not overlap x.
+void rotary_embedding_into_cuda(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool inverse,
+                                const at::Tensor& out);
 
 // silu(gate) * up, silu rounded to the dtype before the product.
 at::Tensor swiglu_forward_cuda(const at::Tensor& gate, const at::Tensor& up);

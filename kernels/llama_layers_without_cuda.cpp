@@ -17,6 +17,9 @@ at::Tensor rms_norm_backward_cuda(const at::Tensor&, const at::Tensor&, const at
 at::Tensor rotary_embedding_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool) {
   no_cuda_kernels("rotary_embedding_cuda");
 }
+void rotary_embedding_into_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool, const at::Tensor&) {
+  no_cuda_kernels("rotary_embedding_into_cuda");
+}
 at::Tensor swiglu_forward_cuda(const at::Tensor&, const at::Tensor&) { no_cuda_kernels("swiglu_forward_cuda"); }
 std::pair<at::Tensor, at::Tensor> swiglu_backward_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
   no_cuda_kernels("swiglu_backward_cuda");

@@ -1,14 +1,18 @@
 // The fused linear + cross-entropy loss (trainer/model/fused_linear_cross_entropy.h) against a
 // float64 log_softmax reference and against the logits path it replaces: the loss, the gradient
 // of the states, ignored labels, ragged chunks and tiles, Gemma 2's cap, the fallback for a
-// projection that trains, whole training runs, and on a GPU the memory it saves.
+// projection that trains, whole training runs, and on a GPU the memory it saves and the per-tile
+// CUDA kernels (kernels/cross_entropy_tiles.h) against the torch operations they replace.
 #include "json_support.h"
 #include "trainer/model/fused_linear_cross_entropy.h"
 
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <limits>
+#include <string>
 
+#include "kernels/cuda_build.h"
 #include "qat/four_bit_linear.h"
 #include "qat/lora_linear.h"
 #include "small_llama.h"
@@ -89,19 +93,22 @@ RandomProblem random_problem(int64_t tokens, int64_t hidden, int64_t vocab, torc
   return problem;
 }
 
-// The fused loss and its gradient against float64, chunks of 48 and tiles of 256 over 1000
-// columns (both ragged): the loss within `loss_bound` (relative), the gradient within `grad_bound`
-// (max error over max).
-void expect_float64_reference(torch::ScalarType dtype, uint64_t seed, double loss_bound, double grad_bound) {
+// The fused loss and its gradient against float64, chunks of 48 and tiles of `tile_columns` over
+// 1000 columns (both ragged): the loss within `loss_bound` (relative), the gradient within
+// `grad_bound` (max error over max). With a cap, logits of standard deviation 8, which it bends.
+void expect_float64_reference(torch::ScalarType dtype, uint64_t seed, double loss_bound, double grad_bound,
+                              const torch::Device& device = torch::kCPU, int64_t tile_columns = 256,
+                              double softcap = 0.0) {
   torch::manual_seed(seed);
-  const auto problem = random_problem(200, 64, 1000, dtype);
+  const auto problem = random_problem(200, 64, 1000, dtype, softcap > 0 ? 8.0 : 3.0, device);
   const double loss_grad = 0.37;
-  const auto expected = reference_loss(problem.states, problem.weight, problem.targets, 0.0, loss_grad);
+  const auto expected = reference_loss(problem.states, problem.weight, problem.targets, softcap, loss_grad);
   FusedLossOptions options;
   options.chunk_tokens = 48;
-  options.tile_columns = 256;
-  const auto actual = fused_loss(problem.states, problem.weight, problem.targets, 0.0, loss_grad, options);
-  std::printf("%s: loss relative error %.3g, gradient %.3g\n", c10::toString(dtype),
+  options.tile_columns = tile_columns;
+  const auto actual = fused_loss(problem.states, problem.weight, problem.targets, softcap, loss_grad, options);
+  std::printf("%s %s, tiles of %lld, cap %g: loss relative error %.3g, gradient %.3g\n", device.str().c_str(),
+              c10::toString(dtype), static_cast<long long>(tile_columns), softcap,
               std::abs(actual.loss - expected.loss) / expected.loss, max_relative_error(actual.grad, expected.grad));
   EXPECT_NEAR(actual.loss, expected.loss, loss_bound * expected.loss);
   EXPECT_LE(max_relative_error(actual.grad, expected.grad), grad_bound);
@@ -424,8 +431,9 @@ TEST(FusedLoss, TrainingLossesEqualTheLogitsPath) {
 
 // On a GPU in bf16: the fused loss against float64 as on the CPU, and the bytes the loss's
 // forward and backward add at their peak well below the chunked logits path's (three fp32
-// [1024, 32768] blocks, 384 MiB, against about 120 MiB: an fp32 and a bf16 [1024, 16384]
-// tile, the [1024, 1024] sums, the states and their gradient).
+// [1024, 32768] blocks, 384 MiB, against about 120 MiB with the torch operations: an fp32 and a
+// bf16 [1024, 16384] tile, the [1024, 1024] sums, the states and their gradient; the CUDA
+// kernels hold two bf16 tiles, the logits and their gradient, in place of the first two).
 TEST(FusedLoss, CudaBf16EqualsAFloat64ReferenceAndHoldsLessMemory) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU on this machine";
   const torch::Device cuda(torch::kCUDA, 0);
@@ -516,6 +524,165 @@ TEST(FusedLoss, CudaLmHeadOnTheHostEqualsItOnTheDeviceAndLeavesAfterTheBackward)
   EXPECT_TRUE(torch::equal(model->logits(hidden.slice(1, 0, 8)), logits));
   std::printf("cuda lm_head on the host: the loss holds %s after its backward (on the device: %s)\n",
               format_bytes(std::get<2>(run(true))).c_str(), format_bytes(held_on_device).c_str());
+}
+
+// Why the per-tile CUDA kernels cannot run here, or empty.
+std::string cuda_kernels_missing() {
+  if (!kernels::kCudaKernelsBuilt) return "built without the CUDA kernels";
+  if (!torch::cuda::is_available()) return "no CUDA GPU on this machine";
+  return "";
+}
+
+const torch::ScalarType kTileDtypes[] = {torch::kBFloat16, torch::kHalf, torch::kFloat32};
+
+// One vocabulary tile as the loss hands it to the kernels, on the GPU.
+struct LogitTile {
+  torch::Tensor logits;   // [rows, tile] in the compute dtype: columns begin .. begin + tile - 1
+  torch::Tensor targets;  // [rows] int64
+  int64_t begin = 0;
+};
+
+// Logits of standard deviation 3 with column 7 at -inf (a masked token); targets by row r:
+// r % 5 == 0 ignored, 1 before the tile, 2 after it, 3 and 4 in it, among them the tile's first
+// column (row 3), its last (row 4) and the -inf column (row 8). begin > 0, rows >= 9.
+LogitTile random_logit_tile(int64_t rows, int64_t tile, int64_t begin, torch::ScalarType dtype) {
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA);
+  const auto int64 = cuda.dtype(torch::kInt64);
+  LogitTile t;
+  t.begin = begin;
+  auto logits = torch::randn({rows, tile}, cuda) * 3;
+  logits.select(1, 7).fill_(-std::numeric_limits<float>::infinity());
+  t.logits = logits.to(dtype);
+  const auto kind = torch::arange(rows, int64).remainder(5);
+  const auto in_tile = torch::randint(begin, begin + tile, {rows}, int64);
+  const auto before = torch::randint(0, begin, {rows}, int64);
+  const auto after = torch::randint(begin + tile, begin + 2 * tile, {rows}, int64);
+  t.targets = torch::where(kind.eq(0), torch::full({rows}, kIgnoreLabel, int64),
+                           torch::where(kind.eq(1), before, torch::where(kind.eq(2), after, in_tile)));
+  t.targets[3] = begin;
+  t.targets[4] = begin + tile - 1;
+  t.targets[8] = begin + 7;
+  return t;
+}
+
+// Within `relative` of `expected` at every finite value (0: equal), and NaN and the infinities at
+// the same places.
+void expect_close_values(const torch::Tensor& actual, const torch::Tensor& expected, double relative,
+                         const std::string& what) {
+  ASSERT_EQ(actual.sizes(), expected.sizes()) << what;
+  const auto a = actual.to(torch::kFloat64).cpu();
+  const auto e = expected.to(torch::kFloat64).cpu();
+  EXPECT_TRUE(torch::equal(a.isnan(), e.isnan())) << what << ": NaN at other places";
+  const auto infinite = e.isinf();
+  EXPECT_TRUE(torch::equal(a.isinf(), infinite)) << what << ": infinities at other places";
+  EXPECT_TRUE(torch::equal(a.index({infinite}), e.index({infinite}))) << what << ": infinities of another sign";
+  const auto finite = e.isfinite();
+  const auto excess = (a - e).abs().index({finite}) - relative * e.abs().index({finite});
+  if (excess.numel() > 0) {
+    EXPECT_LE(excess.max().item<double>(), 0.0) << what << ": max |difference| "
+                                                << (a - e).abs().index({finite}).max().item<double>();
+  }
+}
+
+// The tile kernels' cases: 77 rows, each dtype, tiles of 1000 columns (16-byte packs, not a
+// multiple of 32) and 333 (one value at a time), each case from `seed`.
+constexpr int64_t kTileRows = 77;
+
+template <typename Case>
+void for_each_tile_case(uint64_t seed, const Case& run_case) {
+  for (const auto dtype : kTileDtypes) {
+    for (const int64_t tile : {1000, 333}) {
+      SCOPED_TRACE(std::string(c10::toString(dtype)) + ", tile " + std::to_string(tile));
+      torch::manual_seed(seed);
+      run_case(dtype, tile);
+    }
+  }
+}
+
+// The statistics kernel folds a tile into the running max, sum of exp and target logit as the
+// torch operations do: the max and the target logit equal, the sum within 1e-6 relative (its fp32
+// sum over the tile taken in another order). Two tiles in turn, the first from the empty
+// statistics (max -inf); 77 rows, tiles of 1000 columns (16-byte packs, not a multiple of 32) and
+// 333 (one value at a time). A row all -inf in the first tile keeps a -inf max and gets a NaN sum
+// (exp(-inf - -inf)) from both.
+TEST(FusedLossCuda, TileStatisticsKernelEqualsTheTorchOperations) {
+  if (const auto missing = cuda_kernels_missing(); !missing.empty()) GTEST_SKIP() << missing;
+  const auto fp32 = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kFloat32);
+  for_each_tile_case(13, [&](torch::ScalarType dtype, int64_t tile) {
+    kernels::LogSumExpStatistics seen{torch::full({kTileRows}, -std::numeric_limits<float>::infinity(), fp32),
+                                      torch::zeros({kTileRows}, fp32), torch::zeros({kTileRows}, fp32)};
+    for (int64_t step = 0; step < 2; ++step) {
+      SCOPED_TRACE("tile " + std::to_string(step + 1) + " of 2");
+      auto t = random_logit_tile(kTileRows, tile, 500 + step * tile, dtype);
+      if (step == 0) t.logits[1].fill_(-std::numeric_limits<float>::infinity());
+      const auto kernel = kernels::cross_entropy_tile_statistics_cuda(seen, t.logits, t.targets, t.begin);
+      // The reference works in place on fp32 logits: a copy.
+      const auto reference = fold_tile_statistics_reference(seen, t.logits.clone(), t.targets, t.begin);
+      expect_close_values(kernel.max, reference.max, 0.0, "max");
+      expect_close_values(kernel.sum, reference.sum, 1e-6, "sum");
+      expect_close_values(kernel.target_logit, reference.target_logit, 0.0, "target logit");
+      EXPECT_TRUE(reference.sum[1].isnan().item<bool>());
+      EXPECT_GT(reference.target_logit.abs().max().item<double>(), 0.0);
+      seen = reference;
+    }
+  });
+}
+
+// The gradient kernel's (exp(z - lse) - 1 at the target) * g, rounded to the dtype, equals the
+// torch operations' bit for bit: the same fp32 steps, each rounded alone. 77 rows, tiles of 1000
+// and 333 columns at column 500, g random and 0 on ignored rows, lse above each row's own
+// log-sum-exp (the whole vocabulary's is).
+TEST(FusedLossCuda, TileGradientKernelEqualsTheTorchOperationsBitForBit) {
+  if (const auto missing = cuda_kernels_missing(); !missing.empty()) GTEST_SKIP() << missing;
+  const auto fp32 = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kFloat32);
+  for_each_tile_case(14, [&](torch::ScalarType dtype, int64_t tile) {
+    const auto t = random_logit_tile(kTileRows, tile, 500, dtype);
+    const auto lse = t.logits.to(torch::kFloat32).logsumexp(1) + torch::rand({kTileRows}, fp32) * 2;
+    const auto row_grad = torch::randn({kTileRows}, fp32) * t.targets.ne(kIgnoreLabel).to(torch::kFloat32);
+    const auto kernel = kernels::cross_entropy_tile_gradient_cuda(t.logits, lse, row_grad, t.targets, t.begin);
+    const auto reference = tile_logits_gradient_reference(t.logits.clone(), lse, row_grad, t.targets, t.begin);
+    ASSERT_EQ(kernel.scalar_type(), dtype);
+    EXPECT_TRUE(testing::same_bits(kernel, reference))
+        << kernel.ne(reference).sum().item<int64_t>() << " of " << kernel.numel() << " values differ; max |difference| "
+        << (kernel.to(torch::kFloat64) - reference.to(torch::kFloat64)).abs().max().item<double>();
+    // The target's -1: the most negative gradient is a learned row's at its target.
+    EXPECT_LT(reference.to(torch::kFloat32).min().item<double>(), -0.1);
+  });
+}
+
+// On a GPU the kernels take every tile, so the torch-operation path no longer runs there (the
+// tests above hold the kernels to it tile by tile): the loss and the states' gradient against
+// float64 in each dtype, tiles of 256 (16-byte packs; the last, 232 columns, ragged) and 250 (one
+// value at a time), without and with Gemma 2's cap of 5. Bounds: the CPU tests' for fp32 and
+// bf16; fp16, with three more mantissa bits than bf16, a quarter of bf16's. And fp32 against the
+// torch operations on the CPU, on the same inputs: the loss within 1e-6, the gradient within
+// 1e-5 (the matmuls' sums in another order).
+TEST(FusedLossCuda, KernelPathEqualsAFloat64ReferenceAndTheCpuPath) {
+  if (const auto missing = cuda_kernels_missing(); !missing.empty()) GTEST_SKIP() << missing;
+  const torch::Device cuda(torch::kCUDA, 0);
+  struct Bounds {
+    torch::ScalarType dtype;
+    double loss, grad;
+  };
+  for (const auto& bounds : {Bounds{torch::kFloat32, 2e-6, 1e-5}, Bounds{torch::kBFloat16, 2e-3, 2e-2},
+                             Bounds{torch::kHalf, 5e-4, 5e-3}}) {
+    for (const int64_t tile : {256, 250}) {
+      for (const double softcap : {0.0, 5.0}) {
+        SCOPED_TRACE(std::string(c10::toString(bounds.dtype)) + ", tile " + std::to_string(tile) + ", cap " +
+                     std::to_string(softcap));
+        expect_float64_reference(bounds.dtype, 21, bounds.loss, bounds.grad, cuda, tile, softcap);
+      }
+    }
+  }
+  torch::manual_seed(22);
+  const auto problem = random_problem(200, 64, 1000, torch::kFloat32, 3.0, cuda);
+  FusedLossOptions options;
+  options.chunk_tokens = 48;
+  options.tile_columns = 250;
+  const auto on_gpu = fused_loss(problem.states, problem.weight, problem.targets, 0.0, 0.37, options);
+  const auto on_cpu = fused_loss(problem.states.cpu(), problem.weight.cpu(), problem.targets.cpu(), 0.0, 0.37, options);
+  EXPECT_NEAR(on_gpu.loss, on_cpu.loss, 1e-6 * on_cpu.loss);
+  EXPECT_LE(max_relative_error(on_gpu.grad, on_cpu.grad), 1e-5);
 }
 
 }  // namespace

@@ -4,7 +4,9 @@
 // (the kernels round where the operations round; what may differ is the order of RMSNorm's fp32
 // sum and the fused multiply-adds), plus, for gradients that come out of a cancellation
 // (RMSNorm's), that step relative to the largest value. The rotary embedding rounds exactly as
-// the operations do and must be equal. On the CPU every function is the reference itself.
+// the operations do and must be equal, and so must split_rotary_qkv (a fused qkv projection's
+// output split and turned by one function) and the narrow / view / rotary_embedding composition it
+// replaces. On the CPU every function is the reference itself.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -13,9 +15,13 @@
 #include <tuple>
 #include <utility>
 #include <string>
+#include <vector>
 
 #include "kernels/cuda_build.h"
+#include "kernels/error.h"
+#include "kernels/llama_layers.h"
 #include "qat/lora_linear.h"
+#include "small_llama.h"
 #include "trainer/model/llama.h"
 #include "trainer/model/llama_layers.h"
 
@@ -69,6 +75,77 @@ Outcome run_layer(const std::function<torch::Tensor(const std::vector<torch::Ten
 }
 
 torch::TensorOptions on_cuda(torch::ScalarType dtype) { return torch::TensorOptions().dtype(dtype).device(torch::kCUDA); }
+
+// A fused qkv projection's output [batch, seq, (heads + 2 key_value_heads) * head_dim] (Phi-3) and
+// the rotary tables [batch, seq, rotary_dim] its query and key turn by.
+struct QkvShape {
+  int64_t batch, sequence, heads, key_value_heads, head_dim, rotary_dim;
+};
+
+std::string describe_qkv(const QkvShape& shape, torch::ScalarType dtype) {
+  return std::string(c10::toString(dtype)) + " [" + std::to_string(shape.batch) + ", " + std::to_string(shape.sequence) +
+         "], " + std::to_string(shape.heads) + " / " + std::to_string(shape.key_value_heads) + " heads of " +
+         std::to_string(shape.head_dim) + ", " + std::to_string(shape.rotary_dim) + " turned";
+}
+
+// Random fused outputs, tables for random angles per position, and one gradient per attention input
+// in attention's [batch, heads, seq, head_dim] layout.
+struct QkvInputs {
+  torch::Tensor fused, cos, sin;
+  std::vector<torch::Tensor> grads;
+};
+
+QkvInputs random_qkv_inputs(const QkvShape& shape, const torch::TensorOptions& options) {
+  QkvInputs inputs;
+  const int64_t width = (shape.heads + 2 * shape.key_value_heads) * shape.head_dim;
+  inputs.fused = (torch::randn({shape.batch, shape.sequence, width}) * 2).to(options);
+  const auto angles = torch::rand({shape.batch, shape.sequence, shape.rotary_dim / 2}) * 100;
+  inputs.cos = torch::cat({angles.cos(), angles.cos()}, -1).to(options);
+  inputs.sin = torch::cat({angles.sin(), angles.sin()}, -1).to(options);
+  for (const int64_t heads : {shape.heads, shape.key_value_heads, shape.key_value_heads}) {
+    inputs.grads.push_back(torch::randn({shape.batch, heads, shape.sequence, shape.head_dim}).to(options));
+  }
+  return inputs;
+}
+
+// The attention's query, key and value [batch, heads, seq, head_dim] as it made them before
+// split_rotary_qkv: narrow, view per head, rotary_embedding, transpose.
+std::vector<torch::Tensor> qkv_by_composition(const torch::Tensor& fused, const QkvInputs& inputs, const QkvShape& shape) {
+  const int64_t query_width = shape.heads * shape.head_dim;
+  const int64_t key_value_width = shape.key_value_heads * shape.head_dim;
+  const auto query = fused.narrow(-1, 0, query_width).view({shape.batch, shape.sequence, shape.heads, shape.head_dim});
+  const auto key =
+      fused.narrow(-1, query_width, key_value_width).view({shape.batch, shape.sequence, shape.key_value_heads, shape.head_dim});
+  const auto value = fused.narrow(-1, query_width + key_value_width, key_value_width)
+                         .view({shape.batch, shape.sequence, shape.key_value_heads, shape.head_dim});
+  return {rotary_embedding(query, inputs.cos, inputs.sin).transpose(1, 2),
+          rotary_embedding(key, inputs.cos, inputs.sin).transpose(1, 2), value.transpose(1, 2)};
+}
+
+// The same through split_rotary_qkv, as the attention makes them now.
+std::vector<torch::Tensor> qkv_by_split(const torch::Tensor& fused, const QkvInputs& inputs, const QkvShape& shape) {
+  const auto split = split_rotary_qkv(fused, inputs.cos, inputs.sin, shape.heads, shape.key_value_heads, shape.head_dim);
+  return {split.query.transpose(1, 2), split.key.transpose(1, 2), split.value.transpose(1, 2)};
+}
+
+struct QkvOutcome {
+  std::vector<torch::Tensor> outputs;  // query, key, value
+  torch::Tensor grad;                  // of the fused output
+};
+
+// Runs `attention_inputs` on a leaf copy of the fused output and backpropagates inputs.grads.
+QkvOutcome run_qkv(const std::function<std::vector<torch::Tensor>(const torch::Tensor&, const QkvInputs&, const QkvShape&)>&
+                       attention_inputs,
+                   const QkvInputs& inputs, const QkvShape& shape) {
+  auto fused = inputs.fused.detach().clone().requires_grad_(true);
+  const auto outputs = attention_inputs(fused, inputs, shape);
+  torch::autograd::backward(outputs, inputs.grads);
+  QkvOutcome outcome{{}, fused.grad()};
+  for (const auto& output : outputs) outcome.outputs.push_back(output.detach());
+  return outcome;
+}
+
+const char* const kQkvNames[] = {"query", "key", "value"};
 
 TEST(LlamaLayersCuda, RmsNormMatchesTheReferenceForwardAndBackward) {
   SKIP_WITHOUT_CUDA();
@@ -193,6 +270,45 @@ TEST(LlamaLayersCuda, GatedActivationsOfAFusedProjectionEqualThePairKernelsOnIts
   }
 }
 
+// Phi-3 / Phi-4-mini's fused qkv_proj output split and turned by one function: the outputs and the
+// fused output's one gradient bit for bit those of the composition the attention ran before
+// (narrow, view per head, rotary_embedding, transpose) on the same GPU tensors, whose rotary
+// kernel the tests above hold to the reference. Full and partial rotary (Phi-4-mini: 24 query and
+// 8 key/value heads of 128, 96 dimensions turned), odd lengths, one decoded token; contiguous
+// outputs ([batch, seq, heads, head_dim], what flash attention reads without a copy).
+TEST(LlamaLayersCuda, SplitRotaryQkvEqualsTheCompositionForwardAndBackward) {
+  SKIP_WITHOUT_CUDA();
+  const QkvShape shapes[] = {
+      {2, 33, 6, 2, 64, 64},    // full rotary
+      {2, 17, 4, 2, 96, 64},    // partial
+      {2, 9, 24, 8, 128, 96},   // Phi-4-mini (partial_rotary_factor 0.75)
+      {1, 1, 24, 8, 128, 96},   // one decoded token
+  };
+  for (const auto dtype : kDtypes) {
+    for (const auto& shape : shapes) {
+      const std::string what = describe_qkv(shape, dtype);
+      torch::manual_seed(27);
+      const auto inputs = random_qkv_inputs(shape, on_cuda(dtype));
+      const auto split = run_qkv(qkv_by_split, inputs, shape);
+      const auto composed = run_qkv(qkv_by_composition, inputs, shape);
+      for (size_t index = 0; index < 3; ++index) {
+        EXPECT_TRUE(torch::equal(split.outputs[index], composed.outputs[index])) << what << ": " << kQkvNames[index];
+        EXPECT_TRUE(split.outputs[index].transpose(1, 2).is_contiguous()) << what << ": " << kQkvNames[index];
+      }
+      EXPECT_TRUE(torch::equal(split.grad, composed.grad)) << what << ": the fused output's gradient";
+      if (shape.rotary_dim < shape.head_dim) {
+        // The raw kernel takes the narrower tables too: the leading dimensions turn, the rest are copied.
+        const auto query = inputs.fused.narrow(-1, 0, shape.heads * shape.head_dim)
+                               .view({shape.batch, shape.sequence, shape.heads, shape.head_dim})
+                               .contiguous();
+        EXPECT_TRUE(torch::equal(kernels::rotary_embedding_cuda(query, inputs.cos, inputs.sin, /*inverse=*/false),
+                                 rotary_embedding(query, inputs.cos, inputs.sin)))
+            << what << ": rotary_embedding_cuda with partial tables";
+      }
+    }
+  }
+}
+
 // Phi-4-mini's partial rotary, written as transformers' apply_rotary_pos_emb: the leading
 // rotary_dim dimensions of each head turn (cos / sin as wide as them), the rest pass unchanged;
 // forward and backward, on the CPU and, through the fused kernel, on CUDA (bf16: equal).
@@ -251,6 +367,43 @@ TEST(LlamaLayers, OnTheCpuEachFunctionIsItsReference) {
   EXPECT_TRUE(torch::allclose(norms(rotated), norms(x), 1e-5, 1e-6));
 }
 
+
+// On the CPU (and for what the kernels do not take) split_rotary_qkv is the composition the
+// attention ran before, transformers' operations: the same values and memory layouts (the CPU's
+// attention rounds differently on another layout) and the same gradient of the fused output.
+TEST(LlamaLayers, SplitRotaryQkvOnTheCpuIsTheComposition) {
+  for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    for (const auto& shape : {QkvShape{2, 5, 4, 2, 16, 16}, QkvShape{2, 7, 6, 2, 32, 24}}) {
+      const std::string what = describe_qkv(shape, dtype);
+      torch::manual_seed(28);
+      const auto inputs = random_qkv_inputs(shape, torch::TensorOptions().dtype(dtype));
+      const auto split = run_qkv(qkv_by_split, inputs, shape);
+      const auto composed = run_qkv(qkv_by_composition, inputs, shape);
+      for (size_t index = 0; index < 3; ++index) {
+        EXPECT_TRUE(torch::equal(split.outputs[index], composed.outputs[index])) << what << ": " << kQkvNames[index];
+        EXPECT_EQ(split.outputs[index].strides(), composed.outputs[index].strides()) << what << ": " << kQkvNames[index];
+      }
+      EXPECT_TRUE(torch::equal(split.grad, composed.grad)) << what << ": the fused output's gradient";
+    }
+  }
+}
+
+// No family has both, and split_rotary_qkv turns the heads straight from the fused output: the
+// decoder refuses a per-head query / key RMSNorm after a fused qkv_proj rather than skip it.
+TEST(LlamaLayers, QueryKeyNormAfterAFusedQkvProjectionIsRefused) {
+  auto options = testing::small_llama_options(/*hidden_size=*/32, /*layers=*/1);
+  options.fused_projections = true;
+  options.query_key_norm = true;
+  try {
+    LlamaForCausalLM model(options, torch::kFloat32);
+    ADD_FAILURE() << "a model with q_norm after qkv_proj was built";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kModelConfig);
+    EXPECT_NE(std::string(error.what()).find("model.layers.0.self_attn: an RMSNorm on each head's query and key"),
+              std::string::npos)
+        << error.what();
+  }
+}
 
 // Adapters over a norm's output (LoRA's q, k and v; gate and up) keep a way to make it again
 // instead of the output (RMSNormImpl::forward_rebuildable): every gradient is the same bit for

@@ -6,6 +6,7 @@
 
 #include "data/batching.h"
 #include "kernels/error.h"
+#include "trainer/model/llama_layers.h"
 
 namespace qtrain::trainer {
 
@@ -14,7 +15,7 @@ namespace {
 using data::kIgnoreLabel;
 using torch::autograd::variable_list;
 
-// The fp32 logits [rows, end - begin] of one vocabulary tile, computed as
+// The logits [rows, end - begin] of one vocabulary tile in the compute dtype, computed as
 // LlamaForCausalLMImpl::logits computes them: the matmul in the compute dtype, the cap in it too.
 // `capped_tanh`, when given, receives tanh(logits / cap) in the compute dtype (the cap's derivative).
 torch::Tensor tile_logits(const torch::Tensor& states, const torch::Tensor& weight, const torch::Tensor& bias,
@@ -26,7 +27,7 @@ torch::Tensor tile_logits(const torch::Tensor& states, const torch::Tensor& weig
     logits = tanh * softcap;
     if (capped_tanh) *capped_tanh = std::move(tanh);
   }
-  return logits.to(torch::kFloat32);
+  return logits;
 }
 
 // Where each row's target falls in the tile [begin, end): in_tile [rows] bool, and the column
@@ -34,6 +35,24 @@ torch::Tensor tile_logits(const torch::Tensor& states, const torch::Tensor& weig
 std::pair<torch::Tensor, torch::Tensor> target_columns(const torch::Tensor& targets, int64_t begin, int64_t end) {
   const auto in_tile = targets.ge(begin).logical_and(targets.lt(end));
   return {in_tile, (targets - begin).clamp(0, end - begin - 1).unsqueeze(1)};
+}
+
+// The tile's arithmetic, by the kernels where they take the logits (on CUDA, in fp32 / fp16 / bf16),
+// else by the torch operations.
+kernels::LogSumExpStatistics fold_tile_statistics(const kernels::LogSumExpStatistics& seen, torch::Tensor logits,
+                                                  const torch::Tensor& targets, int64_t begin) {
+  if (on_fused_kernels(logits)) {
+    return kernels::cross_entropy_tile_statistics_cuda(seen, logits, targets.contiguous(), begin);
+  }
+  return fold_tile_statistics_reference(seen, std::move(logits), targets, begin);
+}
+
+torch::Tensor tile_logits_gradient(torch::Tensor logits, const torch::Tensor& lse, const torch::Tensor& row_grad,
+                                   const torch::Tensor& targets, int64_t begin) {
+  if (on_fused_kernels(logits)) {
+    return kernels::cross_entropy_tile_gradient_cuda(logits, lse, row_grad, targets.contiguous(), begin);
+  }
+  return tile_logits_gradient_reference(std::move(logits), lse, row_grad, targets, begin);
 }
 
 struct ChunkLogSumExp {
@@ -48,21 +67,13 @@ ChunkLogSumExp chunk_log_sum_exp(const torch::Tensor& states, const torch::Tenso
   const auto fp32 = states.options().dtype(torch::kFloat32);
   const int64_t rows = states.size(0);
   const int64_t vocab = weight.size(0);
-  auto running_max = torch::full({rows}, -std::numeric_limits<float>::infinity(), fp32);
-  auto running_sum = torch::zeros({rows}, fp32);
-  auto target_logit = torch::zeros({rows}, fp32);
+  kernels::LogSumExpStatistics statistics{torch::full({rows}, -std::numeric_limits<float>::infinity(), fp32),
+                                          torch::zeros({rows}, fp32), torch::zeros({rows}, fp32)};
   for (int64_t begin = 0; begin < vocab; begin += tile_columns) {
     const int64_t end = std::min(vocab, begin + tile_columns);
-    auto logits = tile_logits(states, weight, bias, begin, end, softcap);  // [rows, tile] fp32
-    const auto [in_tile, column] = target_columns(targets, begin, end);
-    target_logit = torch::where(in_tile, logits.gather(1, column).squeeze(1), target_logit);
-    const auto tile_max = logits.amax(1);
-    const auto new_max = torch::maximum(running_max, tile_max);
-    // exp(z - new_max) in place: the tile's only fp32 block.
-    running_sum = running_sum * torch::exp(running_max - new_max) + logits.sub_(new_max.unsqueeze(1)).exp_().sum(1);
-    running_max = new_max;
+    statistics = fold_tile_statistics(statistics, tile_logits(states, weight, bias, begin, end, softcap), targets, begin);
   }
-  return {running_max + running_sum.log(), target_logit};
+  return {statistics.max + statistics.sum.log(), statistics.target_logit};
 }
 
 int64_t chunk_rows(int64_t chunk_tokens, int64_t total) {
@@ -102,22 +113,17 @@ class FusedCrossEntropyBackward : public torch::autograd::Node {
       const int64_t last = std::min(total, first + chunk_tokens_);
       const auto states = states_.slice(0, first, last);
       const auto targets = targets_.slice(0, first, last);
-      const auto lse = lse_.slice(0, first, last).unsqueeze(1);
-      // g on the learned rows, 0 on the ignored ones: [rows, 1] fp32.
+      const auto lse = lse_.slice(0, first, last);
+      // g on the learned rows, 0 on the ignored ones: [rows] fp32.
       // A per-token loss (fused_linear_token_losses) has a gradient per row.
       const auto grad = loss_grad.dim() == 0 ? loss_grad : loss_grad.slice(0, first, last);
-      const auto row_grad = (targets.ne(kIgnoreLabel).to(torch::kFloat32) * grad).unsqueeze(1);
+      const auto row_grad = targets.ne(kIgnoreLabel).to(torch::kFloat32) * grad;
       auto summed = torch::zeros({last - first, states_.size(1)}, states_.options().dtype(torch::kFloat32));
       for (int64_t begin = 0; begin < vocab; begin += tile_columns_) {
         const int64_t end = std::min(vocab, begin + tile_columns_);
         torch::Tensor capped_tanh;
-        auto probabilities = tile_logits(states, weight, bias, begin, end, softcap, &capped_tanh);
-        probabilities.sub_(lse).exp_();  // softmax, in place
-        const auto [in_tile, column] = target_columns(targets, begin, end);
-        probabilities.scatter_add_(1, column, in_tile.to(torch::kFloat32).neg().unsqueeze(1));  // - 1 at the target
-        // Scaled by g in fp32 before the cast, as autograd's cross_entropy backward is.
-        auto grad_logits = probabilities.mul_(row_grad).to(dtype);
-        probabilities = torch::Tensor();
+        auto grad_logits = tile_logits_gradient(tile_logits(states, weight, bias, begin, end, softcap, &capped_tanh),
+                                                lse, row_grad, targets, begin);
         // d/dx cap tanh(x / cap), in autograd's order: (grad * cap) (1 - tanh^2) / cap; in place.
         if (softcap > 0) {
           grad_logits.mul_(softcap);
@@ -158,6 +164,32 @@ torch::Tensor OutputProjection::matmul_weight(torch::ScalarType dtype) const {
 }
 
 torch::Tensor OutputProjection::bias() const { return layer ? layer->bias() : weight_bias; }
+
+kernels::LogSumExpStatistics fold_tile_statistics_reference(const kernels::LogSumExpStatistics& seen,
+                                                            torch::Tensor logits, const torch::Tensor& targets,
+                                                            int64_t begin) {
+  auto z = logits.to(torch::kFloat32);  // [rows, tile]
+  logits = torch::Tensor();
+  const auto [in_tile, column] = target_columns(targets, begin, begin + z.size(1));
+  kernels::LogSumExpStatistics folded;
+  folded.target_logit = torch::where(in_tile, z.gather(1, column).squeeze(1), seen.target_logit);
+  folded.max = torch::maximum(seen.max, z.amax(1));
+  // exp(z - max) in place: the tile's only fp32 block.
+  folded.sum = seen.sum * torch::exp(seen.max - folded.max) + z.sub_(folded.max.unsqueeze(1)).exp_().sum(1);
+  return folded;
+}
+
+torch::Tensor tile_logits_gradient_reference(torch::Tensor logits, const torch::Tensor& lse,
+                                             const torch::Tensor& row_grad, const torch::Tensor& targets, int64_t begin) {
+  const auto dtype = logits.scalar_type();
+  auto probabilities = logits.to(torch::kFloat32);
+  logits = torch::Tensor();
+  probabilities.sub_(lse.unsqueeze(1)).exp_();  // softmax, in place
+  const auto [in_tile, column] = target_columns(targets, begin, begin + probabilities.size(1));
+  probabilities.scatter_add_(1, column, in_tile.to(torch::kFloat32).neg().unsqueeze(1));  // - 1 at the target
+  // Scaled by g in fp32 before the cast, as autograd's cross_entropy backward is.
+  return probabilities.mul_(row_grad.unsqueeze(1)).to(dtype);
+}
 
 namespace {
 

@@ -13,10 +13,16 @@
 // lse [tokens] fp32 and the targets. Nothing vocabulary-sized outlives a tile. The loss equals
 // log_softmax's up to fp32 rounding of the log-sum-exp; the gradient is autograd's for
 // logits(states).to(fp32) -> cross_entropy, g applied before the cast as autograd applies it.
+//
+// On CUDA in fp32 / fp16 / bf16 a tile's fp32 arithmetic (the running statistics forward, p - 1
+// times g backward) is one kernel each way (kernels/cross_entropy_tiles.h), which reads the tile
+// in the compute dtype and keeps no fp32 copy of it; elsewhere it is the torch operations of the
+// *_reference functions below.
 #include <torch/torch.h>
 
 #include <memory>
 
+#include "kernels/cross_entropy_tiles.h"
 #include "qat/linear.h"
 
 namespace qtrain::trainer {
@@ -51,6 +57,21 @@ torch::Tensor fused_linear_cross_entropy(const torch::Tensor& states, const torc
 // weighs each sequence's tokens by its own factor).
 torch::Tensor fused_linear_token_losses(const torch::Tensor& states, const torch::Tensor& targets,
                                         const OutputProjection& projection, const FusedLossOptions& options);
+
+// The torch operations of one tile's arithmetic: the CPU path, and the reference the CUDA kernels
+// (kernels/cross_entropy_tiles.h, same formulas) are tested against. logits [rows, tile] in the
+// compute dtype, the vocabulary's columns begin .. begin + tile - 1; targets [rows] int64. The
+// logits are taken, not copied: an fp32 tile's storage is worked on in place (the fp32 block is
+// the tile's only one), a narrower tile's is let go once its fp32 copy exists.
+//
+// `seen` with the tile folded in: max, sum of exp(z - max) and z at the target, z = fp32(logits).
+kernels::LogSumExpStatistics fold_tile_statistics_reference(const kernels::LogSumExpStatistics& seen,
+                                                            torch::Tensor logits, const torch::Tensor& targets,
+                                                            int64_t begin);
+// The loss's gradient to the tile's logits, in their dtype: (exp(z - lse) - 1 at the target) *
+// row_grad, in fp32 before the cast as autograd's cross_entropy backward. lse, row_grad [rows] fp32.
+torch::Tensor tile_logits_gradient_reference(torch::Tensor logits, const torch::Tensor& lse,
+                                             const torch::Tensor& row_grad, const torch::Tensor& targets, int64_t begin);
 
 // Columns per tile: an fp32 [chunk, tile] block of at most 64 MiB, in multiples of 256 (the
 // widest N tile of the GPU's GEMM kernels, so only the vocabulary's last tile is ragged; rows of

@@ -194,6 +194,10 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaOptions& options, const std::s
   register_projections(*this, attention_projections(options), prefix, make_linear, dtype,
                        [this](const std::string& name) { return slot(name); });
   if (options.query_key_norm) {
+    if (options.fused_projections) {
+      throw Error(ErrorCode::kModelConfig, prefix + ": an RMSNorm on each head's query and key (q_norm / k_norm) "
+                  "after a fused qkv_proj is not implemented; no model family qtrain reads has both");
+    }
     q_norm = register_module("q_norm", RMSNorm(head_dim_, options.rms_norm_eps, dtype, options.norm_style));
     k_norm = register_module("k_norm", RMSNorm(head_dim_, options.rms_norm_eps, dtype, options.norm_style));
   }
@@ -228,29 +232,30 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden, const tor
   const int64_t sequence = hidden.size(1);
   // [batch, seq, heads * head_dim] -> [batch, heads, seq, head_dim]
   // The rotary embedding runs on the projections' [batch, seq, heads, head_dim] layout.
-  const int64_t query_width = num_heads_ * head_dim_;
-  const int64_t key_value_width = num_key_value_heads_ * head_dim_;
   torch::Tensor query, key, value;
   if (qkv_proj) {
-    const auto fused = qkv_proj->forward_rebuilding_input(hidden, rebuild_hidden);
-    query = fused.narrow(-1, 0, query_width);
-    key = fused.narrow(-1, query_width, key_value_width);
-    value = fused.narrow(-1, query_width + key_value_width, key_value_width);
+    // Phi-3: one function splits the fused output and turns query and key; its gradient comes
+    // back as one [batch, seq, qkv width] tensor (no query_key_norm: the constructor refuses it).
+    const auto split = split_rotary_qkv(qkv_proj->forward_rebuilding_input(hidden, rebuild_hidden), cos, sin, num_heads_,
+                                        num_key_value_heads_, head_dim_);
+    query = split.query;
+    key = split.key;
+    value = split.value;
   } else {
-    query = q_proj->forward_rebuilding_input(hidden, rebuild_hidden);
-    key = k_proj->forward_rebuilding_input(hidden, rebuild_hidden);
+    query = q_proj->forward_rebuilding_input(hidden, rebuild_hidden).view({batch, sequence, num_heads_, head_dim_});
+    key = k_proj->forward_rebuilding_input(hidden, rebuild_hidden).view({batch, sequence, num_key_value_heads_, head_dim_});
+    if (q_norm) {
+      // Qwen3: each head's query and key normalised over head_dim before the rotation.
+      query = q_norm->forward(query);
+      key = k_norm->forward(key);
+    }
+    query = rotary_embedding(query, cos, sin);
+    key = rotary_embedding(key, cos, sin);
+    value = v_proj->forward_rebuilding_input(hidden, rebuild_hidden).view({batch, sequence, num_key_value_heads_, head_dim_});
   }
-  query = query.view({batch, sequence, num_heads_, head_dim_});
-  key = key.view({batch, sequence, num_key_value_heads_, head_dim_});
-  if (q_norm) {
-    // Qwen3: each head's query and key normalised over head_dim before the rotation.
-    query = q_norm->forward(query);
-    key = k_norm->forward(key);
-  }
-  query = rotary_embedding(query, cos, sin).transpose(1, 2);
-  key = rotary_embedding(key, cos, sin).transpose(1, 2);
-  if (!qkv_proj) value = v_proj->forward_rebuilding_input(hidden, rebuild_hidden);
-  value = value.view({batch, sequence, num_key_value_heads_, head_dim_}).transpose(1, 2);
+  query = query.transpose(1, 2);
+  key = key.transpose(1, 2);
+  value = value.transpose(1, 2);
   const int64_t past = cache != nullptr ? cache->length() : 0;
   if (cache != nullptr) {
     if (attention_mask.defined()) throw Error(ErrorCode::kInternal, "an attention mask cannot be combined with a key/value cache");

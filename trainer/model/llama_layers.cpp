@@ -1,6 +1,9 @@
 #include "trainer/model/llama_layers.h"
 
+#include <string>
+
 #include "kernels/cuda_build.h"
+#include "kernels/error.h"
 #include "kernels/llama_layers.h"
 
 namespace qtrain::trainer {
@@ -59,6 +62,56 @@ class RotaryFunction : public torch::autograd::Function<RotaryFunction> {
   }
 };
 
+// Columns [first_head * head_dim, (first_head + heads) * head_dim) of rows [batch, seq, width],
+// viewed [batch, seq, heads, head_dim]: a view whose positions lie `width` apart.
+torch::Tensor head_columns(const torch::Tensor& rows, int64_t first_head, int64_t heads, int64_t head_dim) {
+  return rows.narrow(-1, first_head * head_dim, heads * head_dim).view({rows.size(0), rows.size(1), heads, head_dim});
+}
+
+// A fused qkv projection's output [batch, seq, (heads + 2 key_value_heads) * head_dim] -> query and
+// key turned (rotary_embedding_into_cuda reading their columns in place), value copied; backward
+// writes one [batch, seq, width] gradient: the inverse rotation into the query and key columns,
+// the value's gradient copied into its own.
+class SplitRotaryQkvFunction : public torch::autograd::Function<SplitRotaryQkvFunction> {
+ public:
+  static variable_list forward(AutogradContext* context, const torch::Tensor& fused, const torch::Tensor& cos,
+                               const torch::Tensor& sin, int64_t heads, int64_t key_value_heads, int64_t head_dim) {
+    const auto rows = fused.contiguous();  // a projection's output already is
+    const auto cos_table = cos.contiguous();
+    const auto sin_table = sin.contiguous();
+    const auto turned = [&](int64_t first_head, int64_t count) {
+      auto out = torch::empty({rows.size(0), rows.size(1), count, head_dim}, rows.options());
+      kernels::rotary_embedding_into_cuda(head_columns(rows, first_head, count, head_dim), cos_table, sin_table,
+                                          /*inverse=*/false, out);
+      return out;
+    };
+    auto query = turned(0, heads);
+    auto key = turned(heads, key_value_heads);
+    auto value = head_columns(rows, heads + key_value_heads, key_value_heads, head_dim).clone(torch::MemoryFormat::Contiguous);
+    context->save_for_backward({cos_table, sin_table});
+    context->saved_data["heads"] = heads;
+    context->saved_data["key_value_heads"] = key_value_heads;
+    context->saved_data["head_dim"] = head_dim;
+    return {query, key, value};
+  }
+
+  static variable_list backward(AutogradContext* context, variable_list grads) {
+    const auto saved = context->get_saved_variables();
+    const int64_t heads = context->saved_data["heads"].toInt();
+    const int64_t key_value_heads = context->saved_data["key_value_heads"].toInt();
+    const int64_t head_dim = context->saved_data["head_dim"].toInt();
+    const auto& grad_query = grads[0];
+    auto grad_fused = torch::empty({grad_query.size(0), grad_query.size(1), (heads + 2 * key_value_heads) * head_dim},
+                                   grad_query.options());
+    kernels::rotary_embedding_into_cuda(grad_query.contiguous(), saved[0], saved[1], /*inverse=*/true,
+                                        head_columns(grad_fused, 0, heads, head_dim));
+    kernels::rotary_embedding_into_cuda(grads[1].contiguous(), saved[0], saved[1], /*inverse=*/true,
+                                        head_columns(grad_fused, heads, key_value_heads, head_dim));
+    head_columns(grad_fused, heads + key_value_heads, key_value_heads, head_dim).copy_(grads[2]);
+    return {grad_fused, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
 // act(gate) * up through one kernel each way: SwiGLU's or GeGLU's (kernels/llama_layers.h), on two
 // tensors or on a fused projection's [..., 2 * intermediate] output.
 struct SiluKernels {
@@ -111,6 +164,12 @@ torch::Tensor gated_of_fused(const torch::Tensor& gate_up, torch::Tensor (*pair)
   if (on_fused_kernels(gate_up)) return FusedGatedActivationFunction<Kernels>::apply(gate_up);
   const auto halves = gate_up.chunk(2, -1);  // on the CPU, transformers' views
   return pair(halves[0], halves[1]);
+}
+
+// Whether the rotary kernels take x with these tables: the same dtype and device.
+bool kernels_take_rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  return on_fused_kernels(x) && cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type() &&
+         cos.device() == x.device() && sin.device() == x.device();
 }
 
 bool kernels_take_pair(const torch::Tensor& gate, const torch::Tensor& up) {
@@ -174,11 +233,25 @@ torch::Tensor rotary_embedding(const torch::Tensor& x, const torch::Tensor& cos,
     const auto passed = x.narrow(-1, rotary_dim, x.size(-1) - rotary_dim);
     return torch::cat({turned.transpose(1, 2), passed.transpose(1, 2)}, -1).transpose(1, 2);
   }
-  if (on_fused_kernels(x) && cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type() &&
-      cos.device() == x.device() && sin.device() == x.device()) {
-    return RotaryFunction::apply(x, cos, sin);
-  }
+  if (kernels_take_rotary(x, cos, sin)) return RotaryFunction::apply(x, cos, sin);
   return rotary_embedding_reference(x, cos, sin);
+}
+
+QueryKeyValue split_rotary_qkv(const torch::Tensor& fused, const torch::Tensor& cos, const torch::Tensor& sin,
+                               int64_t heads, int64_t key_value_heads, int64_t head_dim) {
+  if (fused.dim() != 3 || fused.size(-1) != (heads + 2 * key_value_heads) * head_dim) {
+    throw Error(ErrorCode::kInternal, "split_rotary_qkv: the fused projection's output has shape " +
+                c10::str(fused.sizes()) + ", expected [batch, seq, " + std::to_string((heads + 2 * key_value_heads) * head_dim) +
+                "] for " + std::to_string(heads) + " query and " + std::to_string(key_value_heads) +
+                " key/value heads of " + std::to_string(head_dim));
+  }
+  if (kernels_take_rotary(fused, cos, sin)) {
+    const auto outputs = SplitRotaryQkvFunction::apply(fused, cos, sin, heads, key_value_heads, head_dim);
+    return {outputs[0], outputs[1], outputs[2]};
+  }
+  return {rotary_embedding(head_columns(fused, 0, heads, head_dim), cos, sin),
+          rotary_embedding(head_columns(fused, heads, key_value_heads, head_dim), cos, sin),
+          head_columns(fused, heads + key_value_heads, key_value_heads, head_dim)};
 }
 
 torch::Tensor swiglu_reference(const torch::Tensor& gate, const torch::Tensor& up) {

@@ -1,10 +1,10 @@
 #pragma once
 // The differentiable per-row and elementwise pieces of a Llama decoder layer: RMSNorm (and Gemma's
-// (1 + w) one), the rotary embedding, SwiGLU and GeGLU. On CUDA each is one fused kernel forward and one backward
-// (kernels/llama_layers.h), saving less for backward than autograd would (the fp32 copies of the
-// residual stream, silu's output); elsewhere, and for the dtype mixes the kernels do not take,
-// they are the torch operations of transformers' modeling_llama.py, the reference the kernels
-// are tested against.
+// (1 + w) one), the rotary embedding (also on a fused qkv projection's output), SwiGLU and GeGLU.
+// On CUDA each is one fused kernel forward and one backward (kernels/llama_layers.h), saving less
+// for backward than autograd would (the fp32 copies of the residual stream, silu's output);
+// elsewhere, and for the dtype mixes the kernels do not take, they are the torch operations of
+// transformers' modeling_llama.py, the reference the kernels are tested against.
 #include <torch/torch.h>
 
 namespace qtrain::trainer {
@@ -26,6 +26,22 @@ torch::Tensor unit_offset_rms_norm_reference(const torch::Tensor& x, const torch
 // narrower than head_dim (partial rotary) turn the leading dimensions and pass the rest.
 torch::Tensor rotary_embedding(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 torch::Tensor rotary_embedding_reference(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+
+// A fused qkv projection's output (Phi-3, Phi-4-mini) split into heads, query and key turned:
+// fused [batch, seq, (heads + 2 key_value_heads) * head_dim], the query's columns first, then the
+// key's, then the value's; cos/sin [batch, seq, rotary_dim] as rotary_embedding takes them ->
+// query [batch, seq, heads, head_dim], key and value [batch, seq, key_value_heads, head_dim]:
+// rotary_embedding of the query and key column ranges viewed per head, and the value's range so
+// viewed. On the fused kernels one function reads `fused` in place and gives back its gradient as
+// one [batch, seq, width] tensor, the inverse rotation written straight into its query and key
+// columns (the split's copies, partial rotary's cat and three zero-filled slice gradients of the
+// whole width cost Phi-4-mini ~22 ms a step on an H100); there the three outputs are contiguous and
+// bit for bit the composition's. Elsewhere it is that composition.
+struct QueryKeyValue {
+  torch::Tensor query, key, value;
+};
+QueryKeyValue split_rotary_qkv(const torch::Tensor& fused, const torch::Tensor& cos, const torch::Tensor& sin,
+                               int64_t heads, int64_t key_value_heads, int64_t head_dim);
 
 // silu(gate) * up.
 torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tensor& up);

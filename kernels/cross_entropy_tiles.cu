@@ -1,0 +1,197 @@
+// The fused cross-entropy's per-tile arithmetic (kernels/cross_entropy_tiles.h), one CUDA block per
+// row of a [rows, tile] logits block in the model dtype, read 16 bytes at a time where the rows
+// allow. The statistics take two passes over the row, its max then the sum of exp(z - max) (the
+// second mostly from L2: a 32768-column bf16 row is 64 KiB); the gradient one. Each value is
+// computed as the torch operations of trainer/model/fused_linear_cross_entropy.cpp compute it:
+// expf, the full-precision exp that torch's CUDA exp runs on fp32, and __fmul_rn / __fadd_rn /
+// __fsub_rn where a product and a sum must each round on their own, as two torch kernels round
+// them, and not as the one fused multiply-add the compiler would make of them.
+#include <ATen/ops/empty_like.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <type_traits>
+
+#include "kernels/block_reduce.cuh"
+#include "kernels/cross_entropy_tiles.h"
+#include "kernels/cuda_entry.cuh"
+
+namespace qtrain::kernels {
+
+namespace {
+
+constexpr int kLogitPackBytes = 16;
+
+// kValues logits loaded as one: 16 bytes (8 bf16 / fp16 or 4 fp32 values), or one value where
+// the tile's rows do not start on 16 bytes.
+template <typename scalar_t, int kValues>
+struct alignas(sizeof(scalar_t) * kValues) LogitPack {
+  scalar_t values[kValues];
+};
+
+// torch's amax and maximum: a NaN wins.
+struct LogitMaxKeepingNan {
+  __device__ float operator()(float a, float b) const { return (a != a || a > b) ? a : b; }
+};
+
+// statistics[row] folded with the row's tile (the header's formulas); packs of kValues logits.
+template <typename scalar_t, int kValues>
+__global__ void tile_statistics_kernel(const scalar_t* __restrict__ logits, int64_t tile,
+                                       const int64_t* __restrict__ targets, int64_t begin,
+                                       const float* __restrict__ seen_max, const float* __restrict__ seen_sum,
+                                       const float* __restrict__ seen_target_logit, float* __restrict__ max_out,
+                                       float* __restrict__ sum_out, float* __restrict__ target_logit_out) {
+  using Pack = LogitPack<scalar_t, kValues>;
+  const int64_t row = blockIdx.x;
+  const scalar_t* row_logits = logits + row * tile;
+  const auto* packs = reinterpret_cast<const Pack*>(row_logits);
+  const int64_t pack_count = tile / kValues;
+  const float max_before = seen_max[row];
+
+  float tile_max = -INFINITY;
+  for (int64_t p = threadIdx.x; p < pack_count; p += kThreads) {
+    const Pack pack = packs[p];
+#pragma unroll
+    for (int k = 0; k < kValues; ++k) tile_max = LogitMaxKeepingNan{}(static_cast<float>(pack.values[k]), tile_max);
+  }
+  tile_max = block_reduce(tile_max, LogitMaxKeepingNan{}, -INFINITY);
+  const float row_max = LogitMaxKeepingNan{}(max_before, tile_max);
+
+  float tile_sum = 0.0f;
+  for (int64_t p = threadIdx.x; p < pack_count; p += kThreads) {
+    const Pack pack = packs[p];
+#pragma unroll
+    for (int k = 0; k < kValues; ++k) tile_sum += expf(static_cast<float>(pack.values[k]) - row_max);
+  }
+  tile_sum = block_reduce(tile_sum, SumOp{}, 0.0f);
+
+  if (threadIdx.x == 0) {
+    // seen.sum * exp(seen.max - max) + the tile's sum: a product and a sum, rounded as torch's mul and add.
+    sum_out[row] = __fadd_rn(__fmul_rn(seen_sum[row], expf(max_before - row_max)), tile_sum);
+    max_out[row] = row_max;
+    const int64_t column = targets[row] - begin;
+    target_logit_out[row] = column >= 0 && column < tile ? static_cast<float>(row_logits[column]) : seen_target_logit[row];
+  }
+}
+
+// grad[row, j] = dtype((exp(z - lse) - [j == target column]) * row_grad), the header's formula.
+template <typename scalar_t, int kValues>
+__global__ void tile_gradient_kernel(const scalar_t* __restrict__ logits, int64_t tile, const float* __restrict__ lse,
+                                     const float* __restrict__ row_grad, const int64_t* __restrict__ targets,
+                                     int64_t begin, scalar_t* __restrict__ grad_logits) {
+  using Pack = LogitPack<scalar_t, kValues>;
+  const int64_t row = blockIdx.x;
+  const auto* packs = reinterpret_cast<const Pack*>(logits + row * tile);
+  auto* grad_packs = reinterpret_cast<Pack*>(grad_logits + row * tile);
+  const int64_t pack_count = tile / kValues;
+  const float row_lse = lse[row];
+  const float grad = row_grad[row];
+  const int64_t target_column = targets[row] - begin;  // outside [0, tile) when the target is elsewhere or ignored
+  for (int64_t p = threadIdx.x; p < pack_count; p += kThreads) {
+    const Pack pack = packs[p];
+    Pack out;
+#pragma unroll
+    for (int k = 0; k < kValues; ++k) {
+      float probability = expf(static_cast<float>(pack.values[k]) - row_lse);
+      if (p * kValues + k == target_column) probability = __fsub_rn(probability, 1.0f);
+      out.values[k] = static_cast<scalar_t>(__fmul_rn(probability, grad));
+    }
+    grad_packs[p] = out;
+  }
+}
+
+// Calls run(std::integral_constant<int, kValues>{}) with 16-byte packs when every row of the
+// tile starts on 16 bytes (the width a whole number of packs, the pointers aligned), else with
+// packs of one value.
+template <typename scalar_t, typename Launch>
+void launch_over_logit_packs(int64_t tile, std::initializer_list<const void*> pointers, const Launch& run) {
+  constexpr int kWide = kLogitPackBytes / sizeof(scalar_t);
+  bool aligned = tile % kWide == 0;
+  for (const void* pointer : pointers) aligned = aligned && reinterpret_cast<uintptr_t>(pointer) % kLogitPackBytes == 0;
+  if (aligned) {
+    run(std::integral_constant<int, kWide>{});
+  } else {
+    run(std::integral_constant<int, 1>{});
+  }
+}
+
+// logits [rows, tile] and targets [rows] int64, contiguous on one CUDA device.
+void check_logit_tile(const at::Tensor& logits, const at::Tensor& targets, const std::string& what) {
+  check_cuda_tensor(logits, what + "logits");
+  if (logits.dim() != 2) {
+    throw Error(ErrorCode::kInternal, what + "logits must be [rows, tile], got " + shape_text(logits.sizes()));
+  }
+  check_cuda_operands(logits, {{&targets, "targets"}}, what);
+  check_scalar_type(targets, at::kLong, what + "targets");
+  if (targets.dim() != 1 || targets.size(0) != logits.size(0)) {
+    throw Error(ErrorCode::kInternal, what + "targets must be [rows] = [" + std::to_string(logits.size(0)) + "], got " +
+                                          shape_text(targets.sizes()));
+  }
+}
+
+// A per-row fp32 operand [rows] beside the logits.
+void check_row_values(const at::Tensor& values, const at::Tensor& logits, const std::string& what) {
+  check_cuda_operands(logits, {{&values, ""}}, what);
+  check_scalar_type(values, at::kFloat, what);
+  if (values.dim() != 1 || values.size(0) != logits.size(0)) {
+    throw Error(ErrorCode::kInternal, what + " must be [rows] = [" + std::to_string(logits.size(0)) + "], got " +
+                                          shape_text(values.sizes()));
+  }
+}
+
+}  // namespace
+
+LogSumExpStatistics cross_entropy_tile_statistics_cuda(const LogSumExpStatistics& seen, const at::Tensor& logits,
+                                                       const at::Tensor& targets, int64_t begin) {
+  const std::string what = "cross_entropy_tile_statistics_cuda: ";
+  check_logit_tile(logits, targets, what);
+  check_row_values(seen.max, logits, what + "max");
+  check_row_values(seen.sum, logits, what + "sum");
+  check_row_values(seen.target_logit, logits, what + "target_logit");
+  const c10::cuda::CUDAGuard device_guard(logits.device());
+  LogSumExpStatistics folded{at::empty_like(seen.max), at::empty_like(seen.sum), at::empty_like(seen.target_logit)};
+  const int64_t rows = logits.size(0), tile = logits.size(1);
+  if (rows == 0) return folded;
+  dispatch_float_type(logits.scalar_type(), what + "logits", [&](auto type_tag) {
+    using scalar_t = decltype(type_tag);
+    launch_over_logit_packs<scalar_t>(tile, {logits.data_ptr()}, [&](auto values) {
+      tile_statistics_kernel<scalar_t, decltype(values)::value>
+          <<<static_cast<unsigned>(rows), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+              logits.data_ptr<scalar_t>(), tile, targets.data_ptr<int64_t>(), begin, seen.max.data_ptr<float>(),
+              seen.sum.data_ptr<float>(), seen.target_logit.data_ptr<float>(), folded.max.data_ptr<float>(),
+              folded.sum.data_ptr<float>(), folded.target_logit.data_ptr<float>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+  return folded;
+}
+
+at::Tensor cross_entropy_tile_gradient_cuda(const at::Tensor& logits, const at::Tensor& lse, const at::Tensor& row_grad,
+                                            const at::Tensor& targets, int64_t begin) {
+  const std::string what = "cross_entropy_tile_gradient_cuda: ";
+  check_logit_tile(logits, targets, what);
+  check_row_values(lse, logits, what + "lse");
+  check_row_values(row_grad, logits, what + "row_grad");
+  const c10::cuda::CUDAGuard device_guard(logits.device());
+  auto grad_logits = at::empty_like(logits);
+  const int64_t rows = logits.size(0), tile = logits.size(1);
+  if (grad_logits.numel() == 0) return grad_logits;
+  dispatch_float_type(logits.scalar_type(), what + "logits", [&](auto type_tag) {
+    using scalar_t = decltype(type_tag);
+    launch_over_logit_packs<scalar_t>(tile, {logits.data_ptr(), grad_logits.data_ptr()}, [&](auto values) {
+      tile_gradient_kernel<scalar_t, decltype(values)::value>
+          <<<static_cast<unsigned>(rows), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+              logits.data_ptr<scalar_t>(), tile, lse.data_ptr<float>(), row_grad.data_ptr<float>(),
+              targets.data_ptr<int64_t>(), begin, grad_logits.data_ptr<scalar_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+  return grad_logits;
+}
+
+}  // namespace qtrain::kernels
