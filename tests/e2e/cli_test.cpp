@@ -184,7 +184,7 @@ TEST(Cli, TrainWritesTheRunDirectoryAndAnAdapterThatEvalApplies) {
   ASSERT_EQ(trained.status, 0) << trained.output;
   EXPECT_NE(trained.output.find("step 2/2 | loss "), std::string::npos) << trained.output;
   auto evaluated = qtrain("eval --model " + testing::source_dir() + "/recipes/demo/tiny-llama --data " +
-                          testing::source_dir() + "/recipes/demo/brown-val.jsonl --max-batches 1 --device cpu --adapter " +
+                          testing::source_dir() + "/recipes/demo/brown-val.jsonl --max-seq-len 64 --max-batches 1 --device cpu --adapter " +
                           run.file("adapter"));
   EXPECT_EQ(evaluated.status, 0) << evaluated.output;
 

@@ -249,7 +249,7 @@ TEST_F(ModelsByName, TrainAndEvalTakeARepositoryId) {
                                    run.path() + " 2>&1");
   ASSERT_EQ(trained.status, 0) << trained.output;
   EXPECT_NE(trained.output.find("model: " + snapshot), std::string::npos) << trained.output;
-  const std::string data = " --data " + testing::source_dir() + "/recipes/demo/brown-val.jsonl --max-batches 2 --device cpu --json";
+  const std::string data = " --data " + testing::source_dir() + "/recipes/demo/brown-val.jsonl --max-seq-len 64 --max-batches 2 --device cpu --json";
   const auto by_name = run_command(environment() + testing::qtrain_binary() + " eval --model org/tiny" + data + " 2>&1");
   const auto by_path = qtrain("eval --model " + tiny_llama() + data);
   ASSERT_EQ(by_name.status, 0) << by_name.output;
