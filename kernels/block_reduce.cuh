@@ -1,6 +1,6 @@
 #pragma once
 // A reduction over one CUDA block (whole warps), for the kernels that
-// give each row of a tensor one block (softcapped_softmax.cu, float8_rows.cu).
+// give each row of a tensor one block (softcapped_softmax.cu, float8_rows.cu, cross_entropy_tiles.cu).
 #include <cuda_runtime.h>
 
 namespace qtrain::kernels {
@@ -27,6 +27,10 @@ __device__ float block_reduce(float value, Op op, float identity) {
 
 struct MaxOp {
   __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+// max that keeps a NaN, as torch's amax and maximum do, so a NaN input shows in what follows from it.
+struct MaxKeepingNan {
+  __device__ float operator()(float a, float b) const { return (a != a || a > b) ? a : b; }
 };
 struct SumOp {
   __device__ float operator()(float a, float b) const { return a + b; }

@@ -34,11 +34,6 @@ struct alignas(sizeof(scalar_t) * kValues) LogitPack {
   scalar_t values[kValues];
 };
 
-// torch's amax and maximum: a NaN wins.
-struct LogitMaxKeepingNan {
-  __device__ float operator()(float a, float b) const { return (a != a || a > b) ? a : b; }
-};
-
 // statistics[row] folded with the row's tile (the header's formulas); packs of kValues logits.
 template <typename scalar_t, int kValues>
 __global__ void tile_statistics_kernel(const scalar_t* __restrict__ logits, int64_t tile,
@@ -57,10 +52,10 @@ __global__ void tile_statistics_kernel(const scalar_t* __restrict__ logits, int6
   for (int64_t p = threadIdx.x; p < pack_count; p += kThreads) {
     const Pack pack = packs[p];
 #pragma unroll
-    for (int k = 0; k < kValues; ++k) tile_max = LogitMaxKeepingNan{}(static_cast<float>(pack.values[k]), tile_max);
+    for (int k = 0; k < kValues; ++k) tile_max = MaxKeepingNan{}(static_cast<float>(pack.values[k]), tile_max);
   }
-  tile_max = block_reduce(tile_max, LogitMaxKeepingNan{}, -INFINITY);
-  const float row_max = LogitMaxKeepingNan{}(max_before, tile_max);
+  tile_max = block_reduce(tile_max, MaxKeepingNan{}, -INFINITY);
+  const float row_max = MaxKeepingNan{}(max_before, tile_max);
 
   float tile_sum = 0.0f;
   for (int64_t p = threadIdx.x; p < pack_count; p += kThreads) {

@@ -24,11 +24,6 @@ namespace {
 constexpr float kLargestCode = kLargestFloat8Code;
 constexpr float kSmallestAbsmax = 1e-12f;
 
-// max that keeps a NaN, as torch's amax does, so a NaN input shows in its row's codes.
-struct MaxKeepingNan {
-  __device__ float operator()(float a, float b) const { return (a != a || a > b) ? a : b; }
-};
-
 // The row's scale from its absmax: clamp_min keeps a NaN, so the row's scale and codes become NaN,
 // as the torch reference's.
 __device__ __forceinline__ float row_scale(float absmax) {
