@@ -380,8 +380,9 @@ std::string checkpointing_run(const std::string& run_dir) {
 TEST(Cli, KilledAtRandomMomentsTheRunStaysResumable) {
   testing::TempDir run;
   std::mt19937 generator(1234);
-  std::uniform_real_distribution<double> moment(1.0, 5.0);
-  for (int kill = 0; kill < 20; ++kill) {
+  // Moments after start-up, in the steps and the checkpoint writes (one after every step).
+  std::uniform_real_distribution<double> moment(1.0, 3.0);
+  for (int kill = 0; kill < 12; ++kill) {
     run_command("timeout -s KILL " + std::to_string(moment(generator)) + " " + checkpointing_run(run.path()) +
                 " --resume auto >/dev/null 2>&1");
     // Whatever the moment, every checkpoint that looks complete is complete.

@@ -109,12 +109,22 @@ TEST(PreferenceRun, AResumedDpoRunTakesTheSameSteps) {
 // is log 2. ORPO and SimPO need no reference.
 TEST(PreferenceRun, FullWeightDpoTakesTheReferenceBeforeTraining) {
   testing::TempDir temp;
+  // The demo's first 24 train and 8 eval pairs: the reference pass reads every pair of both.
+  const auto first_lines = [&](const std::string& name, int count) {
+    std::ifstream in(testing::source_dir() + "/recipes/demo/" + name);
+    std::ofstream out(temp.file(name));
+    std::string line;
+    for (int i = 0; i < count && std::getline(in, line); ++i) out << line << "\n";
+    return temp.file(name);
+  };
   const std::string common = "--recipe " + dpo_recipe() + " --set quant=none --set lora.rank=0 --set optim.lr=1e-5 "
-                             "--set train.steps=2 --set eval.every=0 --set eval.max_batches=2 --set log.every=1";
+                             "--set train.steps=2 --set eval.every=0 --set eval.max_batches=2 --set log.every=1" +
+                             " --set data.train=" + first_lines("pairs-train.jsonl", 24) +
+                             " --set data.eval=" + first_lines("pairs-val.jsonl", 8);
   const auto trained = qtrain(common + " --set train.output_dir=" + temp.file("dpo"));
   ASSERT_EQ(trained.status, 0) << trained.output;
-  EXPECT_NE(trained.output.find("reference log-probabilities of 320 train pairs"), std::string::npos) << trained.output;
-  EXPECT_NE(trained.output.find("reference log-probabilities of 40 eval pairs"), std::string::npos) << trained.output;
+  EXPECT_NE(trained.output.find("reference log-probabilities of 24 train pairs"), std::string::npos) << trained.output;
+  EXPECT_NE(trained.output.find("reference log-probabilities of 8 eval pairs"), std::string::npos) << trained.output;
   const auto losses = logged(metrics_lines(temp.file("dpo")), "loss");
   ASSERT_EQ(losses.size(), 2u);
   EXPECT_NEAR(losses.at(1), std::log(2.0), 1e-5);
