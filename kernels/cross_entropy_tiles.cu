@@ -25,15 +25,6 @@ namespace qtrain::kernels {
 
 namespace {
 
-constexpr int kLogitPackBytes = 16;
-
-// kValues logits loaded as one: 16 bytes (8 bf16 / fp16 or 4 fp32 values), or one value where
-// the tile's rows do not start on 16 bytes.
-template <typename scalar_t, int kValues>
-struct alignas(sizeof(scalar_t) * kValues) LogitPack {
-  scalar_t values[kValues];
-};
-
 // statistics[row] folded with the row's tile (the header's formulas); packs of kValues logits.
 template <typename scalar_t, int kValues>
 __global__ void tile_statistics_kernel(const scalar_t* __restrict__ logits, int64_t tile,
@@ -41,7 +32,7 @@ __global__ void tile_statistics_kernel(const scalar_t* __restrict__ logits, int6
                                        const float* __restrict__ seen_max, const float* __restrict__ seen_sum,
                                        const float* __restrict__ seen_target_logit, float* __restrict__ max_out,
                                        float* __restrict__ sum_out, float* __restrict__ target_logit_out) {
-  using Pack = LogitPack<scalar_t, kValues>;
+  using Pack = ValuePack<scalar_t, kValues>;
   const int64_t row = blockIdx.x;
   const scalar_t* row_logits = logits + row * tile;
   const auto* packs = reinterpret_cast<const Pack*>(row_logits);
@@ -79,7 +70,7 @@ template <typename scalar_t, int kValues>
 __global__ void tile_gradient_kernel(const scalar_t* __restrict__ logits, int64_t tile, const float* __restrict__ lse,
                                      const float* __restrict__ row_grad, const int64_t* __restrict__ targets,
                                      int64_t begin, scalar_t* __restrict__ grad_logits) {
-  using Pack = LogitPack<scalar_t, kValues>;
+  using Pack = ValuePack<scalar_t, kValues>;
   const int64_t row = blockIdx.x;
   const auto* packs = reinterpret_cast<const Pack*>(logits + row * tile);
   auto* grad_packs = reinterpret_cast<Pack*>(grad_logits + row * tile);
@@ -105,11 +96,8 @@ __global__ void tile_gradient_kernel(const scalar_t* __restrict__ logits, int64_
 // packs of one value.
 template <typename scalar_t, typename Launch>
 void launch_over_logit_packs(int64_t tile, std::initializer_list<const void*> pointers, const Launch& run) {
-  constexpr int kWide = kLogitPackBytes / sizeof(scalar_t);
-  bool aligned = tile % kWide == 0;
-  for (const void* pointer : pointers) aligned = aligned && reinterpret_cast<uintptr_t>(pointer) % kLogitPackBytes == 0;
-  if (aligned) {
-    run(std::integral_constant<int, kWide>{});
+  if (packs_fit<scalar_t>({tile}, pointers)) {
+    run(std::integral_constant<int, kWideValues<scalar_t>>{});
   } else {
     run(std::integral_constant<int, 1>{});
   }

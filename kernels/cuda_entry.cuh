@@ -24,6 +24,31 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 inline bool is_power_of_two(int64_t value) { return value > 0 && (value & (value - 1)) == 0; }
 
+// kValues consecutive values of one dtype, loaded and stored as one access. The elementwise and
+// per-row kernels read packs of kPackBytes (kWideValues: 8 bf16 / fp16, 4 fp32 values) where
+// packs_fit, else packs of one value.
+constexpr int kPackBytes = 16;
+template <typename scalar_t>
+constexpr int kWideValues = kPackBytes / sizeof(scalar_t);
+
+template <typename scalar_t, int kValues>
+struct alignas(sizeof(scalar_t) * kValues) ValuePack {
+  scalar_t values[kValues];
+};
+
+// Whether wide packs fit: each of `counts` (lengths, widths, strides, in values) a whole number of
+// packs, and each of `pointers` on kPackBytes.
+template <typename scalar_t>
+bool packs_fit(std::initializer_list<int64_t> counts, std::initializer_list<const void*> pointers) {
+  for (const int64_t count : counts) {
+    if (count % kWideValues<scalar_t> != 0) return false;
+  }
+  for (const void* pointer : pointers) {
+    if (reinterpret_cast<uintptr_t>(pointer) % kPackBytes != 0) return false;
+  }
+  return true;
+}
+
 // `what` names the argument, e.g. "quantize_4bit_cuda: input".
 inline void check_cuda_tensor(const at::Tensor& tensor, const std::string& what) {
   if (!tensor.defined()) throw Error(ErrorCode::kInternal, what + " is missing (an undefined tensor)");

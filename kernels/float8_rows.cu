@@ -55,18 +55,13 @@ __global__ void quantize_rows_float8_kernel(const scalar_t* __restrict__ input, 
 
 // Rows of whole 16-byte vectors (up to 32,768 bf16 values): 16-byte loads, 8-byte (bf16) or
 // 4-byte (fp32) stores of codes.
-constexpr int kVectorBytes = 16;
-
 template <typename scalar_t>
-struct alignas(kVectorBytes) RowVector {
-  static constexpr int kValues = kVectorBytes / sizeof(scalar_t);
-  scalar_t values[kValues];
-};
+using RowVector = ValuePack<scalar_t, kWideValues<scalar_t>>;
 
 template <typename scalar_t>
 __device__ __forceinline__ void scaled_values(const RowVector<scalar_t>& loaded, const float* column_scale,
-                                              int64_t index, float (&values)[RowVector<scalar_t>::kValues]) {
-  constexpr int kValues = RowVector<scalar_t>::kValues;
+                                              int64_t index, float (&values)[kWideValues<scalar_t>]) {
+  constexpr int kValues = kWideValues<scalar_t>;
 #pragma unroll
   for (int k = 0; k < kValues; ++k) values[k] = static_cast<float>(loaded.values[k]);
   if (column_scale) {
@@ -92,7 +87,7 @@ __global__ void __launch_bounds__(kMaxThreads) quantize_rows_float8_vector_kerne
                                                    int64_t columns, c10::Float8_e4m3fn* __restrict__ codes,
                                                    float* __restrict__ scales) {
   using Vector = RowVector<scalar_t>;
-  constexpr int kValues = Vector::kValues;
+  constexpr int kValues = kWideValues<scalar_t>;
   const int64_t offset = static_cast<int64_t>(blockIdx.x) * columns;
   const int vectors = static_cast<int>(columns / kValues);
   const auto* row = reinterpret_cast<const Vector*>(input + offset);
@@ -196,13 +191,12 @@ std::pair<at::Tensor, at::Tensor> quantize_rows_float8_cuda(const at::Tensor& in
   if (input.size(0) > std::numeric_limits<int32_t>::max()) throw Error(ErrorCode::kInternal, what + "too many rows for one grid");
   dispatch_float_type(input.scalar_type(), what + "input", [&](auto type_tag) {
     using scalar_t = decltype(type_tag);
-    constexpr int64_t kValues = RowVector<scalar_t>::kValues;
+    constexpr int64_t kValues = kWideValues<scalar_t>;
     const auto* scale_values = column_scale.defined() ? column_scale.data_ptr<float>() : nullptr;
     const int64_t vectors = input.size(1) / kValues;
-    const bool vectorized = input.size(1) % kValues == 0 && vectors <= int64_t{kMaxThreads} * kVectorsPerThread &&
-                            reinterpret_cast<uintptr_t>(input.data_ptr()) % kVectorBytes == 0 &&
-                            reinterpret_cast<uintptr_t>(codes.data_ptr()) % kValues == 0 &&
-                            (!scale_values || reinterpret_cast<uintptr_t>(scale_values) % kVectorBytes == 0);
+    const bool vectorized = packs_fit<scalar_t>({input.size(1)}, {input.data_ptr(), scale_values}) &&
+                            vectors <= int64_t{kMaxThreads} * kVectorsPerThread &&
+                            reinterpret_cast<uintptr_t>(codes.data_ptr()) % kValues == 0;
     const auto stream = c10::cuda::getCurrentCUDAStream();
     const auto blocks = static_cast<unsigned>(input.size(0));
     if (vectorized) {

@@ -37,15 +37,8 @@ namespace qtrain::kernels {
 
 namespace {
 
-constexpr int kNormPackBytes = 16;
 constexpr int kMaxNormPacksPerThread = 4;  // in registers: up to 32 bf16 / fp16 or 16 fp32 values of x
 constexpr int kMaxNormBlockThreads = 512;  // a long row's block (at most 128 registers a thread)
-
-// kValues consecutive values of a row, loaded and stored as one access.
-template <typename scalar_t, int kValues>
-struct alignas(sizeof(scalar_t) * kValues) NormPack {
-  scalar_t values[kValues];
-};
 
 // x's rows as a launch spreads them: `threads_per_row` consecutive threads share a row, a power of
 // two up to 32 (rows share a warp) or the whole block (a whole number of warps, one row a block).
@@ -93,7 +86,7 @@ __device__ __forceinline__ float norm_row_sum(float value, int threads_per_row) 
 }
 
 template <typename scalar_t, int kValues>
-__device__ __forceinline__ float sum_of_squares(const NormPack<scalar_t, kValues>& x) {
+__device__ __forceinline__ float sum_of_squares(const ValuePack<scalar_t, kValues>& x) {
   float squares = 0.0f;
 #pragma unroll
   for (int k = 0; k < kValues; ++k) {
@@ -106,10 +99,10 @@ __device__ __forceinline__ float sum_of_squares(const NormPack<scalar_t, kValues
 // Llama's: weight * dtype(x32 * rstd), the product in fp32 rounded to the dtype (torch's mul in the
 // dtype); Gemma's: dtype(x32 * rstd * (1 + weight32)).
 template <bool kUnitOffset, typename scalar_t, int kValues>
-__device__ __forceinline__ NormPack<scalar_t, kValues> normalized_pack(const NormPack<scalar_t, kValues>& x,
-                                                                       const NormPack<scalar_t, kValues>& weight,
+__device__ __forceinline__ ValuePack<scalar_t, kValues> normalized_pack(const ValuePack<scalar_t, kValues>& x,
+                                                                       const ValuePack<scalar_t, kValues>& weight,
                                                                        float rstd) {
-  NormPack<scalar_t, kValues> out;
+  ValuePack<scalar_t, kValues> out;
 #pragma unroll
   for (int k = 0; k < kValues; ++k) {
     if constexpr (kUnitOffset) {
@@ -127,7 +120,7 @@ template <typename scalar_t, bool kUnitOffset, int kPackValues, int kPacks>
 __global__ void __launch_bounds__(kMaxNormBlockThreads)
     rms_norm_forward_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ weight, NormRows layout,
                             float eps, scalar_t* __restrict__ out, float* __restrict__ rstd_out) {
-  using Pack = NormPack<scalar_t, kPackValues>;
+  using Pack = ValuePack<scalar_t, kPackValues>;
   const NormThread thread = norm_thread<kPackValues>(layout);
   const int stride = layout.threads_per_row;  // packs between a thread's packs
   const scalar_t* row_x = x + thread.offset;
@@ -179,9 +172,9 @@ __device__ __forceinline__ float normalized_gradient(scalar_t grad_output, scala
 
 // A pack's dn (normalized_gradient of each value) into grad_normalized; returns its sum of dn x.
 template <bool kUnitOffset, typename scalar_t, int kValues>
-__device__ __forceinline__ float pack_normalized_gradient(const NormPack<scalar_t, kValues>& grad_output,
-                                                          const NormPack<scalar_t, kValues>& weight,
-                                                          const NormPack<scalar_t, kValues>& x,
+__device__ __forceinline__ float pack_normalized_gradient(const ValuePack<scalar_t, kValues>& grad_output,
+                                                          const ValuePack<scalar_t, kValues>& weight,
+                                                          const ValuePack<scalar_t, kValues>& x,
                                                           float (&grad_normalized)[kValues]) {
   float dot = 0.0f;
 #pragma unroll
@@ -194,10 +187,10 @@ __device__ __forceinline__ float pack_normalized_gradient(const NormPack<scalar_
 
 // dx = r dn - x correction, correction = r^3 mean(dn x), rounded to the dtype.
 template <typename scalar_t, int kValues>
-__device__ __forceinline__ NormPack<scalar_t, kValues> pack_input_gradient(const float (&grad_normalized)[kValues],
-                                                                           const NormPack<scalar_t, kValues>& x,
+__device__ __forceinline__ ValuePack<scalar_t, kValues> pack_input_gradient(const float (&grad_normalized)[kValues],
+                                                                           const ValuePack<scalar_t, kValues>& x,
                                                                            float r, float correction) {
-  NormPack<scalar_t, kValues> grad_x;
+  ValuePack<scalar_t, kValues> grad_x;
 #pragma unroll
   for (int k = 0; k < kValues; ++k) {
     grad_x.values[k] = static_cast<scalar_t>(r * grad_normalized[k] - static_cast<float>(x.values[k]) * correction);
@@ -212,7 +205,7 @@ __global__ void __launch_bounds__(kMaxNormBlockThreads)
     rms_norm_backward_kernel(const scalar_t* __restrict__ grad_output, const scalar_t* __restrict__ x,
                              const scalar_t* __restrict__ weight, const float* __restrict__ rstd, NormRows layout,
                              scalar_t* __restrict__ grad_x) {
-  using Pack = NormPack<scalar_t, kPackValues>;
+  using Pack = ValuePack<scalar_t, kPackValues>;
   const NormThread thread = norm_thread<kPackValues>(layout);
   const int stride = layout.threads_per_row;  // packs between a thread's packs
   const float r = thread.packs > 0 ? rstd[thread.row] : 0.0f;
@@ -273,12 +266,8 @@ struct NormLaunch {
 // of them and `operands`, the data pointers the kernel reads and writes in packs, all start on 16 bytes.
 template <typename scalar_t>
 NormLaunch plan_norm_launch(int64_t rows, int64_t width, std::initializer_list<const void*> operands) {
-  constexpr int kWideValues = kNormPackBytes / sizeof(scalar_t);
-  bool vectorized = width % kWideValues == 0;
-  for (const void* operand : operands) {
-    vectorized = vectorized && reinterpret_cast<uintptr_t>(operand) % kNormPackBytes == 0;
-  }
-  const int64_t packs = vectorized ? width / kWideValues : width;
+  const bool vectorized = packs_fit<scalar_t>({width}, operands);
+  const int64_t packs = vectorized ? width / kWideValues<scalar_t> : width;
   int packs_per_thread = 1;
   if (packs <= int64_t{kWarpSize} * kMaxNormPacksPerThread) {
     // The fewest packs a lane, then the fewest lanes (a power of two), that hold the row.
@@ -318,7 +307,7 @@ void with_norm_constants(bool unit_offset, const NormLaunch& launch, const Body&
   };
   const auto with_pack_values = [&](auto unit_offset_constant) {
     if (launch.vectorized) {
-      with_packs(unit_offset_constant, std::integral_constant<int, kNormPackBytes / sizeof(scalar_t)>{});
+      with_packs(unit_offset_constant, std::integral_constant<int, kWideValues<scalar_t>>{});
     } else {
       with_packs(unit_offset_constant, std::integral_constant<int, 1>{});
     }

@@ -21,13 +21,6 @@ namespace qtrain::kernels {
 
 namespace {
 
-// kVector values per thread, loaded and stored 16 bytes at a time (the tensors are fresh or
-// contiguous allocations, 16-byte aligned; launch() checks), or one when n does not divide.
-template <typename scalar_t, int kVector>
-struct alignas(sizeof(scalar_t) * kVector) Vector {
-  scalar_t values[kVector];
-};
-
 struct Silu {
   static __device__ __forceinline__ float value(float g) { return g / (1.0f + expf(-g)); }
   // d silu / d g = s (1 + g (1 - s)), s = sigmoid(g): torch's silu_backward.
@@ -75,7 +68,7 @@ __device__ __forceinline__ int64_t strided_offset(int64_t index, int64_t width, 
 template <typename scalar_t, int kVector, typename Activation>
 __global__ void gated_forward_kernel(const scalar_t* __restrict__ gate, const scalar_t* __restrict__ up, int64_t n,
                                       int64_t width, int64_t row_stride, scalar_t* __restrict__ out) {
-  using Values = Vector<scalar_t, kVector>;
+  using Values = ValuePack<scalar_t, kVector>;
   const int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kVector;
   if (first >= n) return;
   const int64_t offset = strided_offset(first, width, row_stride);
@@ -95,7 +88,7 @@ template <typename scalar_t, int kVector, typename Activation>
 __global__ void gated_backward_kernel(const scalar_t* __restrict__ grad_output, const scalar_t* __restrict__ gate,
                                        const scalar_t* __restrict__ up, int64_t n, int64_t width, int64_t row_stride,
                                        scalar_t* __restrict__ grad_gate, scalar_t* __restrict__ grad_up) {
-  using Values = Vector<scalar_t, kVector>;
+  using Values = ValuePack<scalar_t, kVector>;  // kVector values per thread
   const int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kVector;
   if (first >= n) return;
   const int64_t offset = strided_offset(first, width, row_stride);
@@ -115,14 +108,12 @@ __global__ void gated_backward_kernel(const scalar_t* __restrict__ grad_output, 
   *reinterpret_cast<Values*>(grad_up + offset) = du;
 }
 
-// Runs `kernel<scalar_t, 16 / sizeof(scalar_t)>` over n values when every pointer allows 16-byte
-// accesses and the row width (so n and the row stride too) divides, else the one-value kernel.
+// Runs the kernel with wide packs over n values when the row width, n, the row stride and every
+// pointer allow them (packs_fit), else the one-value kernel.
 template <typename scalar_t, typename Launch>
 void launch(int64_t n, int64_t width, int64_t row_stride, std::initializer_list<const void*> pointers, const Launch& run) {
-  constexpr int kWide = 16 / sizeof(scalar_t);
-  bool aligned = n % kWide == 0 && width % kWide == 0 && row_stride % kWide == 0;
-  for (const void* pointer : pointers) aligned = aligned && reinterpret_cast<uintptr_t>(pointer) % 16 == 0;
-  if (aligned) {
+  constexpr int kWide = kWideValues<scalar_t>;
+  if (packs_fit<scalar_t>({n, width, row_stride}, pointers)) {
     run(std::integral_constant<int, kWide>{}, static_cast<unsigned>(ceil_div(n / kWide, kThreads)));
   } else {
     run(std::integral_constant<int, 1>{}, static_cast<unsigned>(ceil_div(n, kThreads)));

@@ -173,15 +173,15 @@ def tensor_table(path: str) -> tuple[dict, int]:
         else:
             offset += _SCALAR_BYTES[value_type]
 
-    file_type, alignment = None, 32
+    uint32_values = {}  # the metadata's uint32 values by key (general.file_type, general.alignment)
     for _ in range(kv_count):
         key = string()
         (value_type,) = struct.unpack_from("<I", blob, offset)
         offset += 4
-        if key in ("general.file_type", "general.alignment") and value_type == 4:
-            (value,) = struct.unpack_from("<I", blob, offset)
-            file_type, alignment = (value, alignment) if key == "general.file_type" else (file_type, value)
+        if value_type == 4:
+            uint32_values[key] = struct.unpack_from("<I", blob, offset)[0]
         skip(value_type)
+    file_type, alignment = uint32_values.get("general.file_type"), uint32_values.get("general.alignment", 32)
     infos = []
     for _ in range(tensor_count):
         name = string()
