@@ -111,7 +111,9 @@ void Finetune::setup() {
   if (group_) {
     // Rank 0's weights everywhere, whatever each rank initialised or read.
     group_->broadcast(trainable_, 0, "the broadcast of the initial weights");
-    gradient_buckets_ = std::make_unique<GradientBuckets>(trainable_, *group_, recipe_.dist.bucket_mb << 20);
+    gradient_buckets_ = std::make_unique<GradientBuckets>(
+        trainable_, *group_, recipe_.dist.bucket_mb << 20,
+        recipe_.dist.reduce == "ordered" ? GradientReduction::kOrdered : GradientReduction::kAllReduce);
     step_->set_ranks(group_.get(), gradient_buckets_.get());
   }
 }

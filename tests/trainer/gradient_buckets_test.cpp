@@ -1,4 +1,4 @@
-// Bucketed gradient all-reduce between two ranks, run as two threads of this process over Gloo.
+// Bucketed gradient reduction between ranks run as threads of this process over Gloo.
 #include <gtest/gtest.h>
 
 #include <future>
@@ -17,21 +17,22 @@ struct RankResult {
 };
 
 // Three parameters of different sizes; `micro_batches` backward passes, the last one armed.
-RankResult run_rank(int64_t rank, int64_t port, int64_t bucket_bytes, int micro_batches, bool leave_one_unused) {
+RankResult run_rank(int64_t rank, int64_t world_size, int64_t port, int64_t bucket_bytes, int micro_batches,
+                    bool leave_one_unused, GradientReduction reduction = GradientReduction::kAllReduce) {
   LaunchEnvironment environment;
   environment.rank = rank;
-  environment.world_size = 2;
-  environment.local_world_size = 2;
+  environment.world_size = world_size;
+  environment.local_world_size = world_size;
   environment.master_port = port;
   ProcessGroupOptions options;
   options.backend = "gloo";
   options.timeout = std::chrono::seconds(30);
   ProcessGroup group(environment, torch::kCPU, options);
 
-  torch::manual_seed(0);  // the same parameters on both ranks
+  torch::manual_seed(0);  // the same parameters on every rank
   std::vector<torch::Tensor> parameters{torch::randn({64, 32}).requires_grad_(), torch::randn({32}).requires_grad_(),
                                         torch::randn({32, 16}).requires_grad_()};
-  GradientBuckets buckets(parameters, group, bucket_bytes);
+  GradientBuckets buckets(parameters, group, bucket_bytes, reduction);
   torch::manual_seed(100 + rank);  // different data on each rank
   std::vector<torch::Tensor> inputs;
   for (int index = 0; index < micro_batches; ++index) inputs.push_back(torch::randn({8, 64}));
@@ -59,8 +60,8 @@ RankResult run_rank(int64_t rank, int64_t port, int64_t bucket_bytes, int micro_
 
 void expect_sums(int64_t bucket_bytes, int micro_batches, bool leave_one_unused, size_t expected_buckets) {
   const int64_t port = testing::free_port();
-  auto other = std::async(std::launch::async, run_rank, 1, port, bucket_bytes, micro_batches, leave_one_unused);
-  const auto zero = run_rank(0, port, bucket_bytes, micro_batches, leave_one_unused);
+  auto other = std::async(std::launch::async, [&] { return run_rank(1, 2, port, bucket_bytes, micro_batches, leave_one_unused); });
+  const auto zero = run_rank(0, 2, port, bucket_bytes, micro_batches, leave_one_unused);
   const auto one = other.get();
   EXPECT_EQ(zero.buckets, expected_buckets);
   for (size_t index = 0; index < zero.local_gradients.size(); ++index) {
@@ -80,6 +81,32 @@ TEST(GradientBuckets, SumsEveryGradientOverTheRanksInSeveralBuckets) {
 TEST(GradientBuckets, AccumulatesLocallyUntilTheArmedBackward) { expect_sums(4096, 3, false, 2); }
 
 TEST(GradientBuckets, AParameterWithoutAGradientCountsAsZero) { expect_sums(4096, 2, true, 2); }
+
+// dist.reduce: ordered on 4 ranks: every rank holds ((g0 + g1) + g2) + g3 bit for bit, what one
+// process accumulating the four ranks' micro-batches in turn holds.
+TEST(GradientBuckets, OrderedReductionAddsTheRanksInRankOrderBitForBit) {
+  constexpr int64_t kRanks = 4;
+  const int64_t port = testing::free_port();
+  std::vector<std::future<RankResult>> others;
+  for (int64_t rank = 1; rank < kRanks; ++rank) {
+    others.push_back(std::async(std::launch::async, [rank, port] {
+      return run_rank(rank, kRanks, port, 4096, 1, false, GradientReduction::kOrdered);
+    }));
+  }
+  std::vector<RankResult> results{run_rank(0, kRanks, port, 4096, 1, false, GradientReduction::kOrdered)};
+  for (auto& other : others) results.push_back(other.get());
+  for (size_t index = 0; index < results[0].local_gradients.size(); ++index) {
+    auto in_turn = results[0].local_gradients[index].clone();
+    for (int64_t rank = 1; rank < kRanks; ++rank) in_turn.add_(results[rank].local_gradients[index]);
+    // The data tells the orders apart: a pairwise tree, as a ring or tree all-reduce may add, differs.
+    const auto pairwise = (results[0].local_gradients[index] + results[1].local_gradients[index]) +
+                          (results[2].local_gradients[index] + results[3].local_gradients[index]);
+    if (index == 0) EXPECT_FALSE(torch::equal(in_turn, pairwise)) << "the test's gradients cannot tell the orders apart";
+    for (int64_t rank = 0; rank < kRanks; ++rank) {
+      EXPECT_TRUE(torch::equal(results[rank].reduced_gradients[index], in_turn)) << "parameter " << index << ", rank " << rank;
+    }
+  }
+}
 
 TEST(ProcessGroup, ASecondRankThatNeverComesIsAnErrorNamingTheAddress) {
   LaunchEnvironment environment;

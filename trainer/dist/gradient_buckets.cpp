@@ -12,6 +12,7 @@ struct GradientBuckets::State {
   struct Bucket {
     std::vector<size_t> members;  // parameter indices
     torch::Tensor flat;           // the members' gradients end to end, [sum of numel]
+    torch::Tensor gathered;       // kOrdered: every rank's flat, [world_size, sum of numel]
     size_t ready = 0;
     c10::intrusive_ptr<c10d::Work> work;
   };
@@ -23,6 +24,7 @@ struct GradientBuckets::State {
   std::vector<size_t> bucket_of;  // parameter index -> bucket index
   std::vector<Bucket> buckets;
   ProcessGroup* group = nullptr;
+  GradientReduction reduction = GradientReduction::kAllReduce;
   std::mutex mutex;  // hooks run on autograd's threads
   bool armed = false;
   std::vector<bool> parameter_ready;
@@ -51,17 +53,21 @@ struct GradientBuckets::State {
     ++buckets[bucket_of[index]].ready;
     while (next_to_start < buckets.size() &&
            buckets[next_to_start].ready == buckets[next_to_start].members.size()) {
-      buckets[next_to_start].work = group->start_sum(buckets[next_to_start].flat);
+      auto& bucket = buckets[next_to_start];
+      bucket.work = reduction == GradientReduction::kOrdered ? group->start_gather(bucket.flat, bucket.gathered)
+                                                             : group->start_sum(bucket.flat);
       ++next_to_start;
     }
   }
 };
 
-GradientBuckets::GradientBuckets(std::vector<torch::Tensor> parameters, ProcessGroup& group, int64_t bucket_bytes)
+GradientBuckets::GradientBuckets(std::vector<torch::Tensor> parameters, ProcessGroup& group, int64_t bucket_bytes,
+                                 GradientReduction reduction)
     : state_(std::make_shared<State>()) {
   auto& state = *state_;
   state.parameters = std::move(parameters);
   state.group = &group;
+  state.reduction = reduction;
   state.bucket_of.assign(state.parameters.size(), 0);
   state.parameter_ready.assign(state.parameters.size(), false);
   int64_t bytes = 0;
@@ -83,6 +89,9 @@ GradientBuckets::GradientBuckets(std::vector<torch::Tensor> parameters, ProcessG
     for (const size_t member : bucket.members) numel += state.parameters[member].numel();
     const auto& first = state.parameters[bucket.members.front()];
     bucket.flat = torch::zeros({numel}, first.options().requires_grad(false));
+    if (reduction == GradientReduction::kOrdered) {
+      bucket.gathered = torch::empty({group.world_size(), numel}, bucket.flat.options());
+    }
   }
   // A post hook on each parameter's gradient accumulator fires once its .grad holds this
   // backward's contribution. The hooks stay with the parameters; they hold the state weakly.
@@ -126,7 +135,12 @@ void GradientBuckets::finish() {
     state.armed = false;
   }
   for (auto& bucket : state.buckets) {
-    state.group->wait(bucket.work, "the gradient all-reduce");
+    state.group->wait(bucket.work, state.reduction == GradientReduction::kOrdered ? "the gradient all-gather"
+                                                                                  : "the gradient all-reduce");
+    if (state.reduction == GradientReduction::kOrdered) {
+      bucket.flat.copy_(bucket.gathered[0]);
+      for (int64_t rank = 1; rank < bucket.gathered.size(0); ++rank) bucket.flat.add_(bucket.gathered[rank]);
+    }
     int64_t offset = 0;
     for (const size_t member : bucket.members) {
       auto& parameter = state.parameters[member];

@@ -12,6 +12,12 @@
 //
 // Buckets are started in index order on every rank, whatever order their gradients complete
 // in, because every rank must issue the same collectives in the same order.
+//
+// GradientReduction::kOrdered gathers every rank's bucket instead and adds them up in rank order,
+// ((g0 + g1) + g2) + ...: the same bits on every machine and NCCL version, and the bits of one
+// process accumulating one micro-batch of each rank in turn (an all-reduce adds in an order of
+// its own choosing, which on more than two ranks moves the last bits). It moves world_size times
+// the all-reduce's bytes into each rank: cheap for adapters, not for full-weight training.
 #include <torch/torch.h>
 
 #include <memory>
@@ -21,9 +27,12 @@
 
 namespace qtrain::trainer {
 
+enum class GradientReduction { kAllReduce, kOrdered };
+
 class GradientBuckets {
  public:
-  GradientBuckets(std::vector<torch::Tensor> parameters, ProcessGroup& group, int64_t bucket_bytes);
+  GradientBuckets(std::vector<torch::Tensor> parameters, ProcessGroup& group, int64_t bucket_bytes,
+                  GradientReduction reduction = GradientReduction::kAllReduce);
   ~GradientBuckets();
   GradientBuckets(const GradientBuckets&) = delete;
   GradientBuckets& operator=(const GradientBuckets&) = delete;

@@ -189,6 +189,19 @@ c10::intrusive_ptr<c10d::Work> ProcessGroup::start_sum(torch::Tensor& tensor) {
   }
 }
 
+c10::intrusive_ptr<c10d::Work> ProcessGroup::start_gather(torch::Tensor& tensor, torch::Tensor& gathered) {
+  std::vector<at::Tensor> inputs{tensor};
+  std::vector<std::vector<at::Tensor>> outputs(1);
+  for (int64_t rank = 0; rank < world_size_; ++rank) outputs[0].push_back(gathered[rank]);
+  c10d::AllgatherOptions options;
+  options.timeout = timeout_;
+  try {
+    return backend_->allgather(outputs, inputs, options);
+  } catch (const std::exception& error) {
+    fail("all-gather", error.what());
+  }
+}
+
 void ProcessGroup::wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) {
   if (backend_name_ == "nccl") watch_peers_until_done(work, what);
   try {

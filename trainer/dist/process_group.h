@@ -47,6 +47,9 @@ class ProcessGroup {
 
   // In-place sum over the ranks of a tensor on device(); returns at once, wait() completes it.
   c10::intrusive_ptr<c10d::Work> start_sum(torch::Tensor& tensor);
+  // Every rank's `tensor` into row r of `gathered` ([world_size, numel], on device()); returns at
+  // once, wait() completes it.
+  c10::intrusive_ptr<c10d::Work> start_gather(torch::Tensor& tensor, torch::Tensor& gathered);
   // Blocks until `work` is done; on failure or timeout an Error naming `what` and the ranks
   // that stopped.
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what);

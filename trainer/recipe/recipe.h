@@ -189,6 +189,7 @@ struct DistRecipe {
   std::string backend;  // auto | nccl | gloo
   int64_t timeout_s{};
   int64_t bucket_mb{};
+  std::string reduce;  // allreduce | ordered (trainer/dist/gradient_buckets.h)
 };
 
 struct ExportRecipe {

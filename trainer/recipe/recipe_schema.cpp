@@ -488,6 +488,10 @@ std::vector<RecipeKey> dist_keys() {
       key("dist.bucket_mb", "25", QTRAIN_FIELD(dist.bucket_mb),
           "gradient all-reduce bucket size in MiB")
           .at_least(1),
+      key("dist.reduce", "allreduce", QTRAIN_FIELD(dist.reduce),
+          "allreduce: the backend sums the gradients; ordered: every rank gathers them and adds them in rank order, "
+          "the bits of one process accumulating one micro-batch of each rank (world_size x the traffic)")
+          .one_of({"allreduce", "ordered"}),
   };
 }
 
