@@ -1,7 +1,6 @@
 # Run by ctest (a TEST_INCLUDE_FILES script, tests/CMakeLists.txt): one ctest test per GoogleTest
-# suite of `binary` (set by the includer), each running the suite's cases in one process. For the
-# folders of sub-second unit tests, where starting a process that loads LibTorch (about 0.5 s of a
-# 2-core machine's CPU) cost as much as the case itself.
+# suite of `binary` (set by the includer), each running the suite's cases in one process: starting
+# a process that loads LibTorch (about 0.8 s of a 2-core machine's CPU) costs as much as most cases.
 execute_process(COMMAND "${binary}" --gtest_list_tests
                 OUTPUT_VARIABLE listing ERROR_VARIABLE errors RESULT_VARIABLE status TIMEOUT 60)
 if(NOT status EQUAL 0)

@@ -14,6 +14,12 @@ if [ ! -d "$fixtures" ]; then
        "clone next to shared/ or set QTRAIN_FIXTURES" >&2
 fi
 cd "$ROOT/build"
+# ctest starts the longest suites first when it knows their times: a fresh build borrows those of
+# a quiet 2-core run (tests/ctest_costs.txt, ctest's own cost file), later runs keep their own.
+if [ ! -f Testing/Temporary/CTestCostData.txt ]; then
+  mkdir -p Testing/Temporary
+  cp "$ROOT/tests/ctest_costs.txt" Testing/Temporary/CTestCostData.txt
+fi
 # One thread per test process (OMP_NUM_THREADS, which nproc obeys too): the suites run side by side
 # on every core.
 jobs=$(nproc)
