@@ -41,7 +41,9 @@ UV_PIN="uv==0.13.9"
 # uv's `pip install` into the environment (uv itself arrives with the environment's pip).
 pip_install() {
   [ -x "$VENV_DIR/bin/uv" ] || "$VENV_DIR/bin/pip" install -q "$UV_PIN"
-  "$VENV_DIR/bin/uv" pip install -q --python "$VENV_DIR/bin/python" "$@"
+  # Compiled to bytecode as pip does (where PYTHONDONTWRITEBYTECODE is set, as on CI machines, every
+  # interpreter would otherwise compile transformers again: the MoE interop tests ran 2x slower).
+  "$VENV_DIR/bin/uv" pip install -q --compile-bytecode --python "$VENV_DIR/bin/python" "$@"
 }
 
 install_debian_packages() {
