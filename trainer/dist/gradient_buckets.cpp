@@ -12,7 +12,7 @@ struct GradientBuckets::State {
   struct Bucket {
     std::vector<size_t> members;  // parameter indices
     torch::Tensor flat;           // the members' gradients end to end, [sum of numel]
-    torch::Tensor gathered;       // kOrdered: every rank's flat, [world_size, sum of numel]
+    torch::Tensor gathered;       // kOrdered only: every rank's flat, [world_size, sum of numel]
     size_t ready = 0;
     c10::intrusive_ptr<c10d::Work> work;
   };
@@ -24,7 +24,6 @@ struct GradientBuckets::State {
   std::vector<size_t> bucket_of;  // parameter index -> bucket index
   std::vector<Bucket> buckets;
   ProcessGroup* group = nullptr;
-  GradientReduction reduction = GradientReduction::kAllReduce;
   std::mutex mutex;  // hooks run on autograd's threads
   bool armed = false;
   std::vector<bool> parameter_ready;
@@ -54,8 +53,8 @@ struct GradientBuckets::State {
     while (next_to_start < buckets.size() &&
            buckets[next_to_start].ready == buckets[next_to_start].members.size()) {
       auto& bucket = buckets[next_to_start];
-      bucket.work = reduction == GradientReduction::kOrdered ? group->start_gather(bucket.flat, bucket.gathered)
-                                                             : group->start_sum(bucket.flat);
+      bucket.work = bucket.gathered.defined() ? group->start_gather(bucket.flat, bucket.gathered)
+                                              : group->start_sum(bucket.flat);
       ++next_to_start;
     }
   }
@@ -67,7 +66,6 @@ GradientBuckets::GradientBuckets(std::vector<torch::Tensor> parameters, ProcessG
   auto& state = *state_;
   state.parameters = std::move(parameters);
   state.group = &group;
-  state.reduction = reduction;
   state.bucket_of.assign(state.parameters.size(), 0);
   state.parameter_ready.assign(state.parameters.size(), false);
   int64_t bytes = 0;
@@ -135,9 +133,9 @@ void GradientBuckets::finish() {
     state.armed = false;
   }
   for (auto& bucket : state.buckets) {
-    state.group->wait(bucket.work, state.reduction == GradientReduction::kOrdered ? "the gradient all-gather"
-                                                                                  : "the gradient all-reduce");
-    if (state.reduction == GradientReduction::kOrdered) {
+    const bool ordered = bucket.gathered.defined();
+    state.group->wait(bucket.work, ordered ? "the gradient all-gather" : "the gradient all-reduce");
+    if (ordered) {
       bucket.flat.copy_(bucket.gathered[0]);
       for (int64_t rank = 1; rank < bucket.gathered.size(0); ++rank) bucket.flat.add_(bucket.gathered[rank]);
     }
