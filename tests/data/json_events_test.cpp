@@ -69,8 +69,8 @@ const std::vector<std::string> kEdgeCases = {
     R"("\ude00")", R"("\ud83dx")", R"("\u12")", R"("\x")", "\"raw\ttab\"", "\"caf\xC3\xA9 \xE2\x96\x81\"",
     "\"bad \xC3\"", "\"overlong \xC0\xAF\"", "\"surrogate \xED\xA0\x80\"", "\"unterminated", "\xEF\xBB\xBF{\"bom\": 1}",
     "{\"a\": {\"b\": [1, {\"c\": \"d\"}]}}  ", "[1] [2]", "{\"a\":1}x", "\t\r\n[\t1\r\n]\n",
-    "999999999999999999", "1234567890123456789", "[0, 7, 128255, 262143]", "\"mixed a\xC3\xA9b\xE2\x96\x81c\\n\"",
-    "\"invalid mid-run ab\xFFcd\"", "\"truncated \xE2\x96\"",
+    "999999999999999999", "1234567890123456789", "[0, 7, 128255, 262143]", "\"mixed a\xC3\xA9" "b\xE2\x96\x81" "c\\n\"",
+    "\"invalid mid-run ab\xFF" "cd\"", "\"truncated \xE2\x96\"",
 };
 
 TEST(JsonEvents, TokenizerFilesGiveTheEventsOfNlohmann) {

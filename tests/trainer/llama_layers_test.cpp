@@ -274,8 +274,8 @@ TEST(LlamaLayersCuda, GatedActivationsMatchTheReferenceForwardAndBackward) {
       const auto gate = (torch::randn({5, width}) * 4).to(on_cuda(dtype));
       const auto up = torch::randn({5, width}).to(on_cuda(dtype));
       const auto grad = torch::randn({5, width}).to(on_cuda(dtype));
-      const auto fused = run_layer([&](const auto& in) { return fused_path(in[0], in[1]); }, {gate, up}, grad);
-      const auto expected = run_layer([&](const auto& in) { return reference(in[0], in[1]); }, {gate, up}, grad);
+      const auto fused = run_layer([path = fused_path](const auto& in) { return path(in[0], in[1]); }, {gate, up}, grad);
+      const auto expected = run_layer([path = reference](const auto& in) { return path(in[0], in[1]); }, {gate, up}, grad);
       const std::string what = name + " " + c10::toString(dtype) + " x " + std::to_string(width);
       expect_within_steps(fused.output, expected.output, fp32_spread(dtype, 0.0), what + " output");
       expect_within_steps(fused.grads[0], expected.grads[0], fp32_spread(dtype, 1e-3), what + " gate gradient");
@@ -299,9 +299,9 @@ TEST(LlamaLayersCuda, GatedActivationsOfAFusedProjectionEqualThePairKernelsOnIts
       torch::manual_seed(26);
       const auto gate_up = (torch::randn({2, 3, 2 * width}) * 3).to(on_cuda(dtype));
       const auto grad = torch::randn({2, 3, width}).to(on_cuda(dtype));
-      const auto fused = run_layer([&](const auto& in) { return fused_path(in[0]); }, {gate_up}, grad);
+      const auto fused = run_layer([path = fused_path](const auto& in) { return path(in[0]); }, {gate_up}, grad);
       const auto halves = run_layer(
-          [&](const auto& in) { return pair(in[0].contiguous(), in[1].contiguous()); },
+          [path = pair](const auto& in) { return path(in[0].contiguous(), in[1].contiguous()); },
           {gate_up.narrow(-1, 0, width), gate_up.narrow(-1, width, width)}, grad);
       const std::string what = name + " " + c10::toString(dtype) + " x " + std::to_string(width);
       EXPECT_TRUE(torch::equal(fused.output, halves.output)) << what << " output";
