@@ -450,19 +450,51 @@ void quantize_super_block_q2_k(const float* x, BlockQ2_K& block) {
   pack_2bit(codes, block.qs);
 }
 
-void quantize_super_block_q3_k(const float* x, BlockQ3_K& block) {
-  int8_t codes[kSuperBlock];  // q + 4, q in [-4, 3]
+// Q3_K and Q6_K: a symmetric scale fitted to each sub-block of 16 (`fit`, writing the sub-block's
+// first codes), and the signed scale of largest magnitude (the first of equals), whose stored
+// fraction the sub-blocks' scale codes count in.
+struct SubBlockScales {
   float scales[kSubBlocksOf16];
-  float max_scale = 0;  // the signed scale of largest magnitude
+  float max_scale = 0;
   float abs_max_scale = 0;
+};
+
+template <typename Fit>
+SubBlockScales fit_sub_block_scales(const float* x, int8_t* codes, Fit fit) {
+  SubBlockScales fitted;
   for (int j = 0; j < kSubBlocksOf16; ++j) {
-    scales[j] = fit_symmetric_scale_iterated(x + kSubBlock16 * j, kSubBlock16, 4, codes + kSubBlock16 * j);
-    const float magnitude = std::fabs(scales[j]);
-    if (magnitude > abs_max_scale) {
-      abs_max_scale = magnitude;
-      max_scale = scales[j];
+    fitted.scales[j] = fit(x + kSubBlock16 * j, codes + kSubBlock16 * j);
+    const float magnitude = std::fabs(fitted.scales[j]);
+    if (magnitude > fitted.abs_max_scale) {
+      fitted.abs_max_scale = magnitude;
+      fitted.max_scale = fitted.scales[j];
     }
   }
+  return fitted;
+}
+
+// The codes again against each sub-block's stored scale `d_of(j)` (its fp16 d times its scale
+// code): q = round(x / d) clamped to [-offset, offset - 1], written as q + offset. A zero scale
+// keeps the sub-block's first codes.
+template <typename Scale>
+void requantize_sub_blocks(const float* x, int offset, Scale d_of, int8_t* codes) {
+  for (int j = 0; j < kSubBlocksOf16; ++j) {
+    const float d = d_of(j);
+    if (!d) continue;
+    for (int l = 0; l < kSubBlock16; ++l) {
+      const int q = round_to_int(x[kSubBlock16 * j + l] / d);
+      codes[kSubBlock16 * j + l] = static_cast<int8_t>(clamp_int(q, -offset, offset - 1) + offset);
+    }
+  }
+}
+
+void quantize_super_block_q3_k(const float* x, BlockQ3_K& block) {
+  int8_t codes[kSuperBlock];  // q + 4, q in [-4, 3]
+  const auto fitted = fit_sub_block_scales(x, codes, [](const float* sub_block, int8_t* sub_codes) {
+    return fit_symmetric_scale_iterated(sub_block, kSubBlock16, 4, sub_codes);
+  });
+  const float* scales = fitted.scales;
+  const float max_scale = fitted.max_scale;
 
   // 6-bit scale codes (signed code + 32) against d = max_scale / -32.
   std::memset(block.scales, 0, sizeof(block.scales));
@@ -484,14 +516,8 @@ void quantize_super_block_q3_k(const float* x, BlockQ3_K& block) {
   }
 
   // Requantize with the stored d * (scale code - 32).
-  for (int j = 0; j < kSubBlocksOf16; ++j) {
-    const float d = float_from_fp16_bits(block.d) * (q3_k_scale_code(block.scales, j) - 32);
-    if (!d) continue;
-    for (int l = 0; l < kSubBlock16; ++l) {
-      const int q = round_to_int(x[kSubBlock16 * j + l] / d);
-      codes[kSubBlock16 * j + l] = static_cast<int8_t>(clamp_int(q, -4, 3) + 4);
-    }
-  }
+  requantize_sub_blocks(x, 4, [&](int j) { return float_from_fp16_bits(block.d) * (q3_k_scale_code(block.scales, j) - 32); },
+                        codes);
 
   // The third bit into hmask (element e: byte e % 32, bit e / 32), the low two into qs.
   std::memset(block.hmask, 0, sizeof(block.hmask));
@@ -531,18 +557,12 @@ void quantize_super_block_q5_k(const float* x, BlockQ5_K& block) {
 
 void quantize_super_block_q6_k(const float* x, BlockQ6_K& block) {
   int8_t codes[kSuperBlock];  // q + 32, q in [-32, 31]
-  float scales[kSubBlocksOf16];
-  float max_scale = 0;  // the signed scale of largest magnitude
-  float abs_max_scale = 0;
-  for (int j = 0; j < kSubBlocksOf16; ++j) {
-    scales[j] = fit_symmetric_scale(x + kSubBlock16 * j, kSubBlock16, 32, codes + kSubBlock16 * j);
-    const float magnitude = std::fabs(scales[j]);
-    if (magnitude > abs_max_scale) {
-      abs_max_scale = magnitude;
-      max_scale = scales[j];
-    }
-  }
-  if (abs_max_scale < kAllZero) {
+  const auto fitted = fit_sub_block_scales(x, codes, [](const float* sub_block, int8_t* sub_codes) {
+    return fit_symmetric_scale(sub_block, kSubBlock16, 32, sub_codes);
+  });
+  const float* scales = fitted.scales;
+  const float max_scale = fitted.max_scale;
+  if (fitted.abs_max_scale < kAllZero) {
     std::memset(&block, 0, sizeof(block));
     return;
   }
@@ -556,14 +576,7 @@ void quantize_super_block_q6_k(const float* x, BlockQ6_K& block) {
   }
 
   // Requantize with the stored d * scale code.
-  for (int j = 0; j < kSubBlocksOf16; ++j) {
-    const float d = float_from_fp16_bits(block.d) * block.scales[j];
-    if (!d) continue;
-    for (int l = 0; l < kSubBlock16; ++l) {
-      const int q = round_to_int(x[kSubBlock16 * j + l] / d);
-      codes[kSubBlock16 * j + l] = static_cast<int8_t>(clamp_int(q, -32, 31) + 32);
-    }
-  }
+  requantize_sub_blocks(x, 32, [&](int j) { return float_from_fp16_bits(block.d) * block.scales[j]; }, codes);
 
   // Per chunk of 128: ql byte l holds elements l (low) and 64 + l (high), byte 32 + l elements
   // 32 + l and 96 + l; qh byte l holds the top two bits of elements l + 32s at bits 2s.
