@@ -313,7 +313,7 @@ double Finetune::evaluate_pairs_and_log(int64_t step) {
     const auto& name = result.metric_sums[index].first;
     const double mean = sums[index + 2] / batches;
     line["eval_" + name] = mean;
-    if (name == "rewards/accuracies" || name == "rewards/margins") {
+    if (shown_in_progress_line(name)) {
       std::snprintf(value, sizeof value, " | %s %.4f", name.c_str(), mean);
       text += value;
     }
@@ -537,7 +537,7 @@ TrainSummary Finetune::train() {
       if (scaler_.enabled()) precision += " | scale " + std::to_string(static_cast<int64_t>(scaler_.scale()));
       if (skipped_steps_ > 0) precision += " | skipped " + std::to_string(skipped_steps_);
       for (const auto& [name, value] : result.metrics) {
-        if (name != "rewards/accuracies" && name != "rewards/margins") continue;
+        if (!shown_in_progress_line(name)) continue;
         char metric[64];
         std::snprintf(metric, sizeof metric, " | %s %.3f", name.substr(8).c_str(), value);
         extras_metrics += metric;

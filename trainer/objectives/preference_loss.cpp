@@ -32,13 +32,16 @@ class MetricMeans {
   std::vector<torch::Tensor> means_;
 };
 
+constexpr const char* kRewardAccuracies = "rewards/accuracies";
+constexpr const char* kRewardMargins = "rewards/margins";
+
 // TRL's reward metrics: the rewards of both completions, how often the chosen one's is higher
 // (strictly), and the mean margin.
 void add_reward_metrics(const torch::Tensor& chosen_rewards, const torch::Tensor& rejected_rewards, MetricMeans& metrics) {
   metrics.add("rewards/chosen", chosen_rewards);
   metrics.add("rewards/rejected", rejected_rewards);
-  metrics.add("rewards/accuracies", chosen_rewards.gt(rejected_rewards));
-  metrics.add("rewards/margins", chosen_rewards - rejected_rewards);
+  metrics.add(kRewardAccuracies, chosen_rewards.gt(rejected_rewards));
+  metrics.add(kRewardMargins, chosen_rewards - rejected_rewards);
 }
 
 // -log sigmoid(x) (1 - e) - log sigmoid(-x) e: the sigmoid loss with label smoothing e.
@@ -118,6 +121,10 @@ PreferenceLoss simpo_loss(const PairLogProbs& policy, const PreferenceOptions& o
 }
 
 }  // namespace
+
+bool shown_in_progress_line(const std::string& metric_name) {
+  return metric_name == kRewardAccuracies || metric_name == kRewardMargins;
+}
 
 void PreferenceLoss::add_metrics_to(std::vector<std::pair<std::string, double>>& sums) const {
   const auto host = metric_values.cpu();

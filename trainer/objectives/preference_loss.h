@@ -55,6 +55,10 @@ struct PreferenceLoss {
   void add_metrics_to(std::vector<std::pair<std::string, double>>& sums) const;
 };
 
+// The metrics that progress lines show beside the loss (rewards/accuracies and rewards/margins);
+// every metric goes to metrics.jsonl and TensorBoard.
+bool shown_in_progress_line(const std::string& metric_name);
+
 // `reference` is needed by dpo (Error otherwise) and ignored by the others.
 PreferenceLoss preference_loss(const PairLogProbs& policy, const PairLogProbs* reference, const PreferenceOptions& options);
 
