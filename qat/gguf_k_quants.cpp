@@ -450,20 +450,21 @@ void quantize_super_block_q2_k(const float* x, BlockQ2_K& block) {
   pack_2bit(codes, block.qs);
 }
 
-// Q3_K and Q6_K: a symmetric scale fitted to each sub-block of 16 (`fit`, writing the sub-block's
-// first codes), and the signed scale of largest magnitude (the first of equals), whose stored
-// fraction the sub-blocks' scale codes count in.
+// Q3_K and Q6_K: a symmetric scale fitted to each sub-block of 16 (`fit` with codes in
+// [-nmax, nmax - 1], writing the sub-block's first codes), and the signed scale of largest
+// magnitude (the first of equals), whose stored fraction the sub-blocks' scale codes count in.
 struct SubBlockScales {
   float scales[kSubBlocksOf16];
   float max_scale = 0;
   float abs_max_scale = 0;
 };
 
-template <typename Fit>
-SubBlockScales fit_sub_block_scales(const float* x, int8_t* codes, Fit fit) {
+using SymmetricFit = float (*)(const float* x, int n, int nmax, int8_t* codes);
+
+SubBlockScales fit_sub_block_scales(const float* x, SymmetricFit fit, int nmax, int8_t* codes) {
   SubBlockScales fitted;
   for (int j = 0; j < kSubBlocksOf16; ++j) {
-    fitted.scales[j] = fit(x + kSubBlock16 * j, codes + kSubBlock16 * j);
+    fitted.scales[j] = fit(x + kSubBlock16 * j, kSubBlock16, nmax, codes + kSubBlock16 * j);
     const float magnitude = std::fabs(fitted.scales[j]);
     if (magnitude > fitted.abs_max_scale) {
       fitted.abs_max_scale = magnitude;
@@ -490,18 +491,14 @@ void requantize_sub_blocks(const float* x, int offset, Scale d_of, int8_t* codes
 
 void quantize_super_block_q3_k(const float* x, BlockQ3_K& block) {
   int8_t codes[kSuperBlock];  // q + 4, q in [-4, 3]
-  const auto fitted = fit_sub_block_scales(x, codes, [](const float* sub_block, int8_t* sub_codes) {
-    return fit_symmetric_scale_iterated(sub_block, kSubBlock16, 4, sub_codes);
-  });
-  const float* scales = fitted.scales;
-  const float max_scale = fitted.max_scale;
+  const auto fitted = fit_sub_block_scales(x, fit_symmetric_scale_iterated, 4, codes);
 
   // 6-bit scale codes (signed code + 32) against d = max_scale / -32.
   std::memset(block.scales, 0, sizeof(block.scales));
-  if (max_scale) {
-    const float inverse = -32.f / max_scale;
+  if (fitted.max_scale) {
+    const float inverse = -32.f / fitted.max_scale;
     for (int j = 0; j < kSubBlocksOf16; ++j) {
-      const auto signed_code = static_cast<int8_t>(round_to_int(inverse * scales[j]));
+      const auto signed_code = static_cast<int8_t>(round_to_int(inverse * fitted.scales[j]));
       const int code = clamp_int(signed_code, -32, 31) + 32;
       if (j < 8) {
         block.scales[j] = static_cast<uint8_t>(code & 0xF);
@@ -557,21 +554,17 @@ void quantize_super_block_q5_k(const float* x, BlockQ5_K& block) {
 
 void quantize_super_block_q6_k(const float* x, BlockQ6_K& block) {
   int8_t codes[kSuperBlock];  // q + 32, q in [-32, 31]
-  const auto fitted = fit_sub_block_scales(x, codes, [](const float* sub_block, int8_t* sub_codes) {
-    return fit_symmetric_scale(sub_block, kSubBlock16, 32, sub_codes);
-  });
-  const float* scales = fitted.scales;
-  const float max_scale = fitted.max_scale;
+  const auto fitted = fit_sub_block_scales(x, fit_symmetric_scale, 32, codes);
   if (fitted.abs_max_scale < kAllZero) {
     std::memset(&block, 0, sizeof(block));
     return;
   }
 
   // Signed 8-bit scale codes against d = max_scale / -128.
-  const float inverse = -128.f / max_scale;
+  const float inverse = -128.f / fitted.max_scale;
   block.d = fp16_bits_from_float(1 / inverse);
   for (int j = 0; j < kSubBlocksOf16; ++j) {
-    const int code = round_to_int(inverse * scales[j]);
+    const int code = round_to_int(inverse * fitted.scales[j]);
     block.scales[j] = static_cast<int8_t>(code < 127 ? code : 127);
   }
 
