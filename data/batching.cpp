@@ -15,6 +15,14 @@ Batch collate(const std::vector<const Example*>& rows, int64_t pad_id) {
     longest = std::max(longest, row->size());
     packed = packed || !row->sample_lengths.empty();
   }
+  // Packed rows that are one sample end to end go first, in their order: attention runs those
+  // leading rows as one causal block (trainer/model/flash_attention.h).
+  std::vector<const Example*> ordered = rows;
+  if (packed) {
+    std::stable_partition(ordered.begin(), ordered.end(), [longest](const Example* row) {
+      return row->size() == longest && row->sample_lengths.size() <= 1;
+    });
+  }
   const auto row_count = static_cast<int64_t>(rows.size());
   Batch batch;
   batch.input_ids = torch::full({row_count, longest}, pad_id, torch::kInt64);
@@ -26,7 +34,7 @@ Batch collate(const std::vector<const Example*>& rows, int64_t pad_id) {
   auto ids = batch.input_ids.accessor<int64_t, 2>();
   auto labels = batch.labels.accessor<int64_t, 2>();
   for (int64_t row = 0; row < row_count; ++row) {
-    const Example& example = *rows[row];
+    const Example& example = *ordered[row];
     std::copy(example.input_ids.begin(), example.input_ids.end(), &ids[row][0]);
     std::copy(example.labels.begin(), example.labels.end(), &labels[row][0]);
     batch.input_tokens += example.size();
@@ -44,15 +52,15 @@ Batch collate(const std::vector<const Example*>& rows, int64_t pad_id) {
       }
     }
   }
-  const bool referenced = !rows.empty() && std::all_of(rows.begin(), rows.end(), [](const Example* row) {
+  const bool referenced = !ordered.empty() && std::all_of(ordered.begin(), ordered.end(), [](const Example* row) {
     return row->reference_log_probs.size() == 2;
   });
   if (referenced) {
     batch.reference_log_probs = torch::empty({row_count, 2}, torch::kFloat64);
     auto reference = batch.reference_log_probs.accessor<double, 2>();
     for (int64_t row = 0; row < row_count; ++row) {
-      reference[row][0] = rows[row]->reference_log_probs[0];
-      reference[row][1] = rows[row]->reference_log_probs[1];
+      reference[row][0] = ordered[row]->reference_log_probs[0];
+      reference[row][1] = ordered[row]->reference_log_probs[1];
     }
   }
   return batch;

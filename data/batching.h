@@ -24,6 +24,9 @@ struct Batch {
   int64_t predicted_tokens = 0;  // labels that a next-token loss uses
 };
 
+// Rows in their order, except in a packed batch, where the rows that are one sample of the
+// batch's full length come first (stable): attention takes those leading rows as one causal
+// block, on faster kernels than the spans of the rest (trainer/model/flash_attention.h).
 Batch collate(const std::vector<const Example*>& rows, int64_t pad_id = 0);
 
 struct BatchStreamOptions {

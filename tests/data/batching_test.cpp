@@ -53,6 +53,21 @@ TEST(Collate, PackedRowsRestartPositionsAndNumberTheirSamples) {
   EXPECT_TRUE(torch::equal(batch.sample_ids, torch::tensor({0, 0, 1, 1, 1}, torch::kInt64).view({1, 5})));
 }
 
+// Attention runs the leading rows that are one full-length sample as one causal block, so a packed
+// batch puts those first and keeps the order otherwise; an unpacked batch keeps its order.
+TEST(Collate, PackedRowsOfOneFullSampleComeFirstInTheirOrder) {
+  Example split{{1, 2, 3}, {kIgnoreLabel, 2, 3}, {1, 2}};
+  Example whole_a{{4, 5, 6}, {kIgnoreLabel, 5, 6}, {3}};
+  Example short_one{{7, 8}, {kIgnoreLabel, 8}, {2}};
+  Example whole_b{{9, 10, 11}, {kIgnoreLabel, 10, 11}, {3}};
+  const auto batch = collate({&split, &whole_a, &short_one, &whole_b}, 0);
+  EXPECT_EQ(first_tokens(batch), (std::vector<int64_t>{4, 9, 1, 7}));
+  EXPECT_TRUE(torch::equal(batch.sample_ids, torch::tensor({0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0, -1}, torch::kInt64).view({4, 3})));
+  EXPECT_EQ(batch.predicted_tokens, 7);
+  Example a{{1, 2}, {1, 2}, {}}, b{{3, 4, 5}, {3, 4, 5}, {}};
+  EXPECT_EQ(first_tokens(collate({&a, &b}, 0)), (std::vector<int64_t>{1, 3}));
+}
+
 TEST(BatchStream, RanksSeeDisjointExamplesAndTogetherTheWholeEpoch) {
   for (const int64_t world_size : {1, 2, 3}) {
     std::multiset<int64_t> seen;

@@ -184,6 +184,19 @@ TEST(PackedAttention, SampleIdsGiveTheRunsAsCumulativeLengths) {
   const auto whole = sample_spans(torch::zeros({3, 5}, torch::kInt64));
   EXPECT_TRUE(torch::equal(whole.cumulative_lengths, torch::tensor({0, 5, 10, 15}, torch::kInt32)));
   EXPECT_EQ(whole.longest, 5);
+  EXPECT_EQ(spans.whole_rows, 0);  // row 0 ends in padding
+  EXPECT_TRUE(torch::equal(spans.rest_cumulative_lengths, spans.cumulative_lengths));
+  EXPECT_EQ(spans.rest_longest, 4);
+  EXPECT_EQ(whole.whole_rows, 3);
+  EXPECT_FALSE(whole.rest_cumulative_lengths.defined());
+  // Only the leading whole rows count as whole; the runs after them start at 0.
+  const auto mixed = sample_spans(torch::tensor({4, 4, 4, 0, 1, 1, 2, 2, 2}, torch::kInt64).view({3, 3}));
+  EXPECT_EQ(mixed.whole_rows, 1);
+  EXPECT_TRUE(torch::equal(mixed.rest_cumulative_lengths, torch::tensor({0, 1, 3, 6}, torch::kInt32)));
+  EXPECT_EQ(mixed.rest_longest, 3);
+  EXPECT_TRUE(torch::equal(mixed.cumulative_lengths, torch::tensor({0, 3, 4, 6, 9}, torch::kInt32)));
+  const auto padding_row = sample_spans(torch::tensor({-1, -1, 0, 0}, torch::kInt64).view({2, 2}));
+  EXPECT_EQ(padding_row.whole_rows, 0);  // a row of padding is no sample
 }
 
 TEST(PackedAttention, APackedMaskWritesOutTheBlockCausalMaskOnlyWhenAsked) {
@@ -231,6 +244,26 @@ TEST(PackedAttention, CudaFlashOverSpansEqualsTheBlockCausalMaskWithItsGradients
     const auto dense_bf16 = run_attention(masked, q, k, v, grad_out, torch::kBFloat16);
     const auto ours = run_attention(flash, q, k, v, grad_out, torch::kBFloat16);
     expect_as_close_as_the_mask(ours, dense_bf16, reference, "spans, window " + std::to_string(window));
+  }
+  // Leading rows that are one sample each take plain causal attention, the rest the spans:
+  // row 0 whole and row 1 split, then both rows whole.
+  for (const bool both_whole : {false, true}) {
+    auto ids = sample_ids.clone();
+    ids[0].fill_(0);
+    if (both_whole) ids[1].fill_(0);
+    const auto leading_mask = block_causal_mask(ids.to(torch::kCUDA));
+    auto leading_spans = sample_spans(ids);
+    ASSERT_EQ(leading_spans.whole_rows, both_whole ? 2 : 1);
+    leading_spans.cumulative_lengths = leading_spans.cumulative_lengths.to(torch::kCUDA);
+    if (!both_whole) leading_spans.rest_cumulative_lengths = leading_spans.rest_cumulative_lengths.to(torch::kCUDA);
+    auto masked = [&](auto&& a, auto&& b, auto&& c) {
+      return at::scaled_dot_product_attention(a, b, c, leading_mask, 0.0, false, scale, /*enable_gqa=*/true);
+    };
+    auto packed = [&](auto&& a, auto&& b, auto&& c) { return flash_packed_attention(a, b, c, leading_spans, 0, scale); };
+    const auto reference = run_attention(masked, q, k, v, grad_out, torch::kFloat32);
+    const auto dense_bf16 = run_attention(masked, q, k, v, grad_out, torch::kBFloat16);
+    const auto ours = run_attention(packed, q, k, v, grad_out, torch::kBFloat16);
+    expect_as_close_as_the_mask(ours, dense_bf16, reference, both_whole ? "both rows whole" : "row 0 whole");
   }
   // No gradient crosses a sample boundary: the output of row 1's second sample alone moves no
   // key of its first sample (tokens 0..36).

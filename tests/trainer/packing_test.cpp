@@ -68,7 +68,8 @@ TEST(Packing, PackedBatchHasTheLossOfItsSamplesApartOnCuda) {
 
 // On CUDA in bf16 a packed batch runs flash attention over its samples' spans: the loss and the
 // gradients equal those of SDPA over the written-out block-causal mask to bf16 rounding, with the
-// layers checkpointed (their recomputation sees the same spans).
+// layers checkpointed (their recomputation sees the same spans). Two samples fill a row each:
+// those rows lead the batch and take plain causal attention.
 TEST(Packing, CudaSpansGiveTheLossAndGradientsOfTheWrittenOutMask) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   torch::manual_seed(5);
@@ -80,11 +81,12 @@ TEST(Packing, CudaSpansGiveTheLossAndGradientsOfTheWrittenOutMask) {
   auto& model = *loaded.model;
   model.train();
   model.model->set_gradient_checkpointing(1);
-  const auto samples = random_samples({70, 130, 200, 50, 310, 90, 170}, model.options().vocab_size);
+  const auto samples = random_samples({70, 512, 130, 200, 50, 310, 512, 90, 170}, model.options().vocab_size);
   const auto packed = data::pack_examples(samples, 512);
   std::vector<const data::Example*> rows;
   for (const auto& window : packed) rows.push_back(&window);
   const auto batch = data::collate(rows, /*pad_id=*/0);
+  ASSERT_EQ(AttentionMask::packed(batch.sample_ids, device).spans()->whole_rows, 2);
   const auto weight = model.model->layers[0]->as<LlamaDecoderLayer>()->self_attn->q_proj->parameters()[0];
   auto loss_and_gradient = [&](PackedAttention how) {
     model.zero_grad();

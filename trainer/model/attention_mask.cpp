@@ -32,16 +32,30 @@ SampleSpans sample_spans(const torch::Tensor& sample_ids) {
   std::vector<int32_t> ends = {0};
   SampleSpans spans;
   spans.tokens = rows * sequence;
+  bool leading = true;  // every row so far one sample end to end
   for (int64_t row = 0; row < rows; ++row) {
     for (int64_t position = 0; position < sequence; ++position) {
       const bool run_ends = position + 1 == sequence || accessor[row][position + 1] != accessor[row][position];
       if (!run_ends) continue;
       const auto end = static_cast<int32_t>(row * sequence + position + 1);
-      spans.longest = std::max<int64_t>(spans.longest, end - ends.back());
+      const int64_t length = end - ends.back();
+      spans.longest = std::max<int64_t>(spans.longest, length);
+      if (!leading || length < sequence || accessor[row][0] < 0) {
+        leading = false;
+        spans.rest_longest = std::max<int64_t>(spans.rest_longest, length);
+      }
       ends.push_back(end);
     }
+    if (leading) spans.whole_rows = row + 1;
   }
   spans.cumulative_lengths = torch::tensor(ends, torch::kInt32);
+  if (spans.whole_rows < rows) {
+    // Each whole row is one run: the rest's runs start at ends[whole_rows].
+    const auto offset = static_cast<int32_t>(spans.whole_rows * sequence);
+    std::vector<int32_t> rest(ends.begin() + spans.whole_rows, ends.end());
+    for (auto& end : rest) end -= offset;
+    spans.rest_cumulative_lengths = torch::tensor(rest, torch::kInt32);
+  }
   return spans;
 }
 
@@ -60,7 +74,9 @@ AttentionMask AttentionMask::packed(const torch::Tensor& sample_ids, const torch
   result.state_->device = device;
   if (how == PackedAttention::kSpans) {
     result.state_->spans = sample_spans(sample_ids);
-    result.state_->spans.cumulative_lengths = result.state_->spans.cumulative_lengths.to(device);
+    auto& spans = result.state_->spans;
+    spans.cumulative_lengths = spans.cumulative_lengths.to(device);
+    if (spans.rest_cumulative_lengths.defined()) spans.rest_cumulative_lengths = spans.rest_cumulative_lengths.to(device);
   }
   return result;
 }

@@ -21,6 +21,12 @@ struct SampleSpans {
   torch::Tensor cumulative_lengths;  // int32 [runs + 1]: 0, the end of run 0, ..., batch * seq
   int64_t longest = 0;               // tokens in the longest run
   int64_t tokens = 0;                // batch * seq
+  // The leading rows that are one sample end to end (data::collate puts them first): plain
+  // causal attention is exactly theirs. The runs of the rows after them, over those rows' tokens
+  // alone, as above (undefined when every row is whole).
+  int64_t whole_rows = 0;
+  torch::Tensor rest_cumulative_lengths;
+  int64_t rest_longest = 0;
 };
 SampleSpans sample_spans(const torch::Tensor& sample_ids);
 

@@ -127,14 +127,33 @@ torch::Tensor flash_window_attention(const torch::Tensor& query, const torch::Te
 torch::Tensor flash_packed_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
                                      const SampleSpans& spans, int64_t window, double scale, const torch::Tensor& sinks) {
   require_flash(query, key, "flash_packed_attention");
-  const int64_t tokens = query.size(0) * query.size(2);
-  if (!spans.cumulative_lengths.defined() || spans.cumulative_lengths.scalar_type() != torch::kInt32 ||
-      spans.cumulative_lengths.device() != query.device() || spans.tokens != tokens) {
+  const int64_t batch = query.size(0), whole = spans.whole_rows;
+  const auto on_device = [&](const torch::Tensor& lengths) {
+    return lengths.defined() && lengths.scalar_type() == torch::kInt32 && lengths.device() == query.device();
+  };
+  if (!on_device(spans.cumulative_lengths) || spans.tokens != batch * query.size(2) || whole < 0 || whole > batch ||
+      (whole > 0 && whole < batch && !on_device(spans.rest_cumulative_lengths))) {
     throw Error(ErrorCode::kInternal, "flash_packed_attention: the spans must be int32 cumulative lengths on the "
-                                      "query's device ending at the batch's " + std::to_string(tokens) + " tokens");
+                                      "query's device ending at the batch's " + std::to_string(batch * query.size(2)) +
+                                      " tokens, with those of the rows after the whole ones");
   }
-  return FlashAttention::apply(query, key, value, sink_input(sinks, query),
-                               std::optional<torch::Tensor>(spans.cumulative_lengths), spans.longest, window, scale);
+  if (whole == 0 || window > 0 || sinks.defined()) {
+    return FlashAttention::apply(query, key, value, sink_input(sinks, query),
+                                 std::optional<torch::Tensor>(spans.cumulative_lengths), spans.longest, window, scale);
+  }
+  // The leading rows that are one sample each are plain causal attention: SDPA's, which on Hopper
+  // runs cuDNN's kernels, ~1.8x flash's over cumulative lengths (docs/PERFORMANCE.md).
+  const auto leading = [&](const torch::Tensor& tensor) { return tensor.narrow(0, 0, whole); };
+  const auto causal = at::scaled_dot_product_attention(leading(query), leading(key), leading(value), std::nullopt,
+                                                       /*dropout_p=*/0.0, /*is_causal=*/true, scale,
+                                                       /*enable_gqa=*/key.size(1) != query.size(1));
+  if (whole == batch) return causal;
+  const auto rest = [&](const torch::Tensor& tensor) { return tensor.narrow(0, whole, batch - whole); };
+  const auto spanned =
+      FlashAttention::apply(rest(query), rest(key), rest(value), sink_input(sinks, query),
+                            std::optional<torch::Tensor>(spans.rest_cumulative_lengths), spans.rest_longest, 0, scale);
+  // Joined as [batch, T, heads, head_dim], the layout the output projection reads.
+  return torch::cat({causal.transpose(1, 2), spanned.transpose(1, 2)}, 0).transpose(1, 2);
 }
 
 torch::Tensor visible_keys(int64_t past, int64_t sequence, int64_t window, const torch::Device& device) {
