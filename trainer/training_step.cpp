@@ -11,6 +11,13 @@
 
 namespace qtrain::trainer {
 
+namespace {
+
+// A device scalar read back (0 when undefined: no router ran).
+double read_on_host(const torch::Tensor& scalar) { return scalar.defined() ? scalar.item<double>() : 0; }
+
+}  // namespace
+
 TrainingStepOptions training_step_options(const Recipe& recipe, int64_t vocab_size, const torch::Device& device) {
   TrainingStepOptions options;
   options.device = device;
@@ -103,18 +110,15 @@ TrainingStep::MicroBatchLoss TrainingStep::preference_micro_batch(const data::Ba
   const auto policy = pair_log_probs(model_, hidden, batch, loss_options);
   const auto loss = preference_loss(policy, reference.chosen.defined() ? &reference : nullptr, preference);
   // A mixture of experts' load-balancing loss joins each micro-batch's loss as TRL adds it.
-  double router_term = 0;
-  if (router_loss) {
-    const double coefficient = model_.options().experts.router_aux_loss_coef;
-    router_term = coefficient * router_loss->value();
-    router_loss->set_gradient_scale(coefficient * weight);
-  }
+  const double coefficient = router_loss ? model_.options().experts.router_aux_loss_coef : 0;
+  const auto router_term = router_loss ? router_loss->aux() : torch::Tensor();
+  if (router_loss) router_loss->set_gradient_scale(coefficient * weight);
   // Read after the backward is queued: the loss and the metrics in two copies from the device.
   PreferenceLoss read_back = loss;
   read_back.loss = loss.loss.detach();
-  return {loss.loss * weight, [read_back, router_term, &metric_sums] {
+  return {loss.loss * weight, [read_back, coefficient, router_term, &metric_sums] {
             read_back.add_metrics_to(metric_sums);
-            return read_back.loss.item<double>() + router_term;
+            return read_back.loss.item<double>() + coefficient * read_on_host(router_term);
           }};
 }
 
@@ -168,15 +172,16 @@ StepResult TrainingStep::run(const std::vector<data::Batch>& micro_batches, int6
     // A mixture of experts' load-balancing loss, router_aux_loss_coef · aux per micro-batch as
     // transformers adds it to the mean loss: here weighted by the micro-batch's predicted tokens,
     // as its share of the window's token-weighted loss. Its gradient joins in backward.
-    double router_loss_sum = 0;
-    if (router_loss) {
-      const double weight = model_.options().experts.router_aux_loss_coef * static_cast<double>(batch.predicted_tokens);
-      router_loss_sum = weight * router_loss->value();
-      router_loss->set_gradient_scale(weight * loss_weight);
-    }
+    const double router_weight =
+        router_loss ? model_.options().experts.router_aux_loss_coef * static_cast<double>(batch.predicted_tokens) : 0;
+    const auto router_aux = router_loss ? router_loss->aux() : torch::Tensor();
+    if (router_loss) router_loss->set_gradient_scale(router_weight * loss_weight);
     const auto token_loss_sum = loss.loss_sum.detach();
-    return {loss.loss_sum * loss_weight,
-            [token_loss_sum, router_loss_sum] { return token_loss_sum.item<double>() + router_loss_sum; }};
+    // Read after the backward is queued (reading aux now would hold backward back until the
+    // forward has drained).
+    return {loss.loss_sum * loss_weight, [token_loss_sum, router_weight, router_aux] {
+              return token_loss_sum.item<double>() + router_weight * read_on_host(router_aux);
+            }};
   });
   if (buckets_) loss_sum = group_->sum({loss_sum}, "the loss of the step")[0];
   result.loss = loss_sum / std::max(predicted_tokens, 1.0);

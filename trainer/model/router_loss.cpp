@@ -45,9 +45,14 @@ torch::Tensor RouterLoss::observe(const torch::Tensor& probabilities, const torc
   return AddRouterLossGradient::apply(probabilities, this);
 }
 
+torch::Tensor RouterLoss::aux() const {
+  if (rows_ == 0) return torch::Tensor();
+  return (counts_ * probabilities_).sum().to(torch::kFloat64) * (static_cast<double>(experts_) / (rows_ * rows_));
+}
+
 double RouterLoss::value() const {
-  if (rows_ == 0) return 0;
-  return static_cast<double>(experts_) * (counts_ * probabilities_).sum().item<double>() / (rows_ * rows_);
+  const auto loss = aux();
+  return loss.defined() ? loss.item<double>() : 0;
 }
 
 torch::Tensor RouterLoss::probability_gradient() const {

@@ -29,7 +29,10 @@ class RouterLoss {
   // probabilities [rows, experts] fp32 (the softmax over every expert), chosen [rows, k] int64 ->
   // probabilities, with the loss's gradient joining theirs in backward under grad mode.
   torch::Tensor observe(const torch::Tensor& probabilities, const torch::Tensor& chosen);
-  // aux of the pass since begin() (0 when no router ran); synchronises with the device.
+  // aux of the pass since begin(): an fp64 scalar on the routers' device, read without waiting
+  // for it (undefined when no router ran).
+  torch::Tensor aux() const;
+  // The same on the host (0 when no router ran); synchronises with the device.
   double value() const;
   // What backward's loss holds of aux: `scale` · aux (the coefficient times the loss's weight).
   void set_gradient_scale(double scale) { gradient_scale_ = scale; }
