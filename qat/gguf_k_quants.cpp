@@ -15,18 +15,12 @@
 #include <cmath>
 #include <cstring>
 
+#include "qat/ggml_rounding.h"
 #include "qat/gguf_fp16.h"
 #include "qat/gguf_quant_blocks.h"
 #include "qat/gguf_quants.h"
 
-// A contracted a*b + c (an FMA, one rounding) differs from ggml's two roundings in the last bit,
-// and that bit can flip a code. GCC contracts in C++ even at -std=c++17 when the target has FMA
-// (-march=native on x86-64, and aarch64 by default); ggml's own reference build has none.
-#if defined(__clang__)
-#pragma clang fp contract(off)
-#elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=off")
-#endif
+QTRAIN_GGML_ROUNDING_BEGIN  // ggml's roundings, no contraction (qat/ggml_rounding.h)
 
 namespace qtrain::qat::gguf_quants {
 
@@ -670,3 +664,4 @@ void dequantize_q6_k(const uint8_t* in, float* y, int64_t n) {
 }
 
 }  // namespace qtrain::qat::gguf_quants
+QTRAIN_GGML_ROUNDING_END

@@ -27,16 +27,13 @@
 #include <cstring>
 #include <limits>
 
+#include "qat/ggml_rounding.h"
 #include "qat/gguf_block_format.h"
 #include "qat/gguf_fp16.h"
 #include "qat/gguf_quant_blocks.h"
 #include "qat/gguf_quants.h"
 
-#if defined(__clang__)
-#pragma clang fp contract(off)
-#elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=off")
-#endif
+QTRAIN_GGML_ROUNDING_BEGIN  // ggml's roundings, no contraction (qat/ggml_rounding.h)
 
 namespace qtrain::qat::gguf_quants {
 
@@ -249,3 +246,4 @@ void dequantize_q8_0(const uint8_t* in, float* y, int64_t n) {
 }
 
 }  // namespace qtrain::qat::gguf_quants
+QTRAIN_GGML_ROUNDING_END
