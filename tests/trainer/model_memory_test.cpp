@@ -490,6 +490,26 @@ TEST(ModelMemory, CheckpointingAndChunkingScaleAsTheirSettingsSay) {
                    6.0 * 1024 * 16384 + 6.0 * 1024 * 4096 + 2.0 * 2 * 8188 * 4096 + 12.0 * 8188);
 }
 
+// A packed batch on CUDA in bf16 goes to flash attention as spans (trainer/model/flash_attention.h):
+// no [batch, 1, seq, seq] mask in any layer and no bool mask, unlike the CPU, fp32 and Gemma 2's
+// soft cap, which write the mask out: seq bytes of the compute dtype per token in every layer,
+// and a bool per token and key once.
+TEST(ModelMemory, PackedBatchesKeepAMaskOnlyWhereTheSpansDoNotApply) {
+  const LlamaOptions llama = llama_shape("llama3-8b");
+  auto setup = llama_3_8b_setup();
+  const double tokens = 4.0 * 2048, layers = 32;
+  const auto activations = [&](const LlamaOptions& model, bool packed) {
+    auto packed_setup = setup;
+    packed_setup.packed = packed;
+    return estimate_peak_memory(model, packed_setup).activation_bytes;
+  };
+  EXPECT_DOUBLE_EQ(activations(llama, true), activations(llama, false));
+  auto capped = llama;
+  capped.attention_softcap = 50.0;
+  EXPECT_DOUBLE_EQ(activations(capped, true) - activations(capped, false),
+                   layers * tokens * 2048 * 2.0 + tokens * 2048);
+}
+
 // Offloading leaves two layer inputs on the device instead of every checkpointed one; the table
 // on the host leaves the frozen weights by vocab x hidden; rebuilding the weights in backward
 // drops one layer's dequantized projections. On a CPU none of them moves anything.

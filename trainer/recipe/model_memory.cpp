@@ -103,6 +103,14 @@ bool uses_math_attention(const LlamaOptions& model, const TrainingMemorySetup& s
          model.num_key_value_heads != model.num_attention_heads;
 }
 
+// A packed batch writes its [batch, 1, seq, seq] mask out only where flash attention's spans do
+// not apply (trainer/model/flash_attention.h): the CPU, fp32, Gemma 2's soft cap.
+bool writes_packed_mask(const LlamaOptions& model, const TrainingMemorySetup& setup) {
+  const bool flash = setup.device == torch::kCUDA && setup.compute_dtype != torch::kFloat32 &&
+                     model.head_dim % 8 == 0 && model.head_dim <= 256 && model.attention_softcap <= 0;
+  return setup.packed && !flash;
+}
+
 // What decoder layer `layer` saves for its backward, for one micro-batch (the model in the header).
 double decoder_layer_activation_bytes(const LlamaOptions& model, const TrainingMemorySetup& setup, int64_t layer) {
   const double s = element_bytes(setup.compute_dtype);
@@ -182,9 +190,10 @@ double decoder_layer_activation_bytes(const LlamaOptions& model, const TrainingM
     // softmax probabilities [batch, heads, seq, seq]; q, and k and v repeated to every head
     bytes += tokens * (heads * sequence + 3.0 * query) * s;
   } else {
-    // q and k after rotary, v, the output; the fp32 logsumexp [batch, heads, seq]; a mask
-    // becomes a [batch, 1, seq, seq] tensor of the compute dtype in every call.
-    bytes += tokens * ((2.0 * query + 2.0 * key_value) * s + 4.0 * heads) + (setup.packed ? tokens * sequence * s : 0.0);
+    // q and k after rotary, v, the output; the fp32 logsumexp [batch, heads, seq]; a written-out
+    // mask becomes a [batch, 1, seq, seq] tensor of the compute dtype in every call.
+    bytes += tokens * ((2.0 * query + 2.0 * key_value) * s + 4.0 * heads) +
+             (writes_packed_mask(model, setup) ? tokens * sequence * s : 0.0);
   }
   // The feed-forward block's activation (SwiGLU: the gate and up outputs, and the torch operations'
   // silu(gate) too).
@@ -363,7 +372,8 @@ void estimate_activations(const LlamaOptions& model, const TrainingMemorySetup& 
   const double per_micro_batch = tokens * 2.0 * static_cast<double>(model.head_dim) * s +  // rotary cos, sin
                                  rms_norm_bytes(tokens, model.hidden_size, s, setup.full_finetune,
                                                 setup.device == torch::kCUDA) +  // final norm
-                                 (setup.packed ? tokens * static_cast<double>(setup.sequence_length) : 0.0);  // bool mask
+                                 (writes_packed_mask(model, setup) ? tokens * static_cast<double>(setup.sequence_length)
+                                                                   : 0.0);  // bool mask
   // With checkpointing, backward walks the layers from the last: when it reaches layer j, the
   // layers above have let go of theirs, those below still keep theirs, and a checkpointed j holds
   // its recomputed activations on top of its input.

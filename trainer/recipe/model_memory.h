@@ -40,8 +40,9 @@
 //                      attention: the fused kernels PyTorch 2.11 picks (cuDNN for bf16/fp16 on a
 //                      Hopper GPU, flash on the CPU, memory-efficient for fp32 multi-head; flash
 //                      on other GPUs keeps the same) save q, k, v, the output ((2 Q + 2 KV) s)
-//                      and the fp32 logsumexp (4 heads), plus, with data.pack, the mask as
-//                      [batch, 1, seq, seq] in s bytes per layer; fp32 with grouped-query
+//                      and the fp32 logsumexp (4 heads), plus, with data.pack where flash
+//                      attention's spans do not apply (the CPU, fp32, Gemma 2's soft cap), the
+//                      mask as [batch, 1, seq, seq] in s bytes per layer; fp32 with grouped-query
 //                      attention on CUDA falls to the math path, which keeps the softmax
 //                      probabilities [batch, heads, seq, seq], q, k, v expanded to every head and
 //                      a copy of its output for o_proj;
@@ -49,7 +50,7 @@
 //                    the first layer's input does not require grad (frozen embeddings), so its
 //                    first RMSNorm and the q/k/v base matmuls keep nothing. Once per micro-batch:
 //                    rotary cos and sin (2 head_dim s), the final RMSNorm (4H + 4), the bool mask
-//                    of a packed batch (seq bytes).
+//                    of a packed batch written out (seq bytes, where the spans do not apply).
 //                    With gradient checkpointing every k-th layer (index % k == 0) keeps only its
 //                    input (H s); backward, walking down from the last layer, holds the layers
 //                    below j plus layer j recomputed: the figure is the largest such sum. A
