@@ -99,23 +99,30 @@ trainer::Recipe bench_recipe(const trainer::BaseQuantizationRow& base, bool fake
 
 // One micro-batch of random tokens, on the CPU as the data loader hands them out. samples > 0:
 // each row packs that many samples of equal length (the last takes the remainder), as
-// data::collate marks packed rows: positions restart at each sample, whose first token is no label.
-// pairs: the samples are preference pairs, the first quarter of each a prompt, not labelled.
+// data::collate marks packed rows: positions restart at each sample, whose first token is no label;
+// the first `whole_rows` rows hold one sample each (a document's full window, which collate puts
+// first). pairs: the samples are preference pairs, the first quarter of each a prompt, not labelled.
 data::Batch random_batch(int64_t micro_batch, int64_t sequence, int64_t vocab_size, int64_t samples = 0,
-                         bool pairs = false) {
+                         bool pairs = false, int64_t whole_rows = 0) {
   data::Batch batch;
   batch.input_ids = torch::randint(vocab_size, {micro_batch, sequence}, torch::kInt64);
   batch.labels = batch.input_ids.clone();
   batch.input_tokens = micro_batch * sequence;
   batch.predicted_tokens = micro_batch * (sequence - 1);
   if (samples > 0) {
-    const int64_t length = sequence / samples;
-    const auto sample = torch::clamp_max(torch::div(torch::arange(sequence, torch::kInt64), length, "floor"), samples - 1);
-    const auto position = torch::arange(sequence, torch::kInt64) - sample * length;
-    batch.sample_ids = sample.unsqueeze(0).expand({micro_batch, -1}).contiguous();
-    batch.position_ids = position.unsqueeze(0).expand({micro_batch, -1}).contiguous();
-    const auto unlabelled = pairs ? position < std::max<int64_t>(length / 4, 1) : position == 0;
-    batch.labels.masked_fill_(unlabelled.unsqueeze(0).expand({micro_batch, -1}), data::kIgnoreLabel);
+    batch.sample_ids = torch::empty({micro_batch, sequence}, torch::kInt64);
+    batch.position_ids = torch::empty({micro_batch, sequence}, torch::kInt64);
+    for (int64_t row = 0; row < micro_batch; ++row) {
+      const int64_t row_samples = row < whole_rows ? 1 : samples;
+      const int64_t length = sequence / row_samples;
+      const auto sample =
+          torch::clamp_max(torch::div(torch::arange(sequence, torch::kInt64), length, "floor"), row_samples - 1);
+      const auto position = torch::arange(sequence, torch::kInt64) - sample * length;
+      batch.sample_ids[row] = sample;
+      batch.position_ids[row] = position;
+      const auto unlabelled = pairs ? position < std::max<int64_t>(length / 4, 1) : position == 0;
+      batch.labels[row].masked_fill_(unlabelled, data::kIgnoreLabel);
+    }
     batch.predicted_tokens = batch.labels.index({torch::indexing::Slice(), torch::indexing::Slice(1, torch::indexing::None)})
                                  .ne(data::kIgnoreLabel)
                                  .sum()
@@ -257,6 +264,7 @@ struct BenchOptions {
   int64_t profile_steps = 0;
   int64_t mlp_chunk = 0;
   int64_t packed_samples = 0;
+  int64_t packed_whole_rows = 0;  // with packed_samples: rows holding one sample each, first
   std::string objective;  // train.objective
   int64_t checkpoint_every = 1;
   double memory_limit_gib = 0;
@@ -296,6 +304,9 @@ po::options_description bench_option_descriptions(BenchOptions& bench) {
        "--packed-samples 2, the same tokens")
       ("packed-samples", po::value(&bench.packed_samples)->default_value(0),
        "pack each sequence with this many samples of equal length (attention stays inside each); 0: unpacked")
+      ("packed-whole-rows", po::value(&bench.packed_whole_rows)->default_value(0),
+       "with --packed-samples: the first this many rows of each micro-batch hold one sample each, as a packed "
+       "document's full windows do (packed Brown text: about 3 of 4)")
       ("packed-mask", po::bool_switch(), "with --packed-samples: SDPA over the written-out block-causal mask instead "
        "of flash attention over the samples' spans (to compare)")
       ("rebuild-weights", po::bool_switch(), "with --checkpointing: dequantize again in backward instead of keeping "
@@ -400,6 +411,10 @@ std::optional<BenchOptions> parse_bench_options(const Arguments& arguments) {
   recipe.train.lm_head_on_host = flag("lm-head-on-host");
   recipe.train.optimizer_states_on_host = flag("optimizer-states-on-host");
   if (bench.memory != "auto" && bench.memory != "manual") throw Error(ErrorCode::kUsage, "--memory is auto or manual");
+  if (bench.packed_whole_rows < 0 || bench.packed_whole_rows > bench.micro_batch ||
+      (bench.packed_whole_rows > 0 && bench.packed_samples == 0)) {
+    throw Error(ErrorCode::kUsage, "--packed-whole-rows must be 0..--micro-batch, with --packed-samples");
+  }
   recipe.train.memory = bench.memory;
   if (bench.checkpoint_every < 1) throw Error(ErrorCode::kUsage, "--checkpoint-every must be >= 1");
   if (bench.checkpoint_every > 1 && !bench.checkpointing) {
@@ -522,11 +537,14 @@ struct BenchMeasurement {
 BenchMeasurement measure_bench(const BenchOptions& bench, BenchRun& run) {
   const auto& device = bench.device;
   int64_t next_step = 0;
+  const auto batches_of = [&](int64_t tokens) {
+    return std::vector<data::Batch>{random_batch(bench.micro_batch, tokens, bench.llama.vocab_size, bench.packed_samples,
+                                                 bench.recipe.train.objective != "sft", bench.packed_whole_rows)};
+  };
   // `timed` steps of `tokens`-long sequences after `untimed` ones: the median step time and the
   // peak memory of the timed steps.
   const auto measure = [&](int64_t tokens, int64_t untimed, int64_t timed) {
-    const std::vector<data::Batch> batches = {random_batch(bench.micro_batch, tokens, bench.llama.vocab_size, bench.packed_samples,
-                                                                bench.recipe.train.objective != "sft")};
+    const auto batches = batches_of(tokens);
     std::vector<double> seconds;
     trainer::reset_peak_memory(device);
     for (int64_t step = 0; step < untimed + timed; ++step) {
@@ -549,9 +567,7 @@ BenchMeasurement measure_bench(const BenchOptions& bench, BenchRun& run) {
   } else {
     measured.step_seconds = measure(bench.sequence, bench.warmup, bench.steps).first;
   }
-  const std::vector<data::Batch> batches = {
-      random_batch(bench.micro_batch, measured.sequence, bench.llama.vocab_size, bench.packed_samples,
-                   bench.recipe.train.objective != "sft")};
+  const auto batches = batches_of(measured.sequence);
   measured.memory = trainer::memory_usage(device);
   if (bench.profile_steps > 0) {
     KernelProfile profile(device.is_cuda(), /*record_shapes=*/!bench.trace_path.empty());
@@ -602,8 +618,12 @@ void report_bench(const BenchOptions& bench, const BenchRun& run, const BenchMea
            2.0 * llama.hidden_size * llama.num_key_value_heads * llama.head_dim +
            3.0 * llama.hidden_size * llama.intermediate_size) +
       static_cast<double>(llama.hidden_size) * llama.vocab_size;
-  // A token attends within its sample: packed rows do less attention work than one long sequence.
-  const double attended = bench.packed_samples > 0 ? static_cast<double>(sequence) / bench.packed_samples : sequence;
+  // A token attends within its sample: packed rows do less attention work than one long sequence
+  // (whole rows as much as unpacked ones).
+  const double whole_share = static_cast<double>(bench.packed_whole_rows) / static_cast<double>(bench.micro_batch);
+  const double attended = bench.packed_samples > 0
+                              ? whole_share * sequence + (1 - whole_share) * static_cast<double>(sequence) / bench.packed_samples
+                              : sequence;
   const double attention = 4.0 * llama.num_hidden_layers * attended * llama.num_attention_heads * llama.head_dim;
   const double flops_per_token = 4.0 * matmul_parameters + 3.0 * attention;
   const double peak = peak_flops(bench.device);
@@ -626,7 +646,10 @@ void report_bench(const BenchOptions& bench, const BenchRun& run, const BenchMea
                     ? "; the reference: the base with the adapters off, one more forward pass"
                     : "");
   } else if (bench.packed_samples > 0) {
-    std::printf("  packed: %lld samples a sequence, attention %s\n", static_cast<long long>(bench.packed_samples),
+    std::printf("  packed: %lld samples a sequence%s, attention %s\n", static_cast<long long>(bench.packed_samples),
+                bench.packed_whole_rows > 0
+                    ? (" (the first " + std::to_string(bench.packed_whole_rows) + " rows one sample each)").c_str()
+                    : "",
                 bench.packed_mask ? "over the written-out block-causal mask" : "over the samples' spans");
   }
   if (recipe.train.offload_activations) {
@@ -649,6 +672,7 @@ void report_bench(const BenchOptions& bench, const BenchRun& run, const BenchMea
                               {"offload_activations", recipe.train.offload_activations},
                               {"mlp_chunk_tokens", bench.mlp_chunk},
                               {"packed_samples", bench.packed_samples},
+                              {"packed_whole_rows", bench.packed_whole_rows},
                               {"lora_dropout", recipe.lora.dropout},
                               {"objective", recipe.train.objective},
                               {"packed_mask", bench.packed_mask},

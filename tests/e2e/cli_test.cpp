@@ -424,6 +424,22 @@ TEST(Cli, BadInputIsOneLineAndExitStatus2) {
   expect_user_error(qtrain("eval --modle x"), "--help");
   expect_user_error(qtrain("evaluate --model x"), "unknown command 'evaluate'");
   expect_user_error(qtrain("eval --model " + fixture("tiny-llama") + " --data x.jsonl --dtype fp8"), "fp8");
+  expect_user_error(qtrain("bench --shape tiny --device cpu --micro-batch 2 --packed-whole-rows 1"), "--packed-samples");
+  expect_user_error(qtrain("bench --shape tiny --device cpu --micro-batch 2 --packed-samples 2 --packed-whole-rows 3"),
+                    "--packed-whole-rows");
+}
+
+// bench's packed rows as a packed document's data has them: some rows one sample each, first.
+TEST(Cli, BenchPacksWholeRowsBesideRowsOfSeveralSamples) {
+  const auto result = qtrain("bench --shape tiny --device cpu --dtype fp32 --micro-batch 2 --seq 32 --packed-samples 2 "
+                             "--packed-whole-rows 1 --steps 1 --warmup 0 --json 2>&1");
+  ASSERT_EQ(result.status, 0) << result.output;
+  EXPECT_NE(result.output.find("packed: 2 samples a sequence (the first 1 rows one sample each)"), std::string::npos)
+      << result.output;
+  const auto measured = nlohmann::json::parse(last_line(result.output));
+  EXPECT_EQ(measured.at("packed_whole_rows").get<int64_t>(), 1);
+  EXPECT_EQ(measured.at("packed_samples").get<int64_t>(), 2);
+  EXPECT_GT(measured.at("tokens_per_second").get<double>(), 0);
 }
 
 }  // namespace
