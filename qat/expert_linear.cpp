@@ -40,6 +40,47 @@ torch::Tensor grouped_linear(const torch::Tensor& rows, const torch::Tensor& wei
   return torch::cat(outputs);
 }
 
+namespace {
+
+// The product with a frozen bank that keeps only the counts: backward builds the weights again.
+// The bank outlives the step's backward (it is the model's).
+class RebuiltBankProduct : public torch::autograd::Function<RebuiltBankProduct> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* context, const torch::Tensor& rows,
+                               const torch::Tensor& counts, const LinearLayer* bank, int64_t experts) {
+    context->save_for_backward({counts});
+    context->saved_data["bank"] = reinterpret_cast<int64_t>(bank);
+    context->saved_data["experts"] = experts;
+    return grouped_linear(rows, expert_weights(*bank, experts, rows.scalar_type()), counts);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* context,
+                                                 torch::autograd::variable_list grad_outputs) {
+    const auto* bank = reinterpret_cast<const LinearLayer*>(context->saved_data["bank"].toInt());
+    const int64_t experts = context->saved_data["experts"].toInt();
+    const auto& grad = grad_outputs[0];
+    // grad_rows of expert e: grad_e W_e, the grouped product with W_e^T as its [in, out] weight.
+    const auto weights = expert_weights(*bank, experts, grad.scalar_type());
+    const auto grad_rows = grouped_linear(grad.contiguous(), weights.transpose(1, 2), context->get_saved_variables()[0]);
+    return {grad_rows, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+bool trains(const LinearLayer& layer) {
+  for (const auto& parameter : layer.parameters()) {
+    if (parameter.requires_grad()) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+torch::Tensor bank_product(const LinearLayer& bank, int64_t experts, const torch::Tensor& rows, const torch::Tensor& counts) {
+  const bool rebuilt = torch::GradMode::is_enabled() && rows.requires_grad() && !KeepBuiltWeights::active() && !trains(bank);
+  if (rebuilt) return RebuiltBankProduct::apply(rows, counts, &bank, experts);
+  return grouped_linear(rows, expert_weights(bank, experts, rows.scalar_type()), counts);
+}
+
 std::map<std::string, int64_t> expert_banks(const torch::nn::Module& root) {
   std::map<std::string, int64_t> banks;
   for (const auto& item : root.named_modules("", /*include_self=*/false)) {
@@ -90,7 +131,7 @@ void ExpertLora::reset() {
 torch::Tensor ExpertLora::grouped_forward(const torch::Tensor& rows, const torch::Tensor& counts) {
   const auto dtype = rows.scalar_type();
   const int64_t rank = options_.rank;
-  const auto base = grouped_linear(rows, expert_weights(*base_, experts_, dtype), counts);
+  const auto base = bank_product(*base_, experts_, rows, counts);
   if (!adapters_enabled()) return base;
   // A_e: rows e·rank ... of A; B_e: columns e, e + experts, ... of B.
   const auto a = lora_A_->weight.to(dtype).view({experts_, rank, -1});

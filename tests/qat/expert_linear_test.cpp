@@ -122,5 +122,69 @@ TEST(ExpertBank, CudaNf4BankMultipliesItsDequantizedExperts) {
   EXPECT_LE((ours.to(torch::kFloat64) - expected).abs().max().item<double>() / expected.abs().max().item<double>(), 1e-2);
 }
 
+// A frozen bank that counts how often its weights are built (dequantized): the layer keeps them for
+// backward only under KeepBuiltWeights, as the frozen 4-bit layers do.
+class CountingBank : public LinearLayer {
+ public:
+  explicit CountingBank(std::shared_ptr<LinearLayer> inner) : inner_(register_module("inner", std::move(inner))) {}
+  torch::Tensor forward(const torch::Tensor& input) override { return inner_->forward(input); }
+  int64_t in_features() const override { return inner_->in_features(); }
+  int64_t out_features() const override { return inner_->out_features(); }
+  torch::Tensor dense_weight(torch::ScalarType dtype) const override {
+    ++builds;
+    return inner_->dense_weight(dtype);
+  }
+  torch::Tensor bias() const override { return inner_->bias(); }
+  mutable int builds = 0;
+
+ private:
+  std::shared_ptr<LinearLayer> inner_;
+};
+
+// Values and gradients of the rebuilt path equal the kept path's (and each expert's own matmul);
+// with grad off, or a bank that trains, nothing is rebuilt.
+void expect_rebuilt_in_backward_unless_kept(torch::Device device, torch::ScalarType dtype, double tolerance) {
+  torch::manual_seed(8);
+  const int64_t experts = 4, in = 64, out = 32;
+  const auto weight = torch::randn({experts * out, in}, torch::TensorOptions().dtype(torch::kBFloat16).device(device)) * 0.05;
+  auto bank = std::make_shared<CountingBank>(FourBitLinear::from_dense(weight, torch::Tensor(), FourBitOptions{}));
+  const std::vector<int64_t> counts = {10, 33, 0, 7};
+  auto batch = make_batch(experts, in, out, counts, device, dtype);
+  batch.weights = expert_weights(*bank, experts, torch::kFloat32).view({experts, out, in});
+  const auto grad_out = torch::randn({50, out}, batch.rows.options());
+  auto run = [&](bool keep) {
+    KeepBuiltWeights kept(keep);
+    bank->builds = 0;
+    auto rows = batch.rows.detach().requires_grad_(true);
+    const auto product = bank_product(*bank, experts, rows, batch.counts);
+    product.backward(grad_out);
+    return std::make_tuple(product.detach(), rows.grad(), bank->builds);
+  };
+  const auto [kept_out, kept_grad, kept_builds] = run(true);
+  const auto [rebuilt_out, rebuilt_grad, rebuilt_builds] = run(false);
+  EXPECT_EQ(kept_builds, 1);
+  EXPECT_EQ(rebuilt_builds, 2);  // forward, then backward
+  EXPECT_TRUE(torch::allclose(rebuilt_out, kept_out, tolerance, tolerance));
+  EXPECT_LE((rebuilt_grad - kept_grad).abs().max().item<double>(), tolerance * kept_grad.abs().max().item<double>());
+  const auto expected = reference_product(batch, counts);
+  EXPECT_LE((rebuilt_out.to(torch::kFloat64) - expected).abs().max().item<double>(),
+            std::max(tolerance, 1e-5) * expected.abs().max().item<double>() * 10);
+  {
+    torch::NoGradGuard no_grad;
+    bank->builds = 0;
+    bank_product(*bank, experts, batch.rows, batch.counts);
+    EXPECT_EQ(bank->builds, 1);
+  }
+}
+
+TEST(ExpertBank, AFrozenBankIsBuiltAgainInBackwardUnlessKept) {
+  expect_rebuilt_in_backward_unless_kept(torch::kCPU, torch::kFloat32, 1e-6);
+}
+
+TEST(ExpertBank, CudaFrozenBankIsBuiltAgainInBackwardUnlessKept) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU on this machine";
+  expect_rebuilt_in_backward_unless_kept(torch::kCUDA, torch::kBFloat16, 1e-2);
+}
+
 }  // namespace
 }  // namespace qtrain::qat

@@ -76,7 +76,7 @@ torch::Tensor bank_forward(qat::LinearLayer& bank, int64_t experts, const torch:
                            const torch::Tensor& row_experts) {
   auto* lora = dynamic_cast<qat::ExpertLora*>(&bank);
   auto product = lora ? lora->grouped_forward(rows, counts)
-                      : qat::grouped_linear(rows, qat::expert_weights(bank, experts, rows.scalar_type()), counts);
+                      : qat::bank_product(bank, experts, rows, counts);
   const auto bias = bank.bias();
   if (!bias.defined()) return product;
   return product + bias.to(product.scalar_type()).view({experts, -1}).index_select(0, row_experts);
