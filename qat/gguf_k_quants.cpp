@@ -330,6 +330,26 @@ void unpack_scale_min(const uint8_t* packed, int j, int* scale, int* min) {
   }
 }
 
+// Sub-block j's scale and min as Q4_K / Q5_K dequantize: d · its scale code, dmin · its min code.
+struct SubBlockScaleMin {
+  float scale;
+  float min;
+};
+template <class Block>
+SubBlockScaleMin sub_block_scale_min(const Block& block, int j) {
+  int scale_code;
+  int min_code;
+  unpack_scale_min(block.scales, j, &scale_code, &min_code);
+  return {float_from_fp16_bits(block.d) * scale_code, float_from_fp16_bits(block.dmin) * min_code};
+}
+
+// Q4_K / Q5_K's four low bits of element e: byte 32 · (e / 64) + e % 32, its low nibble for the
+// first 32 elements of each 64, its high nibble for the next 32.
+int low_nibble_code(const uint8_t* qs, int e) {
+  const uint8_t byte = qs[32 * (e / 64) + e % 32];
+  return (e % 64) < 32 ? byte & 0xF : byte >> 4;
+}
+
 // Q3_K's 12 scale bytes: 16 6-bit codes (the signed scale + 32). Low nibbles: sub-blocks 0-7 in
 // the low nibble of bytes 0-7, 8-15 in their high nibble; top two bits of sub-block j in byte
 // 8 + j % 4 at bits 2 (j / 4).
@@ -380,12 +400,8 @@ void quantize_scale_min_super_block(const float* x, const ScaleMinSearch& search
   block.dmin = fp16_bits_from_float(max_min / 63.f);
 
   for (int j = 0; j < kSubBlocksOf32; ++j) {
-    int scale_code;
-    int min_code;
-    unpack_scale_min(block.scales, j, &scale_code, &min_code);
-    const float d = float_from_fp16_bits(block.d) * scale_code;
+    const auto [d, dm] = sub_block_scale_min(block, j);
     if (!d) continue;
-    const float dm = float_from_fp16_bits(block.dmin) * min_code;
     for (int l = 0; l < kSubBlock32; ++l) {
       const int q = round_to_int((x[kSubBlock32 * j + l] + dm) / d);
       codes[kSubBlock32 * j + l] = static_cast<uint8_t>(clamp_int(q, 0, search.nmax));
@@ -628,31 +644,17 @@ void dequantize_q3_k(const uint8_t* in, float* y, int64_t n) {
 
 void dequantize_q4_k(const uint8_t* in, float* y, int64_t n) {
   dequantize_elements<BlockQ4_K>(in, y, n, [](const BlockQ4_K& block, int e) {
-    int scale_code;
-    int min_code;
-    unpack_scale_min(block.scales, e / kSubBlock32, &scale_code, &min_code);
-    const float d = float_from_fp16_bits(block.d) * scale_code;
-    const float m = float_from_fp16_bits(block.dmin) * min_code;
-    const int chunk = e / 64;
-    const uint8_t byte = block.qs[32 * chunk + e % 32];
-    const int q = (e % 64) < 32 ? byte & 0xF : byte >> 4;
-    return d * q - m;
+    const auto [d, m] = sub_block_scale_min(block, e / kSubBlock32);
+    return d * low_nibble_code(block.qs, e) - m;
   });
 }
 
 void dequantize_q5_k(const uint8_t* in, float* y, int64_t n) {
   dequantize_elements<BlockQ5_K>(in, y, n, [](const BlockQ5_K& block, int e) {
-    int scale_code;
-    int min_code;
-    unpack_scale_min(block.scales, e / kSubBlock32, &scale_code, &min_code);
-    const float d = float_from_fp16_bits(block.d) * scale_code;
-    const float m = float_from_fp16_bits(block.dmin) * min_code;
-    const int chunk = e / 64;
-    const bool second_half = (e % 64) >= 32;
-    const uint8_t byte = block.qs[32 * chunk + e % 32];
-    const int low = second_half ? byte >> 4 : byte & 0xF;
-    const int high = (block.qh[e % 32] >> (2 * chunk + (second_half ? 1 : 0))) & 1;
-    return d * (low + (high ? 16 : 0)) - m;
+    const auto [d, m] = sub_block_scale_min(block, e / kSubBlock32);
+    // The fifth bit: qh[e % 32], bit 2 · (e / 64) for the first 32 of each 64, the next bit after.
+    const int high = (block.qh[e % 32] >> (2 * (e / 64) + ((e % 64) >= 32 ? 1 : 0))) & 1;
+    return d * (low_nibble_code(block.qs, e) + (high ? 16 : 0)) - m;
   });
 }
 
