@@ -123,7 +123,6 @@ torch::Tensor SparseMoeBlockImpl::forward(const torch::Tensor& hidden, const qat
   auto x = hidden.reshape({-1, shape.back()});
   const double jitter = options_.router_jitter_noise;
   if (is_training() && jitter > 0) x = x * torch::empty_like(x).uniform_(1.0 - jitter, 1.0 + jitter);
-  const int64_t tokens = x.size(0);
   const int64_t k = options_.experts_per_token;
   const int64_t count = options_.num_experts;
 
