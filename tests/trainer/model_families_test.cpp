@@ -206,6 +206,7 @@ TEST(ModelFamilies, BenchShapesHaveThePublishedModelsParameterCounts) {
   EXPECT_EQ(llama_parameter_counts(llama_shape("qwen2.5-7b")).total, 7615616512);   // Qwen/Qwen2.5-7B
   EXPECT_EQ(llama_parameter_counts(llama_shape("mistral-7b")).total, 7248023552);   // mistralai/Mistral-7B-v0.3
   EXPECT_EQ(llama_parameter_counts(llama_shape("llama3-8b")).total, 8030261248);    // meta-llama/Meta-Llama-3-8B
+  EXPECT_EQ(llama_parameter_counts(llama_shape("llama3-70b")).total, 70553706496);  // meta-llama/Meta-Llama-3-70B
   EXPECT_EQ(llama_parameter_counts(llama_shape("gemma2-9b")).total, 9241705984);    // google/gemma-2-9b
 }
 
@@ -222,6 +223,7 @@ struct TableShape {
 const TableShape kTableShapes[] = {
     {"llama3-8b", 128256, 4096, 14336, 32, 32, 8, 128, false, 500000.0, 1e-5, false, false},
     {"llama3-1b", 128256, 2048, 8192, 16, 32, 8, 64, true, 500000.0, 1e-5, false, false},
+    {"llama3-70b", 128256, 8192, 28672, 80, 64, 8, 128, false, 500000.0, 1e-5, false, false},  // added later
     {"qwen3-8b", 151936, 4096, 12288, 36, 32, 8, 128, false, 1000000.0, 1e-6, false, true},
     {"qwen2.5-7b", 152064, 3584, 18944, 28, 28, 4, 128, false, 1000000.0, 1e-6, true, false},
     {"mistral-7b", 32768, 4096, 14336, 32, 32, 8, 128, false, 1000000.0, 1e-5, false, false},

@@ -13,6 +13,12 @@ constexpr const char* kLlama3_8b = R"(
   "rope_theta": 500000.0, "rope_scaling": null, "attention_bias": false, "hidden_act": "silu",
   "tie_word_embeddings": false
 )";  // meta-llama/Meta-Llama-3-8B
+constexpr const char* kLlama3_70b = R"(
+  "vocab_size": 128256, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+  "num_attention_heads": 64, "num_key_value_heads": 8, "max_position_embeddings": 8192, "rms_norm_eps": 1e-05,
+  "rope_theta": 500000.0, "rope_scaling": null, "attention_bias": false, "hidden_act": "silu",
+  "tie_word_embeddings": false
+)";  // meta-llama/Meta-Llama-3-70B
 constexpr const char* kLlama3_1b = R"(
   "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
   "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 131072,
@@ -35,6 +41,7 @@ ModelFamily llama_family() {
   family.chat_templates = {"llama3"};
   family.add_bench_shape("llama3-8b", kLlama3_8b);
   family.add_bench_shape("llama3-1b", kLlama3_1b);
+  family.add_bench_shape("llama3-70b", kLlama3_70b);
   family.add_bench_shape("tiny", kTiny);
   return family;
 }
