@@ -42,7 +42,7 @@ torch::Tensor grouped_linear(const torch::Tensor& rows, const torch::Tensor& wei
 
 namespace {
 
-// The product with a frozen bank that keeps only the counts: backward builds the weights again.
+// The product with a frozen built bank that keeps only the counts: backward builds the weights again.
 // The bank outlives the step's backward (it is the model's).
 class RebuiltBankProduct : public torch::autograd::Function<RebuiltBankProduct> {
  public:
@@ -76,7 +76,12 @@ bool trains(const LinearLayer& layer) {
 }  // namespace
 
 torch::Tensor bank_product(const LinearLayer& bank, int64_t experts, const torch::Tensor& rows, const torch::Tensor& counts) {
-  const bool rebuilt = torch::GradMode::is_enabled() && rows.requires_grad() && !KeepBuiltWeights::active() && !trains(bank);
+  // A stored weight (a 16-bit bank) costs nothing to keep, and a bank that trains (QAT's
+  // fake-quantized weights) needs autograd's own product; a built frozen one (a dequantized base)
+  // is kept only as KeepBuiltWeights says.
+  const bool built = bank.matmul_weight_kind() != LinearLayer::MatmulWeight::kStored;
+  const bool rebuilt = built && torch::GradMode::is_enabled() && rows.requires_grad() && !KeepBuiltWeights::active() &&
+                       !trains(bank);
   if (rebuilt) return RebuiltBankProduct::apply(rows, counts, &bank, experts);
   return grouped_linear(rows, expert_weights(bank, experts, rows.scalar_type()), counts);
 }

@@ -51,10 +51,11 @@ std::map<std::string, int64_t> expert_banks(const torch::nn::Module& root);
 // dequantization for quantized bases).
 torch::Tensor expert_weights(const LinearLayer& bank, int64_t experts, torch::ScalarType dtype);
 
-// rows times the bank's experts, grouped_linear over expert_weights. A frozen bank's built
-// weights stay for backward only where KeepBuiltWeights is active (a checkpointed layer's
-// recomputation, qat/linear.h); elsewhere backward builds them again, as the frozen 4-bit layers
-// do, so a layer keeps no dequantized bank (Qwen3-30B-A3B: 1.2 GB of bf16 a layer).
+// rows times the bank's experts, grouped_linear over expert_weights. A frozen bank whose weights
+// are built (a quantized base: matmul_weight_kind() not kStored) keeps them for backward only
+// where KeepBuiltWeights is active (a checkpointed layer's recomputation, qat/linear.h); elsewhere
+// backward builds them again, as the frozen 4-bit layers do, so a layer keeps no dequantized bank
+// (Qwen3-30B-A3B: 1.2 GB of bf16 a layer).
 torch::Tensor bank_product(const LinearLayer& bank, int64_t experts, const torch::Tensor& rows, const torch::Tensor& counts);
 
 class ExpertLora : public LinearLayer {

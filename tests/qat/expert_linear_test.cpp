@@ -181,6 +181,24 @@ TEST(ExpertBank, AFrozenBankIsBuiltAgainInBackwardUnlessKept) {
   expect_rebuilt_in_backward_unless_kept(torch::kCPU, torch::kFloat32, 1e-6);
 }
 
+// A bank that trains (full fine-tuning of a 16-bit bank) keeps autograd's own product: its weight
+// gets the gradient of each expert's rows.
+TEST(ExpertBank, ATrainedBankGetsItsWeightsGradient) {
+  torch::manual_seed(9);
+  const int64_t experts = 3, in = 8, out = 4;
+  DenseLinear bank(DenseLinearOptions{in, experts * out, false, torch::kFloat32});
+  const std::vector<int64_t> counts = {2, 0, 5};
+  const auto rows = torch::randn({7, in});
+  bank_product(bank, experts, rows, torch::tensor(counts, torch::kInt64)).sum().backward();
+  const auto& grad = bank.weight().grad();
+  ASSERT_TRUE(grad.defined());
+  // d(sum)/dW_e = the column sums of expert e's rows, on each of its out rows; expert 1 had none.
+  const auto view = grad.view({experts, out, in});
+  EXPECT_TRUE(torch::allclose(view[0], rows.narrow(0, 0, 2).sum(0).expand({out, in})));
+  EXPECT_TRUE(torch::equal(view[1], torch::zeros({out, in})));
+  EXPECT_TRUE(torch::allclose(view[2], rows.narrow(0, 2, 5).sum(0).expand({out, in})));
+}
+
 TEST(ExpertBank, CudaFrozenBankIsBuiltAgainInBackwardUnlessKept) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU on this machine";
   expect_rebuilt_in_backward_unless_kept(torch::kCUDA, torch::kBFloat16, 1e-2);

@@ -111,10 +111,14 @@ void require_flash(const torch::Tensor& query, const torch::Tensor& key, const c
 
 }  // namespace
 
+bool flash_attention_takes(torch::DeviceType device, torch::ScalarType dtype, int64_t head_dim) {
+  return device == torch::kCUDA && (dtype == torch::kBFloat16 || dtype == torch::kFloat16) && head_dim % 8 == 0 &&
+         head_dim <= 256;
+}
+
 bool flash_attention_applies(const torch::Tensor& query, const torch::Tensor& key) {
-  const int64_t head_dim = query.size(3);
-  return query.is_cuda() && (query.scalar_type() == torch::kBFloat16 || query.scalar_type() == torch::kFloat16) &&
-         head_dim % 8 == 0 && head_dim <= 256 && query.size(2) == key.size(2) && query.size(1) % key.size(1) == 0;
+  return flash_attention_takes(query.device().type(), query.scalar_type(), query.size(3)) &&
+         query.size(2) == key.size(2) && query.size(1) % key.size(1) == 0;
 }
 
 torch::Tensor flash_window_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,

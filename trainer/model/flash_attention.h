@@ -16,6 +16,8 @@ namespace qtrain::trainer {
 // query [batch, heads, T, head_dim], key / value [batch, key_value_heads, T, head_dim] (heads a
 // multiple of key_value_heads), every query at the position of its key (no cache before them).
 bool flash_attention_applies(const torch::Tensor& query, const torch::Tensor& key);
+// The part of that rule a run knows before any tensor exists (the memory estimate asks it).
+bool flash_attention_takes(torch::DeviceType device, torch::ScalarType dtype, int64_t head_dim);
 
 // [sequence, past + sequence] bool: new query i (at position past + i) sees key j when j <= past + i
 // and, with a window, j > past + i - window, as transformers' causal and sliding-window masks

@@ -5,6 +5,7 @@
 
 #include "kernels/error.h"
 #include "trainer/formats/hf_config.h"
+#include "trainer/model/flash_attention.h"
 #include "trainer/model/fused_linear_cross_entropy.h"
 #include "trainer/objectives/objectives.h"
 #include "trainer/recipe/recipe_training.h"
@@ -106,9 +107,8 @@ bool uses_math_attention(const LlamaOptions& model, const TrainingMemorySetup& s
 // A packed batch writes its [batch, 1, seq, seq] mask out only where flash attention's spans do
 // not apply (trainer/model/flash_attention.h): the CPU, fp32, Gemma 2's soft cap.
 bool writes_packed_mask(const LlamaOptions& model, const TrainingMemorySetup& setup) {
-  const bool flash = setup.device == torch::kCUDA && setup.compute_dtype != torch::kFloat32 &&
-                     model.head_dim % 8 == 0 && model.head_dim <= 256 && model.attention_softcap <= 0;
-  return setup.packed && !flash;
+  const bool spans = flash_attention_takes(setup.device, setup.compute_dtype, model.head_dim) && model.attention_softcap <= 0;
+  return setup.packed && !spans;
 }
 
 // What decoder layer `layer` saves for its backward, for one micro-batch (the model in the header).
