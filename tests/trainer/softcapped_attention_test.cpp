@@ -9,9 +9,13 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <chrono>
+#include <cmath>
 #include <string>
 
 #include "kernels/cuda_build.h"
+#include "kernels/softcapped_flash_attention.h"
 #include "trainer/model/flash_attention.h"
 
 namespace qtrain::trainer {
@@ -76,6 +80,104 @@ TEST(SoftcappedAttentionCuda, FusedScoresEqualTheWrittenOutAttentionForwardAndBa
       EXPECT_LE(relative_error(fused.grad_k, reference.grad_k), 4 * step);
     }
   }
+}
+
+// The flash-style kernels (kernels/softcapped_flash_attention.h), which training and prefill take in
+// bf16 / fp16 at head_dim 128 and 256, against the fp32 reference on the same inputs: they must be
+// as close to it as the written-out path in the same dtype is (within 1.5x of its error, or half a
+// step of the dtype), for the output and each gradient. Token counts that are and are not
+// multiples of the 64-token tiles, windows that cut, grouped query heads, query / key / value in the
+// projections' [batch, T, heads, head_dim] layout (transposed views), Gemma 2's cap of 50.
+TEST(SoftcappedAttentionCuda, FlashKernelsAreAsCloseToFp32AsTheWrittenOutPath) {
+  if (!kernels::kCudaKernelsBuilt) GTEST_SKIP() << "built without the CUDA kernels";
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU on this machine";
+  struct Case {
+    int64_t tokens, window, head_dim;
+    double cap, spread;
+  };
+  const Case cases[] = {{300, 0, 256, 5.0, 2.0},  {300, 100, 256, 5.0, 2.0}, {192, 0, 128, 5.0, 2.0},
+                        {257, 70, 128, 5.0, 2.0}, {130, 0, 256, 50.0, 8.0}};
+  for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
+    for (const auto& c : cases) {
+      const std::string name = std::string(c10::toString(dtype)) + " T " + std::to_string(c.tokens) + " window " +
+                               std::to_string(c.window) + " head_dim " + std::to_string(c.head_dim) + " cap " +
+                               std::to_string(static_cast<int>(c.cap));
+      SCOPED_TRACE(name);
+      torch::manual_seed(7);
+      const auto options = torch::TensorOptions().dtype(dtype).device(torch::kCUDA);
+      const auto q = (torch::randn({2, c.tokens, 8, c.head_dim}) * c.spread).to(options).transpose(1, 2);
+      const auto k = (torch::randn({2, c.tokens, 2, c.head_dim}) * c.spread).to(options).transpose(1, 2);
+      const auto v = torch::randn({2, c.tokens, 2, c.head_dim}).to(options).transpose(1, 2);
+      const auto grad = torch::randn({2, 8, c.tokens, c.head_dim}).to(options);
+      ASSERT_TRUE(kernels::softcapped_flash_takes(q, k));
+      const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
+      const auto visible = visible_keys(0, c.tokens, c.window, q.device());
+      const auto flash = run_softcapped([&](const auto& a, const auto& b, const auto& d) {
+        return softcapped_causal_attention(a, b, d, 0, c.window, scale, c.cap);
+      }, q, k, v, grad);
+      const auto written = run_softcapped([&](const auto& a, const auto& b, const auto& d) {
+        return softcapped_attention(a, b, d, visible, scale, c.cap);
+      }, q, k, v, grad);
+      const auto reference = run_softcapped([&](const auto& a, const auto& b, const auto& d) {
+        return softcapped_attention(a, b, d, visible, scale, c.cap);
+      }, q.to(torch::kFloat32), k.to(torch::kFloat32), v.to(torch::kFloat32), grad.to(torch::kFloat32));
+      const double step = dtype == torch::kBFloat16 ? 1.0 / 128 : 1.0 / 1024;
+      const std::pair<const char*, std::pair<torch::Tensor, torch::Tensor>> outputs[] = {
+          {"output", {flash.out, written.out}}, {"grad q", {flash.grad_q, written.grad_q}},
+          {"grad k", {flash.grad_k, written.grad_k}}, {"grad v", {flash.grad_v, written.grad_v}}};
+      const torch::Tensor references[] = {reference.out, reference.grad_q, reference.grad_k, reference.grad_v};
+      for (size_t i = 0; i < 4; ++i) {
+        const double flash_error = relative_error(outputs[i].second.first, references[i]);
+        const double written_error = relative_error(outputs[i].second.second, references[i]);
+        std::printf("[ measured ] %s %s: flash %.3g, written out %.3g relative to fp32\n", name.c_str(), outputs[i].first,
+                    flash_error, written_error);
+        EXPECT_LE(flash_error, std::max(1.5 * written_error, 0.5 * step)) << outputs[i].first;
+      }
+    }
+  }
+}
+
+// Gemma 2 9B's attention (16 query heads over 8, head_dim 256, 2,048 tokens), forward + backward in
+// bf16: the flash kernels against the score kernel between two matmuls.
+TEST(SoftcappedAttentionCuda, FlashKernelsAgainstTheScoreKernelMeasured) {
+  if (!kernels::kCudaKernelsBuilt) GTEST_SKIP() << "built without the CUDA kernels";
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU on this machine";
+  const auto options = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  const int64_t tokens = 2048;
+  const double scale = 1.0 / std::sqrt(256.0), cap = 50.0;
+  const auto q = torch::randn({1, tokens, 16, 256}, options).transpose(1, 2);
+  const auto k = torch::randn({1, tokens, 8, 256}, options).transpose(1, 2);
+  const auto v = torch::randn({1, tokens, 8, 256}, options).transpose(1, 2);
+  const auto grad = torch::randn({1, 16, tokens, 256}, options);
+  auto measure = [&](const char* what, auto attention) {
+    for (int warm = 0; warm < 2; ++warm) run_softcapped(attention, q, k, v, grad);
+    torch::cuda::synchronize();
+    const int repeats = 10;
+    const auto start = std::chrono::steady_clock::now();
+    SoftcappedAttended result;
+    for (int repeat = 0; repeat < repeats; ++repeat) result = run_softcapped(attention, q, k, v, grad);
+    torch::cuda::synchronize();
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / repeats;
+    const auto forward_start = std::chrono::steady_clock::now();
+    {
+      const torch::NoGradGuard no_grad;
+      for (int repeat = 0; repeat < repeats; ++repeat) attention(q, k, v);
+      torch::cuda::synchronize();
+    }
+    const double forward_seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - forward_start).count() / repeats;
+    std::printf("[ measured ] %s, 16 heads over 8, head_dim 256, %ld tokens: forward %.2f ms, forward + backward %.2f ms\n",
+                what, static_cast<long>(tokens), 1e3 * forward_seconds, 1e3 * seconds);
+    return result;
+  };
+  const auto flash = measure("flash kernels", [&](const auto& a, const auto& b, const auto& d) {
+    return softcapped_causal_attention(a, b, d, 0, 0, scale, cap);
+  });
+  const auto scores = measure("score kernel between matmuls", [&](const auto& a, const auto& b, const auto& d) {
+    return softcapped_scores_attention(a, b, d, 0, 0, scale, cap);
+  });
+  EXPECT_LE(relative_error(flash.out, scores.out), 2e-2);
+  EXPECT_LE(relative_error(flash.grad_q, scores.grad_q), 4e-2);
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 
 #include <limits>
 
+#include "kernels/softcapped_flash_attention.h"
 #include "kernels/softcapped_softmax.h"
 #include "trainer/model/llama_layers.h"
 
@@ -60,6 +61,31 @@ class SoftcappedSoftmaxFunction : public torch::autograd::Function<SoftcappedSof
   }
 };
 
+// The whole attention as flash-style kernels (kernels/softcapped_flash_attention.h): saves q, k, v,
+// the output and its rows' log-sum-exp, nothing of [T, T].
+class SoftcappedFlashFunction : public torch::autograd::Function<SoftcappedFlashFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* context, const torch::Tensor& query, const torch::Tensor& key,
+                               const torch::Tensor& value, int64_t window, double scale, double cap) {
+    const kernels::SoftcappedFlash options{window, scale, cap};
+    auto [out, log_sum_exp2] = kernels::softcapped_flash_forward_cuda(query, key, value, options);
+    context->save_for_backward({query, key, value, out, log_sum_exp2});
+    context->saved_data["window"] = window;
+    context->saved_data["scale"] = scale;
+    context->saved_data["cap"] = cap;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* context, variable_list grads) {
+    const auto saved = context->get_saved_variables();
+    const kernels::SoftcappedFlash options{context->saved_data["window"].toInt(), context->saved_data["scale"].toDouble(),
+                                           context->saved_data["cap"].toDouble()};
+    auto [grad_query, grad_key, grad_value] =
+        kernels::softcapped_flash_backward_cuda(grads[0], saved[0], saved[1], saved[2], saved[3], saved[4], options);
+    return {grad_query, grad_key, grad_value, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
 }  // namespace
 
 torch::Tensor softcapped_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
@@ -75,6 +101,15 @@ torch::Tensor softcapped_attention(const torch::Tensor& query, const torch::Tens
 bool softcapped_kernel_applies(const torch::Tensor& query) { return on_fused_kernels(query); }
 
 torch::Tensor softcapped_causal_attention(const torch::Tensor& query, const torch::Tensor& key,
+                                          const torch::Tensor& value, int64_t past, int64_t window, double scale,
+                                          double softcap) {
+  if (past == 0 && kernels::softcapped_flash_takes(query, key)) {
+    return SoftcappedFlashFunction::apply(query, key, value, window, scale, softcap);
+  }
+  return softcapped_scores_attention(query, key, value, past, window, scale, softcap);
+}
+
+torch::Tensor softcapped_scores_attention(const torch::Tensor& query, const torch::Tensor& key,
                                           const torch::Tensor& value, int64_t past, int64_t window, double scale,
                                           double softcap) {
   const auto [keys, values] = per_query_head(query, key, value);

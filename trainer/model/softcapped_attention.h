@@ -16,11 +16,19 @@ torch::Tensor softcapped_attention(const torch::Tensor& query, const torch::Tens
                                    const torch::Tensor& visible, double scale, double softcap);
 
 // The same for causal attention (the query at row i sits at position past + i and sees keys
-// j <= past + i, with window > 0 only j > past + i - window), the scores' cap, mask and softmax
-// as one CUDA kernel each way (kernels/softcapped_softmax.h): no mask tensor, no fp32 copy of the
-// scores beyond the probabilities the backward reads. CUDA only: softcapped_kernel_applies.
+// j <= past + i, with window > 0 only j > past + i - window). CUDA only: softcapped_kernel_applies.
+// Training and prefill (past 0) in bf16 / fp16 with head_dim 128 or 256 run flash-style kernels
+// (kernels/softcapped_flash_attention.h) that never write [T, T]; otherwise (decoding after cached
+// keys, other head sizes, fp32) the scores' cap, mask and softmax run as one CUDA kernel each way
+// between two matmuls (kernels/softcapped_softmax.h): no mask tensor, no fp32 copy of the scores
+// beyond the probabilities the backward reads.
 bool softcapped_kernel_applies(const torch::Tensor& query);
 torch::Tensor softcapped_causal_attention(const torch::Tensor& query, const torch::Tensor& key,
+                                          const torch::Tensor& value, int64_t past, int64_t window, double scale,
+                                          double softcap);
+// The second of those paths whatever the operands (the score kernel between two matmuls); the
+// tests measure the two against each other.
+torch::Tensor softcapped_scores_attention(const torch::Tensor& query, const torch::Tensor& key,
                                           const torch::Tensor& value, int64_t past, int64_t window, double scale,
                                           double softcap);
 
