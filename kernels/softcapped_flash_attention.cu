@@ -63,6 +63,8 @@ struct Params {
   float* dq;          // backward: the gradients' fp32 sums, zeroed before
   float* dk;
   float* dv;
+  const int* run_start;  // packed samples: each token's run [start, end); null: one sequence
+  const int* run_end;
   Strides qs, ks, vs, os, gs, rs, dqs, dks, dvs;
   int heads, kv_heads, tokens, window;
   float scale, scale_over_cap, cap;
@@ -170,8 +172,14 @@ __device__ __forceinline__ int last_query_block(int k0, int window, int tokens) 
   return window > 0 ? min(last_block, (k0 + kBlock - 1 + window - 1) / kBlock) : last_block;
 }
 
-__device__ __forceinline__ bool visible(int query, int key, int tokens, int window) {
-  return query < tokens && key <= query && (window <= 0 || key > query - window);
+// The first key that `query` may see through its run (packed samples), 0 past the last token.
+template <typename T>
+__device__ __forceinline__ int run_start(const Params<T>& p, int query) {
+  return p.run_start != nullptr && query < p.tokens ? p.run_start[query] : 0;
+}
+
+__device__ __forceinline__ bool visible(int query, int key, int tokens, int window, int start) {
+  return query < tokens && key <= query && key >= start && (window <= 0 || key > query - window);
 }
 
 // --- Forward ---------------------------------------------------------------------------------------
@@ -194,7 +202,7 @@ __global__ void __launch_bounds__(kForwardThreads, 1) forward_kernel(Params<T> p
   const T* q = p.q + batch * p.qs.b + head * p.qs.h + q0 * p.qs.t;
   const T* k = p.k + batch * p.ks.b + kv_head * p.ks.h;
   const T* v = p.v + batch * p.vs.b + kv_head * p.vs.h;
-  const int first = first_key_block(q0, p.window);
+  const int first = max(first_key_block(q0, p.window), run_start(p, q0) / kBlock);
   const int last = min(q0 + kForwardRows - 1, p.tokens - 1) / kBlock;
 
   load_tile<D, kForwardThreads, kForwardRows>(q_tile, q, p.qs.t, min(kForwardRows, p.tokens - q0));
@@ -209,6 +217,7 @@ __global__ void __launch_bounds__(kForwardThreads, 1) forward_kernel(Params<T> p
   float row_max[2] = {-INFINITY, -INFINITY};  // base 2
   float row_sum[2] = {0.0f, 0.0f};            // this lane's share
   const int row0 = q0 + warp * 16 + group;    // this lane's rows: row0 and row0 + 8
+  const int starts[2] = {run_start(p, row0), run_start(p, row0 + 8)};
 
   for (int kb = first; kb <= last; ++kb) {
     wait_copies<1>();  // q and this block's k
@@ -245,7 +254,7 @@ __global__ void __launch_bounds__(kForwardThreads, 1) forward_kernel(Params<T> p
         const int query = row0 + (e / 2) * 8;
         const int key = kb * kBlock + j * 8 + quad * 2 + (e % 2);
         const float capped = p.cap * fast_tanh(s[j][e] * p.scale_over_cap) * kLog2e;
-        s[j][e] = visible(query, key, p.tokens, p.window) ? capped : -INFINITY;
+        s[j][e] = visible(query, key, p.tokens, p.window, starts[e / 2]) ? capped : -INFINITY;
         block_max[e / 2] = fmaxf(block_max[e / 2], s[j][e]);
       }
     }
@@ -378,11 +387,13 @@ __device__ __forceinline__ void block_gradients(const T* q_tile, const T* grad_o
   }
   // This lane's two rows' log-sum-exp and delta (none past the last token).
   float row_lse[2], row_delta[2];
+  int starts[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int query = q0 + query_group * 16 + group + r * 8;
     row_lse[r] = query < p.tokens ? lse[query] : 0.0f;
     row_delta[r] = query < p.tokens ? delta[query] : 0.0f;
+    starts[r] = run_start(p, query);
   }
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -392,7 +403,8 @@ __device__ __forceinline__ void block_gradients(const T* q_tile, const T* grad_o
       const int col = key_half * 32 + j * 8 + quad * 2 + (e % 2);
       const float t = fast_tanh(s[j][e] * p.scale_over_cap);
       const float probability =
-          visible(q0 + row, k0 + col, p.tokens, p.window) ? exp2f(p.cap * t * kLog2e - row_lse[e / 2]) : 0.0f;
+          visible(q0 + row, k0 + col, p.tokens, p.window, starts[e / 2]) ? exp2f(p.cap * t * kLog2e - row_lse[e / 2])
+                                                                         : 0.0f;
       s[j][e] = probability;
       dp[j][e] = probability * (dp[j][e] - row_delta[e / 2]) * p.scale * (1.0f - t * t);
     }
@@ -460,7 +472,11 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) backward_kernel(Params<T>
   };
   load_tile<D, kBackwardThreads>(shared.k, p.k + batch * p.ks.b + kv_head * p.ks.h + k0 * p.ks.t, p.ks.t, valid_keys);
   load_tile<D, kBackwardThreads>(shared.v, p.v + batch * p.vs.b + kv_head * p.vs.h + k0 * p.vs.t, p.vs.t, valid_keys);
-  const int first = key_block, last = last_query_block(k0, p.window, p.tokens);
+  // The queries that see these keys end with the run of the block's last key (packed samples).
+  const int first = key_block;
+  const int last = p.run_end != nullptr
+                       ? min(last_query_block(k0, p.window, p.tokens), (p.run_end[k0 + valid_keys - 1] - 1) / kBlock)
+                       : last_query_block(k0, p.window, p.tokens);
   load_queries(first, 0);
   commit_copies();
 
@@ -602,6 +618,10 @@ Params<T> params_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   p.scale = static_cast<float>(options.scale);
   p.cap = static_cast<float>(options.cap);
   p.scale_over_cap = static_cast<float>(options.scale / options.cap);
+  if (options.run_bounds.defined()) {
+    p.run_start = options.run_bounds.data_ptr<int>();
+    p.run_end = p.run_start + p.tokens;
+  }
   return p;
 }
 
@@ -637,17 +657,25 @@ void check_operands(const at::Tensor& query, const at::Tensor& key, const at::Te
                 "head_dim] on CUDA in bf16 or fp16 expected");
   }
   if (!(options.cap > 0) || !(options.scale > 0)) throw Error(ErrorCode::kInternal, what + ": the cap and scale must be positive");
+  const auto& runs = options.run_bounds;
+  if (runs.defined() && (query.size(0) != 1 || !runs.is_cuda() || runs.device() != query.device() ||
+                         runs.scalar_type() != at::kInt || !runs.is_contiguous() || runs.dim() != 2 ||
+                         runs.size(0) != 2 || runs.size(1) != query.size(2))) {
+    throw Error(ErrorCode::kInternal, what + ": packed samples need batch 1 and run bounds int32 [2, T] on the query's device");
+  }
   if (query.size(2) > INT32_MAX / 2) throw Error(ErrorCode::kInternal, what + ": too many tokens");
 }
 
 }  // namespace softcapped_flash
 
+bool softcapped_flash_takes(at::ScalarType dtype, int64_t head_dim) {
+  return (dtype == at::kBFloat16 || dtype == at::kHalf) && (head_dim == 128 || head_dim == 256);
+}
+
 bool softcapped_flash_takes(const at::Tensor& query, const at::Tensor& key) {
-  const auto dtype = query.scalar_type();
   return query.is_cuda() && key.is_cuda() && query.dim() == 4 && key.dim() == 4 &&
-         (dtype == at::kBFloat16 || dtype == at::kHalf) && key.scalar_type() == dtype &&
-         (query.size(3) == 128 || query.size(3) == 256) && key.size(2) == query.size(2) && key.size(1) > 0 &&
-         query.size(1) % key.size(1) == 0;
+         softcapped_flash_takes(query.scalar_type(), query.size(3)) && key.scalar_type() == query.scalar_type() &&
+         key.size(2) == query.size(2) && key.size(1) > 0 && query.size(1) % key.size(1) == 0;
 }
 
 std::tuple<at::Tensor, at::Tensor> softcapped_flash_forward_cuda(const at::Tensor& query_in, const at::Tensor& key_in,

@@ -21,11 +21,18 @@ struct SoftcappedFlash {
   int64_t window = 0;  // > 0: a query sees only the last `window` keys, itself included
   double scale = 1.0;
   double cap = 0.0;
+  // Packed samples: int32 [2, T] on the device, each token's run [start, end) (a query sees only
+  // keys of its own run), with batch 1 (the batch's rows laid end to end). Undefined: one sequence
+  // per row.
+  at::Tensor run_bounds;
 };
 
 // Whether the kernels take these operands: CUDA, bf16 or fp16, head_dim 128 or 256, as many keys
 // as queries (no cached keys before them), query heads a multiple of key / value heads.
 bool softcapped_flash_takes(const at::Tensor& query, const at::Tensor& key);
+// The dtype and head_dim part of that rule, for estimates made before any tensor exists (false in
+// a build without the CUDA kernels).
+bool softcapped_flash_takes(at::ScalarType dtype, int64_t head_dim);
 
 // query [batch, heads, T, head_dim]; key / value [batch, key_value_heads, T, head_dim] (any strides
 // with head_dim contiguous). Returns (out [batch, heads, T, head_dim], laid out as

@@ -9,6 +9,7 @@
 namespace qtrain::kernels {
 
 bool softcapped_flash_takes(const at::Tensor&, const at::Tensor&) { return false; }
+bool softcapped_flash_takes(at::ScalarType, int64_t) { return false; }
 
 std::tuple<at::Tensor, at::Tensor> softcapped_flash_forward_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                                  const SoftcappedFlash&) {

@@ -11,6 +11,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "kernels/cuda_build.h"
 #include "kernels/error.h"
 #include "optim/optimizer.h"
 #include "qat/four_bit_linear.h"
@@ -490,10 +491,12 @@ TEST(ModelMemory, CheckpointingAndChunkingScaleAsTheirSettingsSay) {
                    6.0 * 1024 * 16384 + 6.0 * 1024 * 4096 + 2.0 * 2 * 8188 * 4096 + 12.0 * 8188);
 }
 
-// A packed batch on CUDA in bf16 goes to flash attention as spans (trainer/model/flash_attention.h):
-// no [batch, 1, seq, seq] mask in any layer and no bool mask, unlike the CPU, fp32 and Gemma 2's
-// soft cap, which write the mask out: seq bytes of the compute dtype per token in every layer,
-// and a bool per token and key once.
+// A packed batch on CUDA in bf16 goes to flash attention as spans (trainer/model/flash_attention.h),
+// under Gemma 2's soft cap to its own kernels (kernels/softcapped_flash_attention.h, head_dim 128 /
+// 256): no [batch, 1, seq, seq] mask in any layer and no bool mask. Where no kernel takes the spans
+// (the CPU, fp32, a capped model of another head size, a build without the kernels) the mask is
+// written out: seq bytes of the compute dtype per token in every layer, and a bool per token and
+// key once.
 TEST(ModelMemory, PackedBatchesKeepAMaskOnlyWhereTheSpansDoNotApply) {
   const LlamaOptions llama = llama_shape("llama3-8b");
   auto setup = llama_3_8b_setup();
@@ -504,10 +507,13 @@ TEST(ModelMemory, PackedBatchesKeepAMaskOnlyWhereTheSpansDoNotApply) {
     return estimate_peak_memory(model, packed_setup).activation_bytes;
   };
   EXPECT_DOUBLE_EQ(activations(llama, true), activations(llama, false));
+  const double written_mask = layers * tokens * 2048 * 2.0 + tokens * 2048;
   auto capped = llama;
   capped.attention_softcap = 50.0;
-  EXPECT_DOUBLE_EQ(activations(capped, true) - activations(capped, false),
-                   layers * tokens * 2048 * 2.0 + tokens * 2048);
+  EXPECT_DOUBLE_EQ(activations(capped, true) - activations(capped, false), kernels::kCudaKernelsBuilt ? 0.0 : written_mask);
+  auto capped_head_64 = capped;
+  capped_head_64.head_dim = 64;
+  EXPECT_DOUBLE_EQ(activations(capped_head_64, true) - activations(capped_head_64, false), written_mask);
 }
 
 // Offloading leaves two layer inputs on the device instead of every checkpointed one; the table

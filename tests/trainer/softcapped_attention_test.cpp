@@ -10,9 +10,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "kernels/cuda_build.h"
 #include "kernels/softcapped_flash_attention.h"
@@ -38,6 +41,25 @@ SoftcappedAttended run_softcapped(const Attention& attention, const torch::Tenso
 double relative_error(const torch::Tensor& value, const torch::Tensor& reference) {
   const auto v = value.to(torch::kFloat64), r = reference.to(torch::kFloat64);
   return (v - r).abs().max().item<double>() / r.abs().max().item<double>();
+}
+
+// The flash kernels' output and gradients must be as close to the fp32 reference as the written-out
+// path in the same dtype is: within 1.5x of its error, or half a step of the dtype.
+void expect_as_close_to_fp32(const std::string& name, torch::ScalarType dtype, const SoftcappedAttended& flash,
+                             const SoftcappedAttended& written, const SoftcappedAttended& reference) {
+  const double step = dtype == torch::kBFloat16 ? 1.0 / 128 : 1.0 / 1024;
+  const std::pair<const char*, std::array<torch::Tensor, 3>> outputs[] = {
+      {"output", {flash.out, written.out, reference.out}},
+      {"grad q", {flash.grad_q, written.grad_q, reference.grad_q}},
+      {"grad k", {flash.grad_k, written.grad_k, reference.grad_k}},
+      {"grad v", {flash.grad_v, written.grad_v, reference.grad_v}}};
+  for (const auto& [what, tensors] : outputs) {
+    const double flash_error = relative_error(tensors[0], tensors[2]);
+    const double written_error = relative_error(tensors[1], tensors[2]);
+    std::printf("[ measured ] %s %s: flash %.3g, written out %.3g relative to fp32\n", name.c_str(), what, flash_error,
+                written_error);
+    EXPECT_LE(flash_error, std::max(1.5 * written_error, 0.5 * step)) << what;
+  }
 }
 
 TEST(SoftcappedAttentionCuda, FusedScoresEqualTheWrittenOutAttentionForwardAndBackward) {
@@ -83,11 +105,10 @@ TEST(SoftcappedAttentionCuda, FusedScoresEqualTheWrittenOutAttentionForwardAndBa
 }
 
 // The flash-style kernels (kernels/softcapped_flash_attention.h), which training and prefill take in
-// bf16 / fp16 at head_dim 128 and 256, against the fp32 reference on the same inputs: they must be
-// as close to it as the written-out path in the same dtype is (within 1.5x of its error, or half a
-// step of the dtype), for the output and each gradient. Token counts that are and are not
-// multiples of the 64-token tiles, windows that cut, grouped query heads, query / key / value in the
-// projections' [batch, T, heads, head_dim] layout (transposed views), Gemma 2's cap of 50.
+// bf16 / fp16 at head_dim 128 and 256, against the fp32 reference on the same inputs
+// (expect_as_close_to_fp32). Token counts that are and are not multiples of the 64-token tiles,
+// windows that cut, grouped query heads, query / key / value in the projections'
+// [batch, T, heads, head_dim] layout (transposed views), Gemma 2's cap of 50.
 TEST(SoftcappedAttentionCuda, FlashKernelsAreAsCloseToFp32AsTheWrittenOutPath) {
   if (!kernels::kCudaKernelsBuilt) GTEST_SKIP() << "built without the CUDA kernels";
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU on this machine";
@@ -121,18 +142,54 @@ TEST(SoftcappedAttentionCuda, FlashKernelsAreAsCloseToFp32AsTheWrittenOutPath) {
       const auto reference = run_softcapped([&](const auto& a, const auto& b, const auto& d) {
         return softcapped_attention(a, b, d, visible, scale, c.cap);
       }, q.to(torch::kFloat32), k.to(torch::kFloat32), v.to(torch::kFloat32), grad.to(torch::kFloat32));
-      const double step = dtype == torch::kBFloat16 ? 1.0 / 128 : 1.0 / 1024;
-      const std::pair<const char*, std::pair<torch::Tensor, torch::Tensor>> outputs[] = {
-          {"output", {flash.out, written.out}}, {"grad q", {flash.grad_q, written.grad_q}},
-          {"grad k", {flash.grad_k, written.grad_k}}, {"grad v", {flash.grad_v, written.grad_v}}};
-      const torch::Tensor references[] = {reference.out, reference.grad_q, reference.grad_k, reference.grad_v};
-      for (size_t i = 0; i < 4; ++i) {
-        const double flash_error = relative_error(outputs[i].second.first, references[i]);
-        const double written_error = relative_error(outputs[i].second.second, references[i]);
-        std::printf("[ measured ] %s %s: flash %.3g, written out %.3g relative to fp32\n", name.c_str(), outputs[i].first,
-                    flash_error, written_error);
-        EXPECT_LE(flash_error, std::max(1.5 * written_error, 0.5 * step)) << outputs[i].first;
-      }
+      expect_as_close_to_fp32(name, dtype, flash, written, reference);
+    }
+  }
+}
+
+// Packed samples on the flash kernels (softcapped_packed_attention: the rows end to end, each query
+// in its own sample's run) against the written-out block-causal mask, in fp32 and in the dtype:
+// runs of several lengths, a row that is one sample, a padding run (sample id -1), with and
+// without a window.
+TEST(SoftcappedAttentionCuda, PackedSamplesOnTheFlashKernelsAreAsCloseToFp32AsTheWrittenOutMask) {
+  if (!kernels::kCudaKernelsBuilt) GTEST_SKIP() << "built without the CUDA kernels";
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU on this machine";
+  const torch::Device device(torch::kCUDA);
+  const int64_t tokens = 300;
+  // Row 0: samples of 100, 37, 150 and 13 tokens; row 1: one of 250, then 50 of padding; row 2:
+  // one sample end to end.
+  std::vector<int64_t> ids;
+  for (const auto& [id, length] : std::vector<std::pair<int64_t, int64_t>>{
+           {0, 100}, {1, 37}, {2, 150}, {3, 13}, {0, 250}, {-1, 50}, {0, 300}}) {
+    ids.insert(ids.end(), length, id);
+  }
+  const auto sample_ids = torch::tensor(ids, torch::kInt64).view({3, tokens});
+  const auto mask = AttentionMask::packed(sample_ids, device);
+  ASSERT_NE(mask.spans(), nullptr);
+  const auto same_sample = (sample_ids.unsqueeze(2) == sample_ids.unsqueeze(1)).unsqueeze(1).to(device);
+  for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
+    for (const int64_t window : {0, 50}) {
+      const std::string name = std::string(c10::toString(dtype)) + " packed, window " + std::to_string(window);
+      SCOPED_TRACE(name);
+      torch::manual_seed(11);
+      const auto options = torch::TensorOptions().dtype(dtype).device(device);
+      const auto q = (torch::randn({3, tokens, 8, 256}) * 2).to(options).transpose(1, 2);
+      const auto k = (torch::randn({3, tokens, 2, 256}) * 2).to(options).transpose(1, 2);
+      const auto v = torch::randn({3, tokens, 2, 256}).to(options).transpose(1, 2);
+      const auto grad = torch::randn({3, 8, tokens, 256}).to(options);
+      ASSERT_TRUE(softcapped_packed_applies(q, k));
+      const double scale = 1.0 / 16, cap = 5.0;
+      const auto visible = same_sample & visible_keys(0, tokens, window, device);
+      const auto flash = run_softcapped([&](const auto& a, const auto& b, const auto& d) {
+        return softcapped_packed_attention(a, b, d, *mask.spans(), window, scale, cap);
+      }, q, k, v, grad);
+      const auto written = run_softcapped([&](const auto& a, const auto& b, const auto& d) {
+        return softcapped_attention(a, b, d, visible, scale, cap);
+      }, q, k, v, grad);
+      const auto reference = run_softcapped([&](const auto& a, const auto& b, const auto& d) {
+        return softcapped_attention(a, b, d, visible, scale, cap);
+      }, q.to(torch::kFloat32), k.to(torch::kFloat32), v.to(torch::kFloat32), grad.to(torch::kFloat32));
+      expect_as_close_to_fp32(name, dtype, flash, written, reference);
     }
   }
 }

@@ -49,6 +49,12 @@ SampleSpans sample_spans(const torch::Tensor& sample_ids) {
     if (leading) spans.whole_rows = row + 1;
   }
   spans.cumulative_lengths = torch::tensor(ends, torch::kInt32);
+  spans.run_bounds = torch::empty({2, spans.tokens}, torch::kInt32);
+  auto* starts = spans.run_bounds.data_ptr<int32_t>();
+  for (size_t run = 1; run < ends.size(); ++run) {
+    std::fill(starts + ends[run - 1], starts + ends[run], ends[run - 1]);
+    std::fill(starts + spans.tokens + ends[run - 1], starts + spans.tokens + ends[run], ends[run]);
+  }
   if (spans.whole_rows < rows) {
     // Each whole row is one run: the rest's runs start at ends[whole_rows].
     const auto offset = static_cast<int32_t>(spans.whole_rows * sequence);
@@ -77,6 +83,7 @@ AttentionMask AttentionMask::packed(const torch::Tensor& sample_ids, const torch
     auto& spans = result.state_->spans;
     spans.cumulative_lengths = spans.cumulative_lengths.to(device);
     if (spans.rest_cumulative_lengths.defined()) spans.rest_cumulative_lengths = spans.rest_cumulative_lengths.to(device);
+    spans.run_bounds = spans.run_bounds.to(device);
   }
   return result;
 }

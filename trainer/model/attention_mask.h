@@ -27,6 +27,9 @@ struct SampleSpans {
   int64_t whole_rows = 0;
   torch::Tensor rest_cumulative_lengths;
   int64_t rest_longest = 0;
+  // int32 [2, batch * seq]: each token's run as [start, end) over the batch's tokens, for kernels
+  // that test visibility per token (kernels/softcapped_flash_attention.h).
+  torch::Tensor run_bounds;
 };
 SampleSpans sample_spans(const torch::Tensor& sample_ids);
 

@@ -269,6 +269,12 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden, const tor
     return o_proj->forward(attended.transpose(1, 2).reshape({batch, sequence, num_heads_ * head_dim_}));
   }
   const SampleSpans* spans = attention_mask.spans();
+  if (softcap_ > 0 && spans != nullptr && past == 0 && softcapped_packed_applies(query, key)) {
+    // Gemma 2's packed batches: the same kernels over the samples' runs.
+    const auto attended =
+        softcapped_packed_attention(query, key, value, *spans, window_cuts ? sliding_window_ : 0, scale_, softcap_);
+    return o_proj->forward(attended.transpose(1, 2).reshape({batch, sequence, num_heads_ * head_dim_}));
+  }
   if (sinks.defined() && past == 0 && (spans != nullptr || !attention_mask.defined()) && flash_attention_applies(query, key)) {
     // gpt-oss on CUDA: flash attention, its output weighed by what the sink leaves the keys
     // (trainer/model/flash_attention.h), no [T, T] scores.

@@ -1,7 +1,10 @@
 #include "trainer/model/softcapped_attention.h"
 
 #include <limits>
+#include <optional>
+#include <string>
 
+#include "kernels/error.h"
 #include "kernels/softcapped_flash_attention.h"
 #include "kernels/softcapped_softmax.h"
 #include "trainer/model/llama_layers.h"
@@ -62,14 +65,17 @@ class SoftcappedSoftmaxFunction : public torch::autograd::Function<SoftcappedSof
 };
 
 // The whole attention as flash-style kernels (kernels/softcapped_flash_attention.h): saves q, k, v,
-// the output and its rows' log-sum-exp, nothing of [T, T].
+// the output and its rows' log-sum-exp, nothing of [T, T]. run_bounds: packed samples' runs, or
+// none (an optional: autograd's Function takes no undefined tensor).
 class SoftcappedFlashFunction : public torch::autograd::Function<SoftcappedFlashFunction> {
  public:
   static torch::Tensor forward(AutogradContext* context, const torch::Tensor& query, const torch::Tensor& key,
-                               const torch::Tensor& value, int64_t window, double scale, double cap) {
-    const kernels::SoftcappedFlash options{window, scale, cap};
+                               const torch::Tensor& value, const std::optional<torch::Tensor>& run_bounds, int64_t window,
+                               double scale, double cap) {
+    const kernels::SoftcappedFlash options{window, scale, cap, run_bounds.value_or(torch::Tensor())};
     auto [out, log_sum_exp2] = kernels::softcapped_flash_forward_cuda(query, key, value, options);
     context->save_for_backward({query, key, value, out, log_sum_exp2});
+    context->saved_data["run_bounds"] = run_bounds;
     context->saved_data["window"] = window;
     context->saved_data["scale"] = scale;
     context->saved_data["cap"] = cap;
@@ -78,13 +84,24 @@ class SoftcappedFlashFunction : public torch::autograd::Function<SoftcappedFlash
 
   static variable_list backward(AutogradContext* context, variable_list grads) {
     const auto saved = context->get_saved_variables();
+    const auto runs = context->saved_data["run_bounds"];
     const kernels::SoftcappedFlash options{context->saved_data["window"].toInt(), context->saved_data["scale"].toDouble(),
-                                           context->saved_data["cap"].toDouble()};
+                                           context->saved_data["cap"].toDouble(),
+                                           runs.isNone() ? torch::Tensor() : runs.toTensor()};
     auto [grad_query, grad_key, grad_value] =
         kernels::softcapped_flash_backward_cuda(grads[0], saved[0], saved[1], saved[2], saved[3], saved[4], options);
-    return {grad_query, grad_key, grad_value, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    return {grad_query, grad_key, grad_value, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
+
+// [batch, heads, seq, head_dim] as [1, heads, batch * seq, head_dim]: the rows end to end (a view
+// where the projections' [batch, seq, heads, head_dim] layout is kept), and back.
+torch::Tensor rows_end_to_end(const torch::Tensor& x) {
+  return x.transpose(1, 2).reshape({1, x.size(0) * x.size(2), x.size(1), x.size(3)}).transpose(1, 2);
+}
+torch::Tensor rows_apart(const torch::Tensor& x, int64_t batch) {
+  return x.transpose(1, 2).reshape({batch, x.size(2) / batch, x.size(1), x.size(3)}).transpose(1, 2);
+}
 
 }  // namespace
 
@@ -104,7 +121,7 @@ torch::Tensor softcapped_causal_attention(const torch::Tensor& query, const torc
                                           const torch::Tensor& value, int64_t past, int64_t window, double scale,
                                           double softcap) {
   if (past == 0 && kernels::softcapped_flash_takes(query, key)) {
-    return SoftcappedFlashFunction::apply(query, key, value, window, scale, softcap);
+    return SoftcappedFlashFunction::apply(query, key, value, std::nullopt, window, scale, softcap);
   }
   return softcapped_scores_attention(query, key, value, past, window, scale, softcap);
 }
@@ -116,6 +133,24 @@ torch::Tensor softcapped_scores_attention(const torch::Tensor& query, const torc
   const auto scores = torch::matmul(query, keys.transpose(2, 3));
   const auto probabilities = SoftcappedSoftmaxFunction::apply(scores, past, window, scale, softcap);
   return torch::matmul(probabilities, values);
+}
+
+bool softcapped_packed_applies(const torch::Tensor& query, const torch::Tensor& key) {
+  return on_fused_kernels(query) && kernels::softcapped_flash_takes(query, key);
+}
+
+torch::Tensor softcapped_packed_attention(const torch::Tensor& query, const torch::Tensor& key,
+                                          const torch::Tensor& value, const SampleSpans& spans, int64_t window,
+                                          double scale, double softcap) {
+  const int64_t batch = query.size(0);
+  if (!spans.run_bounds.defined() || spans.run_bounds.size(1) != batch * query.size(2) ||
+      spans.run_bounds.device() != query.device()) {
+    throw Error(ErrorCode::kInternal, "softcapped_packed_attention: the spans' run bounds must cover the batch's " +
+                                          std::to_string(batch * query.size(2)) + " tokens on the query's device");
+  }
+  const auto out = SoftcappedFlashFunction::apply(rows_end_to_end(query), rows_end_to_end(key), rows_end_to_end(value),
+                                                  std::optional<torch::Tensor>(spans.run_bounds), window, scale, softcap);
+  return rows_apart(out, batch);
 }
 
 }  // namespace qtrain::trainer

@@ -7,6 +7,8 @@
 // to one layer's at a time).
 #include <torch/torch.h>
 
+#include "trainer/model/attention_mask.h"
+
 namespace qtrain::trainer {
 
 // query [batch, heads, T, head_dim]; key / value [batch, key_value_heads, keys, head_dim] (heads a
@@ -31,5 +33,14 @@ torch::Tensor softcapped_causal_attention(const torch::Tensor& query, const torc
 torch::Tensor softcapped_scores_attention(const torch::Tensor& query, const torch::Tensor& key,
                                           const torch::Tensor& value, int64_t past, int64_t window, double scale,
                                           double softcap);
+
+// Packed samples (a packed batch's spans, trainer/model/attention_mask.h) on the flash-style kernels:
+// the batch's rows end to end, each query seeing the keys of its own sample, causal, with the
+// window (no [batch, 1, T, T] mask, no work across samples). Where softcapped_packed_applies: the
+// kernels take the operands (CUDA, bf16 / fp16, head_dim 128 or 256) and no keys are cached.
+bool softcapped_packed_applies(const torch::Tensor& query, const torch::Tensor& key);
+torch::Tensor softcapped_packed_attention(const torch::Tensor& query, const torch::Tensor& key,
+                                          const torch::Tensor& value, const SampleSpans& spans, int64_t window,
+                                          double scale, double softcap);
 
 }  // namespace qtrain::trainer

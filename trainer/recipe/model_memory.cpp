@@ -4,6 +4,7 @@
 #include <map>
 
 #include "kernels/error.h"
+#include "kernels/softcapped_flash_attention.h"
 #include "trainer/formats/hf_config.h"
 #include "trainer/model/flash_attention.h"
 #include "trainer/model/fused_linear_cross_entropy.h"
@@ -104,10 +105,13 @@ bool uses_math_attention(const LlamaOptions& model, const TrainingMemorySetup& s
          model.num_key_value_heads != model.num_attention_heads;
 }
 
-// A packed batch writes its [batch, 1, seq, seq] mask out only where flash attention's spans do
-// not apply (trainer/model/flash_attention.h): the CPU, fp32, Gemma 2's soft cap.
+// A packed batch writes its [batch, 1, seq, seq] mask out only where no kernel takes its spans:
+// flash attention's (trainer/model/flash_attention.h), or under Gemma 2's soft cap its own
+// (kernels/softcapped_flash_attention.h). That leaves the CPU, fp32 and other head sizes.
 bool writes_packed_mask(const LlamaOptions& model, const TrainingMemorySetup& setup) {
-  const bool spans = flash_attention_takes(setup.device, setup.compute_dtype, model.head_dim) && model.attention_softcap <= 0;
+  const bool spans = model.attention_softcap > 0
+                         ? setup.device == torch::kCUDA && kernels::softcapped_flash_takes(setup.compute_dtype, model.head_dim)
+                         : flash_attention_takes(setup.device, setup.compute_dtype, model.head_dim);
   return setup.packed && !spans;
 }
 
