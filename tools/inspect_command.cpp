@@ -161,7 +161,7 @@ void print_peak_estimate(const std::string& recipe_path, const trainer::Training
               recipe_path.c_str(), setup.device == torch::kCUDA ? "cuda" : "cpu", training.c_str(),
               trainer::dtype_short_name(setup.compute_dtype).c_str(), static_cast<long long>(setup.micro_batch_size),
               static_cast<long long>(setup.sequence_length), setup.packed ? ", packed" : "", switches.c_str(),
-              estimate.attention_keeps_probabilities ? ", math attention keeps [heads, seq, seq] probabilities" : "");
+              estimate.attention_keeps_probabilities ? ", attention keeps [heads, seq, seq] scores" : "");
   std::printf("  %-22s %11s\n", "frozen weights", bytes(estimate.frozen_weight_bytes).c_str());
   if (estimate.visiting_weight_bytes > 0) {
     std::printf("  %-22s %11s     (on the device from the forward to the loss's backward)\n", "lm_head from the host",

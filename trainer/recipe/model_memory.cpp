@@ -97,12 +97,23 @@ double rms_norm_bytes(double tokens, int64_t hidden, double compute_bytes, bool 
          (weight_trains ? tokens * static_cast<double>(hidden) * compute_bytes : 0.0);
 }
 
-// PyTorch 2.11's scaled_dot_product_attention runs fp32 grouped-query attention on CUDA through
-// its math path (neither cuDNN, flash nor memory-efficient attention take it); everything else
-// this model runs goes to a fused kernel.
-bool uses_math_attention(const LlamaOptions& model, const TrainingMemorySetup& setup) {
-  return setup.device == torch::kCUDA && setup.compute_dtype == torch::kFloat32 &&
-         model.num_key_value_heads != model.num_attention_heads;
+// The [batch, heads, seq, seq] tensors attention keeps for its backward, in bytes per query and key;
+// 0 where a fused kernel keeps only its rows' logsumexp.
+// - PyTorch 2.11's scaled_dot_product_attention runs fp32 grouped-query attention on CUDA through
+//   its math path (neither cuDNN, flash nor memory-efficient attention take it): the probabilities.
+// - Gemma 2's soft cap where its flash kernels (kernels/softcapped_flash_attention.h) do not take
+//   the model (the CPU, fp32, head sizes other than 128 / 256): tanh's output and the fp32 softmax,
+//   and the probabilities cast back to the compute dtype (on the CPU that cast is the softmax
+//   itself in fp32; CUDA's score kernel writes both).
+double attention_score_bytes(const LlamaOptions& model, const TrainingMemorySetup& setup) {
+  const double s = element_bytes(setup.compute_dtype);
+  const bool cuda = setup.device == torch::kCUDA;
+  if (model.attention_softcap > 0) {
+    if (cuda && kernels::softcapped_flash_takes(setup.compute_dtype, model.head_dim)) return 0.0;
+    return s + 4.0 + (cuda || s != 4.0 ? s : 0.0);
+  }
+  const bool math = cuda && setup.compute_dtype == torch::kFloat32 && model.num_key_value_heads != model.num_attention_heads;
+  return math ? s : 0.0;
 }
 
 // A packed batch writes its [batch, 1, seq, seq] mask out only where no kernel takes its spans:
@@ -131,6 +142,8 @@ double decoder_layer_activation_bytes(const LlamaOptions& model, const TrainingM
 
   double bytes = rms_norm_bytes(tokens, model.hidden_size, s, setup.full_finetune, fused_layers);  // post_attention_layernorm
   if (input_requires_grad) bytes += rms_norm_bytes(tokens, model.hidden_size, s, setup.full_finetune, fused_layers);
+  // Gemma's sandwich norms: two more, one on the attention's output and one on the MLP's.
+  if (model.sandwich_norms) bytes += 2.0 * rms_norm_bytes(tokens, model.hidden_size, s, setup.full_finetune, fused_layers);
   std::map<LayerInput, bool> input_saved, input_rebuilt;
   std::map<LayerInput, double> input_width;  // values per token
   for (const auto& projection : decoder_projections(model, layer)) {
@@ -176,10 +189,10 @@ double decoder_layer_activation_bytes(const LlamaOptions& model, const TrainingM
       input_saved[projection.input] = true;  // for A's gradient
     }
   }
-  const bool math_attention = uses_math_attention(model, setup);
+  const double score_bytes = attention_score_bytes(model, setup);
   if (input_saved[LayerInput::kNormedForAttention]) bytes += tokens * hidden * s;
-  // A fused kernel's output is o_proj's input as it is (a view); the math path's is a copy.
-  if (input_saved[LayerInput::kAttentionOutput] && math_attention) bytes += tokens * query * s;
+  // A fused kernel's output is o_proj's input as it is (a view); the written-out paths' is a copy.
+  if (input_saved[LayerInput::kAttentionOutput] && score_bytes > 0) bytes += tokens * query * s;
   if (input_saved[LayerInput::kNormedForMlp]) bytes += tokens * hidden * s;
   // A rebuilt norm output keeps the norm's input, which the norm keeps as it is only with a backward
   // of its own and where it keeps it unconverted (the fused kernel; the torch operations in fp32).
@@ -190,9 +203,11 @@ double decoder_layer_activation_bytes(const LlamaOptions& model, const TrainingM
   if (input_rebuilt[LayerInput::kNormedForMlp] && !norm_keeps_its_input) bytes += tokens * hidden * s;
   if (input_saved[LayerInput::kMlpProduct]) bytes += tokens * input_width[LayerInput::kMlpProduct] * s;
 
-  if (math_attention) {
-    // softmax probabilities [batch, heads, seq, seq]; q, and k and v repeated to every head
-    bytes += tokens * (heads * sequence + 3.0 * query) * s;
+  if (score_bytes > 0) {
+    // the [batch, heads, seq, seq] scores; q, and k and v repeated to every head; under the soft cap
+    // a written-out mask as the bool [batch, 1, seq, seq] that masked_fill keeps.
+    bytes += tokens * (heads * sequence * score_bytes + 3.0 * query * s) +
+             (model.attention_softcap > 0 && writes_packed_mask(model, setup) ? tokens * sequence : 0.0);
   } else {
     // q and k after rotary, v, the output; the fp32 logsumexp [batch, heads, seq]; a written-out
     // mask becomes a [batch, 1, seq, seq] tensor of the compute dtype in every call.
@@ -424,7 +439,7 @@ void estimate_activations(const LlamaOptions& model, const TrainingMemorySetup& 
   }
   // The CPU's builder holds the running sum, one product, the merge and the values in fp32.
   estimate.fake_quant_build_bytes = largest_fake_quantized * (setup.device == torch::kCPU ? 4.0 * 4.0 + s : s);
-  estimate.attention_keeps_probabilities = uses_math_attention(model, setup);
+  estimate.attention_keeps_probabilities = attention_score_bytes(model, setup) > 0;
   estimate.uses_checkpointing = setup.gradient_checkpointing;
 }
 

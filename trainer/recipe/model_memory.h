@@ -183,7 +183,9 @@ struct PeakMemoryEstimate {
   int64_t loss_chunk_tokens = 0;     // the chunk, or the micro-batch's predicted tokens when smaller
   int64_t loss_tile_columns = 0;     // the fused loss's vocabulary tile for that chunk
   int64_t predicted_tokens = 0;      // batch x (seq - 1)
-  bool attention_keeps_probabilities = false;  // the math attention path (fp32 with GQA on CUDA)
+  // [heads, seq, seq] scores kept: the math attention path (fp32 with GQA on CUDA), Gemma 2's soft
+  // cap where its flash kernels do not apply
+  bool attention_keeps_probabilities = false;
   bool uses_checkpointing = false;
   bool uses_chunking = false;  // the chunk is smaller than the micro-batch's predicted tokens
   bool fused_loss_applies = false;  // lm_head (or the tied embeddings) is a frozen plain weight
