@@ -672,10 +672,27 @@ bool softcapped_flash_takes(at::ScalarType dtype, int64_t head_dim) {
   return (dtype == at::kBFloat16 || dtype == at::kHalf) && (head_dim == 128 || head_dim == 256);
 }
 
+namespace softcapped_flash {
+
+// Whether `device` runs the kernels at this head_dim: bf16 tensor-core products (compute
+// capability 8.0 on) and the backward's shared memory in one CUDA block (head_dim 256 needs 217
+// KiB: Hopper's 227 fit, the A100's 163 do not).
+bool device_runs(int device, int64_t head_dim) {
+  int major = 0, shared = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  const size_t needed = head_dim == 256 ? BackwardShared<__nv_bfloat16, 256>::bytes()
+                                        : BackwardShared<__nv_bfloat16, 128>::bytes();
+  return major >= 8 && static_cast<size_t>(shared) >= needed;
+}
+
+}  // namespace softcapped_flash
+
 bool softcapped_flash_takes(const at::Tensor& query, const at::Tensor& key) {
   return query.is_cuda() && key.is_cuda() && query.dim() == 4 && key.dim() == 4 &&
          softcapped_flash_takes(query.scalar_type(), query.size(3)) && key.scalar_type() == query.scalar_type() &&
-         key.size(2) == query.size(2) && key.size(1) > 0 && query.size(1) % key.size(1) == 0;
+         key.size(2) == query.size(2) && key.size(1) > 0 && query.size(1) % key.size(1) == 0 &&
+         softcapped_flash::device_runs(query.get_device(), query.size(3));
 }
 
 std::tuple<at::Tensor, at::Tensor> softcapped_flash_forward_cuda(const at::Tensor& query_in, const at::Tensor& key_in,

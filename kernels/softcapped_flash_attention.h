@@ -28,10 +28,11 @@ struct SoftcappedFlash {
 };
 
 // Whether the kernels take these operands: CUDA, bf16 or fp16, head_dim 128 or 256, as many keys
-// as queries (no cached keys before them), query heads a multiple of key / value heads.
+// as queries (no cached keys before them), query heads a multiple of key / value heads, on a GPU
+// with bf16 tensor cores and the shared memory the backward needs (head_dim 256: Hopper's).
 bool softcapped_flash_takes(const at::Tensor& query, const at::Tensor& key);
 // The dtype and head_dim part of that rule, for estimates made before any tensor exists (false in
-// a build without the CUDA kernels).
+// a build without the CUDA kernels; the GPU is taken to be the Hopper the build targets).
 bool softcapped_flash_takes(at::ScalarType dtype, int64_t head_dim);
 
 // query [batch, heads, T, head_dim]; key / value [batch, key_value_heads, T, head_dim] (any strides
