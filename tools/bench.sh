@@ -2,7 +2,8 @@
 # GPU speed 8/11's benchmark (docs/PERFORMANCE.md): `qtrain bench` on the Llama-3-8B shape in the
 # issue's five settings and, in the same settings on the same GPU, the Python anchors: hf
 # (tools/bench_anchor.py: transformers + peft, + bitsandbytes for QLoRA rows) and unsloth
-# (tools/bench_unsloth.py: `import unsloth` on a GPU; every dense shape and qwen3-30b-a3b, gpt-oss-20b); then a table.
+# (tools/bench_unsloth.py: `import unsloth` on a GPU; every dense shape, llama3-70b (QLoRA rows only, its
+# checkpoint written already NF4) and qwen3-30b-a3b, gpt-oss-20b); then a table.
 #   tools/bench.sh [--steps N] [--warmup N] [--seq T] [--anchors hf,unsloth | --no-anchor] [--shape S]
 #                  [--layers N] [--qtrain-flags "FLAGS"] [ROW ...]
 # --layers N: every tool runs the shape's first N decoder layers (default 0: all; unsloth's mixtures: 12).

@@ -5,7 +5,10 @@ so that the two can be compared on one GPU (tools/bench.sh).
 Unsloth loads from disk, so the first run writes a random bf16 checkpoint and later runs reuse it.
 llama3-8b: tools/random_checkpoint.py's Llama-3-8B shape, with a tokenizer of its 128,256 ids, into
 $QTRAIN_BENCH_CHECKPOINT (default /tmp/qtrain-bench-llama3-8b, about 16 GB; with --layers N < 32,
-that path + "-LN"). The other dense shapes of `qtrain bench` (qwen3-8b, qwen2.5-7b, mistral-7b,
+that path + "-LN"). llama3-70b (--quant qlora only): its Llama-3-70B shape written already NF4 by
+bitsandbytes (random_checkpoint.py --bnb-4bit, about 39 GB where bf16 would be 141), into
+$QTRAIN_BENCH_CHECKPOINT_DIR/qtrain-bench-llama3-70b (+ "-LN"), which Unsloth loads as a "bnb-4bit"
+model. The other dense shapes of `qtrain bench` (qwen3-8b, qwen2.5-7b, mistral-7b,
 phi4-mini, gemma2-9b, gemma3-12b, llama3-1b, tiny): the published config.json with the keys of
 qtrain's shape (trainer/model/families/*.cpp), all layers unless --layers N (bf16 on disk: 16.4,
 15.2, 14.5, 7.7, 18.5, 23.5, 2.5 GB). qwen3-30b-a3b, gpt-oss-20b (mixtures of experts): the real
@@ -51,6 +54,9 @@ PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 # fused_projections): the same 7 projections under their 4 names.
 FUSED_PROJECTIONS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 LLAMA_LAYERS = 32
+# The shapes written by tools/random_checkpoint.py: their layers, and its flags beyond --layers.
+RANDOM_SHAPES = {"llama3-8b": dict(full_layers=LLAMA_LAYERS, flags=[]),
+                 "llama3-70b": dict(full_layers=80, flags=["--shape", "llama3-70b", "--bnb-4bit"])}
 MOE_DEFAULT_LAYERS = 12
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
                  "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -206,7 +212,7 @@ MOE_SHAPES = {
             named=dict(bos_token="<|startoftext|>", eos_token="<|return|>", pad_token="<|endoftext|>"))),
 }
 BUILT_SHAPES = {**DENSE_SHAPES, **MOE_SHAPES}
-SHAPES = ["llama3-8b", *DENSE_SHAPES, *MOE_SHAPES]
+SHAPES = [*RANDOM_SHAPES, *DENSE_SHAPES, *MOE_SHAPES]
 
 
 def write_built_tokenizer(shape, path):
@@ -290,6 +296,7 @@ def remove_other_checkpoints(keep):
     if "QTRAIN_BENCH_CHECKPOINT" not in os.environ:
         ours.append((os.path.dirname(CHECKPOINT), re.compile(re.escape(os.path.basename(CHECKPOINT)) +
                                                              r"(-L\d+)?(\.partial)?")))
+    ours.append((CHECKPOINT_DIR, re.compile(r"qtrain-bench-llama3-70b(-L\d+)?(\.partial)?")))
     for folder, name in ours:
         try:
             entries = os.listdir(folder)
@@ -410,15 +417,18 @@ def main():
         return fail(f"--shape {args.shape}: only {', '.join(SHAPES)} are benchmarked here (Unsloth loads a random "
                     "checkpoint of the shape from disk)")
     moe = args.shape in MOE_SHAPES
-    built = args.shape in BUILT_SHAPES  # written with transformers' init (else llama3-8b: random_checkpoint.py)
-    full = BUILT_SHAPES[args.shape]["full_layers"] if built else LLAMA_LAYERS
+    built = args.shape in BUILT_SHAPES  # written with transformers' init (else random_checkpoint.py's)
+    full = (BUILT_SHAPES if built else RANDOM_SHAPES)[args.shape]["full_layers"]
+    if args.shape == "llama3-70b" and args.quant != "qlora":
+        return fail("--shape llama3-70b: its checkpoint is written already NF4 (bf16 would not fit the disk); "
+                    "--quant qlora only")
     layers = args.layers or (MOE_DEFAULT_LAYERS if moe else full)
     if not 0 < layers <= full:
         return fail(f"--layers {args.layers}: {args.shape} has {full} layers")
     result["layers"] = layers
     if args.write_checkpoint:
         if not built:
-            return fail("--write-checkpoint is for the shapes built with transformers' init, not llama3-8b")
+            return fail(f"--write-checkpoint is for the shapes built with transformers' init, not {args.shape}")
         write_built_checkpoint(args.shape, layers, built_checkpoint_path(args.shape, layers))
         return 0
     import torch
@@ -427,7 +437,8 @@ def main():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
-    path = CHECKPOINT if layers == LLAMA_LAYERS else f"{CHECKPOINT}-L{layers}"
+    base = CHECKPOINT if args.shape == "llama3-8b" else os.path.join(CHECKPOINT_DIR, f"qtrain-bench-{args.shape}")
+    path = base if layers == full else f"{base}-L{layers}"
     if built and not args.check:
         # Before `import unsloth`: the writing process starts with none of Unsloth's patches or settings.
         try:
@@ -458,7 +469,8 @@ def main():
         import bitsandbytes
         versions += f", bitsandbytes {bitsandbytes.__version__}"
     if not built and not os.path.isfile(os.path.join(path, "config.json")):
-        write_checkpoint(path, "--device", "cuda", *([] if layers == LLAMA_LAYERS else ["--layers", str(layers)]))
+        write_checkpoint(path, "--device", "cuda", *RANDOM_SHAPES[args.shape]["flags"],
+                         *([] if layers == full else ["--layers", str(layers)]))
     checkpointing = "unsloth" if args.checkpointing else False
     targets = BUILT_SHAPES.get(args.shape, {}).get("targets", PROJECTIONS)
     torch.manual_seed(0)

@@ -1,13 +1,22 @@
 #!/usr/bin/env python3
-"""A Llama-3-8B-shaped Hugging Face checkpoint with random bf16 weights, for benchmarks of the
-real training command (`qtrain --recipe`) where `qtrain bench` is not enough (several ranks).
+"""A Llama-3-8B- or 70B-shaped Hugging Face checkpoint with random bf16 weights, for benchmarks of the
+real training command (`qtrain --recipe`) where `qtrain bench` is not enough (several ranks), and
+of peers that load from disk (tools/bench_unsloth.py).
 
-    tools/random_checkpoint.py OUT_DIR [--device cuda] [--layers N]
+    tools/random_checkpoint.py OUT_DIR [--device cuda] [--layers N] [--shape llama3-70b] [--bnb-4bit]
 
-Writes config.json (Meta-Llama-3-8B's), model-0000K-of-0000N.safetensors shards of about 5 GB
-with model.safetensors.index.json, and the bundled tiny model's tokenizer files (its ids all lie
-inside the 128,256-token vocabulary, so speed is all they are good for). Weights are drawn as
-N(0, 0.02), norms are ones; the tensors are made on --device (fast on a GPU) one at a time.
+Writes config.json (Meta-Llama-3-8B's or -70B's), model-0000K-of-0000N.safetensors shards of about
+5 GB with model.safetensors.index.json, and the bundled tiny model's tokenizer files (its ids all
+lie inside the 128,256-token vocabulary, so speed is all they are good for). Weights are drawn as
+N(0, 0.02), norms are ones; the tensors are made on --device (fast on a GPU) one at a time, and
+each shard is written as it fills.
+
+--bnb-4bit writes the projections already quantized, as transformers' save_pretrained writes a
+model loaded with BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=bfloat16): bitsandbytes' own
+quantize_4bit (a CUDA GPU and bitsandbytes needed) and its packed quant state beside each weight,
+the embeddings, norms and lm_head in bf16, config.json's quantization_config. A 70B checkpoint is
+then about 39 GB instead of 141, which the GPU machine's 64 GB disk holds.
 """
 import argparse
 import json
@@ -28,6 +37,28 @@ CONFIG = {
     "mlp_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 0,
     "eos_token_id": 4,
 }
+
+
+# meta-llama/Meta-Llama-3-70B's config.json: the keys that differ from the 8B's.
+SHAPES = {
+    "llama3-8b": {},
+    "llama3-70b": {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                   "num_attention_heads": 64, "num_key_value_heads": 8},
+}
+
+# transformers' BitsAndBytesConfig(load_in_4bit=True, nf4, double quant, bf16 compute).to_dict().
+BNB_4BIT = {
+    "quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False, "bnb_4bit_quant_type": "nf4",
+    "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": "bfloat16", "bnb_4bit_quant_storage": "uint8",
+    "llm_int8_threshold": 6.0, "llm_int8_skip_modules": None, "llm_int8_enable_fp32_cpu_offload": False,
+    "llm_int8_has_fp16_weight": False,
+}
+
+
+def quantized(name, shape):
+    """Whether --bnb-4bit stores this tensor in 4 bits: the decoder's projections (transformers keeps
+    the embeddings, norms and lm_head in the compute dtype)."""
+    return len(shape) == 2 and name.startswith("model.layers.")
 
 
 def tensor_shapes(config):
@@ -54,41 +85,66 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("out")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--layers", type=int, default=CONFIG["num_hidden_layers"])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    parser.add_argument("--layers", type=int, help="the first N layers only (default: all of the shape's)")
     parser.add_argument("--shard-bytes", type=int, default=5 * 10**9)
+    parser.add_argument("--bnb-4bit", action="store_true",
+                        help="the projections NF4 with double quantization, as bitsandbytes stores them")
     args = parser.parse_args()
-    config = dict(CONFIG, num_hidden_layers=args.layers)
+    config = dict(CONFIG, **SHAPES[args.shape])
+    if args.layers is not None:
+        config["num_hidden_layers"] = args.layers
+    if args.bnb_4bit:
+        if not args.device.startswith("cuda"):
+            raise SystemExit("random_checkpoint: --bnb-4bit quantizes with bitsandbytes on a CUDA GPU (--device cuda)")
+        import bitsandbytes.functional as bnb_functional
+        config["quantization_config"] = BNB_4BIT
     os.makedirs(args.out, exist_ok=True)
 
     generator = torch.Generator(device=args.device).manual_seed(0)
-    shards, shard, shard_bytes = [], {}, 0
+    # Shards go to disk as they fill (a 70B checkpoint is more than the host's memory in bf16),
+    # named model-K.partial.safetensors until their count is known.
+    written, shard, shard_bytes = [], {}, 0
+
+    def flush():
+        nonlocal shard, shard_bytes
+        file_name = f"model-{len(written) + 1:05d}.partial.safetensors"
+        save_file(shard, os.path.join(args.out, file_name), metadata={"format": "pt"})
+        written.append((file_name, list(shard), shard_bytes))
+        shard, shard_bytes = {}, 0
+
     for name, shape in tensor_shapes(config):
         if len(shape) == 1:
-            tensor = torch.ones(shape, dtype=torch.bfloat16)
+            tensors = {name: torch.ones(shape, dtype=torch.bfloat16)}
         else:
-            tensor = torch.empty(shape, dtype=torch.bfloat16, device=args.device).normal_(0, 0.02, generator=generator)
-        shard[name] = tensor.cpu()
-        shard_bytes += tensor.numel() * 2
+            weight = torch.empty(shape, dtype=torch.bfloat16, device=args.device).normal_(0, 0.02, generator=generator)
+            tensors = {name: weight}
+            if args.bnb_4bit and quantized(name, shape):
+                packed, state = bnb_functional.quantize_4bit(weight, blocksize=64, compress_statistics=True,
+                                                            quant_type="nf4", quant_storage=torch.uint8)
+                tensors = {name: packed, **{f"{name}.{key}": value for key, value in state.as_dict(packed=True).items()}}
+        for key, tensor in tensors.items():
+            shard[key] = tensor.cpu()
+            shard_bytes += tensor.numel() * tensor.element_size()
         if shard_bytes >= args.shard_bytes:
-            shards.append(shard)
-            shard, shard_bytes = {}, 0
+            flush()
     if shard:
-        shards.append(shard)
+        flush()
 
     weight_map, total = {}, 0
-    for index, tensors in enumerate(shards):
-        file_name = f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(tensors, os.path.join(args.out, file_name), metadata={"format": "pt"})
-        for name, tensor in tensors.items():
-            weight_map[name] = file_name
-            total += tensor.numel() * 2
+    for index, (partial_name, names, size) in enumerate(written):
+        file_name = f"model-{index + 1:05d}-of-{len(written):05d}.safetensors"
+        os.replace(os.path.join(args.out, partial_name), os.path.join(args.out, file_name))
+        weight_map.update({name: file_name for name in names})
+        total += size
     with open(os.path.join(args.out, "model.safetensors.index.json"), "w") as file:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, file, indent=1)
     with open(os.path.join(args.out, "config.json"), "w") as file:
         json.dump(config, file, indent=1)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(os.path.join(TOKENIZER_DIR, name), args.out)
-    print(f"random_checkpoint: {args.out}: {len(shards)} shards, {total / 2**30:.1f} GiB")
+    print(f"random_checkpoint: {args.out}: {args.shape}, {config['num_hidden_layers']} layers"
+          f"{', NF4 projections' if args.bnb_4bit else ''}, {len(written)} shards, {total / 2**30:.1f} GiB")
 
 
 if __name__ == "__main__":
