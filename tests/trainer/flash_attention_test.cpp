@@ -180,6 +180,10 @@ TEST(PackedAttention, SampleIdsGiveTheRunsAsCumulativeLengths) {
   EXPECT_TRUE(torch::equal(spans.cumulative_lengths, torch::tensor({0, 2, 5, 6, 10, 12}, torch::kInt32)));
   EXPECT_EQ(spans.longest, 4);
   EXPECT_EQ(spans.tokens, 12);
+  // Each token's run as [start, end) over the batch's tokens (the soft-capped kernels' visibility).
+  EXPECT_TRUE(torch::equal(spans.run_bounds, torch::tensor({0, 0, 2, 2, 2, 5, 6, 6, 6, 6, 10, 10,  //
+                                                            2, 2, 5, 5, 5, 6, 10, 10, 10, 10, 12, 12},
+                                                           torch::kInt32).view({2, 12})));
   // A row that is one sample throughout is one run; runs never cross rows even with equal ids.
   const auto whole = sample_spans(torch::zeros({3, 5}, torch::kInt64));
   EXPECT_TRUE(torch::equal(whole.cumulative_lengths, torch::tensor({0, 5, 10, 15}, torch::kInt32)));
