@@ -22,6 +22,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -678,12 +679,21 @@ namespace softcapped_flash {
 // capability 8.0 on) and the backward's shared memory in one CUDA block (head_dim 256 needs 217
 // KiB: Hopper's 227 fit, the A100's 163 do not).
 bool device_runs(int device, int64_t head_dim) {
-  int major = 0, shared = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  // The device's compute capability and shared memory, asked once per device (every layer's call
+  // asks this): 0 not asked yet, else shared bytes + 1 with the sign of the capability test.
+  constexpr int kDevices = 64;
+  static std::atomic<int64_t> answers[kDevices] = {};
+  int64_t answer = device >= 0 && device < kDevices ? answers[device].load() : 0;
+  if (answer == 0) {
+    int major = 0, shared = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    answer = (major >= 8 ? 1 : -1) * (static_cast<int64_t>(shared) + 1);
+    if (device >= 0 && device < kDevices) answers[device].store(answer);
+  }
   const size_t needed = head_dim == 256 ? BackwardShared<__nv_bfloat16, 256>::bytes()
                                         : BackwardShared<__nv_bfloat16, 128>::bytes();
-  return major >= 8 && static_cast<size_t>(shared) >= needed;
+  return answer > 0 && static_cast<size_t>(answer - 1) >= needed;
 }
 
 }  // namespace softcapped_flash
