@@ -1,8 +1,9 @@
 // Gemma 2's soft-capped causal attention, flash-style (kernels/softcapped_flash_attention.h).
 //
-// Tiles of 64 (forward: 128) queries x 64 keys. Products are mma.sync m16n8k16 (bf16 / fp16 in, fp32 sums) on
-// operands read from shared memory with ldmatrix; the rows of each shared tile are padded by 16
-// bytes so that ldmatrix's eight rows fall in distinct banks.
+// Tiles of 64 (forward: 128) queries x 64 keys. Products are mma.sync m16n8k16 (bf16 / fp16 in,
+// fp32 sums) on operands read from shared memory with ldmatrix; the rows of each shared tile are
+// padded by 16 bytes so that ldmatrix's eight rows fall in distinct banks. Packed samples (the
+// batch's rows end to end) limit each query to its run's keys and skip the blocks outside it.
 //   forward: a CUDA block per (128 queries, head), 8 warps of 16 queries each; the probabilities
 //     stay in registers and feed the product with v directly (an accumulator fragment of m16n8 is
 //     the A fragment of the next product); the next key and value tiles load while a tile computes.
@@ -164,7 +165,8 @@ __device__ __forceinline__ void load_tile(T* tile, const T* rows, int64_t row_st
   }
 }
 
-// The key blocks that queries [q0, q0 + 64) see, and the query blocks that see keys [k0, k0 + 64).
+// The first key block that the queries from q0 on see through the window, and the last query
+// block that sees keys [k0, k0 + 64) (the runs of packed samples narrow both further).
 __device__ __forceinline__ int first_key_block(int q0, int window) {
   return window > 0 ? max(0, q0 - window + 1) / kBlock : 0;
 }
