@@ -102,10 +102,11 @@ trainer::Recipe bench_recipe(const trainer::BaseQuantizationRow& base, bool fake
 // data::collate marks packed rows: positions restart at each sample, whose first token is no label;
 // the first `whole_rows` rows hold one sample each (a document's full window, which collate puts
 // first). pairs: the samples are preference pairs, the first quarter of each a prompt, not labelled.
-data::Batch random_batch(int64_t micro_batch, int64_t sequence, int64_t vocab_size, int64_t samples = 0,
+// Token ids are drawn from [0, ids).
+data::Batch random_batch(int64_t micro_batch, int64_t sequence, int64_t ids, int64_t samples = 0,
                          bool pairs = false, int64_t whole_rows = 0) {
   data::Batch batch;
-  batch.input_ids = torch::randint(vocab_size, {micro_batch, sequence}, torch::kInt64);
+  batch.input_ids = torch::randint(ids, {micro_batch, sequence}, torch::kInt64);
   batch.labels = batch.input_ids.clone();
   batch.input_tokens = micro_batch * sequence;
   batch.predicted_tokens = micro_batch * (sequence - 1);
@@ -265,6 +266,7 @@ struct BenchOptions {
   int64_t mlp_chunk = 0;
   int64_t packed_samples = 0;
   int64_t packed_whole_rows = 0;  // with packed_samples: rows holding one sample each, first
+  int64_t token_ids_below = 0;    // the batches' ids from [0, this); 0: the whole vocabulary
   std::string objective;  // train.objective
   int64_t checkpoint_every = 1;
   double memory_limit_gib = 0;
@@ -307,6 +309,9 @@ po::options_description bench_option_descriptions(BenchOptions& bench) {
       ("packed-whole-rows", po::value(&bench.packed_whole_rows)->default_value(0),
        "with --packed-samples: the first this many rows of each micro-batch hold one sample each, as a packed "
        "document's full windows do (packed Brown text: about 3 of 4)")
+      ("token-ids-below", po::value(&bench.token_ids_below)->default_value(0),
+       "draw the batches' token ids from [0, N) instead of the whole vocabulary (the real command on "
+       "tools/random_checkpoint.py's model sees only its tokenizer's 8,192 ids)")
       ("packed-mask", po::bool_switch(), "with --packed-samples: SDPA over the written-out block-causal mask instead "
        "of flash attention over the samples' spans (to compare)")
       ("rebuild-weights", po::bool_switch(), "with --checkpointing: dequantize again in backward instead of keeping "
@@ -372,6 +377,10 @@ std::optional<BenchOptions> parse_bench_options(const Arguments& arguments) {
   bench.dtype = trainer::parse_dtype_name(bench.dtype_name, "--dtype");
   bench.checkpointing = flag("checkpointing");
   bench.llama = trainer::llama_shape(bench.shape);
+  if (bench.token_ids_below < 0 || bench.token_ids_below > bench.llama.vocab_size) {
+    throw Error(ErrorCode::kUsage, "--token-ids-below " + std::to_string(bench.token_ids_below) + ": the shape's vocabulary has " +
+                                       std::to_string(bench.llama.vocab_size) + " ids (0: all of them)");
+  }
   if (bench.layers < 0 || bench.layers > bench.llama.num_hidden_layers) {
     throw Error(ErrorCode::kUsage, "--layers " + std::to_string(bench.layers) + ": the shape has " +
                                        std::to_string(bench.llama.num_hidden_layers) + " layers");
@@ -538,7 +547,8 @@ BenchMeasurement measure_bench(const BenchOptions& bench, BenchRun& run) {
   const auto& device = bench.device;
   int64_t next_step = 0;
   const auto batches_of = [&](int64_t tokens) {
-    return std::vector<data::Batch>{random_batch(bench.micro_batch, tokens, bench.llama.vocab_size, bench.packed_samples,
+    const int64_t ids = bench.token_ids_below > 0 ? bench.token_ids_below : bench.llama.vocab_size;
+    return std::vector<data::Batch>{random_batch(bench.micro_batch, tokens, ids, bench.packed_samples,
                                                  bench.recipe.train.objective != "sft", bench.packed_whole_rows)};
   };
   // `timed` steps of `tokens`-long sequences after `untimed` ones: the median step time and the
@@ -652,6 +662,10 @@ void report_bench(const BenchOptions& bench, const BenchRun& run, const BenchMea
                     : "",
                 bench.packed_mask ? "over the written-out block-causal mask" : "over the samples' spans");
   }
+  if (bench.token_ids_below > 0) {
+    std::printf("  token ids drawn from [0, %lld) of the %lld\n", static_cast<long long>(bench.token_ids_below),
+                static_cast<long long>(bench.llama.vocab_size));
+  }
   if (recipe.train.offload_activations) {
     std::printf("  pinned host memory: %s (pinning took %.1f s in all, in the first step at each length)\n",
                 trainer::format_bytes(static_cast<double>(trainer::ActivationOffload::pinned_bytes())).c_str(),
@@ -673,6 +687,7 @@ void report_bench(const BenchOptions& bench, const BenchRun& run, const BenchMea
                               {"mlp_chunk_tokens", bench.mlp_chunk},
                               {"packed_samples", bench.packed_samples},
                               {"packed_whole_rows", bench.packed_whole_rows},
+                              {"token_ids_below", bench.token_ids_below},
                               {"lora_dropout", recipe.lora.dropout},
                               {"objective", recipe.train.objective},
                               {"packed_mask", bench.packed_mask},

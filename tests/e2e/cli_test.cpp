@@ -427,6 +427,7 @@ TEST(Cli, BadInputIsOneLineAndExitStatus2) {
   expect_user_error(qtrain("bench --shape tiny --device cpu --micro-batch 2 --packed-whole-rows 1"), "--packed-samples");
   expect_user_error(qtrain("bench --shape tiny --device cpu --micro-batch 2 --packed-samples 2 --packed-whole-rows 3"),
                     "--packed-whole-rows");
+  expect_user_error(qtrain("bench --shape tiny --device cpu --token-ids-below 8193"), "8192 ids");
 }
 
 // bench's packed rows as a packed document's data has them: some rows one sample each, first.
@@ -440,6 +441,16 @@ TEST(Cli, BenchPacksWholeRowsBesideRowsOfSeveralSamples) {
   EXPECT_EQ(measured.at("packed_whole_rows").get<int64_t>(), 1);
   EXPECT_EQ(measured.at("packed_samples").get<int64_t>(), 2);
   EXPECT_GT(measured.at("tokens_per_second").get<double>(), 0);
+}
+
+// bench's token ids from part of the vocabulary, as the real command's data on a random checkpoint
+// with a small tokenizer.
+TEST(Cli, BenchDrawsTokenIdsBelowABound) {
+  const auto result = qtrain("bench --shape tiny --device cpu --dtype fp32 --micro-batch 1 --seq 32 --token-ids-below 100 "
+                             "--steps 1 --warmup 0 --json 2>&1");
+  ASSERT_EQ(result.status, 0) << result.output;
+  EXPECT_NE(result.output.find("token ids drawn from [0, 100) of the 8192"), std::string::npos) << result.output;
+  EXPECT_EQ(nlohmann::json::parse(last_line(result.output)).at("token_ids_below").get<int64_t>(), 100);
 }
 
 }  // namespace
