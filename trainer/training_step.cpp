@@ -6,6 +6,7 @@
 #include "optim/grad_clip.h"
 #include "trainer/model/batch_inputs.h"
 #include "trainer/model/causal_lm_loss.h"
+#include "trainer/model/router_loss.h"
 #include "trainer/objectives/pair_log_probs.h"
 #include "trainer/recipe/recipe_training.h"
 
@@ -13,8 +14,22 @@ namespace qtrain::trainer {
 
 namespace {
 
-// A device scalar read back (0 when undefined: no router ran).
-double read_on_host(const torch::Tensor& scalar) { return scalar.defined() ? scalar.item<double>() : 0; }
+// A micro-batch's share of a mixture of experts' load-balancing loss: `weight` · aux. aux stays on
+// the device until read, after the backward is queued (reading it at once would hold backward back
+// until the forward has drained). Without a router (or none ran): 0.
+struct RouterShare {
+  double weight = 0;
+  torch::Tensor aux;
+  double read() const { return aux.defined() ? weight * aux.item<double>() : 0; }
+};
+
+// That share for the pass since router_loss->begin(), whose gradient joins backward's at `weight`
+// times `gradient_factor` (the factor the micro-batch's loss is multiplied by).
+RouterShare router_share(RouterLoss* router_loss, double weight, double gradient_factor) {
+  if (router_loss == nullptr) return {};
+  router_loss->set_gradient_scale(weight * gradient_factor);
+  return {weight, router_loss->aux()};
+}
 
 }  // namespace
 
@@ -110,15 +125,13 @@ TrainingStep::MicroBatchLoss TrainingStep::preference_micro_batch(const data::Ba
   const auto policy = pair_log_probs(model_, hidden, batch, loss_options);
   const auto loss = preference_loss(policy, reference.chosen.defined() ? &reference : nullptr, preference);
   // A mixture of experts' load-balancing loss joins each micro-batch's loss as TRL adds it.
-  const double coefficient = router_loss ? model_.options().experts.router_aux_loss_coef : 0;
-  const auto router_term = router_loss ? router_loss->aux() : torch::Tensor();
-  if (router_loss) router_loss->set_gradient_scale(coefficient * weight);
+  const auto router = router_share(router_loss, model_.options().experts.router_aux_loss_coef, weight);
   // Read after the backward is queued: the loss and the metrics in two copies from the device.
   PreferenceLoss read_back = loss;
   read_back.loss = loss.loss.detach();
-  return {loss.loss * weight, [read_back, coefficient, router_term, &metric_sums] {
+  return {loss.loss * weight, [read_back, router, &metric_sums] {
             read_back.add_metrics_to(metric_sums);
-            return read_back.loss.item<double>() + coefficient * read_on_host(router_term);
+            return read_back.loss.item<double>() + router.read();
           }};
 }
 
@@ -172,16 +185,12 @@ StepResult TrainingStep::run(const std::vector<data::Batch>& micro_batches, int6
     // A mixture of experts' load-balancing loss, router_aux_loss_coef · aux per micro-batch as
     // transformers adds it to the mean loss: here weighted by the micro-batch's predicted tokens,
     // as its share of the window's token-weighted loss. Its gradient joins in backward.
-    const double router_weight =
-        router_loss ? model_.options().experts.router_aux_loss_coef * static_cast<double>(batch.predicted_tokens) : 0;
-    const auto router_aux = router_loss ? router_loss->aux() : torch::Tensor();
-    if (router_loss) router_loss->set_gradient_scale(router_weight * loss_weight);
+    const auto router = router_share(
+        router_loss, model_.options().experts.router_aux_loss_coef * static_cast<double>(batch.predicted_tokens),
+        loss_weight);
     const auto token_loss_sum = loss.loss_sum.detach();
-    // Read after the backward is queued (reading aux now would hold backward back until the
-    // forward has drained).
-    return {loss.loss_sum * loss_weight, [token_loss_sum, router_weight, router_aux] {
-              return token_loss_sum.item<double>() + router_weight * read_on_host(router_aux);
-            }};
+    return {loss.loss_sum * loss_weight,
+            [token_loss_sum, router] { return token_loss_sum.item<double>() + router.read(); }};
   });
   if (buckets_) loss_sum = group_->sum({loss_sum}, "the loss of the step")[0];
   result.loss = loss_sum / std::max(predicted_tokens, 1.0);

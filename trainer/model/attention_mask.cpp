@@ -81,9 +81,17 @@ AttentionMask AttentionMask::packed(const torch::Tensor& sample_ids, const torch
   if (how == PackedAttention::kSpans) {
     result.state_->spans = sample_spans(sample_ids);
     auto& spans = result.state_->spans;
-    spans.cumulative_lengths = spans.cumulative_lengths.to(device);
-    if (spans.rest_cumulative_lengths.defined()) spans.rest_cumulative_lengths = spans.rest_cumulative_lengths.to(device);
-    spans.run_bounds = spans.run_bounds.to(device);
+    // The int32 tables go to the device in one copy (each micro-batch makes one), then as views.
+    std::vector<torch::Tensor*> tables = {&spans.cumulative_lengths, &spans.run_bounds};
+    if (spans.rest_cumulative_lengths.defined()) tables.push_back(&spans.rest_cumulative_lengths);
+    std::vector<torch::Tensor> flat;
+    for (const auto* table : tables) flat.push_back(table->reshape(-1));
+    const auto joined = torch::cat(flat).to(device);
+    int64_t offset = 0;
+    for (auto* table : tables) {
+      *table = joined.narrow(0, offset, table->numel()).view(table->sizes());
+      offset += table->numel();
+    }
   }
   return result;
 }

@@ -105,11 +105,16 @@ double rms_norm_bytes(double tokens, int64_t hidden, double compute_bytes, bool 
 //   the model (the CPU, fp32, head sizes other than 128 / 256): tanh's output and the fp32 softmax,
 //   and the probabilities cast back to the compute dtype (on the CPU that cast is the softmax
 //   itself in fp32; CUDA's score kernel writes both).
+// Whether Gemma 2's soft-capped layers run on their flash-style kernels (kernels/softcapped_flash_attention.h).
+bool softcapped_flash(const LlamaOptions& model, const TrainingMemorySetup& setup) {
+  return setup.device == torch::kCUDA && kernels::softcapped_flash_takes(setup.compute_dtype, model.head_dim);
+}
+
 double attention_score_bytes(const LlamaOptions& model, const TrainingMemorySetup& setup) {
   const double s = element_bytes(setup.compute_dtype);
   const bool cuda = setup.device == torch::kCUDA;
   if (model.attention_softcap > 0) {
-    if (cuda && kernels::softcapped_flash_takes(setup.compute_dtype, model.head_dim)) return 0.0;
+    if (softcapped_flash(model, setup)) return 0.0;
     return s + 4.0 + (cuda || s != 4.0 ? s : 0.0);
   }
   const bool math = cuda && setup.compute_dtype == torch::kFloat32 && model.num_key_value_heads != model.num_attention_heads;
@@ -120,9 +125,8 @@ double attention_score_bytes(const LlamaOptions& model, const TrainingMemorySetu
 // flash attention's (trainer/model/flash_attention.h), or under Gemma 2's soft cap its own
 // (kernels/softcapped_flash_attention.h). That leaves the CPU, fp32 and other head sizes.
 bool writes_packed_mask(const LlamaOptions& model, const TrainingMemorySetup& setup) {
-  const bool spans = model.attention_softcap > 0
-                         ? setup.device == torch::kCUDA && kernels::softcapped_flash_takes(setup.compute_dtype, model.head_dim)
-                         : flash_attention_takes(setup.device, setup.compute_dtype, model.head_dim);
+  const bool spans = model.attention_softcap > 0 ? softcapped_flash(model, setup)
+                                                 : flash_attention_takes(setup.device, setup.compute_dtype, model.head_dim);
   return setup.packed && !spans;
 }
 
