@@ -21,7 +21,6 @@ OptimizerStatesOnHost::~OptimizerStatesOnHost() {
   try {
     arrive();
     settle();
-    wait_for_copies(device_, CopyLane::kPrefetch);
   } catch (...) {
   }
 }
@@ -37,7 +36,6 @@ bool OptimizerStatesOnHost::lay_out(const std::vector<std::pair<std::string, tor
   if (host_block_.defined()) {
     // The old block goes: nothing may still copy to or from it.
     settle();
-    wait_for_copies(device_, CopyLane::kPrefetch);
   }
   layout_.clear();
   int64_t bytes = 0;
@@ -63,10 +61,10 @@ void OptimizerStatesOnHost::prefetch() {
       return;
     }
   }
-  departed_.wait(device_);  // the host block was written (at the end of the last step)
+  // The last step's copy back into the host block ran first: it is on the same lane.
   device_block_ = torch::empty({host_block_.numel()}, torch::TensorOptions().dtype(torch::kUInt8).device(device_));
-  copy_after_compute(device_block_, host_block_, device_, CopyLane::kPrefetch);
-  fetched_.record(device_, CopyLane::kPrefetch);
+  copy_after_compute(device_block_, host_block_, device_, CopyLane::kOptimizerState);
+  fetched_.record(device_, CopyLane::kOptimizerState);
   for (size_t index = 0; index < slots.size(); ++index) {
     const auto& entry = layout_[index];
     *slots[index].second = typed_view(device_block_, entry.offset, entry.sizes, entry.dtype);
@@ -97,15 +95,14 @@ void OptimizerStatesOnHost::depart() {
     in_block = slots[index].second->data_ptr() == block + layout_[index].offset;
   }
   if (in_block) {
-    copy_after_compute(host_block_, device_block_, device_, CopyLane::kOffload);
+    copy_after_compute(host_block_, device_block_, device_, CopyLane::kOptimizerState);
   } else {
     for (size_t index = 0; index < slots.size(); ++index) {
       const auto& entry = layout_[index];
       copy_after_compute(typed_view(host_block_, entry.offset, entry.sizes, entry.dtype), *slots[index].second, device_,
-                         CopyLane::kOffload);
+                         CopyLane::kOptimizerState);
     }
   }
-  departed_.record(device_, CopyLane::kOffload);
   for (size_t index = 0; index < slots.size(); ++index) {
     const auto& entry = layout_[index];
     *slots[index].second = typed_view(host_block_, entry.offset, entry.sizes, entry.dtype);
@@ -115,6 +112,7 @@ void OptimizerStatesOnHost::depart() {
   fetch_pending_ = false;
 }
 
-void OptimizerStatesOnHost::settle() const { wait_for_copies(device_, CopyLane::kOffload); }
+// Both ways share the state's lane: waiting for it waits for every copy of the block.
+void OptimizerStatesOnHost::settle() const { wait_for_copies(device_, CopyLane::kOptimizerState); }
 
 }  // namespace qtrain::trainer

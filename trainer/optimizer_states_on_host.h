@@ -7,10 +7,10 @@
 // activations are gone.
 //
 // The state travels as one buffer: every state tensor is a view of one pinned host block and, on
-// the device, of one device block of the same layout, so each way is one copy (on the device's
-// prefetch and offload lanes, trainer/model/device_copies.h, overlapped with compute). The update
-// sees the same values: steps are equal bit for bit with the state kept on the device. On the
-// CPU the same bookkeeping runs with plain copies.
+// the device, of one device block of the same layout, so each way is one copy (on a copy lane of
+// its own, trainer/model/device_copies.h, overlapped with compute: activation offloading's small
+// copies do not queue behind it). The update sees the same values: steps are equal bit for bit
+// with the state kept on the device. On the CPU the same bookkeeping runs with plain copies.
 #include <torch/torch.h>
 
 #include <string>
@@ -60,8 +60,7 @@ class OptimizerStatesOnHost {
   std::vector<Entry> layout_;
   torch::Tensor host_block_;    // pinned uint8, the state between steps
   torch::Tensor device_block_;  // uint8, the state from prefetch() to depart()
-  CopyArrival fetched_;         // the prefetch lane's copy of the host block
-  CopyArrival departed_;        // the offload lane's copy to the host block
+  CopyArrival fetched_;         // the copy of the host block to the device
   bool on_host_ = false;
   bool fetch_pending_ = false;
 };

@@ -86,10 +86,16 @@ Gradients gradients_of(LlamaForCausalLM model, int64_t checkpoint_every, int64_t
 }
 
 // The loss and LoRA gradients of one fixed batch on `device`, with the model's settings as they are.
-Gradients gradients_on(LlamaForCausalLM model, const torch::Device& device) {
+// host_ids: the inputs carry the ids on the host too, as a training batch's do (the host table
+// gathers from them). lm_head's prefetch is asked first, as the training step asks it.
+Gradients gradients_on(LlamaForCausalLM model, const torch::Device& device, bool host_ids = false) {
   torch::manual_seed(5);
-  const auto input_ids = torch::randint(model->options().vocab_size, {2, 40}, torch::kInt64).to(device);
-  auto loss = causal_lm_loss(*model, model->hidden_states({input_ids, {}, {}}), input_ids, 0);
+  const auto ids_on_host = torch::randint(model->options().vocab_size, {2, 40}, torch::kInt64);
+  const auto input_ids = ids_on_host.to(device);
+  LlamaInputs inputs{input_ids, {}, {}};
+  if (host_ids) inputs.host_input_ids = ids_on_host;
+  model->prefetch_lm_head();
+  auto loss = causal_lm_loss(*model, model->hidden_states(inputs), input_ids, 0);
   loss.loss_sum.backward();
   return take_gradients(*model, loss.loss_sum.item<double>());
 }
@@ -182,6 +188,8 @@ TEST(EmbeddingsOnHost, CudaLogitsAndGradientsEqualATableOnTheDeviceBitwise) {
   ASSERT_TRUE(switched.model->model->embed_tokens->weight.device().is_cpu());
   expect_bitwise_equal(switched.before, gradients_on(switched.model, torch::Device(torch::kCUDA, 0)),
                        "CUDA, embeddings on the host");
+  expect_bitwise_equal(switched.before, gradients_on(switched.model, torch::Device(torch::kCUDA, 0), /*host_ids=*/true),
+                       "CUDA, embeddings on the host, gathered from the host's ids");
 }
 
 TEST(LmHeadOnHost, TheRecipeRefusesTiedTrainedAdaptedOrQuantizedHeads) {

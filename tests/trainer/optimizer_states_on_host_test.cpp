@@ -8,12 +8,14 @@
 #include <string>
 #include <vector>
 
+#include "kernels/error.h"
 #include "optim/adamw.h"
 #include "optim/adamw8bit.h"
 #include "optim/sgd.h"
 #include "small_llama.h"
 #include "trainer/base/memory_stats.h"
 #include "trainer/loss_scaler.h"
+#include "trainer/model/device_copies.h"
 #include "trainer/optimizer_states_on_host.h"
 #include "trainer/training_step.h"
 
@@ -92,6 +94,33 @@ void expect_the_same_steps(const torch::Device& device) {
 }
 
 TEST(OptimizerStatesOnHost, StepsEqualAStateKeptInPlaceBitwise) { expect_the_same_steps(torch::kCPU); }
+
+// The state's views of its block (trainer/model/device_copies.h): they alias the bytes, keep them
+// alive, and refuse a range or an alignment the block does not have.
+TEST(TypedView, AliasesItsBufferAndRefusesWhatDoesNotFit) {
+  auto bytes = torch::zeros({64}, torch::kUInt8);
+  auto floats = typed_view(bytes, 16, {2, 3}, torch::kFloat32);
+  EXPECT_EQ(floats.sizes(), torch::IntArrayRef({2, 3}));
+  EXPECT_EQ(floats.scalar_type(), torch::kFloat32);
+  EXPECT_TRUE(floats.is_contiguous());
+  floats.fill_(1.0f);
+  const auto expected = torch::ones({6}, torch::kFloat32);
+  EXPECT_TRUE(torch::equal(bytes.narrow(0, 16, 24).view(torch::kFloat32), expected));
+  EXPECT_EQ(bytes.narrow(0, 0, 16).sum().item<int64_t>(), 0);
+  EXPECT_EQ(bytes.narrow(0, 40, 24).sum().item<int64_t>(), 0);
+  // A view of a view's range starts where that range does.
+  auto tail = typed_view(bytes.narrow(0, 32, 32), 8, {2}, torch::kFloat32);
+  tail.fill_(2.0f);
+  EXPECT_TRUE(torch::equal(bytes.narrow(0, 40, 8).view(torch::kFloat32), torch::full({2}, 2.0f)));
+  bytes = torch::Tensor();  // the views keep the storage
+  EXPECT_EQ(floats.sum().item<float>(), 6.0f);
+  EXPECT_EQ(tail.sum().item<float>(), 4.0f);
+  auto buffer = torch::zeros({64}, torch::kUInt8);
+  EXPECT_THROW(typed_view(buffer, 48, {5}, torch::kFloat32), Error);   // past the end
+  EXPECT_THROW(typed_view(buffer, 2, {1}, torch::kFloat32), Error);    // not aligned to the dtype
+  EXPECT_THROW(typed_view(buffer, -4, {1}, torch::kFloat32), Error);
+  EXPECT_THROW(typed_view(buffer.view(torch::kFloat32), 0, {1}, torch::kFloat32), Error);  // not bytes
+}
 
 TEST(OptimizerStatesOnHost, CudaStepsEqualAStateKeptOnTheDeviceBitwise) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";

@@ -1,10 +1,12 @@
 #pragma once
 // Copies between the host and a GPU that overlap the compute: each runs on a side stream of its
 // device, after the work already queued on the current stream, and the current stream waits for
-// it only where its result is used. Two lanes per device, so that what leaves the device
-// (activation offloading, trainer/model/activation_offload.h) and what comes to it ahead of use
-// (a weight kept on the host, trainer/model/host_resident_weight.h) use both copy engines and do
-// not queue behind each other. Copies on one lane run in the order they were queued.
+// it only where its result is used. Three lanes per device, so that what leaves the device
+// (activation offloading, trainer/model/activation_offload.h), what comes to it ahead of use
+// (a weight kept on the host, trainer/model/host_resident_weight.h) and the optimizer's state
+// (trainer/optimizer_states_on_host.h: one bulk copy each way a step, up to gigabytes for a
+// mixture of experts' adapters) do not queue behind each other. Copies on one lane run in the
+// order they were queued.
 //
 // On the CPU the same calls make plain copies, so the bookkeeping is tested there too.
 #include <torch/torch.h>
@@ -14,7 +16,7 @@
 
 namespace qtrain::trainer {
 
-enum class CopyLane { kOffload, kPrefetch };
+enum class CopyLane { kOffload, kPrefetch, kOptimizerState };
 
 // destination.copy_(source) on `lane`'s stream of `device`, once the work queued so far on the
 // current stream is done (it produced `source`, or last used the memory `destination` now has);

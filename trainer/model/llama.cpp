@@ -415,10 +415,16 @@ LlamaBackboneImpl::LlamaBackboneImpl(const LlamaOptions& options, const LinearFa
 
 torch::Tensor LlamaBackboneImpl::forward(const torch::Tensor& input_ids, const torch::Tensor& position_ids,
                                          const AttentionMask& attention_mask, KeyValueCache* cache) {
+  return forward_embedded(embed(input_ids), position_ids, attention_mask, cache);
+}
+
+torch::Tensor LlamaBackboneImpl::embed(const torch::Tensor& input_ids, const torch::Tensor& host_input_ids) {
   // train.embeddings_on_host leaves the frozen table on the host: the lookup runs there and only
   // the rows of this batch travel to the device. They are gathered straight into pinned memory
   // and sent without blocking: the copy queues behind the device's work at the link's speed,
-  // where pageable rows took the host with them (7.8 ms of copy a step at 8B, micro-batch 4).
+  // where pageable rows took the host with them (7.8 ms of copy a step at 8B, micro-batch 4). A
+  // training batch's ids are on the host already (LlamaInputs::host_input_ids): copying them back
+  // from the device would wait for the device's queue, and for whatever copy the engine runs.
   const auto& table = embed_tokens->weight;
   torch::Tensor hidden;
   if (table.device() == input_ids.device()) {
@@ -429,7 +435,8 @@ torch::Tensor LlamaBackboneImpl::forward(const torch::Tensor& input_ids, const t
     auto rows = torch::empty(shape, table.options().pinned_memory(input_ids.is_cuda()));
     // The embedding's forward is this gather: the same values.
     auto flat_rows = rows.view({-1, table.size(1)});
-    torch::index_select_out(flat_rows, table.detach(), 0, input_ids.reshape(-1).to(table.device()));
+    const auto ids = host_input_ids.defined() && host_input_ids.device() == table.device() ? host_input_ids : input_ids;
+    torch::index_select_out(flat_rows, table.detach(), 0, ids.reshape(-1).to(table.device()));
     hidden = rows.to(input_ids.device(), /*non_blocking=*/true);
   }
   if (options_.scale_embeddings) {
@@ -440,6 +447,11 @@ torch::Tensor LlamaBackboneImpl::forward(const torch::Tensor& input_ids, const t
                              .item<double>();
     hidden = hidden * scale;
   }
+  return hidden;
+}
+
+torch::Tensor LlamaBackboneImpl::forward_embedded(torch::Tensor hidden, const torch::Tensor& position_ids,
+                                                  const AttentionMask& attention_mask, KeyValueCache* cache) {
   const auto [full_cos, full_sin] = rotary_.tables(position_ids, hidden.scalar_type());
   torch::Tensor sliding_cos, sliding_sin;
   if (sliding_rotary_) std::tie(sliding_cos, sliding_sin) = sliding_rotary_->tables(position_ids, hidden.scalar_type());
@@ -494,7 +506,12 @@ torch::Tensor LlamaForCausalLMImpl::hidden_states(const LlamaInputs& inputs) {
                        .unsqueeze(0)
                        .expand({inputs.input_ids.size(0), -1});
   }
-  return model->forward(inputs.input_ids, position_ids, inputs.attention_mask, inputs.cache);
+  auto hidden = model->embed(inputs.input_ids, inputs.host_input_ids);
+  if (lm_head_prefetch_pending_) {
+    lm_head_prefetch_pending_ = false;
+    host_lm_head_->prefetch(device());
+  }
+  return model->forward_embedded(std::move(hidden), position_ids, inputs.attention_mask, inputs.cache);
 }
 
 torch::Tensor LlamaForCausalLMImpl::logits(const torch::Tensor& hidden) {
@@ -537,12 +554,11 @@ void LlamaForCausalLMImpl::keep_lm_head_on_host() {
   dense->weight().set_data(host_lm_head_->host());  // a bias, [vocab], stays on the device
 }
 
-void LlamaForCausalLMImpl::prefetch_lm_head() {
-  if (host_lm_head_) host_lm_head_->prefetch(device());
-}
+void LlamaForCausalLMImpl::prefetch_lm_head() { lm_head_prefetch_pending_ = host_lm_head_ != nullptr; }
 
 torch::Tensor LlamaForCausalLMImpl::take_lm_head_weight() {
   if (!host_lm_head_) throw Error(ErrorCode::kInternal, "lm_head's weight was taken from the host, where it is not kept");
+  lm_head_prefetch_pending_ = false;
   return host_lm_head_->take(device());
 }
 

@@ -151,9 +151,16 @@ TORCH_MODULE(LlamaDecoderLayer);
 class LlamaBackboneImpl : public torch::nn::Module {
  public:
   LlamaBackboneImpl(const LlamaOptions& options, const LinearFactory& make_linear, torch::ScalarType dtype);
-  // input_ids [batch, seq] int64 -> hidden [batch, seq, hidden] in the model dtype
+  // input_ids [batch, seq] int64 -> hidden [batch, seq, hidden] in the model dtype: embed, then
+  // forward_embedded.
   torch::Tensor forward(const torch::Tensor& input_ids, const torch::Tensor& position_ids,
                         const AttentionMask& attention_mask, KeyValueCache* cache = nullptr);
+  // The input rows of input_ids on input_ids' device (Gemma's scale applied). host_input_ids: the
+  // same ids on the host where the caller has them (LlamaInputs').
+  torch::Tensor embed(const torch::Tensor& input_ids, const torch::Tensor& host_input_ids = {});
+  // The decoder layers and the final norm over embed's rows.
+  torch::Tensor forward_embedded(torch::Tensor hidden, const torch::Tensor& position_ids,
+                                 const AttentionMask& attention_mask, KeyValueCache* cache = nullptr);
   // Recompute every k-th decoder layer in backward instead of keeping its activations
   // (trainer/model/activation_checkpoint.h); 0 turns it off. Only while training with grad enabled.
   void set_gradient_checkpointing(int64_t every_k_layers) { checkpoint_every_ = every_k_layers; }
@@ -187,6 +194,9 @@ struct LlamaInputs {
   // Generation: the keys and values of the tokens before input_ids, extended by the forward
   // pass; default position_ids then start at cache->length(). Inference only.
   KeyValueCache* cache = nullptr;
+  // The same ids on the host, where the caller has them (a training batch): train.embeddings_on_host
+  // gathers the rows there without copying the ids back, a copy that waits for the device.
+  torch::Tensor host_input_ids;
 };
 
 class LlamaForCausalLMImpl : public torch::nn::Module, public qat::LinearLayerOwner {
@@ -216,8 +226,10 @@ class LlamaForCausalLMImpl : public torch::nn::Module, public qat::LinearLayerOw
   // nothing moves.
   void keep_lm_head_on_host();
   bool lm_head_on_host() const { return host_lm_head_ != nullptr; }
-  // Starts bringing the host-kept weight to the device, to arrive while the layers run forward
-  // (the training step calls it first); nothing unless lm_head_on_host().
+  // The host-kept weight starts for the device with the next hidden_states(), once that batch's
+  // embedding rows are queued (a copy engine runs one copy at a time: a gigabyte of head ahead of
+  // them held up the first layer), and arrives while the layers run forward (the training step
+  // calls it first); nothing unless lm_head_on_host().
   void prefetch_lm_head();
   // With lm_head_on_host(): its weight on the device, the prefetched copy or one made now, for
   // the caller to let go of after its use; and its bias there (undefined when it has none).
@@ -231,6 +243,7 @@ class LlamaForCausalLMImpl : public torch::nn::Module, public qat::LinearLayerOw
   LlamaOptions options_;
   torch::ScalarType dtype_;
   std::unique_ptr<HostResidentWeight> host_lm_head_;
+  bool lm_head_prefetch_pending_ = false;  // prefetch_lm_head() asked; hidden_states() starts it
   std::shared_ptr<RouterLoss> router_loss_;
 };
 TORCH_MODULE(LlamaForCausalLM);
