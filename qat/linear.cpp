@@ -26,6 +26,14 @@ torch::Tensor LinearLayer::matmul_weight(torch::ScalarType) const {
   throw Error(ErrorCode::kInternal, name() + " does not multiply by a dense weight; its adapters run unfused (a bug if reached)");
 }
 
+torch::Tensor LinearLayer::matmul_weight_rows(torch::ScalarType, const torch::Tensor&) const {
+  throw Error(ErrorCode::kInternal, name() + " builds only its whole weight, not rows of it (a bug if reached)");
+}
+
+torch::Tensor LinearLayer::matmul_weight_columns(torch::ScalarType, int64_t, int64_t) const {
+  throw Error(ErrorCode::kInternal, name() + " builds only its whole weight, not columns of it (a bug if reached)");
+}
+
 torch::Tensor LinearLayer::own_product(const torch::Tensor&, torch::Tensor) const {
   throw Error(ErrorCode::kInternal, name() + " multiplies through its weight, not its own product (a bug if reached)");
 }
@@ -33,6 +41,14 @@ torch::Tensor LinearLayer::own_product(const torch::Tensor&, torch::Tensor) cons
 torch::Tensor LinearLayer::own_input_gradient(const torch::Tensor&, torch::Tensor) const {
   throw Error(ErrorCode::kInternal, name() + " multiplies through its weight, not its own product (a bug if reached)");
 }
+
+namespace {
+thread_local int64_t bank_block_bytes = 0;
+}  // namespace
+
+BuildBanksInBlocks::BuildBanksInBlocks(int64_t bytes) : previous_(bank_block_bytes) { bank_block_bytes = bytes; }
+BuildBanksInBlocks::~BuildBanksInBlocks() { bank_block_bytes = previous_; }
+int64_t BuildBanksInBlocks::bytes() { return bank_block_bytes; }
 
 namespace {
 thread_local bool keep_built_weights = false;

@@ -264,6 +264,7 @@ struct BenchOptions {
   int64_t loss_chunk = 0;  // 0 automatic, -1 unchunked
   int64_t profile_steps = 0;
   int64_t mlp_chunk = 0;
+  int64_t bank_block_mb = 0;      // train.expert_bank_block_mb
   int64_t packed_samples = 0;
   int64_t packed_whole_rows = 0;  // with packed_samples: rows holding one sample each, first
   int64_t token_ids_below = 0;    // the batches' ids from [0, this); 0: the whole vocabulary
@@ -299,6 +300,9 @@ po::options_description bench_option_descriptions(BenchOptions& bench) {
       ("offload-activations", po::bool_switch(), "with --checkpointing: the layers' inputs wait in pinned host memory "
        "(train.offload_activations)")
       ("mlp-chunk", po::value(&bench.mlp_chunk)->default_value(0), "MLP chunk tokens (train.mlp_chunk_tokens); 0: whole")
+      ("bank-block-mb", po::value(&bench.bank_block_mb)->default_value(0),
+       "a mixture of experts' frozen bank built again (--rebuild-weights) is dequantized this many MB at a time "
+       "(train.expert_bank_block_mb); 0: whole")
       ("unfused-loss", po::bool_switch(), "each loss chunk's whole logits (train.fused_loss: false)")
       ("objective", po::value(&bench.objective)->default_value("sft"),
        "sft, or dpo / orpo / simpo (train.objective): each row a preference pair, the prompt with a chosen and a "
@@ -377,6 +381,10 @@ std::optional<BenchOptions> parse_bench_options(const Arguments& arguments) {
   bench.dtype = trainer::parse_dtype_name(bench.dtype_name, "--dtype");
   bench.checkpointing = flag("checkpointing");
   bench.llama = trainer::llama_shape(bench.shape);
+  if (bench.bank_block_mb < 0 || bench.bank_block_mb > (int64_t{1} << 20)) {
+    throw Error(ErrorCode::kUsage, "--bank-block-mb " + std::to_string(bench.bank_block_mb) +
+                                       ": from 0 (the whole bank) to 1048576");
+  }
   if (bench.token_ids_below < 0 || bench.token_ids_below > bench.llama.vocab_size) {
     throw Error(ErrorCode::kUsage, "--token-ids-below " + std::to_string(bench.token_ids_below) + ": the shape's vocabulary has " +
                                        std::to_string(bench.llama.vocab_size) + " ids (0: all of them)");
@@ -414,6 +422,7 @@ std::optional<BenchOptions> parse_bench_options(const Arguments& arguments) {
   recipe.qat.lora_gradient = bench.lora_gradient;
   recipe.train.offload_activations = flag("offload-activations");
   recipe.train.mlp_chunk_tokens = bench.mlp_chunk;
+  recipe.train.expert_bank_block_mb = bench.bank_block_mb;
   recipe.train.fused_loss = !flag("unfused-loss");
   recipe.train.keep_built_weights = !flag("rebuild-weights");
   recipe.train.embeddings_on_host = flag("embeddings-on-host");
@@ -685,6 +694,7 @@ void report_bench(const BenchOptions& bench, const BenchRun& run, const BenchMea
                               {"checkpointing", bench.checkpointing},
                               {"offload_activations", recipe.train.offload_activations},
                               {"mlp_chunk_tokens", bench.mlp_chunk},
+                              {"expert_bank_block_mb", bench.bank_block_mb},
                               {"packed_samples", bench.packed_samples},
                               {"packed_whole_rows", bench.packed_whole_rows},
                               {"token_ids_below", bench.token_ids_below},

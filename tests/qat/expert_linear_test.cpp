@@ -4,6 +4,7 @@
 // _grouped_mm) gives the per-expert loop's values and gradients to bf16's rounding.
 #include <gtest/gtest.h>
 
+#include "block_counting_bank.h"
 #include "qat/expert_linear.h"
 #include "qat/four_bit_linear.h"
 
@@ -175,6 +176,51 @@ void expect_rebuilt_in_backward_unless_kept(torch::Device device, torch::ScalarT
     bank_product(*bank, experts, batch.rows, batch.counts);
     EXPECT_EQ(bank->builds, 1);
   }
+}
+
+// A bank built again in blocks (BuildBanksInBlocks: rows of every expert forward, columns
+// backward, remainders included) gives the whole bank's product and input gradient, and so does a
+// product without grad.
+void expect_blocks_give_the_whole_banks_products(torch::Device device, torch::ScalarType dtype, double tolerance) {
+  torch::manual_seed(10);
+  const int64_t experts = 4, in = 192, out = 40;
+  const auto weight = torch::randn({experts * out, in}, torch::TensorOptions().dtype(torch::kBFloat16).device(device)) * 0.05;
+  const auto bank = std::make_shared<qtrain::testing::BlockCountingBank>(FourBitLinear::from_dense(weight, torch::Tensor(), FourBitOptions{}));
+  const std::vector<int64_t> counts = {10, 33, 0, 7};
+  const auto batch = make_batch(experts, in, out, counts, device, dtype);
+  const auto grad_out = torch::randn({50, out}, batch.rows.options());
+  const int64_t bank_bytes = experts * out * in * static_cast<int64_t>(c10::elementSize(dtype));
+  auto run = [&](int64_t block_bytes) {
+    const KeepBuiltWeights rebuilt(false);
+    const BuildBanksInBlocks blocks(block_bytes);
+    auto rows = batch.rows.detach().requires_grad_(true);
+    const auto product = bank_product(*bank, experts, rows, batch.counts);
+    product.backward(grad_out);
+    torch::NoGradGuard no_grad;
+    return std::make_tuple(product.detach(), rows.grad(), bank_product(*bank, experts, batch.rows, batch.counts));
+  };
+  const auto [whole_out, whole_grad, whole_no_grad] = run(0);
+  EXPECT_EQ(bank->wholes, 3);  // forward, backward, the product without grad
+  EXPECT_EQ(bank->row_blocks + bank->column_blocks, 0);
+  bank->wholes = 0;
+  const auto [out_blocks, grad_blocks, no_grad_blocks] = run(bank_bytes / 3);  // 3 blocks: 16 + 16 + 8 rows, 3 x 64 columns
+  EXPECT_EQ(bank->wholes, 0);
+  EXPECT_EQ(bank->row_blocks, 2 * 3);  // forward and the product without grad
+  EXPECT_EQ(bank->column_blocks, 3);   // backward
+  const auto scale = [](const torch::Tensor& t) { return t.abs().max().item<double>(); };
+  EXPECT_LE(scale(out_blocks - whole_out), tolerance * scale(whole_out));
+  EXPECT_LE(scale(grad_blocks - whole_grad), tolerance * scale(whole_grad));
+  EXPECT_LE(scale(no_grad_blocks - whole_no_grad), tolerance * scale(whole_no_grad));
+  EXPECT_TRUE(torch::equal(whole_no_grad, whole_out));
+}
+
+TEST(ExpertBank, ABankBuiltInBlocksGivesTheWholeBanksProducts) {
+  expect_blocks_give_the_whole_banks_products(torch::kCPU, torch::kFloat32, 1e-6);
+}
+
+TEST(ExpertBank, CudaABankBuiltInBlocksGivesTheWholeBanksProducts) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU on this machine";
+  expect_blocks_give_the_whole_banks_products(torch::kCUDA, torch::kBFloat16, 1e-2);
 }
 
 TEST(ExpertBank, AFrozenBankIsBuiltAgainInBackwardUnlessKept) {

@@ -8,7 +8,9 @@
 
 #include <gtest/gtest.h>
 
+#include "block_counting_bank.h"
 #include "kernels/error.h"
+#include "qat/expert_linear.h"
 #include "qat/four_bit_linear.h"
 #include "qat/lora_linear.h"
 #include "small_llama.h"
@@ -178,6 +180,57 @@ TEST(EmbeddingsOnHost, TheRecipeRefusesTiedOrTrainedTables) {
   recipe.lora.rank = 0;  // every weight trains, the embedding too
   recipe.quant = QuantMethod::kNone;
   EXPECT_NE(refusal(*untied, recipe).find("model.embed_tokens.weight"), std::string::npos);
+}
+
+// train.expert_bank_block_mb reaches the banks in the forward and in the checkpointed layers'
+// recomputation (autograd's thread): NF4 banks built again in blocks give the gradients of the
+// whole banks (to fp32 rounding: the blocks are separate products).
+TEST(ExpertBankBlocks, RebuiltBanksAreBuiltInBlocksWithTheSameGradients) {
+  torch::manual_seed(13);
+  auto options = qtrain::testing::small_llama_options(128, 2);
+  options.feed_forward = FeedForwardKind::kExperts;
+  options.experts.num_experts = 4;
+  options.experts.experts_per_token = 2;
+  options.experts.intermediate_size = 128;
+  LlamaForCausalLM model(options, torch::kFloat32);
+  qat::quantize_linear_layers(*model, qat::FourBitOptions{}, {"lm_head"});
+  std::vector<std::shared_ptr<qtrain::testing::BlockCountingBank>> banks;
+  for (const auto& item : model->named_modules("", /*include_self=*/false)) {
+    auto* owner = dynamic_cast<qat::ExpertBankOwner*>(item.value().get());
+    auto* layers = dynamic_cast<qat::LinearLayerOwner*>(item.value().get());
+    if (owner == nullptr || layers == nullptr) continue;
+    for (const auto& child : item.value()->named_children()) {
+      if (owner->bank_experts(child.key()) == 0) continue;
+      banks.push_back(std::make_shared<qtrain::testing::BlockCountingBank>(std::dynamic_pointer_cast<qat::LinearLayer>(child.value())));
+      layers->replace_linear(child.key(), banks.back());
+    }
+  }
+  ASSERT_EQ(banks.size(), 4u);  // gate_up and down of 2 layers
+  model->model->embed_tokens->weight.set_requires_grad(true);
+  model->train();
+  const auto input_ids = torch::randint(options.vocab_size, {2, 24}, torch::kInt64);
+  auto gradient = [&](int64_t block_bytes) {
+    model->model->set_gradient_checkpointing(1);
+    model->model->set_keep_built_weights(false);
+    model->model->set_expert_bank_block_bytes(block_bytes);
+    for (auto& bank : banks) bank->row_blocks = bank->column_blocks = 0;
+    auto loss = causal_lm_loss(*model, model->hidden_states({input_ids, {}, {}}), input_ids, 0);
+    loss.loss_sum.backward();
+    auto grad = model->model->embed_tokens->weight.grad().clone();
+    model->model->embed_tokens->weight.mutable_grad() = torch::Tensor();
+    return grad;
+  };
+  const auto whole = gradient(0);
+  for (const auto& bank : banks) EXPECT_EQ(bank->row_blocks + bank->column_blocks, 0);
+  // gate_up 512 KB and down 256 KB of fp32: rows in 32 and 16 blocks; columns (two quantization
+  // blocks of 64 a row) in 2.
+  const auto blocked = gradient(16 << 10);
+  for (const auto& bank : banks) {
+    EXPECT_GE(bank->row_blocks, 2 * 16);  // the forward without grad and the recomputation
+    EXPECT_EQ(bank->column_blocks, 2);    // the recomputation's backward
+  }
+  ASSERT_GT(whole.abs().max().item<double>(), 0);
+  EXPECT_LE((blocked - whole).abs().max().item<double>(), 1e-6 * whole.abs().max().item<double>());
 }
 
 TEST(EmbeddingsOnHost, CudaLogitsAndGradientsEqualATableOnTheDeviceBitwise) {

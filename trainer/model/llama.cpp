@@ -458,6 +458,7 @@ torch::Tensor LlamaBackboneImpl::forward_embedded(torch::Tensor hidden, const to
   const bool checkpointing = checkpoint_every_ > 0 && is_training() && torch::GradMode::is_enabled();
   const auto offload =
       checkpointing && offload_activations_ ? std::make_shared<ActivationOffload>(hidden.device()) : nullptr;
+  const qat::BuildBanksInBlocks bank_blocks(expert_bank_block_bytes_);
   for (size_t index = 0; index < layers->size(); ++index) {
     auto* layer = layers[index]->as<LlamaDecoderLayer>();
     const bool own_rope = sliding_rotary_ && options_.layer_slides(static_cast<int64_t>(index));
@@ -465,9 +466,11 @@ torch::Tensor LlamaBackboneImpl::forward_embedded(torch::Tensor hidden, const to
     const auto& sin = own_rope ? sliding_sin : full_sin;
     if (checkpointing && static_cast<int64_t>(index) % checkpoint_every_ == 0) {
       hidden = checkpoint(
-          [layer, cos = cos, sin = sin, attention_mask, keep = keep_built_weights_](const std::vector<torch::Tensor>& inputs) {
+          [layer, cos = cos, sin = sin, attention_mask, keep = keep_built_weights_,
+           block_bytes = expert_bank_block_bytes_](const std::vector<torch::Tensor>& inputs) {
             // Grad mode is on only in the recomputation, whose backward follows at once.
             const qat::KeepBuiltWeights keep_dequantized(keep && torch::GradMode::is_enabled());
+            const qat::BuildBanksInBlocks bank_blocks(block_bytes);  // the recomputation runs on autograd's thread
             return layer->forward(inputs[0], cos, sin, attention_mask);
           },
           {hidden}, layer->parameters(), offload);

@@ -173,6 +173,9 @@ class LlamaBackboneImpl : public torch::nn::Module {
   // With checkpointing: whether a recomputed layer keeps the weights it built (dequantized,
   // fake-quantized) for its backward (qat::KeepBuiltWeights), or builds them again there.
   void set_keep_built_weights(bool keep) { keep_built_weights_ = keep; }
+  // train.expert_bank_block_mb: a frozen expert bank built again in backward is built at most
+  // this many bytes at a time (qat::BuildBanksInBlocks); 0: whole.
+  void set_expert_bank_block_bytes(int64_t bytes) { expert_bank_block_bytes_ = bytes; }
   torch::nn::Embedding embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};
   RMSNorm norm{nullptr};
@@ -184,6 +187,7 @@ class LlamaBackboneImpl : public torch::nn::Module {
   int64_t checkpoint_every_ = 0;
   bool offload_activations_ = false;
   bool keep_built_weights_ = true;
+  int64_t expert_bank_block_bytes_ = 0;
 };
 TORCH_MODULE(LlamaBackbone);
 

@@ -240,6 +240,7 @@ void apply_recipe_memory_settings(LlamaForCausalLMImpl& model, const Recipe& rec
                 "qat.activations measures its ranges over: set train.mlp_chunk_tokens: 0 or qat.activations.bits: 0");
   }
   backbone.set_mlp_chunk_tokens(recipe.train.mlp_chunk_tokens);
+  backbone.set_expert_bank_block_bytes(recipe.train.expert_bank_block_mb << 20);
   backbone.set_keep_built_weights(recipe.train.keep_built_weights);
   if (recipe.train.lm_head_on_host) keep_lm_head_on_host(model, recipe);
   if (!recipe.train.embeddings_on_host) return;
