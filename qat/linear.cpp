@@ -42,22 +42,6 @@ torch::Tensor LinearLayer::own_input_gradient(const torch::Tensor&, torch::Tenso
   throw Error(ErrorCode::kInternal, name() + " multiplies through its weight, not its own product (a bug if reached)");
 }
 
-namespace {
-thread_local int64_t bank_block_bytes = 0;
-}  // namespace
-
-BuildBanksInBlocks::BuildBanksInBlocks(int64_t bytes) : previous_(bank_block_bytes) { bank_block_bytes = bytes; }
-BuildBanksInBlocks::~BuildBanksInBlocks() { bank_block_bytes = previous_; }
-int64_t BuildBanksInBlocks::bytes() { return bank_block_bytes; }
-
-namespace {
-thread_local bool keep_built_weights = false;
-}  // namespace
-
-KeepBuiltWeights::KeepBuiltWeights(bool keep) : previous_(keep_built_weights) { keep_built_weights = keep; }
-KeepBuiltWeights::~KeepBuiltWeights() { keep_built_weights = previous_; }
-bool KeepBuiltWeights::active() { return keep_built_weights; }
-
 void replace_linear_layer(torch::nn::Module& parent, const std::string& child_name,
                           std::shared_ptr<LinearLayer> layer) {
   if (auto* owner = dynamic_cast<LinearLayerOwner*>(&parent)) {

@@ -62,35 +62,44 @@ class LinearLayer : public torch::nn::Module {
   virtual torch::Tensor matmul_weight_columns(torch::ScalarType dtype, int64_t begin, int64_t end) const;
 };
 
+// A setting that holds on this thread while a scope object lives, and what it was after: how a
+// decoder layer tells the layers it runs (in its forward, and in its recomputation on autograd's
+// thread) what to do with the weights they build. `Tag` makes each setting its own variable.
+template <typename Value, typename Tag>
+class ThreadScopedSetting {
+ public:
+  explicit ThreadScopedSetting(Value value) : previous_(current()) { current() = value; }
+  ~ThreadScopedSetting() { current() = previous_; }
+  ThreadScopedSetting(const ThreadScopedSetting&) = delete;
+  ThreadScopedSetting& operator=(const ThreadScopedSetting&) = delete;
+
+ protected:
+  static Value& current() {
+    thread_local Value value{};
+    return value;
+  }
+
+ private:
+  Value previous_;
+};
+
 // While one lives on this thread with bytes > 0, a frozen expert bank that is built again in
 // backward (qat/expert_linear.h: not kept) is built at most this many bytes at a time, in blocks
 // of rows forward and of columns backward, where its base builds blocks (weight_block_columns).
 // The decoder layers set it from train.expert_bank_block_mb, in their forward and recomputation.
-class BuildBanksInBlocks {
+class BuildBanksInBlocks : public ThreadScopedSetting<int64_t, BuildBanksInBlocks> {
  public:
-  explicit BuildBanksInBlocks(int64_t bytes);
-  ~BuildBanksInBlocks();
-  BuildBanksInBlocks(const BuildBanksInBlocks&) = delete;
-  BuildBanksInBlocks& operator=(const BuildBanksInBlocks&) = delete;
-  static int64_t bytes();
-
- private:
-  int64_t previous_;
+  using ThreadScopedSetting::ThreadScopedSetting;
+  static int64_t bytes() { return current(); }
 };
 
 // While one lives on this thread, layers that build their matmul weight (a dequantization) keep
 // it for backward instead of building it again there. A checkpointed decoder layer's
 // recomputation sets it: its backward follows at once, so the cost is one layer's weights.
-class KeepBuiltWeights {
+class KeepBuiltWeights : public ThreadScopedSetting<bool, KeepBuiltWeights> {
  public:
-  explicit KeepBuiltWeights(bool keep);
-  ~KeepBuiltWeights();
-  KeepBuiltWeights(const KeepBuiltWeights&) = delete;
-  KeepBuiltWeights& operator=(const KeepBuiltWeights&) = delete;
-  static bool active();
-
- private:
-  bool previous_;
+  using ThreadScopedSetting::ThreadScopedSetting;
+  static bool active() { return current(); }
 };
 
 struct DenseLinearOptions {

@@ -12,8 +12,9 @@
 //                                   and only for adapters (full fine-tuning's state is the model twice)
 // A switch the run cannot take (a tied, trained, adapted or fake-quantized table or head; no
 // checkpointing) stays off, said why. It never turns a switch off, and leaves what costs speed as
-// set: train.keep_built_weights (8% slower off) and train.mlp_chunk_tokens. On the CPU (the host
-// is the device) and under train.memory: manual it changes nothing.
+// set: train.keep_built_weights (8% slower off), train.mlp_chunk_tokens and
+// train.expert_bank_block_mb. On the CPU (the host is the device) and under train.memory: manual
+// it changes nothing.
 #include <string>
 #include <vector>
 
