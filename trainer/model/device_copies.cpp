@@ -1,6 +1,5 @@
 #include "trainer/model/device_copies.h"
 
-#include <algorithm>
 #include <map>
 #include <mutex>
 
@@ -29,28 +28,6 @@ c10::cuda::CUDAStream lane_stream(c10::DeviceIndex device, CopyLane lane) {
   if (found != streams.end()) return found->second;
   return streams.emplace(key, c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device)).first->second;
 }
-
-// A copy engine runs one copy command at a time, whichever stream queued it: a small copy of the
-// compute stream (a batch's embedding rows, token ids to the host) queued behind a gigabyte of
-// lm_head or optimizer state waited for all of it (23 ms a step at Qwen3-30B-A3B's adapters). In
-// pieces of this size the engine takes the other streams' copies between two pieces.
-constexpr int64_t kCopyPieceBytes = int64_t{32} << 20;
-
-void copy_in_pieces(const torch::Tensor& destination, const torch::Tensor& source) {
-  const int64_t bytes = source.numel() * static_cast<int64_t>(source.element_size());
-  if (bytes <= kCopyPieceBytes || !destination.is_contiguous() || !source.is_contiguous() ||
-      destination.scalar_type() != source.scalar_type() || destination.numel() != source.numel()) {
-    destination.copy_(source, /*non_blocking=*/true);
-    return;
-  }
-  const auto to = destination.view(-1);
-  const auto from = source.view(-1);
-  const int64_t piece = std::max<int64_t>(kCopyPieceBytes / static_cast<int64_t>(source.element_size()), 1);
-  for (int64_t start = 0; start < from.numel(); start += piece) {
-    const int64_t length = std::min(piece, from.numel() - start);
-    to.narrow(0, start, length).copy_(from.narrow(0, start, length), /*non_blocking=*/true);
-  }
-}
 #endif
 
 }  // namespace
@@ -65,7 +42,7 @@ void copy_after_compute(const torch::Tensor& destination, const torch::Tensor& s
     queued.block(copies);
     {
       const c10::cuda::CUDAStreamGuard on_copies(copies);
-      copy_in_pieces(destination, source);
+      destination.copy_(source, /*non_blocking=*/true);
     }
     (destination.is_cuda() ? destination : source).record_stream(copies);
     return;

@@ -413,11 +413,6 @@ LlamaBackboneImpl::LlamaBackboneImpl(const LlamaOptions& options, const LinearFa
   norm = register_module("norm", RMSNorm(options.hidden_size, options.rms_norm_eps, dtype, options.norm_style));
 }
 
-torch::Tensor LlamaBackboneImpl::forward(const torch::Tensor& input_ids, const torch::Tensor& position_ids,
-                                         const AttentionMask& attention_mask, KeyValueCache* cache) {
-  return forward_embedded(embed(input_ids), position_ids, attention_mask, cache);
-}
-
 torch::Tensor LlamaBackboneImpl::embed(const torch::Tensor& input_ids, const torch::Tensor& host_input_ids) {
   // train.embeddings_on_host leaves the frozen table on the host: the lookup runs there and only
   // the rows of this batch travel to the device. They are gathered straight into pinned memory

@@ -151,11 +151,9 @@ TORCH_MODULE(LlamaDecoderLayer);
 class LlamaBackboneImpl : public torch::nn::Module {
  public:
   LlamaBackboneImpl(const LlamaOptions& options, const LinearFactory& make_linear, torch::ScalarType dtype);
-  // input_ids [batch, seq] int64 -> hidden [batch, seq, hidden] in the model dtype: embed, then
-  // forward_embedded.
-  torch::Tensor forward(const torch::Tensor& input_ids, const torch::Tensor& position_ids,
-                        const AttentionMask& attention_mask, KeyValueCache* cache = nullptr);
-  // The input rows of input_ids on input_ids' device (Gemma's scale applied). host_input_ids: the
+  // input_ids [batch, seq] int64 -> hidden [batch, seq, hidden] in the model dtype in two parts
+  // (LlamaForCausalLMImpl::hidden_states starts lm_head's copy between them): the input rows of
+  // input_ids on input_ids' device (Gemma's scale applied). host_input_ids: the
   // same ids on the host where the caller has them (LlamaInputs').
   torch::Tensor embed(const torch::Tensor& input_ids, const torch::Tensor& host_input_ids = {});
   // The decoder layers and the final norm over embed's rows.
