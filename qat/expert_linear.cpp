@@ -43,52 +43,47 @@ torch::Tensor grouped_linear(const torch::Tensor& rows, const torch::Tensor& wei
 
 namespace {
 
-// How many blocks a bank of `experts` × [out, in] in `dtype` is built in, at most `block_bytes`
-// each (BuildBanksInBlocks); 1: whole.
-int64_t bank_blocks(const LinearLayer& bank, torch::ScalarType dtype, int64_t block_bytes) {
-  if (block_bytes <= 0 || bank.weight_block_columns() == 0 || bank.multiplies_itself()) return 1;
-  const int64_t bytes = bank.out_features() * bank.in_features() * static_cast<int64_t>(c10::elementSize(dtype));
-  return std::max<int64_t>((bytes + block_bytes - 1) / block_bytes, 1);
+// How many experts a block of the bank holds, built in `dtype`: as many as fit `block_bytes`
+// (BuildBanksInBlocks), at least one; all where the bank builds only whole weights.
+int64_t experts_per_block(const LinearLayer& bank, int64_t experts, torch::ScalarType dtype, int64_t block_bytes) {
+  if (block_bytes <= 0 || !bank.builds_weight_rows() || bank.multiplies_itself()) return experts;
+  const int64_t expert_bytes = bank.out_features() / experts * bank.in_features() * static_cast<int64_t>(c10::elementSize(dtype));
+  return std::clamp<int64_t>(block_bytes / expert_bytes, 1, experts);
 }
 
-int64_t round_up(int64_t value, int64_t unit) { return (value + unit - 1) / unit * unit; }
+std::vector<int64_t> host_counts(const torch::Tensor& counts) {
+  const auto host = counts.to(torch::kCPU, torch::kInt64).contiguous();
+  return {host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel()};
+}
 
-// rows times the bank, each expert's output features `blocks` slices at a time: expert e's rows
-// e·out + [begin, end) of the bank built alone. The same products, column slices of them.
-torch::Tensor product_in_blocks(const LinearLayer& bank, int64_t experts, const torch::Tensor& rows,
-                                const torch::Tensor& counts, int64_t blocks) {
+// The grouped product of rows sorted by expert with each row's W_e, or with W_e^T (`transposed`:
+// the input gradient), the bank built `per_block` experts at a time. Each block multiplies its own
+// experts' rows (the counts on the host say where they lie), so every expert's product is the
+// whole bank's; a block whose experts have no rows is not built.
+torch::Tensor product_by_expert_blocks(const LinearLayer& bank, int64_t experts, const torch::Tensor& rows,
+                                       const torch::Tensor& counts, const std::vector<int64_t>& on_host,
+                                       int64_t per_block, bool transposed) {
   const int64_t out = bank.out_features() / experts;
-  const int64_t width = std::min(out, round_up((out + blocks - 1) / blocks, 8));  // grouped GEMM: 16-byte rows
-  const auto options = torch::TensorOptions().dtype(torch::kInt64).device(rows.device());
-  const auto expert_starts = (torch::arange(experts, options) * out).unsqueeze(1);
-  std::vector<torch::Tensor> slices;
-  for (int64_t begin = 0; begin < out; begin += width) {
-    const int64_t end = std::min(out, begin + width);
-    const auto index = (expert_starts + torch::arange(begin, end, options).unsqueeze(0)).reshape(-1);
-    const auto weights = bank.matmul_weight_rows(rows.scalar_type(), index).view({experts, end - begin, -1});
-    slices.push_back(grouped_linear(rows, weights, counts));
+  std::vector<torch::Tensor> products;
+  int64_t start = 0;
+  for (int64_t first = 0; first < experts; first += per_block) {
+    const int64_t n = std::min(per_block, experts - first);
+    int64_t block_rows = 0;
+    for (int64_t expert = first; expert < first + n; ++expert) block_rows += on_host[expert];
+    if (block_rows == 0) continue;
+    auto weights = bank.matmul_weight_rows(rows.scalar_type(), first * out, (first + n) * out).view({n, out, -1});
+    if (transposed) weights = weights.transpose(1, 2);
+    products.push_back(grouped_linear(rows.narrow(0, start, block_rows), weights, counts.narrow(0, first, n)));
+    start += block_rows;
   }
-  return slices.size() == 1 ? slices.front() : torch::cat(slices, 1);
-}
-
-// grad (rows sorted by expert, [tokens, out]) times each row's expert weight W_e [out, in], the
-// bank's input features `blocks` slices at a time (whole quantization blocks).
-torch::Tensor input_gradient_in_blocks(const LinearLayer& bank, int64_t experts, const torch::Tensor& grad,
-                                       const torch::Tensor& counts, int64_t blocks) {
-  const int64_t in = bank.in_features();
-  const int64_t width = std::min(in, round_up((in + blocks - 1) / blocks, bank.weight_block_columns()));
-  std::vector<torch::Tensor> slices;
-  for (int64_t begin = 0; begin < in; begin += width) {
-    const int64_t end = std::min(in, begin + width);
-    const auto weights = bank.matmul_weight_columns(grad.scalar_type(), begin, end).view({experts, -1, end - begin});
-    slices.push_back(grouped_linear(grad, weights.transpose(1, 2), counts));
-  }
-  return slices.size() == 1 ? slices.front() : torch::cat(slices, 1);
+  if (products.empty()) return rows.new_empty({0, transposed ? bank.in_features() : out});
+  return products.size() == 1 ? products.front() : torch::cat(products);
 }
 
 // The product with a frozen built bank that keeps only the counts: backward builds the weights again.
-// The bank outlives the step's backward (it is the model's). Built in blocks where
-// BuildBanksInBlocks asked it (at the forward: the backward runs on autograd's thread).
+// The bank outlives the step's backward (it is the model's). Built in blocks of experts where
+// BuildBanksInBlocks asked it (at the forward: the backward runs on autograd's thread); the counts
+// then come to the host once, at the forward.
 class RebuiltBankProduct : public torch::autograd::Function<RebuiltBankProduct> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* context, const torch::Tensor& rows,
@@ -96,9 +91,13 @@ class RebuiltBankProduct : public torch::autograd::Function<RebuiltBankProduct> 
     context->save_for_backward({counts});
     context->saved_data["bank"] = reinterpret_cast<int64_t>(bank);
     context->saved_data["experts"] = experts;
-    const int64_t blocks = bank_blocks(*bank, rows.scalar_type(), BuildBanksInBlocks::bytes());
-    context->saved_data["blocks"] = blocks;
-    if (blocks > 1) return product_in_blocks(*bank, experts, rows.contiguous(), counts, blocks);
+    const int64_t per_block = experts_per_block(*bank, experts, rows.scalar_type(), BuildBanksInBlocks::bytes());
+    context->saved_data["per_block"] = per_block;
+    if (per_block < experts) {
+      const auto on_host = host_counts(counts);
+      context->saved_data["host_counts"] = on_host;
+      return product_by_expert_blocks(*bank, experts, rows.contiguous(), counts, on_host, per_block, false);
+    }
     return grouped_linear(rows, expert_weights(*bank, experts, rows.scalar_type()), counts);
   }
 
@@ -106,13 +105,15 @@ class RebuiltBankProduct : public torch::autograd::Function<RebuiltBankProduct> 
                                                  torch::autograd::variable_list grad_outputs) {
     const auto* bank = reinterpret_cast<const LinearLayer*>(context->saved_data["bank"].toInt());
     const int64_t experts = context->saved_data["experts"].toInt();
-    const int64_t blocks = context->saved_data["blocks"].toInt();
+    const int64_t per_block = context->saved_data["per_block"].toInt();
     const auto grad = grad_outputs[0].contiguous();
     const auto counts = context->get_saved_variables()[0];
-    if (blocks > 1) return {input_gradient_in_blocks(*bank, experts, grad, counts, blocks), torch::Tensor(), torch::Tensor(), torch::Tensor()};
     // grad_rows of expert e: grad_e W_e, the grouped product with W_e^T as its [in, out] weight.
-    const auto weights = expert_weights(*bank, experts, grad.scalar_type());
-    const auto grad_rows = grouped_linear(grad, weights.transpose(1, 2), counts);
+    const auto grad_rows =
+        per_block < experts
+            ? product_by_expert_blocks(*bank, experts, grad, counts, context->saved_data["host_counts"].toIntVector(),
+                                       per_block, true)
+            : grouped_linear(grad, expert_weights(*bank, experts, grad.scalar_type()).transpose(1, 2), counts);
     return {grad_rows, torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
@@ -134,10 +135,6 @@ torch::Tensor bank_product(const LinearLayer& bank, int64_t experts, const torch
   const bool rebuilt = built && torch::GradMode::is_enabled() && rows.requires_grad() && !KeepBuiltWeights::active() &&
                        !trains(bank);
   if (rebuilt) return RebuiltBankProduct::apply(rows, counts, &bank, experts);
-  if (built && !torch::GradMode::is_enabled()) {  // nothing kept for a backward: blocks may do
-    const int64_t blocks = bank_blocks(bank, rows.scalar_type(), BuildBanksInBlocks::bytes());
-    if (blocks > 1) return product_in_blocks(bank, experts, rows.contiguous(), counts, blocks);
-  }
   return grouped_linear(rows, expert_weights(bank, experts, rows.scalar_type()), counts);
 }
 

@@ -56,7 +56,8 @@ torch::Tensor expert_weights(const LinearLayer& bank, int64_t experts, torch::Sc
 // where KeepBuiltWeights is active (a checkpointed layer's recomputation, qat/linear.h); elsewhere
 // backward builds them again, as the frozen 4-bit layers do, so a layer keeps no dequantized bank
 // (Qwen3-30B-A3B: 1.2 GB of bf16 a layer). A bank built again is built in blocks where
-// BuildBanksInBlocks asks it (qat/linear.h): rows of every expert forward, columns backward.
+// BuildBanksInBlocks asks it (qat/linear.h): a few whole experts at a time, each multiplying
+// its own rows (the counts come to the host once, at the forward).
 torch::Tensor bank_product(const LinearLayer& bank, int64_t experts, const torch::Tensor& rows, const torch::Tensor& counts);
 
 class ExpertLora : public LinearLayer {

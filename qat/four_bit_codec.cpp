@@ -213,6 +213,43 @@ torch::Tensor dequantize_4bit(const torch::Tensor& packed, const FourBitQuantSta
   return values.view({-1}).narrow(0, 0, n).to(dtype).view(state.shape);
 }
 
+torch::Tensor dequantize_4bit_blocks(const torch::Tensor& packed, const FourBitQuantState& state, int64_t first,
+                                     int64_t count, torch::ScalarType dtype) {
+  const int64_t blocks = state.blocks();
+  if (first < 0 || count <= 0 || first + count > blocks || state.blocksize % 2 != 0) {
+    throw Error(ErrorCode::kInternal, "blocks [" + std::to_string(first) + ", " + std::to_string(first + count) +
+                                          ") of a 4-bit tensor of " + std::to_string(blocks) + " blocks of " +
+                                          std::to_string(state.blocksize) + " are not blocks of it");
+  }
+  const int64_t begin = first * state.blocksize;
+  const int64_t end = std::min(state.numel(), (first + count) * state.blocksize);
+  FourBitQuantState piece;
+  piece.quant_type = state.quant_type;
+  piece.blocksize = state.blocksize;
+  piece.shape = {end - begin};
+  piece.dtype = state.dtype;
+  piece.code = state.code;
+  const bool whole_nested_blocks =
+      first % kNestedBlocksize == 0 && (count % kNestedBlocksize == 0 || first + count == blocks);
+  if (state.double_quant() && whole_nested_blocks) {  // the piece's codes and nested blocks, as they are
+    piece.absmax = state.absmax.narrow(0, first, count);
+    piece.nested_absmax = state.nested_absmax.narrow(0, first / kNestedBlocksize, ceil_div(count, kNestedBlocksize));
+    piece.nested_code = state.nested_code;
+    piece.offset = state.offset;
+  } else if (state.double_quant()) {  // the nested blocks that hold the piece's codes, then the piece's
+    const int64_t nested_first = first / kNestedBlocksize;
+    const int64_t nested_end = ceil_div(first + count, kNestedBlocksize);
+    const int64_t codes_begin = nested_first * kNestedBlocksize;
+    const auto codes = state.absmax.narrow(0, codes_begin, std::min(blocks, nested_end * kNestedBlocksize) - codes_begin);
+    const auto nested = state.nested_absmax.narrow(0, nested_first, nested_end - nested_first);
+    piece.absmax = (dequantize_blockwise_8bit(codes, nested, state.nested_code, kNestedBlocksize) + state.offset)
+                       .narrow(0, first - codes_begin, count);
+  } else {
+    piece.absmax = state.absmax.narrow(0, first, count);
+  }
+  return dequantize_4bit(packed.reshape({-1}).narrow(0, begin / 2, ceil_div(end - begin, 2)), piece, dtype);
+}
+
 torch::Tensor dequantize_4bit_to_float8(const torch::Tensor& packed, const FourBitQuantState& state,
                                         const torch::Tensor& row_scales) {
   if (state.shape.size() != 2 || row_scales.numel() != state.shape[0] || row_scales.scalar_type() != torch::kFloat32) {

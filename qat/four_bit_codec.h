@@ -73,6 +73,10 @@ FourBitTensor quantize_4bit(const torch::Tensor& input, FourBitType quant_type, 
                             bool double_quant);
 // The tensor in state.shape and `dtype`, on packed's device.
 torch::Tensor dequantize_4bit(const torch::Tensor& packed, const FourBitQuantState& state, torch::ScalarType dtype);
+// Quantization blocks [first, first + count) of the tensor dequantized alone, flat (the last may
+// be the tensor's partial block): the values dequantize_4bit gives there. An Error outside it.
+torch::Tensor dequantize_4bit_blocks(const torch::Tensor& packed, const FourBitQuantState& state, int64_t first,
+                                     int64_t count, torch::ScalarType dtype);
 // A 2-d [out, in] tensor dequantized to bf16 (dequantize_4bit), then coded as e4m3 at the given
 // row scales (fp32 [out, 1]): codes = e4m3(clamp(bf16 value / row scale, +-448)), the bytes
 // quantize_rows_float8 (qat/float8_codec.h) writes for the bf16 weight whose scales these are. On

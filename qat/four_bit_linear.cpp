@@ -46,49 +46,20 @@ torch::Tensor FourBitLinear::dense_weight(torch::ScalarType dtype) const {
   return dequantize_4bit(packed_, state_, dtype);
 }
 
-int64_t FourBitLinear::weight_block_columns() const {
-  return in_features() % state_.blocksize == 0 && state_.blocksize % 2 == 0 ? state_.blocksize : 0;
+bool FourBitLinear::builds_weight_rows() const {
+  return in_features() % state_.blocksize == 0 && state_.blocksize % 2 == 0;
 }
 
-namespace {
-
-// The packed bytes [out, in / 2] and fp32 absmax [out, in / blocksize] of a 4-bit [out, in] weight
-// whose rows are whole blocks, and the state of a [rows, columns] piece of it (plain fp32 absmax).
-FourBitQuantState piece_state(const FourBitQuantState& state, torch::Tensor absmax, int64_t rows, int64_t columns) {
-  FourBitQuantState piece;
-  piece.quant_type = state.quant_type;
-  piece.blocksize = state.blocksize;
-  piece.shape = {rows, columns};
-  piece.dtype = state.dtype;
-  piece.code = state.code;
-  piece.absmax = std::move(absmax);
-  return piece;
-}
-
-}  // namespace
-
-torch::Tensor FourBitLinear::matmul_weight_rows(torch::ScalarType dtype, const torch::Tensor& rows) const {
-  const int64_t unit = weight_block_columns();
-  if (unit == 0) return LinearLayer::matmul_weight_rows(dtype, rows);
+torch::Tensor FourBitLinear::matmul_weight_rows(torch::ScalarType dtype, int64_t begin, int64_t end) const {
+  if (!builds_weight_rows()) return LinearLayer::matmul_weight_rows(dtype, begin, end);
   const int64_t out = out_features(), in = in_features();
-  const auto index = rows.to(packed_.device(), torch::kInt64);
-  const auto packed = packed_.view({out, in / 2}).index_select(0, index);
-  const auto absmax = dequantize_absmax(state_).view({out, in / unit}).index_select(0, index);
-  return dequantize_4bit(packed.view({-1, 1}), piece_state(state_, absmax.view(-1), index.numel(), in), dtype);
-}
-
-torch::Tensor FourBitLinear::matmul_weight_columns(torch::ScalarType dtype, int64_t begin, int64_t end) const {
-  const int64_t unit = weight_block_columns();
-  if (unit == 0) return LinearLayer::matmul_weight_columns(dtype, begin, end);
-  const int64_t out = out_features(), in = in_features();
-  if (begin < 0 || end > in || begin >= end || begin % unit != 0 || (end % unit != 0 && end != in)) {
-    throw Error(ErrorCode::kInternal, "columns [" + std::to_string(begin) + ", " + std::to_string(end) + ") of a 4-bit [" +
-                                          std::to_string(out) + ", " + std::to_string(in) + "] weight are not whole blocks of " +
-                                          std::to_string(unit));
+  if (begin < 0 || end > out || begin >= end) {
+    throw Error(ErrorCode::kInternal, "rows [" + std::to_string(begin) + ", " + std::to_string(end) + ") of a 4-bit [" +
+                                          std::to_string(out) + ", " + std::to_string(in) + "] weight are not rows of it");
   }
-  const auto packed = packed_.view({out, in / 2}).narrow(1, begin / 2, (end - begin) / 2).contiguous();
-  const auto absmax = dequantize_absmax(state_).view({out, in / unit}).narrow(1, begin / unit, (end - begin) / unit).contiguous();
-  return dequantize_4bit(packed.view({-1, 1}), piece_state(state_, absmax.view(-1), out, end - begin), dtype);
+  const int64_t blocks_per_row = in / state_.blocksize;
+  return dequantize_4bit_blocks(packed_, state_, begin * blocks_per_row, (end - begin) * blocks_per_row, dtype)
+      .view({end - begin, in});
 }
 
 void FourBitLinear::multiply_on_float8(bool fast_accumulation) {

@@ -60,10 +60,9 @@ class FourBitLinear : public LinearLayer {
   torch::Tensor dense_weight(torch::ScalarType dtype) const override;
   MatmulWeight matmul_weight_kind() const override { return MatmulWeight::kBuilt; }
   torch::Tensor matmul_weight(torch::ScalarType dtype) const override { return dense_weight(dtype); }
-  // Blocks of whole quantization blocks: rows when in_features is a multiple of the blocksize.
-  int64_t weight_block_columns() const override;
-  torch::Tensor matmul_weight_rows(torch::ScalarType dtype, const torch::Tensor& rows) const override;
-  torch::Tensor matmul_weight_columns(torch::ScalarType dtype, int64_t begin, int64_t end) const override;
+  // Rows of whole quantization blocks: where in_features is a multiple of the blocksize.
+  bool builds_weight_rows() const override;
+  torch::Tensor matmul_weight_rows(torch::ScalarType dtype, int64_t begin, int64_t end) const override;
   torch::Tensor bias() const override { return bias_; }
   void pretty_print(std::ostream& stream) const override;
 

@@ -26,12 +26,8 @@ torch::Tensor LinearLayer::matmul_weight(torch::ScalarType) const {
   throw Error(ErrorCode::kInternal, name() + " does not multiply by a dense weight; its adapters run unfused (a bug if reached)");
 }
 
-torch::Tensor LinearLayer::matmul_weight_rows(torch::ScalarType, const torch::Tensor&) const {
+torch::Tensor LinearLayer::matmul_weight_rows(torch::ScalarType, int64_t, int64_t) const {
   throw Error(ErrorCode::kInternal, name() + " builds only its whole weight, not rows of it (a bug if reached)");
-}
-
-torch::Tensor LinearLayer::matmul_weight_columns(torch::ScalarType, int64_t, int64_t) const {
-  throw Error(ErrorCode::kInternal, name() + " builds only its whole weight, not columns of it (a bug if reached)");
 }
 
 torch::Tensor LinearLayer::own_product(const torch::Tensor&, torch::Tensor) const {

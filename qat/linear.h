@@ -51,15 +51,13 @@ class LinearLayer : public torch::nn::Module {
   virtual torch::Tensor own_product(const torch::Tensor& rows, torch::Tensor onto) const;
   virtual torch::Tensor own_input_gradient(const torch::Tensor& grad_rows, torch::Tensor onto) const;
 
-  // A built weight (kBuilt) made a block at a time, for a frozen expert bank rebuilt in backward
-  // (qat/expert_linear.h), so that no more than a block is ever built. 0 where the layer builds
-  // only whole weights; else the column blocks' width unit (a quantization block).
-  virtual int64_t weight_block_columns() const { return 0; }
-  // Rows `rows` (int64 indices into out_features) of matmul_weight(dtype), and its columns
-  // [begin, end) (multiples of weight_block_columns()), built alone; the same values. An Error
-  // where weight_block_columns() is 0.
-  virtual torch::Tensor matmul_weight_rows(torch::ScalarType dtype, const torch::Tensor& rows) const;
-  virtual torch::Tensor matmul_weight_columns(torch::ScalarType dtype, int64_t begin, int64_t end) const;
+  // A built weight (kBuilt) made some rows at a time, for a frozen expert bank built a few experts
+  // at a time (qat/expert_linear.h, BuildBanksInBlocks). False where the layer builds only whole
+  // weights.
+  virtual bool builds_weight_rows() const { return false; }
+  // Rows [begin, end) of matmul_weight(dtype), built alone: the same values. An Error where
+  // builds_weight_rows() is false or the rows are not within out_features.
+  virtual torch::Tensor matmul_weight_rows(torch::ScalarType dtype, int64_t begin, int64_t end) const;
 };
 
 // A setting that holds on this thread while a scope object lives, and what it was after: how a
@@ -84,8 +82,8 @@ class ThreadScopedSetting {
 };
 
 // While one lives on this thread with bytes > 0, a frozen expert bank that is built again in
-// backward (qat/expert_linear.h: not kept) is built at most this many bytes at a time, in blocks
-// of rows forward and of columns backward, where its base builds blocks (weight_block_columns).
+// backward (qat/expert_linear.h: not kept) is built at most this many bytes at a time (at least
+// one expert), a block of experts at a time, where its base builds rows (builds_weight_rows).
 // The decoder layers set it from train.expert_bank_block_mb, in their forward and recomputation.
 class BuildBanksInBlocks : public ThreadScopedSetting<int64_t, BuildBanksInBlocks> {
  public:

@@ -1,6 +1,7 @@
 #pragma once
-// A built (4-bit) expert bank that counts what it builds: whole weights, blocks of rows and blocks
-// of columns (qat::LinearLayer::matmul_weight_rows / _columns, train.expert_bank_block_mb).
+// A built (4-bit) expert bank that counts what it builds: whole weights, and blocks of rows
+// (qat::LinearLayer::matmul_weight_rows, train.expert_bank_block_mb) with the most rows one held.
+#include <algorithm>
 #include <memory>
 
 #include "qat/linear.h"
@@ -20,16 +21,15 @@ class BlockCountingBank : public qat::LinearLayer {
     ++wholes;
     return inner_->matmul_weight(dtype);
   }
-  int64_t weight_block_columns() const override { return inner_->weight_block_columns(); }
-  torch::Tensor matmul_weight_rows(torch::ScalarType dtype, const torch::Tensor& rows) const override {
+  bool builds_weight_rows() const override { return inner_->builds_weight_rows(); }
+  torch::Tensor matmul_weight_rows(torch::ScalarType dtype, int64_t begin, int64_t end) const override {
     ++row_blocks;
-    return inner_->matmul_weight_rows(dtype, rows);
+    most_rows = std::max(most_rows, end - begin);
+    return inner_->matmul_weight_rows(dtype, begin, end);
   }
-  torch::Tensor matmul_weight_columns(torch::ScalarType dtype, int64_t begin, int64_t end) const override {
-    ++column_blocks;
-    return inner_->matmul_weight_columns(dtype, begin, end);
-  }
-  mutable int wholes = 0, row_blocks = 0, column_blocks = 0;
+  void reset_counts() const { wholes = row_blocks = 0, most_rows = 0; }
+  mutable int wholes = 0, row_blocks = 0;
+  mutable int64_t most_rows = 0;
 
  private:
   std::shared_ptr<qat::LinearLayer> inner_;

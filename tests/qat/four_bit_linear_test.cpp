@@ -81,42 +81,43 @@ TEST(FourBitLinear, BackwardDequantizesAgainAndMatchesTheDenseGradient) {
   EXPECT_TRUE(torch::equal(output, torch::nn::functional::linear(input.detach(), layer->dense_weight(torch::kFloat32))));
 }
 
-// The blocks a rebuilt expert bank is built in (LinearLayer::matmul_weight_rows / _columns) are
-// the whole weight's rows and columns, bit for bit, for each format, with and without double
-// quantization; columns that cut a quantization block are refused.
-void expect_blocks_of_the_whole_weight(torch::Device device, torch::ScalarType dtype) {
+// The rows a bank built a few experts at a time builds (LinearLayer::matmul_weight_rows) are the
+// whole weight's, bit for bit, for each format, with and without double quantization, where the
+// rows start and end inside a nested block of absmax codes (256 quantization blocks); rows outside
+// the weight are refused.
+void expect_rows_of_the_whole_weight(torch::Device device, torch::ScalarType dtype) {
   torch::manual_seed(12);
   for (const std::string type : {"nf4", "fp4"}) {
     for (const bool double_quant : {true, false}) {
       FourBitOptions options;
       options.quant_type = type;
       options.double_quant = double_quant;
-      const auto weight = torch::randn({48, 256}, torch::TensorOptions().device(device)) * 0.05;
+      const auto weight = torch::randn({80, 512}, torch::TensorOptions().device(device)) * 0.05;  // 8 blocks a row
       const auto layer = FourBitLinear::from_dense(weight, torch::Tensor(), options);
       const std::string what = type + (double_quant ? ", double-quantized" : "");
-      ASSERT_EQ(layer->weight_block_columns(), 64) << what;
+      ASSERT_TRUE(layer->builds_weight_rows()) << what;
       const auto whole = layer->matmul_weight(dtype);
-      const auto rows = torch::tensor(std::vector<int64_t>{47, 0, 5, 6, 31}, torch::kInt64);
-      EXPECT_TRUE(torch::equal(layer->matmul_weight_rows(dtype, rows), whole.index_select(0, rows.to(device)))) << what;
-      EXPECT_TRUE(torch::equal(layer->matmul_weight_columns(dtype, 64, 192), whole.narrow(1, 64, 128))) << what;
-      EXPECT_TRUE(torch::equal(layer->matmul_weight_columns(dtype, 192, 256), whole.narrow(1, 192, 64))) << what;
-      EXPECT_THROW(layer->matmul_weight_columns(dtype, 32, 96), Error) << what;
-      EXPECT_THROW(layer->matmul_weight_columns(dtype, 0, 300), Error) << what;
+      for (const auto& [begin, end] : std::vector<std::pair<int64_t, int64_t>>{{0, 80}, {33, 70}, {79, 80}, {0, 1}, {32, 64}}) {
+        EXPECT_TRUE(torch::equal(layer->matmul_weight_rows(dtype, begin, end), whole.narrow(0, begin, end - begin)))
+            << what << ", rows " << begin << " to " << end;
+      }
+      EXPECT_THROW(layer->matmul_weight_rows(dtype, 5, 5), Error) << what;
+      EXPECT_THROW(layer->matmul_weight_rows(dtype, 70, 81), Error) << what;
     }
   }
   // A row that does not hold whole blocks builds only whole weights.
   FourBitOptions options;
   options.blocksize = 128;
   const auto odd = FourBitLinear::from_dense(torch::randn({8, 192}, torch::TensorOptions().device(device)), torch::Tensor(), options);
-  EXPECT_EQ(odd->weight_block_columns(), 0);
-  EXPECT_THROW(odd->matmul_weight_columns(dtype, 0, 128), Error);
+  EXPECT_FALSE(odd->builds_weight_rows());
+  EXPECT_THROW(odd->matmul_weight_rows(dtype, 0, 4), Error);
 }
 
-TEST(FourBitLinear, BuildsBlocksOfRowsAndColumnsAsTheWholeWeight) { expect_blocks_of_the_whole_weight(torch::kCPU, torch::kFloat32); }
+TEST(FourBitLinear, BuildsRowsAsTheWholeWeight) { expect_rows_of_the_whole_weight(torch::kCPU, torch::kFloat32); }
 
-TEST(FourBitLinear, CudaBuildsBlocksOfRowsAndColumnsAsTheWholeWeight) {
+TEST(FourBitLinear, CudaBuildsRowsAsTheWholeWeight) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU on this machine";
-  expect_blocks_of_the_whole_weight(torch::kCUDA, torch::kBFloat16);
+  expect_rows_of_the_whole_weight(torch::kCUDA, torch::kBFloat16);
 }
 
 TEST(FourBitLinear, ModuleToDtypeConvertsOnlyTheBias) {
