@@ -406,16 +406,9 @@ std::optional<BenchOptions> parse_bench_options(const Arguments& arguments) {
   recipe.lora.dropout = bench.lora_dropout;  // LoraLinear refuses a value outside [0, 1)
   // Every projection of the shape's block (Phi-3's fused ones by their own names, a mixture of
   // experts' banks), but a router, which the peers' recipes leave frozen; a quantized base keeps it dense.
-  const auto dense = trainer::dense_base_projections(bench.llama);
-  recipe.lora.target_modules.clear();
-  for (const auto& name : bench.llama.projection_names()) {
-    const bool router = std::any_of(dense.begin(), dense.end(), [&](const std::string& kept) {
-      return kept.size() >= name.size() && kept.compare(kept.size() - name.size(), name.size(), name) == 0;
-    });
-    if (!router) recipe.lora.target_modules.push_back(name);
-  }
+  recipe.lora.target_modules = trainer::projections_but_dense_base(bench.llama);
   recipe.qat.target_modules = recipe.lora.target_modules;
-  for (const auto& name : dense) recipe.qlora.skip_modules.push_back(name);
+  for (const auto& name : trainer::dense_base_projections(bench.llama)) recipe.qlora.skip_modules.push_back(name);
   recipe.lora.use_dora = flag("dora");
   recipe.qlora.fp8_fast_accumulation = flag("fp8-fast-accumulation");
   recipe.qlora.fp8_compute = flag("fp8-compute");
@@ -445,7 +438,7 @@ std::optional<BenchOptions> parse_bench_options(const Arguments& arguments) {
   // A run's default, train.memory: auto; what it chose goes to stderr (beside --json's object).
   recipe.train.micro_batch_size = bench.micro_batch;  // the plan weighs the tokens of a micro-batch and a step
   recipe.data.max_seq_len = bench.sequence;
-  const auto memory_plan = trainer::plan_memory(recipe, bench.llama.tie_word_embeddings, bench.device.is_cuda());
+  const auto memory_plan = trainer::plan_memory(recipe, bench.llama, bench.device.is_cuda());
   for (const auto& line : trainer::describe_memory_plan(recipe, memory_plan, bench.device.is_cuda())) {
     std::fprintf(stderr, "%s\n", line.c_str());
   }

@@ -246,7 +246,7 @@ int run_inspect(const Arguments& arguments) {
   if (recipe) {
     const bool on_gpu = recipe->train.device != "cpu";
     memory_plan = trainer::describe_memory_plan(
-        *recipe, trainer::plan_memory(*recipe, config.llama.tie_word_embeddings, on_gpu), on_gpu);
+        *recipe, trainer::plan_memory(*recipe, config.llama, on_gpu), on_gpu);
     setup = trainer::training_memory_setup(*recipe, config.llama);
   }
   if (setup && recipe->quant == trainer::QuantMethod::kNone && trainer::is_compressed_tensors_checkpoint(config)) {

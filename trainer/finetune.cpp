@@ -65,7 +65,7 @@ void Finetune::setup() {
   compute_dtype_ = parse_dtype_name(recipe_.train.dtype, "train.dtype");
   const auto config = read_hf_config(recipe_.model.path);
   // train.memory: auto turns on the switches that cost no speed, before the recipe is written.
-  const auto memory_plan = plan_memory(recipe_, config.llama.tie_word_embeddings, device_.is_cuda());
+  const auto memory_plan = plan_memory(recipe_, config.llama, device_.is_cuda());
   for (const auto& line : describe_memory_plan(recipe_, memory_plan, device_.is_cuda())) std::printf("%s\n", line.c_str());
   if (compute_dtype_ == torch::kFloat16) {
     const auto* family = config.family;

@@ -1,5 +1,7 @@
 #include "trainer/model/feed_forward.h"
 
+#include <algorithm>
+
 #include "kernels/error.h"
 #include "trainer/model/dense_mlp.h"
 #include "trainer/model/sparse_moe.h"
@@ -11,6 +13,18 @@ std::vector<std::string> dense_base_projections(const LlamaOptions& options) {
   const auto& row = feed_forward_row(options);
   for (const auto& shape : row.projections(options)) {
     if (shape.stays_dense) names.push_back(std::string(row.module_name) + "." + shape.name);
+  }
+  return names;
+}
+
+std::vector<std::string> projections_but_dense_base(const LlamaOptions& options) {
+  const auto dense = dense_base_projections(options);
+  std::vector<std::string> names;
+  for (const auto& name : options.projection_names()) {
+    const bool kept = std::any_of(dense.begin(), dense.end(), [&](const std::string& entry) {
+      return entry.size() >= name.size() && entry.compare(entry.size() - name.size(), name.size(), name) == 0;
+    });
+    if (!kept) names.push_back(name);
   }
   return names;
 }

@@ -51,6 +51,9 @@ struct FeedForwardRow {
 // The projections of `options`' blocks that a quantized base leaves dense (stays_dense), as
 // "MODULE.NAME" ("mlp.gate"): entries for qlora.skip_modules' list.
 std::vector<std::string> dense_base_projections(const LlamaOptions& options);
+// Every projection name of options.projection_names() but those (a router): what `qtrain bench`
+// adapts, as the peers' recipes leave a router frozen.
+std::vector<std::string> projections_but_dense_base(const LlamaOptions& options);
 
 // The row of `kind`; of options.feed_forward, the model's block (its dense_layers take kDense's).
 const FeedForwardRow& feed_forward_row(FeedForwardKind kind);

@@ -1,24 +1,44 @@
 #include "trainer/recipe/memory_plan.h"
 
+#include <iomanip>
+#include <sstream>
+
 #include "trainer/objectives/objectives.h"
+#include "trainer/recipe/model_memory.h"
 #include "trainer/recipe/recipe_training.h"
 
 namespace qtrain::trainer {
 
 namespace {
 
-// The copies of lm_head (each micro-batch) and of the optimizer's state (each step) hide behind
-// the layers only where there is enough work to hide them. Queued behind the batch's own copies
-// (each on its lane, lm_head's after the embedding rows), both on cost 0.99x the tokens/s at the
-// 8B shape's micro-batch 1 x 2048 on one H200 (9,750 vs 9,829, 2026-11-29); before that queueing
-// they cost 0.88x, so a shorter step is left as it was.
-constexpr int64_t kTokensThatHideACopy = 2048;
+// lm_head's copy (each micro-batch) and the optimizer state's (out and back each step) hide behind
+// the layers where they are small beside the work. Measured on one H200 (2026-11-29, micro-batch
+// 1 x 2048, docs/PERFORMANCE.md), in bytes copied per FLOP (HostCopyWork's 6 x active weights):
+//   llama3-8b:  lm_head 1.1e-5, state 7.3e-6: both on, 0.985x the tokens/s of both off
+//   qwen3-8b:   lm_head 1.3e-5, state 7.5e-6: both on, 0.98x
+//   qwen3-30b-a3b, 12 layers: lm_head 5.1e-5 alone 1.0x; state 2.1e-4 alone 0.86x
+// Each goes on up to a little above the largest share that hid, from the shortest micro-batch
+// measured.
+constexpr double kLmHeadBytesPerFlop = 6e-5;
+constexpr double kStateBytesPerFlop = 1e-5;
+constexpr int64_t kShortestMeasuredTokens = 2048;
 
-std::string too_short(const char* what, int64_t tokens) {
-  if (tokens >= kTokensThatHideACopy) return "";
-  return std::string("a ") + what + " of " + std::to_string(tokens) + " tokens may be too short to hide the copy (" +
-         "measured 0.99x the tokens/s at 2,048 tokens on the 8B shape); on from " + std::to_string(kTokensThatHideACopy) +
-         " tokens";
+std::string scientific(double value) {
+  std::ostringstream text;
+  text << std::scientific << std::setprecision(1) << value;
+  return text.str();
+}
+
+// Why a copy of `bytes` each `what` (of `tokens` tokens) would not hide; "" where it would.
+std::string copy_refusal(const std::string& what, double bytes, int64_t tokens, double flops_per_token, double most) {
+  if (tokens < kShortestMeasuredTokens) {
+    return "a " + what + " of " + std::to_string(tokens) + " tokens may be too short to hide the copy (measured from " +
+           std::to_string(kShortestMeasuredTokens) + " tokens)";
+  }
+  const double share = bytes / (flops_per_token * static_cast<double>(tokens));
+  if (share <= most) return "";
+  return "its copy is " + scientific(share) + " bytes per FLOP of the " + what + "'s work, more than the " +
+         scientific(most) + " measured to hide behind it";
 }
 
 // One switch: on already, turned on, or left off with the reason `refusal` gives.
@@ -31,9 +51,11 @@ MemoryChoice choose(bool& field, const char* key, const std::string& refusal, co
 
 }  // namespace
 
-std::vector<MemoryChoice> plan_memory(Recipe& recipe, bool tied_embeddings, bool on_gpu) {
+std::vector<MemoryChoice> plan_memory(Recipe& recipe, const LlamaOptions& model, bool on_gpu) {
   if (recipe.train.memory != "auto" || !on_gpu) return {};
   auto& train = recipe.train;
+  const bool tied_embeddings = model.tie_word_embeddings;
+  const auto work = host_copy_work(model, recipe);
   std::vector<MemoryChoice> choices;
   choices.push_back(choose(train.offload_activations, "train.offload_activations",
                            train.gradient_checkpointing ? "" : "it offloads what checkpointing keeps, and train.gradient_checkpointing is off",
@@ -44,12 +66,15 @@ std::vector<MemoryChoice> plan_memory(Recipe& recipe, bool tied_embeddings, bool
       train.micro_batch_size * longest_row_tokens(train.objective, recipe.data.max_seq_len);
   const std::string head_refusal = lm_head_on_host_refusal(recipe, tied_embeddings);
   choices.push_back(choose(train.lm_head_on_host, "train.lm_head_on_host",
-                           head_refusal.empty() ? too_short("micro-batch", micro_batch_tokens) : head_refusal,
+                           head_refusal.empty() ? copy_refusal("micro-batch", work.lm_head_bytes, micro_batch_tokens,
+                                                               work.flops_per_token, kLmHeadBytesPerFlop)
+                                                : head_refusal,
                            "the frozen lm_head visits the GPU for the loss only"));
   choices.push_back(choose(train.optimizer_states_on_host, "train.optimizer_states_on_host",
                            trains_full_weights(recipe)
                                ? "every weight trains: the state is twice the model, too much to pin on the host unasked"
-                               : too_short("step", micro_batch_tokens * train.grad_accum_steps),
+                               : copy_refusal("step", work.state_bytes, micro_batch_tokens * train.grad_accum_steps,
+                                              work.flops_per_token, kStateBytesPerFlop),
                            "the optimizer's state waits on the host between steps"));
   return choices;
 }

@@ -6,10 +6,11 @@
 //                                   the host (copies overlap the layers, on a side stream)
 //   train.embeddings_on_host        the frozen input table; a batch's rows are gathered there
 //   train.lm_head_on_host           the frozen head, copied in on a side stream during forward,
-//                                   where a micro-batch holds 8,192 tokens or more
-//   train.optimizer_states_on_host  the optimizer's state between steps (the same updates), where a
-//                                   step holds 8,192 tokens or more (shorter ones show the copies),
-//                                   and only for adapters (full fine-tuning's state is the model twice)
+//                                   where its bytes are a small share of a micro-batch's work
+//   train.optimizer_states_on_host  the optimizer's state between steps (the same updates), where
+//                                   its bytes are a small share of a step's work (measured shares:
+//                                   memory_plan.cpp), and only for adapters (full fine-tuning's
+//                                   state is the model twice)
 // A switch the run cannot take (a tied, trained, adapted or fake-quantized table or head; no
 // checkpointing) stays off, said why. It never turns a switch off, and leaves what costs speed as
 // set: train.keep_built_weights (8% slower off), train.mlp_chunk_tokens and
@@ -18,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "trainer/model/llama_options.h"
 #include "trainer/recipe/recipe.h"
 
 namespace qtrain::trainer {
@@ -28,9 +30,9 @@ struct MemoryChoice {
   std::string why;
 };
 
-// Applies train.memory to `recipe`'s switches and returns each switch's choice (none under
-// manual). `tied_embeddings`: the model's config.json ties lm_head to its input table.
-std::vector<MemoryChoice> plan_memory(Recipe& recipe, bool tied_embeddings, bool on_gpu);
+// Applies train.memory to `recipe`'s switches for `model` (its config.json's shape) and returns
+// each switch's choice (none under manual).
+std::vector<MemoryChoice> plan_memory(Recipe& recipe, const LlamaOptions& model, bool on_gpu);
 
 // The lines the run's start and `inspect --recipe` print: "memory: auto: train.X on (why)".
 std::vector<std::string> describe_memory_plan(const Recipe& recipe, const std::vector<MemoryChoice>& choices,

@@ -202,6 +202,15 @@ struct PeakMemoryEstimate {
 
 PeakMemoryEstimate estimate_peak_memory(const LlamaOptions& model, const TrainingMemorySetup& setup);
 
+// What train.memory: auto weighs before putting lm_head or the optimizer's state on the host: the
+// bytes each copies against the work they hide behind.
+struct HostCopyWork {
+  double lm_head_bytes = 0;    // an untied lm_head in the compute dtype, copied in each micro-batch
+  double state_bytes = 0;      // AdamW's two fp32 moments of every trained parameter, out and back each step
+  double flops_per_token = 0;  // 6 x the matmul weights a token passes through (a bank: its top-k experts)
+};
+HostCopyWork host_copy_work(const LlamaOptions& model, const Recipe& recipe);
+
 // The weights and trainable state of four ways to train (`qtrain inspect --model`): qlora (NF4
 // double-quantized, blocks of 64, lm_head kept), int8 (qlora on an LLM.int8 base, lm_head kept),
 // lora (quant none) and full, all in bf16, with adapters of `lora_rank` on the 7 projections.
