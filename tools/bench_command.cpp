@@ -45,6 +45,7 @@
 #include "trainer/model/llama.h"
 #include "trainer/formats/llama_shapes.h"
 #include "trainer/recipe/memory_plan.h"
+#include "trainer/recipe/model_memory.h"
 #include "trainer/recipe/base_quantization.h"
 #include "trainer/recipe/recipe_training.h"
 #include "trainer/training_step.h"
@@ -624,12 +625,8 @@ void report_bench(const BenchOptions& bench, const BenchRun& run, const BenchMea
   const double median = measured.step_seconds;
   const double tokens_per_second = static_cast<double>(bench.micro_batch * sequence) / median;
 
-  const double matmul_parameters =
-      static_cast<double>(llama.num_hidden_layers) *
-          (2.0 * llama.hidden_size * llama.num_attention_heads * llama.head_dim +
-           2.0 * llama.hidden_size * llama.num_key_value_heads * llama.head_dim +
-           3.0 * llama.hidden_size * llama.intermediate_size) +
-      static_cast<double>(llama.hidden_size) * llama.vocab_size;
+  // A mixture of experts counts its top-k experts (and its router).
+  const double matmul_parameters = trainer::active_matmul_weights(llama);
   // A token attends within its sample: packed rows do less attention work than one long sequence
   // (whole rows as much as unpacked ones).
   const double whole_share = static_cast<double>(bench.packed_whole_rows) / static_cast<double>(bench.micro_batch);

@@ -659,5 +659,17 @@ TEST(ModelMemory, InspectPrintsTheEstimateOfARecipe) {
   }
 }
 
+// The weights a token passes through (bench's MFU, the auto plan's work): a dense shape's seven
+// projections and head; a mixture's attention, router and its top-k experts' share of the banks,
+// counted from the shape's sizes as the configs give them.
+TEST(ActiveMatmulWeights, CountTheTopKExpertsOfABank) {
+  const auto llama = llama_shape("llama3-8b");
+  const double h = 4096, kv = 1024, i = 14336, v = 128256;
+  EXPECT_DOUBLE_EQ(active_matmul_weights(llama), 32 * (2 * h * h + 2 * h * kv + 3 * h * i) + h * v);
+  const auto oss = llama_shape("gpt-oss-20b");  // hidden 2880, 64 x 64 query heads, 8 x 64 kv, 4 of 32 experts of 2880
+  const double attention = 2 * 2880.0 * 4096 + 2 * 2880.0 * 512, router = 2880.0 * 32, experts = 4 * 3 * 2880.0 * 2880;
+  EXPECT_DOUBLE_EQ(active_matmul_weights(oss), 24 * (attention + router + experts) + 2880.0 * 201088);
+}
+
 }  // namespace
 }  // namespace qtrain::trainer

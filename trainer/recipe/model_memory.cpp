@@ -239,19 +239,29 @@ LlamaParameterCounts llama_parameter_counts(const LlamaOptions& options) {
   return counts;
 }
 
+double active_matmul_weights(const LlamaOptions& model) {
+  double active = 0;
+  for (const auto& projection : all_projections(model)) {
+    const double weights = static_cast<double>(projection.in) * static_cast<double>(projection.out);
+    active += projection.experts > 0 ? weights * static_cast<double>(model.experts.experts_per_token) / projection.experts : weights;
+  }
+  // The head's product, through the table.
+  if (model.tie_word_embeddings) active += static_cast<double>(model.vocab_size) * static_cast<double>(model.hidden_size);
+  return active;
+}
+
 HostCopyWork host_copy_work(const LlamaOptions& model, const Recipe& recipe) {
   TrainingMemorySetup setup;  // what the adapters' ranks need
   setup.adapter = lora_adapter_config(recipe);
   setup.full_finetune = recipe.lora.init_from.empty() && recipe.lora.rank == 0;
-  double active = 0, trained = 0;
+  double trained = 0;
   for (const auto& projection : all_projections(model)) {
     const double weights = static_cast<double>(projection.in) * static_cast<double>(projection.out);
-    active += projection.experts > 0 ? weights * static_cast<double>(model.experts.experts_per_token) / projection.experts : weights;
     const int64_t rank = adapter_rank(projection, setup);
     trained += setup.full_finetune ? weights : static_cast<double>(rank * (std::max<int64_t>(projection.experts, 1) * projection.in + projection.out));
   }
   const double table = static_cast<double>(model.vocab_size) * static_cast<double>(model.hidden_size);
-  if (model.tie_word_embeddings) active += table;  // the head's product, through the table
+  const double active = active_matmul_weights(model);
   HostCopyWork work;
   work.lm_head_bytes = table * element_bytes(parse_dtype_name(recipe.train.dtype, "train.dtype"));
   constexpr double kMomentBytes = 8.0;

@@ -202,6 +202,10 @@ struct PeakMemoryEstimate {
 
 PeakMemoryEstimate estimate_peak_memory(const LlamaOptions& model, const TrainingMemorySetup& setup);
 
+// The matmul weights one token passes through in a forward: every decoder projection (of an
+// expert bank, its top-k experts' share), and the output head (a tied one through the table).
+double active_matmul_weights(const LlamaOptions& model);
+
 // What train.memory: auto weighs before putting lm_head or the optimizer's state on the host: the
 // bytes each copies against the work they hide behind.
 struct HostCopyWork {
