@@ -22,6 +22,10 @@ class Mxfp4Linear : public LinearLayer {
   torch::Tensor bias() const override { return bias_; }
   MatmulWeight matmul_weight_kind() const override { return MatmulWeight::kBuilt; }
   torch::Tensor matmul_weight(torch::ScalarType dtype) const override { return dense_weight(dtype); }
+  // Every row's blocks and scales are its own: any rows build alone (an expert bank a few experts
+  // at a time, train.expert_bank_block_mb).
+  bool builds_weight_rows() const override { return true; }
+  torch::Tensor matmul_weight_rows(torch::ScalarType dtype, int64_t begin, int64_t end) const override;
   void pretty_print(std::ostream& stream) const override;
 
   const torch::Tensor& blocks() const { return blocks_; }

@@ -7,6 +7,7 @@
 #include "block_counting_bank.h"
 #include "qat/expert_linear.h"
 #include "qat/four_bit_linear.h"
+#include "qat/mxfp4_linear.h"
 
 namespace qtrain::qat {
 namespace {
@@ -178,15 +179,28 @@ void expect_rebuilt_in_backward_unless_kept(torch::Device device, torch::ScalarT
   }
 }
 
+// The two frozen bases that build rows of a bank: NF4, and gpt-oss's MXFP4 (random codes, scales
+// near 2^-6).
+std::shared_ptr<LinearLayer> nf4_bank(int64_t rows, int64_t in, torch::Device device) {
+  const auto weight = torch::randn({rows, in}, torch::TensorOptions().dtype(torch::kBFloat16).device(device)) * 0.05;
+  return FourBitLinear::from_dense(weight, torch::Tensor(), FourBitOptions{});
+}
+
+std::shared_ptr<LinearLayer> mxfp4_bank(int64_t rows, int64_t in, torch::Device device) {
+  const auto bytes = torch::TensorOptions().dtype(torch::kUInt8).device(device);
+  return std::make_shared<Mxfp4Linear>(torch::randint(256, {rows, in / 32, 16}, bytes), torch::randint(118, 124, {rows, in / 32}, bytes),
+                                       torch::Tensor(), torch::kBFloat16);
+}
+
 // A bank built again in blocks of experts (BuildBanksInBlocks) gives the whole bank's product and
 // input gradient: bit for bit on the CPU, where each expert's product is its own. A block whose
 // experts have no rows is not built. A product without grad (nothing kept for a backward, the peak
 // not at stake) builds the whole bank.
-void expect_blocks_give_the_whole_banks_products(torch::Device device, torch::ScalarType dtype, double tolerance) {
+void expect_blocks_give_the_whole_banks_products(torch::Device device, torch::ScalarType dtype, double tolerance,
+                                                 std::shared_ptr<LinearLayer> (*make_bank)(int64_t, int64_t, torch::Device)) {
   torch::manual_seed(10);
   const int64_t experts = 5, in = 192, out = 40;
-  const auto weight = torch::randn({experts * out, in}, torch::TensorOptions().dtype(torch::kBFloat16).device(device)) * 0.05;
-  const auto bank = std::make_shared<qtrain::testing::BlockCountingBank>(FourBitLinear::from_dense(weight, torch::Tensor(), FourBitOptions{}));
+  const auto bank = std::make_shared<qtrain::testing::BlockCountingBank>(make_bank(experts * out, in, device));
   const std::vector<int64_t> counts = {10, 33, 0, 0, 7};
   const auto batch = make_batch(experts, in, out, counts, device, dtype);
   const auto grad_out = torch::randn({50, out}, batch.rows.options());
@@ -222,12 +236,14 @@ void expect_blocks_give_the_whole_banks_products(torch::Device device, torch::Sc
 }
 
 TEST(ExpertBank, ABankBuiltInBlocksGivesTheWholeBanksProducts) {
-  expect_blocks_give_the_whole_banks_products(torch::kCPU, torch::kFloat32, 0);
+  expect_blocks_give_the_whole_banks_products(torch::kCPU, torch::kFloat32, 0, nf4_bank);
+  expect_blocks_give_the_whole_banks_products(torch::kCPU, torch::kFloat32, 0, mxfp4_bank);
 }
 
 TEST(ExpertBank, CudaABankBuiltInBlocksGivesTheWholeBanksProducts) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU on this machine";
-  expect_blocks_give_the_whole_banks_products(torch::kCUDA, torch::kBFloat16, 1e-2);
+  expect_blocks_give_the_whole_banks_products(torch::kCUDA, torch::kBFloat16, 1e-2, nf4_bank);
+  expect_blocks_give_the_whole_banks_products(torch::kCUDA, torch::kBFloat16, 1e-2, mxfp4_bank);
 }
 
 TEST(ExpertBank, AFrozenBankIsBuiltAgainInBackwardUnlessKept) {
