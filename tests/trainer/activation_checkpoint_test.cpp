@@ -182,6 +182,62 @@ TEST(EmbeddingsOnHost, TheRecipeRefusesTiedOrTrainedTables) {
   EXPECT_NE(refusal(*untied, recipe).find("model.embed_tokens.weight"), std::string::npos);
 }
 
+// A tied table goes to the host with both switches (alone, each is refused, above); on the CPU
+// nothing moves.
+TEST(TiedTableOnHost, TheRecipeTakesBothSwitchesTogether) {
+  auto options = qtrain::testing::small_llama_options(32, 1);
+  options.tie_word_embeddings = true;
+  LlamaForCausalLM tied(options, torch::kFloat32);
+  auto recipe = default_recipe();
+  recipe.train.embeddings_on_host = recipe.train.lm_head_on_host = true;
+  EXPECT_EQ(refusal(*tied, recipe), "");
+  recipe.lora.rank = 0;
+  recipe.quant = QuantMethod::kNone;
+  EXPECT_NE(refusal(*tied, recipe).find("model.embed_tokens.weight"), std::string::npos);
+}
+
+// A small tied model with LoRA on its projections, B made non-zero (as tiny_llama_with_lora).
+LlamaForCausalLM tied_llama_with_lora() {
+  torch::manual_seed(21);
+  auto options = qtrain::testing::small_llama_options(64, 2);
+  options.tie_word_embeddings = true;
+  LlamaForCausalLM model(options, torch::kFloat32);
+  qat::LoraOptions lora;
+  lora.rank = 4;
+  lora.alpha = 8;
+  qat::LoraTargets targets;
+  targets.include.names = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+  qat::apply_lora(*model, targets, lora);
+  for (auto& item : model->named_parameters()) {
+    item.value().set_requires_grad(item.key().find("lora_") != std::string::npos);
+    if (item.key().find("lora_B") != std::string::npos) {
+      torch::NoGradGuard no_grad;
+      item.value().normal_(0, 0.02);
+    }
+  }
+  model->train();
+  return model;
+}
+
+// On a GPU a tied table on the host (pinned, gathered there, visiting for the loss) gives the LoRA
+// gradients of the table on the device bitwise, through the fused loss and the logits path.
+TEST(TiedTableOnHost, CudaGradientsEqualATableOnTheDeviceBitwise) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const torch::Device cuda(torch::kCUDA, 0);
+  auto model = tied_llama_with_lora();
+  model->to(cuda);
+  const auto before = gradients_on(model, cuda);
+  auto recipe = default_recipe();
+  recipe.train.embeddings_on_host = recipe.train.lm_head_on_host = true;
+  apply_recipe_memory_settings(*model, recipe);
+  ASSERT_TRUE(model->lm_head_on_host());
+  const auto& table = model->model->embed_tokens->weight;
+  ASSERT_TRUE(table.device().is_cpu());
+  EXPECT_TRUE(table.is_pinned());
+  expect_bitwise_equal(before, gradients_on(model, cuda), "CUDA, tied table on the host");
+  expect_bitwise_equal(before, gradients_on(model, cuda, /*host_ids=*/true), "CUDA, tied table on the host, host ids");
+}
+
 // train.expert_bank_block_mb reaches the banks in the forward and in the checkpointed layers'
 // recomputation (autograd's thread): NF4 banks built again in blocks of experts give the gradients
 // of the whole banks, and build a whole bank only in the forward without grad.

@@ -139,6 +139,29 @@ TEST(MemoryPlan, WhatTheRunCannotTakeStaysOffWithItsReason) {
   EXPECT_NE(choices["train.embeddings_on_host"].why.find("model.embed_tokens.weight"), std::string::npos);
 }
 
+// A tied table goes to the host only as a pair (train.embeddings_on_host and lm_head_on_host),
+// which auto does not choose yet; it completes a pair the recipe began, unless the table trains.
+TEST(MemoryPlan, ATiedTableGoesToTheHostOnlyAsAPairTheRecipeBegan) {
+  auto recipe = qlora_recipe();
+  auto choices = by_key(plan_memory(recipe, tied(), true));
+  EXPECT_FALSE(choices["train.embeddings_on_host"].on);
+  EXPECT_NE(choices["train.lm_head_on_host"].why.find("not measured on a GPU"), std::string::npos)
+      << choices["train.lm_head_on_host"].why;
+  auto began = qlora_recipe();
+  began.train.embeddings_on_host = true;
+  choices = by_key(plan_memory(began, tied(), true));
+  EXPECT_TRUE(began.train.lm_head_on_host) << choices["train.lm_head_on_host"].why;
+  EXPECT_EQ(choices["train.embeddings_on_host"].why, "set in the recipe");
+  auto trained = qlora_recipe();
+  trained.train.lm_head_on_host = true;
+  trained.lora.rank = 0;  // every weight trains, the table too
+  trained.quant = QuantMethod::kNone;
+  choices = by_key(plan_memory(trained, tied(), true));
+  EXPECT_FALSE(trained.train.embeddings_on_host);
+  EXPECT_NE(choices["train.embeddings_on_host"].why.find("model.embed_tokens.weight"), std::string::npos)
+      << choices["train.embeddings_on_host"].why;
+}
+
 TEST(MemoryPlan, ManualAndTheCpuChangeNothing) {
   auto manual = qlora_recipe();
   manual.train.memory = "manual";

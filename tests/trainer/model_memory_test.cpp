@@ -581,7 +581,8 @@ TEST(ModelMemory, OffloadingHostEmbeddingsAndRebuiltWeightsSaveWhatTheyMove) {
 
 // lm_head on the host leaves the frozen weights by vocab x hidden and visits for the loss: where
 // the layers' backward peaks (checkpointing) the total falls by it, where the loss peaks (no
-// checkpointing) it stays. A tied or trained lm_head cannot go.
+// checkpointing) it stays. A trained lm_head cannot go; a tied one goes with the input table
+// (train.embeddings_on_host too), which then leaves the frozen weights once.
 TEST(ModelMemory, LmHeadOnTheHostLeavesTheLayersBackward) {
   const LlamaOptions llama = llama_shape("llama3-8b");
   auto setup = llama_3_8b_setup();
@@ -603,7 +604,14 @@ TEST(ModelMemory, LmHeadOnTheHostLeavesTheLayersBackward) {
   EXPECT_DOUBLE_EQ(estimate_peak_memory(llama, on_host).visiting_weight_bytes, 0.0);
   auto tied = llama;
   tied.tie_word_embeddings = true;
+  on_host.device = torch::kCUDA;
   EXPECT_THROW(estimate_peak_memory(tied, on_host), Error);
+  auto tied_kept = setup;
+  auto tied_on_host = on_host;
+  tied_on_host.embeddings_on_host = true;
+  const auto tied_visiting = estimate_peak_memory(tied, tied_on_host);
+  EXPECT_DOUBLE_EQ(estimate_peak_memory(tied, tied_kept).frozen_weight_bytes - tied_visiting.frozen_weight_bytes, lm_head);
+  EXPECT_DOUBLE_EQ(tied_visiting.visiting_weight_bytes, lm_head);
   auto full = on_host;
   full.full_finetune = true;
   EXPECT_THROW(estimate_peak_memory(llama, full), Error);

@@ -514,7 +514,7 @@ torch::Tensor LlamaForCausalLMImpl::hidden_states(const LlamaInputs& inputs) {
 
 torch::Tensor LlamaForCausalLMImpl::logits(const torch::Tensor& hidden) {
   if (lm_head_on_host() && torch::GradMode::is_enabled()) {
-    for (const auto& parameter : lm_head->parameters()) {
+    for (const auto& parameter : lm_head ? lm_head->parameters() : std::vector<torch::Tensor>{model->embed_tokens->weight}) {
       // Its copy from the host carries no gradient back to it.
       if (parameter.requires_grad()) {
         throw Error(ErrorCode::kRecipe, "train.lm_head_on_host keeps a frozen lm_head on the host, but lm_head trains "
@@ -538,18 +538,17 @@ void LlamaForCausalLMImpl::replace_linear(const std::string& child_name, std::sh
 
 void LlamaForCausalLMImpl::keep_lm_head_on_host() {
   const auto* dense = dynamic_cast<const qat::DenseLinear*>(lm_head.get());
-  if (!dense) {
-    throw Error(ErrorCode::kRecipe, lm_head ? "train.lm_head_on_host keeps a plain 16-bit lm_head weight on the host, but lm_head "
-                                              "here is quantized or wrapped (an adapter, QAT): set train.lm_head_on_host: false"
-                                            : "train.lm_head_on_host: this model ties lm_head to its input embeddings "
-                                              "(tie_word_embeddings), which the layers need on the device: set "
-                                              "train.lm_head_on_host: false");
+  if (lm_head && !dense) {
+    throw Error(ErrorCode::kRecipe, "train.lm_head_on_host keeps a plain 16-bit lm_head weight on the host, but lm_head "
+                                    "here is quantized or wrapped (an adapter, QAT): set train.lm_head_on_host: false");
   }
+  // Tied: the input table, which then waits on the host for the rows' gather too.
+  auto weight = dense ? dense->weight() : model->embed_tokens->weight;
   const torch::Device compute = device();
   if (compute.is_cpu() || host_lm_head_) return;  // the host is the device, or it is there already
-  host_lm_head_ = std::make_unique<HostResidentWeight>(dense->weight(), compute, "train.lm_head_on_host");
+  host_lm_head_ = std::make_unique<HostResidentWeight>(weight, compute, "train.lm_head_on_host");
   torch::NoGradGuard no_grad;
-  dense->weight().set_data(host_lm_head_->host());  // a bias, [vocab], stays on the device
+  weight.set_data(host_lm_head_->host());  // a bias, [vocab], stays on the device
 }
 
 void LlamaForCausalLMImpl::prefetch_lm_head() { lm_head_prefetch_pending_ = host_lm_head_ != nullptr; }

@@ -222,9 +222,10 @@ class LlamaForCausalLMImpl : public torch::nn::Module, public qat::LinearLayerOw
   RouterLoss* router_loss() const { return router_loss_.get(); }
 
   // train.lm_head_on_host: lm_head's frozen weight waits in pinned host memory and visits the
-  // device for each use (trainer/model/host_resident_weight.h). Needs an untied, plain
-  // (qat::DenseLinear) lm_head, an Error naming the key otherwise, and one that does not train
-  // (apply_recipe_memory_settings refuses such recipes; logits() such a model). On a CPU
+  // device for each use (trainer/model/host_resident_weight.h). Needs a plain (qat::DenseLinear)
+  // lm_head, an Error naming the key otherwise, or a tied one: the input table, which then waits
+  // pinned on the host for the rows' gather too (train.embeddings_on_host with it). It must not
+  // train (apply_recipe_memory_settings refuses such recipes; logits() such a model). On a CPU
   // nothing moves.
   void keep_lm_head_on_host();
   bool lm_head_on_host() const { return host_lm_head_ != nullptr; }

@@ -49,6 +49,25 @@ MemoryChoice choose(bool& field, const char* key, const std::string& refusal, co
   return {key, true, gain};
 }
 
+// A tied table goes to the host whole, under train.embeddings_on_host and train.lm_head_on_host
+// together. Auto does not choose that pair until it is measured on a GPU; it completes a pair the
+// recipe began, where the run allows it.
+void choose_tied_table(Recipe& recipe, std::vector<MemoryChoice>& choices) {
+  auto& train = recipe.train;
+  Recipe paired = recipe;
+  paired.train.embeddings_on_host = paired.train.lm_head_on_host = true;
+  std::string refusal = embeddings_on_host_refusal(paired, true);
+  if (refusal.empty()) refusal = lm_head_on_host_refusal(paired, true);
+  if (refusal.empty() && !train.embeddings_on_host && !train.lm_head_on_host) {
+    refusal = "this model ties lm_head to its input embeddings (tie_word_embeddings): the one table goes to the host "
+              "with train.embeddings_on_host and train.lm_head_on_host both true, which auto does not choose yet "
+              "(not measured on a GPU)";
+  }
+  const char* gain = "the tied table waits on the host, with the other half of the pair the recipe set";
+  choices.push_back(choose(train.embeddings_on_host, "train.embeddings_on_host", refusal, gain));
+  choices.push_back(choose(train.lm_head_on_host, "train.lm_head_on_host", refusal, gain));
+}
+
 }  // namespace
 
 std::vector<MemoryChoice> plan_memory(Recipe& recipe, const LlamaOptions& model, bool on_gpu) {
@@ -60,16 +79,20 @@ std::vector<MemoryChoice> plan_memory(Recipe& recipe, const LlamaOptions& model,
   choices.push_back(choose(train.offload_activations, "train.offload_activations",
                            train.gradient_checkpointing ? "" : "it offloads what checkpointing keeps, and train.gradient_checkpointing is off",
                            "the checkpointed layer inputs wait in host memory"));
-  choices.push_back(choose(train.embeddings_on_host, "train.embeddings_on_host",
-                           embeddings_on_host_refusal(recipe, tied_embeddings), "the frozen input table stays on the host"));
   const int64_t micro_batch_tokens =
       train.micro_batch_size * longest_row_tokens(train.objective, recipe.data.max_seq_len);
-  const std::string head_refusal = lm_head_on_host_refusal(recipe, tied_embeddings);
-  choices.push_back(choose(train.lm_head_on_host, "train.lm_head_on_host",
-                           head_refusal.empty() ? copy_refusal("micro-batch", work.lm_head_bytes, micro_batch_tokens,
-                                                               work.flops_per_token, kLmHeadBytesPerFlop)
-                                                : head_refusal,
-                           "the frozen lm_head visits the GPU for the loss only"));
+  if (tied_embeddings) {
+    choose_tied_table(recipe, choices);
+  } else {
+    choices.push_back(choose(train.embeddings_on_host, "train.embeddings_on_host",
+                             embeddings_on_host_refusal(recipe, false), "the frozen input table stays on the host"));
+    const std::string head_refusal = lm_head_on_host_refusal(recipe, false);
+    choices.push_back(choose(train.lm_head_on_host, "train.lm_head_on_host",
+                             head_refusal.empty() ? copy_refusal("micro-batch", work.lm_head_bytes, micro_batch_tokens,
+                                                                 work.flops_per_token, kLmHeadBytesPerFlop)
+                                                  : head_refusal,
+                             "the frozen lm_head visits the GPU for the loss only"));
+  }
   choices.push_back(choose(train.optimizer_states_on_host, "train.optimizer_states_on_host",
                            trains_full_weights(recipe)
                                ? "every weight trains: the state is twice the model, too much to pin on the host unasked"

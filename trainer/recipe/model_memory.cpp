@@ -382,10 +382,11 @@ bool estimate_weights_and_state(const LlamaOptions& model, const TrainingMemoryS
   if (setup.full_finetune) {
     estimate.trainable_parameters += embeddings_and_norms;
   } else {
-    // train.embeddings_on_host: the input table is not on the device (apply_recipe_memory_settings
-    // refuses it for tied embeddings).
-    // On a CPU the host is the device: nothing moves.
-    const bool moved = setup.embeddings_on_host && !model.tie_word_embeddings && setup.device == torch::kCUDA;
+    // train.embeddings_on_host: the input table is not on the device (a tied one only with
+    // train.lm_head_on_host: it visits the device for the loss, below). On a CPU the host is the
+    // device: nothing moves.
+    const bool moved = setup.embeddings_on_host && (!model.tie_word_embeddings || setup.lm_head_on_host) &&
+                       setup.device == torch::kCUDA;
     const int64_t on_host = moved ? model.vocab_size * model.hidden_size : 0;
     estimate.frozen_weight_bytes += static_cast<double>(embeddings_and_norms - on_host) * s;
   }
@@ -393,13 +394,17 @@ bool estimate_weights_and_state(const LlamaOptions& model, const TrainingMemoryS
     // A plain frozen lm_head waits on the host (LlamaForCausalLMImpl::keep_lm_head_on_host refuses
     // the others); on a CPU the host is the device.
     const Projection lm_head{"lm_head", model.hidden_size, model.vocab_size, false, {}};
-    if (model.tie_word_embeddings || lm_head_trains || is_quantized(lm_head, setup) || is_fake_quantized(lm_head, setup)) {
+    const bool tied = model.tie_word_embeddings;
+    if ((tied && !setup.embeddings_on_host) || lm_head_trains || is_quantized(lm_head, setup) ||
+        is_fake_quantized(lm_head, setup)) {
       throw Error(ErrorCode::kRecipe, "train.lm_head_on_host keeps a plain frozen lm_head on the host, but this run's "
-                  "lm_head is tied, trained, adapted or quantized: set train.lm_head_on_host: false");
+                  "lm_head is trained, adapted or quantized, or tied without train.embeddings_on_host: set "
+                  "train.lm_head_on_host: false");
     }
     if (setup.device == torch::kCUDA) {
       estimate.visiting_weight_bytes = static_cast<double>(model.vocab_size * model.hidden_size) * s;
-      estimate.frozen_weight_bytes -= estimate.visiting_weight_bytes;
+      // A tied table left the frozen weights with the input table, above.
+      if (!tied) estimate.frozen_weight_bytes -= estimate.visiting_weight_bytes;
     }
   }
   // fp32 LoRA weight, grad, exp_avg, exp_avg_sq; or, training every weight, a compute-dtype weight

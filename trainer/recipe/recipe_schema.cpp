@@ -405,11 +405,11 @@ std::vector<RecipeKey> train_keys() {
           .at_most(1 << 20),
       key("train.embeddings_on_host", "false", QTRAIN_FIELD(train.embeddings_on_host),
           "keep the frozen input embedding table in host memory; only the rows a batch looks up go to the device "
-          "(not with tied embeddings or a trained embedding)"),
+          "(not a trained embedding; a tied one only with train.lm_head_on_host too, and it visits the device for the loss)"),
       key("train.lm_head_on_host", "false", QTRAIN_FIELD(train.lm_head_on_host),
           "keep the frozen lm_head weight in pinned host memory; each micro-batch copies it to the device on a "
-          "side stream while the layers run forward, and lets go of the copy after the loss's backward (not with "
-          "tied embeddings, or a quantized, adapted or trained lm_head)"),
+          "side stream while the layers run forward, and lets go of the copy after the loss's backward (not a "
+          "quantized, adapted or trained lm_head; a tied one with train.embeddings_on_host too)"),
       key("train.optimizer_states_on_host", "false", QTRAIN_FIELD(train.optimizer_states_on_host),
           "keep the optimizer's state (AdamW's moments, fp32 masters) in pinned host memory between steps; it "
           "comes back to the device on a side stream during the second half of each step's last backward, and "

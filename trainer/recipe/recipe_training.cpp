@@ -242,18 +242,22 @@ void apply_recipe_memory_settings(LlamaForCausalLMImpl& model, const Recipe& rec
   backbone.set_mlp_chunk_tokens(recipe.train.mlp_chunk_tokens);
   backbone.set_expert_bank_block_bytes(recipe.train.expert_bank_block_mb << 20);
   backbone.set_keep_built_weights(recipe.train.keep_built_weights);
-  if (recipe.train.lm_head_on_host) keep_lm_head_on_host(model, recipe);
-  if (!recipe.train.embeddings_on_host) return;
-  const std::string why = embeddings_on_host_refusal(recipe, model.options().tie_word_embeddings);
-  if (!why.empty()) {
-    throw Error(ErrorCode::kRecipe, "train.embeddings_on_host keeps the frozen input embedding table on the host, but " +
-                                        why + ": set train.embeddings_on_host: false");
+  if (recipe.train.embeddings_on_host) {
+    const std::string why = embeddings_on_host_refusal(recipe, model.options().tie_word_embeddings);
+    if (!why.empty()) {
+      throw Error(ErrorCode::kRecipe, "train.embeddings_on_host keeps the frozen input embedding table on the host, but " +
+                                          why + ": set train.embeddings_on_host: false");
+    }
   }
-  backbone.embed_tokens->to(torch::kCPU);
+  // A tied table goes with lm_head: pinned, for the copies to the loss.
+  if (recipe.train.lm_head_on_host) keep_lm_head_on_host(model, recipe);
+  if (recipe.train.embeddings_on_host) backbone.embed_tokens->to(torch::kCPU);
 }
 
 std::string lm_head_on_host_refusal(const Recipe& recipe, bool tied_embeddings) {
-  if (tied_embeddings) return "this model ties lm_head to its input embeddings (tie_word_embeddings)";
+  if (tied_embeddings && is_trained_parameter(recipe, "model.embed_tokens.weight")) {
+    return "this run trains model.embed_tokens.weight, which is also lm_head's (tie_word_embeddings)";
+  }
   if (is_trained_parameter(recipe, "lm_head.weight")) return "this run trains lm_head.weight";
   if (!trains_full_weights(recipe) && lora_adapter_config(recipe).targets.matches("lm_head")) {
     return "the adapters' target modules include lm_head";
@@ -261,15 +265,20 @@ std::string lm_head_on_host_refusal(const Recipe& recipe, bool tied_embeddings) 
   qat::LoraTargets fake_quantized;
   fake_quantized.include.names = recipe.qat.target_modules;
   if (recipe.quant == QuantMethod::kQat && fake_quantized.matches("lm_head")) return "qat.target_modules includes lm_head";
+  if (tied_embeddings && !recipe.train.embeddings_on_host) {
+    return "this model ties lm_head to its input embeddings (tie_word_embeddings): the one table goes to the host "
+           "with train.embeddings_on_host: true as well";
+  }
   return "";
 }
 
 std::string embeddings_on_host_refusal(const Recipe& recipe, bool tied_embeddings) {
-  if (tied_embeddings) {
-    return "this model ties lm_head to its input embeddings (tie_word_embeddings), and the output projection needs "
-           "the table on the device";
-  }
   if (is_trained_parameter(recipe, "model.embed_tokens.weight")) return "this run trains model.embed_tokens.weight";
+  if (tied_embeddings && !recipe.train.lm_head_on_host) {
+    return "this model ties lm_head to its input embeddings (tie_word_embeddings), which the loss needs on the "
+           "device: the one table goes to the host with train.lm_head_on_host: true as well, and visits the GPU "
+           "for the loss";
+  }
   return "";
 }
 
