@@ -24,6 +24,7 @@
 #include "trainer/model/causal_lm_loss.h"
 #include "trainer/formats/hf_checkpoint.h"
 #include "trainer/formats/llama_shapes.h"
+#include "trainer/model/feed_forward.h"
 #include "trainer/base/memory_stats.h"
 #include "trainer/recipe/model_memory.h"
 #include "trainer/recipe/recipe.h"
@@ -549,7 +550,9 @@ TEST(ModelMemory, PackedBatchesKeepAMaskOnlyWhereTheSpansDoNotApply) {
 
 // Offloading leaves two layer inputs on the device instead of every checkpointed one; the table
 // on the host leaves the frozen weights by vocab x hidden; rebuilding the weights in backward
-// drops one layer's dequantized projections. On a CPU none of them moves anything.
+// drops one layer's dequantized projections but the largest, built there one at a time (an expert
+// bank a block of experts at a time under train.expert_bank_block_mb). On a CPU none of them moves
+// anything.
 TEST(ModelMemory, OffloadingHostEmbeddingsAndRebuiltWeightsSaveWhatTheyMove) {
   const LlamaOptions llama = llama_shape("llama3-8b");
   auto setup = llama_3_8b_setup();
@@ -566,8 +569,21 @@ TEST(ModelMemory, OffloadingHostEmbeddingsAndRebuiltWeightsSaveWhatTheyMove) {
   auto rebuilt = setup;
   rebuilt.keep_built_weights = false;
   const double layer_projections = static_cast<double>(llama_parameter_counts(llama).projections) / 32;
+  const double largest = 4096.0 * 14336;  // gate, up or down
   EXPECT_DOUBLE_EQ(kept.checkpointed_activation_bytes - estimate_peak_memory(llama, rebuilt).checkpointed_activation_bytes,
-                   layer_projections * 2);
+                   (layer_projections - largest) * 2);
+  const LlamaOptions moe = llama_shape("qwen3-30b-a3b");
+  auto moe_setup = rebuilt;
+  moe_setup.base.skip_modules = dense_base_projections(moe);
+  moe_setup.adapter.targets.include.names = {"q_proj"};
+  // gate_up's bank, 805 MB, is the largest whole; in blocks of 256 MiB, down's 85 experts of 3 MiB
+  // (255 MiB) outweigh gate_up's 42 of 6 MiB (252 MiB).
+  const double gate_up_bank = 128.0 * 1536 * 2048 * 2, down_expert = 2048.0 * 768 * 2;
+  auto blocked = moe_setup;
+  blocked.expert_bank_block_bytes = 256 << 20;
+  EXPECT_DOUBLE_EQ(estimate_peak_memory(moe, moe_setup).checkpointed_activation_bytes -
+                       estimate_peak_memory(moe, blocked).checkpointed_activation_bytes,
+                   gate_up_bank - 85 * down_expert);
   for (auto* cpu : {&offloading, &on_host}) {
     cpu->device = torch::kCPU;
     auto same = setup;

@@ -208,16 +208,17 @@ std::shared_ptr<qat::LinearLayer> random_dense(const RandomLayerOptions& layer, 
 
 const std::vector<BaseQuantizationRow>& base_quantizations() {
   static const std::vector<BaseQuantizationRow> rows = {
-      // kind, description, quantize, weight_bytes, fused_lora, keeps_built_weights, random_layer
-      {BaseQuantization::kNone, "16-bit base", keep_dense, dense_bytes, true, false, random_dense},
+      // kind, description, quantize, weight_bytes, fused_lora, keeps_built_weights, builds_weight_rows,
+      // random_layer
+      {BaseQuantization::kNone, "16-bit base", keep_dense, dense_bytes, true, false, false, random_dense},
       {BaseQuantization::kNf4, "NF4 base (bitsandbytes Linear4bit)", quantize_four_bit, four_bit_bytes,
-       true, true, random_four_bit},
+       true, true, true, random_four_bit},
       {BaseQuantization::kFp4, "FP4 base (bitsandbytes Linear4bit)", quantize_four_bit, four_bit_bytes,
-       true, true, random_four_bit},
+       true, true, true, random_four_bit},
       {BaseQuantization::kInt8, "LLM.int8 base (bitsandbytes Linear8bitLt)", quantize_int8,
-       int8_bytes, false, false, random_int8},
+       int8_bytes, false, false, false, random_int8},
       {BaseQuantization::kFp8, "FP8 e4m3 base, a scale per row, FP8 tensor-core matmuls",
-       quantize_float8, float8_bytes, true, false, random_float8},
+       quantize_float8, float8_bytes, true, false, false, random_float8},
   };
   return rows;
 }

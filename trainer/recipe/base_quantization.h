@@ -58,6 +58,9 @@ struct BaseQuantizationRow {
   // A checkpointed layer's recomputation keeps its dequantized weights for its backward
   // (qat::KeepBuiltWeights).
   bool keeps_built_weights;
+  // Its layer builds rows of its weight alone (qat::LinearLayer::builds_weight_rows): an expert
+  // bank of it is built again a block of experts at a time under train.expert_bank_block_mb.
+  bool builds_weight_rows;
   // A frozen layer of this kind with random codes of about a 0.02-scaled weight's magnitude.
   std::shared_ptr<qat::LinearLayer> (*random_layer)(const RandomLayerOptions& layer,
                                                     const BaseQuantizationSettings& settings);

@@ -1,6 +1,7 @@
 #include "trainer/recipe/model_memory.h"
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 
 #include "kernels/error.h"
@@ -307,6 +308,7 @@ TrainingMemorySetup training_memory_setup(const Recipe& recipe, const LlamaOptio
   setup.fused_loss = recipe.train.fused_loss;
   setup.offload_activations = recipe.train.offload_activations;
   setup.keep_built_weights = recipe.train.keep_built_weights;
+  setup.expert_bank_block_bytes = recipe.train.expert_bank_block_mb << 20;
   setup.embeddings_on_host = recipe.train.embeddings_on_host;
   setup.lm_head_on_host = recipe.train.lm_head_on_host;
   setup.optimizer_states_on_host = recipe.train.optimizer_states_on_host;
@@ -454,13 +456,26 @@ void estimate_activations(const LlamaOptions& model, const TrainingMemorySetup& 
     // A recomputed layer keeps its dequantized 4-bit weights for its backward (qat::KeepBuiltWeights).
     // So does QAT-LoRA's fake-quantized weight (in place of the 4-bit base's: its dequantization
     // is let go once the weight is built).
+    // Not kept, backward builds them again one at a time: the largest is there with the layer (an
+    // expert bank a block of experts at a time, where its base builds rows).
     double built_weights = 0.0;
-    if (checkpointed && !setup.full_finetune && setup.keep_built_weights) {
-      const bool base_keeps = base_quantization_row(setup.base.kind).keeps_built_weights;
+    if (checkpointed && !setup.full_finetune) {
+      const auto& base = base_quantization_row(setup.base.kind);
       for (const auto& projection : decoder_projections(model, layer)) {
-        if (is_fake_quantized(projection, setup) || (base_keeps && is_quantized(projection, setup)) ||
+        if (is_fake_quantized(projection, setup) || (base.keeps_built_weights && is_quantized(projection, setup)) ||
             (adapter_rank(projection, setup) > 0 && stored_bytes(projection, setup) >= 0)) {
-          built_weights += static_cast<double>(projection.in * projection.out) * s;
+          const double bytes = static_cast<double>(projection.in * projection.out) * s;
+          if (setup.keep_built_weights) {
+            built_weights += bytes;
+            continue;
+          }
+          double one_build = bytes;
+          if (projection.experts > 0 && setup.expert_bank_block_bytes > 0 && base.builds_weight_rows &&
+              is_quantized(projection, setup)) {
+            const double expert = bytes / static_cast<double>(projection.experts);
+            one_build = std::min(bytes, std::max(expert, std::floor(setup.expert_bank_block_bytes / expert) * expert));
+          }
+          built_weights = std::max(built_weights, one_build);
         }
       }
     }

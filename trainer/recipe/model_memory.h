@@ -56,12 +56,15 @@
 //                    below j plus layer j recomputed: the figure is the largest such sum. A
 //                    recomputed layer keeps its built weights (dequantized 4-bit ones; QAT-LoRA's
 //                    fake-quantized ones), out x in x s each, for its backward, unless
-//                    train.keep_built_weights is false. With train.offload_activations the
+//                    train.keep_built_weights is false: then its backward builds them again one
+//                    at a time, and the largest counts (an expert bank of a base that builds rows
+//                    a block of whole experts at a time, train.expert_bank_block_mb). With train.offload_activations the
 //                    checkpointed inputs wait on the host: on the device, only layer j's input
 //                    and, fetched ahead, the one below it (2 H s). train.embeddings_on_host takes
 //                    the input embedding table out of the frozen weights; train.lm_head_on_host
 //                    takes lm_head out of them and adds it to the loss's moment below (an Error
-//                    where lm_head is not a plain frozen weight). train.mlp_chunk_tokens is not
+//                    where lm_head is not a plain frozen weight, or is tied without
+//                    train.embeddings_on_host). train.mlp_chunk_tokens is not
 //                    modelled (an Error).
 //   loss logits      the peak of causal_lm_loss for N = batch x (seq - 1) predicted tokens and
 //                    vocabulary V, at the start of backward. train.fused_loss false: three fp32
@@ -143,6 +146,7 @@ struct TrainingMemorySetup {
   bool fused_loss = true;          // train.fused_loss: vocabulary tiles where lm_head is frozen
   bool offload_activations = false;  // train.offload_activations: checkpointed inputs on the host
   bool keep_built_weights = true;    // train.keep_built_weights
+  int64_t expert_bank_block_bytes = 0;  // train.expert_bank_block_mb, in bytes; 0: banks build whole
   bool embeddings_on_host = false;   // train.embeddings_on_host: the input embedding table on the host
   bool lm_head_on_host = false;      // train.lm_head_on_host: lm_head on the device only for the loss
   bool optimizer_states_on_host = false;  // train.optimizer_states_on_host: AdamW's state on the host between steps
