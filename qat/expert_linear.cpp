@@ -43,12 +43,11 @@ torch::Tensor grouped_linear(const torch::Tensor& rows, const torch::Tensor& wei
 
 namespace {
 
-// How many experts a block of the bank holds, built in `dtype`: as many as fit `block_bytes`
-// (BuildBanksInBlocks), at least one; all where the bank builds only whole weights.
-int64_t experts_per_block(const LinearLayer& bank, int64_t experts, torch::ScalarType dtype, int64_t block_bytes) {
-  if (block_bytes <= 0 || !bank.builds_weight_rows() || bank.multiplies_itself()) return experts;
+// experts_per_block for the bank built in `dtype`; all where the bank builds only whole weights.
+int64_t bank_experts_per_block(const LinearLayer& bank, int64_t experts, torch::ScalarType dtype, int64_t block_bytes) {
+  if (!bank.builds_weight_rows() || bank.multiplies_itself()) return experts;
   const int64_t expert_bytes = bank.out_features() / experts * bank.in_features() * static_cast<int64_t>(c10::elementSize(dtype));
-  return std::clamp<int64_t>(block_bytes / expert_bytes, 1, experts);
+  return experts_per_block(experts, expert_bytes, block_bytes);
 }
 
 std::vector<int64_t> host_counts(const torch::Tensor& counts) {
@@ -91,7 +90,7 @@ class RebuiltBankProduct : public torch::autograd::Function<RebuiltBankProduct> 
     context->save_for_backward({counts});
     context->saved_data["bank"] = reinterpret_cast<int64_t>(bank);
     context->saved_data["experts"] = experts;
-    const int64_t per_block = experts_per_block(*bank, experts, rows.scalar_type(), BuildBanksInBlocks::bytes());
+    const int64_t per_block = bank_experts_per_block(*bank, experts, rows.scalar_type(), BuildBanksInBlocks::bytes());
     context->saved_data["per_block"] = per_block;
     if (per_block < experts) {
       const auto on_host = host_counts(counts);
@@ -136,6 +135,11 @@ torch::Tensor bank_product(const LinearLayer& bank, int64_t experts, const torch
                        !trains(bank);
   if (rebuilt) return RebuiltBankProduct::apply(rows, counts, &bank, experts);
   return grouped_linear(rows, expert_weights(bank, experts, rows.scalar_type()), counts);
+}
+
+int64_t experts_per_block(int64_t experts, int64_t expert_bytes, int64_t block_bytes) {
+  if (block_bytes <= 0 || expert_bytes <= 0) return experts;
+  return std::clamp<int64_t>(block_bytes / expert_bytes, 1, experts);
 }
 
 std::map<std::string, int64_t> expert_banks(const torch::nn::Module& root) {

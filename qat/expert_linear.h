@@ -59,6 +59,10 @@ torch::Tensor expert_weights(const LinearLayer& bank, int64_t experts, torch::Sc
 // BuildBanksInBlocks asks it (qat/linear.h): a few whole experts at a time, each multiplying
 // its own rows (the counts come to the host once, at the forward).
 torch::Tensor bank_product(const LinearLayer& bank, int64_t experts, const torch::Tensor& rows, const torch::Tensor& counts);
+// How many of a bank's `experts` (each `expert_bytes` built) one block of BuildBanksInBlocks'
+// `block_bytes` holds: as many as fit, at least one; all of them for 0. The memory estimate
+// (trainer/recipe/model_memory.cpp) counts the same blocks.
+int64_t experts_per_block(int64_t experts, int64_t expert_bytes, int64_t block_bytes);
 
 class ExpertLora : public LinearLayer {
  public:

@@ -28,16 +28,16 @@ Mxfp4Linear::Mxfp4Linear(const torch::Tensor& blocks, const torch::Tensor& scale
 
 namespace {
 
-// Rows of MXFP4 blocks [rows, in / 32, 16] and scales [rows, in / 32] as [rows, in] in `dtype`,
-// as transformers' dequantization computes them (every value exact in fp32).
-torch::Tensor dequantize_mxfp4(const torch::Tensor& blocks, const torch::Tensor& scales, torch::ScalarType dtype) {
+// Rows of MXFP4 blocks [rows, in / 32, 16] and scales [rows, in / 32] written into `weight`
+// [rows, in] (its dtype), as transformers' dequantization computes them (every value exact in fp32).
+void dequantize_mxfp4_into(torch::Tensor weight, const torch::Tensor& blocks, const torch::Tensor& scales) {
   const auto table = torch::from_blob(const_cast<float*>(kFp4Values), {16}, torch::kFloat32).to(blocks.device());
-  const int64_t rows = blocks.size(0), in = blocks.size(1) * 32;
+  const int64_t rows = blocks.size(0);
   // [rows, groups, 16, 2]: low nibble first.
   const auto codes = torch::stack({blocks.bitwise_and(0x0F), blocks.bitwise_right_shift(4)}, -1).to(torch::kInt32);
   const auto values = table.index_select(0, codes.reshape(-1)).view({rows, -1, 32});
   const auto exponents = scales.to(torch::kInt32).sub(127).unsqueeze(-1);
-  return torch::ldexp(values, exponents).reshape({rows, in}).to(dtype);
+  weight.view({rows, -1, 32}).copy_(torch::ldexp(values, exponents));
 }
 
 // The decoding above holds about 20 bytes a weight: a whole weight is built this many bytes of
@@ -52,18 +52,19 @@ torch::Tensor Mxfp4Linear::matmul_weight_rows(torch::ScalarType dtype, int64_t b
                                           std::to_string(out_features()) + ", " + std::to_string(in_features()) +
                                           "] weight are not rows of it");
   }
-  return dequantize_mxfp4(blocks_.narrow(0, begin, end - begin), scales_.narrow(0, begin, end - begin), dtype);
+  auto rows = torch::empty({end - begin, in_features()}, blocks_.options().dtype(dtype));
+  dequantize_mxfp4_into(rows, blocks_.narrow(0, begin, end - begin), scales_.narrow(0, begin, end - begin));
+  return rows;
 }
 
 torch::Tensor Mxfp4Linear::dense_weight(torch::ScalarType dtype) const {
   const int64_t out = out_features();
   const int64_t row_bytes = in_features() * static_cast<int64_t>(c10::elementSize(dtype));
   const int64_t piece = std::max<int64_t>(kWholeWeightPieceBytes / row_bytes, 1);
-  if (piece >= out) return matmul_weight_rows(dtype, 0, out);
   auto weight = torch::empty({out, in_features()}, blocks_.options().dtype(dtype));
   for (int64_t begin = 0; begin < out; begin += piece) {
-    const int64_t end = std::min(out, begin + piece);
-    weight.narrow(0, begin, end - begin).copy_(matmul_weight_rows(dtype, begin, end));
+    const int64_t rows = std::min(out - begin, piece);
+    dequantize_mxfp4_into(weight.narrow(0, begin, rows), blocks_.narrow(0, begin, rows), scales_.narrow(0, begin, rows));
   }
   return weight;
 }

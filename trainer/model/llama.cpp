@@ -505,10 +505,8 @@ torch::Tensor LlamaForCausalLMImpl::hidden_states(const LlamaInputs& inputs) {
                        .expand({inputs.input_ids.size(0), -1});
   }
   auto hidden = model->embed(inputs.input_ids, inputs.host_input_ids);
-  if (lm_head_prefetch_pending_) {
-    lm_head_prefetch_pending_ = false;
-    host_lm_head_->prefetch(device());
-  }
+  if (lm_head_prefetch_pending_ && host_lm_head_) host_lm_head_->prefetch(device());
+  lm_head_prefetch_pending_ = false;
   return model->forward_embedded(std::move(hidden), position_ids, inputs.attention_mask, inputs.cache);
 }
 

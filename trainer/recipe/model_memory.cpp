@@ -1,10 +1,10 @@
 #include "trainer/recipe/model_memory.h"
 
 #include <algorithm>
-#include <cmath>
 #include <map>
 
 #include "kernels/error.h"
+#include "qat/expert_linear.h"
 #include "kernels/softcapped_flash_attention.h"
 #include "trainer/formats/hf_config.h"
 #include "trainer/model/flash_attention.h"
@@ -251,6 +251,16 @@ double active_matmul_weights(const LlamaOptions& model) {
   return active;
 }
 
+namespace {
+
+// An adapter of `rank` on `projection`: A [rank, in] and B [out, rank]; an expert bank's has rank
+// rows of A per expert, A [experts · rank, in], B [out / experts, experts · rank].
+int64_t adapter_weights(const Projection& projection, int64_t rank) {
+  return rank * (std::max<int64_t>(projection.experts, 1) * projection.in + projection.out);
+}
+
+}  // namespace
+
 HostCopyWork host_copy_work(const LlamaOptions& model, const Recipe& recipe) {
   TrainingMemorySetup setup;  // what the adapters' ranks need
   setup.adapter = lora_adapter_config(recipe);
@@ -259,7 +269,7 @@ HostCopyWork host_copy_work(const LlamaOptions& model, const Recipe& recipe) {
   for (const auto& projection : all_projections(model)) {
     const double weights = static_cast<double>(projection.in) * static_cast<double>(projection.out);
     const int64_t rank = adapter_rank(projection, setup);
-    trained += setup.full_finetune ? weights : static_cast<double>(rank * (std::max<int64_t>(projection.experts, 1) * projection.in + projection.out));
+    trained += setup.full_finetune ? weights : static_cast<double>(adapter_weights(projection, rank));
   }
   const double table = static_cast<double>(model.vocab_size) * static_cast<double>(model.hidden_size);
   const double active = active_matmul_weights(model);
@@ -373,8 +383,7 @@ bool estimate_weights_and_state(const LlamaOptions& model, const TrainingMemoryS
                                                                     : static_cast<double>(weights + biases) * s;
     const int64_t rank = adapter_rank(projection, setup);
     if (rank > 0) {
-      // An expert bank's adapter has rank rows of A per expert: A [experts · rank, in], B [out / experts, experts · rank].
-      estimate.trainable_parameters += rank * (std::max<int64_t>(projection.experts, 1) * projection.in + projection.out);
+      estimate.trainable_parameters += adapter_weights(projection, rank);
       ++estimate.adapted_layers;
       lm_head_trains |= projection.name == "lm_head";
     }
@@ -470,10 +479,10 @@ void estimate_activations(const LlamaOptions& model, const TrainingMemorySetup& 
             continue;
           }
           double one_build = bytes;
-          if (projection.experts > 0 && setup.expert_bank_block_bytes > 0 && base.builds_weight_rows &&
-              is_quantized(projection, setup)) {
-            const double expert = bytes / static_cast<double>(projection.experts);
-            one_build = std::min(bytes, std::max(expert, std::floor(setup.expert_bank_block_bytes / expert) * expert));
+          if (projection.experts > 0 && base.builds_weight_rows && is_quantized(projection, setup)) {
+            const int64_t expert = projection.out / projection.experts * projection.in * static_cast<int64_t>(s);
+            one_build = static_cast<double>(
+                qat::experts_per_block(projection.experts, expert, setup.expert_bank_block_bytes) * expert);
           }
           built_weights = std::max(built_weights, one_build);
         }
