@@ -50,11 +50,6 @@ int64_t bank_experts_per_block(const LinearLayer& bank, int64_t experts, torch::
   return experts_per_block(experts, expert_bytes, block_bytes);
 }
 
-std::vector<int64_t> host_counts(const torch::Tensor& counts) {
-  const auto host = counts.to(torch::kCPU, torch::kInt64).contiguous();
-  return {host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel()};
-}
-
 // The grouped product of rows sorted by expert with each row's W_e, or with W_e^T (`transposed`:
 // the input gradient), the bank built `per_block` experts at a time. Each block multiplies its own
 // experts' rows (the counts on the host say where they lie), so every expert's product is the
@@ -134,7 +129,36 @@ torch::Tensor bank_product(const LinearLayer& bank, int64_t experts, const torch
   const bool rebuilt = built && torch::GradMode::is_enabled() && rows.requires_grad() && !KeepBuiltWeights::active() &&
                        !trains(bank);
   if (rebuilt) return RebuiltBankProduct::apply(rows, counts, &bank, experts);
+  if (built && !torch::GradMode::is_enabled()) {  // a checkpointed forward without grad
+    const int64_t per_block = bank_experts_per_block(bank, experts, rows.scalar_type(), BuildBanksInBlocks::bytes());
+    const int64_t whole_bytes =
+        bank.out_features() * bank.in_features() * static_cast<int64_t>(c10::elementSize(rows.scalar_type()));
+    if (per_block < experts && whole_bytes > WholeBanksWithoutGrad::up_to_bytes()) {
+      return product_by_expert_blocks(bank, experts, rows.contiguous(), counts, host_counts(counts), per_block, false);
+    }
+  }
   return grouped_linear(rows, expert_weights(bank, experts, rows.scalar_type()), counts);
+}
+
+std::vector<int64_t> host_counts(const torch::Tensor& counts) {
+  // The last counts brought here on this thread. The weak reference keeps their TensorImpl's
+  // address from being another tensor's, and holds no device memory.
+  using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+  struct Last {
+    WeakImpl counts{c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>()};
+    int64_t version = 0;
+    std::vector<int64_t> values;
+  };
+  thread_local Last last;
+  if (!last.counts.expired() && last.counts._unsafe_get_target() == counts.unsafeGetTensorImpl() &&
+      last.version == static_cast<int64_t>(counts._version())) {
+    return last.values;
+  }
+  const auto host = counts.to(torch::kCPU, torch::kInt64).contiguous();
+  last.counts = WeakImpl(counts.getIntrusivePtr());
+  last.version = static_cast<int64_t>(counts._version());
+  last.values.assign(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel());
+  return last.values;
 }
 
 int64_t experts_per_block(int64_t experts, int64_t expert_bytes, int64_t block_bytes) {

@@ -23,6 +23,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "qat/linear.h"
 #include "qat/lora_options.h"
@@ -55,14 +56,19 @@ torch::Tensor expert_weights(const LinearLayer& bank, int64_t experts, torch::Sc
 // are built (a quantized base: matmul_weight_kind() not kStored) keeps them for backward only
 // where KeepBuiltWeights is active (a checkpointed layer's recomputation, qat/linear.h); elsewhere
 // backward builds them again, as the frozen 4-bit layers do, so a layer keeps no dequantized bank
-// (Qwen3-30B-A3B: 1.2 GB of bf16 a layer). A bank built again is built in blocks where
-// BuildBanksInBlocks asks it (qat/linear.h): a few whole experts at a time, each multiplying
-// its own rows (the counts come to the host once, at the forward).
+// (Qwen3-30B-A3B: 1.2 GB of bf16 a layer). A bank built again, or built for a product without
+// grad (a checkpointed forward) and larger than WholeBanksWithoutGrad allows, is built in blocks
+// where BuildBanksInBlocks asks it (qat/linear.h): a few whole experts at a time, each
+// multiplying its own rows (the counts come to the host once, at the forward).
 torch::Tensor bank_product(const LinearLayer& bank, int64_t experts, const torch::Tensor& rows, const torch::Tensor& counts);
 // How many of a bank's `experts` (each `expert_bytes` built) one block of BuildBanksInBlocks'
 // `block_bytes` holds: as many as fit, at least one; all of them for 0. The memory estimate
 // (trainer/recipe/model_memory.cpp) counts the same blocks.
 int64_t experts_per_block(int64_t experts, int64_t expert_bytes, int64_t block_bytes);
+// `counts` [experts] on the host, as int64: one copy (a device sync) per counts tensor on this
+// thread, so a layer's gate_up and down banks built in blocks share it; a counts tensor changed in
+// place since is copied again.
+std::vector<int64_t> host_counts(const torch::Tensor& counts);
 
 class ExpertLora : public LinearLayer {
  public:

@@ -91,6 +91,18 @@ class BuildBanksInBlocks : public ThreadScopedSetting<int64_t, BuildBanksInBlock
   static int64_t bytes() { return current(); }
 };
 
+// While one lives on this thread with bytes > 0, a bank built for a product without grad (a
+// checkpointed forward) is built whole where the whole bank is at most this many bytes, and in
+// BuildBanksInBlocks' blocks where it is more. The backbone sets it to the block limit plus the
+// gradients of the trained weights: what backward holds beside its blocks and the forward does
+// not, so that a whole bank in the forward stays below backward's peak (gpt-oss-20b's 1.06 GB
+// gate_up bank did not; Qwen3-30B-A3B's 805 MB one did, beside 0.6 GB of adapter gradients).
+class WholeBanksWithoutGrad : public ThreadScopedSetting<int64_t, WholeBanksWithoutGrad> {
+ public:
+  using ThreadScopedSetting::ThreadScopedSetting;
+  static int64_t up_to_bytes() { return current(); }
+};
+
 // While one lives on this thread, layers that build their matmul weight (a dequantization) keep
 // it for backward instead of building it again there. A checkpointed decoder layer's
 // recomputation sets it: its backward follows at once, so the cost is one layer's weights.

@@ -194,8 +194,8 @@ std::shared_ptr<LinearLayer> mxfp4_bank(int64_t rows, int64_t in, torch::Device 
 
 // A bank built again in blocks of experts (BuildBanksInBlocks) gives the whole bank's product and
 // input gradient: bit for bit on the CPU, where each expert's product is its own. A block whose
-// experts have no rows is not built. A product without grad (nothing kept for a backward, the peak
-// not at stake) builds the whole bank.
+// experts have no rows is not built. A product without grad (a checkpointed forward) is built in
+// the same blocks: gpt-oss-20b's whole gate_up bank built there set the step's peak.
 void expect_blocks_give_the_whole_banks_products(torch::Device device, torch::ScalarType dtype, double tolerance,
                                                  std::shared_ptr<LinearLayer> (*make_bank)(int64_t, int64_t, torch::Device)) {
   torch::manual_seed(10);
@@ -220,18 +220,31 @@ void expect_blocks_give_the_whole_banks_products(torch::Device device, torch::Sc
   bank->reset_counts();
   // Two experts a block: {0, 1}, {2, 3} (no rows: not built), {4}.
   const auto [out_blocks, grad_blocks, no_grad_blocks] = run(2 * expert_bytes + expert_bytes / 2);
-  EXPECT_EQ(bank->wholes, 1);          // the product without grad
-  EXPECT_EQ(bank->row_blocks, 2 * 2);  // forward and backward
+  EXPECT_EQ(bank->wholes, 0);
+  EXPECT_EQ(bank->row_blocks, 3 * 2);  // forward, backward and the product without grad
   EXPECT_EQ(bank->most_rows, 2 * out);
   const auto scale = [](const torch::Tensor& t) { return t.abs().max().item<double>(); };
   EXPECT_LE(scale(out_blocks - whole_out), tolerance * scale(whole_out));
   EXPECT_LE(scale(grad_blocks - whole_grad), tolerance * scale(whole_grad));
   EXPECT_LE(scale(no_grad_blocks - whole_no_grad), tolerance * scale(whole_no_grad));
   EXPECT_TRUE(torch::equal(whole_no_grad, whole_out));
+  // Without grad, a bank up to WholeBanksWithoutGrad's bytes is built whole.
+  {
+    torch::NoGradGuard no_grad;
+    const BuildBanksInBlocks blocks(2 * expert_bytes);
+    const int64_t whole_bytes = experts * expert_bytes;
+    for (const int64_t allowed : {whole_bytes, whole_bytes - 1}) {
+      const WholeBanksWithoutGrad up_to(allowed);
+      bank->reset_counts();
+      EXPECT_TRUE(torch::equal(bank_product(*bank, experts, batch.rows, batch.counts), no_grad_blocks));
+      EXPECT_EQ(bank->wholes, allowed == whole_bytes ? 1 : 0);
+      EXPECT_EQ(bank->row_blocks, allowed == whole_bytes ? 0 : 2);
+    }
+  }
   // A block smaller than an expert still builds one expert at a time.
   bank->reset_counts();
   run(expert_bytes / 4);
-  EXPECT_EQ(bank->row_blocks, 2 * 3);
+  EXPECT_EQ(bank->row_blocks, 3 * 3);
   EXPECT_EQ(bank->most_rows, out);
 }
 
@@ -244,6 +257,23 @@ TEST(ExpertBank, CudaABankBuiltInBlocksGivesTheWholeBanksProducts) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU on this machine";
   expect_blocks_give_the_whole_banks_products(torch::kCUDA, torch::kBFloat16, 1e-2, nf4_bank);
   expect_blocks_give_the_whole_banks_products(torch::kCUDA, torch::kBFloat16, 1e-2, mxfp4_bank);
+}
+
+// A layer's banks share one copy of the counts to the host; counts changed in place since, or
+// other counts with the same values, are copied again and equal their own values.
+TEST(ExpertBank, CountsComeToTheHostOncePerCountsTensor) {
+  auto counts = torch::tensor(std::vector<int64_t>{3, 0, 5}, torch::kInt64);
+  EXPECT_EQ(host_counts(counts), (std::vector<int64_t>{3, 0, 5}));
+  EXPECT_EQ(host_counts(counts), (std::vector<int64_t>{3, 0, 5}));
+  counts[1] = 7;  // in place: a new version
+  EXPECT_EQ(host_counts(counts), (std::vector<int64_t>{3, 7, 5}));
+  const auto other = torch::tensor(std::vector<int32_t>{1, 2}, torch::kInt32);
+  EXPECT_EQ(host_counts(other), (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(host_counts(counts), (std::vector<int64_t>{3, 7, 5}));
+  for (int i = 0; i < 4; ++i) {  // tensors freed and made again, perhaps at the same address
+    const auto made = torch::full({2}, i, torch::kInt64);
+    EXPECT_EQ(host_counts(made), (std::vector<int64_t>{i, i}));
+  }
 }
 
 TEST(ExpertBank, AFrozenBankIsBuiltAgainInBackwardUnlessKept) {

@@ -239,8 +239,9 @@ TEST(TiedTableOnHost, CudaGradientsEqualATableOnTheDeviceBitwise) {
 }
 
 // train.expert_bank_block_mb reaches the banks in the forward and in the checkpointed layers'
-// recomputation (autograd's thread): NF4 banks built again in blocks of experts give the gradients
-// of the whole banks, and build a whole bank only in the forward without grad.
+// recomputation (autograd's thread): NF4 banks built in blocks of experts give the gradients of
+// the whole banks. The forward without grad builds a bank whole only where it is at most the block
+// limit plus the trained weights' bytes (their gradients, which backward holds and it does not).
 TEST(ExpertBankBlocks, RebuiltBanksAreBuiltInBlocksWithTheSameGradients) {
   torch::manual_seed(13);
   auto options = qtrain::testing::small_llama_options(128, 2);
@@ -282,13 +283,28 @@ TEST(ExpertBankBlocks, RebuiltBanksAreBuiltInBlocksWithTheSameGradients) {
   // the recomputation and its backward.
   const int64_t block_bytes = 128 << 10;
   const auto blocked = gradient(block_bytes);
+  // What trains here: the table and the norms (2 a layer, and the last).
+  const int64_t trained = (options.vocab_size + 2 * options.num_hidden_layers + 1) * options.hidden_size * 4;
+  EXPECT_EQ(model->model->trained_weight_bytes(), trained);
   for (const auto& bank : banks) {
-    EXPECT_EQ(bank->wholes, 1);  // the checkpointed forward, without grad
-    EXPECT_GE(bank->row_blocks, 2);
+    EXPECT_EQ(bank->wholes, 0);  // 256 KB and 512 KB banks, more than 128 KB + 51 KB
+    EXPECT_GE(bank->row_blocks, 3);  // the forward without grad, the recomputation, its backward
     EXPECT_LE(bank->most_rows * bank->in_features() * 4, block_bytes);
   }
   ASSERT_GT(whole.abs().max().item<double>(), 0);
   EXPECT_TRUE(torch::equal(blocked, whole));
+  // 220 KB: down's 256 KB bank fits the block and the gradients, whole in the forward;
+  // gate_up's 512 KB does not.
+  const int64_t wider = 220 << 10;
+  EXPECT_TRUE(torch::equal(gradient(wider), whole));
+  int64_t whole_in_forward = 0;
+  for (const auto& bank : banks) {
+    const bool fits = bank->out_features() * bank->in_features() * 4 <= wider + trained;
+    EXPECT_EQ(bank->wholes, fits ? 1 : 0) << bank->out_features() << " rows";
+    EXPECT_LE(bank->most_rows * bank->in_features() * 4, wider);
+    whole_in_forward += fits;
+  }
+  EXPECT_EQ(whole_in_forward, 2);  // down of each layer
 }
 
 TEST(EmbeddingsOnHost, CudaLogitsAndGradientsEqualATableOnTheDeviceBitwise) {

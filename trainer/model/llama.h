@@ -171,9 +171,11 @@ class LlamaBackboneImpl : public torch::nn::Module {
   // With checkpointing: whether a recomputed layer keeps the weights it built (dequantized,
   // fake-quantized) for its backward (qat::KeepBuiltWeights), or builds them again there.
   void set_keep_built_weights(bool keep) { keep_built_weights_ = keep; }
-  // train.expert_bank_block_mb: a frozen expert bank built again in backward is built at most
-  // this many bytes at a time (qat::BuildBanksInBlocks); 0: whole.
+  // train.expert_bank_block_mb: a frozen expert bank built without grad or again in backward is
+  // built at most this many bytes at a time (qat::BuildBanksInBlocks); 0: whole.
   void set_expert_bank_block_bytes(int64_t bytes) { expert_bank_block_bytes_ = bytes; }
+  // The bytes of the weights that train here: their gradients, which backward holds.
+  int64_t trained_weight_bytes();
   torch::nn::Embedding embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};
   RMSNorm norm{nullptr};

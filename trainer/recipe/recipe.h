@@ -151,7 +151,7 @@ struct TrainRecipe {
   bool offload_activations{};              // checkpointed layer inputs wait in pinned host memory
   int64_t mlp_chunk_tokens{};              // the MLP recomputed in chunks of this many tokens; 0: whole
   bool keep_built_weights{};               // a recomputed layer keeps its dequantized weights for backward
-  int64_t expert_bank_block_mb{};          // an expert bank built again is built this many MB at a time; 0: whole
+  int64_t expert_bank_block_mb{};          // a frozen expert bank built again is built this many MB at a time; 0: whole
   bool embeddings_on_host{};               // the frozen input embedding table stays in host memory
   bool lm_head_on_host{};                  // the frozen lm_head waits in host memory, visiting for the loss
   bool optimizer_states_on_host{};         // the optimizer's state waits in host memory between steps
