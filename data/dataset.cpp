@@ -21,6 +21,10 @@ namespace {
 constexpr size_t kBadRecordMessagesKept = 5;
 
 bool is_tokens(const DataOptions& options) { return options.records.format == "tokens"; }
+// Formats whose long samples are documents cut into windows (see dataset.h).
+bool cuts_documents_into_windows(const DataOptions& options) {
+  return is_tokens(options) || options.records.format == "text";
+}
 
 std::vector<std::string> extensions_of(const DataOptions& options) {
   if (is_tokens(options)) return {".bin"};
@@ -147,7 +151,7 @@ std::vector<Example> read_source(const std::string& source, const DataOptions& o
       add_fitted(builder->from_text(read_text_file(file, "a plain-text document")), /*windowed=*/true, options, samples, stats);
       continue;
     }
-    const bool windowed = options.records.format == "text";
+    const bool windowed = cuts_documents_into_windows(options);
     const auto skip = [&](const std::string& message) {
       if (!options.skip_bad_records) throw Error(ErrorCode::kData, message + " (data.skip_bad_records: true skips such records)");
       ++stats.bad_records;
@@ -222,6 +226,17 @@ Dataset load_dataset(const std::vector<std::string>& sources, const DataOptions&
   if (options.overlong != "truncate" && options.overlong != "drop") {
     throw Error(ErrorCode::kData, "data.overlong must be truncate or drop, got '" + options.overlong + "'");
   }
+  const PackStrategy* packing = find_pack_strategy(options.pack_strategy);
+  if (packing == nullptr) {
+    std::string names;
+    for (const auto& strategy : pack_strategies()) names += std::string(names.empty() ? "" : ", ") + strategy.name;
+    throw Error(ErrorCode::kData, "data.pack_strategy must be one of " + names + ", got '" + options.pack_strategy + "'");
+  }
+  if (options.pack && packing->splits_samples && !cuts_documents_into_windows(options)) {
+    throw Error(ErrorCode::kData, "data.pack_strategy: " + options.pack_strategy + " cuts samples across windows, which "
+                "would split a data.format " + options.records.format + " sample's prompt from its answer: use it with "
+                "data.format text or tokens, or set data.pack_strategy: best_fit");
+  }
   std::unique_ptr<SampleBuilder> builder;
   if (!is_tokens(options)) builder = std::make_unique<SampleBuilder>(options.records, tokenizer, model_dir);
   Dataset dataset;
@@ -238,7 +253,7 @@ Dataset load_dataset(const std::vector<std::string>& sources, const DataOptions&
                 std::to_string(dataset.stats.dropped) + " dropped, " + std::to_string(dataset.stats.bad_records) +
                 " bad); check data.format (" + options.records.format + ") and the files");
   }
-  dataset.examples = options.pack ? pack_examples(samples, options.max_seq_len) : std::move(samples);
+  dataset.examples = options.pack ? packing->pack(samples, options.max_seq_len) : std::move(samples);
   dataset.stats.examples = static_cast<int64_t>(dataset.examples.size());
   for (const auto& example : dataset.examples) {
     dataset.stats.tokens += example.size();

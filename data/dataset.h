@@ -22,6 +22,7 @@ struct DataOptions {
   int64_t max_seq_len = 2048;
   std::string overlong = "truncate";  // truncate | drop
   bool pack = false;
+  std::string pack_strategy = "best_fit";  // data/packing.h's pack_strategies()
   bool skip_bad_records = false;  // count and skip malformed records instead of stopping
   std::vector<double> weights;    // one per source: its share of the mixture; empty: every sample once
   uint64_t seed = 42;             // draws the mixture

@@ -8,6 +8,7 @@
 // every boundary, and the first token of each sample is not a label (a sample never learns
 // to predict itself from the one before), so a packed batch has the loss of its samples apart.
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "data/example.h"
@@ -16,5 +17,22 @@ namespace qtrain::data {
 
 // Every sample must be at most max_seq_len long (Error otherwise).
 std::vector<Example> pack_examples(const std::vector<Example>& samples, int64_t max_seq_len);
+
+// Wrapped packing (data.pack_strategy: wrapped, TRL's packing_strategy="wrapped"): samples in
+// order fill each window to max_seq_len, a sample that does not fit the room left continuing at
+// the start of the next window. Each piece is a sample of its own (positions restart, attention
+// stays inside it, its first token is not a label), as a long document's windows are. Only the
+// last window may be short. For text: an instruct or chat sample cut in two would lose its prompt.
+std::vector<Example> wrap_examples(const std::vector<Example>& samples, int64_t max_seq_len);
+
+// data.pack_strategy's values, and the packer each names (nullptr for a name that is none).
+using Packer = std::vector<Example> (*)(const std::vector<Example>&, int64_t);
+struct PackStrategy {
+  const char* name;
+  Packer pack;
+  bool splits_samples;  // only for formats whose samples are windows of documents (text, tokens)
+};
+const std::vector<PackStrategy>& pack_strategies();
+const PackStrategy* find_pack_strategy(const std::string& name);
 
 }  // namespace qtrain::data

@@ -11,7 +11,7 @@
 #                within bf16 noise; the N-rank adapter loads in peft.
 #   scaling      Llama-3-8B-shaped QLoRA (random weights from tools/random_checkpoint.py, NF4
 #                double-quant, LoRA r16 on 7 projections, bf16, checkpointing, micro-batch 4,
-#                seq 2048, packed Brown text) through `qtrain --recipe`: tokens/s on 1 and N GPUs
+#                seq 2048, Brown text packed wrapped) through `qtrain --recipe`: tokens/s on 1 and N GPUs
 #                (goal 0.95 N x).
 #   faults       tools/faults.py --device cuda torchrun stop (2 ranks): a killed rank under NCCL
 #                ends the other and --max-restarts resumes; SIGTERM to one rank stops both.
@@ -116,6 +116,7 @@ scaling() {
     || { report FAIL "scaling: random checkpoint: $(tail -2 "$WORK/checkpoint.log")"; return; }
   local common=(--recipe "$ROOT/recipes/qlora_llama.yaml" --set model.path="$model"
                 --set data.train="$ROOT/recipes/demo/brown-train.jsonl" --set data.format=text --set data.pack=true
+                --set data.pack_strategy=wrapped
                 --set train.micro_batch_size=4 --set train.grad_accum_steps=1 --set train.steps=$SCALING_STEPS
                 --set schedule.warmup_steps=2 --set log.every=1 --set checkpoint.every=0 --set eval.every=0)
   rm -rf "$WORK/scale-1" "$WORK/scale-n"

@@ -1,6 +1,7 @@
 // A data section into examples: sources (files, directories of shards, .txt, token files),
 // cutting to max_seq_len, mixing by weight, packing, and the handling of bad records.
 #include "data/dataset.h"
+#include "data/packing.h"
 
 #include <gtest/gtest.h>
 
@@ -182,6 +183,74 @@ TEST(Dataset, PackingFillsTheTailWindowsOfLongDocuments) {
   // Only the last window may be short when tails fit together.
   EXPECT_GE(full + 2, static_cast<int64_t>(packed.examples.size()));
   EXPECT_LT(packed.stats.examples, packed.stats.samples);
+}
+
+// data.pack_strategy: wrapped fills every window but the last to max_seq_len: the documents'
+// tokens in order, each piece a sample whose first token is not a label, the rest labelled as
+// before. Best fit leaves the tails of documents half a window short where two do not fit together.
+TEST(Dataset, WrappedPackingFillsEveryWindowButTheLast) {
+  TempDir dir;
+  std::vector<std::string> texts;
+  for (int i = 0; i < 9; ++i) texts.push_back(std::string(static_cast<size_t>(7 * i + 30), 'a' + i) + " the jury said.");
+  const auto path = dir.write("t.jsonl", text_lines(texts));
+  auto options = options_for("text", 16);
+  const auto plain = load({path}, options);
+  options.pack = true;
+  const auto best_fit = load({path}, options);
+  options.pack_strategy = "wrapped";
+  const auto wrapped = load({path}, options);
+  std::vector<int64_t> stream, stream_labels;
+  for (const auto& sample : plain.examples) {
+    stream.insert(stream.end(), sample.input_ids.begin(), sample.input_ids.end());
+    stream_labels.insert(stream_labels.end(), sample.labels.begin(), sample.labels.end());
+  }
+  const auto total = static_cast<int64_t>(stream.size());
+  ASSERT_EQ(wrapped.examples.size(), static_cast<size_t>((total + 15) / 16));
+  EXPECT_LE(wrapped.examples.size(), best_fit.examples.size());
+  std::vector<int64_t> unwrapped;
+  size_t at = 0;
+  int64_t pieces = 0;
+  for (size_t w = 0; w < wrapped.examples.size(); ++w) {
+    const auto& window = wrapped.examples[w];
+    if (w + 1 < wrapped.examples.size()) EXPECT_EQ(window.size(), 16);
+    int64_t start = 0;
+    for (const int64_t length : window.sample_lengths) {
+      ASSERT_GT(length, 0);
+      EXPECT_EQ(window.labels[start], kIgnoreLabel);
+      for (int64_t i = 1; i < length; ++i) EXPECT_EQ(window.labels[start + i], stream_labels[at + i]);
+      at += static_cast<size_t>(length);
+      start += length;
+      ++pieces;
+    }
+    EXPECT_EQ(start, window.size());
+    unwrapped.insert(unwrapped.end(), window.input_ids.begin(), window.input_ids.end());
+  }
+  EXPECT_EQ(unwrapped, stream);  // every token once, in order
+  EXPECT_GT(pieces, static_cast<int64_t>(plain.examples.size()));  // some samples continue in the next window
+  EXPECT_EQ(wrapped.stats.tokens, total);
+  // Tails of 10 tokens: no two fit one window of 16, so best fit leaves each 6 short.
+  std::vector<Example> tails;
+  for (const int64_t length : {16, 10, 16, 10, 16, 10}) {
+    Example sample;
+    sample.input_ids.assign(static_cast<size_t>(length), 5);
+    sample.labels = sample.input_ids;
+    tails.push_back(sample);
+  }
+  EXPECT_EQ(pack_examples(tails, 16).size(), 6u);
+  EXPECT_EQ(wrap_examples(tails, 16).size(), 5u);  // 78 tokens
+}
+
+TEST(Dataset, WrappedPackingRefusesInstructAndChatSamples) {
+  TempDir dir;
+  const auto path = dir.write("i.jsonl", nlohmann::json{{"instruction", "Why?"}, {"output", "Because."}}.dump() + "\n");
+  auto options = options_for("instruct", 64);
+  options.pack = true;
+  options.pack_strategy = "wrapped";
+  const auto error = error_of({path}, options);
+  EXPECT_NE(error.find("data.pack_strategy: wrapped"), std::string::npos) << error;
+  EXPECT_NE(error.find("data.format text or tokens"), std::string::npos) << error;
+  options.pack_strategy = "bfd";
+  EXPECT_NE(error_of({path}, options).find("best_fit, wrapped"), std::string::npos);
 }
 
 TEST(Dataset, TokenFilesAreCutIntoDocumentsAtBos) {

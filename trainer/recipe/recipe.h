@@ -114,6 +114,7 @@ struct DataRecipe {
   int64_t max_seq_len{};
   std::string overlong;  // truncate | drop
   bool pack{};
+  std::string pack_strategy;  // best_fit | wrapped (data/packing.h)
   bool shuffle{};
   bool skip_bad_records{};
   int64_t prefetch_batches{};

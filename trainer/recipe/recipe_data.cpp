@@ -14,6 +14,7 @@ data::DataOptions data_options(const Recipe& recipe) {
   options.max_seq_len = recipe.data.max_seq_len;
   options.overlong = recipe.data.overlong;
   options.pack = recipe.data.pack;
+  options.pack_strategy = recipe.data.pack_strategy;
   options.skip_bad_records = recipe.data.skip_bad_records;
   options.weights = recipe.data.weights;
   options.seed = static_cast<uint64_t>(recipe.train.seed);

@@ -1,6 +1,7 @@
 // Every recipe key, its default and what it allows: the one place defaults live.
 #include "trainer/recipe/recipe_schema.h"
 
+#include "data/packing.h"
 #include "qat/lora_options.h"
 #include "qat/gguf_file_types.h"
 #include "qat/quant_presets.h"
@@ -134,6 +135,13 @@ std::vector<RecipeKey> lora_keys() {
           "PEFT adapter directory to start from; empty: fresh adapters")
           .path(),
   };
+}
+
+// data.pack_strategy's values: data/packing.h's table.
+std::vector<std::string> pack_strategy_names() {
+  std::vector<std::string> names;
+  for (const auto& strategy : data::pack_strategies()) names.push_back(strategy.name);
+  return names;
 }
 
 // qat.activations.format's values: every grid but gguf's blocks, which are weight formats.
@@ -304,6 +312,10 @@ std::vector<RecipeKey> data_keys() {
           .one_of({"truncate", "drop"}),
       key("data.pack", "false", QTRAIN_FIELD(data.pack),
           "concatenate samples into full sequences; attention stays within each sample"),
+      key("data.pack_strategy", "best_fit", QTRAIN_FIELD(data.pack_strategy),
+          "best_fit: whole samples, each into the window it fills most closely; wrapped (text and tokens): "
+          "windows filled to data.max_seq_len, a sample that does not fit continuing in the next window")
+          .one_of(pack_strategy_names()),
       key("data.shuffle", "true", QTRAIN_FIELD(data.shuffle),
           "seeded shuffle of the examples each epoch"),
       key("data.skip_bad_records", "false", QTRAIN_FIELD(data.skip_bad_records),
@@ -698,6 +710,7 @@ const std::vector<std::pair<std::string, std::string>>& familiar_key_names() {
       {"train_on_input", "data.train_on_inputs"},
       {"chat_template", "data.chat_template"},
       {"packed", "data.pack"},
+      {"packing_strategy", "data.pack_strategy"},
       {"learning_rate", "optim.lr"},
       {"rl", "train.objective"},
       {"beta", "dpo.beta"},
