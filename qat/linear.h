@@ -94,9 +94,10 @@ class BuildBanksInBlocks : public ThreadScopedSetting<int64_t, BuildBanksInBlock
 // While one lives on this thread with bytes > 0, a bank built for a product without grad (a
 // checkpointed forward) is built whole where the whole bank is at most this many bytes, and in
 // BuildBanksInBlocks' blocks where it is more. The backbone sets it to the block limit plus the
-// gradients of the trained weights: what backward holds beside its blocks and the forward does
-// not, so that a whole bank in the forward stays below backward's peak (gpt-oss-20b's 1.06 GB
-// gate_up bank did not; Qwen3-30B-A3B's 805 MB one did, beside 0.6 GB of adapter gradients).
+// trained weights' gradients plus one recomputed layer's activations: what backward holds beside
+// its blocks and the forward does not, so that a whole bank in the forward stays below backward's
+// peak (at 128 MB, gpt-oss-20b's 1.06 GB gate_up bank does not fit 0.72 GB; Qwen3-30B-A3B's
+// 805 MB one fits 0.96 GB).
 class WholeBanksWithoutGrad : public ThreadScopedSetting<int64_t, WholeBanksWithoutGrad> {
  public:
   using ThreadScopedSetting::ThreadScopedSetting;

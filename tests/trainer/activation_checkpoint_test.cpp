@@ -241,7 +241,8 @@ TEST(TiedTableOnHost, CudaGradientsEqualATableOnTheDeviceBitwise) {
 // train.expert_bank_block_mb reaches the banks in the forward and in the checkpointed layers'
 // recomputation (autograd's thread): NF4 banks built in blocks of experts give the gradients of
 // the whole banks. The forward without grad builds a bank whole only where it is at most the block
-// limit plus the trained weights' bytes (their gradients, which backward holds and it does not).
+// limit plus the trained weights' bytes plus a recomputed layer's activations (which backward
+// holds and it does not).
 TEST(ExpertBankBlocks, RebuiltBanksAreBuiltInBlocksWithTheSameGradients) {
   torch::manual_seed(13);
   auto options = qtrain::testing::small_llama_options(128, 2);
@@ -266,10 +267,10 @@ TEST(ExpertBankBlocks, RebuiltBanksAreBuiltInBlocksWithTheSameGradients) {
   model->model->embed_tokens->weight.set_requires_grad(true);
   model->train();
   const auto input_ids = torch::randint(options.vocab_size, {2, 24}, torch::kInt64);
-  auto gradient = [&](int64_t block_bytes) {
+  auto gradient = [&](int64_t block_bytes, int64_t recomputed_layer_bytes = 0) {
     model->model->set_gradient_checkpointing(1);
     model->model->set_keep_built_weights(false);
-    model->model->set_expert_bank_block_bytes(block_bytes);
+    model->model->set_expert_bank_block_bytes(block_bytes, recomputed_layer_bytes);
     for (auto& bank : banks) bank->reset_counts();
     auto loss = causal_lm_loss(*model, model->hidden_states({input_ids, {}, {}}), input_ids, 0);
     loss.loss_sum.backward();
@@ -305,6 +306,9 @@ TEST(ExpertBankBlocks, RebuiltBanksAreBuiltInBlocksWithTheSameGradients) {
     whole_in_forward += fits;
   }
   EXPECT_EQ(whole_in_forward, 2);  // down of each layer
+  // A recomputed layer's 300 KB of activations beside the block: gate_up's bank fits too.
+  EXPECT_TRUE(torch::equal(gradient(wider, 300 << 10), whole));
+  for (const auto& bank : banks) EXPECT_EQ(bank->wholes, 1) << bank->out_features() << " rows";
 }
 
 TEST(EmbeddingsOnHost, CudaLogitsAndGradientsEqualATableOnTheDeviceBitwise) {

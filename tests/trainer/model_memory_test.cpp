@@ -695,5 +695,48 @@ TEST(ActiveMatmulWeights, CountTheTopKExpertsOfABank) {
   EXPECT_DOUBLE_EQ(active_matmul_weights(oss), 24 * (attention + router + experts) + 2880.0 * 201088);
 }
 
+// recomputed_layer_bytes is what one checkpointed layer saves for its backward: for layers alike,
+// the step between the activations of L and 2L layers, divided by L.
+TEST(ModelMemory, RecomputedLayerBytesAreOneLayersActivations) {
+  auto setup = llama_3_8b_setup();
+  setup.gradient_checkpointing = true;
+  auto shape = llama_shape("llama3-8b");
+  shape.num_hidden_layers = 4;
+  const auto four = estimate_peak_memory(shape, setup);
+  shape.num_hidden_layers = 8;
+  const auto eight = estimate_peak_memory(shape, setup);
+  EXPECT_GT(four.recomputed_layer_bytes, 0);
+  EXPECT_DOUBLE_EQ(four.recomputed_layer_bytes, (eight.activation_bytes - four.activation_bytes) / 4);
+  setup.gradient_checkpointing = false;
+  EXPECT_EQ(estimate_peak_memory(shape, setup).recomputed_layer_bytes, 0);
+}
+
+// The checkpointed forward builds an expert bank whole where it fits the block, the gradients and
+// a recomputed layer's activations (LlamaBackboneImpl::set_expert_bank_block_bytes). On one H200
+// (docs/PERFORMANCE.md, 12 layers, micro-batch 1 x 2048, all switches, 128 MB blocks), Qwen3-30B-
+// A3B's whole 805 MB gate_up bank in that forward left the peak at 6.57 GiB, the backward's; gpt-oss-
+// 20b's 1.06 GB one set it (7.44 GiB, 6.95 in blocks). The allowance tells them apart.
+TEST(ModelMemory, ForwardBuildsAWholeBankWhereBackwardHoldsMoreBesideItsBlock) {
+  for (const auto& [name, whole_in_forward] : std::vector<std::pair<std::string, bool>>{{"qwen3-30b-a3b", true},
+                                                                                       {"gpt-oss-20b", false}}) {
+    auto model = llama_shape(name);
+    model.num_hidden_layers = 12;
+    Recipe recipe = default_recipe();
+    recipe.train.gradient_checkpointing = true;
+    recipe.train.micro_batch_size = 1;
+    recipe.data.max_seq_len = 2048;
+    recipe.train.offload_activations = true;
+    recipe.train.keep_built_weights = false;
+    recipe.train.expert_bank_block_mb = 128;
+    recipe.lora.target_modules = projections_but_dense_base(model);
+    const auto estimate = estimate_peak_memory(model, training_memory_setup(recipe, model));
+    const double allowance = (128 << 20) + 4.0 * static_cast<double>(estimate.trainable_parameters) +
+                             estimate.recomputed_layer_bytes;
+    const double gate_up = 2.0 * static_cast<double>(model.experts.num_experts * model.experts.intermediate_size) *
+                           static_cast<double>(model.hidden_size) * 2;  // gate and up, bf16
+    EXPECT_EQ(gate_up <= allowance, whole_in_forward) << name << ": bank " << gate_up << ", allowance " << allowance;
+  }
+}
+
 }  // namespace
 }  // namespace qtrain::trainer

@@ -454,8 +454,8 @@ torch::Tensor LlamaBackboneImpl::forward_embedded(torch::Tensor hidden, const to
   const auto offload =
       checkpointing && offload_activations_ ? std::make_shared<ActivationOffload>(hidden.device()) : nullptr;
   const qat::BuildBanksInBlocks bank_blocks(expert_bank_block_bytes_);
-  const qat::WholeBanksWithoutGrad whole_banks(expert_bank_block_bytes_ > 0 ? expert_bank_block_bytes_ + trained_weight_bytes()
-                                                                            : 0);
+  const qat::WholeBanksWithoutGrad whole_banks(
+      expert_bank_block_bytes_ > 0 ? expert_bank_block_bytes_ + trained_weight_bytes() + recomputed_layer_bytes_ : 0);
   for (size_t index = 0; index < layers->size(); ++index) {
     auto* layer = layers[index]->as<LlamaDecoderLayer>();
     const bool own_rope = sliding_rotary_ && options_.layer_slides(static_cast<int64_t>(index));

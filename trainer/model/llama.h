@@ -171,9 +171,15 @@ class LlamaBackboneImpl : public torch::nn::Module {
   // With checkpointing: whether a recomputed layer keeps the weights it built (dequantized,
   // fake-quantized) for its backward (qat::KeepBuiltWeights), or builds them again there.
   void set_keep_built_weights(bool keep) { keep_built_weights_ = keep; }
-  // train.expert_bank_block_mb: a frozen expert bank built without grad or again in backward is
-  // built at most this many bytes at a time (qat::BuildBanksInBlocks); 0: whole.
-  void set_expert_bank_block_bytes(int64_t bytes) { expert_bank_block_bytes_ = bytes; }
+  // train.expert_bank_block_mb: a frozen expert bank built again in backward is built at most
+  // this many bytes at a time (qat::BuildBanksInBlocks); 0: whole. The checkpointed forward
+  // builds a bank whole where it is at most `bytes`, plus the trained weights' gradients, plus
+  // `recomputed_layer_bytes` (what one recomputed layer saves: the memory estimate's figure),
+  // which backward holds beside its blocks and the forward does not (qat::WholeBanksWithoutGrad).
+  void set_expert_bank_block_bytes(int64_t bytes, int64_t recomputed_layer_bytes = 0) {
+    expert_bank_block_bytes_ = bytes;
+    recomputed_layer_bytes_ = recomputed_layer_bytes;
+  }
   // The bytes of the weights that train here: their gradients, which backward holds.
   int64_t trained_weight_bytes();
   torch::nn::Embedding embed_tokens{nullptr};
@@ -188,6 +194,7 @@ class LlamaBackboneImpl : public torch::nn::Module {
   bool offload_activations_ = false;
   bool keep_built_weights_ = true;
   int64_t expert_bank_block_bytes_ = 0;
+  int64_t recomputed_layer_bytes_ = 0;
 };
 TORCH_MODULE(LlamaBackbone);
 

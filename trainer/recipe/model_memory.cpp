@@ -489,6 +489,7 @@ void estimate_activations(const LlamaOptions& model, const TrainingMemorySetup& 
       }
     }
     estimate.activation_bytes += layer_bytes;
+    if (checkpointed && setup.gradient_checkpointing) estimate.recomputed_layer_bytes = std::max(estimate.recomputed_layer_bytes, layer_bytes);
     estimate.checkpointed_activation_bytes =
         std::max(estimate.checkpointed_activation_bytes,
                  kept_below + kept + fetched + (checkpointed ? layer_bytes + built_weights : 0.0));

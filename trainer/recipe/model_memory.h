@@ -181,6 +181,9 @@ struct PeakMemoryEstimate {
   // walks the layers (one of them recomputed), and what the forward leaves for the loss's backward.
   double checkpointed_activation_bytes = 0;
   double checkpointed_saved_bytes = 0;
+  // With checkpointing: the most one recomputed layer saves for its backward (its activations,
+  // not the weights it builds). Backward holds it, the checkpointed forward does not.
+  double recomputed_layer_bytes = 0;
   double logits_bytes = 0;           // the loss over the whole micro-batch at once
   double chunked_logits_bytes = 0;   // the loss in chunks (= logits_bytes when one chunk holds it all)
   double fused_loss_bytes = 0;       // the fused loss: one chunk's vocabulary tiles

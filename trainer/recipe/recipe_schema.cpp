@@ -411,7 +411,7 @@ std::vector<RecipeKey> train_keys() {
           "fake-quantized) for its backward; false: builds them again there (one layer's weights less memory)"),
       key("train.expert_bank_block_mb", "0", QTRAIN_FIELD(train.expert_bank_block_mb),
           "a mixture of experts' frozen 4-bit or MXFP4 expert bank built again in backward (train.keep_built_weights: "
-          "false), and in the checkpointed forward where it is larger than this plus the trained weights' gradients, "
+          "false), and in the checkpointed forward where it is larger than this plus what backward holds beside it, "
           "is dequantized at most this many MB at a time (at least one expert), a block of whole experts "
           "at a time (the same products); 0: the whole bank (Qwen3-30B-A3B: 805 MB a layer)")
           .at_least(0)

@@ -11,6 +11,7 @@
 #include "trainer/formats/gguf_export.h"
 #include "trainer/formats/hf_config.h"
 #include "trainer/recipe/base_quantization.h"
+#include "trainer/recipe/model_memory.h"
 
 namespace qtrain::trainer {
 
@@ -227,6 +228,18 @@ void keep_lm_head_on_host(LlamaForCausalLMImpl& model, const Recipe& recipe) {
   model.keep_lm_head_on_host();
 }
 
+// What one recomputed layer saves for its backward (the memory estimate's figure), where expert
+// banks build in blocks under checkpointing; 0 where the estimate does not model the run (some
+// QAT setups): the forward then weighs a whole bank against the block and the gradients alone.
+int64_t recomputed_layer_bytes(const Recipe& recipe, const LlamaOptions& model) {
+  if (recipe.train.expert_bank_block_mb <= 0 || !recipe.train.gradient_checkpointing) return 0;
+  try {
+    return static_cast<int64_t>(estimate_peak_memory(model, training_memory_setup(recipe, model)).recomputed_layer_bytes);
+  } catch (const Error&) {
+    return 0;
+  }
+}
+
 }  // namespace
 
 void apply_recipe_memory_settings(LlamaForCausalLMImpl& model, const Recipe& recipe) {
@@ -240,7 +253,8 @@ void apply_recipe_memory_settings(LlamaForCausalLMImpl& model, const Recipe& rec
                 "qat.activations measures its ranges over: set train.mlp_chunk_tokens: 0 or qat.activations.bits: 0");
   }
   backbone.set_mlp_chunk_tokens(recipe.train.mlp_chunk_tokens);
-  backbone.set_expert_bank_block_bytes(recipe.train.expert_bank_block_mb << 20);
+  backbone.set_expert_bank_block_bytes(recipe.train.expert_bank_block_mb << 20,
+                                       recomputed_layer_bytes(recipe, model.options()));
   backbone.set_keep_built_weights(recipe.train.keep_built_weights);
   if (recipe.train.embeddings_on_host) {
     const std::string why = embeddings_on_host_refusal(recipe, model.options().tie_word_embeddings);
