@@ -8,6 +8,11 @@
 namespace qtrain::optim {
 
 double clip_grad_norm(const std::vector<torch::Tensor>& parameters, double max_norm) {
+  const auto norm = clip_grad_norm_on_device(parameters, max_norm);
+  return norm.defined() ? norm.item<double>() : 0.0;
+}
+
+torch::Tensor clip_grad_norm_on_device(const std::vector<torch::Tensor>& parameters, double max_norm) {
   torch::NoGradGuard no_grad;
   // Gradients grouped by (device, dtype) so each group's norms come from one _foreach_norm
   // (one kernel on CUDA, per-tensor linalg_vector_norm on CPU, as torch's clip_grad_norm_).
@@ -18,7 +23,7 @@ double clip_grad_norm(const std::vector<torch::Tensor>& parameters, double max_n
     if (grad.is_sparse()) throw Error(ErrorCode::kInternal, "clip_grad_norm: sparse gradients are not supported");
     groups[{grad.device().str(), grad.scalar_type()}].push_back(grad);
   }
-  if (groups.empty()) return 0.0;
+  if (groups.empty()) return {};
 
   const auto first_device = groups.begin()->second.front().device();
   bool any_double = false;
@@ -35,7 +40,7 @@ double clip_grad_norm(const std::vector<torch::Tensor>& parameters, double max_n
       torch::_foreach_mul_(grads, coefficient.to(grads.front().device()));
     }
   }
-  return total_norm.item<double>();
+  return total_norm;
 }
 
 }  // namespace qtrain::optim

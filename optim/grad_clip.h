@@ -15,4 +15,8 @@ namespace qtrain::optim {
 // Parameters without a gradient are ignored; with no gradients at all the norm is 0.
 double clip_grad_norm(const std::vector<torch::Tensor>& parameters, double max_norm);
 
+// The same, the norm left where the gradients are (a 0-d fp32 / fp64 tensor; undefined with no
+// gradients), so that a step can queue its optimizer update before it waits to read the norm.
+torch::Tensor clip_grad_norm_on_device(const std::vector<torch::Tensor>& parameters, double max_norm);
+
 }  // namespace qtrain::optim

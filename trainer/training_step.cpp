@@ -210,12 +210,14 @@ StepResult TrainingStep::apply_gradients(StepResult result, int64_t step, const 
     result.skip_reason = !loss_finite ? "the loss is " + std::to_string(result.loss) : "a gradient is inf or NaN";
     return result;
   }
-  result.grad_norm = optim::clip_grad_norm(trainable_, options_.max_grad_norm);
+  // The norm is read once the update is queued: the device runs the optimizer meanwhile.
+  const auto grad_norm = optim::clip_grad_norm_on_device(trainable_, options_.max_grad_norm);
   if (states_on_host_) states_on_host_->arrive();
   optimizer_.step();
   if (states_on_host_) states_on_host_->depart();
   optimizer_.zero_grad();
   scaler_.update(/*skipped=*/false);
+  result.grad_norm = grad_norm.defined() ? grad_norm.item<double>() : 0.0;
   return result;
 }
 

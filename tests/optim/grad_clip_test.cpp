@@ -80,6 +80,18 @@ TEST(ClipGradNorm, IgnoresParametersWithoutGradients) {
   EXPECT_FALSE(without_grad.grad().defined());
 }
 
+// The norm left on the device is the one clip_grad_norm reads, and the gradients are clipped the same.
+TEST(ClipGradNorm, TheNormOnTheDeviceIsTheNormRead) {
+  auto first = parameters_with_grads(torch::kFloat, 5);
+  auto second = parameters_with_grads(torch::kFloat, 5);
+  const auto norm = clip_grad_norm_on_device(first, 0.5);
+  ASSERT_TRUE(norm.defined());
+  EXPECT_EQ(norm.dim(), 0);
+  EXPECT_EQ(norm.item<double>(), clip_grad_norm(second, 0.5));
+  for (size_t i = 0; i < first.size(); ++i) EXPECT_TRUE(torch::equal(first[i].grad(), second[i].grad())) << i;
+  EXPECT_FALSE(clip_grad_norm_on_device({torch::zeros({2}).requires_grad_()}, 1.0).defined());
+}
+
 TEST(ClipGradNorm, CudaGradientsAgreeWithTheCpuResult) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   for (const auto dtype : {torch::kFloat, torch::kBFloat16}) {
