@@ -43,11 +43,15 @@ torch::Tensor grouped_linear(const torch::Tensor& rows, const torch::Tensor& wei
 
 namespace {
 
+// The bytes of the whole bank built in `dtype`.
+int64_t built_bytes(const LinearLayer& bank, torch::ScalarType dtype) {
+  return bank.out_features() * bank.in_features() * static_cast<int64_t>(c10::elementSize(dtype));
+}
+
 // experts_per_block for the bank built in `dtype`; all where the bank builds only whole weights.
 int64_t bank_experts_per_block(const LinearLayer& bank, int64_t experts, torch::ScalarType dtype, int64_t block_bytes) {
   if (!bank.builds_weight_rows() || bank.multiplies_itself()) return experts;
-  const int64_t expert_bytes = bank.out_features() / experts * bank.in_features() * static_cast<int64_t>(c10::elementSize(dtype));
-  return experts_per_block(experts, expert_bytes, block_bytes);
+  return experts_per_block(experts, built_bytes(bank, dtype) / experts, block_bytes);
 }
 
 // The grouped product of rows sorted by expert with each row's W_e, or with W_e^T (`transposed`:
@@ -131,9 +135,7 @@ torch::Tensor bank_product(const LinearLayer& bank, int64_t experts, const torch
   if (rebuilt) return RebuiltBankProduct::apply(rows, counts, &bank, experts);
   if (built && !torch::GradMode::is_enabled()) {  // a checkpointed forward without grad
     const int64_t per_block = bank_experts_per_block(bank, experts, rows.scalar_type(), BuildBanksInBlocks::bytes());
-    const int64_t whole_bytes =
-        bank.out_features() * bank.in_features() * static_cast<int64_t>(c10::elementSize(rows.scalar_type()));
-    if (per_block < experts && whole_bytes > WholeBanksWithoutGrad::up_to_bytes()) {
+    if (per_block < experts && built_bytes(bank, rows.scalar_type()) > WholeBanksWithoutGrad::up_to_bytes()) {
       return product_by_expert_blocks(bank, experts, rows.contiguous(), counts, host_counts(counts), per_block, false);
     }
   }

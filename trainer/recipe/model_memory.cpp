@@ -264,7 +264,7 @@ int64_t adapter_weights(const Projection& projection, int64_t rank) {
 HostCopyWork host_copy_work(const LlamaOptions& model, const Recipe& recipe) {
   TrainingMemorySetup setup;  // what the adapters' ranks need
   setup.adapter = lora_adapter_config(recipe);
-  setup.full_finetune = recipe.lora.init_from.empty() && recipe.lora.rank == 0;
+  setup.full_finetune = trains_full_weights(recipe);
   double trained = 0;
   for (const auto& projection : all_projections(model)) {
     const double weights = static_cast<double>(projection.in) * static_cast<double>(projection.out);
@@ -303,7 +303,7 @@ TrainingMemorySetup training_memory_setup(const Recipe& recipe, const LlamaOptio
   setup.base = base_quantization(recipe, setup.compute_dtype);
   for (auto& name : dense_base_projections(model)) setup.base.skip_modules.push_back(std::move(name));
   setup.adapter = lora_adapter_config(recipe);
-  setup.full_finetune = recipe.lora.init_from.empty() && recipe.lora.rank == 0;
+  setup.full_finetune = trains_full_weights(recipe);
   if (recipe.lora.init_from.empty() && !setup.full_finetune) {
     require_model_projections(model, recipe.lora.target_modules, "lora.target_modules");
     require_lora_on_experts_supported(model, recipe);
@@ -489,7 +489,9 @@ void estimate_activations(const LlamaOptions& model, const TrainingMemorySetup& 
       }
     }
     estimate.activation_bytes += layer_bytes;
-    if (checkpointed && setup.gradient_checkpointing) estimate.recomputed_layer_bytes = std::max(estimate.recomputed_layer_bytes, layer_bytes);
+    if (checkpointed && setup.gradient_checkpointing) {
+      estimate.recomputed_layer_bytes = std::max(estimate.recomputed_layer_bytes, layer_bytes);
+    }
     estimate.checkpointed_activation_bytes =
         std::max(estimate.checkpointed_activation_bytes,
                  kept_below + kept + fetched + (checkpointed ? layer_bytes + built_weights : 0.0));

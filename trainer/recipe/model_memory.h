@@ -58,8 +58,9 @@
 //                    fake-quantized ones), out x in x s each, for its backward, unless
 //                    train.keep_built_weights is false: then its backward builds them again one
 //                    at a time, and the largest counts (an expert bank of a base that builds rows
-//                    a block of whole experts at a time, train.expert_bank_block_mb). With train.offload_activations the
-//                    checkpointed inputs wait on the host: on the device, only layer j's input
+//                    a block of whole experts at a time, train.expert_bank_block_mb). With
+//                    train.offload_activations the checkpointed inputs wait on the host: on the
+//                    device, only layer j's input
 //                    and, fetched ahead, the one below it (2 H s). train.embeddings_on_host takes
 //                    the input embedding table out of the frozen weights; train.lm_head_on_host
 //                    takes lm_head out of them and adds it to the loss's moment below (an Error
