@@ -141,9 +141,13 @@ start_llama_cpp_wheel() {
   fi
   llama_cpp_wheels=$(mktemp -d)
   log "$LLAMA_CPP_PIN: building its wheel in the background (log: $llama_cpp_wheels/build.log)"
+  # ggml-cpu's AMX kernels, built where -march=native has AMX, do not compile in a unity build (its
+  # block structs are declared for C and C++ in one unit): build them unit by unit there.
+  local unity=ON
+  grep -qw amx_int8 /proc/cpuinfo 2>/dev/null && unity=OFF
   CMAKE_ARGS="-DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_BLAS=OFF -DGGML_OPENMP=OFF -DLLAMA_CURL=OFF -DLLAVA_BUILD=OFF \
 -DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache \
--DCMAKE_UNITY_BUILD=ON -DCMAKE_UNITY_BUILD_BATCH_SIZE=8 \
+-DCMAKE_UNITY_BUILD=$unity -DCMAKE_UNITY_BUILD_BATCH_SIZE=8 \
 '-DCMAKE_PROJECT_llama.cpp_INCLUDE=$ROOT/tools/llama_cpp_library_only.cmake' \
 -DCMAKE_C_FLAGS_RELEASE='-O1 -DNDEBUG' -DCMAKE_CXX_FLAGS_RELEASE='-O1 -DNDEBUG'" \
     CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
