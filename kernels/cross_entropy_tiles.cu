@@ -1,7 +1,8 @@
 // The fused cross-entropy's per-tile arithmetic (kernels/cross_entropy_tiles.h), one CUDA block per
 // row of a [rows, tile] logits block in the model dtype, read 16 bytes at a time where the rows
 // allow. The statistics take two passes over the row, its max then the sum of exp(z - max) (the
-// second mostly from L2: a 32768-column bf16 row is 64 KiB); the gradient one. Each value is
+// second mostly from L2: a 32768-column bf16 row is 64 KiB), which may write each exp(z - max) over
+// its logit; the gradient one. Each value is
 // computed as the torch operations of trainer/model/fused_linear_cross_entropy.cpp compute it:
 // expf, the full-precision exp that torch's CUDA exp runs on fp32, and __fmul_rn / __fadd_rn /
 // __fsub_rn where a product and a sum must each round on their own, as two torch kernels round
@@ -25,19 +26,25 @@ namespace qtrain::kernels {
 
 namespace {
 
-// statistics[row] folded with the row's tile (the header's formulas); packs of kValues logits.
-template <typename scalar_t, int kValues>
-__global__ void tile_statistics_kernel(const scalar_t* __restrict__ logits, int64_t tile,
+// statistics[row] folded with the row's tile (the header's formulas); packs of kValues logits;
+// with kExponentials each exp(z - max) written over its logit (0 at the target).
+template <typename scalar_t, int kValues, bool kExponentials>
+__global__ void tile_statistics_kernel(const scalar_t* logits, int64_t tile,
                                        const int64_t* __restrict__ targets, int64_t begin,
                                        const float* __restrict__ seen_max, const float* __restrict__ seen_sum,
                                        const float* __restrict__ seen_target_logit, float* __restrict__ max_out,
-                                       float* __restrict__ sum_out, float* __restrict__ target_logit_out) {
+                                       float* __restrict__ sum_out, float* __restrict__ target_logit_out,
+                                       scalar_t* exponentials) {  // `logits` itself (no restrict), or null
   using Pack = ValuePack<scalar_t, kValues>;
   const int64_t row = blockIdx.x;
   const scalar_t* row_logits = logits + row * tile;
   const auto* packs = reinterpret_cast<const Pack*>(row_logits);
   const int64_t pack_count = tile / kValues;
   const float max_before = seen_max[row];
+  const int64_t target_column = targets[row] - begin;  // outside [0, tile) when the target is elsewhere or ignored
+  // Read before the block's first barrier, after which the exponentials may overwrite it.
+  const float target_logit = target_column >= 0 && target_column < tile ? static_cast<float>(row_logits[target_column])
+                                                                      : seen_target_logit[row];
 
   float tile_max = -INFINITY;
   for (int64_t p = threadIdx.x; p < pack_count; p += kThreads) {
@@ -51,8 +58,17 @@ __global__ void tile_statistics_kernel(const scalar_t* __restrict__ logits, int6
   float tile_sum = 0.0f;
   for (int64_t p = threadIdx.x; p < pack_count; p += kThreads) {
     const Pack pack = packs[p];
+    Pack out;
 #pragma unroll
-    for (int k = 0; k < kValues; ++k) tile_sum += expf(static_cast<float>(pack.values[k]) - row_max);
+    for (int k = 0; k < kValues; ++k) {
+      const float exponential = expf(static_cast<float>(pack.values[k]) - row_max);
+      tile_sum += exponential;
+      if constexpr (kExponentials) {
+        out.values[k] = static_cast<scalar_t>(p * kValues + k == target_column ? 0.0f : exponential);
+      }
+    }
+    // In place: this thread read the pack it writes.
+    if constexpr (kExponentials) reinterpret_cast<Pack*>(exponentials + row * tile)[p] = out;
   }
   tile_sum = block_reduce(tile_sum, SumOp{}, 0.0f);
 
@@ -60,8 +76,7 @@ __global__ void tile_statistics_kernel(const scalar_t* __restrict__ logits, int6
     // seen.sum * exp(seen.max - max) + the tile's sum: a product and a sum, rounded as torch's mul and add.
     sum_out[row] = __fadd_rn(__fmul_rn(seen_sum[row], expf(max_before - row_max)), tile_sum);
     max_out[row] = row_max;
-    const int64_t column = targets[row] - begin;
-    target_logit_out[row] = column >= 0 && column < tile ? static_cast<float>(row_logits[column]) : seen_target_logit[row];
+    target_logit_out[row] = target_logit;
   }
 }
 
@@ -127,11 +142,9 @@ void check_row_values(const at::Tensor& values, const at::Tensor& logits, const 
   }
 }
 
-}  // namespace
-
-LogSumExpStatistics cross_entropy_tile_statistics_cuda(const LogSumExpStatistics& seen, const at::Tensor& logits,
-                                                       const at::Tensor& targets, int64_t begin) {
-  const std::string what = "cross_entropy_tile_statistics_cuda: ";
+// Both entry points of the statistics kernel: `exponentials` the logits' own storage, or null.
+LogSumExpStatistics tile_statistics(const LogSumExpStatistics& seen, const at::Tensor& logits, const at::Tensor& targets,
+                                    int64_t begin, bool exponentials, const std::string& what) {
   check_logit_tile(logits, targets, what);
   check_row_values(seen.max, logits, what + "max");
   check_row_values(seen.sum, logits, what + "sum");
@@ -143,15 +156,35 @@ LogSumExpStatistics cross_entropy_tile_statistics_cuda(const LogSumExpStatistics
   dispatch_float_type(logits.scalar_type(), what + "logits", [&](auto type_tag) {
     using scalar_t = decltype(type_tag);
     launch_over_logit_packs<scalar_t>(tile, {logits.data_ptr()}, [&](auto values) {
-      tile_statistics_kernel<scalar_t, decltype(values)::value>
-          <<<static_cast<unsigned>(rows), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-              logits.data_ptr<scalar_t>(), tile, targets.data_ptr<int64_t>(), begin, seen.max.data_ptr<float>(),
-              seen.sum.data_ptr<float>(), seen.target_logit.data_ptr<float>(), folded.max.data_ptr<float>(),
-              folded.sum.data_ptr<float>(), folded.target_logit.data_ptr<float>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      const auto launch = [&](auto kernel) {
+        kernel<<<static_cast<unsigned>(rows), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+            logits.data_ptr<scalar_t>(), tile, targets.data_ptr<int64_t>(), begin, seen.max.data_ptr<float>(),
+            seen.sum.data_ptr<float>(), seen.target_logit.data_ptr<float>(), folded.max.data_ptr<float>(),
+            folded.sum.data_ptr<float>(), folded.target_logit.data_ptr<float>(),
+            exponentials ? logits.data_ptr<scalar_t>() : nullptr);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      };
+      constexpr int kValues = decltype(values)::value;
+      if (exponentials) {
+        launch(tile_statistics_kernel<scalar_t, kValues, true>);
+      } else {
+        launch(tile_statistics_kernel<scalar_t, kValues, false>);
+      }
     });
   });
   return folded;
+}
+
+}  // namespace
+
+LogSumExpStatistics cross_entropy_tile_statistics_cuda(const LogSumExpStatistics& seen, const at::Tensor& logits,
+                                                       const at::Tensor& targets, int64_t begin) {
+  return tile_statistics(seen, logits, targets, begin, /*exponentials=*/false, "cross_entropy_tile_statistics_cuda: ");
+}
+
+LogSumExpStatistics cross_entropy_tile_exponentials_cuda(const LogSumExpStatistics& seen, at::Tensor& logits,
+                                                         const at::Tensor& targets, int64_t begin) {
+  return tile_statistics(seen, logits, targets, begin, /*exponentials=*/true, "cross_entropy_tile_exponentials_cuda: ");
 }
 
 at::Tensor cross_entropy_tile_gradient_cuda(const at::Tensor& logits, const at::Tensor& lse, const at::Tensor& row_grad,

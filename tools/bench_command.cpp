@@ -275,6 +275,7 @@ struct BenchOptions {
   bool fake_quant = false;  // --qat
   bool checkpointing = false;
   bool packed_mask = false;
+  bool loss_gradient_in_backward = false;  // the fused loss's gradient in its own pass (to compare)
   bool max_context = false;
   bool json = false;
   // Resolved:
@@ -305,6 +306,8 @@ po::options_description bench_option_descriptions(BenchOptions& bench) {
        "a mixture of experts' frozen bank built again (--rebuild-weights) is dequantized this many MB at a time "
        "(train.expert_bank_block_mb); 0: whole")
       ("unfused-loss", po::bool_switch(), "each loss chunk's whole logits (train.fused_loss: false)")
+      ("loss-gradient-in-backward", po::bool_switch(), "the fused loss computes its gradient in backward, in a second "
+       "pass over the vocabulary, instead of in its forward (to compare)")
       ("objective", po::value(&bench.objective)->default_value("sft"),
        "sft, or dpo / orpo / simpo (train.objective): each row a preference pair, the prompt with a chosen and a "
        "rejected completion of --seq / 2 tokens each (the first quarter of each the prompt); compare with sft "
@@ -452,6 +455,7 @@ std::optional<BenchOptions> parse_bench_options(const Arguments& arguments) {
     throw Error(ErrorCode::kUsage, "--packed-samples must be 0..--seq");
   }
   bench.packed_mask = flag("packed-mask");
+  bench.loss_gradient_in_backward = flag("loss-gradient-in-backward");
   if (bench.packed_mask && bench.packed_samples == 0) {
     throw Error(ErrorCode::kUsage, "--packed-mask compares packed attention: add --packed-samples");
   }
@@ -528,6 +532,7 @@ BenchRun build_bench(const BenchOptions& bench) {
   auto step_options = trainer::training_step_options(recipe, bench.llama.vocab_size, device);
   if (bench.loss_chunk < 0) step_options.loss_chunk_tokens = -1;
   if (bench.packed_mask) step_options.packed_attention = trainer::PackedAttention::kWrittenOutMask;
+  step_options.loss_gradient_in_forward = !bench.loss_gradient_in_backward;
   run.loss_chunk_tokens = step_options.loss_chunk_tokens;
   run.step = std::make_unique<trainer::TrainingStep>(model, run.trained.tensors, *run.optimizer, *run.scaler, step_options);
   synchronize(device);
@@ -692,6 +697,7 @@ void report_bench(const BenchOptions& bench, const BenchRun& run, const BenchMea
                               {"objective", recipe.train.objective},
                               {"packed_mask", bench.packed_mask},
                               {"fused_loss", recipe.train.fused_loss},
+                              {"loss_gradient_in_forward", !bench.loss_gradient_in_backward},
                               {"keep_built_weights", recipe.train.keep_built_weights},
                               {"embeddings_on_host", recipe.train.embeddings_on_host},
                               {"lm_head_on_host", recipe.train.lm_head_on_host},

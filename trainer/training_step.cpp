@@ -175,6 +175,7 @@ StepResult TrainingStep::run(const std::vector<data::Batch>& micro_batches, int6
   LossOptions loss_options;
   loss_options.chunk_tokens = options_.loss_chunk_tokens;
   loss_options.fused = options_.fused_loss;
+  if (options_.loss_gradient_in_forward) loss_options.gradient = loss_weight;  // backward_from's factor below
   double loss_sum = accumulate(micro_batches, [&](const data::Batch& batch) -> MicroBatchLoss {
     auto labels = batch.labels.to(options_.device);
     model_.prefetch_lm_head();  // train.lm_head_on_host: it travels while the layers run

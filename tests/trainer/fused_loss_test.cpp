@@ -98,7 +98,7 @@ RandomProblem random_problem(int64_t tokens, int64_t hidden, int64_t vocab, torc
 // `grad_bound` (max error over max). With a cap, logits of standard deviation 8, which it bends.
 void expect_float64_reference(torch::ScalarType dtype, uint64_t seed, double loss_bound, double grad_bound,
                               const torch::Device& device = torch::kCPU, int64_t tile_columns = 256,
-                              double softcap = 0.0) {
+                              double softcap = 0.0, bool gradient_in_forward = false) {
   torch::manual_seed(seed);
   const auto problem = random_problem(200, 64, 1000, dtype, softcap > 0 ? 8.0 : 3.0, device);
   const double loss_grad = 0.37;
@@ -106,9 +106,11 @@ void expect_float64_reference(torch::ScalarType dtype, uint64_t seed, double los
   FusedLossOptions options;
   options.chunk_tokens = 48;
   options.tile_columns = tile_columns;
+  if (gradient_in_forward) options.gradient = loss_grad;
   const auto actual = fused_loss(problem.states, problem.weight, problem.targets, softcap, loss_grad, options);
-  std::printf("%s %s, tiles of %lld, cap %g: loss relative error %.3g, gradient %.3g\n", device.str().c_str(),
-              c10::toString(dtype), static_cast<long long>(tile_columns), softcap,
+  std::printf("%s %s, tiles of %lld, cap %g, gradient in the %s: loss relative error %.3g, gradient %.3g\n",
+              device.str().c_str(), c10::toString(dtype), static_cast<long long>(tile_columns), softcap,
+              gradient_in_forward ? "forward" : "backward",
               std::abs(actual.loss - expected.loss) / expected.loss, max_relative_error(actual.grad, expected.grad));
   EXPECT_NEAR(actual.loss, expected.loss, loss_bound * expected.loss);
   EXPECT_LE(max_relative_error(actual.grad, expected.grad), grad_bound);
@@ -120,6 +122,65 @@ TEST(FusedLoss, LossAndGradientEqualAFloat64ReferenceInFp32) { expect_float64_re
 
 // bf16 logits and gradients carry 8 mantissa bits: measured 2e-5 and 6.4e-3.
 TEST(FusedLoss, LossAndGradientEqualAFloat64ReferenceInBf16) { expect_float64_reference(torch::kBFloat16, 2, 2e-3, 2e-2); }
+
+// The gradient computed in the forward pass (FusedLossOptions::gradient, as the training step
+// asks for it), ragged chunks and tiles, under the same bounds as the gradient of the backward
+// pass. Measured: fp32 7.5e-7 and 6.8e-7 (tiles of 256, 333), bf16 4.6e-3 (the backward pass: 6.4e-3).
+TEST(FusedLoss, AGradientComputedInTheForwardEqualsAFloat64Reference) {
+  for (const int64_t tile : {256, 333}) {
+    SCOPED_TRACE("tile " + std::to_string(tile));
+    expect_float64_reference(torch::kFloat32, 1, 2e-6, 1e-5, torch::kCPU, tile, 0.0, /*gradient_in_forward=*/true);
+    expect_float64_reference(torch::kBFloat16, 2, 2e-3, 2e-2, torch::kCPU, tile, 0.0, /*gradient_in_forward=*/true);
+  }
+}
+
+// Backward scales a gradient the forward computed by (the gradient the loss gets) / (the one
+// declared): the declared one gives the gradient of the backward pass (fp32: the same sums in
+// another order), another the reference's for it. Ignored rows get none. Gemma 2's cap leaves the
+// gradient to backward, declared or not: the same bits as undeclared.
+TEST(FusedLoss, AForwardGradientIsScaledToTheGradientTheLossGets) {
+  torch::manual_seed(7);
+  const auto problem = random_problem(90, 48, 700, torch::kFloat32);
+  FusedLossOptions in_backward;
+  in_backward.chunk_tokens = 32;
+  in_backward.tile_columns = 256;
+  FusedLossOptions in_forward = in_backward;
+  in_forward.gradient = 0.25;
+  const auto two_pass = fused_loss(problem.states, problem.weight, problem.targets, 0.0, 0.25, in_backward);
+  const auto one_pass = fused_loss(problem.states, problem.weight, problem.targets, 0.0, 0.25, in_forward);
+  EXPECT_EQ(one_pass.loss, two_pass.loss);
+  EXPECT_LE(max_relative_error(one_pass.grad, two_pass.grad), 5e-6);
+  const auto ignored = problem.targets.eq(kIgnoreLabel);
+  EXPECT_EQ(one_pass.grad.index({ignored}).abs().max().item<double>(), 0.0);
+  EXPECT_GT(one_pass.grad.index({ignored.logical_not()}).abs().min().item<double>(), 0.0);
+
+  const auto other = fused_loss(problem.states, problem.weight, problem.targets, 0.0, -1.5, in_forward);
+  const auto expected = reference_loss(problem.states, problem.weight, problem.targets, 0.0, -1.5);
+  EXPECT_LE(max_relative_error(other.grad, expected.grad), 1e-5);
+
+  const auto capped = fused_loss(problem.states, problem.weight, problem.targets, 5.0, 0.25, in_forward);
+  const auto capped_two_pass = fused_loss(problem.states, problem.weight, problem.targets, 5.0, 0.25, in_backward);
+  EXPECT_TRUE(testing::same_bits(capped.grad, capped_two_pass.grad));
+}
+
+// With its gradient computed in the forward, the loss lets go of a weight handed in (lm_head's
+// copy from the host) when the forward ends: its backward needs no weight.
+TEST(FusedLoss, AForwardGradientLetsGoOfTheWeightAfterTheForward) {
+  torch::manual_seed(8);
+  auto problem = random_problem(20, 16, 100, torch::kFloat32);
+  auto leaf = problem.states.detach().requires_grad_(true);
+  OutputProjection projection;
+  projection.weight = problem.weight.clone();
+  const auto weight = projection.weight;
+  FusedLossOptions options;
+  options.gradient = 1.0;
+  const auto loss = fused_linear_cross_entropy(leaf, problem.targets, projection, options);
+  projection = OutputProjection();
+  EXPECT_EQ(weight.use_count(), 1);
+  loss.backward();
+  const auto expected = reference_loss(problem.states, problem.weight, problem.targets, 0.0, 1.0);
+  EXPECT_LE(max_relative_error(leaf.grad(), expected.grad), 1e-5);
+}
 
 TEST(FusedLoss, IgnoredLabelsTakeNoPartAndGetNoGradient) {
   torch::manual_seed(3);
@@ -178,12 +239,17 @@ TEST(FusedLoss, RaggedChunksAndTilesGiveTheSameResult) {
   whole.tile_columns = 1000;
   const auto expected = fused_loss(problem.states, problem.weight, problem.targets, 0.0, 1.0, whole);
   for (const auto& [chunk, tile] : std::vector<std::pair<int64_t, int64_t>>{{16, 256}, {5, 333}, {37, 999}, {100, 7}}) {
-    FusedLossOptions options;
-    options.chunk_tokens = chunk;
-    options.tile_columns = tile;
-    const auto actual = fused_loss(problem.states, problem.weight, problem.targets, 0.0, 1.0, options);
-    EXPECT_NEAR(actual.loss, expected.loss, 2e-6 * expected.loss) << "chunk " << chunk << ", tile " << tile;
-    EXPECT_LE(max_relative_error(actual.grad, expected.grad), 5e-6) << "chunk " << chunk << ", tile " << tile;
+    for (const double gradient : {0.0, 1.0}) {  // computed in backward, or in the forward
+      FusedLossOptions options;
+      options.chunk_tokens = chunk;
+      options.tile_columns = tile;
+      options.gradient = gradient;
+      const auto actual = fused_loss(problem.states, problem.weight, problem.targets, 0.0, 1.0, options);
+      const std::string where = "chunk " + std::to_string(chunk) + ", tile " + std::to_string(tile) +
+                                (gradient != 0 ? ", gradient in the forward" : "");
+      EXPECT_NEAR(actual.loss, expected.loss, 2e-6 * expected.loss) << where;
+      EXPECT_LE(max_relative_error(actual.grad, expected.grad), 5e-6) << where;
+    }
   }
 }
 
@@ -246,11 +312,15 @@ struct ModelGradients {
   std::vector<torch::Tensor> trainable;  // every trainable parameter's gradient, in order
 };
 
-ModelGradients model_gradients(LlamaForCausalLMImpl& model, const LossOptions& options) {
+// With `gradient_in_forward`, the fused loss is told the gradient backward gives it (1 / tokens).
+ModelGradients model_gradients(LlamaForCausalLMImpl& model, LossOptions options, bool gradient_in_forward = false) {
   torch::manual_seed(5);
   const auto input_ids = torch::randint(model.options().vocab_size, {2, 40}, torch::kInt64);
   auto labels = input_ids.clone();
   labels.index_put_({0, torch::indexing::Slice(0, 10)}, kIgnoreLabel);
+  if (gradient_in_forward) {
+    options.gradient = 1.0 / labels.narrow(1, 1, 39).ne(kIgnoreLabel).sum().item<double>();
+  }
   auto loss = causal_lm_loss(model, model.hidden_states({input_ids, {}, {}}), labels, options);
   (loss.loss_sum / loss.tokens.to(torch::kFloat32)).backward();
   ModelGradients result;
@@ -293,6 +363,10 @@ TEST(FusedLoss, LoraGradientsEqualTheChunkedLogitsPathOnTheTinyModel) {
   const auto fp32_fused = model_gradients(*fp32_model, loss_options(33, true, 1000));
   EXPECT_NEAR(fp32_fused.loss, fp32_chunked.loss, 1e-6 * fp32_chunked.loss);
   EXPECT_LE(worst_relative_error(fp32_fused, fp32_chunked), 1e-5);
+  // The gradient computed in the loss's forward, as the training step has it.
+  const auto fp32_one_pass = model_gradients(*fp32_model, loss_options(33, true, 1000), /*gradient_in_forward=*/true);
+  EXPECT_NEAR(fp32_one_pass.loss, fp32_chunked.loss, 1e-6 * fp32_chunked.loss);
+  EXPECT_LE(worst_relative_error(fp32_one_pass, fp32_chunked), 1e-5);
 
   auto bf16_model = tiny_llama_with_lora(torch::kBFloat16, kDecoderProjections);
   const auto bf16_chunked = model_gradients(*bf16_model, loss_options(16, false));
@@ -305,6 +379,11 @@ TEST(FusedLoss, LoraGradientsEqualTheChunkedLogitsPathOnTheTinyModel) {
               fused_vs_fp32, chunked_vs_fp32);
   EXPECT_LE(fused_vs_chunked, 3e-2);
   EXPECT_LE(fused_vs_fp32, 1.25 * chunked_vs_fp32);
+  const auto bf16_one_pass = model_gradients(*bf16_model, loss_options(33, true, 1000), /*gradient_in_forward=*/true);
+  const double one_pass_vs_fp32 = worst_relative_error(bf16_one_pass, fp32_chunked);
+  std::printf("bf16 LoRA gradients, the loss's gradient in its forward: against fp32 %.3g\n", one_pass_vs_fp32);
+  EXPECT_LE(worst_relative_error(bf16_one_pass, bf16_chunked), 3e-2);
+  EXPECT_LE(one_pass_vs_fp32, 1.25 * chunked_vs_fp32);
 }
 
 // Gemma 2 (tied, frozen embeddings; final_logit_softcapping 30): the fused loss equals the
@@ -628,6 +707,39 @@ TEST(FusedLossCuda, TileStatisticsKernelEqualsTheTorchOperations) {
   });
 }
 
+// The exponentials kernel folds the statistics as the statistics kernel does (the same bits) and
+// writes exp(z - max) over the tile in its dtype, 0 at the target: within one rounding of the
+// dtype of the torch operations' (expf against torch's exp), two tiles in turn as above.
+TEST(FusedLossCuda, TileExponentialsKernelEqualsTheTorchOperations) {
+  if (const auto missing = cuda_kernels_missing(); !missing.empty()) GTEST_SKIP() << missing;
+  const auto fp32 = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kFloat32);
+  for_each_tile_case(15, [&](torch::ScalarType dtype, int64_t tile) {
+    kernels::LogSumExpStatistics seen{torch::full({kTileRows}, -std::numeric_limits<float>::infinity(), fp32),
+                                      torch::zeros({kTileRows}, fp32), torch::zeros({kTileRows}, fp32)};
+    const double rounding = dtype == torch::kBFloat16 ? 1.0 / 128 : dtype == torch::kHalf ? 1.0 / 1024 : 1e-6;
+    for (int64_t step = 0; step < 2; ++step) {
+      SCOPED_TRACE("tile " + std::to_string(step + 1) + " of 2");
+      const auto t = random_logit_tile(kTileRows, tile, 500 + step * tile, dtype);
+      const auto statistics = kernels::cross_entropy_tile_statistics_cuda(seen, t.logits, t.targets, t.begin);
+      auto kernel_tile = t.logits.clone();
+      const auto kernel = kernels::cross_entropy_tile_exponentials_cuda(seen, kernel_tile, t.targets, t.begin);
+      auto reference_tile = t.logits.clone();
+      const auto reference = fold_tile_exponentials_reference(seen, reference_tile, t.targets, t.begin);
+      EXPECT_TRUE(testing::same_bits(kernel.max, statistics.max));
+      EXPECT_TRUE(testing::same_bits(kernel.sum, statistics.sum));
+      EXPECT_TRUE(testing::same_bits(kernel.target_logit, statistics.target_logit));
+      expect_close_values(kernel.sum, reference.sum, 1e-6, "sum");
+      expect_close_values(kernel.target_logit, reference.target_logit, 0.0, "target logit");
+      expect_close_values(kernel_tile, reference_tile, rounding, "exponentials");
+      // 0 at a target in the tile (rows 3, 4 and 8 hold one), 1 at each row's max.
+      for (const int64_t row : {3, 4, 8}) {
+        EXPECT_EQ(kernel_tile[row][t.targets[row].item<int64_t>() - t.begin].item<double>(), 0.0) << "row " << row;
+      }
+      seen = statistics;
+    }
+  });
+}
+
 // The gradient kernel's (exp(z - lse) - 1 at the target) * g, rounded to the dtype, equals the
 // torch operations' bit for bit: the same fp32 steps, each rounded alone. 77 rows, tiles of 1000
 // and 333 columns at column 500, g random and 0 on ignored rows, lse above each row's own
@@ -671,6 +783,10 @@ TEST(FusedLossCuda, KernelPathEqualsAFloat64ReferenceAndTheCpuPath) {
         SCOPED_TRACE(std::string(c10::toString(bounds.dtype)) + ", tile " + std::to_string(tile) + ", cap " +
                      std::to_string(softcap));
         expect_float64_reference(bounds.dtype, 21, bounds.loss, bounds.grad, cuda, tile, softcap);
+        if (softcap == 0) {
+          expect_float64_reference(bounds.dtype, 21, bounds.loss, bounds.grad, cuda, tile, softcap,
+                                   /*gradient_in_forward=*/true);
+        }
       }
     }
   }
@@ -683,6 +799,12 @@ TEST(FusedLossCuda, KernelPathEqualsAFloat64ReferenceAndTheCpuPath) {
   const auto on_cpu = fused_loss(problem.states.cpu(), problem.weight.cpu(), problem.targets.cpu(), 0.0, 0.37, options);
   EXPECT_NEAR(on_gpu.loss, on_cpu.loss, 1e-6 * on_cpu.loss);
   EXPECT_LE(max_relative_error(on_gpu.grad, on_cpu.grad), 1e-5);
+  options.gradient = 0.37;  // computed in the forward, on each
+  const auto forward_on_gpu = fused_loss(problem.states, problem.weight, problem.targets, 0.0, 0.37, options);
+  const auto forward_on_cpu =
+      fused_loss(problem.states.cpu(), problem.weight.cpu(), problem.targets.cpu(), 0.0, 0.37, options);
+  EXPECT_LE(max_relative_error(forward_on_gpu.grad, forward_on_cpu.grad), 1e-5);
+  EXPECT_LE(max_relative_error(forward_on_gpu.grad, on_cpu.grad), 1e-5);
 }
 
 }  // namespace

@@ -89,6 +89,7 @@ FusedLossOptions fused_options(const LossOptions& options, int64_t chunk_tokens)
   FusedLossOptions fused;
   fused.chunk_tokens = chunk_tokens;
   fused.tile_columns = options.vocabulary_tile;
+  fused.gradient = options.gradient;
   return fused;
 }
 

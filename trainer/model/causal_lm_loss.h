@@ -3,8 +3,10 @@
 // in fp32, over chunks of tokens so that the [tokens, vocab] fp32 logits never exist whole.
 // Two ways to project a chunk:
 //   fused    (train.fused_loss, where lm_head or the tied embeddings are a frozen plain weight)
-//            over vocabulary tiles with an online log-sum-exp, its gradient written in the same
-//            kind of pass (trainer/model/fused_linear_cross_entropy.h): no [chunk, vocab] block.
+//            over vocabulary tiles with an online log-sum-exp, its gradient computed in the same
+//            pass where the caller knows the loss's gradient (LossOptions::gradient, the training
+//            step), else in a second one in backward (trainer/model/fused_linear_cross_entropy.h):
+//            no [chunk, vocab] block.
 //   logits   each chunk's whole fp32 logits, then cross_entropy; with autograd, each chunk is
 //            checkpointed (its logits recomputed in backward). A LoRA'd, fake-quantized or
 //            trained projection always takes this path: its weights need autograd's gradients.
@@ -26,6 +28,10 @@ struct LossOptions {
   int64_t chunk_tokens = 0;
   bool fused = true;            // train.fused_loss; falls back to the logits path where it cannot apply
   int64_t vocabulary_tile = 0;  // fused: columns per tile; 0: fused_loss_tile_columns(chunk, vocab)
+  // causal_lm_loss, fused: the gradient loss_sum will get in backward, where the caller knows it
+  // (the training step's loss weight); the forward then computes the states' gradient in its one
+  // pass over the vocabulary (FusedLossOptions::gradient). 0: backward does.
+  double gradient = 0;
 };
 
 // hidden [batch, seq, hidden] (the model's final normed states); labels [batch, seq] int64 with

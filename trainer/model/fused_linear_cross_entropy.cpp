@@ -47,6 +47,14 @@ kernels::LogSumExpStatistics fold_tile_statistics(const kernels::LogSumExpStatis
   return fold_tile_statistics_reference(seen, std::move(logits), targets, begin);
 }
 
+kernels::LogSumExpStatistics fold_tile_exponentials(const kernels::LogSumExpStatistics& seen, torch::Tensor& logits,
+                                                    const torch::Tensor& targets, int64_t begin) {
+  if (on_fused_kernels(logits)) {
+    return kernels::cross_entropy_tile_exponentials_cuda(seen, logits, targets.contiguous(), begin);
+  }
+  return fold_tile_exponentials_reference(seen, logits, targets, begin);
+}
+
 torch::Tensor tile_logits_gradient(torch::Tensor logits, const torch::Tensor& lse, const torch::Tensor& row_grad,
                                    const torch::Tensor& targets, int64_t begin) {
   if (on_fused_kernels(logits)) {
@@ -74,6 +82,37 @@ ChunkLogSumExp chunk_log_sum_exp(const torch::Tensor& states, const torch::Tenso
     statistics = fold_tile_statistics(statistics, tile_logits(states, weight, bias, begin, end, softcap), targets, begin);
   }
   return {statistics.max + statistics.sum.log(), statistics.target_logit};
+}
+
+// The same pass computing the chunk's gradient as it goes (the header's forward-gradient formulas):
+// `gradient` is g, and the states' gradient [rows, hidden] is written into grad_states.
+ChunkLogSumExp chunk_log_sum_exp_and_gradient(const torch::Tensor& states, const torch::Tensor& targets,
+                                              const torch::Tensor& weight, const torch::Tensor& bias,
+                                              int64_t tile_columns, double gradient, torch::Tensor grad_states) {
+  const auto fp32 = states.options().dtype(torch::kFloat32);
+  const int64_t rows = states.size(0);
+  const int64_t vocab = weight.size(0);
+  kernels::LogSumExpStatistics statistics{torch::full({rows}, -std::numeric_limits<float>::infinity(), fp32),
+                                          torch::zeros({rows}, fp32), torch::zeros({rows}, fp32)};
+  auto weighted = torch::zeros({rows, states.size(1)}, fp32);  // sum of exp(z - max) W over the tiles, target apart
+  for (int64_t begin = 0; begin < vocab; begin += tile_columns) {
+    const int64_t end = std::min(vocab, begin + tile_columns);
+    auto exponentials = tile_logits(states, weight, bias, begin, end, /*softcap=*/0.0);
+    auto folded = fold_tile_exponentials(statistics, exponentials, targets, begin);
+    // The sum so far was taken against the max before this tile: rescaled to the new one (0 at first).
+    weighted.mul_(torch::exp(statistics.max - folded.max).unsqueeze(1));
+    weighted.add_(torch::mm(exponentials, weight.slice(0, begin, end)));
+    statistics = std::move(folded);
+  }
+  const auto lse = statistics.max + statistics.sum.log();
+  const auto row_grad = targets.ne(kIgnoreLabel).to(torch::kFloat32) * gradient;  // g on learned rows, as backward's
+  auto target_rows = weight.index_select(0, targets.clamp(0, vocab - 1)).to(torch::kFloat32);
+  const auto target_probability_less_one = torch::exp(statistics.target_logit - lse) - 1.0;
+  weighted.div_(statistics.sum.unsqueeze(1))
+      .add_(target_rows.mul_(target_probability_less_one.unsqueeze(1)))
+      .mul_(row_grad.unsqueeze(1));
+  grad_states.copy_(weighted);
+  return {lse, statistics.target_logit};
 }
 
 int64_t chunk_rows(int64_t chunk_tokens, int64_t total) {
@@ -155,6 +194,32 @@ class FusedCrossEntropyBackward : public torch::autograd::Node {
   int64_t tile_columns_;
 };
 
+// The backward of a loss whose forward computed its gradient for the loss gradient g: that
+// gradient times (the loss gradient it gets) / g, exactly itself when that is g.
+class ForwardGradientBackward : public torch::autograd::Node {
+ public:
+  ForwardGradientBackward(torch::Tensor grad_states, double gradient)
+      : grad_states_(std::move(grad_states)), gradient_(gradient) {}
+
+  std::string name() const override { return "qtrain::FusedCrossEntropyForwardGradient"; }
+
+  variable_list apply(variable_list&& output_grads) override {
+    if (!grad_states_.defined()) {
+      throw Error(ErrorCode::kInternal, "the fused loss was differentiated twice (retain_graph is not supported)");
+    }
+    const auto& loss_grad = output_grads[0];
+    if (!loss_grad.defined()) return {torch::Tensor()};
+    torch::NoGradGuard no_grad;
+    return {grad_states_ * (loss_grad / gradient_)};
+  }
+
+  void release_variables() override { grad_states_.reset(); }
+
+ private:
+  torch::Tensor grad_states_;  // [tokens, hidden], compute dtype: for the loss gradient gradient_
+  double gradient_;
+};
+
 }  // namespace
 
 int64_t OutputProjection::vocab_size() const { return layer ? layer->out_features() : weight.size(0); }
@@ -176,6 +241,21 @@ kernels::LogSumExpStatistics fold_tile_statistics_reference(const kernels::LogSu
   folded.max = torch::maximum(seen.max, z.amax(1));
   // exp(z - max) in place: the tile's only fp32 block.
   folded.sum = seen.sum * torch::exp(seen.max - folded.max) + z.sub_(folded.max.unsqueeze(1)).exp_().sum(1);
+  return folded;
+}
+
+kernels::LogSumExpStatistics fold_tile_exponentials_reference(const kernels::LogSumExpStatistics& seen,
+                                                              torch::Tensor& logits, const torch::Tensor& targets,
+                                                              int64_t begin) {
+  auto z = logits.to(torch::kFloat32);  // the logits themselves when they are fp32
+  const auto [in_tile, column] = target_columns(targets, begin, begin + z.size(1));
+  kernels::LogSumExpStatistics folded;
+  folded.target_logit = torch::where(in_tile, z.gather(1, column).squeeze(1), seen.target_logit);
+  folded.max = torch::maximum(seen.max, z.amax(1));
+  z.sub_(folded.max.unsqueeze(1)).exp_();
+  folded.sum = seen.sum * torch::exp(seen.max - folded.max) + z.sum(1);
+  z.scatter_(1, column, z.gather(1, column) * in_tile.logical_not().to(torch::kFloat32).unsqueeze(1));  // 0 at the target
+  if (!z.is_same(logits)) logits.copy_(z);
   return folded;
 }
 
@@ -202,9 +282,11 @@ torch::Tensor fused_losses(const torch::Tensor& states, const torch::Tensor& tar
                                    ? options.tile_columns
                                    : fused_loss_tile_columns(chunk_tokens, projection.vocab_size());
   const bool differentiate = torch::GradMode::is_enabled() && states.requires_grad();
+  const bool gradient_in_forward = differentiate && !per_token && options.gradient != 0 && projection.softcap == 0;
   const auto fp32 = states.options().dtype(torch::kFloat32);
   auto losses = per_token ? torch::zeros({total}, fp32) : torch::zeros({}, fp32);
-  torch::Tensor lse = differentiate ? torch::empty({total}, fp32) : torch::Tensor();
+  torch::Tensor lse = differentiate && !gradient_in_forward ? torch::empty({total}, fp32) : torch::Tensor();
+  torch::Tensor grad_states = gradient_in_forward ? torch::empty_like(states) : torch::Tensor();
   {
     torch::NoGradGuard no_grad;
     const auto weight = projection.matmul_weight(states.scalar_type());
@@ -212,21 +294,29 @@ torch::Tensor fused_losses(const torch::Tensor& states, const torch::Tensor& tar
     for (int64_t first = 0; first < total; first += chunk_tokens) {
       const int64_t last = std::min(total, first + chunk_tokens);
       const auto chunk_targets = targets.slice(0, first, last);
-      const auto chunk = chunk_log_sum_exp(states.slice(0, first, last), chunk_targets, weight, bias,
-                                           projection.softcap, tile_columns);
+      const auto chunk_states = states.slice(0, first, last);
+      const auto chunk = gradient_in_forward
+                             ? chunk_log_sum_exp_and_gradient(chunk_states, chunk_targets, weight, bias, tile_columns,
+                                                              options.gradient, grad_states.slice(0, first, last))
+                             : chunk_log_sum_exp(chunk_states, chunk_targets, weight, bias, projection.softcap,
+                                                 tile_columns);
       const auto chunk_losses = torch::where(chunk_targets.ne(kIgnoreLabel), chunk.lse - chunk.target_logit, 0.0);
       if (per_token) {
         losses.slice(0, first, last).copy_(chunk_losses);
       } else {
         losses.add_(chunk_losses.sum());
       }
-      if (differentiate) lse.slice(0, first, last).copy_(chunk.lse);
+      if (lse.defined()) lse.slice(0, first, last).copy_(chunk.lse);
     }
   }
   if (!differentiate) return losses;
-  auto node = std::shared_ptr<FusedCrossEntropyBackward>(
-      new FusedCrossEntropyBackward(states.detach(), targets, lse, projection, chunk_tokens, tile_columns),
-      torch::autograd::deleteNode);
+  auto node = gradient_in_forward
+                  ? std::shared_ptr<torch::autograd::Node>(new ForwardGradientBackward(grad_states, options.gradient),
+                                                           torch::autograd::deleteNode)
+                  : std::shared_ptr<torch::autograd::Node>(
+                        new FusedCrossEntropyBackward(states.detach(), targets, lse, projection, chunk_tokens,
+                                                      tile_columns),
+                        torch::autograd::deleteNode);
   node->set_next_edges({torch::autograd::impl::gradient_edge(states)});
   torch::autograd::create_gradient_edge(losses, node);
   return losses;

@@ -14,6 +14,16 @@
 // log_softmax's up to fp32 rounding of the log-sum-exp; the gradient is autograd's for
 // logits(states).to(fp32) -> cross_entropy, g applied before the cast as autograd applies it.
 //
+// Where the caller knows g before the forward (FusedLossOptions::gradient: the training step's
+// loss weight) and nothing caps the logits, the forward computes the gradient too, in its one
+// pass over the tiles, as flash attention accumulates its output: per tile e = exp(z - m) with m
+// the running max (in the compute dtype, 0 at the target), acc = acc exp(m_before - m) + e W_tile
+// in fp32; at the end grad_states = g (acc / s + (p_target - 1) W[target]), p_target in fp32.
+// Backward then only scales it by (the gradient it gets) / g, exactly 1 when that is g: one
+// matmul over the vocabulary fewer per step (of three), and the weight is let go after the
+// forward. The gradient equals the two-pass one to the compute dtype's rounding (the
+// exponentials are rounded before the matmul instead of (p - 1 at the target) g).
+//
 // On CUDA in fp32 / fp16 / bf16 a tile's fp32 arithmetic (the running statistics forward, p - 1
 // times g backward) is one kernel each way (kernels/cross_entropy_tiles.h), which reads the tile
 // in the compute dtype and keeps no fp32 copy of it; elsewhere it is the torch operations of the
@@ -44,6 +54,10 @@ struct OutputProjection {
 struct FusedLossOptions {
   int64_t chunk_tokens = 0;  // tokens per pass over the vocabulary; <= 0: every token at once
   int64_t tile_columns = 0;  // vocabulary columns per tile; 0: fused_loss_tile_columns(chunk, vocab)
+  // The gradient the summed loss will get in backward, where the caller knows it before the
+  // forward (the training step's loss weight): the forward then computes the states' gradient
+  // (above). 0: backward does. Per-token losses and a capped projection always leave it to backward.
+  double gradient = 0;
 };
 
 // states [tokens, hidden] in the compute dtype; targets [tokens] int64, kIgnoreLabel where no
@@ -68,6 +82,11 @@ torch::Tensor fused_linear_token_losses(const torch::Tensor& states, const torch
 kernels::LogSumExpStatistics fold_tile_statistics_reference(const kernels::LogSumExpStatistics& seen,
                                                             torch::Tensor logits, const torch::Tensor& targets,
                                                             int64_t begin);
+// The same fold, the tile's logits overwritten in place by exp(z - max) in their dtype (max the
+// folded one), 0 at the row's target: kernels/cross_entropy_tiles.h's exponentials.
+kernels::LogSumExpStatistics fold_tile_exponentials_reference(const kernels::LogSumExpStatistics& seen,
+                                                              torch::Tensor& logits, const torch::Tensor& targets,
+                                                              int64_t begin);
 // The loss's gradient to the tile's logits, in their dtype: (exp(z - lse) - 1 at the target) *
 // row_grad, in fp32 before the cast as autograd's cross_entropy backward. lse, row_grad [rows] fp32.
 torch::Tensor tile_logits_gradient_reference(torch::Tensor logits, const torch::Tensor& lse,
