@@ -195,11 +195,12 @@ class FusedCrossEntropyBackward : public torch::autograd::Node {
 };
 
 // The backward of a loss whose forward computed its gradient for the loss gradient g: that
-// gradient times (the loss gradient it gets) / g, exactly itself when that is g.
+// gradient times (the loss gradient it gets) / g, exactly itself when that is g; per-token losses'
+// (g = 1, kept in fp32) row by row, each times its own loss gradient, then in the states' dtype.
 class ForwardGradientBackward : public torch::autograd::Node {
  public:
-  ForwardGradientBackward(torch::Tensor grad_states, double gradient)
-      : grad_states_(std::move(grad_states)), gradient_(gradient) {}
+  ForwardGradientBackward(torch::Tensor grad_states, double gradient, torch::ScalarType dtype)
+      : grad_states_(std::move(grad_states)), gradient_(gradient), dtype_(dtype) {}
 
   std::string name() const override { return "qtrain::FusedCrossEntropyForwardGradient"; }
 
@@ -210,14 +211,16 @@ class ForwardGradientBackward : public torch::autograd::Node {
     const auto& loss_grad = output_grads[0];
     if (!loss_grad.defined()) return {torch::Tensor()};
     torch::NoGradGuard no_grad;
-    return {grad_states_ * (loss_grad / gradient_)};
+    const auto factor = loss_grad / gradient_;
+    return {(grad_states_ * (factor.dim() == 0 ? factor : factor.unsqueeze(1))).to(dtype_)};
   }
 
   void release_variables() override { grad_states_.reset(); }
 
  private:
-  torch::Tensor grad_states_;  // [tokens, hidden], compute dtype: for the loss gradient gradient_
+  torch::Tensor grad_states_;  // [tokens, hidden], for the loss gradient gradient_ (each token's, per token)
   double gradient_;
+  torch::ScalarType dtype_;  // the states'
 };
 
 }  // namespace
@@ -282,11 +285,15 @@ torch::Tensor fused_losses(const torch::Tensor& states, const torch::Tensor& tar
                                    ? options.tile_columns
                                    : fused_loss_tile_columns(chunk_tokens, projection.vocab_size());
   const bool differentiate = torch::GradMode::is_enabled() && states.requires_grad();
-  const bool gradient_in_forward = differentiate && !per_token && options.gradient != 0 && projection.softcap == 0;
+  // Per-token losses get each token's own gradient (for a loss gradient of 1), weighed in backward.
+  const bool gradient_in_forward = differentiate && projection.softcap == 0 && (per_token || options.gradient != 0);
+  const double declared = per_token ? 1.0 : options.gradient;
   const auto fp32 = states.options().dtype(torch::kFloat32);
   auto losses = per_token ? torch::zeros({total}, fp32) : torch::zeros({}, fp32);
   torch::Tensor lse = differentiate && !gradient_in_forward ? torch::empty({total}, fp32) : torch::Tensor();
-  torch::Tensor grad_states = gradient_in_forward ? torch::empty_like(states) : torch::Tensor();
+  // fp32 for per-token losses, whose rows backward weighs: one rounding to the compute dtype, there.
+  torch::Tensor grad_states =
+      gradient_in_forward ? torch::empty_like(states, per_token ? fp32 : states.options()) : torch::Tensor();
   {
     torch::NoGradGuard no_grad;
     const auto weight = projection.matmul_weight(states.scalar_type());
@@ -297,7 +304,7 @@ torch::Tensor fused_losses(const torch::Tensor& states, const torch::Tensor& tar
       const auto chunk_states = states.slice(0, first, last);
       const auto chunk = gradient_in_forward
                              ? chunk_log_sum_exp_and_gradient(chunk_states, chunk_targets, weight, bias, tile_columns,
-                                                              options.gradient, grad_states.slice(0, first, last))
+                                                              declared, grad_states.slice(0, first, last))
                              : chunk_log_sum_exp(chunk_states, chunk_targets, weight, bias, projection.softcap,
                                                  tile_columns);
       const auto chunk_losses = torch::where(chunk_targets.ne(kIgnoreLabel), chunk.lse - chunk.target_logit, 0.0);
@@ -311,8 +318,8 @@ torch::Tensor fused_losses(const torch::Tensor& states, const torch::Tensor& tar
   }
   if (!differentiate) return losses;
   auto node = gradient_in_forward
-                  ? std::shared_ptr<torch::autograd::Node>(new ForwardGradientBackward(grad_states, options.gradient),
-                                                           torch::autograd::deleteNode)
+                  ? std::shared_ptr<torch::autograd::Node>(
+                        new ForwardGradientBackward(grad_states, declared, states.scalar_type()), torch::autograd::deleteNode)
                   : std::shared_ptr<torch::autograd::Node>(
                         new FusedCrossEntropyBackward(states.detach(), targets, lse, projection, chunk_tokens,
                                                       tile_columns),

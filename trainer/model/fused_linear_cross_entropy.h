@@ -21,8 +21,11 @@
 // in fp32; at the end grad_states = g (acc / s + (p_target - 1) W[target]), p_target in fp32.
 // Backward then only scales it by (the gradient it gets) / g, exactly 1 when that is g: one
 // matmul over the vocabulary fewer per step (of three), and the weight is let go after the
-// forward. The gradient equals the two-pass one to the compute dtype's rounding (the
-// exponentials are rounded before the matmul instead of (p - 1 at the target) g).
+// forward. Per-token losses (a preference objective's log-probabilities) do the same with g = 1
+// on every row, the gradients kept in fp32 until backward weighs each row by its own. The
+// gradient equals the two-pass one to the compute dtype's rounding (the exponentials are rounded
+// before the matmul instead of (p - 1 at the target) g). Only a capped projection (Gemma 2)
+// leaves the gradient to the second pass.
 //
 // On CUDA in fp32 / fp16 / bf16 a tile's fp32 arithmetic (the running statistics forward, p - 1
 // times g backward) is one kernel each way (kernels/cross_entropy_tiles.h), which reads the tile
@@ -56,7 +59,8 @@ struct FusedLossOptions {
   int64_t tile_columns = 0;  // vocabulary columns per tile; 0: fused_loss_tile_columns(chunk, vocab)
   // The gradient the summed loss will get in backward, where the caller knows it before the
   // forward (the training step's loss weight): the forward then computes the states' gradient
-  // (above). 0: backward does. Per-token losses and a capped projection always leave it to backward.
+  // (above). 0: backward does. Per-token losses always take it in the forward, a capped
+  // projection never.
   double gradient = 0;
 };
 
