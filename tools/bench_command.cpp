@@ -37,6 +37,7 @@
 #include "qat/qat_lora_matmul.h"
 #include "tools/commands.h"
 #include "trainer/objectives/objectives.h"
+#include "trainer/objectives/pair_log_probs.h"
 #include "tools/kernel_profile.h"
 #include "trainer/base/device.h"
 #include "trainer/base/memory_stats.h"
@@ -276,6 +277,7 @@ struct BenchOptions {
   bool checkpointing = false;
   bool packed_mask = false;
   bool loss_gradient_in_backward = false;  // the fused loss's gradient in its own pass (to compare)
+  bool precompute_reference = false;       // dpo.precompute_reference: the reference's pass before the steps
   bool max_context = false;
   bool json = false;
   // Resolved:
@@ -306,6 +308,8 @@ po::options_description bench_option_descriptions(BenchOptions& bench) {
        "a mixture of experts' frozen bank built again (--rebuild-weights) is dequantized this many MB at a time "
        "(train.expert_bank_block_mb); 0: whole")
       ("unfused-loss", po::bool_switch(), "each loss chunk's whole logits (train.fused_loss: false)")
+      ("precompute-reference", po::bool_switch(), "with --objective dpo: the reference's log-probabilities computed in a "
+       "pass before the steps (dpo.precompute_reference), not in each step; that pass's time is reported beside them")
       ("loss-gradient-in-backward", po::bool_switch(), "the fused loss computes its gradient in backward, in a second "
        "pass over the vocabulary, instead of in its forward (to compare)")
       ("objective", po::value(&bench.objective)->default_value("sft"),
@@ -439,6 +443,12 @@ std::optional<BenchOptions> parse_bench_options(const Arguments& arguments) {
   if (recipe.train.offload_activations && !bench.checkpointing) {
     throw Error(ErrorCode::kUsage, "--offload-activations moves what --checkpointing keeps: add --checkpointing");
   }
+  bench.precompute_reference = flag("precompute-reference");
+  if (bench.precompute_reference &&
+      !trainer::objective_row(trainer::find_objective(bench.objective, "--objective").objective).reference) {
+    throw Error(ErrorCode::kUsage, "--precompute-reference: --objective " + bench.objective +
+                                       " has no reference model; use it with --objective dpo");
+  }
   // A run's default, train.memory: auto; what it chose goes to stderr (beside --json's object).
   recipe.train.micro_batch_size = bench.micro_batch;  // the plan weighs the tokens of a micro-batch and a step
   recipe.data.max_seq_len = bench.sequence;
@@ -548,6 +558,7 @@ struct BenchMeasurement {
   double step_seconds = 0;  // the median of the timed steps
   trainer::MemoryUsage memory;  // after the timed steps
   double checkpoint_seconds = 0;  // --save-checkpoint
+  double reference_seconds = 0;   // --precompute-reference: its pass over a step's micro-batch (warm)
 };
 
 // The timed steps (or the --max-context search), then --profile's steps and --save-checkpoint's write.
@@ -559,10 +570,33 @@ BenchMeasurement measure_bench(const BenchOptions& bench, BenchRun& run) {
     return std::vector<data::Batch>{random_batch(bench.micro_batch, tokens, ids, bench.packed_samples,
                                                  bench.recipe.train.objective != "sft", bench.packed_whole_rows)};
   };
+  BenchMeasurement measured;
+  // --precompute-reference: the batches with their reference log-probabilities, as the run's pass
+  // before training leaves them; that pass timed on its second round (the first builds kernels).
+  const auto with_reference = [&](std::vector<data::Batch> batches) {
+    if (!bench.precompute_reference) return batches;
+    trainer::LossOptions loss_options;
+    loss_options.chunk_tokens = run.loss_chunk_tokens;
+    loss_options.fused = bench.recipe.train.fused_loss;
+    const auto packed = bench.packed_mask ? trainer::PackedAttention::kWrittenOutMask : trainer::PackedAttention::kSpans;
+    for (int round = 0; round < 2; ++round) {
+      synchronize(device);
+      const auto start = std::chrono::steady_clock::now();
+      for (auto& batch : batches) {
+        batch.reference_log_probs = torch::Tensor();
+        const auto reference =
+            trainer::reference_log_probs(*run.model, trainer::batch_on_device(batch, device), loss_options, packed);
+        batch.reference_log_probs = torch::stack({reference.chosen, reference.rejected}, 1).to(torch::kFloat64).cpu();
+      }
+      synchronize(device);
+      measured.reference_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    }
+    return batches;
+  };
   // `timed` steps of `tokens`-long sequences after `untimed` ones: the median step time and the
   // peak memory of the timed steps.
   const auto measure = [&](int64_t tokens, int64_t untimed, int64_t timed) {
-    const auto batches = batches_of(tokens);
+    const auto batches = with_reference(batches_of(tokens));
     std::vector<double> seconds;
     trainer::reset_peak_memory(device);
     for (int64_t step = 0; step < untimed + timed; ++step) {
@@ -576,7 +610,6 @@ BenchMeasurement measure_bench(const BenchOptions& bench, BenchRun& run) {
     std::sort(seconds.begin(), seconds.end());
     return std::make_pair(seconds[seconds.size() / 2], trainer::memory_usage(device).peak_bytes);
   };
-  BenchMeasurement measured;
   measured.sequence = bench.sequence;
   if (bench.max_context) {
     std::tie(measured.sequence, measured.step_seconds) =
@@ -585,9 +618,11 @@ BenchMeasurement measure_bench(const BenchOptions& bench, BenchRun& run) {
   } else {
     measured.step_seconds = measure(bench.sequence, bench.warmup, bench.steps).first;
   }
-  const auto batches = batches_of(measured.sequence);
   measured.memory = trainer::memory_usage(device);
   if (bench.profile_steps > 0) {
+    const double reference_seconds = measured.reference_seconds;  // the timed steps', not the profile's
+    const auto batches = with_reference(batches_of(measured.sequence));
+    measured.reference_seconds = reference_seconds;
     KernelProfile profile(device.is_cuda(), /*record_shapes=*/!bench.trace_path.empty());
     for (int64_t step = 0; step < bench.profile_steps; ++step) run.step->run(batches, next_step++);
     synchronize(device);
@@ -656,9 +691,9 @@ void report_bench(const BenchOptions& bench, const BenchRun& run, const BenchMea
   if (recipe.train.objective != "sft") {
     std::printf("  objective: %s, each row a pair of %lld-token sequences (a quarter of each the prompt)%s\n",
                 recipe.train.objective.c_str(), static_cast<long long>(sequence / 2),
-                trainer::objective_row(trainer::find_objective(recipe.train.objective).objective).reference
-                    ? "; the reference: the base with the adapters off, one more forward pass"
-                    : "");
+                !trainer::objective_row(trainer::find_objective(recipe.train.objective).objective).reference ? ""
+                : bench.precompute_reference ? "; the reference's log-probabilities computed before the steps"
+                                             : "; the reference: the base with the adapters off, one more forward pass");
   } else if (bench.packed_samples > 0) {
     std::printf("  packed: %lld samples a sequence%s, attention %s\n", static_cast<long long>(bench.packed_samples),
                 bench.packed_whole_rows > 0
@@ -678,6 +713,11 @@ void report_bench(const BenchOptions& bench, const BenchRun& run, const BenchMea
   std::printf("  %.0f tokens/s (median of %lld steps, %.3f s each), MFU %.1f%%, peak memory %s\n", tokens_per_second,
               static_cast<long long>(bench.steps), median, 100.0 * mfu,
               trainer::format_bytes(measured.memory.peak_bytes).c_str());
+  if (bench.precompute_reference) {
+    std::printf("  the reference's pass before training: %.3f s a step's pairs; %.0f tokens/s with it counted\n",
+                measured.reference_seconds,
+                static_cast<double>(bench.micro_batch * sequence) / (median + measured.reference_seconds));
+  }
   if (!bench.json) return;
   std::cout << nlohmann::json{{"shape", bench.shape},
                               {"layers", bench.llama.num_hidden_layers},
@@ -698,6 +738,8 @@ void report_bench(const BenchOptions& bench, const BenchRun& run, const BenchMea
                               {"packed_mask", bench.packed_mask},
                               {"fused_loss", recipe.train.fused_loss},
                               {"loss_gradient_in_forward", !bench.loss_gradient_in_backward},
+                              {"precompute_reference", bench.precompute_reference},
+                              {"reference_seconds", measured.reference_seconds},
                               {"keep_built_weights", recipe.train.keep_built_weights},
                               {"embeddings_on_host", recipe.train.embeddings_on_host},
                               {"lm_head_on_host", recipe.train.lm_head_on_host},

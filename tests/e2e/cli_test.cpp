@@ -428,6 +428,22 @@ TEST(Cli, BadInputIsOneLineAndExitStatus2) {
   expect_user_error(qtrain("bench --shape tiny --device cpu --micro-batch 2 --packed-samples 2 --packed-whole-rows 3"),
                     "--packed-whole-rows");
   expect_user_error(qtrain("bench --shape tiny --device cpu --token-ids-below 8193"), "8192 ids");
+  expect_user_error(qtrain("bench --shape tiny --device cpu --objective orpo --precompute-reference"), "--objective dpo");
+}
+
+// bench's DPO with the reference's log-probabilities computed before the steps, as
+// dpo.precompute_reference does: the steps read them, and that pass's time is reported beside.
+TEST(Cli, BenchPrecomputesTheReferenceOfDpoWhenAsked) {
+  const auto result = qtrain("bench --shape tiny --device cpu --dtype fp32 --micro-batch 2 --seq 32 --objective dpo "
+                             "--precompute-reference --steps 1 --warmup 0 --json 2>&1");
+  ASSERT_EQ(result.status, 0) << result.output;
+  EXPECT_NE(result.output.find("the reference's log-probabilities computed before the steps"), std::string::npos)
+      << result.output;
+  EXPECT_NE(result.output.find("the reference's pass before training"), std::string::npos) << result.output;
+  const auto measured = nlohmann::json::parse(last_line(result.output));
+  EXPECT_TRUE(measured.at("precompute_reference").get<bool>());
+  EXPECT_GT(measured.at("reference_seconds").get<double>(), 0);
+  EXPECT_GT(measured.at("tokens_per_second").get<double>(), 0);
 }
 
 // bench's packed rows as a packed document's data has them: some rows one sample each, first.
