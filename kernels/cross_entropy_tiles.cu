@@ -27,14 +27,16 @@ namespace qtrain::kernels {
 namespace {
 
 // statistics[row] folded with the row's tile (the header's formulas); packs of kValues logits;
-// with kExponentials each exp(z - max) written over its logit (0 at the target).
+// with kExponentials each exp(z - max) written over its logit (0 at the target), times the cap's
+// derivative 1 - (z / cap)^2 where softcap > 0 (z the capped logit).
 template <typename scalar_t, int kValues, bool kExponentials>
 __global__ void tile_statistics_kernel(const scalar_t* logits, int64_t tile,
                                        const int64_t* __restrict__ targets, int64_t begin,
                                        const float* __restrict__ seen_max, const float* __restrict__ seen_sum,
                                        const float* __restrict__ seen_target_logit, float* __restrict__ max_out,
                                        float* __restrict__ sum_out, float* __restrict__ target_logit_out,
-                                       scalar_t* exponentials) {  // `logits` itself (no restrict), or null
+                                       scalar_t* exponentials,  // `logits` itself (no restrict), or null
+                                       float softcap) {
   using Pack = ValuePack<scalar_t, kValues>;
   const int64_t row = blockIdx.x;
   const scalar_t* row_logits = logits + row * tile;
@@ -64,7 +66,13 @@ __global__ void tile_statistics_kernel(const scalar_t* logits, int64_t tile,
       const float exponential = expf(static_cast<float>(pack.values[k]) - row_max);
       tile_sum += exponential;
       if constexpr (kExponentials) {
-        out.values[k] = static_cast<scalar_t>(p * kValues + k == target_column ? 0.0f : exponential);
+        float weight = exponential;
+        if (softcap > 0.0f) {
+          // 1 - (z / cap)^2, each step rounded alone as the torch operations round them.
+          const float ratio = __fdiv_rn(static_cast<float>(pack.values[k]), softcap);
+          weight = __fmul_rn(weight, __fsub_rn(1.0f, __fmul_rn(ratio, ratio)));
+        }
+        out.values[k] = static_cast<scalar_t>(p * kValues + k == target_column ? 0.0f : weight);
       }
     }
     // In place: this thread read the pack it writes.
@@ -144,7 +152,7 @@ void check_row_values(const at::Tensor& values, const at::Tensor& logits, const 
 
 // Both entry points of the statistics kernel: `exponentials` the logits' own storage, or null.
 LogSumExpStatistics tile_statistics(const LogSumExpStatistics& seen, const at::Tensor& logits, const at::Tensor& targets,
-                                    int64_t begin, bool exponentials, const std::string& what) {
+                                    int64_t begin, bool exponentials, double softcap, const std::string& what) {
   check_logit_tile(logits, targets, what);
   check_row_values(seen.max, logits, what + "max");
   check_row_values(seen.sum, logits, what + "sum");
@@ -161,7 +169,7 @@ LogSumExpStatistics tile_statistics(const LogSumExpStatistics& seen, const at::T
             logits.data_ptr<scalar_t>(), tile, targets.data_ptr<int64_t>(), begin, seen.max.data_ptr<float>(),
             seen.sum.data_ptr<float>(), seen.target_logit.data_ptr<float>(), folded.max.data_ptr<float>(),
             folded.sum.data_ptr<float>(), folded.target_logit.data_ptr<float>(),
-            exponentials ? logits.data_ptr<scalar_t>() : nullptr);
+            exponentials ? logits.data_ptr<scalar_t>() : nullptr, static_cast<float>(softcap));
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       };
       constexpr int kValues = decltype(values)::value;
@@ -179,12 +187,14 @@ LogSumExpStatistics tile_statistics(const LogSumExpStatistics& seen, const at::T
 
 LogSumExpStatistics cross_entropy_tile_statistics_cuda(const LogSumExpStatistics& seen, const at::Tensor& logits,
                                                        const at::Tensor& targets, int64_t begin) {
-  return tile_statistics(seen, logits, targets, begin, /*exponentials=*/false, "cross_entropy_tile_statistics_cuda: ");
+  return tile_statistics(seen, logits, targets, begin, /*exponentials=*/false, /*softcap=*/0.0,
+                         "cross_entropy_tile_statistics_cuda: ");
 }
 
 LogSumExpStatistics cross_entropy_tile_exponentials_cuda(const LogSumExpStatistics& seen, at::Tensor& logits,
-                                                         const at::Tensor& targets, int64_t begin) {
-  return tile_statistics(seen, logits, targets, begin, /*exponentials=*/true, "cross_entropy_tile_exponentials_cuda: ");
+                                                         const at::Tensor& targets, int64_t begin, double softcap) {
+  return tile_statistics(seen, logits, targets, begin, /*exponentials=*/true, softcap,
+                         "cross_entropy_tile_exponentials_cuda: ");
 }
 
 at::Tensor cross_entropy_tile_gradient_cuda(const at::Tensor& logits, const at::Tensor& lse, const at::Tensor& row_grad,

@@ -41,10 +41,12 @@ LogSumExpStatistics cross_entropy_tile_statistics_cuda(const LogSumExpStatistics
 
 // The same statistics, and the tile's logits overwritten in place (contiguous) by the weights of
 // the gradient's pass in the forward (trainer/model/fused_linear_cross_entropy.h):
-//   logits[i, j] = dtype(exp(z[i, j] - max[i])), max the folded one; 0 at the row's target column
-// (its term is taken apart, in fp32). exp is the same expf whose fp32 values the sum adds.
+//   logits[i, j] = dtype(exp(z[i, j] - max[i]) * (1 - (z[i, j] / softcap)^2)), max the folded one,
+// the factor only where softcap > 0 (the capped logit's derivative, z = cap tanh(x / cap)); 0 at the
+// row's target column (its term is taken apart, in fp32). exp is the same expf whose fp32 values
+// the sum adds; the factor's steps round alone.
 LogSumExpStatistics cross_entropy_tile_exponentials_cuda(const LogSumExpStatistics& seen, at::Tensor& logits,
-                                                         const at::Tensor& targets, int64_t begin);
+                                                         const at::Tensor& targets, int64_t begin, double softcap = 0);
 
 // The loss's gradient to the tile's logits, in their dtype: with lse [rows] fp32 (each row's
 // log-sum-exp over the whole vocabulary) and row_grad [rows] fp32 (the loss's gradient, 0 on

@@ -13,7 +13,7 @@ LogSumExpStatistics cross_entropy_tile_statistics_cuda(const LogSumExpStatistics
   no_cuda_kernels("cross_entropy_tile_statistics_cuda");
 }
 LogSumExpStatistics cross_entropy_tile_exponentials_cuda(const LogSumExpStatistics&, at::Tensor&, const at::Tensor&,
-                                                         int64_t) {
+                                                         int64_t, double) {
   no_cuda_kernels("cross_entropy_tile_exponentials_cuda");
 }
 at::Tensor cross_entropy_tile_gradient_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,

@@ -48,11 +48,11 @@ kernels::LogSumExpStatistics fold_tile_statistics(const kernels::LogSumExpStatis
 }
 
 kernels::LogSumExpStatistics fold_tile_exponentials(const kernels::LogSumExpStatistics& seen, torch::Tensor& logits,
-                                                    const torch::Tensor& targets, int64_t begin) {
+                                                    const torch::Tensor& targets, int64_t begin, double softcap) {
   if (on_fused_kernels(logits)) {
-    return kernels::cross_entropy_tile_exponentials_cuda(seen, logits, targets.contiguous(), begin);
+    return kernels::cross_entropy_tile_exponentials_cuda(seen, logits, targets.contiguous(), begin, softcap);
   }
-  return fold_tile_exponentials_reference(seen, logits, targets, begin);
+  return fold_tile_exponentials_reference(seen, logits, targets, begin, softcap);
 }
 
 torch::Tensor tile_logits_gradient(torch::Tensor logits, const torch::Tensor& lse, const torch::Tensor& row_grad,
@@ -87,7 +87,7 @@ ChunkLogSumExp chunk_log_sum_exp(const torch::Tensor& states, const torch::Tenso
 // The same pass computing the chunk's gradient as it goes (the header's forward-gradient formulas):
 // `gradient` is g, and the states' gradient [rows, hidden] is written into grad_states.
 ChunkLogSumExp chunk_log_sum_exp_and_gradient(const torch::Tensor& states, const torch::Tensor& targets,
-                                              const torch::Tensor& weight, const torch::Tensor& bias,
+                                              const torch::Tensor& weight, const torch::Tensor& bias, double softcap,
                                               int64_t tile_columns, double gradient, torch::Tensor grad_states) {
   const auto fp32 = states.options().dtype(torch::kFloat32);
   const int64_t rows = states.size(0);
@@ -97,8 +97,8 @@ ChunkLogSumExp chunk_log_sum_exp_and_gradient(const torch::Tensor& states, const
   auto weighted = torch::zeros({rows, states.size(1)}, fp32);  // sum of exp(z - max) W over the tiles, target apart
   for (int64_t begin = 0; begin < vocab; begin += tile_columns) {
     const int64_t end = std::min(vocab, begin + tile_columns);
-    auto exponentials = tile_logits(states, weight, bias, begin, end, /*softcap=*/0.0);
-    auto folded = fold_tile_exponentials(statistics, exponentials, targets, begin);
+    auto exponentials = tile_logits(states, weight, bias, begin, end, softcap);
+    auto folded = fold_tile_exponentials(statistics, exponentials, targets, begin, softcap);
     // The sum so far was taken against the max before this tile: rescaled to the new one (0 at first).
     weighted.mul_(torch::exp(statistics.max - folded.max).unsqueeze(1));
     weighted.add_(torch::mm(exponentials, weight.slice(0, begin, end)));
@@ -107,9 +107,10 @@ ChunkLogSumExp chunk_log_sum_exp_and_gradient(const torch::Tensor& states, const
   const auto lse = statistics.max + statistics.sum.log();
   const auto row_grad = targets.ne(kIgnoreLabel).to(torch::kFloat32) * gradient;  // g on learned rows, as backward's
   auto target_rows = weight.index_select(0, targets.clamp(0, vocab - 1)).to(torch::kFloat32);
-  const auto target_probability_less_one = torch::exp(statistics.target_logit - lse) - 1.0;
+  auto target_weight = torch::exp(statistics.target_logit - lse) - 1.0;  // p - 1 at the target
+  if (softcap > 0) target_weight.mul_(1.0 - (statistics.target_logit / softcap).square());  // the cap's derivative
   weighted.div_(statistics.sum.unsqueeze(1))
-      .add_(target_rows.mul_(target_probability_less_one.unsqueeze(1)))
+      .add_(target_rows.mul_(target_weight.unsqueeze(1)))
       .mul_(row_grad.unsqueeze(1));
   grad_states.copy_(weighted);
   return {lse, statistics.target_logit};
@@ -249,14 +250,17 @@ kernels::LogSumExpStatistics fold_tile_statistics_reference(const kernels::LogSu
 
 kernels::LogSumExpStatistics fold_tile_exponentials_reference(const kernels::LogSumExpStatistics& seen,
                                                               torch::Tensor& logits, const torch::Tensor& targets,
-                                                              int64_t begin) {
+                                                              int64_t begin, double softcap) {
   auto z = logits.to(torch::kFloat32);  // the logits themselves when they are fp32
   const auto [in_tile, column] = target_columns(targets, begin, begin + z.size(1));
   kernels::LogSumExpStatistics folded;
   folded.target_logit = torch::where(in_tile, z.gather(1, column).squeeze(1), seen.target_logit);
   folded.max = torch::maximum(seen.max, z.amax(1));
+  // The cap's derivative 1 - (z / cap)^2, from the capped logits before they become exponentials.
+  const auto cap_derivative = softcap > 0 ? 1.0 - (z / softcap).square() : torch::Tensor();
   z.sub_(folded.max.unsqueeze(1)).exp_();
   folded.sum = seen.sum * torch::exp(seen.max - folded.max) + z.sum(1);
+  if (cap_derivative.defined()) z.mul_(cap_derivative);
   z.scatter_(1, column, z.gather(1, column) * in_tile.logical_not().to(torch::kFloat32).unsqueeze(1));  // 0 at the target
   if (!z.is_same(logits)) logits.copy_(z);
   return folded;
@@ -286,7 +290,7 @@ torch::Tensor fused_losses(const torch::Tensor& states, const torch::Tensor& tar
                                    : fused_loss_tile_columns(chunk_tokens, projection.vocab_size());
   const bool differentiate = torch::GradMode::is_enabled() && states.requires_grad();
   // Per-token losses get each token's own gradient (for a loss gradient of 1), weighed in backward.
-  const bool gradient_in_forward = differentiate && projection.softcap == 0 && (per_token || options.gradient != 0);
+  const bool gradient_in_forward = differentiate && (per_token || options.gradient != 0);
   const double declared = per_token ? 1.0 : options.gradient;
   const auto fp32 = states.options().dtype(torch::kFloat32);
   auto losses = per_token ? torch::zeros({total}, fp32) : torch::zeros({}, fp32);
@@ -303,8 +307,9 @@ torch::Tensor fused_losses(const torch::Tensor& states, const torch::Tensor& tar
       const auto chunk_targets = targets.slice(0, first, last);
       const auto chunk_states = states.slice(0, first, last);
       const auto chunk = gradient_in_forward
-                             ? chunk_log_sum_exp_and_gradient(chunk_states, chunk_targets, weight, bias, tile_columns,
-                                                              declared, grad_states.slice(0, first, last))
+                             ? chunk_log_sum_exp_and_gradient(chunk_states, chunk_targets, weight, bias,
+                                                              projection.softcap, tile_columns, declared,
+                                                              grad_states.slice(0, first, last))
                              : chunk_log_sum_exp(chunk_states, chunk_targets, weight, bias, projection.softcap,
                                                  tile_columns);
       const auto chunk_losses = torch::where(chunk_targets.ne(kIgnoreLabel), chunk.lse - chunk.target_logit, 0.0);

@@ -15,17 +15,18 @@
 // logits(states).to(fp32) -> cross_entropy, g applied before the cast as autograd applies it.
 //
 // Where the caller knows g before the forward (FusedLossOptions::gradient: the training step's
-// loss weight) and nothing caps the logits, the forward computes the gradient too, in its one
-// pass over the tiles, as flash attention accumulates its output: per tile e = exp(z - m) with m
-// the running max (in the compute dtype, 0 at the target), acc = acc exp(m_before - m) + e W_tile
-// in fp32; at the end grad_states = g (acc / s + (p_target - 1) W[target]), p_target in fp32.
+// loss weight), the forward computes the gradient too, in its one pass over the tiles, as flash
+// attention accumulates its output: per tile e = exp(z - m) with m the running max (in the
+// compute dtype, 0 at the target), acc = acc exp(m_before - m) + e W_tile in fp32; at the end
+// grad_states = g (acc / s + (p_target - 1) W[target]), p_target in fp32. Under Gemma 2's cap each
+// e and the target's term carry the cap's derivative 1 - (z / cap)^2, z the capped logit.
 // Backward then only scales it by (the gradient it gets) / g, exactly 1 when that is g: one
 // matmul over the vocabulary fewer per step (of three), and the weight is let go after the
 // forward. Per-token losses (a preference objective's log-probabilities) do the same with g = 1
 // on every row, the gradients kept in fp32 until backward weighs each row by its own. The
 // gradient equals the two-pass one to the compute dtype's rounding (the exponentials are rounded
-// before the matmul instead of (p - 1 at the target) g). Only a capped projection (Gemma 2)
-// leaves the gradient to the second pass.
+// before the matmul instead of (p - 1 at the target) g; the cap's derivative comes from the capped
+// logit instead of the tanh it was made of).
 //
 // On CUDA in fp32 / fp16 / bf16 a tile's fp32 arithmetic (the running statistics forward, p - 1
 // times g backward) is one kernel each way (kernels/cross_entropy_tiles.h), which reads the tile
@@ -59,8 +60,7 @@ struct FusedLossOptions {
   int64_t tile_columns = 0;  // vocabulary columns per tile; 0: fused_loss_tile_columns(chunk, vocab)
   // The gradient the summed loss will get in backward, where the caller knows it before the
   // forward (the training step's loss weight): the forward then computes the states' gradient
-  // (above). 0: backward does. Per-token losses always take it in the forward, a capped
-  // projection never.
+  // (above). 0: backward does. Per-token losses always take it in the forward.
   double gradient = 0;
 };
 
@@ -87,10 +87,11 @@ kernels::LogSumExpStatistics fold_tile_statistics_reference(const kernels::LogSu
                                                             torch::Tensor logits, const torch::Tensor& targets,
                                                             int64_t begin);
 // The same fold, the tile's logits overwritten in place by exp(z - max) in their dtype (max the
-// folded one), 0 at the row's target: kernels/cross_entropy_tiles.h's exponentials.
+// folded one), times 1 - (z / softcap)^2 where softcap > 0, 0 at the row's target:
+// kernels/cross_entropy_tiles.h's exponentials.
 kernels::LogSumExpStatistics fold_tile_exponentials_reference(const kernels::LogSumExpStatistics& seen,
                                                               torch::Tensor& logits, const torch::Tensor& targets,
-                                                              int64_t begin);
+                                                              int64_t begin, double softcap = 0);
 // The loss's gradient to the tile's logits, in their dtype: (exp(z - lse) - 1 at the target) *
 // row_grad, in fp32 before the cast as autograd's cross_entropy backward. lse, row_grad [rows] fp32.
 torch::Tensor tile_logits_gradient_reference(torch::Tensor logits, const torch::Tensor& lse,
