@@ -80,7 +80,10 @@
 //                    then its gradient, in the compute dtype), 4 C T in fp32, s C T more with a
 //                    final logit cap (its tanh); the fp32 sum of the tiles' products and one
 //                    product, C H (4 + s); the final states kept and their gradient (2 N H s);
-//                    lse and the targets (12 N). Measured on the CPU (tiny vocabulary, chunks of 16
+//                    lse and the targets (12 N). The training step takes that pass in the forward
+//                    instead (its gradient computed there, FusedLossOptions::gradient): the same
+//                    tile, the fp32 [C, H] sum and a product, the states' gradient kept to
+//                    backward; counted as the backward's. Measured on the CPU (tiny vocabulary, chunks of 16
 //                    to 3072 tokens, tiles of 1000 to 8192 columns): within 1.2% of the loss's
 //                    peak. No [C, V] block exists: at C = 1024, V = 128256, H = 4096 in bf16 the
 //                    tiles (16384 columns) hold 96 MiB where the chunked path holds 1.5 GiB.
