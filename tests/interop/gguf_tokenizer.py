@@ -22,7 +22,10 @@ import sys
 from script_modes import run_mode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BROWN = os.path.join(ROOT, "..", "shared", "data", "brown", "train.jsonl")
+# Beside the fixtures (QTRAIN_FIXTURES, as the tests find them), else beside the clone.
+SHARED = (os.path.dirname(os.path.normpath(os.environ["QTRAIN_FIXTURES"])) if os.environ.get("QTRAIN_FIXTURES")
+          else os.path.join(ROOT, "..", "shared"))
+BROWN = os.path.join(SHARED, "data", "brown", "train.jsonl")
 TRAIN_DOCUMENTS = 60
 VOCAB_SIZE = 1200
 SPECIAL_TOKENS = ["<|endoftext|>", "</s>"]
