@@ -485,7 +485,7 @@ struct BenchRun {
   trainer::TrainedParameters trained;
   std::unique_ptr<optim::Optimizer> optimizer;
   std::unique_ptr<trainer::LossScaler> scaler;
-  int64_t loss_chunk_tokens = 0;  // as the step runs it (-1: unchunked)
+  trainer::TrainingStepOptions step_options;  // as the step runs (loss_chunk_tokens -1: unchunked)
   std::unique_ptr<trainer::TrainingStep> step;
 };
 
@@ -543,7 +543,7 @@ BenchRun build_bench(const BenchOptions& bench) {
   if (bench.loss_chunk < 0) step_options.loss_chunk_tokens = -1;
   if (bench.packed_mask) step_options.packed_attention = trainer::PackedAttention::kWrittenOutMask;
   step_options.loss_gradient_in_forward = !bench.loss_gradient_in_backward;
-  run.loss_chunk_tokens = step_options.loss_chunk_tokens;
+  run.step_options = step_options;
   run.step = std::make_unique<trainer::TrainingStep>(model, run.trained.tensors, *run.optimizer, *run.scaler, step_options);
   synchronize(device);
   std::printf("bench: model built in %.1f s\n",
@@ -575,17 +575,14 @@ BenchMeasurement measure_bench(const BenchOptions& bench, BenchRun& run) {
   // before training leaves them; that pass timed on its second round (the first builds kernels).
   const auto with_reference = [&](std::vector<data::Batch> batches) {
     if (!bench.precompute_reference) return batches;
-    trainer::LossOptions loss_options;
-    loss_options.chunk_tokens = run.loss_chunk_tokens;
-    loss_options.fused = bench.recipe.train.fused_loss;
-    const auto packed = bench.packed_mask ? trainer::PackedAttention::kWrittenOutMask : trainer::PackedAttention::kSpans;
     for (int round = 0; round < 2; ++round) {
       synchronize(device);
       const auto start = std::chrono::steady_clock::now();
       for (auto& batch : batches) {
         batch.reference_log_probs = torch::Tensor();
         const auto reference =
-            trainer::reference_log_probs(*run.model, trainer::batch_on_device(batch, device), loss_options, packed);
+            trainer::reference_log_probs(*run.model, trainer::batch_on_device(batch, device),
+                                         run.step_options.loss_options(), run.step_options.packed_attention);
         batch.reference_log_probs = torch::stack({reference.chosen, reference.rejected}, 1).to(torch::kFloat64).cpu();
       }
       synchronize(device);
@@ -685,7 +682,8 @@ void report_bench(const BenchOptions& bench, const BenchRun& run, const BenchMea
               !bench.checkpointing ? "off"
               : bench.checkpoint_every == 1 ? "on"
                                             : ("every " + std::to_string(bench.checkpoint_every) + " layers").c_str(),
-              recipe.train.offload_activations ? " (inputs offloaded)" : "", static_cast<long long>(run.loss_chunk_tokens),
+              recipe.train.offload_activations ? " (inputs offloaded)" : "",
+              static_cast<long long>(run.step_options.loss_chunk_tokens),
               recipe.train.fused_loss ? " (fused)" : "",
               bench.mlp_chunk > 0 ? (", MLP chunk " + std::to_string(bench.mlp_chunk)).c_str() : "");
   if (recipe.train.objective != "sft") {
@@ -749,7 +747,7 @@ void report_bench(const BenchOptions& bench, const BenchRun& run, const BenchMea
                               {"pinned_host_bytes", trainer::ActivationOffload::pinned_bytes()},
                               {"pinning_seconds", trainer::ActivationOffload::pinning_seconds()},
                               {"dora", recipe.lora.use_dora},
-                              {"loss_chunk_tokens", run.loss_chunk_tokens},
+                              {"loss_chunk_tokens", run.step_options.loss_chunk_tokens},
                               {"tokens_per_second", tokens_per_second},
                               {"mfu", mfu},
                               {"peak_memory_bytes", measured.memory.peak_bytes},

@@ -279,8 +279,7 @@ PairPassOptions Finetune::pair_pass_options() const {
   PairPassOptions options;
   options.device = device_;
   options.batch_size = recipe_.train.micro_batch_size;
-  options.loss.chunk_tokens = step_options_.loss_chunk_tokens;
-  options.loss.fused = recipe_.train.fused_loss;
+  options.loss = step_options_.loss_options();
   options.packed_attention = step_options_.packed_attention;
   options.pad_id = pad_id_;
   return options;

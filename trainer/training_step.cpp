@@ -44,6 +44,13 @@ TrainingStepOptions training_step_options(const Recipe& recipe, int64_t vocab_si
   return options;
 }
 
+LossOptions TrainingStepOptions::loss_options() const {
+  LossOptions options;
+  options.chunk_tokens = loss_chunk_tokens;
+  options.fused = fused_loss;
+  return options;
+}
+
 std::optional<PreferenceOptions> preference_options(const Recipe& recipe) {
   const auto& row = find_objective(recipe.train.objective);
   if (!row.pairs) return std::nullopt;
@@ -110,9 +117,7 @@ double TrainingStep::accumulate(const std::vector<data::Batch>& micro_batches,
 TrainingStep::MicroBatchLoss TrainingStep::preference_micro_batch(const data::Batch& cpu_batch, double weight,
                                                                   std::vector<std::pair<std::string, double>>& metric_sums) {
   const auto batch = batch_on_device(cpu_batch, options_.device);
-  LossOptions loss_options;
-  loss_options.chunk_tokens = options_.loss_chunk_tokens;
-  loss_options.fused = options_.fused_loss;
+  const auto loss_options = options_.loss_options();
   const auto& preference = *options_.preference;
   PairLogProbs reference;
   if (objective_row(preference.objective).reference) {
@@ -172,9 +177,7 @@ StepResult TrainingStep::run(const std::vector<data::Batch>& micro_batches, int6
   // The loss is token-weighted over the whole accumulation window (of every rank), as if it
   // were one batch; fp16 scales it so that small gradients survive.
   const double loss_weight = scaler_.scale() / std::max(predicted_tokens, 1.0);
-  LossOptions loss_options;
-  loss_options.chunk_tokens = options_.loss_chunk_tokens;
-  loss_options.fused = options_.fused_loss;
+  auto loss_options = options_.loss_options();
   if (options_.loss_gradient_in_forward) loss_options.gradient = loss_weight;  // backward_from's factor below
   double loss_sum = accumulate(micro_batches, [&](const data::Batch& batch) -> MicroBatchLoss {
     auto labels = batch.labels.to(options_.device);

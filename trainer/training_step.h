@@ -21,6 +21,7 @@
 #include "trainer/dist/process_group.h"
 #include "trainer/loss_scaler.h"
 #include "trainer/model/attention_mask.h"
+#include "trainer/model/causal_lm_loss.h"
 #include "trainer/model/llama.h"
 #include "trainer/objectives/preference_loss.h"
 #include "trainer/optimizer_states_on_host.h"
@@ -57,6 +58,9 @@ struct TrainingStepOptions {
   bool optimizer_states_on_host = false;  // train.optimizer_states_on_host (trainer/optimizer_states_on_host.h)
   // train.objective dpo, orpo or simpo: micro-batches of pairs (trainer/objectives/); none: sft.
   std::optional<PreferenceOptions> preference;
+
+  // causal_lm_loss's chunk and path, as every pass of the run takes them (the gradient undeclared).
+  LossOptions loss_options() const;
 };
 
 // train.loss_chunk_tokens (sized from the vocabulary when 0), train.fused_loss, train.max_grad_norm,

@@ -736,8 +736,7 @@ TEST(FusedLossCuda, TileStatisticsKernelEqualsTheTorchOperations) {
   if (const auto missing = cuda_kernels_missing(); !missing.empty()) GTEST_SKIP() << missing;
   const auto fp32 = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kFloat32);
   for_each_tile_case(13, [&](torch::ScalarType dtype, int64_t tile) {
-    kernels::LogSumExpStatistics seen{torch::full({kTileRows}, -std::numeric_limits<float>::infinity(), fp32),
-                                      torch::zeros({kTileRows}, fp32), torch::zeros({kTileRows}, fp32)};
+    auto seen = unfolded_statistics(kTileRows, fp32);
     for (int64_t step = 0; step < 2; ++step) {
       SCOPED_TRACE("tile " + std::to_string(step + 1) + " of 2");
       auto t = random_logit_tile(kTileRows, tile, 500 + step * tile, dtype);
@@ -764,8 +763,7 @@ TEST(FusedLossCuda, TileExponentialsKernelEqualsTheTorchOperations) {
   for (const double softcap : {0.0, 5.0}) {  // with a cap, the logits capped: cap tanh(x / cap)
   SCOPED_TRACE("cap " + std::to_string(softcap));
   for_each_tile_case(15, [&](torch::ScalarType dtype, int64_t tile) {
-    kernels::LogSumExpStatistics seen{torch::full({kTileRows}, -std::numeric_limits<float>::infinity(), fp32),
-                                      torch::zeros({kTileRows}, fp32), torch::zeros({kTileRows}, fp32)};
+    auto seen = unfolded_statistics(kTileRows, fp32);
     const double rounding = dtype == torch::kBFloat16 ? 1.0 / 128 : dtype == torch::kHalf ? 1.0 / 1024 : 1e-6;
     for (int64_t step = 0; step < 2; ++step) {
       SCOPED_TRACE("tile " + std::to_string(step + 1) + " of 2");

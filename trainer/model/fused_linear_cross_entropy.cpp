@@ -75,8 +75,7 @@ ChunkLogSumExp chunk_log_sum_exp(const torch::Tensor& states, const torch::Tenso
   const auto fp32 = states.options().dtype(torch::kFloat32);
   const int64_t rows = states.size(0);
   const int64_t vocab = weight.size(0);
-  kernels::LogSumExpStatistics statistics{torch::full({rows}, -std::numeric_limits<float>::infinity(), fp32),
-                                          torch::zeros({rows}, fp32), torch::zeros({rows}, fp32)};
+  auto statistics = unfolded_statistics(rows, fp32);
   for (int64_t begin = 0; begin < vocab; begin += tile_columns) {
     const int64_t end = std::min(vocab, begin + tile_columns);
     statistics = fold_tile_statistics(statistics, tile_logits(states, weight, bias, begin, end, softcap), targets, begin);
@@ -92,8 +91,7 @@ ChunkLogSumExp chunk_log_sum_exp_and_gradient(const torch::Tensor& states, const
   const auto fp32 = states.options().dtype(torch::kFloat32);
   const int64_t rows = states.size(0);
   const int64_t vocab = weight.size(0);
-  kernels::LogSumExpStatistics statistics{torch::full({rows}, -std::numeric_limits<float>::infinity(), fp32),
-                                          torch::zeros({rows}, fp32), torch::zeros({rows}, fp32)};
+  auto statistics = unfolded_statistics(rows, fp32);
   auto weighted = torch::zeros({rows, states.size(1)}, fp32);  // sum of exp(z - max) W over the tiles, target apart
   for (int64_t begin = 0; begin < vocab; begin += tile_columns) {
     const int64_t end = std::min(vocab, begin + tile_columns);
@@ -233,6 +231,11 @@ torch::Tensor OutputProjection::matmul_weight(torch::ScalarType dtype) const {
 }
 
 torch::Tensor OutputProjection::bias() const { return layer ? layer->bias() : weight_bias; }
+
+kernels::LogSumExpStatistics unfolded_statistics(int64_t rows, const torch::TensorOptions& fp32) {
+  return {torch::full({rows}, -std::numeric_limits<float>::infinity(), fp32), torch::zeros({rows}, fp32),
+          torch::zeros({rows}, fp32)};
+}
 
 kernels::LogSumExpStatistics fold_tile_statistics_reference(const kernels::LogSumExpStatistics& seen,
                                                             torch::Tensor logits, const torch::Tensor& targets,

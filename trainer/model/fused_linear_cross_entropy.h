@@ -82,6 +82,8 @@ torch::Tensor fused_linear_token_losses(const torch::Tensor& states, const torch
 // logits are taken, not copied: an fp32 tile's storage is worked on in place (the fp32 block is
 // the tile's only one), a narrower tile's is let go once its fp32 copy exists.
 //
+// The statistics before any tile: max -inf, sum 0, target logit 0, [rows] each (`fp32`: their options).
+kernels::LogSumExpStatistics unfolded_statistics(int64_t rows, const torch::TensorOptions& fp32);
 // `seen` with the tile folded in: max, sum of exp(z - max) and z at the target, z = fp32(logits).
 kernels::LogSumExpStatistics fold_tile_statistics_reference(const kernels::LogSumExpStatistics& seen,
                                                             torch::Tensor logits, const torch::Tensor& targets,
