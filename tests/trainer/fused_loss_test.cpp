@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdio>
 #include <limits>
 #include <string>
@@ -692,10 +693,10 @@ LogitTile random_logit_tile(int64_t rows, int64_t tile, int64_t begin, torch::Sc
   return t;
 }
 
-// Within `relative` of `expected` at every finite value (0: equal), and NaN and the infinities at
-// the same places.
+// Within `relative` of `expected` plus `absolute` at every finite value (0 and 0: equal), and NaN
+// and the infinities at the same places.
 void expect_close_values(const torch::Tensor& actual, const torch::Tensor& expected, double relative,
-                         const std::string& what) {
+                         const std::string& what, double absolute = 0) {
   ASSERT_EQ(actual.sizes(), expected.sizes()) << what;
   const auto a = actual.to(torch::kFloat64).cpu();
   const auto e = expected.to(torch::kFloat64).cpu();
@@ -704,7 +705,7 @@ void expect_close_values(const torch::Tensor& actual, const torch::Tensor& expec
   EXPECT_TRUE(torch::equal(a.isinf(), infinite)) << what << ": infinities at other places";
   EXPECT_TRUE(torch::equal(a.index({infinite}), e.index({infinite}))) << what << ": infinities of another sign";
   const auto finite = e.isfinite();
-  const auto excess = (a - e).abs().index({finite}) - relative * e.abs().index({finite});
+  const auto excess = (a - e).abs().index({finite}) - relative * e.abs().index({finite}) - absolute;
   if (excess.numel() > 0) {
     EXPECT_LE(excess.max().item<double>(), 0.0) << what << ": max |difference| "
                                                 << (a - e).abs().index({finite}).max().item<double>();
@@ -756,7 +757,10 @@ TEST(FusedLossCuda, TileStatisticsKernelEqualsTheTorchOperations) {
 
 // The exponentials kernel folds the statistics as the statistics kernel does (the same bits) and
 // writes exp(z - max) over the tile in its dtype, 0 at the target: within one rounding of the
-// dtype of the torch operations' (expf against torch's exp), two tiles in turn as above.
+// dtype of the torch operations' (expf against torch's exp), two tiles in turn as above. Under a
+// cap each value also carries 1 - (z / cap)^2, which cancels where |z| nears the cap: the two
+// compute it in fp32 in another order, so they may differ by two fp32 roundings of 1 (2^-22)
+// times exp(z - max) <= 1, absolute (on the H200: 1.2e-7 where the factor was near 0).
 TEST(FusedLossCuda, TileExponentialsKernelEqualsTheTorchOperations) {
   if (const auto missing = cuda_kernels_missing(); !missing.empty()) GTEST_SKIP() << missing;
   const auto fp32 = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kFloat32);
@@ -780,7 +784,7 @@ TEST(FusedLossCuda, TileExponentialsKernelEqualsTheTorchOperations) {
       EXPECT_TRUE(testing::same_bits(kernel.target_logit, statistics.target_logit));
       expect_close_values(kernel.sum, reference.sum, 1e-6, "sum");
       expect_close_values(kernel.target_logit, reference.target_logit, 0.0, "target logit");
-      expect_close_values(kernel_tile, reference_tile, rounding, "exponentials");
+      expect_close_values(kernel_tile, reference_tile, rounding, "exponentials", softcap > 0 ? std::ldexp(1.0, -22) : 0.0);
       // 0 at a target in the tile (rows 3, 4 and 8 hold one).
       for (const int64_t row : {3, 4, 8}) {
         EXPECT_EQ(kernel_tile[row][t.targets[row].item<int64_t>() - t.begin].item<double>(), 0.0) << "row " << row;
