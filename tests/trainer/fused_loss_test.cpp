@@ -168,7 +168,7 @@ TEST(FusedLoss, AForwardGradientIsScaledToTheGradientTheLossGets) {
 // the states' gradient under a gradient of its own for each token (random, of both signs), which
 // the forward computes for a gradient of 1 and backward weighs row by row; capped logits too.
 // Bounds as the summed loss's; measured: fp32 4.0e-7, bf16 4.1e-3, capped fp32 1.2e-7.
-TEST(FusedLoss, PerTokenLossesAndTheirGradientsEqualAFloat64Reference) {
+void expect_per_token_float64_reference(const torch::Device& device) {
   struct Case {
     torch::ScalarType dtype;
     double softcap, loss_bound, grad_bound;
@@ -177,8 +177,8 @@ TEST(FusedLoss, PerTokenLossesAndTheirGradientsEqualAFloat64Reference) {
                         Case{torch::kFloat32, 5.0, 2e-6, 1e-5}}) {
     SCOPED_TRACE(std::string(c10::toString(c.dtype)) + ", cap " + std::to_string(c.softcap));
     torch::manual_seed(9);
-    const auto problem = random_problem(120, 48, 700, c.dtype, c.softcap > 0 ? 8.0 : 3.0);
-    const auto row_grads = torch::randn({120}, torch::kFloat64);
+    const auto problem = random_problem(120, 48, 700, c.dtype, c.softcap > 0 ? 8.0 : 3.0, device);
+    const auto row_grads = torch::randn({120}, torch::TensorOptions().device(device).dtype(torch::kFloat64));
     auto states64 = problem.states.detach().to(torch::kFloat64).requires_grad_(true);
     auto logits = torch::matmul(states64, problem.weight.to(torch::kFloat64).t());
     if (c.softcap > 0) logits = torch::tanh(logits / c.softcap) * c.softcap;
@@ -199,13 +199,15 @@ TEST(FusedLoss, PerTokenLossesAndTheirGradientsEqualAFloat64Reference) {
     losses.backward(row_grads.to(torch::kFloat32));
     const double loss_error = max_relative_error(losses, expected.detach());
     const double grad_error = max_relative_error(leaf.grad(), states64.grad());
-    std::printf("per-token %s, cap %g: losses %.3g, gradient %.3g\n", c10::toString(c.dtype), c.softcap, loss_error,
-                grad_error);
+    std::printf("%s per-token %s, cap %g: losses %.3g, gradient %.3g\n", device.str().c_str(), c10::toString(c.dtype),
+                c.softcap, loss_error, grad_error);
     EXPECT_LE(loss_error, c.loss_bound);
     EXPECT_LE(grad_error, c.grad_bound);
     EXPECT_EQ(leaf.grad().scalar_type(), c.dtype);
   }
 }
+
+TEST(FusedLoss, PerTokenLossesAndTheirGradientsEqualAFloat64Reference) { expect_per_token_float64_reference(torch::kCPU); }
 
 // With its gradient computed in the forward, the loss lets go of a weight handed in (lm_head's
 // copy from the host) when the forward ends: its backward needs no weight.
@@ -858,6 +860,13 @@ TEST(FusedLossCuda, KernelPathEqualsAFloat64ReferenceAndTheCpuPath) {
       fused_loss(problem.states.cpu(), problem.weight.cpu(), problem.targets.cpu(), 0.0, 0.37, options);
   EXPECT_LE(max_relative_error(forward_on_gpu.grad, forward_on_cpu.grad), 1e-5);
   EXPECT_LE(max_relative_error(forward_on_gpu.grad, on_cpu.grad), 1e-5);
+}
+
+// The per-token losses (the preference objectives') on the kernels, each token's gradient computed
+// in the forward (the exponentials kernel, with and without the cap), within the CPU's bounds.
+TEST(FusedLossCuda, PerTokenLossesEqualAFloat64Reference) {
+  if (const auto missing = cuda_kernels_missing(); !missing.empty()) GTEST_SKIP() << missing;
+  expect_per_token_float64_reference(torch::kCUDA);
 }
 
 }  // namespace
