@@ -267,6 +267,7 @@ struct BenchOptions {
   int64_t profile_steps = 0;
   int64_t mlp_chunk = 0;
   int64_t bank_block_mb = 0;      // train.expert_bank_block_mb
+  int64_t lm_head_block_mb = 0;   // train.lm_head_block_mb
   int64_t packed_samples = 0;
   int64_t packed_whole_rows = 0;  // with packed_samples: rows holding one sample each, first
   int64_t token_ids_below = 0;    // the batches' ids from [0, this); 0: the whole vocabulary
@@ -307,6 +308,9 @@ po::options_description bench_option_descriptions(BenchOptions& bench) {
       ("bank-block-mb", po::value(&bench.bank_block_mb)->default_value(0),
        "a mixture of experts' frozen bank built again (--rebuild-weights) is dequantized this many MB at a time "
        "(train.expert_bank_block_mb); 0: whole")
+      ("lm-head-block-mb", po::value(&bench.lm_head_block_mb)->default_value(0),
+       "with lm_head on the host (--lm-head-on-host, or the auto plan's): it comes to the fused loss a vocabulary "
+       "tile at a time, at most this many MB of it on the device at once (train.lm_head_block_mb); 0: whole")
       ("unfused-loss", po::bool_switch(), "each loss chunk's whole logits (train.fused_loss: false)")
       ("precompute-reference", po::bool_switch(), "with --objective dpo: the reference's log-probabilities computed in a "
        "pass before the steps (dpo.precompute_reference), not in each step; that pass's time is reported beside them")
@@ -424,6 +428,7 @@ std::optional<BenchOptions> parse_bench_options(const Arguments& arguments) {
   recipe.train.offload_activations = flag("offload-activations");
   recipe.train.mlp_chunk_tokens = bench.mlp_chunk;
   recipe.train.expert_bank_block_mb = bench.bank_block_mb;
+  recipe.train.lm_head_block_mb = bench.lm_head_block_mb;
   recipe.train.fused_loss = !flag("unfused-loss");
   recipe.train.keep_built_weights = !flag("rebuild-weights");
   recipe.train.embeddings_on_host = flag("embeddings-on-host");
@@ -741,6 +746,7 @@ void report_bench(const BenchOptions& bench, const BenchRun& run, const BenchMea
                               {"keep_built_weights", recipe.train.keep_built_weights},
                               {"embeddings_on_host", recipe.train.embeddings_on_host},
                               {"lm_head_on_host", recipe.train.lm_head_on_host},
+                              {"lm_head_block_mb", recipe.train.lm_head_block_mb},
                               {"optimizer_states_on_host", recipe.train.optimizer_states_on_host},
                               {"checkpoint_every", bench.checkpointing ? bench.checkpoint_every : 0},
                               {"max_context", bench.max_context},

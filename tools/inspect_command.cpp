@@ -164,8 +164,9 @@ void print_peak_estimate(const std::string& recipe_path, const trainer::Training
               estimate.attention_keeps_probabilities ? ", attention keeps [heads, seq, seq] scores" : "");
   std::printf("  %-22s %11s\n", "frozen weights", bytes(estimate.frozen_weight_bytes).c_str());
   if (estimate.visiting_weight_bytes > 0) {
-    std::printf("  %-22s %11s     (on the device from the forward to the loss's backward)\n", "lm_head from the host",
-                bytes(estimate.visiting_weight_bytes).c_str());
+    std::printf("  %-22s %11s     (%s)\n", "lm_head from the host", bytes(estimate.visiting_weight_bytes).c_str(),
+                estimate.visits_in_tiles ? "its tiles on the device at once, during the loss: train.lm_head_block_mb"
+                                         : "on the device from the forward to the loss's backward");
   }
   if (setup.full_finetune) {
     std::printf("  %-22s %11s     (%.3fM parameters)\n", "weights + grads + AdamW",

@@ -343,6 +343,22 @@ TEST(LmHeadOnHost, TheRecipeRefusesTiedTrainedAdaptedOrQuantizedHeads) {
   EXPECT_NE(refusal(*untied, recipe).find("quantized"), std::string::npos);
 }
 
+// train.lm_head_block_mb brings lm_head to the fused loss in tiles: without lm_head on the host, or
+// without the fused loss, it is refused, naming what it needs.
+TEST(LmHeadOnHost, ABlockOfItNeedsItOnTheHostAndTheFusedLoss) {
+  auto options = qtrain::testing::small_llama_options(32, 1);
+  LlamaForCausalLM model(options, torch::kFloat32);
+  auto recipe = default_recipe();
+  recipe.train.lm_head_block_mb = 64;
+  EXPECT_NE(refusal(*model, recipe).find("needs train.lm_head_on_host: true"), std::string::npos) << refusal(*model, recipe);
+  recipe.train.lm_head_on_host = true;
+  recipe.train.fused_loss = false;
+  EXPECT_NE(refusal(*model, recipe).find("needs train.fused_loss: true"), std::string::npos);
+  recipe.train.fused_loss = true;
+  EXPECT_EQ(refusal(*model, recipe), "");
+  EXPECT_EQ(model->lm_head_block_bytes(), int64_t{64} << 20);
+}
+
 // On a GPU the LoRA gradients equal those with lm_head on the device bitwise, through the logits
 // path (chunks of the whole batch: each takes its own copy), and lm_head's weight stays pinned on
 // the host.

@@ -609,18 +609,147 @@ TEST(FusedLoss, CudaBf16EqualsAFloat64ReferenceAndHoldsLessMemory) {
   EXPECT_LE(max_relative_error(fused_grad, chunked_grad), 3e-2);
 }
 
+// A host-kept weight's tiles (train.lm_head_block_mb) taken in the loss's order are its rows, and
+// at most `ahead` wait queued after each; a tile of another width is copied when asked, the queued
+// ones dropped. On the CPU the copies are made at once, so the bookkeeping is what is tested.
+TEST(HostTiles, TakenInOrderTheyAreTheWeightsRowsWithAtMostAheadQueued) {
+  torch::manual_seed(21);
+  const auto weight = torch::randn({10, 4});
+  HostResidentWeight host(weight, torch::kCPU, "the test's weight");
+  host.prefetch_tiles(torch::kCPU, 3, 2);
+  EXPECT_EQ(host.queued_tiles(), 2);
+  for (int64_t begin = 0; begin < 10; begin += 3) {
+    const int64_t end = std::min<int64_t>(10, begin + 3);
+    EXPECT_TRUE(torch::equal(host.take_rows(torch::kCPU, begin, end, 2), weight.slice(0, begin, end))) << begin;
+    EXPECT_EQ(host.queued_tiles(), std::min<int64_t>(2, (10 - end + 2) / 3)) << begin;
+  }
+  EXPECT_EQ(host.queued_tiles(), 0);
+  host.prefetch_tiles(torch::kCPU, 4, 2);  // then asked for tiles of 5
+  EXPECT_TRUE(torch::equal(host.take_rows(torch::kCPU, 0, 5, 1), weight.slice(0, 0, 5)));
+  EXPECT_EQ(host.queued_tiles(), 1);
+  EXPECT_TRUE(torch::equal(host.take_rows(torch::kCPU, 5, 10, 1), weight.slice(0, 5, 10)));
+  EXPECT_EQ(host.queued_tiles(), 0);
+  host.prefetch_tiles(torch::kCPU, 2, 3);  // then asked for rows further on: those before are dropped
+  EXPECT_TRUE(torch::equal(host.take_rows(torch::kCPU, 4, 6, 0), weight.slice(0, 4, 6)));
+  EXPECT_EQ(host.queued_tiles(), 0);
+  EXPECT_THROW(host.take_rows(torch::kCPU, 8, 11, 0), Error);
+}
+
+// The fused loss over a host weight's tiles walks it once, every token in one chunk, and equals
+// the loss over the whole weight in one chunk of the same tiles bit for bit: the summed loss and
+// its gradient computed in the forward (declared), the per-token losses and theirs, with and
+// without the cap, one tile on the device at a time or three. A summed loss whose gradient is not
+// declared takes it in the forward too (kept in fp32, scaled in backward): within fp32's rounding
+// of the two-pass one. No tile is left queued after the loss.
+TEST(FusedLoss, OverAHostWeightsTilesEqualsTheWholeWeightBitForBit) {
+  torch::manual_seed(22);
+  const auto problem = random_problem(90, 32, 1000, torch::kFloat32);
+  HostResidentWeight host(problem.weight, torch::kCPU, "the test's weight");
+  const int64_t tile = 256, tile_bytes = tile * 32 * 4;
+  const auto run = [&](const OutputProjection& projection, double declared, bool per_token) {
+    auto leaf = problem.states.detach().requires_grad_(true);
+    FusedLossOptions options;
+    options.chunk_tokens = 90;
+    options.tile_columns = tile;
+    options.gradient = declared;
+    auto losses = per_token ? fused_linear_token_losses(leaf, problem.targets, projection, options)
+                            : fused_linear_cross_entropy(leaf, problem.targets, projection, options);
+    (per_token ? losses.sum() * 0.37 : losses * 0.37).backward();
+    return std::make_pair(losses.detach(), leaf.grad());
+  };
+  for (const double softcap : {0.0, 5.0}) {
+    OutputProjection whole;
+    whole.weight = problem.weight;
+    whole.softcap = softcap;
+    for (const int64_t block : {int64_t{1}, 3 * tile_bytes}) {
+      SCOPED_TRACE("cap " + std::to_string(softcap) + ", block " + std::to_string(block));
+      OutputProjection tiles;
+      tiles.host_tiles = &host;
+      tiles.host_block_bytes = block;
+      tiles.softcap = softcap;
+      EXPECT_EQ(tiles.vocab_size(), 1000);
+      for (const bool per_token : {false, true}) {
+        const auto [expected_loss, expected_grad] = run(whole, 0.37, per_token);
+        const auto [loss, grad] = run(tiles, 0.37, per_token);
+        EXPECT_TRUE(torch::equal(loss, expected_loss)) << "per token " << per_token;
+        EXPECT_TRUE(torch::equal(grad, expected_grad)) << "per token " << per_token;
+        EXPECT_EQ(host.queued_tiles(), 0);
+      }
+      const auto [two_pass_loss, two_pass_grad] = run(whole, 0.0, false);
+      const auto [loss, grad] = run(tiles, 0.0, false);
+      EXPECT_TRUE(torch::equal(loss, two_pass_loss));
+      EXPECT_LE(max_relative_error(grad, two_pass_grad), 1e-6);
+    }
+  }
+  EXPECT_EQ(host_tiles_on_device(3 * tile_bytes + 5, tile_bytes), 3);
+  EXPECT_EQ(host_tiles_on_device(1, tile_bytes), 1);  // at least the tile in use
+}
+
+// train.lm_head_block_mb on a GPU: the loss over lm_head's tiles from the host equals it over
+// the whole weight on the device in one chunk bit for bit, prefetched or not, and at its peak it
+// holds its block of lm_head (2 tiles of 7.5 MiB here, of a 64 MiB head) beside what the whole
+// weight's loss holds (one tile more allowed, for copies still in flight when a tile is freed).
+TEST(FusedLoss, CudaHostTilesEqualTheWholeWeightAndHoldTheirBlock) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU on this machine";
+  const torch::Device cuda(torch::kCUDA, 0);
+  torch::manual_seed(23);
+  const auto problem = random_problem(4097, 1024, 32768, torch::kBFloat16, 3.0, cuda);
+  HostResidentWeight host(problem.weight, cuda, "the test's weight");
+  const int64_t tile = fused_loss_tile_columns(4097, 32768);
+  const int64_t tile_bytes = tile * 1024 * 2;
+  const auto run = [&](const OutputProjection& projection, bool prefetch) {
+    auto leaf = problem.states.detach().requires_grad_(true);
+    torch::cuda::synchronize();
+    const double before = memory_usage(cuda).current_bytes;
+    reset_peak_memory(cuda);
+    if (prefetch) host.prefetch_tiles(cuda, tile, host_tiles_on_device(projection.host_block_bytes, tile_bytes));
+    FusedLossOptions options;
+    options.chunk_tokens = 4097;
+    options.gradient = 1.0;
+    auto loss = fused_linear_cross_entropy(leaf, problem.targets, projection, options);
+    loss.backward();
+    torch::cuda::synchronize();
+    return std::make_tuple(loss.item<double>(), leaf.grad().clone(), memory_usage(cuda).peak_bytes - before);
+  };
+  OutputProjection whole;
+  whole.weight = problem.weight;
+  const auto [loss, grad, whole_peak] = run(whole, false);
+  OutputProjection tiles;
+  tiles.host_tiles = &host;
+  tiles.host_block_bytes = 2 * tile_bytes;
+  for (const bool prefetch : {false, true}) {
+    const auto [tile_loss, tile_grad, peak] = run(tiles, prefetch);
+    EXPECT_EQ(tile_loss, loss) << "prefetched " << prefetch;
+    EXPECT_TRUE(torch::equal(tile_grad, grad)) << "prefetched " << prefetch;
+    // The whole path's weight was already on the device; the tiles' peak holds two of them at most.
+    EXPECT_LE(peak, whole_peak + 3.0 * tile_bytes) << "prefetched " << prefetch;
+    EXPECT_EQ(host.queued_tiles(), 0);
+    std::printf("cuda host tiles (%s): peak %s beside the whole weight's %s (weight %s)\n",
+                prefetch ? "prefetched" : "on demand", format_bytes(peak).c_str(), format_bytes(whole_peak).c_str(),
+                format_bytes(32768.0 * 1024 * 2).c_str());
+  }
+}
+
+// A one-layer bf16 model of hidden 1024 and a 32,768-token vocabulary (a 64 MiB lm_head) on the
+// GPU, every weight frozen.
+LlamaForCausalLM frozen_model_on_cuda(uint64_t seed) {
+  torch::manual_seed(seed);
+  auto options = testing::small_llama_options(1024, 1);
+  options.vocab_size = 32768;
+  LlamaForCausalLM model(options, torch::kBFloat16);
+  model->to(torch::Device(torch::kCUDA, 0));
+  for (auto& parameter : model->parameters()) parameter.set_requires_grad(false);
+  return model;
+}
+
 // train.lm_head_on_host on a GPU: the loss and the states' gradient equal those of lm_head on the
 // device bitwise, and so do the logits generation reads; the device holds no lm_head between
 // uses, and the copy a loss took is gone once its backward has run (64 MiB here).
 TEST(FusedLoss, CudaLmHeadOnTheHostEqualsItOnTheDeviceAndLeavesAfterTheBackward) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU on this machine";
   const torch::Device cuda(torch::kCUDA, 0);
-  torch::manual_seed(12);
-  auto options = testing::small_llama_options(1024, 1);
-  options.vocab_size = 32768;
-  LlamaForCausalLM model(options, torch::kBFloat16);
-  model->to(cuda);
-  for (auto& parameter : model->parameters()) parameter.set_requires_grad(false);
+  auto model = frozen_model_on_cuda(12);
+  const auto& options = model->options();
   const double lm_head_bytes = 32768.0 * 1024 * 2;
   const auto input_ids =
       torch::randint(options.vocab_size, {2, 513}, torch::TensorOptions().dtype(torch::kInt64).device(cuda));
@@ -654,6 +783,43 @@ TEST(FusedLoss, CudaLmHeadOnTheHostEqualsItOnTheDeviceAndLeavesAfterTheBackward)
   EXPECT_TRUE(torch::equal(model->logits(hidden.slice(1, 0, 8)), logits));
   std::printf("cuda lm_head on the host: the loss holds %s after its backward (on the device: %s)\n",
               format_bytes(std::get<2>(run(true))).c_str(), format_bytes(held_on_device).c_str());
+}
+
+// train.lm_head_block_mb through the model on a GPU: the loss over lm_head's tiles from the host
+// equals the loss with lm_head on the device (one chunk, the gradient declared) bit for bit, the
+// first tiles prefetched by the forward (hidden_states, after prefetch_lm_head) or not, and no
+// tile is left on the device after it.
+TEST(FusedLoss, CudaLmHeadTilesFromTheHostThroughTheModelEqualTheHeadOnTheDevice) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU on this machine";
+  const torch::Device cuda(torch::kCUDA, 0);
+  auto model = frozen_model_on_cuda(24);
+  const auto& options = model->options();
+  const auto input_ids =
+      torch::randint(options.vocab_size, {2, 513}, torch::TensorOptions().dtype(torch::kInt64).device(cuda));
+  LossOptions loss;
+  loss.gradient = 1.0;  // as the training step declares it; one chunk of every token
+  const auto run = [&](bool prefetch) {
+    if (prefetch) model->prefetch_lm_head();
+    torch::Tensor hidden;
+    {
+      torch::NoGradGuard no_grad;
+      hidden = model->hidden_states(LlamaInputs{input_ids});
+    }
+    auto leaf = hidden.detach().requires_grad_(true);
+    auto result = causal_lm_loss(*model, leaf, input_ids, loss);
+    result.loss_sum.backward();
+    return std::make_pair(result.loss_sum.item<double>(), leaf.grad().clone());
+  };
+  const auto [expected_loss, expected_grad] = run(false);
+  model->keep_lm_head_on_host();
+  model->set_lm_head_block_bytes(int64_t{8} << 20);
+  ASSERT_NE(model->host_lm_head(), nullptr);
+  for (const bool prefetch : {false, true}) {
+    const auto [tile_loss, tile_grad] = run(prefetch);
+    EXPECT_EQ(tile_loss, expected_loss) << "prefetched " << prefetch;
+    EXPECT_TRUE(torch::equal(tile_grad, expected_grad)) << "prefetched " << prefetch;
+    EXPECT_EQ(model->host_lm_head()->queued_tiles(), 0) << "prefetched " << prefetch;
+  }
 }
 
 // Why the per-tile CUDA kernels cannot run here, or empty.

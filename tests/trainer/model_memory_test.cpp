@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <atomic>
 #include <filesystem>
 #include <map>
@@ -631,6 +632,28 @@ TEST(ModelMemory, LmHeadOnTheHostLeavesTheLayersBackward) {
   auto full = on_host;
   full.full_finetune = true;
   EXPECT_THROW(estimate_peak_memory(llama, full), Error);
+}
+
+// train.lm_head_block_mb: lm_head visits the fused loss in tiles, the loss walking every
+// predicted token in one chunk: its tiles on the device at once (a block's worth, at least one)
+// replace the whole weight at the loss's moment; a block above the weight counts the weight.
+TEST(ModelMemory, LmHeadInTilesVisitsAsItsBlock) {
+  const LlamaOptions llama = llama_shape("llama3-8b");
+  auto setup = llama_3_8b_setup();
+  setup.lm_head_on_host = true;
+  setup.lm_head_block_bytes = int64_t{256} << 20;
+  const auto tiles = estimate_peak_memory(llama, setup);
+  ASSERT_TRUE(tiles.visits_in_tiles);
+  EXPECT_EQ(tiles.loss_chunk_tokens, tiles.predicted_tokens);
+  const double tile_bytes = static_cast<double>(tiles.loss_tile_columns) * 4096 * 2;
+  EXPECT_DOUBLE_EQ(tiles.visiting_weight_bytes, std::floor((256 << 20) / tile_bytes) * tile_bytes);
+  EXPECT_LT(tiles.visiting_weight_bytes, 128256.0 * 4096 * 2);
+  setup.lm_head_block_bytes = 1;
+  EXPECT_DOUBLE_EQ(estimate_peak_memory(llama, setup).visiting_weight_bytes, tile_bytes);
+  setup.lm_head_block_bytes = int64_t{4} << 30;
+  EXPECT_DOUBLE_EQ(estimate_peak_memory(llama, setup).visiting_weight_bytes, 128256.0 * 4096 * 2);
+  setup.fused_loss = false;  // refused by the recipe; the estimate counts the weight whole
+  EXPECT_FALSE(estimate_peak_memory(llama, setup).visits_in_tiles);
 }
 
 // The state waits on the host through the forward and the loss, where a run without checkpointing

@@ -74,13 +74,20 @@ torch::Tensor logits_losses(LlamaForCausalLMImpl& model, const torch::Tensor& pr
 }
 
 // The frozen projection the fused loss multiplies by, where options.fused and the model allow it
-// (with train.lm_head_on_host, its copy on the device, which the loss's backward lets go of).
+// (with train.lm_head_on_host, its copy on the device, which the loss lets go of; or, under
+// train.lm_head_block_mb, the host weight that the loss takes a tile at a time).
 std::optional<OutputProjection> loss_projection(LlamaForCausalLMImpl& model, const LossOptions& options) {
   auto projection = options.fused ? frozen_output_projection(model) : std::nullopt;
   if (projection && model.lm_head_on_host()) {
     projection->layer = nullptr;
-    projection->weight = model.take_lm_head_weight();
     projection->weight_bias = model.lm_head_bias_on_device();
+    if (model.lm_head_block_bytes() > 0) {  // a tile at a time (train.lm_head_block_mb)
+      projection->weight = torch::Tensor();
+      projection->host_tiles = model.host_lm_head();
+      projection->host_block_bytes = model.lm_head_block_bytes();
+    } else {
+      projection->weight = model.take_lm_head_weight();
+    }
   }
   return projection;
 }

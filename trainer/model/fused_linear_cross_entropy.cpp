@@ -17,11 +17,11 @@ using torch::autograd::variable_list;
 
 // The logits [rows, end - begin] of one vocabulary tile in the compute dtype, computed as
 // LlamaForCausalLMImpl::logits computes them: the matmul in the compute dtype, the cap in it too.
-// `capped_tanh`, when given, receives tanh(logits / cap) in the compute dtype (the cap's derivative).
-torch::Tensor tile_logits(const torch::Tensor& states, const torch::Tensor& weight, const torch::Tensor& bias,
+// `tile` is the weight's rows [begin, end). `capped_tanh`, when given, receives tanh(logits / cap)
+// in the compute dtype (the cap's derivative).
+torch::Tensor tile_logits(const torch::Tensor& states, const torch::Tensor& tile, const torch::Tensor& bias,
                           int64_t begin, int64_t end, double softcap, torch::Tensor* capped_tanh = nullptr) {
-  auto logits = torch::nn::functional::linear(states, weight.slice(0, begin, end),
-                                              bias.defined() ? bias.slice(0, begin, end) : torch::Tensor());
+  auto logits = torch::nn::functional::linear(states, tile, bias.defined() ? bias.slice(0, begin, end) : torch::Tensor());
   if (softcap > 0) {
     auto tanh = logits.div_(softcap).tanh_();  // in place: two blocks, tanh and the capped logits
     logits = tanh * softcap;
@@ -63,22 +63,56 @@ torch::Tensor tile_logits_gradient(torch::Tensor logits, const torch::Tensor& ls
   return tile_logits_gradient_reference(std::move(logits), lse, row_grad, targets, begin);
 }
 
+// The projection's weight [vocab, hidden] in the compute dtype, a vocabulary tile at a time: slices
+// of it on the device, or tiles copied from the host (OutputProjection::host_tiles).
+class WeightTiles {
+ public:
+  WeightTiles(const OutputProjection& projection, torch::ScalarType dtype, const torch::Device& device,
+              int64_t tile_columns)
+      : host_(projection.host_tiles), dtype_(dtype), device_(device), bias_(projection.bias()) {
+    if (!host_) {
+      whole_ = projection.matmul_weight(dtype);
+      return;
+    }
+    const auto& host = host_->host();
+    const int64_t tile_bytes = std::min(tile_columns, host.size(0)) * host.size(1) * host.element_size();
+    ahead_ = host_tiles_on_device(projection.host_block_bytes, tile_bytes) - 1;
+  }
+
+  int64_t vocab() const { return host_ ? host_->host().size(0) : whole_.size(0); }
+  const torch::Tensor& bias() const { return bias_; }
+  // The weight whole on the device, or undefined where it comes from the host in tiles.
+  const torch::Tensor& whole() const { return whole_; }
+
+  torch::Tensor tile(int64_t begin, int64_t end) const {
+    return host_ ? host_->take_rows(device_, begin, end, ahead_).to(dtype_) : whole_.slice(0, begin, end);
+  }
+
+ private:
+  HostResidentWeight* host_;
+  torch::ScalarType dtype_;
+  torch::Device device_;
+  torch::Tensor bias_;
+  torch::Tensor whole_;
+  int64_t ahead_ = 0;
+};
+
 struct ChunkLogSumExp {
   torch::Tensor lse;            // [rows] fp32: log sum_v exp(z_v)
   torch::Tensor target_logit;   // [rows] fp32: z at the target (0 where it is ignored)
 };
 
 // One chunk's pass over the vocabulary, a tile at a time: the running max and sum of exp per row.
-ChunkLogSumExp chunk_log_sum_exp(const torch::Tensor& states, const torch::Tensor& targets,
-                                 const torch::Tensor& weight, const torch::Tensor& bias, double softcap,
-                                 int64_t tile_columns) {
+ChunkLogSumExp chunk_log_sum_exp(const torch::Tensor& states, const torch::Tensor& targets, const WeightTiles& weight,
+                                 double softcap, int64_t tile_columns) {
   const auto fp32 = states.options().dtype(torch::kFloat32);
   const int64_t rows = states.size(0);
-  const int64_t vocab = weight.size(0);
+  const int64_t vocab = weight.vocab();
   auto statistics = unfolded_statistics(rows, fp32);
   for (int64_t begin = 0; begin < vocab; begin += tile_columns) {
     const int64_t end = std::min(vocab, begin + tile_columns);
-    statistics = fold_tile_statistics(statistics, tile_logits(states, weight, bias, begin, end, softcap), targets, begin);
+    statistics = fold_tile_statistics(
+        statistics, tile_logits(states, weight.tile(begin, end), weight.bias(), begin, end, softcap), targets, begin);
   }
   return {statistics.max + statistics.sum.log(), statistics.target_logit};
 }
@@ -86,25 +120,34 @@ ChunkLogSumExp chunk_log_sum_exp(const torch::Tensor& states, const torch::Tenso
 // The same pass computing the chunk's gradient as it goes (the header's forward-gradient formulas):
 // `gradient` is g, and the states' gradient [rows, hidden] is written into grad_states.
 ChunkLogSumExp chunk_log_sum_exp_and_gradient(const torch::Tensor& states, const torch::Tensor& targets,
-                                              const torch::Tensor& weight, const torch::Tensor& bias, double softcap,
-                                              int64_t tile_columns, double gradient, torch::Tensor grad_states) {
+                                              const WeightTiles& weight, double softcap, int64_t tile_columns,
+                                              double gradient, torch::Tensor grad_states) {
   const auto fp32 = states.options().dtype(torch::kFloat32);
   const int64_t rows = states.size(0);
-  const int64_t vocab = weight.size(0);
+  const int64_t vocab = weight.vocab();
   auto statistics = unfolded_statistics(rows, fp32);
   auto weighted = torch::zeros({rows, states.size(1)}, fp32);  // sum of exp(z - max) W over the tiles, target apart
+  // W at each row's target (row 0 where it is ignored): gathered whole, or from the tiles as they pass.
+  torch::Tensor target_rows;
+  if (weight.whole().defined()) target_rows = weight.whole().index_select(0, targets.clamp(0, vocab - 1));
   for (int64_t begin = 0; begin < vocab; begin += tile_columns) {
     const int64_t end = std::min(vocab, begin + tile_columns);
-    auto exponentials = tile_logits(states, weight, bias, begin, end, softcap);
+    const auto tile = weight.tile(begin, end);
+    auto exponentials = tile_logits(states, tile, weight.bias(), begin, end, softcap);
     auto folded = fold_tile_exponentials(statistics, exponentials, targets, begin, softcap);
     // The sum so far was taken against the max before this tile: rescaled to the new one (0 at first).
     weighted.mul_(torch::exp(statistics.max - folded.max).unsqueeze(1));
-    weighted.add_(torch::mm(exponentials, weight.slice(0, begin, end)));
+    weighted.add_(torch::mm(exponentials, tile));
     statistics = std::move(folded);
+    if (!weight.whole().defined()) {
+      const auto [in_tile, column] = target_columns(targets, begin, end);
+      const auto picked = tile.index_select(0, column.squeeze(1));
+      target_rows = target_rows.defined() ? torch::where(in_tile.unsqueeze(1), picked, target_rows) : picked;
+    }
   }
   const auto lse = statistics.max + statistics.sum.log();
   const auto row_grad = targets.ne(kIgnoreLabel).to(torch::kFloat32) * gradient;  // g on learned rows, as backward's
-  auto target_rows = weight.index_select(0, targets.clamp(0, vocab - 1)).to(torch::kFloat32);
+  target_rows = target_rows.to(torch::kFloat32);
   auto target_weight = torch::exp(statistics.target_logit - lse) - 1.0;  // p - 1 at the target
   if (softcap > 0) target_weight.mul_(1.0 - (statistics.target_logit / softcap).square());  // the cap's derivative
   weighted.div_(statistics.sum.unsqueeze(1))
@@ -160,7 +203,8 @@ class FusedCrossEntropyBackward : public torch::autograd::Node {
       for (int64_t begin = 0; begin < vocab; begin += tile_columns_) {
         const int64_t end = std::min(vocab, begin + tile_columns_);
         torch::Tensor capped_tanh;
-        auto grad_logits = tile_logits_gradient(tile_logits(states, weight, bias, begin, end, softcap, &capped_tanh),
+        const auto tile = weight.slice(0, begin, end);
+        auto grad_logits = tile_logits_gradient(tile_logits(states, tile, bias, begin, end, softcap, &capped_tanh),
                                                 lse, row_grad, targets, begin);
         // d/dx cap tanh(x / cap), in autograd's order: (grad * cap) (1 - tanh^2) / cap; in place.
         if (softcap > 0) {
@@ -168,7 +212,7 @@ class FusedCrossEntropyBackward : public torch::autograd::Node {
           at::tanh_backward_out(grad_logits, grad_logits, capped_tanh);
           grad_logits.div_(softcap);
         }
-        summed.add_(torch::mm(grad_logits, weight.slice(0, begin, end)));
+        summed.add_(torch::mm(grad_logits, tile));
       }
       grad_states.slice(0, first, last).copy_(summed);
     }
@@ -224,7 +268,9 @@ class ForwardGradientBackward : public torch::autograd::Node {
 
 }  // namespace
 
-int64_t OutputProjection::vocab_size() const { return layer ? layer->out_features() : weight.size(0); }
+int64_t OutputProjection::vocab_size() const {
+  return layer ? layer->out_features() : host_tiles ? host_tiles->host().size(0) : weight.size(0);
+}
 
 torch::Tensor OutputProjection::matmul_weight(torch::ScalarType dtype) const {
   return layer ? layer->matmul_weight(dtype) : weight.to(dtype);
@@ -287,34 +333,35 @@ namespace {
 torch::Tensor fused_losses(const torch::Tensor& states, const torch::Tensor& targets, const OutputProjection& projection,
                            const FusedLossOptions& options, bool per_token) {
   const int64_t total = states.size(0);
-  const int64_t chunk_tokens = chunk_rows(options.chunk_tokens, total);
+  const bool streamed = projection.host_tiles != nullptr;
+  // A weight streamed from the host is walked once: every token in one chunk.
+  const int64_t chunk_tokens = streamed ? std::max<int64_t>(total, 1) : chunk_rows(options.chunk_tokens, total);
   const int64_t tile_columns = options.tile_columns > 0
                                    ? options.tile_columns
                                    : fused_loss_tile_columns(chunk_tokens, projection.vocab_size());
   const bool differentiate = torch::GradMode::is_enabled() && states.requires_grad();
-  // Per-token losses get each token's own gradient (for a loss gradient of 1), weighed in backward.
-  const bool gradient_in_forward = differentiate && (per_token || options.gradient != 0);
-  const double declared = per_token ? 1.0 : options.gradient;
+  // Per-token losses get each token's own gradient (for a loss gradient of 1), weighed in backward;
+  // so does a streamed weight's summed loss whose gradient is not declared.
+  const bool gradient_in_forward = differentiate && (per_token || options.gradient != 0 || streamed);
+  const bool weighed_in_backward = per_token || options.gradient == 0;
+  const double declared = weighed_in_backward ? 1.0 : options.gradient;
   const auto fp32 = states.options().dtype(torch::kFloat32);
   auto losses = per_token ? torch::zeros({total}, fp32) : torch::zeros({}, fp32);
   torch::Tensor lse = differentiate && !gradient_in_forward ? torch::empty({total}, fp32) : torch::Tensor();
-  // fp32 for per-token losses, whose rows backward weighs: one rounding to the compute dtype, there.
+  // fp32 where backward weighs the rows: one rounding to the compute dtype, there.
   torch::Tensor grad_states =
-      gradient_in_forward ? torch::empty_like(states, per_token ? fp32 : states.options()) : torch::Tensor();
+      gradient_in_forward ? torch::empty_like(states, weighed_in_backward ? fp32 : states.options()) : torch::Tensor();
   {
     torch::NoGradGuard no_grad;
-    const auto weight = projection.matmul_weight(states.scalar_type());
-    const auto bias = projection.bias();
+    const WeightTiles weight(projection, states.scalar_type(), states.device(), tile_columns);
     for (int64_t first = 0; first < total; first += chunk_tokens) {
       const int64_t last = std::min(total, first + chunk_tokens);
       const auto chunk_targets = targets.slice(0, first, last);
       const auto chunk_states = states.slice(0, first, last);
       const auto chunk = gradient_in_forward
-                             ? chunk_log_sum_exp_and_gradient(chunk_states, chunk_targets, weight, bias,
-                                                              projection.softcap, tile_columns, declared,
-                                                              grad_states.slice(0, first, last))
-                             : chunk_log_sum_exp(chunk_states, chunk_targets, weight, bias, projection.softcap,
-                                                 tile_columns);
+                             ? chunk_log_sum_exp_and_gradient(chunk_states, chunk_targets, weight, projection.softcap,
+                                                              tile_columns, declared, grad_states.slice(0, first, last))
+                             : chunk_log_sum_exp(chunk_states, chunk_targets, weight, projection.softcap, tile_columns);
       const auto chunk_losses = torch::where(chunk_targets.ne(kIgnoreLabel), chunk.lse - chunk.target_logit, 0.0);
       if (per_token) {
         losses.slice(0, first, last).copy_(chunk_losses);
@@ -347,6 +394,10 @@ torch::Tensor fused_linear_cross_entropy(const torch::Tensor& states, const torc
 torch::Tensor fused_linear_token_losses(const torch::Tensor& states, const torch::Tensor& targets,
                                         const OutputProjection& projection, const FusedLossOptions& options) {
   return fused_losses(states, targets, projection, options, /*per_token=*/true);
+}
+
+int64_t host_tiles_on_device(int64_t block_bytes, int64_t tile_bytes) {
+  return std::max<int64_t>(1, block_bytes / std::max<int64_t>(tile_bytes, 1));
 }
 
 int64_t fused_loss_tile_columns(int64_t chunk_tokens, int64_t vocab_size) {

@@ -38,16 +38,24 @@
 
 #include "kernels/cross_entropy_tiles.h"
 #include "qat/linear.h"
+#include "trainer/model/host_resident_weight.h"
 
 namespace qtrain::trainer {
 
 // What the fused loss multiplies by: a frozen [vocab, hidden] weight, either a tensor (tied
 // embeddings, or lm_head's copy from the host: train.lm_head_on_host) or a layer whose forward is x W^T + b (LinearLayer::matmul_weight_kind() != kNone;
-// a 4-bit layer builds W again for each pass), and Gemma 2's final logit cap.
+// a 4-bit layer builds W again for each pass), or tiles of a weight on the host
+// (train.lm_head_block_mb), and Gemma 2's final logit cap.
 struct OutputProjection {
-  torch::Tensor weight;                      // [vocab, hidden]; undefined when `layer` is set
-  torch::Tensor weight_bias;                 // [vocab] beside `weight`, or undefined
+  torch::Tensor weight;                      // [vocab, hidden]; undefined when `layer` or `host_tiles` is set
+  torch::Tensor weight_bias;                 // [vocab] beside `weight` or `host_tiles`, or undefined
   std::shared_ptr<qat::LinearLayer> layer;   // frozen; its matmul weight is W
+  // W on the host, copied to the device a vocabulary tile at a time as the loss walks it, at most
+  // `host_block_bytes` of it there at once (the tile in use and the next ones, on their way; at
+  // least the one). The loss then walks it once, every token in one chunk, and computes the
+  // gradient in its forward whatever the options say: backward does not walk it again.
+  HostResidentWeight* host_tiles = nullptr;
+  int64_t host_block_bytes = 0;
   double softcap = 0;                        // logits = tanh(logits / cap) * cap; 0: none
 
   int64_t vocab_size() const;
@@ -103,5 +111,9 @@ torch::Tensor tile_logits_gradient_reference(torch::Tensor logits, const torch::
 // widest N tile of the GPU's GEMM kernels, so only the vocabulary's last tile is ragged; rows of
 // a bf16 block stay 512-byte aligned), at least 256, at most the vocabulary.
 int64_t fused_loss_tile_columns(int64_t chunk_tokens, int64_t vocab_size);
+
+// Tiles of a host weight on the device at once under `block_bytes` (OutputProjection::
+// host_block_bytes): the one in use and those queued ahead of it, at least the one.
+int64_t host_tiles_on_device(int64_t block_bytes, int64_t tile_bytes);
 
 }  // namespace qtrain::trainer

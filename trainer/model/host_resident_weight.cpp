@@ -30,7 +30,47 @@ void HostResidentWeight::prefetch(const torch::Device& device) {
   arrived_.record(device, CopyLane::kPrefetch);
 }
 
+void HostResidentWeight::queue_tile(const torch::Device& device, int64_t begin, int64_t end) {
+  Tile tile;
+  tile.begin = begin;
+  tile.end = end;
+  // As prefetch(): allocated on the current stream, where the loss uses and frees it.
+  tile.rows = torch::empty({end - begin, host_.size(1)}, host_.options().device(device));
+  copy_after_compute(tile.rows, host_.slice(0, begin, end), device, CopyLane::kPrefetch);
+  tile.arrived.record(device, CopyLane::kPrefetch);
+  tiles_.push_back(std::move(tile));
+}
+
+void HostResidentWeight::prefetch_tiles(const torch::Device& device, int64_t rows, int64_t count) {
+  if (host_.dim() != 2 || rows <= 0) {
+    throw Error(ErrorCode::kInternal, "a host-resident weight's tiles were asked of a weight that is not a matrix, or of no rows");
+  }
+  int64_t begin = tiles_.empty() ? 0 : tiles_.back().end;
+  for (int64_t queued = 0; queued < count && begin < host_.size(0); ++queued, begin += rows) {
+    queue_tile(device, begin, std::min(host_.size(0), begin + rows));
+  }
+}
+
+torch::Tensor HostResidentWeight::take_rows(const torch::Device& device, int64_t begin, int64_t end, int64_t ahead) {
+  if (host_.dim() != 2 || begin < 0 || end <= begin || end > host_.size(0)) {
+    throw Error(ErrorCode::kInternal, "rows " + std::to_string(begin) + ".." + std::to_string(end) +
+                                          " were asked of a host-resident weight of " + std::to_string(host_.size(0)));
+  }
+  while (!tiles_.empty() && tiles_.front().begin < begin) tiles_.pop_front();  // walked past
+  if (!tiles_.empty() && (tiles_.front().begin != begin || tiles_.front().end != end)) tiles_.clear();  // other tiles
+  if (tiles_.empty()) queue_tile(device, begin, end);
+  Tile tile = std::move(tiles_.front());
+  tiles_.pop_front();
+  tile.arrived.wait(device);
+  for (int64_t next = tiles_.empty() ? end : tiles_.back().end;
+       static_cast<int64_t>(tiles_.size()) < ahead && next < host_.size(0); next += end - begin) {
+    queue_tile(device, next, std::min(host_.size(0), next + (end - begin)));
+  }
+  return tile.rows;
+}
+
 torch::Tensor HostResidentWeight::take(const torch::Device& device) {
+  tiles_.clear();  // taken whole: queued tiles will not be asked for
   prefetch(device);
   arrived_.wait(device);
   auto taken = std::move(on_device_);

@@ -7,7 +7,14 @@
 // the current stream. The caller's references are the only ones: the device memory goes back to
 // the caching allocator as soon as the last user (the loss's backward) lets go of it, before the
 // layers' backward, where a checkpointed run peaks.
+//
+// Or it visits a tile of rows at a time (train.lm_head_block_mb: the fused loss walks the
+// vocabulary in tiles): prefetch_tiles() queues the first tiles' copies, and take_rows() hands
+// over one tile and queues the next ones of its width, so that at most a tile in use and `ahead`
+// on their way are on the device. On the CPU a tile is a copy of the rows, made at once.
 #include <torch/torch.h>
+
+#include <deque>
 
 #include "trainer/model/device_copies.h"
 
@@ -28,10 +35,30 @@ class HostResidentWeight {
   // The weight on `device`, ready for the current stream: the prefetched copy, or one made now.
   torch::Tensor take(const torch::Device& device);
 
+  // Queues the copies of the first `count` tiles of `rows` rows each (after any queued already).
+  void prefetch_tiles(const torch::Device& device, int64_t rows, int64_t count);
+
+  // Rows [begin, end) on `device`, ready for the current stream: the first queued tile where it
+  // is that one, else a copy made now (queued tiles before `begin` or of another shape are
+  // dropped). Then queues the tiles of its width that follow it, up to the last row, until
+  // `ahead` are queued. Tiles taken in order, [0, w), [w, 2w), ..., each arrive ahead of use.
+  torch::Tensor take_rows(const torch::Device& device, int64_t begin, int64_t end, int64_t ahead);
+
+  // Tiles queued and not yet taken (their device memory is held).
+  int64_t queued_tiles() const { return static_cast<int64_t>(tiles_.size()); }
+
  private:
+  struct Tile {
+    int64_t begin = 0, end = 0;  // the weight's rows it holds
+    torch::Tensor rows;          // on the device
+    CopyArrival arrived;
+  };
+  void queue_tile(const torch::Device& device, int64_t begin, int64_t end);
+
   torch::Tensor host_;
   torch::Tensor on_device_;  // prefetched, not yet taken
   CopyArrival arrived_;
+  std::deque<Tile> tiles_;   // queued by prefetch_tiles / take_rows, in row order
 };
 
 }  // namespace qtrain::trainer

@@ -9,6 +9,7 @@
 #include "trainer/model/attention_sinks.h"
 #include "trainer/model/llama_layers.h"
 #include "trainer/model/flash_attention.h"
+#include "trainer/model/fused_linear_cross_entropy.h"
 #include "trainer/model/softcapped_attention.h"
 
 namespace qtrain::trainer {
@@ -515,7 +516,7 @@ torch::Tensor LlamaForCausalLMImpl::hidden_states(const LlamaInputs& inputs) {
                        .expand({inputs.input_ids.size(0), -1});
   }
   auto hidden = model->embed(inputs.input_ids, inputs.host_input_ids);
-  if (lm_head_prefetch_pending_ && host_lm_head_) host_lm_head_->prefetch(device());
+  if (lm_head_prefetch_pending_ && host_lm_head_) prefetch_host_lm_head(inputs.input_ids);
   lm_head_prefetch_pending_ = false;
   return model->forward_embedded(std::move(hidden), position_ids, inputs.attention_mask, inputs.cache);
 }
@@ -560,6 +561,20 @@ void LlamaForCausalLMImpl::keep_lm_head_on_host() {
 }
 
 void LlamaForCausalLMImpl::prefetch_lm_head() { lm_head_prefetch_pending_ = host_lm_head_ != nullptr; }
+
+void LlamaForCausalLMImpl::prefetch_host_lm_head(const torch::Tensor& input_ids) {
+  if (lm_head_block_bytes_ <= 0) {
+    host_lm_head_->prefetch(device());
+    return;
+  }
+  // The tiles the loss will ask for first: its columns for the batch's predicting tokens (each
+  // row's but the last), as fused_linear_cross_entropy chooses them for one chunk of them all.
+  const auto& host = host_lm_head_->host();
+  const int64_t predicting = input_ids.numel() - (input_ids.dim() > 1 ? input_ids.size(0) : 1);
+  const int64_t rows = fused_loss_tile_columns(std::max<int64_t>(predicting, 1), host.size(0));
+  host_lm_head_->prefetch_tiles(
+      device(), rows, host_tiles_on_device(lm_head_block_bytes_, rows * host.size(1) * host.element_size()));
+}
 
 torch::Tensor LlamaForCausalLMImpl::take_lm_head_weight() {
   if (!host_lm_head_) throw Error(ErrorCode::kInternal, "lm_head's weight was taken from the host, where it is not kept");

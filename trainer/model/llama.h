@@ -247,6 +247,13 @@ class LlamaForCausalLMImpl : public torch::nn::Module, public qat::LinearLayerOw
   // the caller to let go of after its use; and its bias there (undefined when it has none).
   torch::Tensor take_lm_head_weight();
   torch::Tensor lm_head_bias_on_device() const;
+  // train.lm_head_block_mb: with lm_head_on_host(), the fused loss takes lm_head from the host a
+  // vocabulary tile at a time, at most this many bytes of it on the device at once, and the
+  // prefetch queues that many bytes of its first tiles; 0: the weight visits whole.
+  void set_lm_head_block_bytes(int64_t bytes) { lm_head_block_bytes_ = bytes; }
+  int64_t lm_head_block_bytes() const { return lm_head_block_bytes_; }
+  // The host-kept weight (lm_head_on_host()), for the fused loss's tiles; null otherwise.
+  HostResidentWeight* host_lm_head() const { return host_lm_head_.get(); }
 
   LlamaBackbone model{nullptr};
   std::shared_ptr<qat::LinearLayer> lm_head;  // null when tied to model.embed_tokens
@@ -256,6 +263,8 @@ class LlamaForCausalLMImpl : public torch::nn::Module, public qat::LinearLayerOw
   torch::ScalarType dtype_;
   std::unique_ptr<HostResidentWeight> host_lm_head_;
   bool lm_head_prefetch_pending_ = false;  // prefetch_lm_head() asked; hidden_states() starts it
+  int64_t lm_head_block_bytes_ = 0;
+  void prefetch_host_lm_head(const torch::Tensor& input_ids);  // whole, or its first tiles
   std::shared_ptr<RouterLoss> router_loss_;
 };
 TORCH_MODULE(LlamaForCausalLM);

@@ -321,6 +321,7 @@ TrainingMemorySetup training_memory_setup(const Recipe& recipe, const LlamaOptio
   setup.expert_bank_block_bytes = recipe.train.expert_bank_block_mb << 20;
   setup.embeddings_on_host = recipe.train.embeddings_on_host;
   setup.lm_head_on_host = recipe.train.lm_head_on_host;
+  setup.lm_head_block_bytes = recipe.train.lm_head_block_mb << 20;
   setup.optimizer_states_on_host = recipe.train.optimizer_states_on_host;
   if (recipe.train.mlp_chunk_tokens > 0) {
     throw Error(ErrorCode::kRecipe, "train.mlp_chunk_tokens is not estimated yet (the MLP's chunks and their "
@@ -540,7 +541,16 @@ void estimate_loss(const LlamaOptions& model, const TrainingMemorySetup& setup, 
        (!is_quantized(lm_head, setup) || base_quantization_row(setup.base.kind).fused_lora));
   estimate.fused_loss_applies = !lm_head_trains && lm_head_multiplies;
   estimate.uses_fused_loss = setup.fused_loss && estimate.fused_loss_applies;
+  // train.lm_head_block_mb: lm_head visits in tiles, the loss walking it once over every token
+  // (fused_linear_cross_entropy's host_tiles).
+  estimate.visits_in_tiles = estimate.visiting_weight_bytes > 0 && setup.lm_head_block_bytes > 0 && estimate.uses_fused_loss;
+  if (estimate.visits_in_tiles) estimate.loss_chunk_tokens = estimate.predicted_tokens;
   estimate.loss_tile_columns = fused_loss_tile_columns(estimate.loss_chunk_tokens, model.vocab_size);
+  if (estimate.visits_in_tiles) {
+    const double tile_bytes = static_cast<double>(estimate.loss_tile_columns * model.hidden_size) * s;
+    const int64_t tiles = host_tiles_on_device(setup.lm_head_block_bytes, static_cast<int64_t>(tile_bytes));
+    estimate.visiting_weight_bytes = std::min(estimate.visiting_weight_bytes, static_cast<double>(tiles) * tile_bytes);
+  }
   const double chunk = static_cast<double>(estimate.loss_chunk_tokens);
   const double tile = chunk * static_cast<double>(estimate.loss_tile_columns);
   // Per tile element: the fp32 logits (softmax in place), their compute-dtype matmul output and

@@ -153,6 +153,7 @@ struct TrainingMemorySetup {
   int64_t expert_bank_block_bytes = 0;  // train.expert_bank_block_mb, in bytes; 0: banks build whole
   bool embeddings_on_host = false;   // train.embeddings_on_host: the input embedding table on the host
   bool lm_head_on_host = false;      // train.lm_head_on_host: lm_head on the device only for the loss
+  int64_t lm_head_block_bytes = 0;   // train.lm_head_block_mb, in bytes: it visits in tiles; 0: whole
   bool optimizer_states_on_host = false;  // train.optimizer_states_on_host: AdamW's state on the host between steps
   // A pre-quantized checkpoint whose projections stay in their stored form under quant: none
   // (compressed-tensors: qat/compressed_linear.h): the bytes of projection `name` [out, in], or a
@@ -164,7 +165,7 @@ struct TrainingMemorySetup {
 // cuda), train.micro_batch_size, data.max_seq_len, data.pack, train.gradient_checkpointing[_every],
 // train.loss_chunk_tokens (0: auto_loss_chunk_tokens of the vocabulary), train.fused_loss,
 // train.offload_activations, train.keep_built_weights, train.embeddings_on_host,
-// train.lm_head_on_host, train.optimizer_states_on_host, qat.*
+// train.lm_head_on_host, train.lm_head_block_mb, train.optimizer_states_on_host, qat.*
 // (quant: qat with adapters and a weight quantizer qat/qat_lora_matmul.h fuses; other QAT runs are
 // an Error: not estimated).
 TrainingMemorySetup training_memory_setup(const Recipe& recipe, const LlamaOptions& model);
@@ -172,8 +173,10 @@ TrainingMemorySetup training_memory_setup(const Recipe& recipe, const LlamaOptio
 struct PeakMemoryEstimate {
   double frozen_weight_bytes = 0;
   // train.lm_head_on_host: lm_head's weight, on the device from the forward to the loss's
-  // backward (not in frozen_weight_bytes, which the layers' backward sees).
+  // backward (not in frozen_weight_bytes, which the layers' backward sees); under
+  // train.lm_head_block_mb with the fused loss, the tiles of it there at once.
   double visiting_weight_bytes = 0;
+  bool visits_in_tiles = false;      // train.lm_head_block_mb applies: the fused loss walks it once
   int64_t trainable_parameters = 0;
   int64_t adapted_layers = 0;        // linear layers with a LoRA adapter
   double trainable_state_bytes = 0;  // weights + grads + AdamW's moments (+ fp32 masters)

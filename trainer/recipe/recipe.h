@@ -155,6 +155,7 @@ struct TrainRecipe {
   int64_t expert_bank_block_mb{};          // a frozen expert bank built again is built this many MB at a time; 0: whole
   bool embeddings_on_host{};               // the frozen input embedding table stays in host memory
   bool lm_head_on_host{};                  // the frozen lm_head waits in host memory, visiting for the loss
+  int64_t lm_head_block_mb{};              // with it and the fused loss: at most this many MB on the device, in tiles; 0: whole
   bool optimizer_states_on_host{};         // the optimizer's state waits in host memory between steps
   std::string nonfinite;                   // skip | abort
   int64_t max_skipped_steps{};             // consecutive skipped steps before the run stops

@@ -423,6 +423,13 @@ std::vector<RecipeKey> train_keys() {
           "keep the frozen lm_head weight in pinned host memory; each micro-batch copies it to the device on a "
           "side stream while the layers run forward, and lets go of the copy after the loss's backward (not a "
           "quantized, adapted or trained lm_head; a tied one with train.embeddings_on_host too)"),
+      key("train.lm_head_block_mb", "0", QTRAIN_FIELD(train.lm_head_block_mb),
+          "with train.lm_head_on_host and the fused loss: lm_head comes to the device a vocabulary tile at a time "
+          "as the loss walks it, at most this many MB of it there at once (the tile in use and the next ones on "
+          "their way; at least one tile, 64 MiB of fp32 logits wide), the first ones while the layers run "
+          "forward; less memory at the loss, more of the copy in the step's time; 0: it visits whole")
+          .at_least(0)
+          .at_most(1 << 20),
       key("train.optimizer_states_on_host", "false", QTRAIN_FIELD(train.optimizer_states_on_host),
           "keep the optimizer's state (AdamW's moments, fp32 masters) in pinned host memory between steps; it "
           "comes back to the device on a side stream during the second half of each step's last backward, and "

@@ -265,6 +265,17 @@ void apply_recipe_memory_settings(LlamaForCausalLMImpl& model, const Recipe& rec
   }
   // A tied table goes with lm_head: pinned, for the copies to the loss.
   if (recipe.train.lm_head_on_host) keep_lm_head_on_host(model, recipe);
+  if (recipe.train.lm_head_block_mb > 0) {
+    const char* missing = !recipe.train.lm_head_on_host ? "train.lm_head_on_host: true"
+                          : !recipe.train.fused_loss    ? "train.fused_loss: true"
+                                                        : nullptr;
+    if (missing) {
+      throw Error(ErrorCode::kRecipe, "train.lm_head_block_mb brings lm_head from the host to the fused loss a tile at "
+                                      "a time, which needs " + std::string(missing) +
+                                      ": set it, or train.lm_head_block_mb: 0");
+    }
+    model.set_lm_head_block_bytes(recipe.train.lm_head_block_mb << 20);
+  }
   if (recipe.train.embeddings_on_host) backbone.embed_tokens->to(torch::kCPU);
 }
 
