@@ -2,8 +2,7 @@
 // row of a [rows, tile] logits block in the model dtype, read 16 bytes at a time where the rows
 // allow. The statistics take two passes over the row, its max then the sum of exp(z - max) (the
 // second mostly from L2: a 32768-column bf16 row is 64 KiB), which may write each exp(z - max) over
-// its logit; the gradient one. Each value is
-// computed as the torch operations of trainer/model/fused_linear_cross_entropy.cpp compute it:
+// its logit. Each value is computed as the torch operations of trainer/model/fused_linear_cross_entropy.cpp compute it:
 // expf, the full-precision exp that torch's CUDA exp runs on fp32, and __fmul_rn / __fadd_rn /
 // __fsub_rn where a product and a sum must each round on their own, as two torch kernels round
 // them, and not as the one fused multiply-add the compiler would make of them.
@@ -88,32 +87,6 @@ __global__ void tile_statistics_kernel(const scalar_t* logits, int64_t tile,
   }
 }
 
-// grad[row, j] = dtype((exp(z - lse) - [j == target column]) * row_grad), the header's formula.
-template <typename scalar_t, int kValues>
-__global__ void tile_gradient_kernel(const scalar_t* __restrict__ logits, int64_t tile, const float* __restrict__ lse,
-                                     const float* __restrict__ row_grad, const int64_t* __restrict__ targets,
-                                     int64_t begin, scalar_t* __restrict__ grad_logits) {
-  using Pack = ValuePack<scalar_t, kValues>;
-  const int64_t row = blockIdx.x;
-  const auto* packs = reinterpret_cast<const Pack*>(logits + row * tile);
-  auto* grad_packs = reinterpret_cast<Pack*>(grad_logits + row * tile);
-  const int64_t pack_count = tile / kValues;
-  const float row_lse = lse[row];
-  const float grad = row_grad[row];
-  const int64_t target_column = targets[row] - begin;  // outside [0, tile) when the target is elsewhere or ignored
-  for (int64_t p = threadIdx.x; p < pack_count; p += kThreads) {
-    const Pack pack = packs[p];
-    Pack out;
-#pragma unroll
-    for (int k = 0; k < kValues; ++k) {
-      float probability = expf(static_cast<float>(pack.values[k]) - row_lse);
-      if (p * kValues + k == target_column) probability = __fsub_rn(probability, 1.0f);
-      out.values[k] = static_cast<scalar_t>(__fmul_rn(probability, grad));
-    }
-    grad_packs[p] = out;
-  }
-}
-
 // Calls run(std::integral_constant<int, kValues>{}) with 16-byte packs when every row of the
 // tile starts on 16 bytes (the width a whole number of packs, the pointers aligned), else with
 // packs of one value.
@@ -195,29 +168,6 @@ LogSumExpStatistics cross_entropy_tile_exponentials_cuda(const LogSumExpStatisti
                                                          const at::Tensor& targets, int64_t begin, double softcap) {
   return tile_statistics(seen, logits, targets, begin, /*exponentials=*/true, softcap,
                          "cross_entropy_tile_exponentials_cuda: ");
-}
-
-at::Tensor cross_entropy_tile_gradient_cuda(const at::Tensor& logits, const at::Tensor& lse, const at::Tensor& row_grad,
-                                            const at::Tensor& targets, int64_t begin) {
-  const std::string what = "cross_entropy_tile_gradient_cuda: ";
-  check_logit_tile(logits, targets, what);
-  check_row_values(lse, logits, what + "lse");
-  check_row_values(row_grad, logits, what + "row_grad");
-  const c10::cuda::CUDAGuard device_guard(logits.device());
-  auto grad_logits = at::empty_like(logits);
-  const int64_t rows = logits.size(0), tile = logits.size(1);
-  if (grad_logits.numel() == 0) return grad_logits;
-  dispatch_float_type(logits.scalar_type(), what + "logits", [&](auto type_tag) {
-    using scalar_t = decltype(type_tag);
-    launch_over_logit_packs<scalar_t>(tile, {logits.data_ptr(), grad_logits.data_ptr()}, [&](auto values) {
-      tile_gradient_kernel<scalar_t, decltype(values)::value>
-          <<<static_cast<unsigned>(rows), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-              logits.data_ptr<scalar_t>(), tile, lse.data_ptr<float>(), row_grad.data_ptr<float>(),
-              targets.data_ptr<int64_t>(), begin, grad_logits.data_ptr<scalar_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
-  });
-  return grad_logits;
 }
 
 }  // namespace qtrain::kernels

@@ -1,16 +1,14 @@
 #pragma once
 // The per-tile arithmetic of the fused linear cross-entropy (trainer/model/fused_linear_cross_entropy.h)
-// as one CUDA kernel each way. The loss walks the vocabulary in tiles of logits [rows, tile]
-// (up to 512 x 32768); left to torch operations, each tile's cast to fp32, max, subtraction, exp
-// and sum (forward) and cast, subtraction, exp, scatter, product and cast back (backward) are a
-// dozen passes over an fp32 copy of the tile: about 25 ms of a training step on a 200k-token
-// vocabulary.
+// as one CUDA kernel. The loss walks the vocabulary in tiles of logits [rows, tile] (up to 512 x
+// 32768); left to torch operations, each tile's cast to fp32, max, subtraction, exp, sum and the
+// exponentials' cast back are a dozen passes over an fp32 copy of the tile: about 25 ms of a
+// training step on a 200k-token vocabulary.
 //
-// Both kernels read the tile in the model dtype and compute in fp32 as those operations do (the
+// The kernels read the tile in the model dtype and compute in fp32 as those operations do (the
 // *_reference functions of trainer/model/fused_linear_cross_entropy.h, the CPU path): exp is the
 // full-precision expf that torch's exp runs, every product and sum is rounded on its own (no
-// fused multiply-add). The gradient equals the operations' bit for bit; the statistics equal
-// theirs up to the order of the fp32 sum over the tile.
+// fused multiply-add). The statistics equal theirs up to the order of the fp32 sum over the tile.
 //
 // Raw entry points: contiguous CUDA tensors on one device, fresh tensors out, on the logits'
 // device and current stream.
@@ -47,13 +45,5 @@ LogSumExpStatistics cross_entropy_tile_statistics_cuda(const LogSumExpStatistics
 // the sum adds; the factor's steps round alone.
 LogSumExpStatistics cross_entropy_tile_exponentials_cuda(const LogSumExpStatistics& seen, at::Tensor& logits,
                                                          const at::Tensor& targets, int64_t begin, double softcap = 0);
-
-// The loss's gradient to the tile's logits, in their dtype: with lse [rows] fp32 (each row's
-// log-sum-exp over the whole vocabulary) and row_grad [rows] fp32 (the loss's gradient, 0 on
-// ignored rows),
-//   grad[i, j] = dtype((exp(z[i, j] - lse[i]) - (begin + j == targets[i] ? 1 : 0)) * row_grad[i])
-// each step in fp32 and rounded on its own, as softmax - one-hot then autograd's product.
-at::Tensor cross_entropy_tile_gradient_cuda(const at::Tensor& logits, const at::Tensor& lse, const at::Tensor& row_grad,
-                                            const at::Tensor& targets, int64_t begin);
 
 }  // namespace qtrain::kernels

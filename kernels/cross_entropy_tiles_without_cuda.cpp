@@ -16,10 +16,6 @@ LogSumExpStatistics cross_entropy_tile_exponentials_cuda(const LogSumExpStatisti
                                                          int64_t, double) {
   no_cuda_kernels("cross_entropy_tile_exponentials_cuda");
 }
-at::Tensor cross_entropy_tile_gradient_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                            int64_t) {
-  no_cuda_kernels("cross_entropy_tile_gradient_cuda");
-}
 
 }  // namespace qtrain::kernels
 

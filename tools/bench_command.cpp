@@ -277,7 +277,6 @@ struct BenchOptions {
   bool fake_quant = false;  // --qat
   bool checkpointing = false;
   bool packed_mask = false;
-  bool loss_gradient_in_backward = false;  // the fused loss's gradient in its own pass (to compare)
   bool precompute_reference = false;       // dpo.precompute_reference: the reference's pass before the steps
   bool max_context = false;
   bool json = false;
@@ -314,8 +313,6 @@ po::options_description bench_option_descriptions(BenchOptions& bench) {
       ("unfused-loss", po::bool_switch(), "each loss chunk's whole logits (train.fused_loss: false)")
       ("precompute-reference", po::bool_switch(), "with --objective dpo: the reference's log-probabilities computed in a "
        "pass before the steps (dpo.precompute_reference), not in each step; that pass's time is reported beside them")
-      ("loss-gradient-in-backward", po::bool_switch(), "the fused loss computes its gradient in backward, in a second "
-       "pass over the vocabulary, instead of in its forward (to compare)")
       ("objective", po::value(&bench.objective)->default_value("sft"),
        "sft, or dpo / orpo / simpo (train.objective): each row a preference pair, the prompt with a chosen and a "
        "rejected completion of --seq / 2 tokens each (the first quarter of each the prompt); compare with sft "
@@ -470,7 +467,6 @@ std::optional<BenchOptions> parse_bench_options(const Arguments& arguments) {
     throw Error(ErrorCode::kUsage, "--packed-samples must be 0..--seq");
   }
   bench.packed_mask = flag("packed-mask");
-  bench.loss_gradient_in_backward = flag("loss-gradient-in-backward");
   if (bench.packed_mask && bench.packed_samples == 0) {
     throw Error(ErrorCode::kUsage, "--packed-mask compares packed attention: add --packed-samples");
   }
@@ -547,7 +543,6 @@ BenchRun build_bench(const BenchOptions& bench) {
   auto step_options = trainer::training_step_options(recipe, bench.llama.vocab_size, device);
   if (bench.loss_chunk < 0) step_options.loss_chunk_tokens = -1;
   if (bench.packed_mask) step_options.packed_attention = trainer::PackedAttention::kWrittenOutMask;
-  step_options.loss_gradient_in_forward = !bench.loss_gradient_in_backward;
   run.step_options = step_options;
   run.step = std::make_unique<trainer::TrainingStep>(model, run.trained.tensors, *run.optimizer, *run.scaler, step_options);
   synchronize(device);
@@ -740,7 +735,6 @@ void report_bench(const BenchOptions& bench, const BenchRun& run, const BenchMea
                               {"objective", recipe.train.objective},
                               {"packed_mask", bench.packed_mask},
                               {"fused_loss", recipe.train.fused_loss},
-                              {"loss_gradient_in_forward", !bench.loss_gradient_in_backward},
                               {"precompute_reference", bench.precompute_reference},
                               {"reference_seconds", measured.reference_seconds},
                               {"keep_built_weights", recipe.train.keep_built_weights},

@@ -178,7 +178,7 @@ StepResult TrainingStep::run(const std::vector<data::Batch>& micro_batches, int6
   // were one batch; fp16 scales it so that small gradients survive.
   const double loss_weight = scaler_.scale() / std::max(predicted_tokens, 1.0);
   auto loss_options = options_.loss_options();
-  if (options_.loss_gradient_in_forward) loss_options.gradient = loss_weight;  // backward_from's factor below
+  loss_options.gradient = loss_weight;  // the fused loss's gradient, computed in its forward for it
   double loss_sum = accumulate(micro_batches, [&](const data::Batch& batch) -> MicroBatchLoss {
     auto labels = batch.labels.to(options_.device);
     model_.prefetch_lm_head();  // train.lm_head_on_host: it travels while the layers run

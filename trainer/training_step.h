@@ -48,9 +48,6 @@ struct TrainingStepOptions {
   torch::Device device{torch::kCPU};  // the model's
   int64_t loss_chunk_tokens = 0;      // causal_lm_loss's chunk
   bool fused_loss = true;             // causal_lm_loss over vocabulary tiles (where lm_head is frozen)
-  // The fused loss's gradient computed in its forward pass (LossOptions::gradient), one matmul over
-  // the vocabulary fewer; `qtrain bench --loss-gradient-in-backward` turns it off to compare.
-  bool loss_gradient_in_forward = true;
   double max_grad_norm = 1.0;     // <= 0: no clipping (the norm is still measured)
   // Packed batches: flash attention over the samples' spans where it applies; `qtrain bench
   // --packed-mask` writes the block-causal mask out instead, to compare.

@@ -97,9 +97,11 @@ RandomProblem random_problem(int64_t tokens, int64_t hidden, int64_t vocab, torc
 // The fused loss and its gradient against float64, chunks of 48 and tiles of `tile_columns` over
 // 1000 columns (both ragged): the loss within `loss_bound` (relative), the gradient within
 // `grad_bound` (max error over max). With a cap, logits of standard deviation 8, which it bends.
+// `declared`: the loss's gradient declared before the forward (FusedLossOptions::gradient, as the
+// training step declares it); else computed for 1 in fp32 and scaled in backward.
 void expect_float64_reference(torch::ScalarType dtype, uint64_t seed, double loss_bound, double grad_bound,
                               const torch::Device& device = torch::kCPU, int64_t tile_columns = 256,
-                              double softcap = 0.0, bool gradient_in_forward = false) {
+                              double softcap = 0.0, bool declared = false) {
   torch::manual_seed(seed);
   const auto problem = random_problem(200, 64, 1000, dtype, softcap > 0 ? 8.0 : 3.0, device);
   const double loss_grad = 0.37;
@@ -107,11 +109,11 @@ void expect_float64_reference(torch::ScalarType dtype, uint64_t seed, double los
   FusedLossOptions options;
   options.chunk_tokens = 48;
   options.tile_columns = tile_columns;
-  if (gradient_in_forward) options.gradient = loss_grad;
+  if (declared) options.gradient = loss_grad;
   const auto actual = fused_loss(problem.states, problem.weight, problem.targets, softcap, loss_grad, options);
-  std::printf("%s %s, tiles of %lld, cap %g, gradient in the %s: loss relative error %.3g, gradient %.3g\n",
+  std::printf("%s %s, tiles of %lld, cap %g, gradient %s: loss relative error %.3g, gradient %.3g\n",
               device.str().c_str(), c10::toString(dtype), static_cast<long long>(tile_columns), softcap,
-              gradient_in_forward ? "forward" : "backward",
+              declared ? "declared" : "scaled in backward",
               std::abs(actual.loss - expected.loss) / expected.loss, max_relative_error(actual.grad, expected.grad));
   EXPECT_NEAR(actual.loss, expected.loss, loss_bound * expected.loss);
   EXPECT_LE(max_relative_error(actual.grad, expected.grad), grad_bound);
@@ -124,44 +126,44 @@ TEST(FusedLoss, LossAndGradientEqualAFloat64ReferenceInFp32) { expect_float64_re
 // bf16 logits and gradients carry 8 mantissa bits: measured 2e-5 and 6.4e-3.
 TEST(FusedLoss, LossAndGradientEqualAFloat64ReferenceInBf16) { expect_float64_reference(torch::kBFloat16, 2, 2e-3, 2e-2); }
 
-// The gradient computed in the forward pass (FusedLossOptions::gradient, as the training step
-// asks for it), ragged chunks and tiles, under the same bounds as the gradient of the backward
-// pass. Measured: fp32 7.5e-7 and 6.8e-7 (tiles of 256, 333), bf16 4.6e-3 (the backward pass: 6.4e-3).
-TEST(FusedLoss, AGradientComputedInTheForwardEqualsAFloat64Reference) {
+// The gradient declared before the forward (FusedLossOptions::gradient, as the training step
+// declares it), ragged chunks and tiles, under the same bounds. Measured: fp32 7.5e-7 and 6.8e-7
+// (tiles of 256, 333), bf16 4.6e-3.
+TEST(FusedLoss, AGradientDeclaredBeforeTheForwardEqualsAFloat64Reference) {
   for (const int64_t tile : {256, 333}) {
     SCOPED_TRACE("tile " + std::to_string(tile));
-    expect_float64_reference(torch::kFloat32, 1, 2e-6, 1e-5, torch::kCPU, tile, 0.0, /*gradient_in_forward=*/true);
-    expect_float64_reference(torch::kBFloat16, 2, 2e-3, 2e-2, torch::kCPU, tile, 0.0, /*gradient_in_forward=*/true);
+    expect_float64_reference(torch::kFloat32, 1, 2e-6, 1e-5, torch::kCPU, tile, 0.0, /*declared=*/true);
+    expect_float64_reference(torch::kBFloat16, 2, 2e-3, 2e-2, torch::kCPU, tile, 0.0, /*declared=*/true);
   }
 }
 
-// Backward scales a gradient the forward computed by (the gradient the loss gets) / (the one
-// declared): the declared one gives the gradient of the backward pass (fp32: the same sums in
-// another order), another the reference's for it. Ignored rows get none. Under Gemma 2's cap too.
+// Backward scales the gradient the forward computed by (the gradient the loss gets) / (the one
+// declared): the declared one gives the undeclared one's (computed for 1 in fp32, fp32: within
+// its rounding), another the reference's for it. Ignored rows get none. Under Gemma 2's cap too.
 TEST(FusedLoss, AForwardGradientIsScaledToTheGradientTheLossGets) {
   torch::manual_seed(7);
   const auto problem = random_problem(90, 48, 700, torch::kFloat32);
-  FusedLossOptions in_backward;
-  in_backward.chunk_tokens = 32;
-  in_backward.tile_columns = 256;
-  FusedLossOptions in_forward = in_backward;
-  in_forward.gradient = 0.25;
-  const auto two_pass = fused_loss(problem.states, problem.weight, problem.targets, 0.0, 0.25, in_backward);
-  const auto one_pass = fused_loss(problem.states, problem.weight, problem.targets, 0.0, 0.25, in_forward);
-  EXPECT_EQ(one_pass.loss, two_pass.loss);
-  EXPECT_LE(max_relative_error(one_pass.grad, two_pass.grad), 5e-6);
+  FusedLossOptions undeclared;
+  undeclared.chunk_tokens = 32;
+  undeclared.tile_columns = 256;
+  FusedLossOptions declared = undeclared;
+  declared.gradient = 0.25;
+  const auto scaled = fused_loss(problem.states, problem.weight, problem.targets, 0.0, 0.25, undeclared);
+  const auto exact = fused_loss(problem.states, problem.weight, problem.targets, 0.0, 0.25, declared);
+  EXPECT_EQ(exact.loss, scaled.loss);
+  EXPECT_LE(max_relative_error(exact.grad, scaled.grad), 5e-6);
   const auto ignored = problem.targets.eq(kIgnoreLabel);
-  EXPECT_EQ(one_pass.grad.index({ignored}).abs().max().item<double>(), 0.0);
-  EXPECT_GT(one_pass.grad.index({ignored.logical_not()}).abs().min().item<double>(), 0.0);
+  EXPECT_EQ(exact.grad.index({ignored}).abs().max().item<double>(), 0.0);
+  EXPECT_GT(exact.grad.index({ignored.logical_not()}).abs().min().item<double>(), 0.0);
 
-  const auto other = fused_loss(problem.states, problem.weight, problem.targets, 0.0, -1.5, in_forward);
+  const auto other = fused_loss(problem.states, problem.weight, problem.targets, 0.0, -1.5, declared);
   const auto expected = reference_loss(problem.states, problem.weight, problem.targets, 0.0, -1.5);
   EXPECT_LE(max_relative_error(other.grad, expected.grad), 1e-5);
 
-  const auto capped = fused_loss(problem.states, problem.weight, problem.targets, 5.0, 0.25, in_forward);
-  const auto capped_two_pass = fused_loss(problem.states, problem.weight, problem.targets, 5.0, 0.25, in_backward);
-  EXPECT_EQ(capped.loss, capped_two_pass.loss);
-  EXPECT_LE(max_relative_error(capped.grad, capped_two_pass.grad), 5e-6);
+  const auto capped = fused_loss(problem.states, problem.weight, problem.targets, 5.0, 0.25, declared);
+  const auto capped_scaled = fused_loss(problem.states, problem.weight, problem.targets, 5.0, 0.25, undeclared);
+  EXPECT_EQ(capped.loss, capped_scaled.loss);
+  EXPECT_LE(max_relative_error(capped.grad, capped_scaled.grad), 5e-6);
 }
 
 // Per-token losses (a preference objective's log-probabilities) against float64: each loss, and
@@ -209,25 +211,6 @@ void expect_per_token_float64_reference(const torch::Device& device) {
 
 TEST(FusedLoss, PerTokenLossesAndTheirGradientsEqualAFloat64Reference) { expect_per_token_float64_reference(torch::kCPU); }
 
-// With its gradient computed in the forward, the loss lets go of a weight handed in (lm_head's
-// copy from the host) when the forward ends: its backward needs no weight.
-TEST(FusedLoss, AForwardGradientLetsGoOfTheWeightAfterTheForward) {
-  torch::manual_seed(8);
-  auto problem = random_problem(20, 16, 100, torch::kFloat32);
-  auto leaf = problem.states.detach().requires_grad_(true);
-  OutputProjection projection;
-  projection.weight = problem.weight.clone();
-  const auto weight = projection.weight;
-  FusedLossOptions options;
-  options.gradient = 1.0;
-  const auto loss = fused_linear_cross_entropy(leaf, problem.targets, projection, options);
-  projection = OutputProjection();
-  EXPECT_EQ(weight.use_count(), 1);
-  loss.backward();
-  const auto expected = reference_loss(problem.states, problem.weight, problem.targets, 0.0, 1.0);
-  EXPECT_LE(max_relative_error(leaf.grad(), expected.grad), 1e-5);
-}
-
 TEST(FusedLoss, IgnoredLabelsTakeNoPartAndGetNoGradient) {
   torch::manual_seed(3);
   auto problem = random_problem(30, 32, 300, torch::kFloat32);
@@ -250,29 +233,34 @@ TEST(FusedLoss, IgnoredLabelsTakeNoPartAndGetNoGradient) {
 }
 
 // A weight handed in as a tensor (lm_head's copy from the host, train.lm_head_on_host) is let go
-// of by the loss's backward, while the loss itself still lives: its device memory returns before
-// the layers' backward. The bias beside it applies as a layer's would.
-TEST(FusedLoss, ItsBackwardLetsGoOfAWeightHandedIn) {
+// of once the loss's forward is done, while the loss itself still lives (its backward needs no
+// weight): its device memory returns before the backward. The gradient declared or not; the bias
+// beside the weight applies as a layer's would.
+TEST(FusedLoss, AWeightHandedInIsLetGoOfAfterTheForward) {
   torch::manual_seed(6);
   auto problem = random_problem(20, 16, 100, torch::kFloat32);
   const auto bias = torch::randn({100});
-  auto leaf = problem.states.detach().requires_grad_(true);
-  OutputProjection projection;
-  projection.weight = problem.weight.clone();
-  projection.weight_bias = bias.clone();
-  const auto weight = projection.weight;
-  const auto loss = fused_linear_cross_entropy(leaf, problem.targets, projection, {});
-  projection = OutputProjection();
-  EXPECT_EQ(weight.use_count(), 2);  // here and in the loss's backward
-  loss.backward();
-  EXPECT_EQ(weight.use_count(), 1);
   auto reference_leaf = problem.states.detach().requires_grad_(true);
   const auto logits = torch::nn::functional::linear(reference_leaf, problem.weight, bias);
   const auto reference = torch::nn::functional::cross_entropy(
       logits, problem.targets, torch::nn::functional::CrossEntropyFuncOptions().ignore_index(kIgnoreLabel).reduction(torch::kSum));
   reference.backward();
-  EXPECT_NEAR(loss.item<double>(), reference.item<double>(), 1e-5 * reference.item<double>());
-  EXPECT_TRUE(torch::allclose(leaf.grad(), reference_leaf.grad(), 1e-5, 1e-6));
+  for (const double gradient : {0.0, 1.0}) {
+    SCOPED_TRACE("declared gradient " + std::to_string(gradient));
+    auto leaf = problem.states.detach().requires_grad_(true);
+    OutputProjection projection;
+    projection.weight = problem.weight.clone();
+    projection.weight_bias = bias.clone();
+    const auto weight = projection.weight;
+    FusedLossOptions options;
+    options.gradient = gradient;
+    const auto loss = fused_linear_cross_entropy(leaf, problem.targets, projection, options);
+    projection = OutputProjection();
+    EXPECT_EQ(weight.use_count(), 1);  // here only
+    loss.backward();
+    EXPECT_NEAR(loss.item<double>(), reference.item<double>(), 1e-5 * reference.item<double>());
+    EXPECT_TRUE(torch::allclose(leaf.grad(), reference_leaf.grad(), 1e-5, 1e-6));
+  }
 }
 
 // Chunks and tiles that do not divide the tokens or the vocabulary: the same loss and gradient
@@ -363,13 +351,13 @@ struct ModelGradients {
   std::vector<torch::Tensor> trainable;  // every trainable parameter's gradient, in order
 };
 
-// With `gradient_in_forward`, the fused loss is told the gradient backward gives it (1 / tokens).
-ModelGradients model_gradients(LlamaForCausalLMImpl& model, LossOptions options, bool gradient_in_forward = false) {
+// With `declared`, the fused loss is told the gradient backward gives it (1 / tokens).
+ModelGradients model_gradients(LlamaForCausalLMImpl& model, LossOptions options, bool declared = false) {
   torch::manual_seed(5);
   const auto input_ids = torch::randint(model.options().vocab_size, {2, 40}, torch::kInt64);
   auto labels = input_ids.clone();
   labels.index_put_({0, torch::indexing::Slice(0, 10)}, kIgnoreLabel);
-  if (gradient_in_forward) {
+  if (declared) {
     options.gradient = 1.0 / labels.narrow(1, 1, 39).ne(kIgnoreLabel).sum().item<double>();
   }
   auto loss = causal_lm_loss(model, model.hidden_states({input_ids, {}, {}}), labels, options);
@@ -414,8 +402,8 @@ TEST(FusedLoss, LoraGradientsEqualTheChunkedLogitsPathOnTheTinyModel) {
   const auto fp32_fused = model_gradients(*fp32_model, loss_options(33, true, 1000));
   EXPECT_NEAR(fp32_fused.loss, fp32_chunked.loss, 1e-6 * fp32_chunked.loss);
   EXPECT_LE(worst_relative_error(fp32_fused, fp32_chunked), 1e-5);
-  // The gradient computed in the loss's forward, as the training step has it.
-  const auto fp32_one_pass = model_gradients(*fp32_model, loss_options(33, true, 1000), /*gradient_in_forward=*/true);
+  // The loss's gradient declared, as the training step declares it.
+  const auto fp32_one_pass = model_gradients(*fp32_model, loss_options(33, true, 1000), /*declared=*/true);
   EXPECT_NEAR(fp32_one_pass.loss, fp32_chunked.loss, 1e-6 * fp32_chunked.loss);
   EXPECT_LE(worst_relative_error(fp32_one_pass, fp32_chunked), 1e-5);
 
@@ -430,9 +418,9 @@ TEST(FusedLoss, LoraGradientsEqualTheChunkedLogitsPathOnTheTinyModel) {
               fused_vs_fp32, chunked_vs_fp32);
   EXPECT_LE(fused_vs_chunked, 3e-2);
   EXPECT_LE(fused_vs_fp32, 1.25 * chunked_vs_fp32);
-  const auto bf16_one_pass = model_gradients(*bf16_model, loss_options(33, true, 1000), /*gradient_in_forward=*/true);
+  const auto bf16_one_pass = model_gradients(*bf16_model, loss_options(33, true, 1000), /*declared=*/true);
   const double one_pass_vs_fp32 = worst_relative_error(bf16_one_pass, fp32_chunked);
-  std::printf("bf16 LoRA gradients, the loss's gradient in its forward: against fp32 %.3g\n", one_pass_vs_fp32);
+  std::printf("bf16 LoRA gradients, the loss's gradient declared: against fp32 %.3g\n", one_pass_vs_fp32);
   EXPECT_LE(worst_relative_error(bf16_one_pass, bf16_chunked), 3e-2);
   EXPECT_LE(one_pass_vs_fp32, 1.25 * chunked_vs_fp32);
 }
@@ -638,9 +626,8 @@ TEST(HostTiles, TakenInOrderTheyAreTheWeightsRowsWithAtMostAheadQueued) {
 // The fused loss over a host weight's tiles walks it once, every token in one chunk, and equals
 // the loss over the whole weight in one chunk of the same tiles bit for bit: the summed loss and
 // its gradient computed in the forward (declared), the per-token losses and theirs, with and
-// without the cap, one tile on the device at a time or three. A summed loss whose gradient is not
-// declared takes it in the forward too (kept in fp32, scaled in backward): within fp32's rounding
-// of the two-pass one. No tile is left queued after the loss.
+// without the cap, one tile on the device at a time or three, the gradient declared or not. No tile
+// is left queued after the loss.
 TEST(FusedLoss, OverAHostWeightsTilesEqualsTheWholeWeightBitForBit) {
   torch::manual_seed(22);
   const auto problem = random_problem(90, 32, 1000, torch::kFloat32);
@@ -675,10 +662,10 @@ TEST(FusedLoss, OverAHostWeightsTilesEqualsTheWholeWeightBitForBit) {
         EXPECT_TRUE(torch::equal(grad, expected_grad)) << "per token " << per_token;
         EXPECT_EQ(host.queued_tiles(), 0);
       }
-      const auto [two_pass_loss, two_pass_grad] = run(whole, 0.0, false);
+      const auto [undeclared_loss, undeclared_grad] = run(whole, 0.0, false);
       const auto [loss, grad] = run(tiles, 0.0, false);
-      EXPECT_TRUE(torch::equal(loss, two_pass_loss));
-      EXPECT_LE(max_relative_error(grad, two_pass_grad), 1e-6);
+      EXPECT_TRUE(torch::equal(loss, undeclared_loss));
+      EXPECT_TRUE(torch::equal(grad, undeclared_grad));
     }
   }
   EXPECT_EQ(host_tiles_on_device(3 * tile_bytes + 5, tile_bytes), 3);
@@ -963,28 +950,6 @@ TEST(FusedLossCuda, TileExponentialsKernelEqualsTheTorchOperations) {
   }
 }
 
-// The gradient kernel's (exp(z - lse) - 1 at the target) * g, rounded to the dtype, equals the
-// torch operations' bit for bit: the same fp32 steps, each rounded alone. 77 rows, tiles of 1000
-// and 333 columns at column 500, g random and 0 on ignored rows, lse above each row's own
-// log-sum-exp (the whole vocabulary's is).
-TEST(FusedLossCuda, TileGradientKernelEqualsTheTorchOperationsBitForBit) {
-  if (const auto missing = cuda_kernels_missing(); !missing.empty()) GTEST_SKIP() << missing;
-  const auto fp32 = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kFloat32);
-  for_each_tile_case(14, [&](torch::ScalarType dtype, int64_t tile) {
-    const auto t = random_logit_tile(kTileRows, tile, 500, dtype);
-    const auto lse = t.logits.to(torch::kFloat32).logsumexp(1) + torch::rand({kTileRows}, fp32) * 2;
-    const auto row_grad = torch::randn({kTileRows}, fp32) * t.targets.ne(kIgnoreLabel).to(torch::kFloat32);
-    const auto kernel = kernels::cross_entropy_tile_gradient_cuda(t.logits, lse, row_grad, t.targets, t.begin);
-    const auto reference = tile_logits_gradient_reference(t.logits.clone(), lse, row_grad, t.targets, t.begin);
-    ASSERT_EQ(kernel.scalar_type(), dtype);
-    EXPECT_TRUE(testing::same_bits(kernel, reference))
-        << kernel.ne(reference).sum().item<int64_t>() << " of " << kernel.numel() << " values differ; max |difference| "
-        << (kernel.to(torch::kFloat64) - reference.to(torch::kFloat64)).abs().max().item<double>();
-    // The target's -1: the most negative gradient is a learned row's at its target.
-    EXPECT_LT(reference.to(torch::kFloat32).min().item<double>(), -0.1);
-  });
-}
-
 // On a GPU the kernels take every tile, so the torch-operation path no longer runs there (the
 // tests above hold the kernels to it tile by tile): the loss and the states' gradient against
 // float64 in each dtype, tiles of 256 (16-byte packs; the last, 232 columns, ragged) and 250 (one
@@ -1006,8 +971,7 @@ TEST(FusedLossCuda, KernelPathEqualsAFloat64ReferenceAndTheCpuPath) {
         SCOPED_TRACE(std::string(c10::toString(bounds.dtype)) + ", tile " + std::to_string(tile) + ", cap " +
                      std::to_string(softcap));
         expect_float64_reference(bounds.dtype, 21, bounds.loss, bounds.grad, cuda, tile, softcap);
-        expect_float64_reference(bounds.dtype, 21, bounds.loss, bounds.grad, cuda, tile, softcap,
-                                 /*gradient_in_forward=*/true);
+        expect_float64_reference(bounds.dtype, 21, bounds.loss, bounds.grad, cuda, tile, softcap, /*declared=*/true);
       }
     }
   }
@@ -1020,7 +984,7 @@ TEST(FusedLossCuda, KernelPathEqualsAFloat64ReferenceAndTheCpuPath) {
   const auto on_cpu = fused_loss(problem.states.cpu(), problem.weight.cpu(), problem.targets.cpu(), 0.0, 0.37, options);
   EXPECT_NEAR(on_gpu.loss, on_cpu.loss, 1e-6 * on_cpu.loss);
   EXPECT_LE(max_relative_error(on_gpu.grad, on_cpu.grad), 1e-5);
-  options.gradient = 0.37;  // computed in the forward, on each
+  options.gradient = 0.37;  // declared, on each
   const auto forward_on_gpu = fused_loss(problem.states, problem.weight, problem.targets, 0.0, 0.37, options);
   const auto forward_on_cpu =
       fused_loss(problem.states.cpu(), problem.weight.cpu(), problem.targets.cpu(), 0.0, 0.37, options);

@@ -156,10 +156,13 @@ LlamaForCausalLM build_model(const TrainingMemorySetup& setup, bool with_adapter
 }
 
 // The loss as a run with `setup` computes it.
+// As the training step asks for the loss: its gradient declared (the fused loss computes it in
+// the forward for that; any value holds the same memory).
 LossOptions loss_options(const TrainingMemorySetup& setup) {
   LossOptions options;
   options.chunk_tokens = setup.loss_chunk_tokens;
   options.fused = setup.fused_loss;
+  options.gradient = 1.0;
   return options;
 }
 

@@ -17,16 +17,11 @@ using torch::autograd::variable_list;
 
 // The logits [rows, end - begin] of one vocabulary tile in the compute dtype, computed as
 // LlamaForCausalLMImpl::logits computes them: the matmul in the compute dtype, the cap in it too.
-// `tile` is the weight's rows [begin, end). `capped_tanh`, when given, receives tanh(logits / cap)
-// in the compute dtype (the cap's derivative).
+// `tile` is the weight's rows [begin, end).
 torch::Tensor tile_logits(const torch::Tensor& states, const torch::Tensor& tile, const torch::Tensor& bias,
-                          int64_t begin, int64_t end, double softcap, torch::Tensor* capped_tanh = nullptr) {
+                          int64_t begin, int64_t end, double softcap) {
   auto logits = torch::nn::functional::linear(states, tile, bias.defined() ? bias.slice(0, begin, end) : torch::Tensor());
-  if (softcap > 0) {
-    auto tanh = logits.div_(softcap).tanh_();  // in place: two blocks, tanh and the capped logits
-    logits = tanh * softcap;
-    if (capped_tanh) *capped_tanh = std::move(tanh);
-  }
+  if (softcap > 0) logits.div_(softcap).tanh_().mul_(softcap);  // in place
   return logits;
 }
 
@@ -53,14 +48,6 @@ kernels::LogSumExpStatistics fold_tile_exponentials(const kernels::LogSumExpStat
     return kernels::cross_entropy_tile_exponentials_cuda(seen, logits, targets.contiguous(), begin, softcap);
   }
   return fold_tile_exponentials_reference(seen, logits, targets, begin, softcap);
-}
-
-torch::Tensor tile_logits_gradient(torch::Tensor logits, const torch::Tensor& lse, const torch::Tensor& row_grad,
-                                   const torch::Tensor& targets, int64_t begin) {
-  if (on_fused_kernels(logits)) {
-    return kernels::cross_entropy_tile_gradient_cuda(logits, lse, row_grad, targets.contiguous(), begin);
-  }
-  return tile_logits_gradient_reference(std::move(logits), lse, row_grad, targets, begin);
 }
 
 // The projection's weight [vocab, hidden] in the compute dtype, a vocabulary tile at a time: slices
@@ -161,82 +148,6 @@ int64_t chunk_rows(int64_t chunk_tokens, int64_t total) {
   return chunk_tokens > 0 ? std::min(chunk_tokens, std::max<int64_t>(total, 1)) : std::max<int64_t>(total, 1);
 }
 
-// The backward of fused_linear_cross_entropy: the gradient with respect to the states, a
-// vocabulary tile at a time (the header's formulas).
-class FusedCrossEntropyBackward : public torch::autograd::Node {
- public:
-  FusedCrossEntropyBackward(torch::Tensor states, torch::Tensor targets, torch::Tensor lse, OutputProjection projection,
-                            int64_t chunk_tokens, int64_t tile_columns)
-      : states_(std::move(states)),
-        targets_(std::move(targets)),
-        lse_(std::move(lse)),
-        projection_(std::move(projection)),
-        chunk_tokens_(chunk_tokens),
-        tile_columns_(tile_columns) {}
-
-  std::string name() const override { return "qtrain::FusedCrossEntropyBackward"; }
-
-  variable_list apply(variable_list&& output_grads) override {
-    if (!states_.defined()) {
-      throw Error(ErrorCode::kInternal, "the fused loss was differentiated twice (retain_graph is not supported)");
-    }
-    const auto& loss_grad = output_grads[0];  // scalar fp32, or [tokens] for per-token losses
-    if (!loss_grad.defined()) return {torch::Tensor()};
-    torch::NoGradGuard no_grad;
-    const auto dtype = states_.scalar_type();
-    const double softcap = projection_.softcap;
-    const auto weight = projection_.matmul_weight(dtype);
-    const auto bias = projection_.bias();
-    const int64_t total = states_.size(0);
-    const int64_t vocab = weight.size(0);
-    auto grad_states = torch::empty_like(states_);
-    for (int64_t first = 0; first < total; first += chunk_tokens_) {
-      const int64_t last = std::min(total, first + chunk_tokens_);
-      const auto states = states_.slice(0, first, last);
-      const auto targets = targets_.slice(0, first, last);
-      const auto lse = lse_.slice(0, first, last);
-      // g on the learned rows, 0 on the ignored ones: [rows] fp32.
-      // A per-token loss (fused_linear_token_losses) has a gradient per row.
-      const auto grad = loss_grad.dim() == 0 ? loss_grad : loss_grad.slice(0, first, last);
-      const auto row_grad = targets.ne(kIgnoreLabel).to(torch::kFloat32) * grad;
-      auto summed = torch::zeros({last - first, states_.size(1)}, states_.options().dtype(torch::kFloat32));
-      for (int64_t begin = 0; begin < vocab; begin += tile_columns_) {
-        const int64_t end = std::min(vocab, begin + tile_columns_);
-        torch::Tensor capped_tanh;
-        const auto tile = weight.slice(0, begin, end);
-        auto grad_logits = tile_logits_gradient(tile_logits(states, tile, bias, begin, end, softcap, &capped_tanh),
-                                                lse, row_grad, targets, begin);
-        // d/dx cap tanh(x / cap), in autograd's order: (grad * cap) (1 - tanh^2) / cap; in place.
-        if (softcap > 0) {
-          grad_logits.mul_(softcap);
-          at::tanh_backward_out(grad_logits, grad_logits, capped_tanh);
-          grad_logits.div_(softcap);
-        }
-        summed.add_(torch::mm(grad_logits, tile));
-      }
-      grad_states.slice(0, first, last).copy_(summed);
-    }
-    return {grad_states};
-  }
-
-  void release_variables() override {
-    states_.reset();
-    targets_.reset();
-    lse_.reset();
-    // A weight copied from the host goes back to the allocator before the layers' backward.
-    projection_.weight.reset();
-    projection_.weight_bias.reset();
-  }
-
- private:
-  torch::Tensor states_;   // [tokens, hidden], compute dtype (detached)
-  torch::Tensor targets_;  // [tokens] int64
-  torch::Tensor lse_;      // [tokens] fp32
-  OutputProjection projection_;
-  int64_t chunk_tokens_;
-  int64_t tile_columns_;
-};
-
 // The backward of a loss whose forward computed its gradient for the loss gradient g: that
 // gradient times (the loss gradient it gets) / g, exactly itself when that is g; per-token losses'
 // (g = 1, kept in fp32) row by row, each times its own loss gradient, then in the states' dtype.
@@ -305,26 +216,19 @@ kernels::LogSumExpStatistics fold_tile_exponentials_reference(const kernels::Log
   kernels::LogSumExpStatistics folded;
   folded.target_logit = torch::where(in_tile, z.gather(1, column).squeeze(1), seen.target_logit);
   folded.max = torch::maximum(seen.max, z.amax(1));
-  // The cap's derivative 1 - (z / cap)^2, from the capped logits before they become exponentials.
-  const auto cap_derivative = softcap > 0 ? 1.0 - (z / softcap).square() : torch::Tensor();
+  // The cap's derivative 1 - (z / cap)^2, from the capped logits before they become exponentials:
+  // one fp32 block, each step rounded as the kernel rounds it.
+  torch::Tensor cap_derivative;
+  if (softcap > 0) {
+    cap_derivative = z.div(softcap);
+    cap_derivative.mul_(cap_derivative).neg_().add_(1.0);
+  }
   z.sub_(folded.max.unsqueeze(1)).exp_();
   folded.sum = seen.sum * torch::exp(seen.max - folded.max) + z.sum(1);
   if (cap_derivative.defined()) z.mul_(cap_derivative);
   z.scatter_(1, column, z.gather(1, column) * in_tile.logical_not().to(torch::kFloat32).unsqueeze(1));  // 0 at the target
   if (!z.is_same(logits)) logits.copy_(z);
   return folded;
-}
-
-torch::Tensor tile_logits_gradient_reference(torch::Tensor logits, const torch::Tensor& lse,
-                                             const torch::Tensor& row_grad, const torch::Tensor& targets, int64_t begin) {
-  const auto dtype = logits.scalar_type();
-  auto probabilities = logits.to(torch::kFloat32);
-  logits = torch::Tensor();
-  probabilities.sub_(lse.unsqueeze(1)).exp_();  // softmax, in place
-  const auto [in_tile, column] = target_columns(targets, begin, begin + probabilities.size(1));
-  probabilities.scatter_add_(1, column, in_tile.to(torch::kFloat32).neg().unsqueeze(1));  // - 1 at the target
-  // Scaled by g in fp32 before the cast, as autograd's cross_entropy backward is.
-  return probabilities.mul_(row_grad.unsqueeze(1)).to(dtype);
 }
 
 namespace {
@@ -341,16 +245,14 @@ torch::Tensor fused_losses(const torch::Tensor& states, const torch::Tensor& tar
                                    : fused_loss_tile_columns(chunk_tokens, projection.vocab_size());
   const bool differentiate = torch::GradMode::is_enabled() && states.requires_grad();
   // Per-token losses get each token's own gradient (for a loss gradient of 1), weighed in backward;
-  // so does a streamed weight's summed loss whose gradient is not declared.
-  const bool gradient_in_forward = differentiate && (per_token || options.gradient != 0 || streamed);
+  // so does a summed loss whose gradient is not declared.
   const bool weighed_in_backward = per_token || options.gradient == 0;
   const double declared = weighed_in_backward ? 1.0 : options.gradient;
   const auto fp32 = states.options().dtype(torch::kFloat32);
   auto losses = per_token ? torch::zeros({total}, fp32) : torch::zeros({}, fp32);
-  torch::Tensor lse = differentiate && !gradient_in_forward ? torch::empty({total}, fp32) : torch::Tensor();
   // fp32 where backward weighs the rows: one rounding to the compute dtype, there.
   torch::Tensor grad_states =
-      gradient_in_forward ? torch::empty_like(states, weighed_in_backward ? fp32 : states.options()) : torch::Tensor();
+      differentiate ? torch::empty_like(states, weighed_in_backward ? fp32 : states.options()) : torch::Tensor();
   {
     torch::NoGradGuard no_grad;
     const WeightTiles weight(projection, states.scalar_type(), states.device(), tile_columns);
@@ -358,7 +260,7 @@ torch::Tensor fused_losses(const torch::Tensor& states, const torch::Tensor& tar
       const int64_t last = std::min(total, first + chunk_tokens);
       const auto chunk_targets = targets.slice(0, first, last);
       const auto chunk_states = states.slice(0, first, last);
-      const auto chunk = gradient_in_forward
+      const auto chunk = differentiate
                              ? chunk_log_sum_exp_and_gradient(chunk_states, chunk_targets, weight, projection.softcap,
                                                               tile_columns, declared, grad_states.slice(0, first, last))
                              : chunk_log_sum_exp(chunk_states, chunk_targets, weight, projection.softcap, tile_columns);
@@ -368,17 +270,11 @@ torch::Tensor fused_losses(const torch::Tensor& states, const torch::Tensor& tar
       } else {
         losses.add_(chunk_losses.sum());
       }
-      if (lse.defined()) lse.slice(0, first, last).copy_(chunk.lse);
     }
   }
   if (!differentiate) return losses;
-  auto node = gradient_in_forward
-                  ? std::shared_ptr<torch::autograd::Node>(
-                        new ForwardGradientBackward(grad_states, declared, states.scalar_type()), torch::autograd::deleteNode)
-                  : std::shared_ptr<torch::autograd::Node>(
-                        new FusedCrossEntropyBackward(states.detach(), targets, lse, projection, chunk_tokens,
-                                                      tile_columns),
-                        torch::autograd::deleteNode);
+  auto node = std::shared_ptr<torch::autograd::Node>(
+      new ForwardGradientBackward(grad_states, declared, states.scalar_type()), torch::autograd::deleteNode);
   node->set_next_edges({torch::autograd::impl::gradient_edge(states)});
   torch::autograd::create_gradient_edge(losses, node);
   return losses;

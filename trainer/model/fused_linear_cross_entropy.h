@@ -1,37 +1,30 @@
 #pragma once
 // Next-token cross-entropy fused with a frozen output projection: the loss never holds a
-// [chunk, vocab] fp32 logits block. For each chunk of tokens it walks the vocabulary in tiles:
+// [chunk, vocab] fp32 logits block. For each chunk of tokens it walks the vocabulary in tiles,
+// once, and computes the states' gradient in the same pass, as flash attention accumulates its
+// output:
 //
-//   forward   z = tile logits (the matmul in the compute dtype, Gemma 2's cap in it, then fp32);
-//             a running max m and sum s of exp(z - m) per row (online log-sum-exp), and z at the
-//             target when the target falls in the tile. loss = (m + log s) - z[target].
-//   backward  the same tiles again: p = exp(z - lse), p - 1 at the target, times the loss's
-//             gradient g (0 on ignored rows); through the cap's derivative; cast to the compute
-//             dtype; grad_states += p_tile W_tile, summed over tiles in fp32.
+//   per tile  z = tile logits (the matmul in the compute dtype, Gemma 2's cap in it, then fp32);
+//             the running max m and sum s of exp(z - m) per row (online log-sum-exp), z at the
+//             target where it falls in the tile, and e = exp(z - m) in the compute dtype (0 at
+//             the target), acc = acc exp(m_before - m) + e W_tile in fp32.
+//   at the end  loss = (m + log s) - z[target]; grad_states = g (acc / s + (p_target - 1) W[target]),
+//             p_target in fp32, g the loss's gradient (0 on ignored rows).
 //
-// Kept from forward to backward: the states [tokens, hidden] (a view of what the caller gives),
-// lse [tokens] fp32 and the targets. Nothing vocabulary-sized outlives a tile. The loss equals
-// log_softmax's up to fp32 rounding of the log-sum-exp; the gradient is autograd's for
-// logits(states).to(fp32) -> cross_entropy, g applied before the cast as autograd applies it.
+// Under Gemma 2's cap each e and the target's term carry the cap's derivative 1 - (z / cap)^2, z
+// the capped logit. g is the gradient the caller declares the summed loss will get
+// (FusedLossOptions::gradient: the training step's loss weight); backward then only scales the
+// gradient by (the gradient it gets) / g, exactly 1 when that is g. Where no gradient is declared,
+// and for per-token losses (a preference objective's log-probabilities), the forward computes it
+// for g = 1 on every row, kept in fp32 until backward weighs each row by its own. Kept from forward
+// to backward: that gradient [tokens, hidden]; nothing vocabulary-sized outlives a tile. The loss
+// equals log_softmax's up to fp32 rounding of the log-sum-exp; the gradient equals autograd's for
+// logits(states).to(fp32) -> cross_entropy to the compute dtype's rounding (the exponentials are
+// rounded before the matmul).
 //
-// Where the caller knows g before the forward (FusedLossOptions::gradient: the training step's
-// loss weight), the forward computes the gradient too, in its one pass over the tiles, as flash
-// attention accumulates its output: per tile e = exp(z - m) with m the running max (in the
-// compute dtype, 0 at the target), acc = acc exp(m_before - m) + e W_tile in fp32; at the end
-// grad_states = g (acc / s + (p_target - 1) W[target]), p_target in fp32. Under Gemma 2's cap each
-// e and the target's term carry the cap's derivative 1 - (z / cap)^2, z the capped logit.
-// Backward then only scales it by (the gradient it gets) / g, exactly 1 when that is g: one
-// matmul over the vocabulary fewer per step (of three), and the weight is let go after the
-// forward. Per-token losses (a preference objective's log-probabilities) do the same with g = 1
-// on every row, the gradients kept in fp32 until backward weighs each row by its own. The
-// gradient equals the two-pass one to the compute dtype's rounding (the exponentials are rounded
-// before the matmul instead of (p - 1 at the target) g; the cap's derivative comes from the capped
-// logit instead of the tanh it was made of).
-//
-// On CUDA in fp32 / fp16 / bf16 a tile's fp32 arithmetic (the running statistics forward, p - 1
-// times g backward) is one kernel each way (kernels/cross_entropy_tiles.h), which reads the tile
-// in the compute dtype and keeps no fp32 copy of it; elsewhere it is the torch operations of the
-// *_reference functions below.
+// On CUDA in fp32 / fp16 / bf16 a tile's fp32 arithmetic is one kernel (kernels/cross_entropy_tiles.h),
+// which reads the tile in the compute dtype and keeps no fp32 copy of it; elsewhere it is the
+// torch operations of the *_reference functions below.
 #include <torch/torch.h>
 
 #include <memory>
@@ -52,8 +45,7 @@ struct OutputProjection {
   std::shared_ptr<qat::LinearLayer> layer;   // frozen; its matmul weight is W
   // W on the host, copied to the device a vocabulary tile at a time as the loss walks it, at most
   // `host_block_bytes` of it there at once (the tile in use and the next ones, on their way; at
-  // least the one). The loss then walks it once, every token in one chunk, and computes the
-  // gradient in its forward whatever the options say: backward does not walk it again.
+  // least the one). The loss then walks it once, every token in one chunk.
   HostResidentWeight* host_tiles = nullptr;
   int64_t host_block_bytes = 0;
   double softcap = 0;                        // logits = tanh(logits / cap) * cap; 0: none
@@ -67,8 +59,8 @@ struct FusedLossOptions {
   int64_t chunk_tokens = 0;  // tokens per pass over the vocabulary; <= 0: every token at once
   int64_t tile_columns = 0;  // vocabulary columns per tile; 0: fused_loss_tile_columns(chunk, vocab)
   // The gradient the summed loss will get in backward, where the caller knows it before the
-  // forward (the training step's loss weight): the forward then computes the states' gradient
-  // (above). 0: backward does. Per-token losses always take it in the forward.
+  // forward (the training step's loss weight): the forward's gradient is computed for it (above).
+  // 0: for 1, kept in fp32 and scaled in backward, as per-token losses always are.
   double gradient = 0;
 };
 
@@ -102,10 +94,6 @@ kernels::LogSumExpStatistics fold_tile_statistics_reference(const kernels::LogSu
 kernels::LogSumExpStatistics fold_tile_exponentials_reference(const kernels::LogSumExpStatistics& seen,
                                                               torch::Tensor& logits, const torch::Tensor& targets,
                                                               int64_t begin, double softcap = 0);
-// The loss's gradient to the tile's logits, in their dtype: (exp(z - lse) - 1 at the target) *
-// row_grad, in fp32 before the cast as autograd's cross_entropy backward. lse, row_grad [rows] fp32.
-torch::Tensor tile_logits_gradient_reference(torch::Tensor logits, const torch::Tensor& lse,
-                                             const torch::Tensor& row_grad, const torch::Tensor& targets, int64_t begin);
 
 // Columns per tile: an fp32 [chunk, tile] block of at most 64 MiB, in multiples of 256 (the
 // widest N tile of the GPU's GEMM kernels, so only the vocabulary's last tile is ragged; rows of

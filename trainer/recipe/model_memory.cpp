@@ -553,10 +553,12 @@ void estimate_loss(const LlamaOptions& model, const TrainingMemorySetup& setup, 
   }
   const double chunk = static_cast<double>(estimate.loss_chunk_tokens);
   const double tile = chunk * static_cast<double>(estimate.loss_tile_columns);
-  // Per tile element: the fp32 logits (softmax in place), their compute-dtype matmul output and
-  // gradient when that is not fp32, the cap's tanh; per chunk row, the fp32 sum of the tiles'
-  // products and one product; the states, their gradient, lse and the targets.
-  const double tile_element_bytes = 4.0 + (s < 4.0 ? s : 0.0) + (model.final_logit_softcap > 0 ? s : 0.0);
+  // Per tile element: the fp32 logits (exponentials in place), their compute-dtype matmul output
+  // when that is not fp32, and on the CPU under a cap its fp32 derivative (the CUDA kernel keeps it
+  // in registers); per chunk row, the fp32 sum of the tiles' products and one product; the
+  // states, their gradient, the statistics and the targets.
+  const bool cap_block = model.final_logit_softcap > 0 && setup.device != torch::kCUDA;
+  const double tile_element_bytes = 4.0 + (s < 4.0 ? s : 0.0) + (cap_block ? 4.0 : 0.0);
   estimate.fused_loss_bytes = tile * tile_element_bytes + chunk * hidden * (4.0 + s) + 2.0 * final_states +
                               predicted * (4.0 + 8.0);
 }
