@@ -36,11 +36,20 @@ namespace {
 using testing::fixture;
 
 // Bytes of CPU tensors alive now and at most since the last reset, for every tensor allocated
-// while it is installed (LibTorch's CPU allocator does no caching: a freed tensor is gone).
+// while it is installed (LibTorch's CPU allocator does no caching: a freed tensor is gone). While
+// it counts, LibTorch runs on one thread, as the estimates model a run: a reduction split over
+// threads holds a partial block for each (bf16 with the cap on 2 threads: 1.5x the fused loss's
+// bytes), which would make the count depend on the machine and on OMP_NUM_THREADS.
 class CountingCpuAllocator final : public c10::Allocator {
  public:
-  CountingCpuAllocator() : base_(c10::GetCPUAllocator()) { c10::SetCPUAllocator(this, kPriority); }
-  ~CountingCpuAllocator() override { c10::SetCPUAllocator(base_, kPriority); }
+  CountingCpuAllocator() : base_(c10::GetCPUAllocator()), threads_(at::get_num_threads()) {
+    c10::SetCPUAllocator(this, kPriority);
+    at::set_num_threads(1);
+  }
+  ~CountingCpuAllocator() override {
+    c10::SetCPUAllocator(base_, kPriority);
+    at::set_num_threads(threads_);
+  }
   CountingCpuAllocator(const CountingCpuAllocator&) = delete;
   CountingCpuAllocator& operator=(const CountingCpuAllocator&) = delete;
 
@@ -95,6 +104,7 @@ class CountingCpuAllocator final : public c10::Allocator {
   }
   static constexpr uint8_t kPriority = 255;  // above LibTorch's own registration
   c10::Allocator* base_;
+  int threads_;  // LibTorch's threads before: back when it stops counting
   static inline std::atomic<int64_t> current_{0};
   static inline std::atomic<int64_t> peak_{0};
 };
