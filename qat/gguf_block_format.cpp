@@ -27,6 +27,7 @@ enum LlamaFileType : uint32_t {
   kMostlyQ5_K_S = 16,
   kMostlyQ6_K = 18,
   kMostlyBF16 = 32,
+  kMostlyMXFP4_MoE = 38,  // the experts MXFP4, the other weights Q8_0
 };
 
 // The blocks of llama.cpp's `Block` (an fp16 scale d, then qs) for `blocks` blocks of 32 codes and
@@ -91,10 +92,13 @@ GgufBlockFormat row_of(GgufBlockType type) {
   auto values = [type](const char* name, uint32_t id, int64_t bytes, uint32_t file_type) {
     return GgufBlockFormat{type, name, id, 1, bytes, file_type, std::nullopt, nullptr, nullptr, nullptr, nullptr};
   };
-  // A block type that only llama.cpp's quantizer fills (no QAT grid yet).
+  // A block type that only llama.cpp's quantizer fills (no codes a QAT layer stores exactly);
+  // `integer_codes` where its grid is integers times scales (qat/gguf_grid.h).
   auto blocks = [type](const char* name, uint32_t id, int64_t elements, int64_t bytes, uint32_t file_type,
-                       void (*quantize)(const float*, uint8_t*, int64_t), void (*dequantize)(const uint8_t*, float*, int64_t)) {
-    return GgufBlockFormat{type, name, id, elements, bytes, file_type, std::nullopt, nullptr, nullptr, quantize, dequantize};
+                       void (*quantize)(const float*, uint8_t*, int64_t), void (*dequantize)(const uint8_t*, float*, int64_t),
+                       bool integer_codes = true) {
+    return GgufBlockFormat{type,    name,        id,     elements, bytes, file_type, std::nullopt, nullptr, nullptr,
+                           quantize, dequantize, integer_codes};
   };
   switch (type) {
     case GgufBlockType::kF32: return values("F32", 0, 4, kAllF32);
@@ -103,7 +107,7 @@ GgufBlockFormat row_of(GgufBlockType type) {
     case GgufBlockType::kQ4_0:
       return {type, "Q4_0", 2, kGgufBlockElements, sizeof(GgufBlockQ4_0), kMostlyQ4_0,
               GgufBlockGrid{/*bits=*/4, /*symmetric=*/true, /*fp16_scales=*/true}, encode_q4_0, decode_q4_0,
-              q::quantize_q4_0, q::dequantize_q4_0};
+              q::quantize_q4_0, q::dequantize_q4_0, /*integer_codes=*/true};
     case GgufBlockType::kQ4_1:
       return blocks("Q4_1", 3, kGgufBlockElements, q::kQ4_1Bytes, kMostlyQ4_1, q::quantize_q4_1, q::dequantize_q4_1);
     case GgufBlockType::kQ5_0:
@@ -113,7 +117,7 @@ GgufBlockFormat row_of(GgufBlockType type) {
     case GgufBlockType::kQ8_0:
       return {type, "Q8_0", 8, kGgufBlockElements, sizeof(GgufBlockQ8_0), kMostlyQ8_0,
               GgufBlockGrid{/*bits=*/8, /*symmetric=*/true, /*fp16_scales=*/true}, encode_q8_0, decode_q8_0,
-              q::quantize_q8_0, q::dequantize_q8_0};
+              q::quantize_q8_0, q::dequantize_q8_0, /*integer_codes=*/true};
     case GgufBlockType::kQ2_K:
       return blocks("Q2_K", 10, q::kSuperBlock, q::kQ2_KBytes, kMostlyQ2_K, q::quantize_q2_k, q::dequantize_q2_k);
     case GgufBlockType::kQ3_K:
@@ -124,6 +128,9 @@ GgufBlockFormat row_of(GgufBlockType type) {
       return blocks("Q5_K", 13, q::kSuperBlock, q::kQ5_KBytes, kMostlyQ5_K_S, q::quantize_q5_k, q::dequantize_q5_k);
     case GgufBlockType::kQ6_K:
       return blocks("Q6_K", 14, q::kSuperBlock, q::kQ6_KBytes, kMostlyQ6_K, q::quantize_q6_k, q::dequantize_q6_k);
+    case GgufBlockType::kMXFP4:
+      return blocks("MXFP4", 39, kGgufBlockElements, q::kMxfp4Bytes, kMostlyMXFP4_MoE, q::quantize_mxfp4, q::dequantize_mxfp4,
+                    /*integer_codes=*/false);
     case GgufBlockType::kCount: break;
   }
   throw Error(ErrorCode::kInternal, "GGUF tensor type " + std::to_string(static_cast<int>(type)) + " has no row");

@@ -21,6 +21,7 @@ enum class GgufBlockType {
   kF32, kF16, kBF16,
   kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0,      // blocks of 32 (ggml's legacy types)
   kQ2_K, kQ3_K, kQ4_K, kQ5_K, kQ6_K,      // super-blocks of 256 (k-quants)
+  kMXFP4,                                 // blocks of 32, E8M0 scale, E2M1 codes (gpt-oss's experts)
   kCount
 };
 
@@ -37,7 +38,7 @@ struct GgufBlockFormat {
   GgufBlockType type;
   const char* name;        // as gguf-py's GGMLQuantizationType names it: "F32", "Q4_0"
   uint32_t ggml_type;      // the id a GGUF tensor-info records (ggml.h's enum ggml_type)
-  int64_t block_elements;  // 32 for Q4_0 / Q8_0 (QK4_0, QK8_0); 1 for float types
+  int64_t block_elements;  // 32 for Q4_0 / Q8_0 / MXFP4 (QK4_0, QK8_0, QK_MXFP4); 1 for float types
   int64_t block_bytes;     // sizeof the block struct (of one element for float types)
   uint32_t file_type;      // llama.cpp's llama_ftype of a file mostly of this type (general.file_type)
   std::optional<GgufBlockGrid> grid;  // quantized types only
@@ -51,6 +52,9 @@ struct GgufBlockFormat {
   // llama-quantize writes them; and ggml's dequantize_row_* back (qat/gguf_quants.h).
   void (*quantize)(const float* x, uint8_t* out, int64_t n);
   void (*dequantize)(const uint8_t* in, float* y, int64_t n);
+  // The dequantization multiplies integer codes by scales (the legacy types and the K-quants):
+  // qat/gguf_grid.h trains on that grid. MXFP4's codes stand for E2M1 values: no grid yet.
+  bool integer_codes = false;
 };
 
 const GgufBlockFormat& gguf_block_format(GgufBlockType type);

@@ -51,7 +51,7 @@ T q4_k_s_ffn_down(T base, const GgufTensorPlace& place) { return place.index < p
 // ---- What every quantized file type shares ---------------------------------------------------
 
 // The kinds of tensor llama.cpp's rules tell apart (tensor_get_category, less the kinds whose
-// rules only its IQ / MXFP4 file types have).
+// rules only its IQ file types have; MXFP4_MOE's tell banks of experts from the rest).
 enum class TensorKind { kOutput, kTokenEmbedding, kAttentionV, kAttentionK, kAttentionOutput, kFfnDown, kOther };
 
 // tensor_get_category's name tests after the exact output / token_embd names, first match wins.
@@ -185,6 +185,7 @@ const std::vector<GgufFileType>& gguf_file_types() {
       {"Q5_K_S",  16,         T::kQ5_K},
       {"Q5_K_M",  17,         T::kQ5_K,   q6_k_where_more_bits,   q6_k_where_more_bits},
       {"Q6_K",    18,         T::kQ6_K},
+      {"MXFP4_MOE", 38,       T::kMXFP4,  nullptr,                nullptr,                nullptr,  /*experts_only=*/true},
   };
   return rows;
 }
@@ -227,6 +228,11 @@ std::vector<GgufBlockType> gguf_tensor_types(const GgufFileType& file_type, cons
       continue;
     }
     const int64_t row_length = tensor.shape.back();
+    if (file_type.experts_only) {  // ggml's ne[2] > 1: a bank of experts
+      const bool bank = tensor.shape.size() >= 3 && tensor.shape[tensor.shape.size() - 3] > 1;
+      types[index] = fallback_type(bank ? base : T::kQ8_0, row_length);
+      continue;
+    }
     T type = base;
     switch (kind_of(tensor.name)) {
       case TensorKind::kOutput:

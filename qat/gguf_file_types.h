@@ -35,13 +35,16 @@ struct GgufFileType {
   GgufMixRule attention_v = nullptr;       // attn_v.weight and the fused attn_qkv.weight
   GgufMixRule ffn_down = nullptr;          // ffn_down.weight (and MoE ffn_down_exps.weight)
   GgufMixRule attention_output = nullptr;  // attn_output.weight
+  // MXFP4_MOE: base_type for the expert banks (3-D tensors of more than one expert) only; every
+  // other weight, the output and token_embd too, Q8_0 (the mixes above do not apply).
+  bool experts_only = false;
 };
 
 // What --gguf-type / export.gguf_type say for "the grid a QAT run trained on, the rest F32".
 constexpr const char* kGgufFileTypeAuto = "auto";
 
 // Every file type `--gguf-type` takes: the float types, Q8_0, the legacy types, then the K-quant
-// mixes from the fewest bits to the most.
+// mixes from the fewest bits to the most, then MXFP4_MOE (the experts MXFP4, the rest Q8_0).
 const std::vector<GgufFileType>& gguf_file_types();
 // "F32, F16, BF16, Q8_0, ..." for messages.
 std::string gguf_file_type_names();

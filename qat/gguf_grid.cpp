@@ -185,9 +185,10 @@ GridRow grid_row(GgufBlockType type) {
     case GgufBlockType::kF32:
     case GgufBlockType::kF16:
     case GgufBlockType::kBF16:
+    case GgufBlockType::kMXFP4:  // E2M1 values, not integers times scales
     case GgufBlockType::kCount: break;
   }
-  throw Error(ErrorCode::kInternal, std::string("GGUF type ") + format->name + " is not a quantized block type: it has no grid");
+  throw Error(ErrorCode::kInternal, std::string("GGUF type ") + format->name + " has no grid of integer codes");
 }
 #pragma GCC diagnostic pop
 

@@ -37,6 +37,10 @@ void dequantize_q4_k(const uint8_t* in, float* y, int64_t n);
 void dequantize_q5_k(const uint8_t* in, float* y, int64_t n);
 void dequantize_q6_k(const uint8_t* in, float* y, int64_t n);
 
+// MXFP4 (qat/gguf_quants_mxfp4.cpp): blocks of 32, an E8M0 scale and E2M1 codes.
+void quantize_mxfp4(const float* x, uint8_t* out, int64_t n);
+void dequantize_mxfp4(const uint8_t* in, float* y, int64_t n);
+
 // Block sizes in bytes (sizeof ggml's block_q4_1 etc.).
 constexpr int64_t kQ4_1Bytes = 2 + 2 + 16;
 constexpr int64_t kQ5_0Bytes = 2 + 4 + 16;
@@ -47,5 +51,6 @@ constexpr int64_t kQ3_KBytes = 32 + 64 + 12 + 2;
 constexpr int64_t kQ4_KBytes = 2 + 2 + 12 + 128;
 constexpr int64_t kQ5_KBytes = 2 + 2 + 12 + 32 + 128;
 constexpr int64_t kQ6_KBytes = 128 + 64 + 16 + 2;
+constexpr int64_t kMxfp4Bytes = 1 + 16;
 
 }  // namespace qtrain::qat::gguf_quants

@@ -62,8 +62,9 @@ void QuantSpec::validate(const std::string& what) const {
   const auto& info = format_info();
   if (is_gguf_block()) {
     const auto& block = gguf_block_format(gguf_block);
-    if (block.quantize == nullptr) {
-      throw Error(ErrorCode::kRecipe, what + ".gguf_type: " + block.name + " is not a quantized GGUF block type");
+    if (!block.integer_codes) {
+      throw Error(ErrorCode::kRecipe, what + ".gguf_type: " + block.name + " is not a GGUF block type QAT trains on "
+                                      "(the legacy types and the K-quants)");
     }
     if (granularity != Granularity::kPerGroup || group_size != block.block_elements) {
       throw Error(ErrorCode::kInternal, what + ": GGUF " + block.name + " rounds blocks of " + std::to_string(block.block_elements) +

@@ -134,6 +134,27 @@ inline CommandResult run_interop_script(const std::string& script, const std::st
   return run_command(python() + " " + source_dir() + "/tests/interop/" + script + " " + arguments + " 2>&1");
 }
 
+// tests/interop/gguf_model.py quantize-compare with `python` (one with llama_cpp): llama.cpp's own
+// quantizer on `f32_gguf` to file type `type`, against `prefix` + type + ".gguf" (the same
+// tensors, types and bytes), then llama.cpp runs ours. `summary` is the script's line for the type
+// ("Q4_K_M: 39 of 39 tensors byte for byte as llama_model_quantize's"), or empty.
+struct QuantizeComparison {
+  std::string command;
+  CommandResult result;
+  std::string summary;
+};
+inline QuantizeComparison compare_with_llama_quantize(const std::string& python, const std::string& f32_gguf,
+                                                      const std::string& prefix, const std::string& type) {
+  QuantizeComparison comparison;
+  comparison.command = "'" + python + "' '" + source_dir() + "/tests/interop/gguf_model.py' quantize-compare '" + f32_gguf +
+                       "' '" + prefix + "' " + type + " 2>&1";
+  comparison.result = run_command(comparison.command);
+  const auto& output = comparison.result.output;
+  const auto line = output.rfind(type + ": ");
+  if (line != std::string::npos) comparison.summary = output.substr(line, output.find('\n', line) - line);
+  return comparison;
+}
+
 // A fresh directory under the system's temp dir, removed when the object goes.
 class TempDir {
  public:

@@ -103,14 +103,10 @@ void expect_trained_adapter_and_merge_match_peft(const std::string& name, const 
                                                " 2>&1");
     ASSERT_EQ(exported.status, 0) << exported.output;
   }
-  const std::string compare = "'" + llama_cpp + "' '" + testing::source_dir() + "/tests/interop/gguf_model.py' quantize-compare '" +
-                              temp.file("F32.gguf") + "' '" + temp.file("") + "' Q4_K_M 2>&1";
-  const auto compared = testing::run_command(compare);
-  EXPECT_EQ(compared.status, 0) << compare << "\n" << compared.output;
-  const auto summary = compared.output.rfind("Q4_K_M: ");
-  ASSERT_NE(summary, std::string::npos) << compared.output;
-  std::printf("[ measured ] %s: GGUF of the run, %s", name.c_str(),
-              compared.output.substr(summary, compared.output.find('\n', summary) - summary + 1).c_str());
+  const auto compared = testing::compare_with_llama_quantize(llama_cpp, temp.file("F32.gguf"), temp.file(""), "Q4_K_M");
+  EXPECT_EQ(compared.result.status, 0) << compared.command << "\n" << compared.result.output;
+  ASSERT_FALSE(compared.summary.empty()) << compared.result.output;
+  std::printf("[ measured ] %s: GGUF of the run, %s\n", name.c_str(), compared.summary.c_str());
 }
 
 TEST_P(FamilyTraining, QloraStepsWriteAnAdapterPeftLoadsWithOurLogits) {

@@ -168,7 +168,8 @@ TEST_P(MoeFamily, QloraStepsWriteAnAdapterPeftLoadsAndAMergeTransformersLoadsWit
 INSTANTIATE_TEST_SUITE_P(Families, MoeFamily, ::testing::Values("qwen3_moe", "qwen3_moe_step2", "mixtral", "gpt_oss"),
                          [](const auto& info) { return info.param; });
 
-// GGUF export of the experts (ffn_gate_inp, ffn_{gate,up,down}_exps): llama.cpp runs the file with our logits.
+// GGUF export of the experts (ffn_gate_inp, ffn_{gate,up,down}_exps): llama.cpp runs the F32 file with our
+// logits, and the MXFP4_MOE file has the bytes of its quantizer.
 class MoeGguf : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(MoeGguf, LlamaCppRunsTheExportWithOurLogits) {
@@ -184,11 +185,14 @@ TEST_P(MoeGguf, LlamaCppRunsTheExportWithOurLogits) {
     config["sliding_window"] = nullptr;
     std::ofstream(path) << config.dump(2);
   }
-  const auto exported = testing::run_command(testing::qtrain_binary() + " export --model " + model_dir +
-                                             " --format gguf --gguf-type F32 --out " + temp.file("model.gguf") + " 2>&1");
-  ASSERT_EQ(exported.status, 0) << exported.output;
+  // F32, and MXFP4_MOE (gpt-oss's own GGUF file type: the experts MXFP4, the other weights Q8_0).
+  for (const std::string type : {"F32", "MXFP4_MOE"}) {
+    const auto exported = testing::run_command(testing::qtrain_binary() + " export --model " + model_dir +
+                                               " --format gguf --gguf-type " + type + " --out " + temp.file(type + ".gguf") + " 2>&1");
+    ASSERT_EQ(exported.status, 0) << exported.output;
+  }
   const std::string run = "'" + llama_cpp + "' '" + testing::source_dir() + "/tests/interop/gguf_model.py' llama-cpp '" +
-                          temp.file("model.gguf") + "' 'The jury said it did find that the' '" + temp.file("llama.safetensors") + "' 2>&1";
+                          temp.file("F32.gguf") + "' 'The jury said it did find that the' '" + temp.file("llama.safetensors") + "' 2>&1";
   const auto ran = testing::run_command(run);
   ASSERT_EQ(ran.status, 0) << run << "\n" << ran.output;
   const auto theirs = trainer::SafetensorsFile::open(temp.file("llama.safetensors"));
@@ -202,6 +206,12 @@ TEST_P(MoeGguf, LlamaCppRunsTheExportWithOurLogits) {
               static_cast<long long>(inputs.input_ids.size(1)));
   EXPECT_LE(error, 1e-2);  // llama.cpp's own kernels (its CPU matmuls round inputs to its vector dot types)
   EXPECT_TRUE(torch::equal(ours.argmax(-1), theirs.tensor("logits").argmax(-1)));
+
+  // The MXFP4_MOE file: the tensors, types and bytes llama.cpp's quantizer gives the F32 one, and llama.cpp runs it.
+  const auto compared = testing::compare_with_llama_quantize(llama_cpp, temp.file("F32.gguf"), temp.file(""), "MXFP4_MOE");
+  EXPECT_EQ(compared.result.status, 0) << compared.command << "\n" << compared.result.output;
+  ASSERT_FALSE(compared.summary.empty()) << compared.result.output;
+  std::printf("[ measured ] %s: %s\n", GetParam().c_str(), compared.summary.c_str());
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, MoeGguf, ::testing::Values("qwen3_moe_all", "mixtral", "gpt_oss"),

@@ -52,7 +52,7 @@ TEST(GgufBlock, EveryTypeIsOneRowOfGgmlsTypeTraits) {
                                {"Q5_1", 7, 32, 24, 9, true, false},    {"Q8_0", 8, 32, 34, 7, true, true},
                                {"Q2_K", 10, 256, 84, 10, true, false}, {"Q3_K", 11, 256, 110, 11, true, false},
                                {"Q4_K", 12, 256, 144, 14, true, false}, {"Q5_K", 13, 256, 176, 16, true, false},
-                               {"Q6_K", 14, 256, 210, 18, true, false}};
+                               {"Q6_K", 14, 256, 210, 18, true, false}, {"MXFP4", 39, 32, 17, 38, true, false}};
   ASSERT_EQ(gguf_block_formats().size(), std::size(expected));
   for (size_t index = 0; index < std::size(expected); ++index) {
     const auto& row = gguf_block_formats()[index];
@@ -70,8 +70,9 @@ TEST(GgufBlock, EveryTypeIsOneRowOfGgmlsTypeTraits) {
     EXPECT_EQ(row.grid.has_value(), expected[index].qat_codes);
     EXPECT_EQ(row.encode != nullptr, expected[index].qat_codes);
     EXPECT_EQ(row.decode != nullptr, expected[index].qat_codes);
+    EXPECT_EQ(row.integer_codes, expected[index].quantized && row.type != GgufBlockType::kMXFP4);  // E2M1 values
   }
-  EXPECT_EQ(gguf_block_format_by_id(39), nullptr);  // MXFP4: not a type qtrain reads yet
+  EXPECT_EQ(gguf_block_format_by_id(40), nullptr);  // NVFP4: not a type qtrain reads yet
 }
 
 // general.file_type names a file by its densest type, as the exporter's Q4_0-over-Q8_0-over-F16

@@ -229,7 +229,7 @@ TEST(GgufFileTypes, TableHoldsLlamaHsNumbersAndDefaultTypes) {
       {"Q4_0", 2, T::kQ4_0},   {"Q4_1", 3, T::kQ4_1},    {"Q5_0", 8, T::kQ5_0},    {"Q5_1", 9, T::kQ5_1},
       {"Q2_K", 10, T::kQ2_K},  {"Q3_K_S", 11, T::kQ3_K}, {"Q3_K_M", 12, T::kQ3_K}, {"Q3_K_L", 13, T::kQ3_K},
       {"Q4_K_S", 14, T::kQ4_K}, {"Q4_K_M", 15, T::kQ4_K}, {"Q5_K_S", 16, T::kQ5_K}, {"Q5_K_M", 17, T::kQ5_K},
-      {"Q6_K", 18, T::kQ6_K},
+      {"Q6_K", 18, T::kQ6_K},  {"MXFP4_MOE", 38, T::kMXFP4},
   };
   ASSERT_EQ(gguf_file_types().size(), std::size(expected));
   for (size_t index = 0; index < std::size(expected); ++index) {

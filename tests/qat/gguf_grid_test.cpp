@@ -43,7 +43,7 @@ for line in open(sys.argv[1]):
 std::vector<GgufBlockType> quantized_types() {
   std::vector<GgufBlockType> types;
   for (const auto& row : gguf_block_formats()) {
-    if (row.quantize != nullptr) types.push_back(row.type);
+    if (row.integer_codes) types.push_back(row.type);
   }
   return types;
 }
@@ -368,7 +368,8 @@ TEST(GgufGrid, RequantizeKeepsTheScalesAndFindsTheNearestCodes) {
 
 TEST(GgufGrid, RefusesWhatNoBlockCanHold) {
   const auto weight = torch::randn({4, 256});
-  EXPECT_NE(testing::error_message([&] { quantize_gguf_grid(weight, GgufBlockType::kF16); }).find("not a quantized block type"), std::string::npos);
+  EXPECT_NE(testing::error_message([&] { quantize_gguf_grid(weight, GgufBlockType::kF16); }).find("no grid of integer codes"), std::string::npos);
+  EXPECT_NE(testing::error_message([&] { quantize_gguf_grid(weight, GgufBlockType::kMXFP4); }).find("no grid of integer codes"), std::string::npos);
   EXPECT_NE(testing::error_message([&] { quantize_gguf_grid(torch::randn({4, 96}), GgufBlockType::kQ4_K); }).find("multiple of 256"), std::string::npos);
   EXPECT_NE(testing::error_message([&] { quantize_gguf_grid(weight.to(torch::kHalf), GgufBlockType::kQ8_0); }).find("fp32"), std::string::npos);
   auto grid = quantize_gguf_grid(weight, GgufBlockType::kQ4_K);

@@ -153,11 +153,11 @@ std::vector<std::string> activation_format_names() {
   return names;
 }
 
-// qat.weights.gguf_type's values: llama.cpp's file types of quantized blocks.
+// qat.weights.gguf_type's values: llama.cpp's file types of blocks of integer codes.
 std::vector<std::string> quantized_gguf_type_names() {
   std::vector<std::string> names;
   for (const auto& file_type : qat::gguf_file_types()) {
-    if (qat::gguf_block_format(file_type.base_type).quantize != nullptr) names.emplace_back(file_type.name);
+    if (qat::gguf_block_format(file_type.base_type).integer_codes) names.emplace_back(file_type.name);
   }
   return names;
 }

@@ -150,7 +150,7 @@ std::vector<std::string> apply_recipe_qat(torch::nn::Module& model, const Recipe
     options.weight_spec_of = [types = gguf_layer_types(model, *config, file_type), &file_type, key](const std::string& name) {
       const auto type = types.find(name);
       if (type == types.end()) throw Error(ErrorCode::kInternal, key + ": no GGUF type for layer " + name);
-      if (qat::gguf_block_format(type->second).quantize == nullptr) {
+      if (!qat::gguf_block_format(type->second).integer_codes) {
         throw Error(ErrorCode::kRecipe, key + ": " + file_type.name + " writes " + name + " as " + qat::gguf_block_format(type->second).name +
                     " (its rows are not a multiple of 32), which has no grid to train on: leave it out of qat.target_modules");
       }
