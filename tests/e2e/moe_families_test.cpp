@@ -101,13 +101,25 @@ TEST_P(MoeFamily, PeftAdapterOnTheExpertsGivesPeftsLogits) {
 }
 
 // A tiny model of `family` with the qwen3 fixture's 8,192-token tokenizer, in `dir`.
-void make_with_tokenizer(const std::string& family, const std::string& dir) {
+void make_with_tokenizer(const std::string& family, const std::string& dir, const std::string& mode = "make") {
   const auto made = testing::run_command("MOE_VOCAB=8192 " + testing::python() + " " + testing::source_dir() +
-                                         "/tests/interop/moe_model.py make " + family + " " + dir + " 2>&1");
+                                         "/tests/interop/moe_model.py " + mode + " " + family + " " + dir + " 2>&1");
   ASSERT_EQ(made.status, 0) << made.output;
   for (const char* file : {"tokenizer.json", "tokenizer_config.json"}) {
     fs::copy_file(testing::fixture(std::string("families/qwen3/") + file), dir + "/" + file);
   }
+}
+
+// `qtrain export --model model_dir --format gguf` as F32.gguf and MXFP4_MOE.gguf in `temp`; false
+// (and a test failure with its output) where one fails.
+bool export_f32_and_mxfp4_moe(const std::string& model_dir, const testing::TempDir& temp) {
+  for (const std::string type : {"F32", "MXFP4_MOE"}) {
+    const auto exported = testing::run_command(testing::qtrain_binary() + " export --model " + model_dir +
+                                               " --format gguf --gguf-type " + type + " --out " + temp.file(type + ".gguf") + " 2>&1");
+    EXPECT_EQ(exported.status, 0) << exported.output;
+    if (exported.status != 0) return false;
+  }
+  return true;
 }
 
 // The CLI on recipes/demo_tiny.yaml with model.path `model_dir` and `flags`, its run in `run_dir`.
@@ -186,11 +198,7 @@ TEST_P(MoeGguf, LlamaCppRunsTheExportWithOurLogits) {
     std::ofstream(path) << config.dump(2);
   }
   // F32, and MXFP4_MOE (gpt-oss's own GGUF file type: the experts MXFP4, the other weights Q8_0).
-  for (const std::string type : {"F32", "MXFP4_MOE"}) {
-    const auto exported = testing::run_command(testing::qtrain_binary() + " export --model " + model_dir +
-                                               " --format gguf --gguf-type " + type + " --out " + temp.file(type + ".gguf") + " 2>&1");
-    ASSERT_EQ(exported.status, 0) << exported.output;
-  }
+  ASSERT_TRUE(export_f32_and_mxfp4_moe(model_dir, temp));
   const std::string run = "'" + llama_cpp + "' '" + testing::source_dir() + "/tests/interop/gguf_model.py' llama-cpp '" +
                           temp.file("F32.gguf") + "' 'The jury said it did find that the' '" + temp.file("llama.safetensors") + "' 2>&1";
   const auto ran = testing::run_command(run);
@@ -267,6 +275,24 @@ TEST(GptOssMxfp4, ExpertsStayMxfp4WithTransformersLogits) {
   const double error = max_relative_error(loaded.model->forward(inputs), reference.tensor("logits"));
   std::printf("[ measured ] gpt-oss MXFP4: %lld banks kept as MXFP4, logits %.3g relative\n", static_cast<long long>(banks), error);
   EXPECT_LE(error, 1e-5);
+}
+
+// gpt-oss's MXFP4 experts, unadapted, exported as MXFP4_MOE: each bank dequantizes to exactly the
+// values the F32 export holds, the checkpoint's own (llama.cpp's quantizer gives MXFP4 values back
+// unchanged: a block's largest value sets the same grid or a finer one that holds them all).
+TEST(GptOssMxfp4, AnMxfp4MoeGgufKeepsTheCheckpointsExpertValues) {
+  const auto python = testing::find_python_with("gguf numpy");
+  if (python.empty()) GTEST_SKIP() << "no Python with gguf and numpy";
+  if (!testing::python_has("transformers safetensors")) GTEST_SKIP() << testing::python_lacks("transformers safetensors");
+  testing::TempDir temp;
+  const auto model_dir = temp.file("model");
+  make_with_tokenizer("gpt_oss", model_dir, "make-mxfp4");
+  ASSERT_TRUE(export_f32_and_mxfp4_moe(model_dir, temp));
+  const std::string compare = "'" + python + "' '" + testing::source_dir() + "/tests/interop/gguf_model.py' same-values '" +
+                              temp.file("F32.gguf") + "' '" + temp.file("MXFP4_MOE.gguf") + "' MXFP4 2>&1";
+  const auto compared = testing::run_command(compare);
+  EXPECT_EQ(compared.status, 0) << compare << "\n" << compared.output;
+  std::printf("[ measured ] gpt-oss MXFP4 checkpoint, %s", compared.output.c_str());
 }
 
 }  // namespace

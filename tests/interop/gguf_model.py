@@ -14,6 +14,10 @@
         and compares PREFIX + TYPE + ".gguf" with it: the same tensors, each of the same type and
         the same bytes, and the same general.file_type. Then llama.cpp loads each of our files and
         evaluates a few tokens (finite logits). Prints what differs and exits 1 on any difference.
+    python gguf_model.py same-values F32.gguf QUANTIZED.gguf TYPE
+        Every tensor of QUANTIZED.gguf stored as TYPE (gguf-py's name: MXFP4) dequantizes (gguf-py's
+        gguf.quants.dequantize) to exactly the values F32.gguf holds under the same name: the
+        quantization lost nothing. Prints the count, or what differs and exits 1.
     python gguf_model.py llama-cpp MODEL.gguf TEXT OUT.safetensors
         Runs llama.cpp (llama-cpp-python) on TEXT tokenized by llama.cpp itself (BOS added as the
         file says); writes `input_ids` (int64 [1, T]) and `logits` (fp32 [1, T, vocab]).
@@ -200,6 +204,27 @@ def tensor_table(path: str) -> tuple[dict, int]:
     return tensors, file_type
 
 
+def same_values(f32_path: str, quantized_path: str, type_name: str) -> int:
+    import gguf
+
+    kind = gguf.GGMLQuantizationType[type_name]
+    exact = {tensor.name: tensor for tensor in gguf.GGUFReader(f32_path).tensors}
+    problems, compared = [], 0
+    for tensor in gguf.GGUFReader(quantized_path).tensors:
+        if tensor.tensor_type != kind:
+            continue
+        compared += 1
+        values = gguf.quants.dequantize(tensor.data, kind).reshape(-1)
+        expected = np.asarray(exact[tensor.name].data, dtype=np.float32).reshape(-1)
+        if values.shape != expected.shape or not np.array_equal(values, expected):
+            differing = int(np.sum(values != expected)) if values.shape == expected.shape else -1
+            problems.append(f"{tensor.name}: {differing} of {expected.size} values differ")
+    for problem in problems:
+        print(problem)
+    print(f"{type_name}: {compared - len(problems)} of {compared} tensors hold exactly the F32 file's values")
+    return 1 if problems or compared == 0 else 0
+
+
 def quantize_compare(f32_path: str, prefix: str, *type_names: str) -> int:
     import ctypes
     import os
@@ -251,4 +276,5 @@ def quantize_compare(f32_path: str, prefix: str, *type_names: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_mode({"check": check, "llama-cpp": llama_cpp_logits, "quantize-compare": quantize_compare}))
+    sys.exit(run_mode({"check": check, "llama-cpp": llama_cpp_logits, "quantize-compare": quantize_compare,
+                       "same-values": same_values}))
