@@ -572,8 +572,9 @@ BenchMeasurement measure_bench(const BenchOptions& bench, BenchRun& run) {
   };
   BenchMeasurement measured;
   // --precompute-reference: the batches with their reference log-probabilities, as the run's pass
-  // before training leaves them; that pass timed on its second round (the first builds kernels).
-  const auto with_reference = [&](std::vector<data::Batch> batches) {
+  // before training leaves them; that pass's time on its second round (the first builds kernels)
+  // into `seconds`.
+  const auto with_reference = [&](std::vector<data::Batch> batches, double& seconds) {
     if (!bench.precompute_reference) return batches;
     for (int round = 0; round < 2; ++round) {
       synchronize(device);
@@ -586,14 +587,14 @@ BenchMeasurement measure_bench(const BenchOptions& bench, BenchRun& run) {
         batch.reference_log_probs = torch::stack({reference.chosen, reference.rejected}, 1).to(torch::kFloat64).cpu();
       }
       synchronize(device);
-      measured.reference_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     }
     return batches;
   };
   // `timed` steps of `tokens`-long sequences after `untimed` ones: the median step time and the
   // peak memory of the timed steps.
   const auto measure = [&](int64_t tokens, int64_t untimed, int64_t timed) {
-    const auto batches = with_reference(batches_of(tokens));
+    const auto batches = with_reference(batches_of(tokens), measured.reference_seconds);
     std::vector<double> seconds;
     trainer::reset_peak_memory(device);
     for (int64_t step = 0; step < untimed + timed; ++step) {
@@ -617,9 +618,8 @@ BenchMeasurement measure_bench(const BenchOptions& bench, BenchRun& run) {
   }
   measured.memory = trainer::memory_usage(device);
   if (bench.profile_steps > 0) {
-    const double reference_seconds = measured.reference_seconds;  // the timed steps', not the profile's
-    const auto batches = with_reference(batches_of(measured.sequence));
-    measured.reference_seconds = reference_seconds;
+    double profiled_reference_seconds = 0;  // the report keeps the timed steps'
+    const auto batches = with_reference(batches_of(measured.sequence), profiled_reference_seconds);
     KernelProfile profile(device.is_cuda(), /*record_shapes=*/!bench.trace_path.empty());
     for (int64_t step = 0; step < bench.profile_steps; ++step) run.step->run(batches, next_step++);
     synchronize(device);

@@ -431,16 +431,22 @@ TEST(Cli, BadInputIsOneLineAndExitStatus2) {
   expect_user_error(qtrain("bench --shape tiny --device cpu --objective orpo --precompute-reference"), "--objective dpo");
 }
 
+// One step of `qtrain bench` on the tiny shape (CPU, fp32, sequences of 32) with `flags`: its
+// output and its --json object (empty, and a test failure, where it does not run).
+std::pair<std::string, nlohmann::json> tiny_bench(const std::string& flags) {
+  const auto result = qtrain("bench --shape tiny --device cpu --dtype fp32 --seq 32 " + flags +
+                             " --steps 1 --warmup 0 --json 2>&1");
+  EXPECT_EQ(result.status, 0) << result.output;
+  if (result.status != 0) return {result.output, nlohmann::json::object()};
+  return {result.output, nlohmann::json::parse(last_line(result.output))};
+}
+
 // bench's DPO with the reference's log-probabilities computed before the steps, as
 // dpo.precompute_reference does: the steps read them, and that pass's time is reported beside.
 TEST(Cli, BenchPrecomputesTheReferenceOfDpoWhenAsked) {
-  const auto result = qtrain("bench --shape tiny --device cpu --dtype fp32 --micro-batch 2 --seq 32 --objective dpo "
-                             "--precompute-reference --steps 1 --warmup 0 --json 2>&1");
-  ASSERT_EQ(result.status, 0) << result.output;
-  EXPECT_NE(result.output.find("the reference's log-probabilities computed before the steps"), std::string::npos)
-      << result.output;
-  EXPECT_NE(result.output.find("the reference's pass before training"), std::string::npos) << result.output;
-  const auto measured = nlohmann::json::parse(last_line(result.output));
+  const auto [output, measured] = tiny_bench("--micro-batch 2 --objective dpo --precompute-reference");
+  EXPECT_NE(output.find("the reference's log-probabilities computed before the steps"), std::string::npos) << output;
+  EXPECT_NE(output.find("the reference's pass before training"), std::string::npos) << output;
   EXPECT_TRUE(measured.at("precompute_reference").get<bool>());
   EXPECT_GT(measured.at("reference_seconds").get<double>(), 0);
   EXPECT_GT(measured.at("tokens_per_second").get<double>(), 0);
@@ -448,12 +454,8 @@ TEST(Cli, BenchPrecomputesTheReferenceOfDpoWhenAsked) {
 
 // bench's packed rows as a packed document's data has them: some rows one sample each, first.
 TEST(Cli, BenchPacksWholeRowsBesideRowsOfSeveralSamples) {
-  const auto result = qtrain("bench --shape tiny --device cpu --dtype fp32 --micro-batch 2 --seq 32 --packed-samples 2 "
-                             "--packed-whole-rows 1 --steps 1 --warmup 0 --json 2>&1");
-  ASSERT_EQ(result.status, 0) << result.output;
-  EXPECT_NE(result.output.find("packed: 2 samples a sequence (the first 1 rows one sample each)"), std::string::npos)
-      << result.output;
-  const auto measured = nlohmann::json::parse(last_line(result.output));
+  const auto [output, measured] = tiny_bench("--micro-batch 2 --packed-samples 2 --packed-whole-rows 1");
+  EXPECT_NE(output.find("packed: 2 samples a sequence (the first 1 rows one sample each)"), std::string::npos) << output;
   EXPECT_EQ(measured.at("packed_whole_rows").get<int64_t>(), 1);
   EXPECT_EQ(measured.at("packed_samples").get<int64_t>(), 2);
   EXPECT_GT(measured.at("tokens_per_second").get<double>(), 0);
@@ -462,11 +464,9 @@ TEST(Cli, BenchPacksWholeRowsBesideRowsOfSeveralSamples) {
 // bench's token ids from part of the vocabulary, as the real command's data on a random checkpoint
 // with a small tokenizer.
 TEST(Cli, BenchDrawsTokenIdsBelowABound) {
-  const auto result = qtrain("bench --shape tiny --device cpu --dtype fp32 --micro-batch 1 --seq 32 --token-ids-below 100 "
-                             "--steps 1 --warmup 0 --json 2>&1");
-  ASSERT_EQ(result.status, 0) << result.output;
-  EXPECT_NE(result.output.find("token ids drawn from [0, 100) of the 8192"), std::string::npos) << result.output;
-  EXPECT_EQ(nlohmann::json::parse(last_line(result.output)).at("token_ids_below").get<int64_t>(), 100);
+  const auto [output, measured] = tiny_bench("--micro-batch 1 --token-ids-below 100");
+  EXPECT_NE(output.find("token ids drawn from [0, 100) of the 8192"), std::string::npos) << output;
+  EXPECT_EQ(measured.at("token_ids_below").get<int64_t>(), 100);
 }
 
 }  // namespace
