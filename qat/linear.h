@@ -23,6 +23,15 @@ class LinearLayer : public torch::nn::Module {
     (void)rebuild;
     return forward(input);
   }
+  // forward_rebuilding_input(input, rebuild) where nothing will read the output's values, only
+  // its place in autograd's graph: a block's last projection in a checkpointed layer's
+  // recomputation, whose output only joins the residual stream that is the layer's output (the
+  // sum's backward reads no values). A layer whose backward does not need its output either (a
+  // LoRA adapter on a frozen base: qat/lora_matmul.h) may leave the values unwritten and skip the
+  // base's product; the rest compute it as usual.
+  virtual torch::Tensor forward_for_graph(const torch::Tensor& input, const InputRebuild& rebuild) {
+    return forward_rebuilding_input(input, rebuild);
+  }
   virtual int64_t in_features() const = 0;
   virtual int64_t out_features() const = 0;
   // The weight as a dense [out_features, in_features] tensor in `dtype` (what a merge or an

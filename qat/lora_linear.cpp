@@ -98,6 +98,14 @@ torch::Tensor LoraLinear::forward_rebuilding_input(const torch::Tensor& input, c
   return lora_forward(input, is_training() ? options_.dropout : 0.0, rebuild);
 }
 
+torch::Tensor LoraLinear::forward_for_graph(const torch::Tensor& input, const InputRebuild& rebuild) {
+  if (!adapters_enabled() || options_.dora || base_->matmul_weight_kind() == MatmulWeight::kNone) {
+    return forward_rebuilding_input(input, rebuild);
+  }
+  return lora_matmul(input, base_, lora_A_->weight, lora_B_->weight, scale_, is_training() ? options_.dropout : 0.0,
+                     rebuild, /*output_unread=*/true);
+}
+
 torch::Tensor LoraLinear::lora_forward(const torch::Tensor& input, double dropout, const InputRebuild& rebuild) {
   if (base_->matmul_weight_kind() != MatmulWeight::kNone) {
     return lora_matmul(input, base_, lora_A_->weight, lora_B_->weight, scale_, dropout, rebuild);

@@ -54,6 +54,9 @@ class LoraLinear : public LinearLayer {
   // Over a base that fuses (lora_matmul), backward rebuilds the input A's gradient reads instead
   // of keeping it.
   torch::Tensor forward_rebuilding_input(const torch::Tensor& input, const InputRebuild& rebuild) override;
+  // Over a base that fuses, without DoRA (whose magnitude's gradient reads the output): the
+  // output's values are left unwritten and the base's product skipped (lora_matmul's output_unread).
+  torch::Tensor forward_for_graph(const torch::Tensor& input, const InputRebuild& rebuild) override;
   int64_t in_features() const override { return base_->in_features(); }
   int64_t out_features() const override { return base_->out_features(); }
   // The merged weight W + scale * B A, computed in fp32 and returned in `dtype`.

@@ -99,7 +99,7 @@ class LoraMatmulBackward : public torch::autograd::Node {
 
 torch::Tensor lora_matmul(const torch::Tensor& input, const std::shared_ptr<LinearLayer>& base,
                           const torch::Tensor& lora_A, const torch::Tensor& lora_B, double scale, double dropout,
-                          const LinearLayer::InputRebuild& rebuild_input) {
+                          const LinearLayer::InputRebuild& rebuild_input, bool output_unread) {
   const auto dtype = input.scalar_type();
   const int64_t in = lora_A.size(1);
   const int64_t out = lora_B.size(0);
@@ -117,12 +117,21 @@ torch::Tensor lora_matmul(const torch::Tensor& input, const std::shared_ptr<Line
       if (kept.scalar_type() != torch::kBool) kept = kept.to(torch::kBool);  // the CPU kernel's is in x's dtype
     }
     projected = torch::mm(adapter_rows, a.t());
-    output = scaled_product(projected, b.t(), scale, base->bias());
-    if (base->multiplies_itself()) {
-      base->own_product(rows, output);
+    if (output_unread) {
+      output = torch::empty({rows.size(0), out}, rows.options());
+      // The weight backward multiplies by, where it keeps it (below): built now as it would be.
+      if (!base->multiplies_itself() && (base->matmul_weight_kind() == LinearLayer::MatmulWeight::kStored ||
+                                         KeepBuiltWeights::active())) {
+        weight = base->matmul_weight(dtype);
+      }
     } else {
-      weight = base->matmul_weight(dtype);
-      output.addmm_(rows, weight.t());
+      output = scaled_product(projected, b.t(), scale, base->bias());
+      if (base->multiplies_itself()) {
+        base->own_product(rows, output);
+      } else {
+        weight = base->matmul_weight(dtype);
+        output.addmm_(rows, weight.t());
+      }
     }
   }
   auto shape = input.sizes().vec();

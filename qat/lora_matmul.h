@@ -26,8 +26,12 @@ namespace qtrain::qat {
 // `dropout` > 0: peft's dropout on the adapter's input only (a fresh mask each call; pass 0 in eval).
 // `rebuild_input`, if given, makes `input` again bit for bit (LinearLayer::forward_rebuilding_input):
 // backward calls it for A's gradient instead of keeping the input from forward.
+// `output_unread` (LinearLayer::forward_for_graph): nothing reads the output's values, so they are
+// left unwritten and neither product runs (backward reads x, x A^T and W, never y); what backward
+// keeps, the dropout mask drawn and the gradients are those of the product computed.
 torch::Tensor lora_matmul(const torch::Tensor& input, const std::shared_ptr<LinearLayer>& base,
                           const torch::Tensor& lora_A, const torch::Tensor& lora_B, double scale,
-                          double dropout = 0.0, const LinearLayer::InputRebuild& rebuild_input = {});
+                          double dropout = 0.0, const LinearLayer::InputRebuild& rebuild_input = {},
+                          bool output_unread = false);
 
 }  // namespace qtrain::qat

@@ -17,6 +17,7 @@
 #include "support.h"
 #include "trainer/finetune.h"
 #include "trainer/model/causal_lm_loss.h"
+#include "trainer/model/dense_mlp.h"
 #include "trainer/formats/hf_checkpoint.h"
 #include "trainer/recipe/recipe_training.h"
 
@@ -28,27 +29,31 @@ struct Gradients {
   std::vector<torch::Tensor> lora;  // the gradient of every LoRA weight, in parameter order
 };
 
-LlamaForCausalLM tiny_llama_with_lora(bool four_bit, double dropout = 0.2) {
-  auto loaded = load_llama(qtrain::testing::fixture("tiny-llama"));
-  if (four_bit) qat::quantize_linear_layers(*loaded.model, qat::FourBitOptions{}, {"lm_head"});
+// LoRA of rank 4 (alpha 8, `dropout`) on every projection of `model`, only the adapters trained, B
+// made non-zero so that A's gradient is too; the model in training mode.
+void adapt_every_projection(LlamaForCausalLMImpl& model, double dropout) {
   qat::LoraOptions lora;
   lora.rank = 4;
   lora.alpha = 8;
   lora.dropout = dropout;  // the recomputation must draw the same masks
   qat::LoraTargets targets;
   targets.include.names = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
-  torch::manual_seed(11);
-  qat::apply_lora(*loaded.model, targets, lora);
-  for (auto& item : loaded.model->named_parameters()) {
-    const bool lora_weight = item.key().find("lora_") != std::string::npos;
-    item.value().set_requires_grad(lora_weight);
-    // B starts at zero; make it non-zero so that A's gradient is too.
+  qat::apply_lora(model, targets, lora);
+  for (auto& item : model.named_parameters()) {
+    item.value().set_requires_grad(item.key().find("lora_") != std::string::npos);
     if (item.key().find("lora_B") != std::string::npos) {
       torch::NoGradGuard no_grad;
       item.value().normal_(0, 0.02);
     }
   }
-  loaded.model->train();
+  model.train();
+}
+
+LlamaForCausalLM tiny_llama_with_lora(bool four_bit, double dropout = 0.2) {
+  auto loaded = load_llama(qtrain::testing::fixture("tiny-llama"));
+  if (four_bit) qat::quantize_linear_layers(*loaded.model, qat::FourBitOptions{}, {"lm_head"});
+  torch::manual_seed(11);
+  adapt_every_projection(*loaded.model, dropout);
   return loaded.model;
 }
 
@@ -202,20 +207,7 @@ LlamaForCausalLM tied_llama_with_lora() {
   auto options = qtrain::testing::small_llama_options(64, 2);
   options.tie_word_embeddings = true;
   LlamaForCausalLM model(options, torch::kFloat32);
-  qat::LoraOptions lora;
-  lora.rank = 4;
-  lora.alpha = 8;
-  qat::LoraTargets targets;
-  targets.include.names = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
-  qat::apply_lora(*model, targets, lora);
-  for (auto& item : model->named_parameters()) {
-    item.value().set_requires_grad(item.key().find("lora_") != std::string::npos);
-    if (item.key().find("lora_B") != std::string::npos) {
-      torch::NoGradGuard no_grad;
-      item.value().normal_(0, 0.02);
-    }
-  }
-  model->train();
+  adapt_every_projection(*model, 0.0);
   return model;
 }
 
@@ -309,6 +301,79 @@ TEST(ExpertBankBlocks, RebuiltBanksAreBuiltInBlocksWithTheSameGradients) {
   // A recomputed layer's 300 KB of activations beside the block: gate_up's bank fits too.
   EXPECT_TRUE(torch::equal(gradient(wider, 300 << 10), whole));
   for (const auto& bank : banks) EXPECT_EQ(bank->wholes, 1) << bank->out_features() << " rows";
+}
+
+// A frozen dense base that multiplies itself (as FP8 does: LinearLayer::multiplies_itself) and
+// counts its forward products.
+class CountingProducts : public qat::LinearLayer {
+ public:
+  explicit CountingProducts(const torch::Tensor& weight) {
+    weight_ = register_parameter("weight", weight.detach().clone(), /*requires_grad=*/false);
+  }
+  torch::Tensor forward(const torch::Tensor& input) override { return torch::matmul(input, weight_.t()); }
+  int64_t in_features() const override { return weight_.size(1); }
+  int64_t out_features() const override { return weight_.size(0); }
+  torch::Tensor dense_weight(torch::ScalarType dtype) const override { return weight_.to(dtype); }
+  torch::Tensor bias() const override { return torch::Tensor(); }
+  MatmulWeight matmul_weight_kind() const override { return MatmulWeight::kBuilt; }
+  torch::Tensor matmul_weight(torch::ScalarType dtype) const override { return weight_.to(dtype); }
+  bool multiplies_itself() const override { return true; }
+  torch::Tensor own_product(const torch::Tensor& rows, torch::Tensor onto) const override {
+    ++products;
+    return onto.addmm_(rows, weight_.t());
+  }
+  torch::Tensor own_input_gradient(const torch::Tensor& grad_rows, torch::Tensor onto) const override {
+    return onto.addmm_(grad_rows, weight_);
+  }
+  mutable int64_t products = 0;
+
+ private:
+  torch::Tensor weight_;
+};
+
+// A checkpointed layer's recomputation leaves out the MLP's last product (down_proj's: its output
+// only joins the residual stream that is the layer's output, and no backward reads it), whole or
+// in MLP chunks, with the gradients of the plain path bit for bit; with a norm after the MLP
+// (Gemma's sandwich norms), which reads it, the product runs again.
+TEST(ActivationCheckpointing, TheRecomputationLeavesOutTheLastProductAndKeepsTheGradients) {
+  for (const bool sandwich : {false, true}) {
+    torch::manual_seed(17);
+    auto options = qtrain::testing::small_llama_options(64, 2);
+    options.sandwich_norms = sandwich;
+    LlamaForCausalLM model(options, torch::kFloat32);
+    std::vector<std::shared_ptr<CountingProducts>> downs;
+    for (int64_t layer = 0; layer < options.num_hidden_layers; ++layer) {
+      auto* mlp = model->model->layers[layer]->as<LlamaDecoderLayer>()->mlp->as<DenseMlpImpl>();
+      ASSERT_NE(mlp, nullptr);
+      downs.push_back(std::make_shared<CountingProducts>(mlp->down_proj->dense_weight(torch::kFloat32)));
+      qat::replace_linear_layer_at(*model, "model.layers." + std::to_string(layer) + ".mlp.down_proj", downs.back());
+    }
+    adapt_every_projection(*model, 0.1);  // the recomputation draws down's mask as the forward did
+    const auto products = [&] {
+      int64_t sum = 0;
+      for (const auto& down : downs) sum += down->products;
+      for (const auto& down : downs) down->products = 0;
+      return sum;
+    };
+    const std::string what = sandwich ? "sandwich norms" : "pre-norm";
+    const auto plain = gradients_of(model, 0, 0);
+    EXPECT_EQ(products(), 2) << what;  // one a layer
+    expect_bitwise_equal(plain, gradients_of(model, 1, 0), what + ", checkpointed");
+    EXPECT_EQ(products(), sandwich ? 4 : 2) << what;
+    expect_bitwise_equal(plain, gradients_of(model, 1, 0, ActivationMemory{false, 0, false}),
+                         what + ", checkpointed, weights built again in backward");
+    EXPECT_EQ(products(), sandwich ? 4 : 2) << what;
+    // MLP chunks of 32 of the 80 tokens (each a checkpointed piece): three chunk products a layer
+    // in the forward; the layer's recomputation and each chunk's own leave theirs out.
+    const auto chunked = gradients_of(model, 0, 0, ActivationMemory{false, 32});
+    EXPECT_EQ(products(), sandwich ? 12 : 6) << what;
+    const auto chunked_layers = gradients_of(model, 1, 0, ActivationMemory{false, 32});
+    EXPECT_EQ(products(), sandwich ? 18 : 6) << what;
+    for (size_t index = 0; index < plain.lora.size(); ++index) {  // dropout draws its masks chunk by chunk
+      EXPECT_TRUE(torch::allclose(chunked_layers.lora[index], chunked.lora[index], /*rtol=*/1e-4, /*atol=*/1e-6))
+          << what << ", chunks, gradient " << index;
+    }
+  }
 }
 
 TEST(EmbeddingsOnHost, CudaLogitsAndGradientsEqualATableOnTheDeviceBitwise) {

@@ -56,6 +56,16 @@ std::shared_ptr<qat::LinearLayer>* DenseMlpImpl::slot(const std::string& child_n
 }
 
 torch::Tensor DenseMlpImpl::forward(const torch::Tensor& hidden, const qat::LinearLayer::InputRebuild& rebuild_hidden) {
+  return run(hidden, rebuild_hidden, /*for_graph=*/false);
+}
+
+torch::Tensor DenseMlpImpl::forward_for_graph(const torch::Tensor& hidden,
+                                              const qat::LinearLayer::InputRebuild& rebuild_hidden) {
+  return run(hidden, rebuild_hidden, /*for_graph=*/true);
+}
+
+torch::Tensor DenseMlpImpl::run(const torch::Tensor& hidden, const qat::LinearLayer::InputRebuild& rebuild_hidden,
+                                bool for_graph) {
   // With gate_up_proj, `gate` is its whole [tokens, 2 * intermediate] output (gate's half first, as
   // Phi-3's chunk(2)), which the activation reads in place, and `up` stays undefined.
   torch::Tensor gate, up;
@@ -73,7 +83,7 @@ torch::Tensor DenseMlpImpl::forward(const torch::Tensor& hidden, const qat::Line
     // Let go of gate and up before down_proj runs: where autograd keeps nothing (checkpointing's
     // first forward, evaluation) their 2 x [tokens, intermediate] go back now, not after it.
     gate = up = torch::Tensor();
-    return down_proj->forward(product);
+    return for_graph ? down_proj->forward_for_graph(product, {}) : down_proj->forward(product);
   }
   // The activation's backward keeps gate and up; down_proj's adapter makes the product again from
   // them for its own backward instead of keeping it too ([tokens, intermediate]: a fifth of what a
@@ -82,7 +92,7 @@ torch::Tensor DenseMlpImpl::forward(const torch::Tensor& hidden, const qat::Line
     return gated_activation(gelu, gate, up);
   };
   gate = up = torch::Tensor();
-  return down_proj->forward_rebuilding_input(product, rebuild);
+  return for_graph ? down_proj->forward_for_graph(product, rebuild) : down_proj->forward_rebuilding_input(product, rebuild);
 }
 
 void DenseMlpImpl::replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) {

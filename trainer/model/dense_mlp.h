@@ -17,12 +17,15 @@ class DenseMlpImpl : public FeedForwardImpl {
                torch::ScalarType dtype);
   // `rebuild_hidden`: for gate and up.
   torch::Tensor forward(const torch::Tensor& hidden, const qat::LinearLayer::InputRebuild& rebuild_hidden = {}) override;
+  // down_proj as qat::LinearLayer::forward_for_graph.
+  torch::Tensor forward_for_graph(const torch::Tensor& hidden, const qat::LinearLayer::InputRebuild& rebuild_hidden) override;
   void replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) override;
   std::shared_ptr<qat::LinearLayer> gate_proj, up_proj, down_proj;
   std::shared_ptr<qat::LinearLayer> gate_up_proj;  // instead of gate and up: LlamaOptions::fused_projections
 
  private:
   std::shared_ptr<qat::LinearLayer>* slot(const std::string& child_name);
+  torch::Tensor run(const torch::Tensor& hidden, const qat::LinearLayer::InputRebuild& rebuild_hidden, bool for_graph);
   Activation activation_;
 };
 TORCH_MODULE(DenseMlp);

@@ -25,6 +25,15 @@ class FeedForwardImpl : public torch::nn::Module, public qat::LinearLayerOwner {
   // LinearLayer::forward_rebuilding_input's, for the projections that read `hidden`.
   virtual torch::Tensor forward(const torch::Tensor& hidden,
                                 const qat::LinearLayer::InputRebuild& rebuild_hidden = {}) = 0;
+  // forward(hidden, rebuild_hidden) where nothing reads the output's values, only its place in
+  // autograd's graph (a checkpointed layer's recomputation: the block's output joins the residual
+  // stream that is the layer's output). A block whose backward reads no value of its last
+  // projection's output (a dense MLP's down_proj) runs that one as qat::LinearLayer::forward_for_graph;
+  // one that reads it (experts weighed by their router's probabilities) runs forward.
+  virtual torch::Tensor forward_for_graph(const torch::Tensor& hidden,
+                                          const qat::LinearLayer::InputRebuild& rebuild_hidden) {
+    return forward(hidden, rebuild_hidden);
+  }
   // The model's load-balancing loss (trainer/model/router_loss.h), which a block with a router
   // reports to; the others ignore it.
   virtual void share_router_loss(const std::shared_ptr<RouterLoss>& loss) { (void)loss; }

@@ -367,6 +367,12 @@ torch::Tensor LlamaDecoderLayerImpl::forward(const torch::Tensor& hidden, const 
 torch::Tensor LlamaDecoderLayerImpl::feed_forward(const torch::Tensor& residual) {
   const auto normed = (pre_feedforward_layernorm ? pre_feedforward_layernorm : post_attention_layernorm)
                           ->forward_rebuildable(residual);
+  if (recomputing() && !pre_feedforward_layernorm) {
+    // A checkpointed piece's recomputation: its output (this sum) is only the root of its backward,
+    // and the sum's backward reads no values, so the block's last product is skipped (Gemma's
+    // norm after the block reads it).
+    return residual + mlp->forward_for_graph(normed.value, normed.rebuild);
+  }
   const auto output = mlp->forward(normed.value, normed.rebuild);
   return residual + (pre_feedforward_layernorm ? post_feedforward_layernorm->forward(output) : output);
 }

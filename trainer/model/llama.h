@@ -141,7 +141,9 @@ class LlamaDecoderLayerImpl : public torch::nn::Module {
   FeedForward mlp{nullptr};
 
  private:
-  torch::Tensor feed_forward(const torch::Tensor& residual);  // residual + the feed-forward sublayer
+  // residual + the feed-forward sublayer: the layer's (or an MLP chunk's) output, which a
+  // recomputation does not read (FeedForwardImpl::forward_for_graph)
+  torch::Tensor feed_forward(const torch::Tensor& residual);
   torch::Tensor feed_forward_in_chunks(const torch::Tensor& residual);
   int64_t mlp_chunk_tokens_ = 0;
 };
