@@ -676,6 +676,7 @@ TEST(FusedLoss, OverAHostWeightsTilesEqualsTheWholeWeightBitForBit) {
 // the whole weight on the device in one chunk bit for bit, prefetched or not, and at its peak it
 // holds its block of lm_head (2 tiles of 7.5 MiB here, of a 64 MiB head) beside what the whole
 // weight's loss holds (one tile more allowed, for copies still in flight when a tile is freed).
+// Measured on an H200: 24 MiB more (three tiles of 8 MiB as allocated).
 TEST(FusedLoss, CudaHostTilesEqualTheWholeWeightAndHoldTheirBlock) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU on this machine";
   const torch::Device cuda(torch::kCUDA, 0);
@@ -700,6 +701,7 @@ TEST(FusedLoss, CudaHostTilesEqualTheWholeWeightAndHoldTheirBlock) {
   };
   OutputProjection whole;
   whole.weight = problem.weight;
+  run(whole, false);  // once before: cuBLAS's first matmul allocates its workspace (32 MiB on an H200)
   const auto [loss, grad, whole_peak] = run(whole, false);
   OutputProjection tiles;
   tiles.host_tiles = &host;
@@ -708,8 +710,10 @@ TEST(FusedLoss, CudaHostTilesEqualTheWholeWeightAndHoldTheirBlock) {
     const auto [tile_loss, tile_grad, peak] = run(tiles, prefetch);
     EXPECT_EQ(tile_loss, loss) << "prefetched " << prefetch;
     EXPECT_TRUE(torch::equal(tile_grad, grad)) << "prefetched " << prefetch;
-    // The whole path's weight was already on the device; the tiles' peak holds two of them at most.
-    EXPECT_LE(peak, whole_peak + 3.0 * tile_bytes) << "prefetched " << prefetch;
+    // The whole path's weight was already on the device; the tiles' peak holds three of them at
+    // most, each rounded up to the caching allocator's 2 MiB.
+    const int64_t allocated_tile = (tile_bytes + (int64_t{2} << 20) - 1) / (int64_t{2} << 20) * (int64_t{2} << 20);
+    EXPECT_LE(peak, whole_peak + 3 * allocated_tile) << "prefetched " << prefetch;
     EXPECT_EQ(host.queued_tiles(), 0);
     std::printf("cuda host tiles (%s): peak %s beside the whole weight's %s (weight %s)\n",
                 prefetch ? "prefetched" : "on demand", format_bytes(peak).c_str(), format_bytes(whole_peak).c_str(),

@@ -55,15 +55,17 @@ kernels::LogSumExpStatistics fold_tile_exponentials(const kernels::LogSumExpStat
 class WeightTiles {
  public:
   WeightTiles(const OutputProjection& projection, torch::ScalarType dtype, const torch::Device& device,
-              int64_t tile_columns)
+              int64_t tokens, int64_t tile_columns)
       : host_(projection.host_tiles), dtype_(dtype), device_(device), bias_(projection.bias()) {
     if (!host_) {
       whole_ = projection.matmul_weight(dtype);
       return;
     }
     const auto& host = host_->host();
-    const int64_t tile_bytes = std::min(tile_columns, host.size(0)) * host.size(1) * host.element_size();
-    ahead_ = host_tiles_on_device(projection.host_block_bytes, tile_bytes) - 1;
+    ahead_ = streamed_tiles(tokens, host.size(0), host.size(1) * host.element_size(), projection.host_block_bytes,
+                            tile_columns)
+                 .on_device -
+             1;
   }
 
   int64_t vocab() const { return host_ ? host_->host().size(0) : whole_.size(0); }
@@ -255,7 +257,7 @@ torch::Tensor fused_losses(const torch::Tensor& states, const torch::Tensor& tar
       differentiate ? torch::empty_like(states, weighed_in_backward ? fp32 : states.options()) : torch::Tensor();
   {
     torch::NoGradGuard no_grad;
-    const WeightTiles weight(projection, states.scalar_type(), states.device(), tile_columns);
+    const WeightTiles weight(projection, states.scalar_type(), states.device(), total, tile_columns);
     for (int64_t first = 0; first < total; first += chunk_tokens) {
       const int64_t last = std::min(total, first + chunk_tokens);
       const auto chunk_targets = targets.slice(0, first, last);
@@ -294,6 +296,14 @@ torch::Tensor fused_linear_token_losses(const torch::Tensor& states, const torch
 
 int64_t host_tiles_on_device(int64_t block_bytes, int64_t tile_bytes) {
   return std::max<int64_t>(1, block_bytes / std::max<int64_t>(tile_bytes, 1));
+}
+
+StreamedTiles streamed_tiles(int64_t tokens, int64_t rows, int64_t row_bytes, int64_t block_bytes,
+                             int64_t tile_columns) {
+  StreamedTiles tiles;
+  tiles.rows = std::min(tile_columns > 0 ? tile_columns : fused_loss_tile_columns(tokens, rows), std::max<int64_t>(rows, 1));
+  tiles.on_device = host_tiles_on_device(block_bytes, tiles.rows * row_bytes);
+  return tiles;
 }
 
 int64_t fused_loss_tile_columns(int64_t chunk_tokens, int64_t vocab_size) {

@@ -104,4 +104,16 @@ int64_t fused_loss_tile_columns(int64_t chunk_tokens, int64_t vocab_size);
 // host_block_bytes): the one in use and those queued ahead of it, at least the one.
 int64_t host_tiles_on_device(int64_t block_bytes, int64_t tile_bytes);
 
+// A weight of `rows` rows of `row_bytes` streamed from the host to the fused loss
+// (OutputProjection::host_tiles), which walks all `tokens` in one chunk: the rows of its tiles
+// (`tile_columns`, or fused_loss_tile_columns(tokens, rows) where 0) and how many of them are on
+// the device at once under `block_bytes`. The loss, the model's prefetch of the first tiles and
+// the memory estimate all ask it.
+struct StreamedTiles {
+  int64_t rows = 0;
+  int64_t on_device = 0;
+};
+StreamedTiles streamed_tiles(int64_t tokens, int64_t rows, int64_t row_bytes, int64_t block_bytes,
+                             int64_t tile_columns = 0);
+
 }  // namespace qtrain::trainer

@@ -577,9 +577,9 @@ void LlamaForCausalLMImpl::prefetch_host_lm_head(const torch::Tensor& input_ids)
   // row's but the last), as fused_linear_cross_entropy chooses them for one chunk of them all.
   const auto& host = host_lm_head_->host();
   const int64_t predicting = input_ids.numel() - (input_ids.dim() > 1 ? input_ids.size(0) : 1);
-  const int64_t rows = fused_loss_tile_columns(std::max<int64_t>(predicting, 1), host.size(0));
-  host_lm_head_->prefetch_tiles(
-      device(), rows, host_tiles_on_device(lm_head_block_bytes_, rows * host.size(1) * host.element_size()));
+  const auto tiles = streamed_tiles(std::max<int64_t>(predicting, 1), host.size(0), host.size(1) * host.element_size(),
+                                    lm_head_block_bytes_);
+  host_lm_head_->prefetch_tiles(device(), tiles.rows, tiles.on_device);
 }
 
 torch::Tensor LlamaForCausalLMImpl::take_lm_head_weight() {

@@ -547,9 +547,11 @@ void estimate_loss(const LlamaOptions& model, const TrainingMemorySetup& setup, 
   if (estimate.visits_in_tiles) estimate.loss_chunk_tokens = estimate.predicted_tokens;
   estimate.loss_tile_columns = fused_loss_tile_columns(estimate.loss_chunk_tokens, model.vocab_size);
   if (estimate.visits_in_tiles) {
-    const double tile_bytes = static_cast<double>(estimate.loss_tile_columns * model.hidden_size) * s;
-    const int64_t tiles = host_tiles_on_device(setup.lm_head_block_bytes, static_cast<int64_t>(tile_bytes));
-    estimate.visiting_weight_bytes = std::min(estimate.visiting_weight_bytes, static_cast<double>(tiles) * tile_bytes);
+    const auto tiles = streamed_tiles(estimate.loss_chunk_tokens, model.vocab_size,
+                                      static_cast<int64_t>(static_cast<double>(model.hidden_size) * s),
+                                      setup.lm_head_block_bytes, estimate.loss_tile_columns);
+    estimate.visiting_weight_bytes =
+        std::min(estimate.visiting_weight_bytes, static_cast<double>(tiles.on_device * tiles.rows * model.hidden_size) * s);
   }
   const double chunk = static_cast<double>(estimate.loss_chunk_tokens);
   const double tile = chunk * static_cast<double>(estimate.loss_tile_columns);
