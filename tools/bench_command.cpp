@@ -303,6 +303,8 @@ po::options_description bench_option_descriptions(BenchOptions& bench) {
        "with --checkpointing: only every K-th decoder layer (train.gradient_checkpointing_every)")
       ("offload-activations", po::bool_switch(), "with --checkpointing: the layers' inputs wait in pinned host memory "
        "(train.offload_activations)")
+      ("offload-branch-outputs", po::bool_switch(), "with the inputs offloaded: each layer's attention (and Gemma's MLP) "
+       "output too, read back by the recomputation (train.offload_branch_outputs)")
       ("mlp-chunk", po::value(&bench.mlp_chunk)->default_value(0), "MLP chunk tokens (train.mlp_chunk_tokens); 0: whole")
       ("bank-block-mb", po::value(&bench.bank_block_mb)->default_value(0),
        "a mixture of experts' frozen bank built again (--rebuild-weights) is dequantized this many MB at a time "
@@ -423,6 +425,7 @@ std::optional<BenchOptions> parse_bench_options(const Arguments& arguments) {
   recipe.qlora.fp8_compute = flag("fp8-compute");
   recipe.qat.lora_gradient = bench.lora_gradient;
   recipe.train.offload_activations = flag("offload-activations");
+  recipe.train.offload_branch_outputs = flag("offload-branch-outputs");
   recipe.train.mlp_chunk_tokens = bench.mlp_chunk;
   recipe.train.expert_bank_block_mb = bench.bank_block_mb;
   recipe.train.lm_head_block_mb = bench.lm_head_block_mb;
@@ -442,8 +445,9 @@ std::optional<BenchOptions> parse_bench_options(const Arguments& arguments) {
     throw Error(ErrorCode::kUsage, "--checkpoint-every picks the layers --checkpointing recomputes: add --checkpointing");
   }
   recipe.train.gradient_checkpointing_every = bench.checkpoint_every;
-  if (recipe.train.offload_activations && !bench.checkpointing) {
-    throw Error(ErrorCode::kUsage, "--offload-activations moves what --checkpointing keeps: add --checkpointing");
+  if ((recipe.train.offload_activations || recipe.train.offload_branch_outputs) && !bench.checkpointing) {
+    throw Error(ErrorCode::kUsage, "--offload-activations and --offload-branch-outputs move what --checkpointing keeps: "
+                                   "add --checkpointing");
   }
   bench.precompute_reference = flag("precompute-reference");
   if (bench.precompute_reference &&
@@ -726,6 +730,7 @@ void report_bench(const BenchOptions& bench, const BenchRun& run, const BenchMea
                               {"seq", sequence},
                               {"checkpointing", bench.checkpointing},
                               {"offload_activations", recipe.train.offload_activations},
+                              {"offload_branch_outputs", recipe.train.offload_branch_outputs},
                               {"mlp_chunk_tokens", bench.mlp_chunk},
                               {"expert_bank_block_mb", bench.bank_block_mb},
                               {"packed_samples", bench.packed_samples},

@@ -153,6 +153,7 @@ void print_peak_estimate(const std::string& recipe_path, const trainer::Training
   if (setup.fake_quantized) training = "qat-lora on a " + std::string(base.kind == trainer::BaseQuantization::kNone ? "16-bit" : trainer::base_quantization_name(base.kind)) + " base";
   std::string switches;  // the train section's memory switches that are on
   if (setup.gradient_checkpointing && setup.offload_activations) switches += ", checkpointed inputs on the host";
+  if (setup.gradient_checkpointing && setup.offload_branch_outputs) switches += ", branch outputs on the host";
   if (setup.embeddings_on_host) switches += ", embedding table on the host";
   if (setup.lm_head_on_host) switches += ", lm_head on the host";
   if (setup.optimizer_states_on_host) switches += ", optimizer state on the host";

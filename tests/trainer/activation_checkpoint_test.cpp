@@ -61,6 +61,7 @@ struct ActivationMemory {
   bool offload = false;
   int64_t mlp_chunk_tokens = 0;
   bool keep_built_weights = true;
+  bool branch_outputs = false;  // train.offload_branch_outputs
 };
 
 // `loss` with the gradient of every trained weight (on the CPU), which the model lets go of.
@@ -85,6 +86,7 @@ Gradients gradients_of(LlamaForCausalLM model, int64_t checkpoint_every, int64_t
   model->model->set_activation_offloading(memory.offload);
   model->model->set_mlp_chunk_tokens(memory.mlp_chunk_tokens);
   model->model->set_keep_built_weights(memory.keep_built_weights);
+  model->model->set_branch_output_offloading(memory.branch_outputs);
   torch::manual_seed(9);  // dropout
   auto hidden = model->hidden_states({input_ids, {}, {}});
   auto loss = causal_lm_loss(*model, hidden, labels, loss_chunk_tokens);
@@ -133,6 +135,8 @@ TEST(ActivationOffloading, GradientsEqualKeepingTheInputsOnTheDeviceBitwise) {
     const std::string base = four_bit ? "nf4" : "dense";
     expect_bitwise_equal(kept, gradients_of(model, 1, 0, ActivationMemory{true, 0}), base + ", every layer offloaded");
     expect_bitwise_equal(kept, gradients_of(model, 2, 0, ActivationMemory{true, 0}), base + ", every 2nd layer offloaded");
+    expect_bitwise_equal(kept, gradients_of(model, 1, 0, ActivationMemory{true, 0, true, true}),
+                         base + ", every layer offloaded with its attention output");
   }
 }
 
@@ -331,48 +335,95 @@ class CountingProducts : public qat::LinearLayer {
   torch::Tensor weight_;
 };
 
+// A small model whose o_proj and down_proj bases count their products, with LoRA (dropout 0.1: the
+// recomputation draws the masks the forward drew) on every projection.
+struct CountingModel {
+  LlamaForCausalLM model{nullptr};
+  std::vector<std::shared_ptr<CountingProducts>> outs, downs;  // o_proj, down_proj of each layer
+
+  // The products of each kind since the last call, summed over the layers.
+  std::pair<int64_t, int64_t> products() {
+    std::pair<int64_t, int64_t> sums{0, 0};
+    for (auto& out : outs) sums.first += std::exchange(out->products, 0);
+    for (auto& down : downs) sums.second += std::exchange(down->products, 0);
+    return sums;
+  }
+};
+
+CountingModel counting_model(bool sandwich_norms) {
+  torch::manual_seed(17);
+  auto options = qtrain::testing::small_llama_options(64, 2);
+  options.sandwich_norms = sandwich_norms;
+  CountingModel counting{LlamaForCausalLM(options, torch::kFloat32)};
+  for (int64_t layer = 0; layer < options.num_hidden_layers; ++layer) {
+    const std::string prefix = "model.layers." + std::to_string(layer);
+    auto* decoder = counting.model->model->layers[layer]->as<LlamaDecoderLayer>();
+    auto* mlp = decoder->mlp->as<DenseMlpImpl>();
+    counting.outs.push_back(std::make_shared<CountingProducts>(decoder->self_attn->o_proj->dense_weight(torch::kFloat32)));
+    counting.downs.push_back(std::make_shared<CountingProducts>(mlp->down_proj->dense_weight(torch::kFloat32)));
+    qat::replace_linear_layer_at(*counting.model, prefix + ".self_attn.o_proj", counting.outs.back());
+    qat::replace_linear_layer_at(*counting.model, prefix + ".mlp.down_proj", counting.downs.back());
+  }
+  adapt_every_projection(*counting.model, 0.1);
+  return counting;
+}
+
 // A checkpointed layer's recomputation leaves out the MLP's last product (down_proj's: its output
 // only joins the residual stream that is the layer's output, and no backward reads it), whole or
 // in MLP chunks, with the gradients of the plain path bit for bit; with a norm after the MLP
-// (Gemma's sandwich norms), which reads it, the product runs again.
+// (Gemma's sandwich norms), which reads it, the product runs again. o_proj's output feeds the
+// next sublayer: it runs again too.
 TEST(ActivationCheckpointing, TheRecomputationLeavesOutTheLastProductAndKeepsTheGradients) {
   for (const bool sandwich : {false, true}) {
-    torch::manual_seed(17);
-    auto options = qtrain::testing::small_llama_options(64, 2);
-    options.sandwich_norms = sandwich;
-    LlamaForCausalLM model(options, torch::kFloat32);
-    std::vector<std::shared_ptr<CountingProducts>> downs;
-    for (int64_t layer = 0; layer < options.num_hidden_layers; ++layer) {
-      auto* mlp = model->model->layers[layer]->as<LlamaDecoderLayer>()->mlp->as<DenseMlpImpl>();
-      ASSERT_NE(mlp, nullptr);
-      downs.push_back(std::make_shared<CountingProducts>(mlp->down_proj->dense_weight(torch::kFloat32)));
-      qat::replace_linear_layer_at(*model, "model.layers." + std::to_string(layer) + ".mlp.down_proj", downs.back());
-    }
-    adapt_every_projection(*model, 0.1);  // the recomputation draws down's mask as the forward did
-    const auto products = [&] {
-      int64_t sum = 0;
-      for (const auto& down : downs) sum += down->products;
-      for (const auto& down : downs) down->products = 0;
-      return sum;
-    };
+    auto counting = counting_model(sandwich);
+    auto& model = counting.model;
     const std::string what = sandwich ? "sandwich norms" : "pre-norm";
+    using Counts = std::pair<int64_t, int64_t>;  // o_proj's products, down_proj's
     const auto plain = gradients_of(model, 0, 0);
-    EXPECT_EQ(products(), 2) << what;  // one a layer
+    EXPECT_EQ(counting.products(), Counts(2, 2)) << what;  // one a layer
     expect_bitwise_equal(plain, gradients_of(model, 1, 0), what + ", checkpointed");
-    EXPECT_EQ(products(), sandwich ? 4 : 2) << what;
+    EXPECT_EQ(counting.products(), Counts(4, sandwich ? 4 : 2)) << what;
     expect_bitwise_equal(plain, gradients_of(model, 1, 0, ActivationMemory{false, 0, false}),
                          what + ", checkpointed, weights built again in backward");
-    EXPECT_EQ(products(), sandwich ? 4 : 2) << what;
+    EXPECT_EQ(counting.products(), Counts(4, sandwich ? 4 : 2)) << what;
     // MLP chunks of 32 of the 80 tokens (each a checkpointed piece): three chunk products a layer
     // in the forward; the layer's recomputation and each chunk's own leave theirs out.
     const auto chunked = gradients_of(model, 0, 0, ActivationMemory{false, 32});
-    EXPECT_EQ(products(), sandwich ? 12 : 6) << what;
+    EXPECT_EQ(counting.products().second, sandwich ? 12 : 6) << what;
     const auto chunked_layers = gradients_of(model, 1, 0, ActivationMemory{false, 32});
-    EXPECT_EQ(products(), sandwich ? 18 : 6) << what;
+    EXPECT_EQ(counting.products().second, sandwich ? 18 : 6) << what;
     for (size_t index = 0; index < plain.lora.size(); ++index) {  // dropout draws its masks chunk by chunk
       EXPECT_TRUE(torch::allclose(chunked_layers.lora[index], chunked.lora[index], /*rtol=*/1e-4, /*atol=*/1e-6))
           << what << ", chunks, gradient " << index;
     }
+  }
+}
+
+// train.offload_branch_outputs: each layer's o_proj output (and under sandwich norms its MLP's)
+// waits on the host beside the layer's input, and the recomputation takes it back instead of
+// running o_proj's product (and down_proj's): one product of each a layer, as without
+// checkpointing, with the plain path's gradients bit for bit, whole and with MLP chunks (whose own
+// pieces keep nothing).
+TEST(ActivationOffloading, BranchOutputsOnTheHostLeaveOutTheirProductsWithTheSameGradients) {
+  for (const bool sandwich : {false, true}) {
+    auto counting = counting_model(sandwich);
+    auto& model = counting.model;
+    const std::string what = sandwich ? "sandwich norms" : "pre-norm";
+    using Counts = std::pair<int64_t, int64_t>;
+    const auto plain = gradients_of(model, 0, 0);
+    counting.products();
+    ActivationMemory kept;
+    kept.offload = kept.branch_outputs = true;
+    expect_bitwise_equal(plain, gradients_of(model, 1, 0, kept), what + ", branch outputs on the host");
+    EXPECT_EQ(counting.products(), Counts(2, 2)) << what;
+    expect_bitwise_equal(plain, gradients_of(model, 2, 0, kept), what + ", every 2nd layer, branch outputs on the host");
+    EXPECT_EQ(counting.products(), Counts(2, 2)) << what;  // layer 1 is not checkpointed: once
+    kept.mlp_chunk_tokens = 32;
+    const auto chunked = gradients_of(model, 1, 0, ActivationMemory{true, 32});
+    counting.products();
+    const auto chunked_kept = gradients_of(model, 1, 0, kept);
+    EXPECT_EQ(counting.products(), Counts(2, sandwich ? 18 : 6)) << what;
+    expect_bitwise_equal(chunked, chunked_kept, what + ", MLP chunks, branch outputs on the host");
   }
 }
 
@@ -410,6 +461,17 @@ TEST(LmHeadOnHost, TheRecipeRefusesTiedTrainedAdaptedOrQuantizedHeads) {
 
 // train.lm_head_block_mb brings lm_head to the fused loss in tiles: without lm_head on the host, or
 // without the fused loss, it is refused, naming what it needs.
+TEST(ActivationOffloading, BranchOutputsNeedTheInputsOffloaded) {
+  auto options = qtrain::testing::small_llama_options(32, 1);
+  LlamaForCausalLM model(options, torch::kFloat32);
+  auto recipe = default_recipe();
+  recipe.train.gradient_checkpointing = true;
+  recipe.train.offload_branch_outputs = true;
+  EXPECT_NE(refusal(*model, recipe).find("set train.offload_activations: true"), std::string::npos) << refusal(*model, recipe);
+  recipe.train.offload_activations = true;
+  EXPECT_EQ(refusal(*model, recipe), "");
+}
+
 TEST(LmHeadOnHost, ABlockOfItNeedsItOnTheHostAndTheFusedLoss) {
   auto options = qtrain::testing::small_llama_options(32, 1);
   LlamaForCausalLM model(options, torch::kFloat32);
@@ -485,6 +547,8 @@ TEST(ActivationOffloading, CudaCopiesComeBackBitwiseAndTheGradientsMatch) {
   const auto kept = gradients_on(model, cuda);
   model->model->set_activation_offloading(true);
   expect_bitwise_equal(kept, gradients_on(model, cuda), "CUDA, offloaded");
+  model->model->set_branch_output_offloading(true);
+  expect_bitwise_equal(kept, gradients_on(model, cuda), "CUDA, offloaded with the attention outputs");
 }
 
 TEST(MlpChunks, GradientsEqualTheWholeMlpToFp32Rounding) {

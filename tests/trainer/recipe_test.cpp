@@ -268,6 +268,9 @@ TEST(RecipeErrors, KeysThatDisagreeNameWhereTheyWereSet) {
   const std::string offload = file_error(dir, "x.yaml", "train:\n  offload_activations: true\n");
   EXPECT_EQ(offload.rfind("x.yaml:2: train.offload_activations moves the inputs that gradient checkpointing keeps", 0), 0u)
       << offload;
+  const std::string branches = file_error(dir, "x.yaml", "train:\n  offload_branch_outputs: true\n");
+  EXPECT_EQ(branches.rfind("x.yaml:2: train.offload_branch_outputs keeps values for the recomputation", 0), 0u)
+      << branches;
 }
 
 TEST(RecipeErrors, MalformedYamlNamesFileAndLine) {

@@ -27,8 +27,22 @@ using CheckpointedFunction = std::function<torch::Tensor(const std::vector<torch
 // pass records once (trainer/model/router_loss.h) it skips then.
 bool recomputing();
 
+// With `offload` and `keep_values`, the values the function marks with kept_in_recomputation wait
+// in the offload's host memory beside its inputs.
 torch::Tensor checkpoint(const CheckpointedFunction& function, const std::vector<torch::Tensor>& inputs,
                          const std::vector<torch::Tensor>& parameters,
-                         const std::shared_ptr<ActivationOffload>& offload = nullptr);
+                         const std::shared_ptr<ActivationOffload>& offload = nullptr, bool keep_values = false);
+
+using ValueFunction = std::function<torch::Tensor()>;
+
+// A value inside a checkpointed function that its recomputation would make again only for a
+// backward that reads it (a residual branch's output, which the next norm or the stream's next
+// sublayer reads: train.offload_branch_outputs). In the first run of a checkpoint that keeps
+// values, `compute()`'s result leaves for the host (the offload's lane) and is returned; in the
+// recomputation `graph_only()` runs instead (the branch with its last product left out:
+// qat::LinearLayer::forward_for_graph) and its node of autograd's graph gets the stored values,
+// the same bits. Anywhere else (no checkpoint, or one that keeps none) it returns compute().
+// Each run of the function must mark the same values in the same order.
+torch::Tensor kept_in_recomputation(const ValueFunction& compute, const ValueFunction& graph_only);
 
 }  // namespace qtrain::trainer

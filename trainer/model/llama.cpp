@@ -267,14 +267,14 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden, const tor
     // Gemma 2 on CUDA: the cap, the causal / window mask and the softmax as one kernel.
     const auto attended = softcapped_causal_attention(query, key, value, past, window_cuts ? sliding_window_ : 0,
                                                       scale_, softcap_);
-    return o_proj->forward(attended.transpose(1, 2).reshape({batch, sequence, num_heads_ * head_dim_}));
+    return project_output(attended);
   }
   const SampleSpans* spans = attention_mask.spans();
   if (softcap_ > 0 && spans != nullptr && past == 0 && softcapped_packed_applies(query, key)) {
     // Gemma 2's packed batches: the same kernels over the samples' runs.
     const auto attended =
         softcapped_packed_attention(query, key, value, *spans, window_cuts ? sliding_window_ : 0, scale_, softcap_);
-    return o_proj->forward(attended.transpose(1, 2).reshape({batch, sequence, num_heads_ * head_dim_}));
+    return project_output(attended);
   }
   if (sinks.defined() && past == 0 && (spans != nullptr || !attention_mask.defined()) && flash_attention_applies(query, key)) {
     // gpt-oss on CUDA: flash attention, its output weighed by what the sink leaves the keys
@@ -282,7 +282,7 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden, const tor
     const int64_t window = window_cuts ? sliding_window_ : 0;
     const auto attended = spans != nullptr ? flash_packed_attention(query, key, value, *spans, window, scale_, sinks)
                                            : flash_window_attention(query, key, value, window, scale_, sinks);
-    return o_proj->forward(attended.transpose(1, 2).reshape({batch, sequence, num_heads_ * head_dim_}));
+    return project_output(attended);
   }
   if (sinks.defined() || softcap_ > 0) {
     // gpt-oss's sinks, Gemma 2's soft-capped scores: no SDPA kernel takes them; the visible keys
@@ -294,7 +294,7 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden, const tor
     }
     const auto attended = sinks.defined() ? sink_attention(query, key, value, visible, scale_, sinks)
                                           : softcapped_attention(query, key, value, visible, scale_, softcap_);
-    return o_proj->forward(attended.transpose(1, 2).reshape({batch, sequence, num_heads_ * head_dim_}));
+    return project_output(attended);
   }
   // SDPA's is_causal aligns its mask to the top left, right only without cached keys before the
   // new queries and without a window that cuts keys off; otherwise the mask is written out.
@@ -304,12 +304,12 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden, const tor
     // blocks across samples (trainer/model/flash_attention.h).
     const auto attended =
         flash_packed_attention(query, key, value, *spans, window_cuts ? sliding_window_ : 0, scale_);
-    return o_proj->forward(attended.transpose(1, 2).reshape({batch, sequence, num_heads_ * head_dim_}));
+    return project_output(attended);
   }
   if (window_cuts && past == 0 && !attention_mask.defined() && flash_attention_applies(query, key)) {
     // Flash attention's own window: no [T, T] mask (trainer/model/flash_attention.h).
     const auto attended = flash_window_attention(query, key, value, sliding_window_, scale_);
-    return o_proj->forward(attended.transpose(1, 2).reshape({batch, sequence, num_heads_ * head_dim_}));
+    return project_output(attended);
   }
   const bool causal = !attention_mask.defined() && sequence > 1 && past == 0 && !window_cuts;
   std::optional<at::Tensor> mask =
@@ -320,7 +320,12 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden, const tor
   }
   auto attended = at::scaled_dot_product_attention(query, key, value, mask, /*dropout_p=*/0.0, causal, scale_,
                                                    /*enable_gqa=*/num_key_value_heads_ != num_heads_);
-  return o_proj->forward(attended.transpose(1, 2).reshape({batch, sequence, num_heads_ * head_dim_}));
+  return project_output(attended);
+}
+
+torch::Tensor LlamaAttentionImpl::project_output(const torch::Tensor& attended) {
+  const auto rows = attended.transpose(1, 2).reshape({attended.size(0), attended.size(2), num_heads_ * head_dim_});
+  return kept_in_recomputation([&] { return o_proj->forward(rows); }, [&] { return o_proj->forward_for_graph(rows, {}); });
 }
 
 std::shared_ptr<qat::LinearLayer>* LlamaAttentionImpl::slot(const std::string& child_name) {
@@ -367,14 +372,19 @@ torch::Tensor LlamaDecoderLayerImpl::forward(const torch::Tensor& hidden, const 
 torch::Tensor LlamaDecoderLayerImpl::feed_forward(const torch::Tensor& residual) {
   const auto normed = (pre_feedforward_layernorm ? pre_feedforward_layernorm : post_attention_layernorm)
                           ->forward_rebuildable(residual);
-  if (recomputing() && !pre_feedforward_layernorm) {
+  if (pre_feedforward_layernorm) {
+    // Gemma: the norm after the block reads its output; where the layer keeps its branch outputs
+    // (train.offload_branch_outputs), its recomputation takes them from the host instead.
+    const auto output = kept_in_recomputation([&] { return mlp->forward(normed.value, normed.rebuild); },
+                                              [&] { return mlp->forward_for_graph(normed.value, normed.rebuild); });
+    return residual + post_feedforward_layernorm->forward(output);
+  }
+  if (recomputing()) {
     // A checkpointed piece's recomputation: its output (this sum) is only the root of its backward,
-    // and the sum's backward reads no values, so the block's last product is skipped (Gemma's
-    // norm after the block reads it).
+    // and the sum's backward reads no values, so the block's last product is left out.
     return residual + mlp->forward_for_graph(normed.value, normed.rebuild);
   }
-  const auto output = mlp->forward(normed.value, normed.rebuild);
-  return residual + (pre_feedforward_layernorm ? post_feedforward_layernorm->forward(output) : output);
+  return residual + mlp->forward(normed.value, normed.rebuild);
 }
 
 torch::Tensor LlamaDecoderLayerImpl::feed_forward_in_chunks(const torch::Tensor& residual) {
@@ -477,7 +487,7 @@ torch::Tensor LlamaBackboneImpl::forward_embedded(torch::Tensor hidden, const to
             const qat::BuildBanksInBlocks bank_blocks(block_bytes);  // the recomputation runs on autograd's thread
             return layer->forward(inputs[0], cos, sin, attention_mask);
           },
-          {hidden}, layer->parameters(), offload);
+          {hidden}, layer->parameters(), offload, offload_branch_outputs_);
     } else {
       hidden = layer->forward(hidden, cos, sin, attention_mask,
                               cache ? &cache->layer(static_cast<int64_t>(index)) : nullptr);

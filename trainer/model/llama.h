@@ -114,6 +114,9 @@ class LlamaAttentionImpl : public torch::nn::Module, public qat::LinearLayerOwne
 
  private:
   std::shared_ptr<qat::LinearLayer>* slot(const std::string& child_name);
+  // attended [batch, heads, seq, head_dim] -> o_proj's output, a value a checkpointed layer may
+  // keep for its recomputation (kept_in_recomputation), which then leaves out o_proj's product.
+  torch::Tensor project_output(const torch::Tensor& attended);
   int64_t num_heads_, num_key_value_heads_, head_dim_;
   int64_t sliding_window_;
   double scale_;    // of the scores
@@ -167,6 +170,10 @@ class LlamaBackboneImpl : public torch::nn::Module {
   // With checkpointing: the checkpointed layers' inputs wait in pinned host memory until their
   // backward (trainer/model/activation_offload.h).
   void set_activation_offloading(bool offload) { offload_activations_ = offload; }
+  // train.offload_branch_outputs: with checkpointing and offloading, each layer's attention output
+  // (and, under Gemma's sandwich norms, its MLP's) waits on the host too, so that the layer's
+  // recomputation leaves out the products that made them (kept_in_recomputation).
+  void set_branch_output_offloading(bool offload) { offload_branch_outputs_ = offload; }
   // Every decoder layer's feed-forward block in slices of this many tokens
   // (LlamaDecoderLayerImpl); 0: whole.
   void set_mlp_chunk_tokens(int64_t tokens);
@@ -194,6 +201,7 @@ class LlamaBackboneImpl : public torch::nn::Module {
   std::optional<RotaryEmbedding> sliding_rotary_;  // LlamaOptions::sliding_rope
   int64_t checkpoint_every_ = 0;
   bool offload_activations_ = false;
+  bool offload_branch_outputs_ = false;
   bool keep_built_weights_ = true;
   int64_t expert_bank_block_bytes_ = 0;
   int64_t recomputed_layer_bytes_ = 0;

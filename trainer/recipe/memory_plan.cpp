@@ -153,7 +153,9 @@ std::vector<std::string> describe_memory_plan(const Recipe& recipe, const std::v
   lines.push_back("memory: auto: train.keep_built_weights " + std::string(recipe.train.keep_built_weights ? "true" : "false") +
                   ", train.mlp_chunk_tokens " + std::to_string(recipe.train.mlp_chunk_tokens) +
                   " and train.expert_bank_block_mb " + std::to_string(recipe.train.expert_bank_block_mb) +
-                  " as set (they trade speed for memory); train.memory: manual keeps every switch as set");
+                  " as set (they trade speed for memory), and train.offload_branch_outputs " +
+                  (recipe.train.offload_branch_outputs ? "true" : "false") +
+                  " (not yet measured); train.memory: manual keeps every switch as set");
   return lines;
 }
 

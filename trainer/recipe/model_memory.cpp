@@ -317,6 +317,7 @@ TrainingMemorySetup training_memory_setup(const Recipe& recipe, const LlamaOptio
   setup.loss_chunk_tokens = loss_chunk_tokens(recipe, model.vocab_size);
   setup.fused_loss = recipe.train.fused_loss;
   setup.offload_activations = recipe.train.offload_activations;
+  setup.offload_branch_outputs = recipe.train.offload_branch_outputs;
   setup.keep_built_weights = recipe.train.keep_built_weights;
   setup.expert_bank_block_bytes = recipe.train.expert_bank_block_mb << 20;
   setup.embeddings_on_host = recipe.train.embeddings_on_host;
@@ -461,8 +462,9 @@ void estimate_activations(const LlamaOptions& model, const TrainingMemorySetup& 
     const bool offloading = setup.gradient_checkpointing && setup.offload_activations && setup.device == torch::kCUDA;
     const double kept = checkpointed ? (offloading ? 0.0 : input) : layer_bytes;
     // The input of the checkpointed layer being differentiated, or of the one below it fetched
-    // ahead, through the uncheckpointed layers between them: two at most.
-    const double fetched = offloading ? 2.0 * input : 0.0;
+    // ahead, through the uncheckpointed layers between them: two at most; with the branch outputs
+    // kept too (train.offload_branch_outputs), the one fetched ahead of the layer's own recomputation.
+    const double fetched = offloading ? (setup.offload_branch_outputs ? 3.0 : 2.0) * input : 0.0;
     // A recomputed layer keeps its dequantized 4-bit weights for its backward (qat::KeepBuiltWeights).
     // So does QAT-LoRA's fake-quantized weight (in place of the 4-bit base's: its dequantization
     // is let go once the weight is built).

@@ -149,6 +149,7 @@ struct TrainingMemorySetup {
   int64_t loss_chunk_tokens = 0;   // <= 0: the whole micro-batch at once
   bool fused_loss = true;          // train.fused_loss: vocabulary tiles where lm_head is frozen
   bool offload_activations = false;  // train.offload_activations: checkpointed inputs on the host
+  bool offload_branch_outputs = false;  // train.offload_branch_outputs: and the branch outputs (no device bytes)
   bool keep_built_weights = true;    // train.keep_built_weights
   int64_t expert_bank_block_bytes = 0;  // train.expert_bank_block_mb, in bytes; 0: banks build whole
   bool embeddings_on_host = false;   // train.embeddings_on_host: the input embedding table on the host

@@ -150,6 +150,7 @@ struct TrainRecipe {
   bool fused_loss{};                       // the loss over vocabulary tiles, never [chunk, vocab] logits
   std::string memory;                      // auto: the plan of trainer/recipe/memory_plan.h | manual
   bool offload_activations{};              // checkpointed layer inputs wait in pinned host memory
+  bool offload_branch_outputs{};           // with it: each layer's attention (and Gemma's MLP) output too, read back by the recomputation
   int64_t mlp_chunk_tokens{};              // the MLP recomputed in chunks of this many tokens; 0: whole
   bool keep_built_weights{};               // a recomputed layer keeps its dequantized weights for backward
   int64_t expert_bank_block_mb{};          // a frozen expert bank built again is built this many MB at a time; 0: whole

@@ -402,6 +402,10 @@ std::vector<RecipeKey> train_keys() {
       key("train.offload_activations", "false", QTRAIN_FIELD(train.offload_activations),
           "with gradient checkpointing: keep each checkpointed layer's input in pinned host memory until its "
           "backward (copied on a side stream, fetched back one layer ahead)"),
+      key("train.offload_branch_outputs", "false", QTRAIN_FIELD(train.offload_branch_outputs),
+          "with train.offload_activations: each checkpointed layer's attention output (and, under Gemma's norms "
+          "after each block, its MLP's) waits in pinned host memory too, and the recomputation reads it back instead "
+          "of running the projection that made it: one more layer-input-sized copy each way per kept output"),
       key("train.mlp_chunk_tokens", "0", QTRAIN_FIELD(train.mlp_chunk_tokens),
           "run each MLP over chunks of this many tokens, each recomputed in backward, so no [tokens, intermediate] "
           "activation exists whole (long sequences); 0: the whole micro-batch at once")
@@ -594,6 +598,11 @@ std::optional<RecipeConflict> find_conflict(const Recipe& recipe) {
   if (recipe.train.steps == 0 && recipe.train.epochs == 0) {
     return RecipeConflict{"train.epochs",
                           "train.steps and train.epochs are both 0: set how long to train"};
+  }
+  if (recipe.train.offload_branch_outputs && !recipe.train.gradient_checkpointing) {
+    return RecipeConflict{"train.offload_branch_outputs",
+                          "train.offload_branch_outputs keeps values for the recomputation of gradient checkpointing, "
+                          "so it needs train.gradient_checkpointing: true"};
   }
   if (recipe.train.offload_activations && !recipe.train.gradient_checkpointing) {
     return RecipeConflict{"train.offload_activations",

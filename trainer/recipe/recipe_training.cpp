@@ -246,6 +246,13 @@ void apply_recipe_memory_settings(LlamaForCausalLMImpl& model, const Recipe& rec
   auto& backbone = *model.model;
   backbone.set_gradient_checkpointing(recipe.train.gradient_checkpointing ? recipe.train.gradient_checkpointing_every : 0);
   backbone.set_activation_offloading(recipe.train.offload_activations);
+  if (recipe.train.offload_branch_outputs && !recipe.train.offload_activations) {
+    throw Error(ErrorCode::kRecipe, "train.offload_branch_outputs keeps the layers' branch outputs where "
+                                    "train.offload_activations keeps their inputs, on the host: set "
+                                    "train.offload_activations: true (or train.memory: auto, which does on a GPU), or "
+                                    "train.offload_branch_outputs: false");
+  }
+  backbone.set_branch_output_offloading(recipe.train.offload_branch_outputs);
   if (recipe.train.mlp_chunk_tokens > 0 && recipe.quant == QuantMethod::kQat && recipe.qat.activations.bits > 0) {
     // Dynamic per-tensor scales and observers would see one chunk's inputs, not the batch's.
     throw Error(ErrorCode::kRecipe,
