@@ -189,9 +189,10 @@ TEST(MemoryPlan, ATiedTableGoesToTheHostAsAPairWhereItsCopyIsASmallShare) {
 }
 
 // lm_head visits the loss in tiles (train.lm_head_block_mb 256) where the estimate says that takes
-// a tenth or more off the peak: a large vocabulary beside a short micro-batch (phi4-mini's
-// 200,064-token table at micro-batch 1 and 4, measured 3.07 -> 2.37 GiB at 1; gemma2-9b's at 1),
-// not where the layers' backward sets the peak (the 8B shapes). A block the recipe set stays set; with lm_head on the device there is none.
+// a fifth or more off the peak: a large vocabulary beside a short micro-batch (phi4-mini's
+// 200,064-token table at micro-batch 1, measured 3.07 -> 2.37 GiB), not where the cut is smaller
+// than the step's 6% is worth (phi4-mini at 4, gemma2-9b at 1: 13%) or the layers' backward sets
+// the peak (the 8B shapes). A block the recipe set stays set; with lm_head on the device there is none.
 TEST(MemoryPlan, LmHeadVisitsInTilesWhereItsWholeVisitSetsThePeak) {
   for (const std::string name : {"phi4-mini", "gemma2-9b", "llama3-8b", "qwen3-8b", "mistral-7b"}) {
     for (const int64_t micro_batch : {1, 4}) {
@@ -203,7 +204,7 @@ TEST(MemoryPlan, LmHeadVisitsInTilesWhereItsWholeVisitSetsThePeak) {
       const auto& tiles = choices["train.lm_head_block_mb"];
       std::printf("%s mb%lld: %s (%s)\n", name.c_str(), static_cast<long long>(micro_batch), tiles.on ? "on" : "off",
                   tiles.why.c_str());
-      const bool expected = name == "phi4-mini" || (micro_batch == 1 && name == "gemma2-9b");
+      const bool expected = name == "phi4-mini" && micro_batch == 1;
       EXPECT_EQ(tiles.on, expected) << name << " mb" << micro_batch << ": " << tiles.why;
       EXPECT_EQ(recipe.train.lm_head_block_mb, expected ? 256 : 0) << name << " mb" << micro_batch;
     }

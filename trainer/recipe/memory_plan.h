@@ -12,7 +12,7 @@
 //                                   memory_plan.cpp), and only for adapters (full fine-tuning's
 //                                   state is the model twice)
 //   train.lm_head_block_mb          256 with lm_head on the host and the fused loss, where the
-//                                   estimated peak falls by a tenth or more (lm_head's whole visit
+//                                   estimated peak falls by a fifth or more (lm_head's whole visit
 //                                   sets it); this one costs 4-6% of a short micro-batch's step
 // A tied table goes to the host only as the pair of the two table switches, by lm_head's share as
 // an untied head (or where the recipe set one of them). A switch the run cannot take (a trained,
