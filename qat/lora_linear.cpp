@@ -102,13 +102,13 @@ torch::Tensor LoraLinear::forward_for_graph(const torch::Tensor& input, const In
   if (!adapters_enabled() || options_.dora || base_->matmul_weight_kind() == MatmulWeight::kNone) {
     return forward_rebuilding_input(input, rebuild);
   }
-  return lora_matmul(input, base_, lora_A_->weight, lora_B_->weight, scale_, is_training() ? options_.dropout : 0.0,
-                     rebuild, /*output_unread=*/true);
+  return lora_matmul(input, base_, lora_A_->weight, lora_B_->weight,
+                     {scale_, is_training() ? options_.dropout : 0.0, rebuild, /*output_unread=*/true});
 }
 
 torch::Tensor LoraLinear::lora_forward(const torch::Tensor& input, double dropout, const InputRebuild& rebuild) {
   if (base_->matmul_weight_kind() != MatmulWeight::kNone) {
-    return lora_matmul(input, base_, lora_A_->weight, lora_B_->weight, scale_, dropout, rebuild);
+    return lora_matmul(input, base_, lora_A_->weight, lora_B_->weight, {scale_, dropout, rebuild});
   }
   const auto dtype = input.scalar_type();
   auto lora_input = dropout > 0.0 ? F::dropout(input, F::DropoutFuncOptions().p(dropout).training(true)) : input;

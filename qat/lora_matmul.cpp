@@ -98,8 +98,10 @@ class LoraMatmulBackward : public torch::autograd::Node {
 }  // namespace
 
 torch::Tensor lora_matmul(const torch::Tensor& input, const std::shared_ptr<LinearLayer>& base,
-                          const torch::Tensor& lora_A, const torch::Tensor& lora_B, double scale, double dropout,
-                          const LinearLayer::InputRebuild& rebuild_input, bool output_unread) {
+                          const torch::Tensor& lora_A, const torch::Tensor& lora_B, const LoraMatmulOptions& options) {
+  const double scale = options.scale;
+  const double dropout = options.dropout;
+  const auto& rebuild_input = options.rebuild_input;
   const auto dtype = input.scalar_type();
   const int64_t in = lora_A.size(1);
   const int64_t out = lora_B.size(0);
@@ -117,7 +119,7 @@ torch::Tensor lora_matmul(const torch::Tensor& input, const std::shared_ptr<Line
       if (kept.scalar_type() != torch::kBool) kept = kept.to(torch::kBool);  // the CPU kernel's is in x's dtype
     }
     projected = torch::mm(adapter_rows, a.t());
-    if (output_unread) {
+    if (options.output_unread) {
       output = torch::empty({rows.size(0), out}, rows.options());
       // The weight backward multiplies by, where it keeps it (below): built now as it would be.
       if (!base->multiplies_itself() && (base->matmul_weight_kind() == LinearLayer::MatmulWeight::kStored ||

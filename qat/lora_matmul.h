@@ -21,17 +21,22 @@
 
 namespace qtrain::qat {
 
+struct LoraMatmulOptions {
+  double scale = 1.0;  // the update's factor: alpha / rank (alpha / sqrt(rank) with rsLoRA)
+  // > 0: peft's dropout on the adapter's input only (a fresh mask each call; 0 in eval).
+  double dropout = 0.0;
+  // If given, makes `input` again bit for bit (LinearLayer::forward_rebuilding_input): backward
+  // calls it for A's gradient instead of keeping the input from forward.
+  LinearLayer::InputRebuild rebuild_input;
+  // LinearLayer::forward_for_graph: nothing reads the output's values, so they are left unwritten
+  // and neither product runs (backward reads x, x A^T and W, never y); what backward keeps, the
+  // dropout mask drawn and the gradients are those of the product computed.
+  bool output_unread = false;
+};
+
 // input [..., in]; base: a layer with matmul_weight_kind() != kNone or that multiplies itself, frozen; lora_A [rank, in],
 // lora_B [out, rank] (any float dtype; gradients come back in theirs) -> [..., out] in input's dtype.
-// `dropout` > 0: peft's dropout on the adapter's input only (a fresh mask each call; pass 0 in eval).
-// `rebuild_input`, if given, makes `input` again bit for bit (LinearLayer::forward_rebuilding_input):
-// backward calls it for A's gradient instead of keeping the input from forward.
-// `output_unread` (LinearLayer::forward_for_graph): nothing reads the output's values, so they are
-// left unwritten and neither product runs (backward reads x, x A^T and W, never y); what backward
-// keeps, the dropout mask drawn and the gradients are those of the product computed.
 torch::Tensor lora_matmul(const torch::Tensor& input, const std::shared_ptr<LinearLayer>& base,
-                          const torch::Tensor& lora_A, const torch::Tensor& lora_B, double scale,
-                          double dropout = 0.0, const LinearLayer::InputRebuild& rebuild_input = {},
-                          bool output_unread = false);
+                          const torch::Tensor& lora_A, const torch::Tensor& lora_B, const LoraMatmulOptions& options);
 
 }  // namespace qtrain::qat

@@ -64,7 +64,7 @@ Gradients fused(const std::shared_ptr<LinearLayer>& base, double scale, const to
                 const torch::Tensor& b, const torch::Tensor& output_weights) {
   return differentiate(
       [&](const torch::Tensor& input, const torch::Tensor& lora_a, const torch::Tensor& lora_b) {
-        return lora_matmul(input, base, lora_a, lora_b, scale);
+        return lora_matmul(input, base, lora_a, lora_b, {scale});
       },
       x, a, b, output_weights);
 }
@@ -109,7 +109,7 @@ TEST(LoraMatmul, AnInputWithoutGradientStillTrainsTheAdapter) {
   const auto x = torch::randn({4, 32});
   auto a = (torch::randn({2, 32}) * 0.1).requires_grad_(true);
   auto b = (torch::randn({16, 2}) * 0.1).requires_grad_(true);
-  lora_matmul(x, base, a, b, 1.0).sum().backward();
+  lora_matmul(x, base, a, b, {1.0}).sum().backward();
   ASSERT_TRUE(a.grad().defined());
   ASSERT_TRUE(b.grad().defined());
   const auto weights = torch::ones({4, 16}, torch::kFloat64);
@@ -127,7 +127,7 @@ TEST(LoraMatmul, ARetainedGraphGivesTheSameGradientsTwice) {
   torch::Tensor loss;
   {
     const KeepBuiltWeights keep(true);
-    loss = lora_matmul(x, base, a, b, 2.0).pow(2).sum();
+    loss = lora_matmul(x, base, a, b, {2.0}).pow(2).sum();
   }
   loss.backward({}, /*retain_graph=*/true);
   const auto first_x = x.grad().clone(), first_a = a.grad().clone();
@@ -160,7 +160,7 @@ TEST(LoraMatmul, ARebuiltInputIsNotKeptAndGivesTheSameGradientsBitwise) {
         return torch::silu(gate) * up;
       };
       torch::manual_seed(3);  // the same dropout mask
-      const auto output = lora_matmul(input, base, lora_a, lora_b, 2.0, dropout, rebuilt ? rebuild : LinearLayer::InputRebuild());
+      const auto output = lora_matmul(input, base, lora_a, lora_b, {2.0, dropout, rebuilt ? rebuild : LinearLayer::InputRebuild()});
       // Kept: the input's storage is held by the node as well as here.
       EXPECT_EQ(input.storage().use_count() > 1, !rebuilt) << "dropout " << dropout;
       (output.to(torch::kFloat64) * weights).sum().backward();
@@ -176,6 +176,46 @@ TEST(LoraMatmul, ARebuiltInputIsNotKeptAndGivesTheSameGradientsBitwise) {
   }
 }
 
+// An output nobody reads (LinearLayer::forward_for_graph: a recomputed layer's last projection)
+// is left unwritten, and the gradients for a given output gradient equal those of the computed
+// output bit for bit: on a 4-bit base (its weight built) and a stored one with a bias, kept or
+// rebuilt input, with and without dropout (the same mask).
+TEST(LoraMatmul, AnUnreadOutputGivesTheComputedOutputsGradientsBitwise) {
+  torch::manual_seed(19);
+  for (const bool four_bit : {true, false}) {
+    const std::shared_ptr<LinearLayer> base = four_bit ? std::static_pointer_cast<LinearLayer>(fp32_four_bit_base(32, 48))
+                                                       : std::static_pointer_cast<LinearLayer>(frozen_dense(48, 32, /*bias=*/true));
+    const auto x = torch::randn({2, 5, 48});
+    const auto a = torch::randn({4, 48}) * 0.1;
+    const auto b = torch::randn({32, 4}) * 0.1;
+    const auto grad_output = torch::randn({2, 5, 32});
+    for (const double dropout : {0.0, 0.3}) {
+      for (const bool rebuilt : {false, true}) {
+        const auto run = [&](bool unread) {
+          auto input = x.clone().requires_grad_(true);
+          auto lora_a = a.clone().requires_grad_(true);
+          auto lora_b = b.clone().requires_grad_(true);
+          const LinearLayer::InputRebuild rebuild = [&] { return x.clone(); };
+          torch::manual_seed(3);  // the same dropout mask
+          const auto output =
+              lora_matmul(input, base, lora_a, lora_b, {2.0, dropout, rebuilt ? rebuild : LinearLayer::InputRebuild(), unread});
+          EXPECT_EQ(output.sizes(), grad_output.sizes());
+          output.backward(grad_output);
+          return Gradients{output.detach(), input.grad(), lora_a.grad(), lora_b.grad()};
+        };
+        const auto computed = run(false);
+        const auto unread = run(true);
+        const std::string what = std::string(four_bit ? "nf4" : "dense") + ", dropout " + std::to_string(dropout) +
+                                 (rebuilt ? ", rebuilt input" : "");
+        EXPECT_TRUE(torch::equal(unread.input, computed.input)) << what;
+        EXPECT_TRUE(torch::equal(unread.a, computed.a)) << what;
+        EXPECT_TRUE(torch::equal(unread.b, computed.b)) << what;
+        ASSERT_GT(computed.a.abs().max().item<double>(), 0) << what;
+      }
+    }
+  }
+}
+
 // Dropout acts on the adapter's input only. With A = B = I the update is the dropped input itself,
 // which shows the mask; the gradients must be those of peft's composition with that mask.
 TEST(LoraMatmul, DropoutMasksTheAdapterInputAndBackwardUsesTheSameMask) {
@@ -186,7 +226,7 @@ TEST(LoraMatmul, DropoutMasksTheAdapterInputAndBackwardUsesTheSameMask) {
   auto b = torch::eye(16).requires_grad_(true);
   auto input = x.clone().requires_grad_(true);
   const auto weights = torch::randn({64, 16}, torch::kFloat64);
-  const auto output = lora_matmul(input, base, a, b, 1.0, /*dropout=*/0.25);
+  const auto output = lora_matmul(input, base, a, b, {1.0, /*dropout=*/0.25});
   (output.to(torch::kFloat64) * weights).sum().backward();
   const auto update = output.detach() - base->forward(x);
   const auto kept = update.abs() > 1e-3;
