@@ -114,6 +114,7 @@ class CheckpointBackward : public torch::autograd::Node {
     function_ = nullptr;  // the closure may hold large tensors; the graph is used once
     inputs_.clear();
     offload_.reset();
+    kept_values_.clear();
     return result;
   }
 
