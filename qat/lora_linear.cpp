@@ -99,16 +99,14 @@ torch::Tensor LoraLinear::forward_rebuilding_input(const torch::Tensor& input, c
 }
 
 torch::Tensor LoraLinear::forward_for_graph(const torch::Tensor& input, const InputRebuild& rebuild) {
-  if (!adapters_enabled() || options_.dora || base_->matmul_weight_kind() == MatmulWeight::kNone) {
-    return forward_rebuilding_input(input, rebuild);
-  }
-  return lora_matmul(input, base_, lora_A_->weight, lora_B_->weight,
-                     {scale_, is_training() ? options_.dropout : 0.0, rebuild, /*output_unread=*/true});
+  if (!adapters_enabled() || options_.dora) return forward_rebuilding_input(input, rebuild);
+  return lora_forward(input, is_training() ? options_.dropout : 0.0, rebuild, /*output_unread=*/true);
 }
 
-torch::Tensor LoraLinear::lora_forward(const torch::Tensor& input, double dropout, const InputRebuild& rebuild) {
+torch::Tensor LoraLinear::lora_forward(const torch::Tensor& input, double dropout, const InputRebuild& rebuild,
+                                       bool output_unread) {
   if (base_->matmul_weight_kind() != MatmulWeight::kNone) {
-    return lora_matmul(input, base_, lora_A_->weight, lora_B_->weight, {scale_, dropout, rebuild});
+    return lora_matmul(input, base_, lora_A_->weight, lora_B_->weight, {scale_, dropout, rebuild, output_unread});
   }
   const auto dtype = input.scalar_type();
   auto lora_input = dropout > 0.0 ? F::dropout(input, F::DropoutFuncOptions().p(dropout).training(true)) : input;

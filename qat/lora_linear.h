@@ -76,7 +76,9 @@ class LoraLinear : public LinearLayer {
   // magnitude's start, the merge) or from the factors (every step; above).
   torch::Tensor adapted_row_norms(torch::ScalarType dtype) const;
   torch::Tensor adapted_row_norms_from_factors(torch::ScalarType dtype);
-  torch::Tensor lora_forward(const torch::Tensor& input, double dropout, const InputRebuild& rebuild = {});
+  // output_unread: lora_matmul's, over a base that fuses; the unfused composition computes it anyway.
+  torch::Tensor lora_forward(const torch::Tensor& input, double dropout, const InputRebuild& rebuild = {},
+                             bool output_unread = false);
   torch::Tensor dora_forward(const torch::Tensor& input);
 
   std::shared_ptr<LinearLayer> base_;

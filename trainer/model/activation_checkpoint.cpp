@@ -3,24 +3,18 @@
 #include <torch/csrc/autograd/function.h>
 
 #include "kernels/error.h"
+#include "qat/linear.h"
 #include "trainer/base/random_state.h"
 
 namespace qtrain::trainer {
 
 namespace {
 
-thread_local bool recomputing_now = false;
-
 // Marks the recomputation for as long as it lives (nested checkpoints restore the outer mark).
-class Recomputing {
+class Recomputing : public qat::ThreadScopedSetting<bool, Recomputing> {
  public:
-  Recomputing() : previous_(recomputing_now) { recomputing_now = true; }
-  ~Recomputing() { recomputing_now = previous_; }
-  Recomputing(const Recomputing&) = delete;
-  Recomputing& operator=(const Recomputing&) = delete;
-
- private:
-  bool previous_;
+  Recomputing() : ThreadScopedSetting(true) {}
+  static bool now() { return current(); }
 };
 
 using torch::autograd::Edge;
@@ -35,19 +29,12 @@ struct KeptValues {
   bool replaying = false;
 };
 
-thread_local KeptValues* kept_values_now = nullptr;
-
 // Points kept_in_recomputation at a piece's values (or at none) for as long as it lives; nested
 // checkpoints (MLP chunks) restore the outer piece's.
-class KeepingValues {
+class KeepingValues : public qat::ThreadScopedSetting<KeptValues*, KeepingValues> {
  public:
-  explicit KeepingValues(KeptValues* values) : previous_(kept_values_now) { kept_values_now = values; }
-  ~KeepingValues() { kept_values_now = previous_; }
-  KeepingValues(const KeepingValues&) = delete;
-  KeepingValues& operator=(const KeepingValues&) = delete;
-
- private:
-  KeptValues* previous_;
+  using ThreadScopedSetting::ThreadScopedSetting;
+  static KeptValues* now() { return current(); }
 };
 
 // Stored values in the place of a graph-only tensor: the gradient they get is that tensor's.
@@ -129,10 +116,10 @@ class CheckpointBackward : public torch::autograd::Node {
 
 }  // namespace
 
-bool recomputing() { return recomputing_now; }
+bool recomputing() { return Recomputing::now(); }
 
 torch::Tensor kept_in_recomputation(const ValueFunction& compute, const ValueFunction& graph_only) {
-  auto* kept = kept_values_now;
+  auto* kept = KeepingValues::now();
   if (kept == nullptr) return compute();
   if (!kept->replaying) {
     auto value = compute();

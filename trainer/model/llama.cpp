@@ -409,7 +409,7 @@ torch::Tensor LlamaDecoderLayerImpl::feed_forward_in_chunks(const torch::Tensor&
     outputs.push_back(checkpoint(
                           [this, keep_built](const std::vector<torch::Tensor>& inputs) {
                             const qat::KeepBuiltWeights keep(keep_built && torch::GradMode::is_enabled());
-                            return feed_forward(inputs[0]);
+                            return feed_forward(inputs[0]);  // the piece's output, as the layer's is
                           },
                           {chunk.unsqueeze(0)}, parameters)
                           .squeeze(0));
@@ -485,6 +485,8 @@ torch::Tensor LlamaBackboneImpl::forward_embedded(torch::Tensor hidden, const to
             // Grad mode is on only in the recomputation, whose backward follows at once.
             const qat::KeepBuiltWeights keep_dequantized(keep && torch::GradMode::is_enabled());
             const qat::BuildBanksInBlocks bank_blocks(block_bytes);  // the recomputation runs on autograd's thread
+            // One layer a piece: its output is the piece's, which a recomputation does not read
+            // (feed_forward leaves the MLP's last product out there).
             return layer->forward(inputs[0], cos, sin, attention_mask);
           },
           {hidden}, layer->parameters(), offload, offload_branch_outputs_);
