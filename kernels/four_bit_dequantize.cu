@@ -75,7 +75,6 @@ __device__ __forceinline__ float absmax_of(const BlockScales& scales, int64_t bl
 template <typename scalar_t>
 struct WriteValues {
   using out_t = scalar_t;
-  static constexpr bool kCodeTable = false;
   scalar_t* out;
   static constexpr int64_t row_length = 0;  // no rows
   __device__ float row_scale(int64_t) const { return 0.0f; }
@@ -86,7 +85,6 @@ struct WriteValues {
 // are whole groups of a thread's values, so one scale serves them all.
 struct WriteFloat8Codes {
   using out_t = c10::Float8_e4m3fn;
-  static constexpr bool kCodeTable = true;  // one byte per value: picked from a thread's 16 codes
   c10::Float8_e4m3fn* out;
   const float* row_scales;
   int64_t row_length;
@@ -200,9 +198,9 @@ __device__ __forceinline__ void write_table_codes(const uint8_t* packed, bool pa
   }
 }
 
-// kValues a power of two from 8, at most the blocksize (the values share one absmax); the vector
-// path needs packed aligned to kValues / 2 bytes. `pairs_share` (code tables only): blocks and rows
-// hold whole pairs of threads' values.
+// The FP8 codes. kValues a power of two from 8, at most the blocksize (the values share one
+// absmax); the vector path needs packed aligned to kValues / 2 bytes. `pairs_share`: blocks and
+// rows hold whole pairs of threads' values.
 template <typename Writer, bool kDoubleQuantized, int kValues>
 __global__ void dequantize_4bit_kernel(const uint8_t* __restrict__ packed, bool packed_aligned, int64_t n,
                                        int blocksize_log2, DecodeTable decode, BlockScales scales, Writer write,
@@ -211,12 +209,58 @@ __global__ void dequantize_4bit_kernel(const uint8_t* __restrict__ packed, bool 
   if (threadIdx.x < 16) table[threadIdx.x] = decode.values[threadIdx.x];
   __syncthreads();
   const int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kValues;
-  if constexpr (Writer::kCodeTable) {
-    write_table_codes<Writer, kDoubleQuantized, kValues>(packed, packed_aligned, n, first, blocksize_log2, table,
-                                                         scales, write, pairs_share);
-  } else if (first < n) {
-    write_values<Writer, kDoubleQuantized, kValues>(packed, packed_aligned, n, first, blocksize_log2, table, scales,
-                                                    write);
+  write_table_codes<Writer, kDoubleQuantized, kValues>(packed, packed_aligned, n, first, blocksize_log2, table, scales,
+                                                       write, pairs_share);
+}
+
+// The values (dequantize_4bit_cuda). Each thread writes kGroupsPerThread groups of 8 values, group
+// g of thread t in CUDA block b from value ((b * kGroupsPerThread + g) * blockDim + t) * 8: each of
+// a warp's loads and stores is one contiguous stretch (128 bytes in, 512 out in bf16), and a thread
+// has kGroupsPerThread loads in flight before its first store. (One thread's 32 consecutive values
+// made each warp store 32 pieces of 16 bytes 64 bytes apart: about a third of HBM's bandwidth.)
+// The vector path needs packed aligned to 4 bytes.
+constexpr int kGroupsPerThread = 4;
+
+template <typename scalar_t, bool kDoubleQuantized>
+__global__ void dequantize_4bit_values_kernel(const uint8_t* __restrict__ packed, bool packed_aligned, int64_t n,
+                                              int blocksize_log2, DecodeTable decode, BlockScales scales,
+                                              WriteValues<scalar_t> write) {
+  __shared__ float table[16];
+  if (threadIdx.x < 16) table[threadIdx.x] = decode.values[threadIdx.x];
+  __syncthreads();
+  int64_t first[kGroupsPerThread];
+#pragma unroll
+  for (int g = 0; g < kGroupsPerThread; ++g) {
+    first[g] = ((static_cast<int64_t>(blockIdx.x) * kGroupsPerThread + g) * blockDim.x + threadIdx.x) * kValuesPerThread;
+  }
+  if (!packed_aligned || first[kGroupsPerThread - 1] + kValuesPerThread > n) {
+    // the grid's last CUDA block, or a view at an odd offset: group by group, a tail value by value
+#pragma unroll
+    for (int g = 0; g < kGroupsPerThread; ++g) {
+      if (first[g] < n) {
+        write_values<WriteValues<scalar_t>, kDoubleQuantized, kValuesPerThread>(packed, packed_aligned, n, first[g],
+                                                                              blocksize_log2, table, scales, write);
+      }
+    }
+    return;
+  }
+  uint32_t words[kGroupsPerThread];
+  float scale[kGroupsPerThread];
+#pragma unroll
+  for (int g = 0; g < kGroupsPerThread; ++g) {
+    words[g] = __ldg(reinterpret_cast<const unsigned int*>(packed + first[g] / 2));
+    scale[g] = absmax_of<kDoubleQuantized>(scales, first[g] >> blocksize_log2);
+  }
+#pragma unroll
+  for (int g = 0; g < kGroupsPerThread; ++g) {
+    ThreadValues<scalar_t, kValuesPerThread> group;
+#pragma unroll
+    for (int k = 0; k < kValuesPerThread / 2; ++k) {
+      const uint32_t byte = (words[g] >> (8 * k)) & 0xFFu;  // byte k in memory; high nibble first, as bnb packs
+      group.values[2 * k] = write(fast::multiply(table[byte >> 4], scale[g]), 0.0f);
+      group.values[2 * k + 1] = write(fast::multiply(table[byte & 0xFu], scale[g]), 0.0f);
+    }
+    *reinterpret_cast<ThreadValues<scalar_t, kValuesPerThread>*>(write.out + first[g]) = group;
   }
 }
 
@@ -283,8 +327,22 @@ DecodeTable checked_table(const at::Tensor& packed, int64_t numel, int64_t block
   return table;
 }
 
-// The wide kernel where its 32 values share an absmax and one of the writer's rows and its 16-byte
-// loads are aligned; the narrow one otherwise. Either finishes a tail value by value.
+template <typename scalar_t>
+void launch_values(const at::Tensor& packed, int64_t numel, int64_t blocksize, const DecodeTable& table,
+                   const FourBitScales& scales, scalar_t* out) {
+  const auto* bytes = packed.data_ptr<uint8_t>();
+  const auto grid =
+      static_cast<unsigned>(ceil_div(numel, int64_t{kValuesPerThread} * kGroupsPerThread * kThreadsPerCudaBlock));
+  const bool aligned = reinterpret_cast<uintptr_t>(bytes) % (kValuesPerThread / 2) == 0;
+  auto kernel = scales.nested_absmax.defined() ? dequantize_4bit_values_kernel<scalar_t, true>
+                                               : dequantize_4bit_values_kernel<scalar_t, false>;
+  kernel<<<grid, kThreadsPerCudaBlock, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      bytes, aligned, numel, log2_of(blocksize), table, block_scales(scales), WriteValues<scalar_t>{out});
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The FP8 codes: the wide kernel where its 32 values share an absmax and one of the writer's rows
+// and its 16-byte loads are aligned; the narrow one otherwise. Either finishes a tail value by value.
 template <typename Writer>
 void launch(const at::Tensor& packed, int64_t numel, int64_t blocksize, const DecodeTable& table,
             const FourBitScales& scales, const Writer& write) {
@@ -317,7 +375,7 @@ at::Tensor dequantize_4bit_cuda(const at::Tensor& packed, int64_t numel, int64_t
     using scalar_t = decltype(type_tag);
     out = at::empty({numel}, packed.options().dtype(dtype));
     if (numel == 0) return;
-    launch(packed, numel, blocksize, table, scales, WriteValues<scalar_t>{out.data_ptr<scalar_t>()});
+    launch_values(packed, numel, blocksize, table, scales, out.data_ptr<scalar_t>());
   });
   return out;
 }

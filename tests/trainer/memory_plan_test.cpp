@@ -51,7 +51,7 @@ TEST(MemoryPlan, AutoOnAGpuTurnsOnEveryHostSwitchTheRunAllows) {
   auto recipe = qlora_recipe();
   EXPECT_EQ(recipe.train.memory, "auto");  // the default
   auto choices = by_key(plan_memory(recipe, untied(), /*on_gpu=*/true));
-  ASSERT_EQ(choices.size(), 5u);
+  ASSERT_EQ(choices.size(), 6u);
   for (const auto& [key, choice] : choices) {
     // Llama's lm_head visits whole at micro-batch 4 (LmHeadVisitsInTilesWhereItsWholeVisitSetsThePeak)
     if (key != "train.lm_head_block_mb") EXPECT_TRUE(choice.on) << key << ": " << choice.why;
@@ -60,6 +60,7 @@ TEST(MemoryPlan, AutoOnAGpuTurnsOnEveryHostSwitchTheRunAllows) {
   EXPECT_TRUE(recipe.train.embeddings_on_host);
   EXPECT_TRUE(recipe.train.lm_head_on_host);
   EXPECT_TRUE(recipe.train.optimizer_states_on_host);
+  EXPECT_TRUE(recipe.train.offload_branch_outputs);
   EXPECT_TRUE(recipe.train.keep_built_weights);  // rebuilding costs speed: left as set
   const auto lines = describe_memory_plan(recipe, plan_memory(recipe, untied(), true), true);
   EXPECT_NE(lines.front().find("memory: auto: train.offload_activations on (set in the recipe)"), std::string::npos)
@@ -120,10 +121,13 @@ TEST(MemoryPlan, WhatTheRunCannotTakeStaysOffWithItsReason) {
   auto choices = by_key(plan_memory(recipe, untied(), true));
   EXPECT_FALSE(choices["train.offload_activations"].on);
   EXPECT_NE(choices["train.offload_activations"].why.find("train.gradient_checkpointing is off"), std::string::npos);
+  EXPECT_FALSE(choices["train.offload_branch_outputs"].on);  // refused without the offload
+  EXPECT_NE(choices["train.offload_branch_outputs"].why.find("train.offload_activations is off"), std::string::npos);
   EXPECT_FALSE(choices["train.lm_head_on_host"].on);
   EXPECT_NE(choices["train.lm_head_on_host"].why.find("include lm_head"), std::string::npos);
   EXPECT_TRUE(choices["train.embeddings_on_host"].on);
   EXPECT_FALSE(recipe.train.offload_activations);
+  EXPECT_FALSE(recipe.train.offload_branch_outputs);
   EXPECT_FALSE(recipe.train.lm_head_on_host);
 
   auto short_tied = qlora_recipe();

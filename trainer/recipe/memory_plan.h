@@ -14,12 +14,15 @@
 //   train.lm_head_block_mb          256 with lm_head on the host and the fused loss, where the
 //                                   estimated peak falls by a fifth or more (lm_head's whole visit
 //                                   sets it); this one costs 4-6% of a short micro-batch's step
+//   train.offload_branch_outputs    with the offload: each layer's attention output waits on the
+//                                   host too, and the recomputation reads it back (1.00-1.04x the
+//                                   tokens/s, the same device peak, twice the pinned host bytes)
 // A tied table goes to the host only as the pair of the two table switches, by lm_head's share as
 // an untied head (or where the recipe set one of them). A switch the run cannot take (a trained,
-// adapted or fake-quantized table or head; no checkpointing) stays off, said why. It never turns a switch off, and leaves what costs speed as
-// set: train.keep_built_weights (8% slower off), train.mlp_chunk_tokens,
-// train.expert_bank_block_mb and train.offload_branch_outputs. On the CPU (the host is the device) and under train.memory: manual
-// it changes nothing.
+// adapted or fake-quantized table or head; no checkpointing) stays off, said why. It never turns a
+// switch off, and leaves what costs speed as set: train.keep_built_weights (8% slower off),
+// train.mlp_chunk_tokens and train.expert_bank_block_mb. On the CPU (the host is the device) and
+// under train.memory: manual it changes nothing.
 #include <string>
 #include <vector>
 
