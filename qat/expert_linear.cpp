@@ -78,22 +78,51 @@ torch::Tensor product_by_expert_blocks(const LinearLayer& bank, int64_t experts,
   return products.size() == 1 ? products.front() : torch::cat(products);
 }
 
+// What a product with a frozen bank that keeps only the counts saves for its backward, which
+// builds the weights again (the bank outlives the step's backward: it is the model's). Built in
+// blocks of experts where BuildBanksInBlocks asked it at the forward (the backward runs on
+// autograd's thread); the counts then come to the host once, at the forward. Returns the experts
+// a block holds and, for blocks, the counts on the host.
+std::pair<int64_t, std::vector<int64_t>> save_for_rebuilding(torch::autograd::AutogradContext* context,
+                                                             const torch::Tensor& rows, const torch::Tensor& counts,
+                                                             const LinearLayer* bank, int64_t experts) {
+  context->save_for_backward({counts});
+  context->saved_data["bank"] = reinterpret_cast<int64_t>(bank);
+  context->saved_data["experts"] = experts;
+  const int64_t per_block = bank_experts_per_block(*bank, experts, rows.scalar_type(), BuildBanksInBlocks::bytes());
+  context->saved_data["per_block"] = per_block;
+  std::vector<int64_t> on_host;
+  if (per_block < experts) {
+    on_host = host_counts(counts);
+    context->saved_data["host_counts"] = on_host;
+  }
+  return {per_block, on_host};
+}
+
+// The gradient of the rows, the bank built again: grad_e W_e for expert e's rows, the grouped
+// product with W_e^T as its [in, out] weight.
+torch::autograd::variable_list rebuilt_input_gradient(torch::autograd::AutogradContext* context,
+                                                      const torch::autograd::variable_list& grad_outputs) {
+  const auto* bank = reinterpret_cast<const LinearLayer*>(context->saved_data["bank"].toInt());
+  const int64_t experts = context->saved_data["experts"].toInt();
+  const int64_t per_block = context->saved_data["per_block"].toInt();
+  const auto grad = grad_outputs[0].contiguous();
+  const auto counts = context->get_saved_variables()[0];
+  const auto grad_rows =
+      per_block < experts
+          ? product_by_expert_blocks(*bank, experts, grad, counts, context->saved_data["host_counts"].toIntVector(),
+                                     per_block, true)
+          : grouped_linear(grad, expert_weights(*bank, experts, grad.scalar_type()).transpose(1, 2), counts);
+  return {grad_rows, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+}
+
 // The product with a frozen built bank that keeps only the counts: backward builds the weights again.
-// The bank outlives the step's backward (it is the model's). Built in blocks of experts where
-// BuildBanksInBlocks asked it (at the forward: the backward runs on autograd's thread); the counts
-// then come to the host once, at the forward.
 class RebuiltBankProduct : public torch::autograd::Function<RebuiltBankProduct> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* context, const torch::Tensor& rows,
                                const torch::Tensor& counts, const LinearLayer* bank, int64_t experts) {
-    context->save_for_backward({counts});
-    context->saved_data["bank"] = reinterpret_cast<int64_t>(bank);
-    context->saved_data["experts"] = experts;
-    const int64_t per_block = bank_experts_per_block(*bank, experts, rows.scalar_type(), BuildBanksInBlocks::bytes());
-    context->saved_data["per_block"] = per_block;
+    const auto [per_block, on_host] = save_for_rebuilding(context, rows, counts, bank, experts);
     if (per_block < experts) {
-      const auto on_host = host_counts(counts);
-      context->saved_data["host_counts"] = on_host;
       return product_by_expert_blocks(*bank, experts, rows.contiguous(), counts, on_host, per_block, false);
     }
     return grouped_linear(rows, expert_weights(*bank, experts, rows.scalar_type()), counts);
@@ -101,18 +130,23 @@ class RebuiltBankProduct : public torch::autograd::Function<RebuiltBankProduct> 
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* context,
                                                  torch::autograd::variable_list grad_outputs) {
-    const auto* bank = reinterpret_cast<const LinearLayer*>(context->saved_data["bank"].toInt());
-    const int64_t experts = context->saved_data["experts"].toInt();
-    const int64_t per_block = context->saved_data["per_block"].toInt();
-    const auto grad = grad_outputs[0].contiguous();
-    const auto counts = context->get_saved_variables()[0];
-    // grad_rows of expert e: grad_e W_e, the grouped product with W_e^T as its [in, out] weight.
-    const auto grad_rows =
-        per_block < experts
-            ? product_by_expert_blocks(*bank, experts, grad, counts, context->saved_data["host_counts"].toIntVector(),
-                                       per_block, true)
-            : grouped_linear(grad, expert_weights(*bank, experts, grad.scalar_type()).transpose(1, 2), counts);
-    return {grad_rows, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    return rebuilt_input_gradient(context, grad_outputs);
+  }
+};
+
+// bank_product_for_graph: the product's place in autograd's graph, its values left unwritten. Its
+// backward is RebuiltBankProduct's, which reads no values of the output.
+class UnreadBankProduct : public torch::autograd::Function<UnreadBankProduct> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* context, const torch::Tensor& rows,
+                               const torch::Tensor& counts, const LinearLayer* bank, int64_t experts) {
+    save_for_rebuilding(context, rows, counts, bank, experts);
+    return rows.new_empty({rows.size(0), bank->out_features() / experts});
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* context,
+                                                 torch::autograd::variable_list grad_outputs) {
+    return rebuilt_input_gradient(context, grad_outputs);
   }
 };
 
@@ -140,6 +174,14 @@ torch::Tensor bank_product(const LinearLayer& bank, int64_t experts, const torch
     }
   }
   return grouped_linear(rows, expert_weights(bank, experts, rows.scalar_type()), counts);
+}
+
+torch::Tensor bank_product_for_graph(const LinearLayer& bank, int64_t experts, const torch::Tensor& rows,
+                                     const torch::Tensor& counts) {
+  // A bank that trains needs autograd's own product (its weight's gradient); without grad there
+  // is no graph to place the output in.
+  if (!torch::GradMode::is_enabled() || trains(bank)) return bank_product(bank, experts, rows, counts);
+  return UnreadBankProduct::apply(rows, counts, &bank, experts);
 }
 
 std::vector<int64_t> host_counts(const torch::Tensor& counts) {
@@ -215,10 +257,11 @@ void ExpertLora::reset() {
   lora_B_->weight.zero_();
 }
 
-torch::Tensor ExpertLora::grouped_forward(const torch::Tensor& rows, const torch::Tensor& counts) {
+torch::Tensor ExpertLora::grouped_forward(const torch::Tensor& rows, const torch::Tensor& counts, bool output_unread) {
   const auto dtype = rows.scalar_type();
   const int64_t rank = options_.rank;
-  const auto base = bank_product(*base_, experts_, rows, counts);
+  const auto base = output_unread ? bank_product_for_graph(*base_, experts_, rows, counts)
+                                  : bank_product(*base_, experts_, rows, counts);
   if (!adapters_enabled()) return base;
   // A_e: rows e·rank ... of A; B_e: columns e, e + experts, ... of B.
   const auto a = lora_A_->weight.to(dtype).view({experts_, rank, -1});

@@ -61,6 +61,12 @@ torch::Tensor expert_weights(const LinearLayer& bank, int64_t experts, torch::Sc
 // where BuildBanksInBlocks asks it (qat/linear.h): a few whole experts at a time, each
 // multiplying its own rows (the counts come to the host once, at the forward).
 torch::Tensor bank_product(const LinearLayer& bank, int64_t experts, const torch::Tensor& rows, const torch::Tensor& counts);
+// bank_product where nothing reads the output's values, only its place in autograd's graph (a
+// checkpointed layer's recomputation: the experts' down products, weighed before, join the residual
+// stream that is the layer's output). The values are left unwritten and the bank is built only in
+// backward, for the rows' gradient. A bank that trains, or a product without grad, is bank_product.
+torch::Tensor bank_product_for_graph(const LinearLayer& bank, int64_t experts, const torch::Tensor& rows,
+                                     const torch::Tensor& counts);
 // How many of a bank's `experts` (each `expert_bytes` built) one block of BuildBanksInBlocks'
 // `block_bytes` holds: as many as fit, at least one; all of them for 0. The memory estimate
 // (trainer/recipe/model_memory.cpp) counts the same blocks.
@@ -78,8 +84,9 @@ class ExpertLora : public LinearLayer {
   // peft's initialisation: A kaiming-uniform (a = sqrt(5)), B zero.
   void reset();
 
-  // rows sorted by expert, counts as grouped_linear's -> [tokens, out].
-  torch::Tensor grouped_forward(const torch::Tensor& rows, const torch::Tensor& counts);
+  // rows sorted by expert, counts as grouped_linear's -> [tokens, out]. `output_unread`: the
+  // base's product is bank_product_for_graph's (nothing reads the output's values).
+  torch::Tensor grouped_forward(const torch::Tensor& rows, const torch::Tensor& counts, bool output_unread = false);
   // A bank has no product over all of its rows.
   torch::Tensor forward(const torch::Tensor& input) override;
   int64_t in_features() const override { return base_->in_features(); }

@@ -399,6 +399,67 @@ TEST(ActivationCheckpointing, TheRecomputationLeavesOutTheLastProductAndKeepsThe
   }
 }
 
+// An experts' block weighs down_proj's input rows by the router, so no backward reads down's
+// products: a checkpointed layer's recomputation leaves them out, and its backward builds the
+// NF4 down bank for the rows' gradient alone. Counted in whole builds of each bank over the 2
+// layers, the weights built again in backward: gate_up 2 a layer plain, 3 checkpointed (the
+// forward, the recomputation, backward); down 2 either way. The gradients of every adapter
+// (attention and both banks, peft's per-expert form) are the plain path's bit for bit, with the
+// weights kept or built again.
+TEST(ActivationCheckpointing, AnExpertsBlocksRecomputationLeavesOutDownsProductsWithTheSameGradients) {
+  torch::manual_seed(19);
+  auto options = qtrain::testing::small_llama_options(64, 2);
+  options.feed_forward = FeedForwardKind::kExperts;
+  options.experts.num_experts = 4;
+  options.experts.experts_per_token = 2;
+  options.experts.intermediate_size = 64;
+  options.experts.normalize_top_k = true;
+  LlamaForCausalLM model(options, torch::kFloat32);
+  qat::quantize_linear_layers(*model, qat::FourBitOptions{}, {"lm_head"});
+  std::vector<std::shared_ptr<qtrain::testing::BlockCountingBank>> gate_ups, downs;
+  for (const auto& item : model->named_modules("", /*include_self=*/false)) {
+    auto* owner = dynamic_cast<qat::ExpertBankOwner*>(item.value().get());
+    auto* layers = dynamic_cast<qat::LinearLayerOwner*>(item.value().get());
+    if (owner == nullptr || layers == nullptr) continue;
+    for (const auto& child : item.value()->named_children()) {
+      if (owner->bank_experts(child.key()) == 0) continue;
+      auto bank = std::make_shared<qtrain::testing::BlockCountingBank>(std::dynamic_pointer_cast<qat::LinearLayer>(child.value()));
+      (child.key() == "down_proj" ? downs : gate_ups).push_back(bank);
+      layers->replace_linear(child.key(), bank);
+    }
+  }
+  ASSERT_EQ(downs.size(), 2u);
+  qat::LoraOptions lora;
+  lora.rank = 4;
+  lora.alpha = 8;
+  qat::LoraTargets targets;
+  targets.include.names = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"};
+  qat::apply_lora(*model, targets, lora);
+  for (auto& item : model->named_parameters()) {
+    item.value().set_requires_grad(item.key().find("lora_") != std::string::npos);
+    if (item.key().find("lora_B") != std::string::npos) {
+      torch::NoGradGuard no_grad;
+      item.value().normal_(0, 0.02);
+    }
+  }
+  ASSERT_EQ(qat::expert_banks(*model).size(), 4u);
+  model->train();
+  const auto builds = [&] {
+    std::pair<int, int> sums{0, 0};  // gate_up's, down's
+    for (auto& bank : gate_ups) sums.first += std::exchange(bank->wholes, 0);
+    for (auto& bank : downs) sums.second += std::exchange(bank->wholes, 0);
+    return sums;
+  };
+  using Builds = std::pair<int, int>;
+  const ActivationMemory rebuilt{false, 0, /*keep_built_weights=*/false};
+  const auto plain = gradients_of(model, 0, 0, rebuilt);
+  EXPECT_EQ(builds(), Builds(4, 4));
+  expect_bitwise_equal(plain, gradients_of(model, 1, 0, rebuilt), "checkpointed, weights built again in backward");
+  EXPECT_EQ(builds(), Builds(6, 4));
+  expect_bitwise_equal(plain, gradients_of(model, 1, 0), "checkpointed, weights kept");
+  EXPECT_EQ(builds(), Builds(4, 4));
+}
+
 // train.offload_branch_outputs: each layer's o_proj output (and under sandwich norms its MLP's)
 // waits on the host beside the layer's input, and the recomputation takes it back instead of
 // running o_proj's product (and down_proj's): one product of each a layer, as without

@@ -28,8 +28,9 @@ class FeedForwardImpl : public torch::nn::Module, public qat::LinearLayerOwner {
   // forward(hidden, rebuild_hidden) where nothing reads the output's values, only its place in
   // autograd's graph (a checkpointed layer's recomputation: the block's output joins the residual
   // stream that is the layer's output). A block whose backward reads no value of its last
-  // projection's output (a dense MLP's down_proj) runs that one as qat::LinearLayer::forward_for_graph;
-  // one that reads it (experts weighed by their router's probabilities) runs forward.
+  // projection's output (a dense MLP's down_proj, experts whose router weighs down's input rows)
+  // runs that one without its product (qat::LinearLayer::forward_for_graph,
+  // qat::bank_product_for_graph); one that reads it runs forward.
   virtual torch::Tensor forward_for_graph(const torch::Tensor& hidden,
                                           const qat::LinearLayer::InputRebuild& rebuild_hidden) {
     return forward(hidden, rebuild_hidden);

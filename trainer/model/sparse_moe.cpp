@@ -72,11 +72,13 @@ void ExpertBanksImpl::replace_linear(const std::string& child_name, std::shared_
 namespace {
 
 // Each row times its expert's weight, plus its expert's bias where the bank has them (gpt-oss).
+// `output_unread`: only the output's place in autograd's graph is needed (qat::bank_product_for_graph).
 torch::Tensor bank_forward(qat::LinearLayer& bank, int64_t experts, const torch::Tensor& rows, const torch::Tensor& counts,
-                           const torch::Tensor& row_experts) {
+                           const torch::Tensor& row_experts, bool output_unread = false) {
   auto* lora = dynamic_cast<qat::ExpertLora*>(&bank);
-  auto product = lora ? lora->grouped_forward(rows, counts)
-                      : qat::bank_product(bank, experts, rows, counts);
+  auto product = lora             ? lora->grouped_forward(rows, counts, output_unread)
+                 : output_unread ? qat::bank_product_for_graph(bank, experts, rows, counts)
+                                 : qat::bank_product(bank, experts, rows, counts);
   const auto bias = bank.bias();
   if (!bias.defined()) return product;
   return product + bias.to(product.scalar_type()).view({experts, -1}).index_select(0, row_experts);
@@ -91,15 +93,17 @@ torch::Tensor clamped_swiglu(const torch::Tensor& gate, const torch::Tensor& up,
 
 }  // namespace
 
-torch::Tensor ExpertBanksImpl::forward(const torch::Tensor& rows, const torch::Tensor& counts, const torch::Tensor& row_experts) {
+torch::Tensor ExpertBanksImpl::forward(const torch::Tensor& rows, const torch::Tensor& counts, const torch::Tensor& row_experts,
+                                       const torch::Tensor& row_weights, bool output_unread) {
   const auto fused = bank_forward(*gate_up_proj, experts_, rows, counts, row_experts);
   const int64_t intermediate = fused.size(-1) / 2;  // gate's half first, as transformers' chunk(2)
   const auto gate = fused.narrow(-1, 0, intermediate).contiguous();
   const auto up = fused.narrow(-1, intermediate, intermediate).contiguous();
-  const auto product = swiglu_limit_ > 0                      ? clamped_swiglu(gate, up, swiglu_limit_)
-                       : activation_ == Activation::kGeluTanh ? geglu(gate, up)
-                                                              : swiglu(gate, up);
-  return bank_forward(*down_proj, experts_, product, counts, row_experts);
+  auto product = swiglu_limit_ > 0                      ? clamped_swiglu(gate, up, swiglu_limit_)
+                 : activation_ == Activation::kGeluTanh ? geglu(gate, up)
+                                                        : swiglu(gate, up);
+  if (row_weights.defined()) product = (product * row_weights).to(product.scalar_type());
+  return bank_forward(*down_proj, experts_, product, counts, row_experts, output_unread);
 }
 
 SparseMoeBlockImpl::SparseMoeBlockImpl(const LlamaOptions& options, const std::string& prefix,
@@ -119,6 +123,14 @@ void SparseMoeBlockImpl::replace_linear(const std::string& child_name, std::shar
 }
 
 torch::Tensor SparseMoeBlockImpl::forward(const torch::Tensor& hidden, const qat::LinearLayer::InputRebuild&) {
+  return run(hidden, /*for_graph=*/false);
+}
+
+torch::Tensor SparseMoeBlockImpl::forward_for_graph(const torch::Tensor& hidden, const qat::LinearLayer::InputRebuild&) {
+  return run(hidden, /*for_graph=*/true);
+}
+
+torch::Tensor SparseMoeBlockImpl::run(const torch::Tensor& hidden, bool for_graph) {
   const auto shape = hidden.sizes().vec();
   auto x = hidden.reshape({-1, shape.back()});
   const double jitter = options_.router_jitter_noise;
@@ -159,9 +171,17 @@ torch::Tensor SparseMoeBlockImpl::forward(const torch::Tensor& hidden, const qat
   // How many rows each expert takes, without a trip to the host (bincount's length would need one).
   const auto counts = torch::zeros({count}, flat_choice.options()).index_add_(0, flat_choice, torch::ones_like(flat_choice));
   const auto rows = x.index_select(0, token_of_row);
-  // Each row's expert, for the banks' biases (gpt-oss) only.
-  auto outputs = experts->forward(rows, counts, options_.biases ? flat_choice.index_select(0, order) : torch::Tensor());
-  outputs = outputs * weights.reshape(-1).index_select(0, order).unsqueeze(1);
+  const auto row_weights = weights.reshape(-1).index_select(0, order).unsqueeze(1);
+  torch::Tensor outputs;
+  if (options_.biases) {
+    // gpt-oss: each row's expert for the banks' biases, and the output with its bias weighed.
+    outputs = experts->forward(rows, counts, flat_choice.index_select(0, order)) * row_weights;
+  } else {
+    // The router's weight scales the rows down_proj multiplies, not its output (the same products
+    // to rounding: the bank is linear). So no backward reads down's output (the weight's gradient
+    // is <down^T grad, rows>), and a recomputation (`for_graph`) leaves that product out.
+    outputs = experts->forward(rows, counts, torch::Tensor(), row_weights, for_graph);
+  }
   // Each token's k outputs added in expert order, in the model dtype, as transformers' index_add_.
   auto result = torch::zeros_like(x).index_add(0, token_of_row, outputs.to(x.scalar_type()));
   if (balance.defined()) result = result + balance.to(result.scalar_type());

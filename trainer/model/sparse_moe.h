@@ -4,7 +4,8 @@
 //
 //     p = softmax(x G^T) in fp32          router `gate` [experts, hidden]
 //     w, e = top-k of p                   (w / sum(w) where ExpertOptions::normalize_top_k)
-//     y = Σ_k w_k · down_e(act(gate_e(x)) · up_e(x))
+//     y = Σ_k down_e(w_k · act(gate_e(x)) · up_e(x))    (transformers: w_k · down_e(...), the same
+//                                                     to rounding; gpt-oss, whose banks have biases, so)
 //
 // (gpt-oss: the router has a bias and weighs the top-k logits by their own softmax, the banks have
 // biases, the activation is clamped: ExpertOptions.)
@@ -32,7 +33,10 @@ class ExpertBanksImpl : public torch::nn::Module, public qat::LinearLayerOwner, 
                   torch::ScalarType dtype);
   // rows [tokens · k, hidden] sorted by expert, counts [experts], row_experts [tokens · k] (each
   // row's expert; needed only where the banks have biases) -> each row's expert output.
-  torch::Tensor forward(const torch::Tensor& rows, const torch::Tensor& counts, const torch::Tensor& row_experts);
+  // row_weights [tokens · k, 1]: the activation's rows are scaled by them before down_proj (banks
+  // without biases). `output_unread`: down_proj's product is left out (qat::bank_product_for_graph).
+  torch::Tensor forward(const torch::Tensor& rows, const torch::Tensor& counts, const torch::Tensor& row_experts,
+                        const torch::Tensor& row_weights = {}, bool output_unread = false);
   void replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) override;
   int64_t bank_experts(const std::string& child_name) const override;
   std::shared_ptr<qat::LinearLayer> gate_up_proj, down_proj;
@@ -50,12 +54,16 @@ class SparseMoeBlockImpl : public FeedForwardImpl {
   SparseMoeBlockImpl(const LlamaOptions& options, const std::string& prefix, const LinearFactory& make_linear,
                      torch::ScalarType dtype);
   torch::Tensor forward(const torch::Tensor& hidden, const qat::LinearLayer::InputRebuild& rebuild_hidden = {}) override;
+  // Without banks' biases the router's weights scale down_proj's input rows, so no backward reads
+  // its output, and this leaves its product out; with them (gpt-oss) it is forward.
+  torch::Tensor forward_for_graph(const torch::Tensor& hidden, const qat::LinearLayer::InputRebuild& rebuild_hidden) override;
   void replace_linear(const std::string& child_name, std::shared_ptr<qat::LinearLayer> layer) override;
   void share_router_loss(const std::shared_ptr<RouterLoss>& loss) override { router_loss_ = loss; }
   std::shared_ptr<qat::LinearLayer> gate;  // the router, [experts, hidden], registered as ExpertOptions::router
   ExpertBanks experts{nullptr};
 
  private:
+  torch::Tensor run(const torch::Tensor& hidden, bool for_graph);
   ExpertOptions options_;
   std::string router_name_;
   std::shared_ptr<RouterLoss> router_loss_;
