@@ -234,6 +234,35 @@ TEST(TiedTableOnHost, CudaGradientsEqualATableOnTheDeviceBitwise) {
   expect_bitwise_equal(before, gradients_on(model, cuda, /*host_ids=*/true), "CUDA, tied table on the host, host ids");
 }
 
+// A 2-layer model of 4 experts (top 2, `intermediate` wide) on an NF4 base, each expert bank
+// wrapped to count its builds (gate_up then down, layer by layer).
+struct CountedBanksModel {
+  LlamaForCausalLM model{nullptr};
+  std::vector<std::shared_ptr<qtrain::testing::BlockCountingBank>> banks;
+};
+
+CountedBanksModel experts_model_counting_builds(int64_t hidden, int64_t intermediate) {
+  auto options = qtrain::testing::small_llama_options(hidden, 2);
+  options.feed_forward = FeedForwardKind::kExperts;
+  options.experts.num_experts = 4;
+  options.experts.experts_per_token = 2;
+  options.experts.intermediate_size = intermediate;
+  CountedBanksModel counted{LlamaForCausalLM(options, torch::kFloat32)};
+  qat::quantize_linear_layers(*counted.model, qat::FourBitOptions{}, {"lm_head"});
+  for (const auto& item : counted.model->named_modules("", /*include_self=*/false)) {
+    auto* owner = dynamic_cast<qat::ExpertBankOwner*>(item.value().get());
+    auto* layers = dynamic_cast<qat::LinearLayerOwner*>(item.value().get());
+    if (owner == nullptr || layers == nullptr) continue;
+    for (const auto& child : item.value()->named_children()) {
+      if (owner->bank_experts(child.key()) == 0) continue;
+      counted.banks.push_back(
+          std::make_shared<qtrain::testing::BlockCountingBank>(std::dynamic_pointer_cast<qat::LinearLayer>(child.value())));
+      layers->replace_linear(child.key(), counted.banks.back());
+    }
+  }
+  return counted;
+}
+
 // train.expert_bank_block_mb reaches the banks in the forward and in the checkpointed layers'
 // recomputation (autograd's thread): NF4 banks built in blocks of experts give the gradients of
 // the whole banks. The forward without grad builds a bank whole only where it is at most the block
@@ -241,24 +270,10 @@ TEST(TiedTableOnHost, CudaGradientsEqualATableOnTheDeviceBitwise) {
 // holds and it does not).
 TEST(ExpertBankBlocks, RebuiltBanksAreBuiltInBlocksWithTheSameGradients) {
   torch::manual_seed(13);
-  auto options = qtrain::testing::small_llama_options(128, 2);
-  options.feed_forward = FeedForwardKind::kExperts;
-  options.experts.num_experts = 4;
-  options.experts.experts_per_token = 2;
-  options.experts.intermediate_size = 128;
-  LlamaForCausalLM model(options, torch::kFloat32);
-  qat::quantize_linear_layers(*model, qat::FourBitOptions{}, {"lm_head"});
-  std::vector<std::shared_ptr<qtrain::testing::BlockCountingBank>> banks;
-  for (const auto& item : model->named_modules("", /*include_self=*/false)) {
-    auto* owner = dynamic_cast<qat::ExpertBankOwner*>(item.value().get());
-    auto* layers = dynamic_cast<qat::LinearLayerOwner*>(item.value().get());
-    if (owner == nullptr || layers == nullptr) continue;
-    for (const auto& child : item.value()->named_children()) {
-      if (owner->bank_experts(child.key()) == 0) continue;
-      banks.push_back(std::make_shared<qtrain::testing::BlockCountingBank>(std::dynamic_pointer_cast<qat::LinearLayer>(child.value())));
-      layers->replace_linear(child.key(), banks.back());
-    }
-  }
+  auto counted = experts_model_counting_builds(128, 128);
+  auto& model = counted.model;
+  auto& banks = counted.banks;
+  const auto& options = model->options();
   ASSERT_EQ(banks.size(), 4u);  // gate_up and down of 2 layers
   model->model->embed_tokens->weight.set_requires_grad(true);
   model->train();
@@ -408,27 +423,10 @@ TEST(ActivationCheckpointing, TheRecomputationLeavesOutTheLastProductAndKeepsThe
 // weights kept or built again.
 TEST(ActivationCheckpointing, AnExpertsBlocksRecomputationLeavesOutDownsProductsWithTheSameGradients) {
   torch::manual_seed(19);
-  auto options = qtrain::testing::small_llama_options(64, 2);
-  options.feed_forward = FeedForwardKind::kExperts;
-  options.experts.num_experts = 4;
-  options.experts.experts_per_token = 2;
-  options.experts.intermediate_size = 64;
-  options.experts.normalize_top_k = true;
-  LlamaForCausalLM model(options, torch::kFloat32);
-  qat::quantize_linear_layers(*model, qat::FourBitOptions{}, {"lm_head"});
-  std::vector<std::shared_ptr<qtrain::testing::BlockCountingBank>> gate_ups, downs;
-  for (const auto& item : model->named_modules("", /*include_self=*/false)) {
-    auto* owner = dynamic_cast<qat::ExpertBankOwner*>(item.value().get());
-    auto* layers = dynamic_cast<qat::LinearLayerOwner*>(item.value().get());
-    if (owner == nullptr || layers == nullptr) continue;
-    for (const auto& child : item.value()->named_children()) {
-      if (owner->bank_experts(child.key()) == 0) continue;
-      auto bank = std::make_shared<qtrain::testing::BlockCountingBank>(std::dynamic_pointer_cast<qat::LinearLayer>(child.value()));
-      (child.key() == "down_proj" ? downs : gate_ups).push_back(bank);
-      layers->replace_linear(child.key(), bank);
-    }
-  }
-  ASSERT_EQ(downs.size(), 2u);
+  auto counted = experts_model_counting_builds(64, 64);
+  auto& model = counted.model;
+  auto& banks = counted.banks;
+  ASSERT_EQ(banks.size(), 4u);  // gate_up and down of 2 layers
   qat::LoraOptions lora;
   lora.rank = 4;
   lora.alpha = 8;
@@ -446,8 +444,9 @@ TEST(ActivationCheckpointing, AnExpertsBlocksRecomputationLeavesOutDownsProducts
   model->train();
   const auto builds = [&] {
     std::pair<int, int> sums{0, 0};  // gate_up's, down's
-    for (auto& bank : gate_ups) sums.first += std::exchange(bank->wholes, 0);
-    for (auto& bank : downs) sums.second += std::exchange(bank->wholes, 0);
+    for (size_t index = 0; index < banks.size(); ++index) {
+      (index % 2 == 0 ? sums.first : sums.second) += std::exchange(banks[index]->wholes, 0);
+    }
     return sums;
   };
   using Builds = std::pair<int, int>;
