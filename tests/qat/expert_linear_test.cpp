@@ -298,6 +298,84 @@ TEST(ExpertBank, ATrainedBankGetsItsWeightsGradient) {
   EXPECT_TRUE(torch::allclose(view[2], rows.narrow(0, 2, 5).sum(0).expand({out, in})));
 }
 
+// An output nothing reads (bank_product_for_graph, ExpertLora's output_unread) gives the gradients
+// of the computed one bit for bit: the rows' (through the frozen bank, 16-bit or NF4 built again
+// in backward) and, with LoRA, A's and B's. A bank that trains keeps autograd's own product.
+// `stored_tolerance`: on a GPU the 16-bit bank's rows gradient is another grouped GEMM than
+// autograd's own (NF4's is the same code either way, so bitwise).
+void expect_unread_output_gradients_bitwise(torch::Device device, torch::ScalarType dtype, double stored_tolerance) {
+  torch::manual_seed(23);
+  const int64_t experts = 4, in = 64, out = 32;
+  const std::vector<int64_t> counts = {10, 0, 21, 7};
+  const auto batch = make_batch(experts, in, out, counts, device, dtype);
+  const auto grad_out = torch::randn({38, out}, batch.rows.options());
+  DenseLinearOptions dense{in, experts * out, false, dtype};
+  const auto make_bases = [&] {
+    auto sixteen_bit = std::make_shared<DenseLinear>(dense);
+    sixteen_bit->to(device);
+    for (auto& parameter : sixteen_bit->parameters()) parameter.requires_grad_(false);
+    return std::vector<std::shared_ptr<LinearLayer>>{sixteen_bit, nf4_bank(experts * out, in, device)};
+  };
+  for (const auto& base : make_bases()) {
+    const bool stored = base->matmul_weight_kind() == LinearLayer::MatmulWeight::kStored;
+    for (const bool adapted : {false, true}) {
+      LoraOptions options;
+      options.rank = 3;
+      options.alpha = 8;
+      auto lora = std::make_shared<ExpertLora>(base, experts, options);
+      {
+        torch::NoGradGuard no_grad;
+        lora->named_parameters()["lora_B.weight"].normal_(0, 0.2);
+      }
+      auto run = [&](bool unread) {
+        const KeepBuiltWeights kept(false);
+        auto rows = batch.rows.detach().requires_grad_(true);
+        const auto output = adapted ? lora->grouped_forward(rows, batch.counts, unread)
+                            : unread ? bank_product_for_graph(*base, experts, rows, batch.counts)
+                                     : bank_product(*base, experts, rows, batch.counts);
+        output.backward(grad_out);
+        std::vector<torch::Tensor> grads = {rows.grad()};
+        if (adapted) {
+          for (auto& parameter : lora->parameters()) {
+            if (!parameter.requires_grad()) continue;
+            grads.push_back(parameter.grad().clone());
+            parameter.mutable_grad() = torch::Tensor();
+          }
+        }
+        return grads;
+      };
+      const auto computed = run(false);
+      const auto unread = run(true);
+      ASSERT_EQ(computed.size(), adapted ? 3u : 1u);
+      for (size_t index = 0; index < computed.size(); ++index) {
+        const double largest = computed[index].abs().max().item<double>();
+        ASSERT_GT(largest, 0);
+        const double differs = (computed[index] - unread[index]).abs().max().item<double>();
+        const std::string what = std::string(stored ? "16-bit" : "NF4") + (adapted ? " LoRA" : " bank") +
+                                 ", gradient " + std::to_string(index) + " differs by " + std::to_string(differs);
+        if (stored && stored_tolerance > 0) {
+          EXPECT_LE(differs, stored_tolerance * largest) << what;
+        } else {
+          EXPECT_TRUE(torch::equal(computed[index], unread[index])) << what;
+        }
+      }
+    }
+  }
+  // A 16-bit bank that trains gets its weight's gradient through the unread path too.
+  DenseLinear trained(DenseLinearOptions{in, experts * out, false, torch::kFloat32});
+  bank_product_for_graph(trained, experts, batch.rows.to(torch::kFloat32).cpu(), batch.counts.cpu()).sum().backward();
+  EXPECT_TRUE(trained.weight().grad().defined());
+}
+
+TEST(ExpertBank, AnUnreadOutputGivesTheComputedOutputsGradientsBitwise) {
+  expect_unread_output_gradients_bitwise(torch::kCPU, torch::kFloat32, 0);
+}
+
+TEST(ExpertBank, CudaAnUnreadOutputGivesTheComputedOutputsGradientsBitwise) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU on this machine";
+  expect_unread_output_gradients_bitwise(torch::kCUDA, torch::kBFloat16, 1e-2);
+}
+
 TEST(ExpertBank, CudaFrozenBankIsBuiltAgainInBackwardUnlessKept) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU on this machine";
   expect_rebuilt_in_backward_unless_kept(torch::kCUDA, torch::kBFloat16, 1e-2);
