@@ -85,8 +85,9 @@ class HostBufferPool {
       return buffer;
     } catch (const Error& error) {
       throw Error(ErrorCode::kOutOfMemory, std::string(error.what()) + " (" + format_bytes(pinned_bytes_) +
-                                               " pinned for activations so far). Lower the tokens per micro-batch, "
-                                               "or turn train.offload_activations off");
+                                               " pinned for activations so far). Lower the tokens per micro-batch, turn "
+                                               "train.offload_branch_outputs off (where on, each kept output pins as much as "
+                                               "a layer input), or turn train.offload_activations off");
     }
   }
 
