@@ -181,6 +181,13 @@ void print_peak_estimate(const std::string& recipe_path, const trainer::Training
     std::printf("  %-22s %11s     (of the above: on the device from the middle of backward to the update)\n",
                 "optimizer state, host", bytes(estimate.host_state_bytes).c_str());
   }
+  if (estimate.offloaded_host_bytes > 0) {
+    std::printf("  %-22s %11s     (pinned: each checkpointed layer's input%s until its backward)\n", "activations, host",
+                bytes(estimate.offloaded_host_bytes).c_str(),
+                !setup.offload_branch_outputs ? ""
+                : llama.sandwich_norms        ? " and its attention and MLP outputs"
+                                              : " and its attention output");
+  }
   const std::string every = setup.checkpoint_every <= 1 ? "every layer"
                                                         : "every " + std::to_string(setup.checkpoint_every) + " layers";
   std::printf("  %-22s %11s%s   (with gradient checkpointing, %s: %s%s)\n", "activations",

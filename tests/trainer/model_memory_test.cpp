@@ -562,6 +562,33 @@ TEST(ModelMemory, PackedBatchesKeepAMaskOnlyWhereTheSpansDoNotApply) {
                    layers * tokens * 2048 + tokens * 2048);
 }
 
+// The offload's pinned host memory: each checkpointed layer's input [tokens, hidden] in the compute
+// dtype, with the branch outputs one more such tensor a layer (o_proj's), two under Gemma's norms
+// after each block (the MLP's too); none on the CPU or without checkpointing.
+TEST(ModelMemory, OffloadedHostBytesAreTheCheckpointedInputsAndBranchOutputs) {
+  auto setup = llama_3_8b_setup();  // micro-batch 4 x 2048, bf16, CUDA
+  setup.gradient_checkpointing = true;
+  setup.offload_activations = true;
+  const double tokens = 4.0 * 2048;
+  const LlamaOptions llama = llama_shape("llama3-8b");
+  EXPECT_DOUBLE_EQ(estimate_peak_memory(llama, setup).offloaded_host_bytes, 32 * tokens * 4096 * 2);
+  auto branches = setup;
+  branches.offload_branch_outputs = true;
+  EXPECT_DOUBLE_EQ(estimate_peak_memory(llama, branches).offloaded_host_bytes, 2 * 32 * tokens * 4096 * 2);
+  const LlamaOptions gemma = llama_shape("gemma2-9b");
+  ASSERT_TRUE(gemma.sandwich_norms);
+  EXPECT_DOUBLE_EQ(estimate_peak_memory(gemma, branches).offloaded_host_bytes, 3 * 42 * tokens * 3584 * 2);
+  auto every_other = branches;
+  every_other.checkpoint_every = 2;
+  EXPECT_DOUBLE_EQ(estimate_peak_memory(llama, every_other).offloaded_host_bytes, 2 * 16 * tokens * 4096 * 2);
+  auto on_cpu = branches;
+  on_cpu.device = torch::kCPU;
+  EXPECT_EQ(estimate_peak_memory(llama, on_cpu).offloaded_host_bytes, 0);
+  auto without_checkpointing = branches;
+  without_checkpointing.gradient_checkpointing = false;
+  EXPECT_EQ(estimate_peak_memory(llama, without_checkpointing).offloaded_host_bytes, 0);
+}
+
 // Offloading leaves two layer inputs on the device instead of every checkpointed one; the table
 // on the host leaves the frozen weights by vocab x hidden; rebuilding the weights in backward
 // drops one layer's dequantized projections but the largest, built there one at a time (an expert

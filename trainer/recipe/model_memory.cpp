@@ -461,6 +461,10 @@ void estimate_activations(const LlamaOptions& model, const TrainingMemorySetup& 
     const double input = tokens * hidden * s;
     const bool offloading = setup.gradient_checkpointing && setup.offload_activations && setup.device == torch::kCUDA;
     const double kept = checkpointed ? (offloading ? 0.0 : input) : layer_bytes;
+    if (checkpointed && offloading) {
+      const double branch_outputs = setup.offload_branch_outputs ? (model.sandwich_norms ? 2.0 : 1.0) : 0.0;
+      estimate.offloaded_host_bytes += (1.0 + branch_outputs) * input;
+    }
     // The input of the checkpointed layer being differentiated, or of the one below it fetched
     // ahead, through the uncheckpointed layers between them: two at most; with the branch outputs
     // kept too (train.offload_branch_outputs), the one fetched ahead of the layer's own recomputation.

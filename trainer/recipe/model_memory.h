@@ -184,6 +184,10 @@ struct PeakMemoryEstimate {
   // train.optimizer_states_on_host: the moments (and masters) of trainable_state_bytes, on the
   // device only from the middle of the last backward to the end of the update.
   double host_state_bytes = 0;
+  // train.offload_activations on a GPU: the pinned host memory the offload holds after the
+  // forward, each checkpointed layer's input and, with train.offload_branch_outputs, its attention
+  // output (and under Gemma's norms after each block its MLP's), until its backward.
+  double offloaded_host_bytes = 0;
   double activation_bytes = 0;       // every layer keeps what its backward needs
   // With gradient checkpointing every checkpoint_every layers: the most alive while backward
   // walks the layers (one of them recomputed), and what the forward leaves for the loss's backward.
