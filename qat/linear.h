@@ -32,6 +32,10 @@ class LinearLayer : public torch::nn::Module {
   virtual torch::Tensor forward_for_graph(const torch::Tensor& input, const InputRebuild& rebuild) {
     return forward_rebuilding_input(input, rebuild);
   }
+  // Whether forward_for_graph(input, rebuild), given a rebuild, reads any value of `input`. A layer
+  // that does not (LoRA on a frozen matmul base without dropout: backward makes x A^T from the
+  // rebuilt input) lets its caller leave the input unwritten too (an MLP's gated product).
+  virtual bool reads_input_for_graph() const { return true; }
   virtual int64_t in_features() const = 0;
   virtual int64_t out_features() const = 0;
   // The weight as a dense [out_features, in_features] tensor in `dtype` (what a merge or an

@@ -103,6 +103,12 @@ torch::Tensor LoraLinear::forward_for_graph(const torch::Tensor& input, const In
   return lora_forward(input, is_training() ? options_.dropout : 0.0, rebuild, /*output_unread=*/true);
 }
 
+bool LoraLinear::reads_input_for_graph() const {
+  // forward_for_graph's lora_matmul (output_unread) reads its input for dropout's mask only.
+  const bool dropped = options_.dropout > 0.0 && is_training();
+  return !adapters_enabled() || options_.dora || dropped || base_->matmul_weight_kind() == MatmulWeight::kNone;
+}
+
 torch::Tensor LoraLinear::lora_forward(const torch::Tensor& input, double dropout, const InputRebuild& rebuild,
                                        bool output_unread) {
   if (base_->matmul_weight_kind() != MatmulWeight::kNone) {

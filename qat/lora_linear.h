@@ -57,6 +57,7 @@ class LoraLinear : public LinearLayer {
   // Over a base that fuses, without DoRA (whose magnitude's gradient reads the output): the
   // output's values are left unwritten and the base's product skipped (lora_matmul's output_unread).
   torch::Tensor forward_for_graph(const torch::Tensor& input, const InputRebuild& rebuild) override;
+  bool reads_input_for_graph() const override;
   int64_t in_features() const override { return base_->in_features(); }
   int64_t out_features() const override { return base_->out_features(); }
   // The merged weight W + scale * B A, computed in fp32 and returned in `dtype`.

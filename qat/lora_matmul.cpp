@@ -66,16 +66,23 @@ class LoraMatmulBackward : public torch::autograd::Node {
       }
       result[0] = grad_input.view(input_shape_);
     }
-    if (should_compute_output(1)) {
-      torch::Tensor rows = input_rows_;
+    torch::Tensor rows = input_rows_;
+    const auto input_rows = [&] {
       if (!rows.defined()) {
         torch::NoGradGuard no_grad;
         rows = rebuild_input_().reshape({-1, a_.size(1)});
       }
-      const auto adapter_input = kept_.defined() ? dropped(rows, kept_, dropout_) : rows;
+      return rows;
+    };
+    if (should_compute_output(1)) {
+      const auto adapter_input = kept_.defined() ? dropped(input_rows(), kept_, dropout_) : input_rows();
       result[1] = torch::mm(grad_projected.t(), adapter_input).mul_(scale_).to(a_dtype_);
     }
-    if (should_compute_output(2)) result[2] = torch::mm(grad_rows.t(), projected_).mul_(scale_).to(b_dtype_);
+    if (should_compute_output(2)) {
+      // x A^T left to backward (an unread output without dropout): the forward's product, made here.
+      const auto projected = projected_.defined() ? projected_ : torch::mm(input_rows(), a_.t());
+      result[2] = torch::mm(grad_rows.t(), projected).mul_(scale_).to(b_dtype_);
+    }
     return result;
   }
 
@@ -118,7 +125,9 @@ torch::Tensor lora_matmul(const torch::Tensor& input, const std::shared_ptr<Line
       std::tie(adapter_rows, kept) = at::native_dropout(rows, dropout, /*train=*/true);
       if (kept.scalar_type() != torch::kBool) kept = kept.to(torch::kBool);  // the CPU kernel's is in x's dtype
     }
-    projected = torch::mm(adapter_rows, a.t());
+    // An unread output without dropout whose input backward makes again reads no input value here:
+    // backward makes x A^T too, so that the caller may leave the input unwritten.
+    if (!(options.output_unread && dropout == 0.0 && rebuild_input)) projected = torch::mm(adapter_rows, a.t());
     if (options.output_unread) {
       output = torch::empty({rows.size(0), out}, rows.options());
       // The weight backward multiplies by, where it keeps it (below): built now as it would be.

@@ -30,7 +30,9 @@ struct LoraMatmulOptions {
   LinearLayer::InputRebuild rebuild_input;
   // LinearLayer::forward_for_graph: nothing reads the output's values, so they are left unwritten
   // and neither product runs (backward reads x, x A^T and W, never y); what backward keeps, the
-  // dropout mask drawn and the gradients are those of the product computed.
+  // dropout mask drawn and the gradients are those of the product computed. Without dropout and
+  // with rebuild_input, backward makes x A^T from the rebuilt input too: the forward reads no value
+  // of `input` (LinearLayer::reads_input_for_graph), and x A^T is the same product on the same bits.
   bool output_unread = false;
 };
 

@@ -29,15 +29,15 @@ struct Gradients {
   std::vector<torch::Tensor> lora;  // the gradient of every LoRA weight, in parameter order
 };
 
-// LoRA of rank 4 (alpha 8, `dropout`) on every projection of `model`, only the adapters trained, B
-// made non-zero so that A's gradient is too; the model in training mode.
-void adapt_every_projection(LlamaForCausalLMImpl& model, double dropout) {
+// LoRA of rank 4 (alpha 8, `dropout`) on the projections of `model` named, only the adapters
+// trained, B made non-zero so that A's gradient is too; the model in training mode.
+void adapt_projections(LlamaForCausalLMImpl& model, double dropout, const std::vector<std::string>& names) {
   qat::LoraOptions lora;
   lora.rank = 4;
   lora.alpha = 8;
   lora.dropout = dropout;  // the recomputation must draw the same masks
   qat::LoraTargets targets;
-  targets.include.names = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+  targets.include.names = names;
   qat::apply_lora(model, targets, lora);
   for (auto& item : model.named_parameters()) {
     item.value().set_requires_grad(item.key().find("lora_") != std::string::npos);
@@ -47,6 +47,11 @@ void adapt_every_projection(LlamaForCausalLMImpl& model, double dropout) {
     }
   }
   model.train();
+}
+
+// The same on every projection of a Llama.
+void adapt_every_projection(LlamaForCausalLMImpl& model, double dropout) {
+  adapt_projections(model, dropout, {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"});
 }
 
 LlamaForCausalLM tiny_llama_with_lora(bool four_bit, double dropout = 0.2) {
@@ -427,21 +432,8 @@ TEST(ActivationCheckpointing, AnExpertsBlocksRecomputationLeavesOutDownsProducts
   auto& model = counted.model;
   auto& banks = counted.banks;
   ASSERT_EQ(banks.size(), 4u);  // gate_up and down of 2 layers
-  qat::LoraOptions lora;
-  lora.rank = 4;
-  lora.alpha = 8;
-  qat::LoraTargets targets;
-  targets.include.names = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"};
-  qat::apply_lora(*model, targets, lora);
-  for (auto& item : model->named_parameters()) {
-    item.value().set_requires_grad(item.key().find("lora_") != std::string::npos);
-    if (item.key().find("lora_B") != std::string::npos) {
-      torch::NoGradGuard no_grad;
-      item.value().normal_(0, 0.02);
-    }
-  }
+  adapt_projections(*model, 0.0, {"q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"});
   ASSERT_EQ(qat::expert_banks(*model).size(), 4u);
-  model->train();
   const auto builds = [&] {
     std::pair<int, int> sums{0, 0};  // gate_up's, down's
     for (size_t index = 0; index < banks.size(); ++index) {
@@ -457,6 +449,51 @@ TEST(ActivationCheckpointing, AnExpertsBlocksRecomputationLeavesOutDownsProducts
   EXPECT_EQ(builds(), Builds(6, 4));
   expect_bitwise_equal(plain, gradients_of(model, 1, 0), "checkpointed, weights kept");
   EXPECT_EQ(builds(), Builds(4, 4));
+}
+
+// Without dropout, down_proj's adapter reads no value of its input in a checkpointed layer's
+// recomputation (backward makes x A^T from the product it rebuilds), so the MLP leaves the gated
+// product unwritten there (gated_activation_for_graph). The gradients stay the plain path's bit
+// for bit: SwiGLU on gate and up, on a fused gate_up (Phi-3), GeGLU under Gemma's norms; dense and
+// NF4 bases; weights kept or built again, MLP chunks, branch outputs on the host. With dropout the
+// adapter reads its input for the mask, and the product is written as before.
+TEST(ActivationCheckpointing, WithoutDropoutTheRecomputationLeavesTheGatedProductUnwritten) {
+  struct Variant {
+    std::string name;
+    bool fused, gemma, four_bit;
+  };
+  for (const auto& variant : {Variant{"swiglu", false, false, false}, Variant{"swiglu, nf4", false, false, true},
+                              Variant{"fused gate_up, nf4", true, false, true}, Variant{"geglu, sandwich norms", false, true, false}}) {
+    torch::manual_seed(29);
+    auto options = qtrain::testing::small_llama_options(64, 2);
+    options.fused_projections = variant.fused;
+    if (variant.gemma) {
+      options.sandwich_norms = true;
+      options.activation = Activation::kGeluTanh;
+    }
+    LlamaForCausalLM model(options, torch::kFloat32);
+    if (variant.four_bit) qat::quantize_linear_layers(*model, qat::FourBitOptions{}, {"lm_head"});
+    adapt_projections(*model, 0.0,
+                      {"q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj"});
+    auto* mlp = model->model->layers[0]->as<LlamaDecoderLayer>()->mlp->as<DenseMlpImpl>();
+    ASSERT_NE(mlp, nullptr);
+    EXPECT_FALSE(mlp->down_proj->reads_input_for_graph()) << variant.name;
+    const auto plain = gradients_of(model, 0, 0);
+    expect_bitwise_equal(plain, gradients_of(model, 1, 0), variant.name + ", checkpointed");
+    expect_bitwise_equal(plain, gradients_of(model, 1, 0, ActivationMemory{false, 0, false}),
+                         variant.name + ", checkpointed, weights built again in backward");
+    ActivationMemory branches;
+    branches.offload = branches.branch_outputs = true;
+    expect_bitwise_equal(plain, gradients_of(model, 1, 0, branches), variant.name + ", branch outputs on the host");
+    expect_bitwise_equal(gradients_of(model, 0, 0, ActivationMemory{false, 32}),
+                         gradients_of(model, 1, 0, ActivationMemory{false, 32}), variant.name + ", MLP chunks");
+  }
+  // With dropout in training the adapter reads its input (the mask); in evaluation it does not.
+  auto dropped = tiny_llama_with_lora(false, 0.2);
+  auto* mlp = dropped->model->layers[0]->as<LlamaDecoderLayer>()->mlp->as<DenseMlpImpl>();
+  EXPECT_TRUE(mlp->down_proj->reads_input_for_graph());
+  dropped->eval();
+  EXPECT_FALSE(mlp->down_proj->reads_input_for_graph());
 }
 
 // train.offload_branch_outputs: each layer's o_proj output (and under sandwich norms its MLP's)

@@ -310,6 +310,44 @@ TEST(LlamaLayersCuda, GatedActivationsOfAFusedProjectionEqualThePairKernelsOnIts
   }
 }
 
+// The gated product's place in autograd's graph with its values unwritten (a checkpointed layer's
+// recomputation, gated_activation_for_graph): the gradients of the computed product bit for bit,
+// on the pair and fused kernels (CUDA) and the torch operations (CPU), SwiGLU and GeGLU.
+void expect_unwritten_products_gradients_bitwise(torch::Device device, torch::ScalarType dtype) {
+  for (const bool gelu : {false, true}) {
+    for (const bool fused : {false, true}) {
+      torch::manual_seed(31);
+      const int64_t width = 1024;
+      const auto options = torch::TensorOptions().dtype(dtype).device(device);
+      const auto gate_up = torch::randn({2, 3, 2 * width}, options) * 3;
+      const auto grad = torch::randn({2, 3, width}, options);
+      const auto gate = gate_up.narrow(-1, 0, width).contiguous(), up = gate_up.narrow(-1, width, width).contiguous();
+      const auto written = run_layer(
+          [&](const auto& in) {
+            return fused ? (gelu ? geglu_of_fused(in[0]) : swiglu_of_fused(in[0])) : (gelu ? geglu(in[0], in[1]) : swiglu(in[0], in[1]));
+          },
+          fused ? std::vector<torch::Tensor>{gate_up} : std::vector<torch::Tensor>{gate, up}, grad);
+      const auto unwritten = run_layer(
+          [&](const auto& in) { return gated_activation_for_graph(gelu, in[0], fused ? torch::Tensor() : in[1]); },
+          fused ? std::vector<torch::Tensor>{gate_up} : std::vector<torch::Tensor>{gate, up}, grad);
+      const std::string what = std::string(gelu ? "GeGLU" : "SwiGLU") + (fused ? " fused" : " pair") + " on " + device.str();
+      EXPECT_EQ(unwritten.output.sizes(), written.output.sizes()) << what;
+      for (size_t index = 0; index < written.grads.size(); ++index) {
+        EXPECT_TRUE(torch::equal(unwritten.grads[index], written.grads[index])) << what << " gradient " << index;
+      }
+    }
+  }
+}
+
+TEST(LlamaLayers, AnUnwrittenGatedProductGivesTheComputedOnesGradientsBitwise) {
+  expect_unwritten_products_gradients_bitwise(torch::kCPU, torch::kFloat32);
+}
+
+TEST(LlamaLayersCuda, AnUnwrittenGatedProductGivesTheComputedOnesGradientsBitwise) {
+  SKIP_WITHOUT_CUDA();
+  expect_unwritten_products_gradients_bitwise(torch::Device(torch::kCUDA, 0), torch::kBFloat16);
+}
+
 // Phi-3 / Phi-4-mini's fused qkv_proj output split and turned by one function: the outputs and the
 // fused output's one gradient bit for bit those of the composition the attention ran before
 // (narrow, view per head, rotary_embedding, transpose) on the same GPU tensors, whose rotary

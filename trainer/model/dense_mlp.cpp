@@ -78,10 +78,10 @@ torch::Tensor DenseMlpImpl::run(const torch::Tensor& hidden, const qat::LinearLa
     gate = gate_proj->forward_rebuilding_input(hidden, rebuild_hidden);
   }
   const bool gelu = activation_ == Activation::kGeluTanh;
-  const auto product = gated_activation(gelu, gate, up);
   if (!torch::GradMode::is_enabled()) {
     // Let go of gate and up before down_proj runs: where autograd keeps nothing (checkpointing's
     // first forward, evaluation) their 2 x [tokens, intermediate] go back now, not after it.
+    const auto product = gated_activation(gelu, gate, up);
     gate = up = torch::Tensor();
     return for_graph ? down_proj->forward_for_graph(product, {}) : down_proj->forward(product);
   }
@@ -91,6 +91,10 @@ torch::Tensor DenseMlpImpl::run(const torch::Tensor& hidden, const qat::LinearLa
   const auto rebuild = [gate = gate.detach(), up = up.defined() ? up.detach() : torch::Tensor(), gelu] {
     return gated_activation(gelu, gate, up);
   };
+  // Where down_proj's output is unread and it reads no value of its input either (it makes it
+  // again for backward), the product's values are left unwritten too: only the activation's node.
+  const auto product = for_graph && !down_proj->reads_input_for_graph() ? gated_activation_for_graph(gelu, gate, up)
+                                                                        : gated_activation(gelu, gate, up);
   gate = up = torch::Tensor();
   return for_graph ? down_proj->forward_for_graph(product, rebuild) : down_proj->forward_rebuilding_input(product, rebuild);
 }

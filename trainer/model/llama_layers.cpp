@@ -127,20 +127,23 @@ struct GeluTanhKernels {
   static constexpr auto fused_backward = kernels::geglu_fused_backward_cuda;
 };
 
+// `written` false: the output's place in autograd's graph, its values left unwritten
+// (gated_activation_for_graph).
 template <typename Kernels>
 class GatedActivationFunction : public torch::autograd::Function<GatedActivationFunction<Kernels>> {
  public:
-  static torch::Tensor forward(AutogradContext* context, const torch::Tensor& gate, const torch::Tensor& up) {
+  static torch::Tensor forward(AutogradContext* context, const torch::Tensor& gate, const torch::Tensor& up,
+                               bool written) {
     const auto gate_values = gate.contiguous();
     const auto up_values = up.contiguous();
     context->save_for_backward({gate_values, up_values});
-    return Kernels::forward(gate_values, up_values);
+    return written ? Kernels::forward(gate_values, up_values) : torch::empty_like(gate_values);
   }
 
   static variable_list backward(AutogradContext* context, variable_list grads) {
     const auto saved = context->get_saved_variables();
     auto [grad_gate, grad_up] = Kernels::backward(grads[0].contiguous(), saved[0], saved[1]);
-    return {grad_gate, grad_up};
+    return {grad_gate, grad_up, torch::Tensor()};
   }
 };
 
@@ -148,20 +151,48 @@ class GatedActivationFunction : public torch::autograd::Function<GatedActivation
 template <typename Kernels>
 class FusedGatedActivationFunction : public torch::autograd::Function<FusedGatedActivationFunction<Kernels>> {
  public:
-  static torch::Tensor forward(AutogradContext* context, const torch::Tensor& gate_up) {
+  static torch::Tensor forward(AutogradContext* context, const torch::Tensor& gate_up, bool written) {
     const auto values = gate_up.contiguous();
     context->save_for_backward({values});
-    return Kernels::fused_forward(values);
+    if (written) return Kernels::fused_forward(values);
+    auto sizes = values.sizes().vec();
+    sizes.back() /= 2;
+    return torch::empty(sizes, values.options());
   }
 
   static variable_list backward(AutogradContext* context, variable_list grads) {
-    return {Kernels::fused_backward(grads[0].contiguous(), context->get_saved_variables()[0])};
+    return {Kernels::fused_backward(grads[0].contiguous(), context->get_saved_variables()[0]), torch::Tensor()};
+  }
+};
+
+// The torch operations' act(gate) * up with its values unwritten: backward gives the gradients
+// autograd gives the written-out composition, with the same operations (mul's two products,
+// silu_backward / gelu_backward), bit for bit.
+class UnwrittenGatedReference : public torch::autograd::Function<UnwrittenGatedReference> {
+ public:
+  static torch::Tensor forward(AutogradContext* context, const torch::Tensor& gate, const torch::Tensor& up, bool gelu) {
+    context->save_for_backward({gate, up});
+    context->saved_data["gelu"] = gelu;
+    return torch::empty(gate.sizes(), gate.options());
+  }
+
+  static variable_list backward(AutogradContext* context, variable_list grads) {
+    const auto saved = context->get_saved_variables();
+    const auto& gate = saved[0];
+    const auto& up = saved[1];
+    const bool gelu = context->saved_data["gelu"].toBool();
+    const auto& grad = grads[0];
+    const auto activated = gelu ? torch::gelu(gate, "tanh") : torch::silu(gate);
+    const auto grad_activated = grad * up;
+    const auto grad_gate =
+        gelu ? at::gelu_backward(grad_activated, gate, "tanh") : at::silu_backward(grad_activated, gate);
+    return {grad_gate, grad * activated, torch::Tensor()};
   }
 };
 
 template <typename Kernels>
 torch::Tensor gated_of_fused(const torch::Tensor& gate_up, torch::Tensor (*pair)(const torch::Tensor&, const torch::Tensor&)) {
-  if (on_fused_kernels(gate_up)) return FusedGatedActivationFunction<Kernels>::apply(gate_up);
+  if (on_fused_kernels(gate_up)) return FusedGatedActivationFunction<Kernels>::apply(gate_up, true);
   const auto halves = gate_up.chunk(2, -1);  // on the CPU, transformers' views
   return pair(halves[0], halves[1]);
 }
@@ -259,7 +290,7 @@ torch::Tensor swiglu_reference(const torch::Tensor& gate, const torch::Tensor& u
 }
 
 torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tensor& up) {
-  if (kernels_take_pair(gate, up)) return GatedActivationFunction<SiluKernels>::apply(gate, up);
+  if (kernels_take_pair(gate, up)) return GatedActivationFunction<SiluKernels>::apply(gate, up, true);
   return swiglu_reference(gate, up);
 }
 
@@ -272,8 +303,24 @@ torch::Tensor geglu_reference(const torch::Tensor& gate, const torch::Tensor& up
 }
 
 torch::Tensor geglu(const torch::Tensor& gate, const torch::Tensor& up) {
-  if (kernels_take_pair(gate, up)) return GatedActivationFunction<GeluTanhKernels>::apply(gate, up);
+  if (kernels_take_pair(gate, up)) return GatedActivationFunction<GeluTanhKernels>::apply(gate, up, true);
   return geglu_reference(gate, up);
+}
+
+torch::Tensor gated_activation_for_graph(bool gelu, const torch::Tensor& gate, const torch::Tensor& up) {
+  if (!up.defined()) {
+    if (on_fused_kernels(gate)) {
+      return gelu ? FusedGatedActivationFunction<GeluTanhKernels>::apply(gate, false)
+                  : FusedGatedActivationFunction<SiluKernels>::apply(gate, false);
+    }
+    const auto halves = gate.chunk(2, -1);  // as gated_of_fused
+    return UnwrittenGatedReference::apply(halves[0], halves[1], gelu);
+  }
+  if (kernels_take_pair(gate, up)) {
+    return gelu ? GatedActivationFunction<GeluTanhKernels>::apply(gate, up, false)
+                : GatedActivationFunction<SiluKernels>::apply(gate, up, false);
+  }
+  return UnwrittenGatedReference::apply(gate, up, gelu);
 }
 
 }  // namespace qtrain::trainer

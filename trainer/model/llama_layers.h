@@ -58,4 +58,11 @@ torch::Tensor geglu_reference(const torch::Tensor& gate, const torch::Tensor& up
 torch::Tensor swiglu_of_fused(const torch::Tensor& gate_up);
 torch::Tensor geglu_of_fused(const torch::Tensor& gate_up);
 
+// act(gate) * up (GeGLU where `gelu`; `up` undefined: `gate` is a fused gate_up output) where
+// nothing reads the values, only their place in autograd's graph: they are left unwritten, and
+// backward gives the gradients of the computed product bit for bit. For the input of a projection
+// that does not read it (qat::LinearLayer::reads_input_for_graph) in a checkpointed layer's
+// recomputation.
+torch::Tensor gated_activation_for_graph(bool gelu, const torch::Tensor& gate, const torch::Tensor& up);
+
 }  // namespace qtrain::trainer
