@@ -185,7 +185,7 @@ StepResult TrainingStep::run(const std::vector<data::Batch>& micro_batches, int6
     auto* router_loss = model_.router_loss();
     if (router_loss) router_loss->begin();
     auto hidden = model_.hidden_states(model_inputs(batch, options_.device, options_.packed_attention));
-    auto loss = causal_lm_loss(model_, hidden, labels, loss_options);
+    auto loss = causal_lm_loss(model_, hidden, labels, loss_options, batch.labels);
     // A mixture of experts' load-balancing loss, router_aux_loss_coef · aux per micro-batch as
     // transformers adds it to the mean loss: here weighted by the micro-batch's predicted tokens,
     // as its share of the window's token-weighted loss. Its gradient joins in backward.

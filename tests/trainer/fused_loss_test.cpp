@@ -351,16 +351,22 @@ struct ModelGradients {
   std::vector<torch::Tensor> trainable;  // every trainable parameter's gradient, in order
 };
 
-// With `declared`, the fused loss is told the gradient backward gives it (1 / tokens).
-ModelGradients model_gradients(LlamaForCausalLMImpl& model, LossOptions options, bool declared = false) {
+// With `declared`, the fused loss is told the gradient backward gives it (1 / tokens). `labels`
+// undefined: every token's, the first 10 of row 0 ignored. `host_labels`: they are handed in as the
+// training step hands them, so that only the kept targets' states are projected.
+ModelGradients model_gradients(LlamaForCausalLMImpl& model, LossOptions options, bool declared = false,
+                               torch::Tensor labels = {}, bool host_labels = false) {
   torch::manual_seed(5);
   const auto input_ids = torch::randint(model.options().vocab_size, {2, 40}, torch::kInt64);
-  auto labels = input_ids.clone();
-  labels.index_put_({0, torch::indexing::Slice(0, 10)}, kIgnoreLabel);
+  if (!labels.defined()) {
+    labels = input_ids.clone();
+    labels.index_put_({0, torch::indexing::Slice(0, 10)}, kIgnoreLabel);
+  }
   if (declared) {
     options.gradient = 1.0 / labels.narrow(1, 1, 39).ne(kIgnoreLabel).sum().item<double>();
   }
-  auto loss = causal_lm_loss(model, model.hidden_states({input_ids, {}, {}}), labels, options);
+  auto loss = causal_lm_loss(model, model.hidden_states({input_ids, {}, {}}), labels, options,
+                             host_labels ? labels : torch::Tensor());
   (loss.loss_sum / loss.tokens.to(torch::kFloat32)).backward();
   ModelGradients result;
   result.loss = loss.loss_sum.item<double>();
@@ -423,6 +429,40 @@ TEST(FusedLoss, LoraGradientsEqualTheChunkedLogitsPathOnTheTinyModel) {
   std::printf("bf16 LoRA gradients, the loss's gradient declared: against fp32 %.3g\n", one_pass_vs_fp32);
   EXPECT_LE(worst_relative_error(bf16_one_pass, bf16_chunked), 3e-2);
   EXPECT_LE(one_pass_vs_fp32, 1.25 * chunked_vs_fp32);
+}
+
+// Labels handed in on the host: where some targets are ignored (a prompt, padding), only the
+// others' states are projected. The loss and the LoRA gradients equal projecting every state, fused
+// and on the logits path, with the gradient declared or not (fp32, within 1e-6 / 1e-5: the
+// projection's rows in another batch); with nothing ignored or everything ignored, it is the same
+// path bit for bit.
+TEST(FusedLoss, OnlyTheKeptTargetsStatesAreProjectedWithTheSameLossAndGradients) {
+  auto model = tiny_llama_with_lora(torch::kFloat32, kDecoderProjections);
+  torch::manual_seed(5);
+  const auto ids = torch::randint(model->options().vocab_size, {2, 40}, torch::kInt64);
+  auto prompted = ids.clone();
+  prompted.index_put_({0, torch::indexing::Slice(0, 17)}, kIgnoreLabel);  // a prompt
+  prompted.index_put_({1, torch::indexing::Slice(0, 5)}, kIgnoreLabel);
+  prompted.index_put_({1, torch::indexing::Slice(31, 40)}, kIgnoreLabel);  // padding
+  for (const auto& options : {loss_options(16, true, 1000), loss_options(33, false), loss_options(0, true)}) {
+    for (const bool declared : {false, true}) {
+      const auto every = model_gradients(*model, options, declared, prompted, false);
+      const auto kept = model_gradients(*model, options, declared, prompted, true);
+      EXPECT_NEAR(kept.loss, every.loss, 1e-6 * every.loss);
+      EXPECT_LE(worst_relative_error(kept, every), 1e-5);
+    }
+  }
+  const auto every = model_gradients(*model, loss_options(16, true, 1000), false, ids, false);
+  const auto kept = model_gradients(*model, loss_options(16, true, 1000), false, ids, true);
+  EXPECT_EQ(kept.loss, every.loss);
+  for (size_t index = 0; index < every.trainable.size(); ++index) {
+    EXPECT_TRUE(torch::equal(kept.trainable[index], every.trainable[index])) << "gradient " << index;
+  }
+  torch::NoGradGuard no_grad;
+  const auto all_ignored = ids.clone().fill_(kIgnoreLabel);
+  const auto none = causal_lm_loss(*model, model->hidden_states({ids, {}, {}}), all_ignored, loss_options(16, true), all_ignored);
+  EXPECT_EQ(none.loss_sum.item<double>(), 0.0);
+  EXPECT_EQ(none.tokens.item<int64_t>(), 0);
 }
 
 // Gemma 2 (tied, frozen embeddings; final_logit_softcapping 30): the fused loss equals the

@@ -103,12 +103,20 @@ FusedLossOptions fused_options(const LossOptions& options, int64_t chunk_tokens)
 }  // namespace
 
 TokenLoss causal_lm_loss(LlamaForCausalLMImpl& model, const torch::Tensor& hidden, const torch::Tensor& labels,
-                         const LossOptions& options) {
+                         const LossOptions& options, const torch::Tensor& host_labels) {
   using torch::indexing::None;
   using torch::indexing::Slice;
   const int64_t width = hidden.size(-1);
   auto predicting = hidden.index({Slice(), Slice(0, -1)}).reshape({-1, width});  // [tokens, hidden]
   auto targets = labels.index({Slice(), Slice(1, None)}).reshape({-1});          // [tokens]
+  if (host_labels.defined() && host_labels.is_cpu()) {
+    const auto kept = host_labels.index({Slice(), Slice(1, None)}).reshape({-1}).ne(kIgnoreLabel).nonzero().view(-1);
+    if (kept.numel() > 0 && kept.numel() < targets.size(0)) {
+      const auto rows = kept.to(predicting.device());
+      predicting = predicting.index_select(0, rows);
+      targets = targets.index_select(0, rows);
+    }
+  }
   const int64_t total = targets.size(0);
   const int64_t chunk_tokens = options.chunk_tokens > 0 ? options.chunk_tokens : std::max<int64_t>(total, 1);
 

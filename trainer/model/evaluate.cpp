@@ -34,7 +34,7 @@ BatchLoss evaluate_batch(LlamaForCausalLMImpl& model, const std::vector<data::Ex
   model.prefetch_lm_head();  // train.lm_head_on_host: it travels while the layers run
   // Right padding after a causal mask never reaches the real tokens before it.
   auto hidden = model.hidden_states(model_inputs(batch, device));
-  auto loss = causal_lm_loss(model, hidden, labels, loss_options);
+  auto loss = causal_lm_loss(model, hidden, labels, loss_options, batch.labels);
   return {loss.loss_sum.item<double>(), loss.tokens.item<int64_t>(), batch.input_tokens};
 }
 
