@@ -431,11 +431,11 @@ TEST(FusedLoss, LoraGradientsEqualTheChunkedLogitsPathOnTheTinyModel) {
   EXPECT_LE(one_pass_vs_fp32, 1.25 * chunked_vs_fp32);
 }
 
-// Labels handed in on the host: where some targets are ignored (a prompt, padding), only the
-// others' states are projected. The loss and the LoRA gradients equal projecting every state, fused
-// and on the logits path, with the gradient declared or not (fp32, within 1e-6 / 1e-5: the
-// projection's rows in another batch); with nothing ignored or everything ignored, it is the same
-// path bit for bit.
+// Labels handed in on the host: where at least 1 in 32 targets is ignored (a prompt, padding),
+// only the others' states are projected. The loss and the LoRA gradients equal projecting every
+// state, fused and on the logits path, with the gradient declared or not (fp32, within 1e-6 /
+// 1e-5: the projection's rows in another batch). With nothing ignored, fewer than 1 in 32 (a
+// packed document's boundary) or everything, it is the same path bit for bit.
 TEST(FusedLoss, OnlyTheKeptTargetsStatesAreProjectedWithTheSameLossAndGradients) {
   auto model = tiny_llama_with_lora(torch::kFloat32, kDecoderProjections);
   torch::manual_seed(5);
@@ -452,11 +452,15 @@ TEST(FusedLoss, OnlyTheKeptTargetsStatesAreProjectedWithTheSameLossAndGradients)
       EXPECT_LE(worst_relative_error(kept, every), 1e-5);
     }
   }
-  const auto every = model_gradients(*model, loss_options(16, true, 1000), false, ids, false);
-  const auto kept = model_gradients(*model, loss_options(16, true, 1000), false, ids, true);
-  EXPECT_EQ(kept.loss, every.loss);
-  for (size_t index = 0; index < every.trainable.size(); ++index) {
-    EXPECT_TRUE(torch::equal(kept.trainable[index], every.trainable[index])) << "gradient " << index;
+  auto one_ignored = ids.clone();
+  one_ignored.index_put_({1, 20}, kIgnoreLabel);  // 1 of 78 targets
+  for (const auto& labels : {ids, one_ignored}) {
+    const auto every = model_gradients(*model, loss_options(16, true, 1000), false, labels, false);
+    const auto kept = model_gradients(*model, loss_options(16, true, 1000), false, labels, true);
+    EXPECT_EQ(kept.loss, every.loss);
+    for (size_t index = 0; index < every.trainable.size(); ++index) {
+      EXPECT_TRUE(torch::equal(kept.trainable[index], every.trainable[index])) << "gradient " << index;
+    }
   }
   torch::NoGradGuard no_grad;
   const auto all_ignored = ids.clone().fill_(kIgnoreLabel);

@@ -36,9 +36,9 @@ struct LossOptions {
 
 // hidden [batch, seq, hidden] (the model's final normed states); labels [batch, seq] int64 with
 // kIgnoreLabel where no loss is taken. host_labels: the same labels on the host (a batch's, before
-// they went to the device), if the caller has them: where some targets are ignored (a prompt, the
-// padding) and others not, only the others' states are projected, found on the host without a
-// device sync. The loss is the same sum (an ignored target adds 0), to the projection's rounding.
+// they went to the device), if the caller has them: where at least 1 in 32 targets is ignored (a
+// prompt, padding) and some are not, only the others' states are projected, found on the host
+// without a device sync. The loss is the same sum (an ignored target adds 0), to the projection's rounding.
 TokenLoss causal_lm_loss(LlamaForCausalLMImpl& model, const torch::Tensor& hidden, const torch::Tensor& labels,
                          const LossOptions& options, const torch::Tensor& host_labels = {});
 
