@@ -116,7 +116,9 @@ TokenLoss causal_lm_loss(LlamaForCausalLMImpl& model, const torch::Tensor& hidde
     constexpr int64_t kLeastIgnoredShare = 32;  // 1 in 32
     const int64_t ignored = targets.size(0) - kept.numel();
     if (kept.numel() > 0 && ignored > 0 && ignored * kLeastIgnoredShare >= targets.size(0)) {
-      const auto rows = kept.to(predicting.device());
+      // The forward is queued by now: a copy from pageable memory would wait for it (a blocking
+      // copy synchronizes the stream), so the positions go from pinned memory without waiting.
+      const auto rows = predicting.is_cuda() ? kept.pin_memory().to(predicting.device(), /*non_blocking=*/true) : kept;
       predicting = predicting.index_select(0, rows);
       targets = targets.index_select(0, rows);
     }
