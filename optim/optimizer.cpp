@@ -98,8 +98,15 @@ NamedTensors Optimizer::state() const {
 }
 
 std::vector<std::pair<std::string, torch::Tensor*>> Optimizer::state_slots() {
+  std::vector<size_t> every(parameters_.size());
+  for (size_t index = 0; index < every.size(); ++index) every[index] = index;
+  return state_slots(every);
+}
+
+std::vector<std::pair<std::string, torch::Tensor*>> Optimizer::state_slots(const std::vector<size_t>& indices) {
   std::vector<std::pair<std::string, torch::Tensor*>> slots;
-  for (size_t index = 0; index < parameters_.size(); ++index) {
+  for (const size_t index : indices) {
+    if (index >= parameters_.size()) throw Error(ErrorCode::kInternal, name_ + " optimizer: no parameter " + std::to_string(index));
     auto& fields = parameter_state_[index];
     if (fields.empty()) continue;
     for (const auto& field : state_fields(index)) slots.emplace_back(std::to_string(index) + "." + field, &fields.at(field));

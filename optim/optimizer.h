@@ -47,6 +47,8 @@ class Optimizer {
   // between steps (trainer/optimizer_states_on_host.h) points a slot at the same values on another
   // device, and back at the parameter's device before step().
   std::vector<std::pair<std::string, torch::Tensor*>> state_slots();
+  // The slots of these parameters only (indices into parameters(), in that order).
+  std::vector<std::pair<std::string, torch::Tensor*>> state_slots(const std::vector<size_t>& indices);
 
  protected:
   Optimizer(std::vector<torch::Tensor> parameters, double learning_rate, const std::string& name);

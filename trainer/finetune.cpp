@@ -589,6 +589,7 @@ TrainSummary Finetune::train() {
     }
   }
   progress_.finish();
+  step_->settle_optimizer_state();  // the last update, where it waits for a next forward
   summary.steps = total_steps_;
   // Evaluation and the exports offload nothing: the pinned buffers of the steps go back to the host.
   ActivationOffload::release_unused_host_buffers();

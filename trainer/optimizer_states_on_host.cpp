@@ -12,8 +12,18 @@ constexpr int64_t kAlignment = 256;
 
 }  // namespace
 
-OptimizerStatesOnHost::OptimizerStatesOnHost(optim::Optimizer& optimizer, const torch::Device& device)
-    : optimizer_(optimizer), device_(device) {}
+OptimizerStatesOnHost::OptimizerStatesOnHost(optim::Optimizer& optimizer, const torch::Device& device,
+                                             std::vector<size_t> parameters)
+    : optimizer_(optimizer), device_(device), parameters_(std::move(parameters)) {
+  if (parameters_.empty()) {
+    parameters_.resize(optimizer_.parameters().size());
+    for (size_t index = 0; index < parameters_.size(); ++index) parameters_[index] = index;
+  }
+}
+
+std::vector<std::pair<std::string, torch::Tensor*>> OptimizerStatesOnHost::slots() {
+  return optimizer_.state_slots(parameters_);
+}
 
 OptimizerStatesOnHost::~OptimizerStatesOnHost() {
   // The optimizer is left as it was found, its state on the device (a later step, an export or a
@@ -53,7 +63,7 @@ bool OptimizerStatesOnHost::lay_out(const std::vector<std::pair<std::string, tor
 
 void OptimizerStatesOnHost::prefetch() {
   if (!on_host_) return;
-  const auto slots = optimizer_.state_slots();
+  const auto slots = this->slots();
   const auto base = static_cast<const uint8_t*>(host_block_.data_ptr());
   for (size_t index = 0; index < slots.size(); ++index) {
     if (index >= layout_.size() || slots[index].second->data_ptr() != base + layout_[index].offset) {
@@ -61,10 +71,11 @@ void OptimizerStatesOnHost::prefetch() {
       return;
     }
   }
-  // The last step's copy back into the host block ran first: it is on the same lane.
+  // After the last step's copy back into the host block (on the other lane; long done, as a rule).
+  returned_.wait(device_);
   device_block_ = torch::empty({host_block_.numel()}, torch::TensorOptions().dtype(torch::kUInt8).device(device_));
-  copy_after_compute(device_block_, host_block_, device_, CopyLane::kOptimizerState);
-  fetched_.record(device_, CopyLane::kOptimizerState);
+  copy_after_compute(device_block_, host_block_, device_, CopyLane::kOptimizerStateIn);
+  fetched_.record(device_, CopyLane::kOptimizerStateIn);
   for (size_t index = 0; index < slots.size(); ++index) {
     const auto& entry = layout_[index];
     *slots[index].second = typed_view(device_block_, entry.offset, entry.sizes, entry.dtype);
@@ -84,7 +95,7 @@ void OptimizerStatesOnHost::depart() {
   // A skipped step departs without arriving: its copy back must not read the device block before
   // the prefetch lane has filled it.
   arrive();
-  const auto slots = optimizer_.state_slots();
+  const auto slots = this->slots();
   if (slots.empty()) return;  // no step taken yet
   // The state is the device block's views (fetched this step) or tensors of its own (the first
   // step's, a loaded checkpoint's): one copy of the block, or one per tensor.
@@ -95,14 +106,15 @@ void OptimizerStatesOnHost::depart() {
     in_block = slots[index].second->data_ptr() == block + layout_[index].offset;
   }
   if (in_block) {
-    copy_after_compute(host_block_, device_block_, device_, CopyLane::kOptimizerState);
+    copy_after_compute(host_block_, device_block_, device_, CopyLane::kOptimizerStateOut);
   } else {
     for (size_t index = 0; index < slots.size(); ++index) {
       const auto& entry = layout_[index];
       copy_after_compute(typed_view(host_block_, entry.offset, entry.sizes, entry.dtype), *slots[index].second, device_,
-                         CopyLane::kOptimizerState);
+                         CopyLane::kOptimizerStateOut);
     }
   }
+  returned_.record(device_, CopyLane::kOptimizerStateOut);
   for (size_t index = 0; index < slots.size(); ++index) {
     const auto& entry = layout_[index];
     *slots[index].second = typed_view(host_block_, entry.offset, entry.sizes, entry.dtype);
@@ -112,7 +124,10 @@ void OptimizerStatesOnHost::depart() {
   fetch_pending_ = false;
 }
 
-// Both ways share the state's lane: waiting for it waits for every copy of the block.
-void OptimizerStatesOnHost::settle() const { wait_for_copies(device_, CopyLane::kOptimizerState); }
+// Waiting for both lanes waits for every copy of the block (and of other keepers' blocks).
+void OptimizerStatesOnHost::settle() const {
+  wait_for_copies(device_, CopyLane::kOptimizerStateIn);
+  wait_for_copies(device_, CopyLane::kOptimizerStateOut);
+}
 
 }  // namespace qtrain::trainer

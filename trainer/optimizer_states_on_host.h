@@ -1,16 +1,15 @@
 #pragma once
 // train.optimizer_states_on_host: the optimizer's state (AdamW's two fp32 moments, a master copy,
-// the step counters: 12 bytes a trained fp32 value) waits in pinned host memory between steps and
-// is on the device only from the middle of the step's last backward to the end of the update.
-// A run's peak falls in the forward or the loss (every activation kept, lm_head in use), where
-// the state is now away; it comes back while the second half of backward runs, when half the
-// activations are gone.
+// the step counters: 8-12 bytes a trained fp32 value) waits in pinned host memory between steps.
+// A keeper holds the state of some of the optimizer's parameters (all, or one decoder layer's:
+// trainer/deferred_update.h applies each layer's update in the next forward, just before the
+// layer runs, so the device holds a layer's share or two at a time, never the whole).
 //
-// The state travels as one buffer: every state tensor is a view of one pinned host block and, on
-// the device, of one device block of the same layout, so each way is one copy (on a copy lane of
-// its own, trainer/model/device_copies.h, overlapped with compute: activation offloading's small
-// copies do not queue behind it). The update sees the same values: steps are equal bit for bit
-// with the state kept on the device. On the CPU the same bookkeeping runs with plain copies.
+// A keeper's state travels as one buffer: every state tensor is a view of one pinned host block
+// and, on the device, of one device block of the same layout, so each way is one copy, on a copy
+// lane of its own for each direction (trainer/model/device_copies.h), overlapped with compute.
+// The update sees the same values: steps are equal bit for bit with the state kept on the device.
+// On the CPU the same bookkeeping runs with plain copies.
 #include <torch/torch.h>
 
 #include <string>
@@ -24,7 +23,8 @@ namespace qtrain::trainer {
 class OptimizerStatesOnHost {
  public:
   // Holds a reference: the optimizer outlives this. `device`: the trained parameters'.
-  OptimizerStatesOnHost(optim::Optimizer& optimizer, const torch::Device& device);
+  // `parameters`: indices into optimizer.parameters() whose state this keeps; empty: every one.
+  OptimizerStatesOnHost(optim::Optimizer& optimizer, const torch::Device& device, std::vector<size_t> parameters = {});
   ~OptimizerStatesOnHost();
   OptimizerStatesOnHost(const OptimizerStatesOnHost&) = delete;
   OptimizerStatesOnHost& operator=(const OptimizerStatesOnHost&) = delete;
@@ -40,6 +40,8 @@ class OptimizerStatesOnHost {
   void depart();
   // Before the host reads the state (a checkpoint): the copies to the host are done.
   void settle() const;
+  // The state's slots in the optimizer, this keeper's parameters'.
+  std::vector<std::pair<std::string, torch::Tensor*>> slots();
 
   bool on_host() const { return on_host_; }
   int64_t host_bytes() const { return host_block_.defined() ? host_block_.numel() : 0; }
@@ -57,10 +59,12 @@ class OptimizerStatesOnHost {
 
   optim::Optimizer& optimizer_;
   torch::Device device_;
+  std::vector<size_t> parameters_;
   std::vector<Entry> layout_;
   torch::Tensor host_block_;    // pinned uint8, the state between steps
   torch::Tensor device_block_;  // uint8, the state from prefetch() to depart()
   CopyArrival fetched_;         // the copy of the host block to the device
+  CopyArrival returned_;        // the copy back to the host block (on the other lane)
   bool on_host_ = false;
   bool fetch_pending_ = false;
 };

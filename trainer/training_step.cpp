@@ -72,24 +72,16 @@ TrainingStep::TrainingStep(LlamaForCausalLMImpl& model, std::vector<torch::Tenso
       scaler_(scaler),
       options_(std::move(options)) {
   if (options_.optimizer_states_on_host && !trainable_.empty()) {
-    states_on_host_ = std::make_unique<OptimizerStatesOnHost>(optimizer_, options_.device);
-    // The parameters come in the model's order, so backward reaches the middle one when about half
-    // of the layers have let go of their activations: the state's copy overlaps the other half.
-    state_prefetch_parameter_ = trainable_[trainable_.size() / 2];
-    state_prefetch_hook_ = state_prefetch_parameter_.register_hook([this](const torch::Tensor&) {
-      if (!state_prefetch_armed_) return;
-      state_prefetch_armed_ = false;
-      states_on_host_->prefetch();
-    });
+    deferred_update_ = std::make_unique<DeferredUpdate>(model_, optimizer_, options_.device);
   }
 }
 
-TrainingStep::~TrainingStep() {
-  if (state_prefetch_parameter_.defined()) state_prefetch_parameter_.remove_hook(state_prefetch_hook_);
-}
+TrainingStep::~TrainingStep() = default;
 
-void TrainingStep::settle_optimizer_state() const {
-  if (states_on_host_) states_on_host_->settle();
+void TrainingStep::settle_optimizer_state() {
+  if (!deferred_update_) return;
+  deferred_update_->apply_all();
+  deferred_update_->settle();
 }
 
 void TrainingStep::set_ranks(ProcessGroup* group, GradientBuckets* buckets) {
@@ -105,9 +97,7 @@ double TrainingStep::accumulate(const std::vector<data::Batch>& micro_batches,
     const auto loss = forward(micro_batches[index]);
     // Ranks exchange gradients only in the window's last backward, overlapped with it.
     if (buckets_ && last) buckets_->arm();
-    state_prefetch_armed_ = states_on_host_ && last;
     loss.backward_from.backward();
-    state_prefetch_armed_ = false;
     loss_sum += loss.loss_sum();
   }
   if (buckets_) buckets_->finish();
@@ -208,7 +198,6 @@ StepResult TrainingStep::apply_gradients(StepResult result, int64_t step, const 
   const bool gradients_finite = scaler_.unscale_and_check(trainable_);
   if (!loss_finite || !gradients_finite) {
     optimizer_.zero_grad();
-    if (states_on_host_) states_on_host_->depart();  // fetched for nothing: back to the host
     scaler_.update(/*skipped=*/true);
     result.skipped = true;
     result.skip_reason = !loss_finite ? "the loss is " + std::to_string(result.loss) : "a gradient is inf or NaN";
@@ -216,9 +205,11 @@ StepResult TrainingStep::apply_gradients(StepResult result, int64_t step, const 
   }
   // The norm is read once the update is queued: the device runs the optimizer meanwhile.
   const auto grad_norm = optim::clip_grad_norm_on_device(trainable_, options_.max_grad_norm);
-  if (states_on_host_) states_on_host_->arrive();
-  optimizer_.step();
-  if (states_on_host_) states_on_host_->depart();
+  if (deferred_update_) {
+    deferred_update_->defer();  // each layer's share in the next forward
+  } else {
+    optimizer_.step();
+  }
   optimizer_.zero_grad();
   scaler_.update(/*skipped=*/false);
   result.grad_norm = grad_norm.defined() ? grad_norm.item<double>() : 0.0;

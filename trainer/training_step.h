@@ -24,7 +24,7 @@
 #include "trainer/model/causal_lm_loss.h"
 #include "trainer/model/llama.h"
 #include "trainer/objectives/preference_loss.h"
-#include "trainer/optimizer_states_on_host.h"
+#include "trainer/deferred_update.h"
 #include "trainer/recipe/recipe.h"
 
 namespace qtrain::trainer {
@@ -52,7 +52,7 @@ struct TrainingStepOptions {
   // Packed batches: flash attention over the samples' spans where it applies; `qtrain bench
   // --packed-mask` writes the block-causal mask out instead, to compare.
   PackedAttention packed_attention = PackedAttention::kSpans;
-  bool optimizer_states_on_host = false;  // train.optimizer_states_on_host (trainer/optimizer_states_on_host.h)
+  bool optimizer_states_on_host = false;  // train.optimizer_states_on_host (trainer/deferred_update.h)
   // train.objective dpo, orpo or simpo: micro-batches of pairs (trainer/objectives/); none: sft.
   std::optional<PreferenceOptions> preference;
 
@@ -87,9 +87,10 @@ class TrainingStep {
   // A skipped step has cleared the gradients and backed the loss scale off.
   StepResult run(const std::vector<data::Batch>& micro_batches, int64_t step, const AfterBackward& after_backward = {});
 
-  // Before the host reads the optimizer's state (a checkpoint): with train.optimizer_states_on_host,
-  // its copies to the host are done. The state stays where it is.
-  void settle_optimizer_state() const;
+  // Before the host reads the trained weights or the optimizer's state (a checkpoint, an export,
+  // the end of a run): with train.optimizer_states_on_host, the update that waits for the next
+  // forward is applied and the state's copies to the host are done. The state stays on the host.
+  void settle_optimizer_state();
 
  private:
   // Checks the window's gradients and applies them (or skips the step); `result` holds its loss.
@@ -100,8 +101,8 @@ class TrainingStep {
     torch::Tensor backward_from;
     std::function<double()> loss_sum;
   };
-  // The window's micro-batches, forward then backward each; the ranks' gradient exchange and the
-  // optimizer state's way back start in the last one's backward. Returns the loss sum.
+  // The window's micro-batches, forward then backward each; the ranks' gradient exchange starts in
+  // the last one's backward. Returns the loss sum.
   double accumulate(const std::vector<data::Batch>& micro_batches,
                     const std::function<MicroBatchLoss(const data::Batch&)>& forward);
   // One micro-batch's preference loss, to be backpropagated at `weight` (loss scale / micro-batches
@@ -116,12 +117,8 @@ class TrainingStep {
   TrainingStepOptions options_;
   ProcessGroup* group_ = nullptr;
   GradientBuckets* buckets_ = nullptr;
-  // train.optimizer_states_on_host: the state's keeper, and the hook on the trained parameter in the
-  // middle of the list (of the layers) that starts its way back when backward reaches it.
-  std::unique_ptr<OptimizerStatesOnHost> states_on_host_;
-  torch::Tensor state_prefetch_parameter_;
-  unsigned state_prefetch_hook_ = 0;
-  bool state_prefetch_armed_ = false;
+  // train.optimizer_states_on_host: each layer's update in the next forward, its state from the host.
+  std::unique_ptr<DeferredUpdate> deferred_update_;
 };
 
 }  // namespace qtrain::trainer

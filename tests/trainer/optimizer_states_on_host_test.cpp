@@ -16,6 +16,7 @@
 #include "trainer/base/memory_stats.h"
 #include "trainer/loss_scaler.h"
 #include "trainer/model/device_copies.h"
+#include "trainer/deferred_update.h"
 #include "trainer/optimizer_states_on_host.h"
 #include "trainer/training_step.h"
 
@@ -168,36 +169,109 @@ TEST(OptimizerStatesOnHost, AStateLoadedWhileOnTheHostIsTheOneUsed) {
 }
 
 
-// In a training step the state comes back while backward runs (when it reaches the middle of the
-// trained parameters), not after it, and waits in the host block between steps; with gradient
-// accumulation it comes back in the window's last backward only.
-TEST(OptimizerStatesOnHost, ATrainingStepFetchesItDuringTheLastBackward) {
+// In a training step each decoder layer's update waits for the next forward, which applies it
+// just before the layer runs, its state fetched from the host block of the layer's parameters:
+// the losses, gradient norms and weights of every step equal those of an update made at once,
+// bit for bit, with gradient accumulation and a checkpoint's read between steps.
+struct StepsSeen {
+  std::vector<double> losses, norms;
+  std::vector<torch::Tensor> weights;
+};
+
+StepsSeen training_steps(bool states_on_host, const std::string& optimizer_name) {
+  torch::manual_seed(5);
+  LlamaForCausalLM model(testing::small_llama_options(32, 4), torch::kFloat32);
+  auto trainable = model->parameters();
+  auto optimizer = optimizer_named(optimizer_name, trainable);
+  LossScaler scaler(false);
+  TrainingStepOptions options;
+  options.optimizer_states_on_host = states_on_host;
+  StepsSeen seen;
+  {
+    TrainingStep step(*model, trainable, *optimizer, scaler, options);
+    torch::manual_seed(6);
+    for (int index = 0; index < 5; ++index) {
+      std::vector<data::Batch> window;
+      for (int micro = 0; micro < 1 + index % 2; ++micro) {
+        data::Batch batch;
+        batch.input_ids = torch::randint(97, {2, 12}, torch::kInt64);
+        batch.labels = batch.input_ids.clone();
+        batch.input_tokens = 24;
+        batch.predicted_tokens = 22;
+        window.push_back(batch);
+      }
+      optimizer->set_learning_rate(1e-2 * (1 + index));  // a schedule: each update keeps its step's rate
+      const auto result = step.run(window, index);
+      seen.losses.push_back(result.loss);
+      seen.norms.push_back(result.grad_norm);
+      if (index == 2) step.settle_optimizer_state();  // a checkpoint reads the weights here
+    }
+    step.settle_optimizer_state();
+    for (const auto& parameter : trainable) EXPECT_FALSE(parameter.grad().defined());
+  }
+  for (const auto& parameter : trainable) seen.weights.push_back(parameter.detach().clone());
+  return seen;
+}
+
+TEST(OptimizerStatesOnHost, EachLayersUpdateInTheNextForwardEqualsTheUpdateAtOnceBitwise) {
+  for (const std::string name : {"adamw", "sgd"}) {
+    const auto at_once = training_steps(false, name);
+    const auto deferred = training_steps(true, name);
+    EXPECT_EQ(at_once.losses, deferred.losses) << name;
+    EXPECT_EQ(at_once.norms, deferred.norms) << name;
+    ASSERT_EQ(at_once.weights.size(), deferred.weights.size());
+    for (size_t index = 0; index < at_once.weights.size(); ++index) {
+      EXPECT_TRUE(torch::equal(at_once.weights[index], deferred.weights[index])) << name << ": parameter " << index;
+    }
+  }
+}
+
+// Between steps each layer's update waits with its state in a host block of its own; the forward
+// applies layer i's before layer i runs, and the parameters outside the layers are updated at once.
+TEST(OptimizerStatesOnHost, TheForwardAppliesEachLayersUpdateBeforeTheLayerRuns) {
   torch::manual_seed(5);
   LlamaForCausalLM model(testing::small_llama_options(32, 4), torch::kFloat32);
   auto trainable = model->parameters();
   auto optimizer = optimizer_named("adamw", trainable);
-  LossScaler scaler(false);
-  TrainingStepOptions options;
-  options.optimizer_states_on_host = true;
-  TrainingStep step(*model, trainable, *optimizer, scaler, options);
-  data::Batch batch;
-  batch.input_ids = torch::randint(97, {2, 12}, torch::kInt64);
-  batch.labels = batch.input_ids.clone();
-  batch.input_tokens = 24;
-  batch.predicted_tokens = 22;
-  step.run({batch}, 0);  // the first step makes the state, then it leaves
-  const auto host_block = optimizer->state().front().second.storage();
-  const auto in_host_block = [&] {
-    return optimizer->state().front().second.storage().is_alias_of(host_block);
+  DeferredUpdate deferred(*model, *optimizer, torch::kCPU);
+  const auto layers = model->model->layers->size();
+  ASSERT_GE(layers, 2u);
+  const auto first_layer = model->model->layers[0]->parameters().front();
+  const auto last_layer = model->model->layers[layers - 1]->parameters().front();
+  const auto final_norm = model->model->norm->weight;
+  for (auto& parameter : trainable) parameter.mutable_grad() = torch::ones_like(parameter);
+  const auto before = std::vector<torch::Tensor>{first_layer.clone(), last_layer.clone(), final_norm.clone()};
+  deferred.defer();
+  EXPECT_EQ(deferred.pending(), layers);
+  for (const auto& parameter : trainable) EXPECT_FALSE(parameter.grad().defined());
+  EXPECT_FALSE(torch::equal(final_norm, before[2])) << "outside the layers: updated at once";
+  EXPECT_TRUE(torch::equal(first_layer, before[0]));
+  // A forward applies every layer's update (before each layer runs: the losses of the test above).
+  {
+    torch::NoGradGuard no_grad;
+    LlamaInputs inputs;
+    inputs.input_ids = torch::randint(97, {1, 6}, torch::kInt64);
+    model->forward(inputs);
+  }
+  EXPECT_EQ(deferred.pending(), 0u);
+  EXPECT_FALSE(torch::equal(first_layer, before[0]));
+  EXPECT_FALSE(torch::equal(last_layer, before[1]));
+  // Each layer's state waits in a host block of its own.
+  const auto index_of = [&](const torch::Tensor& parameter) {
+    for (size_t index = 0; index < trainable.size(); ++index) {
+      if (trainable[index].is_same(parameter)) return std::to_string(index);
+    }
+    return std::string("none");
   };
-  ASSERT_TRUE(in_host_block());
-  // The first parameter's gradient comes last in backward, after the middle one's.
-  std::vector<bool> seen_in_host_block;
-  const auto hook = trainable.front().register_hook([&](const torch::Tensor&) { seen_in_host_block.push_back(in_host_block()); });
-  step.run({batch, batch}, 1);
-  trainable.front().remove_hook(hook);
-  EXPECT_EQ(seen_in_host_block, (std::vector<bool>{true, false})) << "micro-batch 1, then 2 (the last)";
-  EXPECT_TRUE(in_host_block());
+  torch::Tensor first_state, last_state, norm_state;
+  for (const auto& [name, tensor] : optimizer->state()) {
+    if (name == index_of(first_layer) + ".exp_avg") first_state = tensor;
+    if (name == index_of(last_layer) + ".exp_avg") last_state = tensor;
+    if (name == index_of(final_norm) + ".exp_avg") norm_state = tensor;
+  }
+  ASSERT_TRUE(first_state.defined() && last_state.defined() && norm_state.defined());
+  EXPECT_FALSE(first_state.storage().is_alias_of(last_state.storage()));
+  EXPECT_FALSE(first_state.storage().is_alias_of(norm_state.storage()));
 }
 
 }  // namespace

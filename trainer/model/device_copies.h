@@ -4,9 +4,10 @@
 // it only where its result is used. Three lanes per device, so that what leaves the device
 // (activation offloading, trainer/model/activation_offload.h), what comes to it ahead of use
 // (a weight kept on the host, trainer/model/host_resident_weight.h) and the optimizer's state
-// (trainer/optimizer_states_on_host.h: one bulk copy each way a step, up to gigabytes for a
-// mixture of experts' adapters) do not queue behind each other. Copies on one lane run in the
-// order they were queued.
+// (trainer/optimizer_states_on_host.h: a decoder layer's share each way in the forward, up to
+// gigabytes a step for a mixture of experts' adapters; in and out on lanes of their own, so
+// both directions of the bus carry it at once) do not queue behind each other. Copies on one
+// lane run in the order they were queued.
 //
 // On the CPU the same calls make plain copies, so the bookkeeping is tested there too.
 #include <torch/torch.h>
@@ -16,7 +17,7 @@
 
 namespace qtrain::trainer {
 
-enum class CopyLane { kOffload, kPrefetch, kOptimizerState };
+enum class CopyLane { kOffload, kPrefetch, kOptimizerStateIn, kOptimizerStateOut };
 
 // destination.copy_(source) on `lane`'s stream of `device`, once the work queued so far on the
 // current stream is done (it produced `source`, or last used the memory `destination` now has);

@@ -474,6 +474,7 @@ torch::Tensor LlamaBackboneImpl::forward_embedded(torch::Tensor hidden, const to
   const qat::WholeBanksWithoutGrad whole_banks(
       expert_bank_block_bytes_ > 0 ? expert_bank_block_bytes_ + trained_weight_bytes() + recomputed_layer_bytes_ : 0);
   for (size_t index = 0; index < layers->size(); ++index) {
+    if (before_layer_) before_layer_(index);
     auto* layer = layers[index]->as<LlamaDecoderLayer>();
     const bool own_rope = sliding_rotary_ && options_.layer_slides(static_cast<int64_t>(index));
     const auto& cos = own_rope ? sliding_cos : full_cos;

@@ -191,12 +191,16 @@ class LlamaBackboneImpl : public torch::nn::Module {
   }
   // The bytes of the weights that train here: their gradients, which backward holds.
   int64_t trained_weight_bytes();
+  // Called with each decoder layer's index just before the layer runs forward (never in its
+  // recomputation): trainer/deferred_update.h applies the layer's share of the last update there.
+  void set_before_layer(std::function<void(size_t)> hook) { before_layer_ = std::move(hook); }
   torch::nn::Embedding embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};
   RMSNorm norm{nullptr};
 
  private:
   LlamaOptions options_;
+  std::function<void(size_t)> before_layer_;
   RotaryEmbedding rotary_;
   std::optional<RotaryEmbedding> sliding_rotary_;  // LlamaOptions::sliding_rope
   int64_t checkpoint_every_ = 0;

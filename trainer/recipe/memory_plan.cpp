@@ -13,14 +13,18 @@ namespace qtrain::trainer {
 
 namespace {
 
-// lm_head's copy (each micro-batch) and the optimizer state's (out and back each step) hide behind
+// lm_head's copy (each micro-batch) and the optimizer state's (in and out each step) hide behind
 // the layers where they are small beside the work. Measured on one H200 (2026-11-29, micro-batch
 // 1 x 2048, docs/PERFORMANCE.md), in bytes copied per FLOP (HostCopyWork's 6 x active weights):
 //   llama3-8b:  lm_head 1.1e-5, state 7.3e-6: both on, 0.985x the tokens/s of both off
 //   qwen3-8b:   lm_head 1.3e-5, state 7.5e-6: both on, 0.98x
-//   qwen3-30b-a3b, 12 layers: lm_head 5.1e-5 alone 1.0x; state 2.1e-4 alone 0.86x
+//   qwen3-30b-a3b, 12 layers: lm_head 5.1e-5 alone 1.0x; state 2.1e-4 alone 0.86x when the whole
+//   state came back in the last backward, 0.93x (and 7.53 -> 6.39 GiB) since each layer's share
+//   travels in the next forward (trainer/deferred_update.h, seventeenth session); llama3-8b
+//   micro-batch 4 then 0.985x of the state on the device (5.90 -> 5.69 GiB).
 // Each goes on up to a little above the largest share that hid, from the shortest micro-batch
-// measured.
+// measured. A window of several micro-batches applies the update in its first forward only, so
+// the step's tokens count.
 constexpr double kLmHeadBytesPerFlop = 6e-5;
 constexpr double kStateBytesPerFlop = 1e-5;
 constexpr int64_t kShortestMeasuredTokens = 2048;

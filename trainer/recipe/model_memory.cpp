@@ -344,15 +344,10 @@ double peak_of(const PeakMemoryEstimate& estimate, bool checkpointing, bool chun
                                  ? std::max(estimate.checkpointed_saved_bytes + loss,
                                             estimate.checkpointed_activation_bytes)
                                  : estimate.activation_bytes + loss;
-  // A state kept on the host is back from the middle of backward on: beside half the activations,
-  // or beside a recomputed layer.
-  const double with_state_back =
-      estimate.host_state_bytes > 0
-          ? estimate.host_state_bytes +
-                (checkpointing ? estimate.checkpointed_activation_bytes : estimate.activation_bytes / 2.0)
-          : 0.0;
+  // A state kept on the host visits a layer's share at a time; counted beside the peak's
+  // activations, though the forward that applies it holds fewer.
   return estimate.frozen_weight_bytes + estimate.trainable_state_bytes - estimate.host_state_bytes +
-         std::max(activations, with_state_back) + estimate.fake_quant_build_bytes;
+         estimate.state_in_flight_bytes + activations + estimate.fake_quant_build_bytes;
 }
 
 }  // namespace
@@ -431,6 +426,8 @@ bool estimate_weights_and_state(const LlamaOptions& model, const TrainingMemoryS
     const bool masters = setup.full_finetune && setup.compute_dtype != torch::kFloat32;
     estimate.host_state_bytes = static_cast<double>(estimate.trainable_parameters) *
                                 (masters ? kHostStateBytesWithMaster : kHostStateBytes);
+    const double layers = static_cast<double>(std::max<int64_t>(model.num_hidden_layers, 1));
+    estimate.state_in_flight_bytes = estimate.host_state_bytes * std::min(1.0, 2.0 / layers);
   }
   return lm_head_trains;
 }

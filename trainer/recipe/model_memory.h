@@ -182,8 +182,10 @@ struct PeakMemoryEstimate {
   int64_t adapted_layers = 0;        // linear layers with a LoRA adapter
   double trainable_state_bytes = 0;  // weights + grads + AdamW's moments (+ fp32 masters)
   // train.optimizer_states_on_host: the moments (and masters) of trainable_state_bytes, on the
-  // device only from the middle of the last backward to the end of the update.
+  // host between steps; each decoder layer's share visits the device for its update in the next
+  // forward (trainer/deferred_update.h), two layers' shares at a time: state_in_flight_bytes.
   double host_state_bytes = 0;
+  double state_in_flight_bytes = 0;
   // train.offload_activations on a GPU: the pinned host memory the offload holds after the
   // forward, each checkpointed layer's input and, with train.offload_branch_outputs, its attention
   // output (and under Gemma's norms after each block its MLP's), until its backward.
