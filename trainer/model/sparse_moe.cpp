@@ -96,12 +96,15 @@ torch::Tensor clamped_swiglu(const torch::Tensor& gate, const torch::Tensor& up,
 torch::Tensor ExpertBanksImpl::forward(const torch::Tensor& rows, const torch::Tensor& counts, const torch::Tensor& row_experts,
                                        const torch::Tensor& row_weights, bool output_unread) {
   const auto fused = bank_forward(*gate_up_proj, experts_, rows, counts, row_experts);
-  const int64_t intermediate = fused.size(-1) / 2;  // gate's half first, as transformers' chunk(2)
-  const auto gate = fused.narrow(-1, 0, intermediate).contiguous();
-  const auto up = fused.narrow(-1, intermediate, intermediate).contiguous();
-  auto product = swiglu_limit_ > 0                      ? clamped_swiglu(gate, up, swiglu_limit_)
-                 : activation_ == Activation::kGeluTanh ? geglu(gate, up)
-                                                        : swiglu(gate, up);
+  // Gate's half first, as transformers' chunk(2): read in place (no copies of the halves, and one
+  // gradient of the fused rows in backward) but for gpt-oss's clamped form.
+  torch::Tensor product;
+  if (swiglu_limit_ > 0) {
+    const int64_t intermediate = fused.size(-1) / 2;
+    product = clamped_swiglu(fused.narrow(-1, 0, intermediate), fused.narrow(-1, intermediate, intermediate), swiglu_limit_);
+  } else {
+    product = activation_ == Activation::kGeluTanh ? geglu_of_fused(fused) : swiglu_of_fused(fused);
+  }
   if (row_weights.defined()) product = (product * row_weights).to(product.scalar_type());
   return bank_forward(*down_proj, experts_, product, counts, row_experts, output_unread);
 }
