@@ -163,5 +163,50 @@ TEST(FeedForward, TargetsNamingProjectionsTheBlocksFusedAreRefused) {
   }
 }
 
+// The experts' rows gathered from their tokens and summed back (sparse_moe.h): the sum equals
+// index_add_ of the rows into zeros on the CPU bit for bit, in bf16 (where the order of the adds
+// shows) and fp32, on the CPU and CUDA; each one's gradient is autograd's for the index_select /
+// index_add it replaces, bit for bit.
+void expect_rows_route_as_index_add(const torch::Device& device) {
+  torch::manual_seed(3);
+  const int64_t tokens = 37, k = 4, hidden = 24, experts = 9;
+  std::vector<torch::Tensor> choices;
+  for (int64_t token = 0; token < tokens; ++token) choices.push_back(torch::randperm(experts).narrow(0, 0, k));
+  const auto flat = torch::stack(choices).reshape(-1);
+  const auto order = std::get<1>(flat.sort(/*stable=*/true, 0, false));
+  const auto token_of_row = order.div(k, "floor");
+  const auto routing = route_rows(token_of_row.to(device), k);
+  for (const auto dtype : {torch::kBFloat16, torch::kFloat32}) {
+    const auto values = torch::randn({tokens * k, hidden}).to(dtype);
+    const auto rows = values.to(device).detach().clone().requires_grad_(true);
+    const auto reference_rows = values.clone().requires_grad_(true);
+    const auto sum = sum_rows_by_token(rows, routing);
+    const auto reference = torch::zeros({tokens, hidden}, values.options()).index_add(0, token_of_row, reference_rows);
+    EXPECT_TRUE(torch::equal(sum.cpu(), reference)) << dtype << " on " << device;
+    const auto grad = torch::randn({tokens, hidden}).to(dtype);
+    sum.backward(grad.to(device));
+    reference.backward(grad);
+    EXPECT_TRUE(torch::equal(rows.grad().cpu(), reference_rows.grad())) << dtype << " on " << device;
+
+    const auto states = torch::randn({tokens, hidden}).to(dtype);
+    const auto x = states.to(device).detach().clone().requires_grad_(true);
+    const auto reference_x = states.clone().requires_grad_(true);
+    const auto gathered = gather_token_rows(x, routing);
+    const auto reference_gathered = reference_x.index_select(0, token_of_row);
+    EXPECT_TRUE(torch::equal(gathered.cpu(), reference_gathered)) << dtype << " on " << device;
+    const auto row_grad = torch::randn({tokens * k, hidden}).to(dtype);
+    gathered.backward(row_grad.to(device));
+    reference_gathered.backward(row_grad);
+    EXPECT_TRUE(torch::equal(x.grad().cpu(), reference_x.grad())) << dtype << " on " << device;
+  }
+}
+
+TEST(SparseMoe, RowsSumAndGatherAsIndexAddAndIndexSelectBitwise) { expect_rows_route_as_index_add(torch::kCPU); }
+
+TEST(SparseMoe, CudaRowsSumAndGatherAsTheCpusIndexAddBitwise) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  expect_rows_route_as_index_add(torch::Device(torch::kCUDA, 0));
+}
+
 }  // namespace
 }  // namespace qtrain::trainer

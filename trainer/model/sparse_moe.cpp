@@ -7,6 +7,51 @@ namespace qtrain::trainer {
 
 namespace {
 
+// Each token's k rows of `rows` summed in the order `by_token` lists them (every token's k rows in
+// turn), from zero in fp32 (or wider), rounded to the rows' dtype once: what the CPU's index_add_
+// of the rows into zeros computes (16-bit types accumulate in fp32 there), bit for bit, by a
+// gather and k adds instead of CUDA's atomics.
+torch::Tensor sum_token_rows(const torch::Tensor& rows, const torch::Tensor& by_token, int64_t k) {
+  const int64_t tokens = by_token.size(0) / k;
+  const auto gathered = rows.index_select(0, by_token).view({tokens, k, rows.size(1)});
+  const auto accumulate = rows.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
+  auto sum = torch::zeros({tokens, rows.size(1)}, rows.options().dtype(accumulate));
+  for (int64_t slot = 0; slot < k; ++slot) sum.add_(gathered.select(1, slot));
+  return sum.to(rows.scalar_type());
+}
+
+// Gathering the tokens' states into rows and summing the rows' outputs back are each other's
+// adjoints: each one's backward is the other.
+class GatherTokenRows : public torch::autograd::Function<GatherTokenRows> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* context, const torch::Tensor& x,
+                               const torch::Tensor& token_of_row, const torch::Tensor& by_token, int64_t k) {
+    context->saved_data["by_token"] = by_token;
+    context->saved_data["k"] = k;
+    return x.index_select(0, token_of_row);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* context,
+                                                 torch::autograd::variable_list grads) {
+    return {sum_token_rows(grads[0], context->saved_data["by_token"].toTensor(), context->saved_data["k"].toInt()),
+            torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+class SumTokenRows : public torch::autograd::Function<SumTokenRows> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* context, const torch::Tensor& rows,
+                               const torch::Tensor& token_of_row, const torch::Tensor& by_token, int64_t k) {
+    context->saved_data["token_of_row"] = token_of_row;
+    return sum_token_rows(rows, by_token, k);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* context,
+                                                 torch::autograd::variable_list grads) {
+    return {grads[0].index_select(0, context->saved_data["token_of_row"].toTensor()), torch::Tensor(),
+            torch::Tensor(), torch::Tensor()};
+  }
+};
+
+
 std::vector<ProjectionShape> bank_projections(const LlamaOptions& options) {
   const int64_t experts = options.experts.num_experts;
   const int64_t hidden = options.hidden_size;
@@ -43,6 +88,18 @@ FeedForward make_sparse_moe(const LlamaOptions& options, const std::string& pref
 }
 
 }  // namespace
+
+RowRouting route_rows(const torch::Tensor& token_of_row, int64_t k) {
+  return {token_of_row, std::get<1>(token_of_row.sort(/*stable=*/true, 0, false)), k};
+}
+
+torch::Tensor gather_token_rows(const torch::Tensor& x, const RowRouting& routing) {
+  return GatherTokenRows::apply(x, routing.token_of_row, routing.by_token, routing.k);
+}
+
+torch::Tensor sum_rows_by_token(const torch::Tensor& rows, const RowRouting& routing) {
+  return SumTokenRows::apply(rows, routing.token_of_row, routing.by_token, routing.k);
+}
 
 const FeedForwardRow& sparse_moe_row() {
   static const FeedForwardRow row{FeedForwardKind::kExperts, "mlp", sparse_moe_projections,
@@ -171,9 +228,11 @@ torch::Tensor SparseMoeBlockImpl::run(const torch::Tensor& hidden, bool for_grap
   const auto flat_choice = chosen.reshape(-1);
   const auto order = std::get<1>(flat_choice.sort(/*stable=*/true, 0, false));
   const auto token_of_row = order.div(k, "floor");
+  const auto routing = route_rows(token_of_row, k);
   // How many rows each expert takes, without a trip to the host (bincount's length would need one).
   const auto counts = torch::zeros({count}, flat_choice.options()).index_add_(0, flat_choice, torch::ones_like(flat_choice));
-  const auto rows = x.index_select(0, token_of_row);
+  // Backward sums each token's rows' gradients as the output sums the rows (no atomics).
+  const auto rows = gather_token_rows(x, routing);
   const auto row_weights = weights.reshape(-1).index_select(0, order).unsqueeze(1);
   torch::Tensor outputs;
   if (options_.biases) {
@@ -185,8 +244,9 @@ torch::Tensor SparseMoeBlockImpl::run(const torch::Tensor& hidden, bool for_grap
     // is <down^T grad, rows>), and a recomputation (`for_graph`) leaves that product out.
     outputs = experts->forward(rows, counts, torch::Tensor(), row_weights, for_graph);
   }
-  // Each token's k outputs added in expert order, in the model dtype, as transformers' index_add_.
-  auto result = torch::zeros_like(x).index_add(0, token_of_row, outputs.to(x.scalar_type()));
+  // Each token's k outputs added in expert order, in the model dtype, as transformers' index_add_
+  // adds them (on the CPU; CUDA's atomics add in any order).
+  auto result = sum_rows_by_token(outputs.to(x.scalar_type()), routing);
   if (balance.defined()) result = result + balance.to(result.scalar_type());
   return result.view(shape);
 }

@@ -25,6 +25,22 @@
 
 namespace qtrain::trainer {
 
+// The rows (token, choice) the experts take, sorted by expert: `token_of_row` gives each row's
+// token, `by_token` each token's k rows in row (so expert) order.
+struct RowRouting {
+  torch::Tensor token_of_row, by_token;
+  int64_t k = 1;
+};
+RowRouting route_rows(const torch::Tensor& token_of_row, int64_t k);
+// x's rows [tokens, hidden] gathered into the experts' rows; backward sums each token's row
+// gradients as sum_rows_by_token does.
+torch::Tensor gather_token_rows(const torch::Tensor& x, const RowRouting& routing);
+// Each token's k rows summed in expert order from zero in fp32, rounded to the rows' dtype once:
+// transformers' index_add_ into zeros as the CPU computes it, bit for bit, by a gather and k adds
+// instead of CUDA's atomics (which add in the rows' dtype, in no fixed order). Backward gathers
+// as gather_token_rows.
+torch::Tensor sum_rows_by_token(const torch::Tensor& rows, const RowRouting& routing);
+
 // The experts' banks: `gate_up_proj` [experts × 2 · intermediate, hidden], `down_proj`
 // [experts × hidden, intermediate].
 class ExpertBanksImpl : public torch::nn::Module, public qat::LinearLayerOwner, public qat::ExpertBankOwner {
