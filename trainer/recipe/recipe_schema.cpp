@@ -435,9 +435,9 @@ std::vector<RecipeKey> train_keys() {
           .at_least(0)
           .at_most(1 << 20),
       key("train.optimizer_states_on_host", "false", QTRAIN_FIELD(train.optimizer_states_on_host),
-          "keep the optimizer's state (AdamW's moments, fp32 masters) in pinned host memory between steps; it "
-          "comes back to the device on a side stream during the second half of each step's last backward, and "
-          "leaves again after the update (the same updates, bit for bit)"),
+          "keep the optimizer's state (AdamW's moments, fp32 masters) in pinned host memory, a block per decoder "
+          "layer; a step's update is applied in the next forward, each layer's just before the layer runs, its "
+          "state in and out on side streams (the same updates, bit for bit)"),
       key("train.nonfinite", "skip", QTRAIN_FIELD(train.nonfinite),
           "a NaN/inf loss or gradient: skip the step, or abort the run")
           .one_of({"skip", "abort"}),
