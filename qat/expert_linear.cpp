@@ -150,6 +150,22 @@ class UnreadBankProduct : public torch::autograd::Function<UnreadBankProduct> {
   }
 };
 
+// base + update · scale where nothing reads the sum (ExpertLora's output in a recomputation): its
+// place in autograd's graph, its values unwritten; backward gives the sum's gradients.
+class UnreadScaledSum : public torch::autograd::Function<UnreadScaledSum> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* context, const torch::Tensor& base,
+                               const torch::Tensor& update, double scale) {
+    context->saved_data["scale"] = scale;
+    return base.new_empty(base.sizes());
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* context,
+                                                 torch::autograd::variable_list grad_outputs) {
+    return {grad_outputs[0], grad_outputs[0] * context->saved_data["scale"].toDouble(), torch::Tensor()};
+  }
+};
+
 bool trains(const LinearLayer& layer) {
   for (const auto& parameter : layer.parameters()) {
     if (parameter.requires_grad()) return true;
@@ -267,6 +283,7 @@ torch::Tensor ExpertLora::grouped_forward(const torch::Tensor& rows, const torch
   const auto a = lora_A_->weight.to(dtype).view({experts_, rank, -1});
   const auto b = lora_B_->weight.to(dtype).view({-1, rank, experts_}).permute({2, 0, 1});
   const auto update = grouped_linear(grouped_linear(rows, a, counts), b.contiguous(), counts);
+  if (output_unread && torch::GradMode::is_enabled()) return UnreadScaledSum::apply(base, update, scale_);
   return base + update * scale_;
 }
 

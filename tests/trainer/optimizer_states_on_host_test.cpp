@@ -214,7 +214,7 @@ StepsSeen training_steps(bool states_on_host, const std::string& optimizer_name)
 }
 
 TEST(OptimizerStatesOnHost, EachLayersUpdateInTheNextForwardEqualsTheUpdateAtOnceBitwise) {
-  for (const std::string name : {"adamw", "sgd"}) {
+  for (const std::string name : {"adamw", "adamw8bit", "sgd"}) {
     const auto at_once = training_steps(false, name);
     const auto deferred = training_steps(true, name);
     EXPECT_EQ(at_once.losses, deferred.losses) << name;
