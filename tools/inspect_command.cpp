@@ -178,8 +178,10 @@ void print_peak_estimate(const std::string& recipe_path, const trainer::Training
                 static_cast<long long>(estimate.adapted_layers), static_cast<long long>(setup.adapter.lora.rank));
   }
   if (estimate.host_state_bytes > 0) {
-    std::printf("  %-22s %11s     (of the above: on the device from the middle of backward to the update)\n",
-                "optimizer state, host", bytes(estimate.host_state_bytes).c_str());
+    std::printf("  %-22s %11s     (of the above: on the device %s at a time, two layers' shares, for their "
+                "updates in the next forward)\n",
+                "optimizer state, host", bytes(estimate.host_state_bytes).c_str(),
+                bytes(estimate.state_in_flight_bytes).c_str());
   }
   if (estimate.offloaded_host_bytes > 0) {
     std::printf("  %-22s %11s     (pinned: each checkpointed layer's input%s until its backward)\n", "activations, host",
