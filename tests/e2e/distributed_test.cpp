@@ -78,12 +78,13 @@ void expect_same_training(const std::string& accumulated, const std::string& par
 // The contract of data parallelism: 2 ranks of micro-batch b take the same steps as 1 process
 // accumulating 2 micro-batches of b over the same samples.
 void expect_two_ranks_train_like_one_accumulating(const std::string& device, const std::string& backend,
-                                                  const std::string& recipe = "demo_tiny.yaml") {
+                                                  const std::string& recipe = "demo_tiny.yaml",
+                                                  const std::string& ranks_settings = "") {
   testing::TempDir runs;
   const auto one = run_command(short_run(runs.file("one"), device, recipe) + " --set train.grad_accum_steps=2 2>&1");
   ASSERT_EQ(one.status, 0) << one.output;
-  const auto two = run_command("bash -c '" + launch_ranks(2, short_run(runs.file("two"), device, recipe), runs.path(),
-                                                          testing::free_port()) +
+  const auto two = run_command("bash -c '" + launch_ranks(2, short_run(runs.file("two"), device, recipe) + ranks_settings,
+                                                          runs.path(), testing::free_port()) +
                                "wait $pid0; s0=$?; wait $pid1; echo status=$s0,$?'");
   ASSERT_NE(two.output.find("status=0,0"), std::string::npos)
       << two.output << testing::read_text(runs.file("rank0.log")) << testing::read_text(runs.file("rank1.log"));
@@ -96,6 +97,12 @@ void expect_two_ranks_train_like_one_accumulating(const std::string& device, con
 
 TEST(Distributed, TwoRanksTrainLikeOneProcessAccumulatingTwoMicroBatches) {
   expect_two_ranks_train_like_one_accumulating("cpu", "gloo");
+}
+
+// The optimizer's state on the host, each layer's update in the next forward (trainer/deferred_update.h):
+// the ranks' steps, evaluations, checkpoints and adapter are those of the update made at once.
+TEST(Distributed, TwoRanksWithTheStateOnTheHostTrainLikeOneProcess) {
+  expect_two_ranks_train_like_one_accumulating("cpu", "gloo", "demo_tiny.yaml", " --set train.optimizer_states_on_host=true");
 }
 
 // DPO: each micro-batch's loss is a mean over its pairs, and the step's the mean over the
