@@ -256,8 +256,10 @@ int run_inspect(const Arguments& arguments) {
   std::vector<std::string> memory_plan;  // what train.memory chose (auto: on a GPU, unless train.device is cpu)
   if (recipe) {
     const bool on_gpu = recipe->train.device != "cpu";
+    // Fitted to this machine's first GPU where it has one (a run on another GPU may choose otherwise).
+    const double device_bytes = on_gpu && torch::cuda::is_available() ? trainer::device_free_bytes(torch::Device(torch::kCUDA, 0)) : 0;
     memory_plan = trainer::describe_memory_plan(
-        *recipe, trainer::plan_memory(*recipe, config.llama, on_gpu), on_gpu);
+        *recipe, trainer::plan_memory(*recipe, config.llama, on_gpu, device_bytes), on_gpu);
     setup = trainer::training_memory_setup(*recipe, config.llama);
   }
   if (setup && recipe->quant == trainer::QuantMethod::kNone && trainer::is_compressed_tensors_checkpoint(config)) {

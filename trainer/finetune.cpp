@@ -64,8 +64,9 @@ void Finetune::setup() {
   device_ = resolve_device(recipe_.train.device, launch_.local_rank);
   compute_dtype_ = parse_dtype_name(recipe_.train.dtype, "train.dtype");
   const auto config = read_hf_config(recipe_.model.path);
-  // train.memory: auto turns on the switches that cost no speed, before the recipe is written.
-  const auto memory_plan = plan_memory(recipe_, config.llama, device_.is_cuda());
+  // train.memory: auto turns on the switches that cost no speed (and, where the run would not fit
+  // the GPU's free memory, those that do), before the recipe is written.
+  const auto memory_plan = plan_memory(recipe_, config.llama, device_.is_cuda(), device_free_bytes(device_));
   for (const auto& line : describe_memory_plan(recipe_, memory_plan, device_.is_cuda())) std::printf("%s\n", line.c_str());
   if (compute_dtype_ == torch::kFloat16) {
     const auto* family = config.family;

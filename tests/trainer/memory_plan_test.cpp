@@ -114,6 +114,64 @@ TEST(MemoryPlan, CopiesGoToTheHostWhereTheyAreASmallShareOfTheWork) {
   EXPECT_TRUE(choices["train.optimizer_states_on_host"].on);
 }
 
+// Where the estimated peak would not fit the GPU's free memory, the switches that cost speed go on,
+// cheapest first and each only while the estimate is above 90% of it, each saying what it costs;
+// a run that fits even so not is told to shorten its micro-batch; with room, none of them.
+TEST(MemoryPlan, SwitchesThatCostSpeedGoOnOnlyToFitTheGpu) {
+  const auto moe = shape("qwen3-30b-a3b", 12);
+  const auto moe_recipe = [&] {
+    auto recipe = qlora_recipe();
+    recipe.train.micro_batch_size = 1;
+    target_every_projection(recipe, moe);
+    return recipe;
+  };
+  const auto peak = [&](const Recipe& recipe) {
+    return estimate_peak_memory(moe, training_memory_setup(recipe, moe)).total();
+  };
+  auto roomy = moe_recipe();
+  auto choices = by_key(plan_memory(roomy, moe, true, 80.0 * (1 << 30)));
+  EXPECT_FALSE(roomy.train.optimizer_states_on_host);
+  EXPECT_TRUE(roomy.train.keep_built_weights);
+  EXPECT_EQ(roomy.train.expert_bank_block_mb, 0);
+  const double free_choices_peak = peak(roomy);
+  auto with_state = roomy;
+  with_state.train.optimizer_states_on_host = true;
+  const double state_peak = peak(with_state);
+  ASSERT_LT(state_peak, free_choices_peak);
+
+  // Just too little for the free switches: the state goes to the host, and that is enough.
+  auto tight = moe_recipe();
+  choices = by_key(plan_memory(tight, moe, true, (free_choices_peak - 1.0) / 0.9));
+  EXPECT_TRUE(tight.train.optimizer_states_on_host);
+  EXPECT_NE(choices["train.optimizer_states_on_host"].why.find("to fit the GPU's"), std::string::npos)
+      << choices["train.optimizer_states_on_host"].why;
+  EXPECT_NE(choices["train.optimizer_states_on_host"].why.find("it costs"), std::string::npos);
+  EXPECT_TRUE(tight.train.keep_built_weights);
+  EXPECT_LE(peak(tight), 0.9 * (free_choices_peak - 1.0) / 0.9);
+
+  // Less: the weights are built again in backward too.
+  auto tighter = moe_recipe();
+  plan_memory(tighter, moe, true, (state_peak - 1.0) / 0.9);
+  EXPECT_TRUE(tighter.train.optimizer_states_on_host);
+  EXPECT_FALSE(tighter.train.keep_built_weights);
+
+  // Far too little: every switch that lowers the estimate, and the advice.
+  auto hopeless = moe_recipe();
+  const auto lines = describe_memory_plan(hopeless, plan_memory(hopeless, moe, true, 1.0 * (1 << 30)), true);
+  EXPECT_TRUE(hopeless.train.optimizer_states_on_host);
+  EXPECT_FALSE(hopeless.train.keep_built_weights);
+  EXPECT_EQ(hopeless.train.expert_bank_block_mb, 256);
+  bool advised = false;
+  for (const auto& line : lines) advised = advised || line.find("lower train.micro_batch_size") != std::string::npos;
+  EXPECT_TRUE(advised);
+
+  // Unknown memory (0): nothing is fitted.
+  auto unknown = moe_recipe();
+  plan_memory(unknown, moe, true, 0);
+  EXPECT_FALSE(unknown.train.optimizer_states_on_host);
+  EXPECT_TRUE(unknown.train.keep_built_weights);
+}
+
 TEST(MemoryPlan, WhatTheRunCannotTakeStaysOffWithItsReason) {
   auto recipe = qlora_recipe();
   recipe.train.gradient_checkpointing = false;

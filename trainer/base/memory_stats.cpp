@@ -6,6 +6,8 @@
 
 #ifdef QTRAIN_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime.h>
 #endif
 
 namespace qtrain::trainer {
@@ -53,6 +55,22 @@ void reset_peak_memory(const torch::Device& device) {
 #else
   (void)device;
 #endif
+}
+
+double device_free_bytes(const torch::Device& device) {
+#ifdef QTRAIN_WITH_CUDA
+  if (device.is_cuda()) {
+    const c10::cuda::CUDAGuard guard(device.index() < 0 ? 0 : device.index());
+    size_t free = 0, total = 0;
+    if (cudaMemGetInfo(&free, &total) != cudaSuccess) {
+      cudaGetLastError();  // no figure: the plan then fits nothing to it
+      return 0;
+    }
+    return static_cast<double>(free);
+  }
+#endif
+  (void)device;
+  return 0;
 }
 
 void release_cached_memory(const torch::Device& device) {

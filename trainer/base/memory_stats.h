@@ -19,5 +19,7 @@ void reset_peak_memory(const torch::Device& device);
 // torch_empty_cache_steps); nothing on a CPU.
 void release_cached_memory(const torch::Device& device);
 std::string format_bytes(double bytes);  // "312.4 MiB", "13.20 GiB"
+// The bytes the device can still give now (CUDA: the driver's free memory); 0 on a CPU.
+double device_free_bytes(const torch::Device& device);
 
 }  // namespace qtrain::trainer

@@ -20,9 +20,15 @@
 // A tied table goes to the host only as the pair of the two table switches, by lm_head's share as
 // an untied head (or where the recipe set one of them). A switch the run cannot take (a trained,
 // adapted or fake-quantized table or head; no checkpointing) stays off, said why. It never turns a
-// switch off, and leaves what costs speed as set: train.keep_built_weights (8% slower off),
-// train.mlp_chunk_tokens and train.expert_bank_block_mb. On the CPU (the host is the device) and
-// under train.memory: manual it changes nothing.
+// switch off.
+//
+// What costs speed it leaves as set, unless the estimated peak (trainer/recipe/model_memory.h)
+// would not fit the GPU's free memory: then, cheapest first, each of these goes on while it lowers
+// the estimate, until the estimate fits with a margin: train.optimizer_states_on_host (where it
+// was left off for its copy), train.keep_built_weights: false, train.expert_bank_block_mb: 256,
+// train.lm_head_block_mb: 256. Each says what it cost where measured; a run that fits even so
+// not is told to shorten its micro-batch. train.mlp_chunk_tokens stays as set. On the CPU (the
+// host is the device) and under train.memory: manual it changes nothing.
 #include <string>
 #include <vector>
 
@@ -32,14 +38,15 @@
 namespace qtrain::trainer {
 
 struct MemoryChoice {
-  std::string key;  // train.offload_activations, ...
+  std::string key;  // train.offload_activations, ...; empty: a line about the plan as a whole
   bool on = false;  // what the run does
   std::string why;
 };
 
 // Applies train.memory to `recipe`'s switches for `model` (its config.json's shape) and returns
-// each switch's choice (none under manual).
-std::vector<MemoryChoice> plan_memory(Recipe& recipe, const LlamaOptions& model, bool on_gpu);
+// each switch's choice (none under manual). `device_bytes`: the GPU memory the run may take (its
+// free memory at the start; bench's --memory-limit-gib), 0 where unknown: nothing is fitted to it.
+std::vector<MemoryChoice> plan_memory(Recipe& recipe, const LlamaOptions& model, bool on_gpu, double device_bytes = 0);
 
 // The lines the run's start and `inspect --recipe` print: "memory: auto: train.X on (why)".
 std::vector<std::string> describe_memory_plan(const Recipe& recipe, const std::vector<MemoryChoice>& choices,
