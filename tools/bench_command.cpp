@@ -458,9 +458,8 @@ std::optional<BenchOptions> parse_bench_options(const Arguments& arguments) {
   // A run's default, train.memory: auto; what it chose goes to stderr (beside --json's object).
   recipe.train.micro_batch_size = bench.micro_batch;  // the plan weighs the tokens of a micro-batch and a step
   recipe.data.max_seq_len = bench.sequence;
-  // Fitted to --memory-limit-gib where set, else to the GPU's free memory.
-  const double device_bytes = bench.memory_limit_gib > 0 ? bench.memory_limit_gib * 1073741824.0
-                                                          : trainer::device_free_bytes(bench.device);
+  // Fitted to the GPU's free memory, within --memory-limit-gib.
+  const double device_bytes = bench.device.is_cuda() ? device_memory_budget(bench.device, bench.memory_limit_gib) : 0;
   const auto memory_plan = trainer::plan_memory(recipe, bench.llama, bench.device.is_cuda(), device_bytes);
   for (const auto& line : trainer::describe_memory_plan(recipe, memory_plan, bench.device.is_cuda())) {
     std::fprintf(stderr, "%s\n", line.c_str());
