@@ -150,13 +150,8 @@ void limit_device_memory(const torch::Device& device, double gib) {
 // Bytes the caching allocator can hand out on `device`: what the driver has free plus what the
 // allocator holds already, within --memory-limit-gib.
 double device_memory_budget(const torch::Device& device, double limit_gib) {
-  double budget = 0;
-#ifdef QTRAIN_WITH_CUDA
-  const c10::cuda::CUDAGuard on_device(device.index());
-  size_t free = 0, total = 0;
-  C10_CUDA_CHECK(cudaMemGetInfo(&free, &total));
-  budget = static_cast<double>(free) + trainer::memory_usage(device).reserved_bytes;
-#endif
+  // Nothing on a CPU (no free figure, nothing reserved).
+  const double budget = trainer::device_free_bytes(device) + trainer::memory_usage(device).reserved_bytes;
   return limit_gib > 0 ? std::min(budget, limit_gib * kGiB) : budget;
 }
 

@@ -190,13 +190,6 @@ class UnwrittenGatedReference : public torch::autograd::Function<UnwrittenGatedR
   }
 };
 
-template <typename Kernels>
-torch::Tensor gated_of_fused(const torch::Tensor& gate_up, torch::Tensor (*pair)(const torch::Tensor&, const torch::Tensor&)) {
-  if (on_fused_kernels(gate_up)) return FusedGatedActivationFunction<Kernels>::apply(gate_up, true);
-  const auto halves = gate_up.chunk(2, -1);  // on the CPU, transformers' views
-  return pair(halves[0], halves[1]);
-}
-
 // Whether the rotary kernels take x with these tables: the same dtype and device.
 bool kernels_take_rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
   return on_fused_kernels(x) && cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type() &&
@@ -206,6 +199,27 @@ bool kernels_take_rotary(const torch::Tensor& x, const torch::Tensor& cos, const
 bool kernels_take_pair(const torch::Tensor& gate, const torch::Tensor& up) {
   return on_fused_kernels(gate) && up.scalar_type() == gate.scalar_type() && up.device() == gate.device() &&
          gate.sizes() == up.sizes();
+}
+
+// act(gate) * up, GeGLU where `gelu`; `up` undefined: `gate` is a fused gate_up output (gate the
+// first half of each row). On the CUDA kernels where they take it, else torch's operations (on
+// the CPU, transformers' views of the halves). `written` false: only the output's place in
+// autograd's graph, its values unwritten, its gradients the written path's bit for bit.
+torch::Tensor gated_activation(bool gelu, const torch::Tensor& gate, const torch::Tensor& up, bool written) {
+  if (!up.defined()) {
+    if (on_fused_kernels(gate)) {
+      return gelu ? FusedGatedActivationFunction<GeluTanhKernels>::apply(gate, written)
+                  : FusedGatedActivationFunction<SiluKernels>::apply(gate, written);
+    }
+    const auto halves = gate.chunk(2, -1);
+    return gated_activation(gelu, halves[0], halves[1], written);
+  }
+  if (kernels_take_pair(gate, up)) {
+    return gelu ? GatedActivationFunction<GeluTanhKernels>::apply(gate, up, written)
+                : GatedActivationFunction<SiluKernels>::apply(gate, up, written);
+  }
+  if (!written) return UnwrittenGatedReference::apply(gate, up, gelu);
+  return gelu ? geglu_reference(gate, up) : swiglu_reference(gate, up);
 }
 
 torch::Tensor rotate_half(const torch::Tensor& x) {
@@ -289,38 +303,20 @@ torch::Tensor swiglu_reference(const torch::Tensor& gate, const torch::Tensor& u
   return torch::nn::functional::silu(gate) * up;
 }
 
-torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tensor& up) {
-  if (kernels_take_pair(gate, up)) return GatedActivationFunction<SiluKernels>::apply(gate, up, true);
-  return swiglu_reference(gate, up);
-}
+torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tensor& up) { return gated_activation(false, gate, up, true); }
 
-torch::Tensor swiglu_of_fused(const torch::Tensor& gate_up) { return gated_of_fused<SiluKernels>(gate_up, swiglu); }
+torch::Tensor swiglu_of_fused(const torch::Tensor& gate_up) { return gated_activation(false, gate_up, {}, true); }
 
-torch::Tensor geglu_of_fused(const torch::Tensor& gate_up) { return gated_of_fused<GeluTanhKernels>(gate_up, geglu); }
+torch::Tensor geglu_of_fused(const torch::Tensor& gate_up) { return gated_activation(true, gate_up, {}, true); }
 
 torch::Tensor geglu_reference(const torch::Tensor& gate, const torch::Tensor& up) {
   return torch::gelu(gate, "tanh") * up;
 }
 
-torch::Tensor geglu(const torch::Tensor& gate, const torch::Tensor& up) {
-  if (kernels_take_pair(gate, up)) return GatedActivationFunction<GeluTanhKernels>::apply(gate, up, true);
-  return geglu_reference(gate, up);
-}
+torch::Tensor geglu(const torch::Tensor& gate, const torch::Tensor& up) { return gated_activation(true, gate, up, true); }
 
 torch::Tensor gated_activation_for_graph(bool gelu, const torch::Tensor& gate, const torch::Tensor& up) {
-  if (!up.defined()) {
-    if (on_fused_kernels(gate)) {
-      return gelu ? FusedGatedActivationFunction<GeluTanhKernels>::apply(gate, false)
-                  : FusedGatedActivationFunction<SiluKernels>::apply(gate, false);
-    }
-    const auto halves = gate.chunk(2, -1);  // as gated_of_fused
-    return UnwrittenGatedReference::apply(halves[0], halves[1], gelu);
-  }
-  if (kernels_take_pair(gate, up)) {
-    return gelu ? GatedActivationFunction<GeluTanhKernels>::apply(gate, up, false)
-                : GatedActivationFunction<SiluKernels>::apply(gate, up, false);
-  }
-  return UnwrittenGatedReference::apply(gate, up, gelu);
+  return gated_activation(gelu, gate, up, false);
 }
 
 }  // namespace qtrain::trainer
