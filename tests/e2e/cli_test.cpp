@@ -9,6 +9,7 @@
 #include <random>
 #include <sstream>
 #include <nlohmann/json.hpp>
+#include <torch/cuda.h>
 
 #include "support.h"
 #include "trainer/formats/safetensors.h"
@@ -467,6 +468,15 @@ TEST(Cli, BenchDrawsTokenIdsBelowABound) {
   const auto [output, measured] = tiny_bench("--micro-batch 1 --token-ids-below 100");
   EXPECT_NE(output.find("token ids drawn from [0, 100) of the 8192"), std::string::npos) << output;
   EXPECT_EQ(measured.at("token_ids_below").get<int64_t>(), 100);
+}
+
+// bench on a GPU from a fresh process: its memory plan reads the device's free and reserved memory
+// before the caching allocator has made anything.
+TEST(Cli, BenchRunsOnAGpuFromAFreshProcess) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU";
+  const auto result = qtrain("bench --shape tiny --device cuda --seq 64 --micro-batch 1 --steps 1 --warmup 0 --json 2>&1");
+  ASSERT_EQ(result.status, 0) << result.output;
+  EXPECT_GT(nlohmann::json::parse(last_line(result.output)).at("tokens_per_second").get<double>(), 0);
 }
 
 }  // namespace

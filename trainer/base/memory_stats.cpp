@@ -35,6 +35,8 @@ MemoryUsage memory_usage(const torch::Device& device) {
   MemoryUsage usage;
 #ifdef QTRAIN_WITH_CUDA
   if (device.is_cuda()) {
+    // Before its first allocation the caching allocator has no devices and holds nothing.
+    if (!c10::cuda::CUDACachingAllocator::get()->initialized()) return usage;
     const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
     const auto& allocated = stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)];
     usage.current_bytes = static_cast<double>(allocated.current);
@@ -51,7 +53,9 @@ MemoryUsage memory_usage(const torch::Device& device) {
 
 void reset_peak_memory(const torch::Device& device) {
 #ifdef QTRAIN_WITH_CUDA
-  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+  if (device.is_cuda() && c10::cuda::CUDACachingAllocator::get()->initialized()) {
+    c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+  }
 #else
   (void)device;
 #endif
