@@ -24,6 +24,7 @@
 #include "trainer/formats/hf_checkpoint.h"
 #include "trainer/model/causal_lm_loss.h"
 #include "trainer/model/evaluate.h"
+#include "trainer/model/host_resident_weight.h"
 #include "trainer/recipe/recipe.h"
 
 namespace qtrain::trainer {
@@ -767,9 +768,9 @@ TEST(FusedLoss, CudaHostTilesEqualTheWholeWeightAndHoldTheirBlock) {
 
 // A one-layer bf16 model of hidden 1024 and a 32,768-token vocabulary (a 64 MiB lm_head) on the
 // GPU, every weight frozen.
-LlamaForCausalLM frozen_model_on_cuda(uint64_t seed) {
+LlamaForCausalLM frozen_model_on_cuda(uint64_t seed, int64_t layers = 1) {
   torch::manual_seed(seed);
-  auto options = testing::small_llama_options(1024, 1);
+  auto options = testing::small_llama_options(1024, layers);
   options.vocab_size = 32768;
   LlamaForCausalLM model(options, torch::kBFloat16);
   model->to(torch::Device(torch::kCUDA, 0));
@@ -854,6 +855,46 @@ TEST(FusedLoss, CudaLmHeadTilesFromTheHostThroughTheModelEqualTheHeadOnTheDevice
     EXPECT_EQ(tile_loss, expected_loss) << "prefetched " << prefetch;
     EXPECT_TRUE(torch::equal(tile_grad, expected_grad)) << "prefetched " << prefetch;
     EXPECT_EQ(model->host_lm_head()->queued_tiles(), 0) << "prefetched " << prefetch;
+  }
+}
+
+// A whole lm_head from the host travels in pieces of rows, the next one as each decoder layer
+// starts: take() hands over the host's rows however many pieces were queued before it, and the
+// loss after the model's forward (3 layers, 3 pieces) equals lm_head on the device bit for bit.
+TEST(FusedLoss, CudaLmHeadFromTheHostInPiecesEqualsTheHeadOnTheDevice) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU on this machine";
+  const torch::Device cuda(torch::kCUDA, 0);
+  const auto weight = torch::randn({10, 24}).to(torch::kBFloat16);
+  for (const int continued : {0, 1, 2, 5}) {  // pieces of 3, 3, 3 and 1 rows
+    HostResidentWeight host(weight, cuda, "train.lm_head_on_host");
+    host.prefetch(cuda, 4);
+    for (int piece = 0; piece < continued; ++piece) host.continue_prefetch();
+    EXPECT_TRUE(torch::equal(host.take(cuda).cpu(), weight)) << continued << " pieces continued";
+  }
+  auto model = frozen_model_on_cuda(31, 3);
+  const auto input_ids =
+      torch::randint(model->options().vocab_size, {2, 257}, torch::TensorOptions().dtype(torch::kInt64).device(cuda));
+  LossOptions loss;
+  loss.gradient = 1.0;
+  const auto run = [&] {
+    model->prefetch_lm_head();
+    torch::Tensor hidden;
+    {
+      torch::NoGradGuard no_grad;
+      hidden = model->hidden_states(LlamaInputs{input_ids});
+    }
+    auto leaf = hidden.detach().requires_grad_(true);
+    auto result = causal_lm_loss(*model, leaf, input_ids, loss);
+    result.loss_sum.backward();
+    return std::make_pair(result.loss_sum.item<double>(), leaf.grad().clone());
+  };
+  const auto [expected_loss, expected_grad] = run();
+  model->keep_lm_head_on_host();
+  ASSERT_NE(model->host_lm_head(), nullptr);
+  for (int repeat = 0; repeat < 2; ++repeat) {
+    const auto [host_loss, host_grad] = run();
+    EXPECT_EQ(host_loss, expected_loss) << "run " << repeat;
+    EXPECT_TRUE(torch::equal(host_grad, expected_grad)) << "run " << repeat;
   }
 }
 

@@ -4,7 +4,9 @@
 //
 // prefetch() queues its copy to the device on the prefetch lane (trainer/model/device_copies.h),
 // so that it travels while the decoder layers run forward; take() hands the copy over, ready for
-// the current stream. The caller's references are the only ones: the device memory goes back to
+// the current stream. The copy may travel in pieces of rows, one queued as each layer starts
+// (continue_prefetch()): a whole gigabyte queued at once holds up, for its 20-odd ms, the copies
+// a layer waits for on the other lanes (the optimizer state's share, trainer/deferred_update.h). The caller's references are the only ones: the device memory goes back to
 // the caching allocator as soon as the last user (the loss's backward) lets go of it, before the
 // layers' backward, where a checkpointed run peaks.
 //
@@ -29,8 +31,14 @@ class HostResidentWeight {
   // The host tensor (pinned where CUDA is): what the module's parameter is set to.
   const torch::Tensor& host() const { return host_; }
 
-  // Starts the copy to `device` after the work queued so far; a copy already on its way stays.
-  void prefetch(const torch::Device& device);
+  // Starts the copy to `device` after the work queued so far, in `pieces` pieces of rows (1: whole;
+  // a matrix's rows): the first now, each next one at continue_prefetch(), what is left at take().
+  // A copy already on its way stays.
+  void prefetch(const torch::Device& device, int64_t pieces = 1);
+
+  // Queues the next piece of the copy prefetch() started, after the work queued so far; nothing
+  // where none is left.
+  void continue_prefetch();
 
   // The weight on `device`, ready for the current stream: the prefetched copy, or one made now.
   torch::Tensor take(const torch::Device& device);
@@ -57,7 +65,9 @@ class HostResidentWeight {
 
   torch::Tensor host_;
   torch::Tensor on_device_;  // prefetched, not yet taken
-  CopyArrival arrived_;
+  int64_t piece_rows_ = 0;   // of on_device_'s copy: rows a piece
+  int64_t queued_rows_ = 0;  // rows whose copy is queued
+  CopyArrival arrived_;      // the last piece queued
   std::deque<Tile> tiles_;   // queued by prefetch_tiles / take_rows, in row order
 };
 

@@ -463,7 +463,8 @@ torch::Tensor LlamaBackboneImpl::embed(const torch::Tensor& input_ids, const tor
 }
 
 torch::Tensor LlamaBackboneImpl::forward_embedded(torch::Tensor hidden, const torch::Tensor& position_ids,
-                                                  const AttentionMask& attention_mask, KeyValueCache* cache) {
+                                                  const AttentionMask& attention_mask, KeyValueCache* cache,
+                                                  const std::function<void(size_t)>& at_layer) {
   const auto [full_cos, full_sin] = rotary_.tables(position_ids, hidden.scalar_type());
   torch::Tensor sliding_cos, sliding_sin;
   if (sliding_rotary_) std::tie(sliding_cos, sliding_sin) = sliding_rotary_->tables(position_ids, hidden.scalar_type());
@@ -475,6 +476,7 @@ torch::Tensor LlamaBackboneImpl::forward_embedded(torch::Tensor hidden, const to
       expert_bank_block_bytes_ > 0 ? expert_bank_block_bytes_ + trained_weight_bytes() + recomputed_layer_bytes_ : 0);
   for (size_t index = 0; index < layers->size(); ++index) {
     if (before_layer_) before_layer_(index);
+    if (at_layer) at_layer(index);
     auto* layer = layers[index]->as<LlamaDecoderLayer>();
     const bool own_rope = sliding_rotary_ && options_.layer_slides(static_cast<int64_t>(index));
     const auto& cos = own_rope ? sliding_cos : full_cos;
@@ -535,9 +537,15 @@ torch::Tensor LlamaForCausalLMImpl::hidden_states(const LlamaInputs& inputs) {
                        .expand({inputs.input_ids.size(0), -1});
   }
   auto hidden = model->embed(inputs.input_ids, inputs.host_input_ids);
-  if (lm_head_prefetch_pending_ && host_lm_head_) prefetch_host_lm_head(inputs.input_ids);
+  const bool prefetching = lm_head_prefetch_pending_ && host_lm_head_;
+  if (prefetching) prefetch_host_lm_head(inputs.input_ids);
   lm_head_prefetch_pending_ = false;
-  return model->forward_embedded(std::move(hidden), position_ids, inputs.attention_mask, inputs.cache);
+  // A whole lm_head travels a piece as each layer starts (HostResidentWeight::prefetch's pieces).
+  const auto next_piece = [this](size_t index) {
+    if (index > 0) host_lm_head_->continue_prefetch();
+  };
+  return model->forward_embedded(std::move(hidden), position_ids, inputs.attention_mask, inputs.cache,
+                                 prefetching && lm_head_block_bytes_ <= 0 ? next_piece : std::function<void(size_t)>());
 }
 
 torch::Tensor LlamaForCausalLMImpl::logits(const torch::Tensor& hidden) {
@@ -583,7 +591,7 @@ void LlamaForCausalLMImpl::prefetch_lm_head() { lm_head_prefetch_pending_ = host
 
 void LlamaForCausalLMImpl::prefetch_host_lm_head(const torch::Tensor& input_ids) {
   if (lm_head_block_bytes_ <= 0) {
-    host_lm_head_->prefetch(device());
+    host_lm_head_->prefetch(device(), std::max<int64_t>(static_cast<int64_t>(model->layers->size()), 1));
     return;
   }
   // The tiles the loss will ask for first: its columns for the batch's predicting tokens (each

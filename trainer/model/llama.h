@@ -161,9 +161,11 @@ class LlamaBackboneImpl : public torch::nn::Module {
   // input_ids on input_ids' device (Gemma's scale applied). host_input_ids: the
   // same ids on the host where the caller has them (LlamaInputs').
   torch::Tensor embed(const torch::Tensor& input_ids, const torch::Tensor& host_input_ids = {});
-  // The decoder layers and the final norm over embed's rows.
+  // The decoder layers and the final norm over embed's rows; `at_layer`, where given, is called
+  // with each layer's index as it starts, after set_before_layer's hook.
   torch::Tensor forward_embedded(torch::Tensor hidden, const torch::Tensor& position_ids,
-                                 const AttentionMask& attention_mask, KeyValueCache* cache = nullptr);
+                                 const AttentionMask& attention_mask, KeyValueCache* cache = nullptr,
+                                 const std::function<void(size_t)>& at_layer = nullptr);
   // Recompute every k-th decoder layer in backward instead of keeping its activations
   // (trainer/model/activation_checkpoint.h); 0 turns it off. Only while training with grad enabled.
   void set_gradient_checkpointing(int64_t every_k_layers) { checkpoint_every_ = every_k_layers; }
