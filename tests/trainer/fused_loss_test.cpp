@@ -821,6 +821,24 @@ TEST(FusedLoss, CudaLmHeadOnTheHostEqualsItOnTheDeviceAndLeavesAfterTheBackward)
               format_bytes(std::get<2>(run(true))).c_str(), format_bytes(held_on_device).c_str());
 }
 
+// The loss after the model's forward (lm_head's prefetch asked for first where `prefetch`), and
+// the hidden states' gradient, as a training step declares it: one chunk of every token.
+std::pair<double, torch::Tensor> loss_after_the_forward(LlamaForCausalLMImpl& model, const torch::Tensor& input_ids,
+                                                        bool prefetch) {
+  LossOptions loss;
+  loss.gradient = 1.0;
+  if (prefetch) model.prefetch_lm_head();
+  torch::Tensor hidden;
+  {
+    torch::NoGradGuard no_grad;
+    hidden = model.hidden_states(LlamaInputs{input_ids});
+  }
+  auto leaf = hidden.detach().requires_grad_(true);
+  auto result = causal_lm_loss(model, leaf, input_ids, loss);
+  result.loss_sum.backward();
+  return {result.loss_sum.item<double>(), leaf.grad().clone()};
+}
+
 // train.lm_head_block_mb through the model on a GPU: the loss over lm_head's tiles from the host
 // equals the loss with lm_head on the device (one chunk, the gradient declared) bit for bit, the
 // first tiles prefetched by the forward (hidden_states, after prefetch_lm_head) or not, and no
@@ -832,20 +850,7 @@ TEST(FusedLoss, CudaLmHeadTilesFromTheHostThroughTheModelEqualTheHeadOnTheDevice
   const auto& options = model->options();
   const auto input_ids =
       torch::randint(options.vocab_size, {2, 513}, torch::TensorOptions().dtype(torch::kInt64).device(cuda));
-  LossOptions loss;
-  loss.gradient = 1.0;  // as the training step declares it; one chunk of every token
-  const auto run = [&](bool prefetch) {
-    if (prefetch) model->prefetch_lm_head();
-    torch::Tensor hidden;
-    {
-      torch::NoGradGuard no_grad;
-      hidden = model->hidden_states(LlamaInputs{input_ids});
-    }
-    auto leaf = hidden.detach().requires_grad_(true);
-    auto result = causal_lm_loss(*model, leaf, input_ids, loss);
-    result.loss_sum.backward();
-    return std::make_pair(result.loss_sum.item<double>(), leaf.grad().clone());
-  };
+  const auto run = [&](bool prefetch) { return loss_after_the_forward(*model, input_ids, prefetch); };
   const auto [expected_loss, expected_grad] = run(false);
   model->keep_lm_head_on_host();
   model->set_lm_head_block_bytes(int64_t{8} << 20);
@@ -874,20 +879,7 @@ TEST(FusedLoss, CudaLmHeadFromTheHostInPiecesEqualsTheHeadOnTheDevice) {
   auto model = frozen_model_on_cuda(31, 3);
   const auto input_ids =
       torch::randint(model->options().vocab_size, {2, 257}, torch::TensorOptions().dtype(torch::kInt64).device(cuda));
-  LossOptions loss;
-  loss.gradient = 1.0;
-  const auto run = [&] {
-    model->prefetch_lm_head();
-    torch::Tensor hidden;
-    {
-      torch::NoGradGuard no_grad;
-      hidden = model->hidden_states(LlamaInputs{input_ids});
-    }
-    auto leaf = hidden.detach().requires_grad_(true);
-    auto result = causal_lm_loss(*model, leaf, input_ids, loss);
-    result.loss_sum.backward();
-    return std::make_pair(result.loss_sum.item<double>(), leaf.grad().clone());
-  };
+  const auto run = [&] { return loss_after_the_forward(*model, input_ids, true); };
   const auto [expected_loss, expected_grad] = run();
   model->keep_lm_head_on_host();
   ASSERT_NE(model->host_lm_head(), nullptr);
