@@ -23,7 +23,10 @@ namespace {
 //   qwen3-30b-a3b, 12 layers: lm_head 5.1e-5 alone 1.0x; state 2.1e-4 alone 0.86x when the whole
 //   state came back in the last backward, 0.93x (and 7.53 -> 6.39 GiB) since each layer's share
 //   travels in the next forward (trainer/deferred_update.h, seventeenth session); llama3-8b
-//   micro-batch 4 then 0.985x of the state on the device (5.90 -> 5.69 GiB).
+//   micro-batch 4 then 0.985x of the state on the device (5.90 -> 5.69 GiB). With lm_head's copy
+//   in a piece a layer (eighteenth session), the state on the host ran 1.07x faster at the MoE
+//   and 1.05x at phi4-mini micro-batch 4 FP8, about 0.94x and 0.99x of the state on the device in
+//   another call: not yet measured side by side, so the limit stays.
 // Each goes on up to a little above the largest share that hid, from the shortest micro-batch
 // measured. A window of several micro-batches applies the update in its first forward only, so
 // the step's tokens count.
