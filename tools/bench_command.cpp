@@ -274,6 +274,7 @@ struct BenchOptions {
   bool packed_mask = false;
   bool precompute_reference = false;       // dpo.precompute_reference: the reference's pass before the steps
   bool max_context = false;
+  bool memory_phases = false;  // one more step, its peak by phase
   bool json = false;
   // Resolved:
   const trainer::BaseQuantizationRow* base = nullptr;
@@ -363,6 +364,8 @@ po::options_description bench_option_descriptions(BenchOptions& bench) {
       ("profile", po::value(&bench.profile_steps)->default_value(0),
        "after the timed steps, profile this many more and print where the GPU spent its time")
       ("trace", po::value(&bench.trace_path), "with --profile: also write a Chrome trace to this file, with each operator's input shapes")
+      ("memory-phases", po::bool_switch(), "after the timed steps, one more step and its peak memory by phase (forward, "
+       "loss, backward, update): where the step peaks (a GPU)")
       ("json", po::bool_switch(), "end with one JSON object");
   return options;
 }
@@ -384,6 +387,10 @@ std::optional<BenchOptions> parse_bench_options(const Arguments& arguments) {
   bench.fake_quant = flag("qat");
   qat::parse_lora_gradient(bench.lora_gradient, "--lora-gradient");
   bench.device = trainer::resolve_device(bench.device_name);
+  bench.memory_phases = flag("memory-phases");
+  if (bench.memory_phases && !bench.device.is_cuda()) {
+    throw Error(ErrorCode::kUsage, "--memory-phases reads a GPU's allocator; the device is " + bench.device.str());
+  }
   bench.dtype = trainer::parse_dtype_name(bench.dtype_name, "--dtype");
   bench.checkpointing = flag("checkpointing");
   bench.llama = trainer::llama_shape(bench.shape);
@@ -560,6 +567,7 @@ struct BenchMeasurement {
   trainer::MemoryUsage memory;  // after the timed steps
   double checkpoint_seconds = 0;  // --save-checkpoint
   double reference_seconds = 0;   // --precompute-reference: its pass over a step's micro-batch (warm)
+  std::vector<trainer::MemoryPhases::Phase> phases;  // --memory-phases
 };
 
 // The timed steps (or the --max-context search), then --profile's steps and --save-checkpoint's write.
@@ -625,6 +633,16 @@ BenchMeasurement measure_bench(const BenchOptions& bench, BenchRun& run) {
     for (int64_t step = 0; step < bench.profile_steps; ++step) run.step->run(batches, next_step++);
     synchronize(device);
     profile.finish(bench.trace_path, bench.profile_steps, 25, std::cout);
+  }
+  if (bench.memory_phases) {
+    double phase_reference_seconds = 0;  // the report keeps the timed steps'
+    const auto batches = with_reference(batches_of(measured.sequence), phase_reference_seconds);
+    trainer::MemoryPhases phases(device);
+    run.step->set_memory_phases(&phases);
+    run.step->run(batches, next_step++);
+    run.step->set_memory_phases(nullptr);
+    synchronize(device);
+    measured.phases = phases.phases();
   }
   if (!bench.checkpoint_run.empty()) {
     // What a run's checkpoint holds for this model: LoRA weights and AdamW moments (the random,
@@ -717,7 +735,18 @@ void report_bench(const BenchOptions& bench, const BenchRun& run, const BenchMea
                 measured.reference_seconds,
                 static_cast<double>(bench.micro_batch * sequence) / (median + measured.reference_seconds));
   }
+  if (!measured.phases.empty()) {
+    std::printf("  memory by phase (one more step; the allocator's peak within each):\n");
+    for (const auto& phase : measured.phases) {
+      std::printf("    %-9s %11s at its start, peak %s\n", phase.name.c_str(), trainer::format_bytes(phase.at_start_bytes).c_str(),
+                  trainer::format_bytes(phase.peak_bytes).c_str());
+    }
+  }
   if (!bench.json) return;
+  auto phases = nlohmann::json::array();
+  for (const auto& phase : measured.phases) {
+    phases.push_back({{"phase", phase.name}, {"at_start_bytes", phase.at_start_bytes}, {"peak_bytes", phase.peak_bytes}});
+  }
   std::cout << nlohmann::json{{"shape", bench.shape},
                               {"layers", bench.llama.num_hidden_layers},
                               {"quant", quant},
@@ -754,7 +783,8 @@ void report_bench(const BenchOptions& bench, const BenchRun& run, const BenchMea
                               {"mfu", mfu},
                               {"peak_memory_bytes", measured.memory.peak_bytes},
                               {"step_seconds", median},
-                              {"checkpoint_seconds", measured.checkpoint_seconds}}
+                              {"checkpoint_seconds", measured.checkpoint_seconds},
+                              {"memory_phases", phases}}
                    .dump()
             << std::endl;
 }

@@ -94,9 +94,11 @@ double TrainingStep::accumulate(const std::vector<data::Batch>& micro_batches,
   double loss_sum = 0;
   for (size_t index = 0; index < micro_batches.size(); ++index) {
     const bool last = index + 1 == micro_batches.size();
+    mark_phase("forward");
     const auto loss = forward(micro_batches[index]);
     // Ranks exchange gradients only in the window's last backward, overlapped with it.
     if (buckets_ && last) buckets_->arm();
+    mark_phase("backward");
     loss.backward_from.backward();
     loss_sum += loss.loss_sum();
   }
@@ -117,6 +119,7 @@ TrainingStep::MicroBatchLoss TrainingStep::preference_micro_batch(const data::Ba
   auto* router_loss = model_.router_loss();
   if (router_loss) router_loss->begin();
   const auto hidden = model_.hidden_states(model_inputs(batch, options_.device, options_.packed_attention));
+  mark_phase("loss");
   const auto policy = pair_log_probs(model_, hidden, batch, loss_options);
   const auto loss = preference_loss(policy, reference.chosen.defined() ? &reference : nullptr, preference);
   // A mixture of experts' load-balancing loss joins each micro-batch's loss as TRL adds it.
@@ -175,6 +178,7 @@ StepResult TrainingStep::run(const std::vector<data::Batch>& micro_batches, int6
     auto* router_loss = model_.router_loss();
     if (router_loss) router_loss->begin();
     auto hidden = model_.hidden_states(model_inputs(batch, options_.device, options_.packed_attention));
+    mark_phase("loss");  // the fused loss computes its gradient here, lm_head's visit included
     auto loss = causal_lm_loss(model_, hidden, labels, loss_options, batch.labels);
     // A mixture of experts' load-balancing loss, router_aux_loss_coef · aux per micro-batch as
     // transformers adds it to the mean loss: here weighted by the micro-batch's predicted tokens,
@@ -192,6 +196,13 @@ StepResult TrainingStep::run(const std::vector<data::Batch>& micro_batches, int6
 }
 
 StepResult TrainingStep::apply_gradients(StepResult result, int64_t step, const AfterBackward& after_backward) {
+  mark_phase("update");
+  struct EndPhases {
+    MemoryPhases* phases;
+    ~EndPhases() {
+      if (phases) phases->finish();
+    }
+  } end_phases{phases_};
   if (after_backward) after_backward(step, trainable_);
 
   const bool loss_finite = std::isfinite(result.loss);

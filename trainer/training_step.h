@@ -17,6 +17,7 @@
 
 #include "data/batching.h"
 #include "optim/optimizer.h"
+#include "trainer/base/memory_stats.h"
 #include "trainer/dist/gradient_buckets.h"
 #include "trainer/dist/process_group.h"
 #include "trainer/loss_scaler.h"
@@ -91,6 +92,9 @@ class TrainingStep {
   // the end of a run): with train.optimizer_states_on_host, the update that waits for the next
   // forward is applied and the state's copies to the host are done. The state stays on the host.
   void settle_optimizer_state();
+  // bench --memory-phases: the steps mark their phases there (forward, loss, backward, update);
+  // nullptr: none.
+  void set_memory_phases(MemoryPhases* phases) { phases_ = phases; }
 
  private:
   // Checks the window's gradients and applies them (or skips the step); `result` holds its loss.
@@ -119,6 +123,10 @@ class TrainingStep {
   GradientBuckets* buckets_ = nullptr;
   // train.optimizer_states_on_host: each layer's update in the next forward, its state from the host.
   std::unique_ptr<DeferredUpdate> deferred_update_;
+  MemoryPhases* phases_ = nullptr;
+  void mark_phase(const char* phase) {
+    if (phases_) phases_->mark(phase);
+  }
 };
 
 }  // namespace qtrain::trainer

@@ -430,6 +430,7 @@ TEST(Cli, BadInputIsOneLineAndExitStatus2) {
                     "--packed-whole-rows");
   expect_user_error(qtrain("bench --shape tiny --device cpu --token-ids-below 8193"), "8192 ids");
   expect_user_error(qtrain("bench --shape tiny --device cpu --objective orpo --precompute-reference"), "--objective dpo");
+  expect_user_error(qtrain("bench --shape tiny --device cpu --memory-phases"), "GPU's allocator");
 }
 
 // One step of `qtrain bench` on the tiny shape (CPU, fp32, sequences of 32) with `flags`: its
@@ -474,9 +475,19 @@ TEST(Cli, BenchDrawsTokenIdsBelowABound) {
 // before the caching allocator has made anything.
 TEST(Cli, BenchRunsOnAGpuFromAFreshProcess) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU";
-  const auto result = qtrain("bench --shape tiny --device cuda --seq 64 --micro-batch 1 --steps 1 --warmup 0 --json 2>&1");
+  const auto result =
+      qtrain("bench --shape tiny --device cuda --seq 64 --micro-batch 1 --steps 1 --warmup 0 --memory-phases --json 2>&1");
   ASSERT_EQ(result.status, 0) << result.output;
-  EXPECT_GT(nlohmann::json::parse(last_line(result.output)).at("tokens_per_second").get<double>(), 0);
+  const auto measured = nlohmann::json::parse(last_line(result.output));
+  EXPECT_GT(measured.at("tokens_per_second").get<double>(), 0);
+  // --memory-phases: one more step's peak by phase, in a step's order.
+  EXPECT_NE(result.output.find("memory by phase"), std::string::npos) << result.output;
+  std::vector<std::string> phases;
+  for (const auto& phase : measured.at("memory_phases")) {
+    phases.push_back(phase.at("phase").get<std::string>());
+    EXPECT_GE(phase.at("peak_bytes").get<double>(), phase.at("at_start_bytes").get<double>()) << phase.dump();
+  }
+  EXPECT_EQ(phases, (std::vector<std::string>{"forward", "loss", "backward", "update"}));
 }
 
 }  // namespace

@@ -192,14 +192,7 @@ StepsSeen training_steps(bool states_on_host, const std::string& optimizer_name)
     torch::manual_seed(6);
     for (int index = 0; index < 5; ++index) {
       std::vector<data::Batch> window;
-      for (int micro = 0; micro < 1 + index % 2; ++micro) {
-        data::Batch batch;
-        batch.input_ids = torch::randint(97, {2, 12}, torch::kInt64);
-        batch.labels = batch.input_ids.clone();
-        batch.input_tokens = 24;
-        batch.predicted_tokens = 22;
-        window.push_back(batch);
-      }
+      for (int micro = 0; micro < 1 + index % 2; ++micro) window.push_back(testing::small_llama_batch(2, 12));
       optimizer->set_learning_rate(1e-2 * (1 + index));  // a schedule: each update keeps its step's rate
       const auto result = step.run(window, index);
       seen.losses.push_back(result.loss);

@@ -15,15 +15,6 @@
 namespace qtrain::trainer {
 namespace {
 
-data::Batch random_batch(int64_t rows, int64_t length) {
-  data::Batch batch;
-  batch.input_ids = torch::randint(97, {rows, length}, torch::kInt64);
-  batch.labels = batch.input_ids.clone();
-  batch.input_tokens = rows * length;
-  batch.predicted_tokens = rows * (length - 1);
-  return batch;
-}
-
 TEST(RouterLossStep, TheStepsLossIsTheTokenLossPlusTheWeightedAuxOfEachMicroBatch) {
   torch::manual_seed(11);
   auto options = testing::small_llama_options(32, 2);
@@ -35,7 +26,7 @@ TEST(RouterLossStep, TheStepsLossIsTheTokenLossPlusTheWeightedAuxOfEachMicroBatc
   options.experts.router_aux_loss_coef = 0.25;  // large, so that a missing term shows
   LlamaForCausalLM model(options, torch::kFloat32);
   ASSERT_NE(model->router_loss(), nullptr);
-  const std::vector<data::Batch> micro_batches = {random_batch(2, 9), random_batch(1, 7)};
+  const std::vector<data::Batch> micro_batches = {testing::small_llama_batch(2, 9), testing::small_llama_batch(1, 7)};
 
   // Expected: Σ (token loss sum + coef · predicted · aux) / Σ predicted, each forward on its own.
   double expected = 0, token_only = 0, predicted = 0;

@@ -1,5 +1,6 @@
 #include "trainer/base/memory_stats.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -83,6 +84,22 @@ void release_cached_memory(const torch::Device& device) {
 #else
   (void)device;
 #endif
+}
+
+void MemoryPhases::finish() {
+  if (open_ < 0) return;
+  auto& phase = phases_[static_cast<size_t>(open_)];
+  phase.peak_bytes = std::max(phase.peak_bytes, memory_usage(device_).peak_bytes);
+  open_ = -1;
+}
+
+void MemoryPhases::mark(const std::string& name) {
+  finish();
+  auto found = std::find_if(phases_.begin(), phases_.end(), [&](const Phase& phase) { return phase.name == name; });
+  if (found == phases_.end()) found = phases_.insert(phases_.end(), Phase{name, 0, 0});
+  reset_peak_memory(device_);
+  found->at_start_bytes = std::max(found->at_start_bytes, memory_usage(device_).current_bytes);
+  open_ = static_cast<int>(found - phases_.begin());
 }
 
 std::string format_bytes(double bytes) {
