@@ -64,9 +64,25 @@ void Finetune::setup() {
   device_ = resolve_device(recipe_.train.device, launch_.local_rank);
   compute_dtype_ = parse_dtype_name(recipe_.train.dtype, "train.dtype");
   const auto config = read_hf_config(recipe_.model.path);
+  if (launch_.distributed()) {
+    // Joined first: a rank started wrongly fails here, before minutes of model loading.
+    ProcessGroupOptions options;
+    options.backend = recipe_.dist.backend;
+    options.timeout = std::chrono::seconds(recipe_.dist.timeout_s);
+    group_ = std::make_unique<ProcessGroup>(launch_, device_, options);
+    std::printf("dist: rank %lld of %lld (%s, %s on %s)\n", static_cast<long long>(launch_.rank),
+                static_cast<long long>(launch_.world_size), launch_.launcher.c_str(), group_->backend_name().c_str(),
+                device_.str().c_str());
+  }
   // train.memory: auto turns on the switches that cost no speed (and, where the run would not fit
-  // the GPU's free memory, those that do), before the recipe is written.
-  const auto memory_plan = plan_memory(recipe_, config.llama, device_.is_cuda(), device_free_bytes(device_));
+  // the GPU's free memory, those that do), before the recipe is written. Ranks plan alike, from the
+  // least free memory among them: a rank with other switches would run at another speed.
+  double free_bytes = device_free_bytes(device_);
+  if (group_) {
+    const auto every = group_->every_rank(free_bytes, "the free device memory of each rank");
+    free_bytes = *std::min_element(every.begin(), every.end());
+  }
+  const auto memory_plan = plan_memory(recipe_, config.llama, device_.is_cuda(), free_bytes);
   for (const auto& line : describe_memory_plan(recipe_, memory_plan, device_.is_cuda())) std::printf("%s\n", line.c_str());
   if (compute_dtype_ == torch::kFloat16) {
     const auto* family = config.family;
@@ -80,16 +96,6 @@ void Finetune::setup() {
     throw Error(ErrorCode::kRecipe, "train.dtype fp16 is not supported on the CPU; use bf16 or fp32");
   }
   scaler_ = LossScaler(/*enabled=*/compute_dtype_ == torch::kFloat16);
-  if (launch_.distributed()) {
-    // Joined first: a rank started wrongly fails here, before minutes of model loading.
-    ProcessGroupOptions options;
-    options.backend = recipe_.dist.backend;
-    options.timeout = std::chrono::seconds(recipe_.dist.timeout_s);
-    group_ = std::make_unique<ProcessGroup>(launch_, device_, options);
-    std::printf("dist: rank %lld of %lld (%s, %s on %s)\n", static_cast<long long>(launch_.rank),
-                static_cast<long long>(launch_.world_size), launch_.launcher.c_str(), group_->backend_name().c_str(),
-                device_.str().c_str());
-  }
   // Every rank seeds alike (as HF Trainer does): the same LoRA initialisation, the same data order.
   torch::manual_seed(static_cast<uint64_t>(recipe_.train.seed));
   run_dir_ = recipe_.train.output_dir;

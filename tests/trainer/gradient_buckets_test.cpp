@@ -108,6 +108,30 @@ TEST(GradientBuckets, OrderedReductionAddsTheRanksInRankOrderBitForBit) {
   }
 }
 
+// Each rank's one number on every rank, in rank order (the ranks' free device memory, which the
+// memory plan takes the least of).
+TEST(ProcessGroup, EveryRankGetsEachRanksValueInRankOrder) {
+  constexpr int64_t kRanks = 3;
+  const int64_t port = testing::free_port();
+  const auto run = [port](int64_t rank) {
+    LaunchEnvironment environment;
+    environment.rank = rank;
+    environment.world_size = kRanks;
+    environment.local_world_size = kRanks;
+    environment.master_port = port;
+    ProcessGroupOptions options;
+    options.backend = "gloo";
+    options.timeout = std::chrono::seconds(30);
+    ProcessGroup group(environment, torch::kCPU, options);
+    return group.every_rank(1e9 + 7.5 * static_cast<double>(rank), "a test's values");
+  };
+  std::vector<std::future<std::vector<double>>> others;
+  for (int64_t rank = 1; rank < kRanks; ++rank) others.push_back(std::async(std::launch::async, run, rank));
+  std::vector<std::vector<double>> seen{run(0)};
+  for (auto& other : others) seen.push_back(other.get());
+  for (const auto& values : seen) EXPECT_EQ(values, (std::vector<double>{1e9, 1e9 + 7.5, 1e9 + 15.0}));
+}
+
 TEST(ProcessGroup, ASecondRankThatNeverComesIsAnErrorNamingTheAddress) {
   LaunchEnvironment environment;
   environment.world_size = 2;

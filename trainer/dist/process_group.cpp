@@ -263,6 +263,12 @@ std::vector<double> ProcessGroup::sum(const std::vector<double>& values, const s
   return std::vector<double>(tensor.data_ptr<double>(), tensor.data_ptr<double>() + tensor.numel());
 }
 
+std::vector<double> ProcessGroup::every_rank(double value, const std::string& what) {
+  std::vector<double> own(static_cast<size_t>(world_size_), 0.0);  // a sum of one value each
+  own[static_cast<size_t>(rank_)] = value;
+  return sum(own, what);
+}
+
 void ProcessGroup::broadcast(std::vector<torch::Tensor>& tensors, int64_t root, const std::string& what) {
   c10d::BroadcastOptions options;
   options.rootRank = root;

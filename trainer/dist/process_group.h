@@ -55,6 +55,8 @@ class ProcessGroup {
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what);
   // Elementwise sums of a few numbers (fp64), e.g. token counts and loss sums.
   std::vector<double> sum(const std::vector<double>& values, const std::string& what);
+  // Every rank's `value`, in rank order, on every rank.
+  std::vector<double> every_rank(double value, const std::string& what);
   // Rank `root`'s values of `tensors` (on device()) on every rank, in place.
   void broadcast(std::vector<torch::Tensor>& tensors, int64_t root, const std::string& what);
   // Returns once every rank has called it with the same `what`.
