@@ -10,6 +10,19 @@
 namespace qtrain::trainer {
 namespace {
 
+// Rank `rank` of `world_size` ranks over Gloo on this machine's `port`, as threads of this process.
+std::unique_ptr<ProcessGroup> gloo_rank(int64_t rank, int64_t world_size, int64_t port, int64_t timeout_seconds = 30) {
+  LaunchEnvironment environment;
+  environment.rank = rank;
+  environment.world_size = world_size;
+  environment.local_world_size = world_size;
+  environment.master_port = port;
+  ProcessGroupOptions options;
+  options.backend = "gloo";
+  options.timeout = std::chrono::seconds(timeout_seconds);
+  return std::make_unique<ProcessGroup>(environment, torch::kCPU, options);
+}
+
 struct RankResult {
   std::vector<torch::Tensor> local_gradients;  // what this rank's data alone gives
   std::vector<torch::Tensor> reduced_gradients;
@@ -19,15 +32,8 @@ struct RankResult {
 // Three parameters of different sizes; `micro_batches` backward passes, the last one armed.
 RankResult run_rank(int64_t rank, int64_t world_size, int64_t port, int64_t bucket_bytes, int micro_batches,
                     bool leave_one_unused, GradientReduction reduction = GradientReduction::kAllReduce) {
-  LaunchEnvironment environment;
-  environment.rank = rank;
-  environment.world_size = world_size;
-  environment.local_world_size = world_size;
-  environment.master_port = port;
-  ProcessGroupOptions options;
-  options.backend = "gloo";
-  options.timeout = std::chrono::seconds(30);
-  ProcessGroup group(environment, torch::kCPU, options);
+  const auto group_of_rank = gloo_rank(rank, world_size, port);
+  auto& group = *group_of_rank;
 
   torch::manual_seed(0);  // the same parameters on every rank
   std::vector<torch::Tensor> parameters{torch::randn({64, 32}).requires_grad_(), torch::randn({32}).requires_grad_(),
@@ -114,16 +120,7 @@ TEST(ProcessGroup, EveryRankGetsEachRanksValueInRankOrder) {
   constexpr int64_t kRanks = 3;
   const int64_t port = testing::free_port();
   const auto run = [port](int64_t rank) {
-    LaunchEnvironment environment;
-    environment.rank = rank;
-    environment.world_size = kRanks;
-    environment.local_world_size = kRanks;
-    environment.master_port = port;
-    ProcessGroupOptions options;
-    options.backend = "gloo";
-    options.timeout = std::chrono::seconds(30);
-    ProcessGroup group(environment, torch::kCPU, options);
-    return group.every_rank(1e9 + 7.5 * static_cast<double>(rank), "a test's values");
+    return gloo_rank(rank, kRanks, port)->every_rank(1e9 + 7.5 * static_cast<double>(rank), "a test's values");
   };
   std::vector<std::future<std::vector<double>>> others;
   for (int64_t rank = 1; rank < kRanks; ++rank) others.push_back(std::async(std::launch::async, run, rank));
@@ -133,15 +130,8 @@ TEST(ProcessGroup, EveryRankGetsEachRanksValueInRankOrder) {
 }
 
 TEST(ProcessGroup, ASecondRankThatNeverComesIsAnErrorNamingTheAddress) {
-  LaunchEnvironment environment;
-  environment.world_size = 2;
-  environment.local_world_size = 2;
-  environment.master_port = testing::free_port();
-  ProcessGroupOptions options;
-  options.backend = "gloo";
-  options.timeout = std::chrono::seconds(2);
   try {
-    ProcessGroup group(environment, torch::kCPU, options);
+    gloo_rank(0, 2, testing::free_port(), 2);
     FAIL() << "expected the rendezvous to time out";
   } catch (const std::exception& error) {
     EXPECT_NE(std::string(error.what()).find("rendezvous at 127.0.0.1:"), std::string::npos) << error.what();
