@@ -175,7 +175,10 @@ void expect_rows_route_as_index_add(const torch::Device& device) {
   const auto flat = torch::stack(choices).reshape(-1);
   const auto order = std::get<1>(flat.sort(/*stable=*/true, 0, false));
   const auto token_of_row = order.div(k, "floor");
-  const auto routing = route_rows(token_of_row.to(device), k);
+  const auto routing = route_rows(order.to(device), k);
+  EXPECT_TRUE(torch::equal(routing.token_of_row.cpu(), token_of_row));
+  // Each token's rows in row order, as a stable sort by token gives them.
+  EXPECT_TRUE(torch::equal(routing.by_token.cpu(), std::get<1>(token_of_row.sort(/*stable=*/true, 0, false))));
   for (const auto dtype : {torch::kBFloat16, torch::kFloat32}) {
     const auto values = torch::randn({tokens * k, hidden}).to(dtype);
     const auto rows = values.to(device).detach().clone().requires_grad_(true);

@@ -89,8 +89,11 @@ FeedForward make_sparse_moe(const LlamaOptions& options, const std::string& pref
 
 }  // namespace
 
-RowRouting route_rows(const torch::Tensor& token_of_row, int64_t k) {
-  return {token_of_row, std::get<1>(token_of_row.sort(/*stable=*/true, 0, false)), k};
+RowRouting route_rows(const torch::Tensor& order, int64_t k) {
+  // Row r holds the pair order[r] = token * k + choice. Each token's rows are its k places in the
+  // inverse permutation, sorted k at a time (what a stable sort of every row by token gives).
+  const auto inverse = torch::empty_like(order).scatter_(0, order, torch::arange(order.numel(), order.options()));
+  return {order.div(k, "floor"), std::get<0>(inverse.view({-1, k}).sort(-1)).reshape(-1), k};
 }
 
 torch::Tensor gather_token_rows(const torch::Tensor& x, const RowRouting& routing) {
@@ -227,8 +230,7 @@ torch::Tensor SparseMoeBlockImpl::run(const torch::Tensor& hidden, bool for_grap
   // Every (token, choice) pair sorted by expert; each expert's rows in token order.
   const auto flat_choice = chosen.reshape(-1);
   const auto order = std::get<1>(flat_choice.sort(/*stable=*/true, 0, false));
-  const auto token_of_row = order.div(k, "floor");
-  const auto routing = route_rows(token_of_row, k);
+  const auto routing = route_rows(order, k);
   // How many rows each expert takes, without a trip to the host (bincount's length would need one).
   const auto counts = torch::zeros({count}, flat_choice.options()).index_add_(0, flat_choice, torch::ones_like(flat_choice));
   // Backward sums each token's rows' gradients as the output sums the rows (no atomics).

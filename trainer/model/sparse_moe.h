@@ -31,7 +31,9 @@ struct RowRouting {
   torch::Tensor token_of_row, by_token;
   int64_t k = 1;
 };
-RowRouting route_rows(const torch::Tensor& token_of_row, int64_t k);
+// From `order`, the rows' (token, choice) pairs as flat indices token * k + choice (a stable sort
+// of the choices by expert).
+RowRouting route_rows(const torch::Tensor& order, int64_t k);
 // x's rows [tokens, hidden] gathered into the experts' rows; backward sums each token's row
 // gradients as sum_rows_by_token does.
 torch::Tensor gather_token_rows(const torch::Tensor& x, const RowRouting& routing);
