@@ -40,24 +40,22 @@ void rotary_embedding_into_cuda(const at::Tensor& x, const at::Tensor& cos, cons
 
 // silu(gate) * up, silu rounded to the dtype before the product.
 at::Tensor swiglu_forward_cuda(const at::Tensor& gate, const at::Tensor& up);
-// (grad gate, grad up) of the forward above; `over_inputs`: written over gate and up themselves
-// (each value read before its place is written), where nothing reads them after.
+// (grad gate, grad up) of the forward above.
 std::pair<at::Tensor, at::Tensor> swiglu_backward_cuda(const at::Tensor& grad_output, const at::Tensor& gate,
-                                                       const at::Tensor& up, bool over_inputs = false);
+                                                       const at::Tensor& up);
 
 // gelu_tanh(gate) * up (GeGLU, Gemma's), the GELU rounded to the dtype before the product, and
 // its backward.
 at::Tensor geglu_forward_cuda(const at::Tensor& gate, const at::Tensor& up);
 std::pair<at::Tensor, at::Tensor> geglu_backward_cuda(const at::Tensor& grad_output, const at::Tensor& gate,
-                                                      const at::Tensor& up, bool over_inputs = false);
+                                                      const at::Tensor& up);
 
 // The same on a fused gate_up projection's contiguous output [..., 2 * intermediate] (gate the first
 // half of each row, up the second, as Phi-3's chunk(2)), read in place: forward -> [..., intermediate];
-// backward -> d gate_up [..., 2 * intermediate], equal to the pair kernels' results side by side
-// (`over_inputs`: written over gate_up).
+// backward -> d gate_up [..., 2 * intermediate], equal to the pair kernels' results side by side.
 at::Tensor swiglu_fused_forward_cuda(const at::Tensor& gate_up);
-at::Tensor swiglu_fused_backward_cuda(const at::Tensor& grad_output, const at::Tensor& gate_up, bool over_inputs = false);
+at::Tensor swiglu_fused_backward_cuda(const at::Tensor& grad_output, const at::Tensor& gate_up);
 at::Tensor geglu_fused_forward_cuda(const at::Tensor& gate_up);
-at::Tensor geglu_fused_backward_cuda(const at::Tensor& grad_output, const at::Tensor& gate_up, bool over_inputs = false);
+at::Tensor geglu_fused_backward_cuda(const at::Tensor& grad_output, const at::Tensor& gate_up);
 
 }  // namespace qtrain::kernels

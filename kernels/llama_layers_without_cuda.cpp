@@ -21,17 +21,17 @@ void rotary_embedding_into_cuda(const at::Tensor&, const at::Tensor&, const at::
   no_cuda_kernels("rotary_embedding_into_cuda");
 }
 at::Tensor swiglu_forward_cuda(const at::Tensor&, const at::Tensor&) { no_cuda_kernels("swiglu_forward_cuda"); }
-std::pair<at::Tensor, at::Tensor> swiglu_backward_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool) {
+std::pair<at::Tensor, at::Tensor> swiglu_backward_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
   no_cuda_kernels("swiglu_backward_cuda");
 }
 at::Tensor geglu_forward_cuda(const at::Tensor&, const at::Tensor&) { no_cuda_kernels("geglu_forward_cuda"); }
-std::pair<at::Tensor, at::Tensor> geglu_backward_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool) {
+std::pair<at::Tensor, at::Tensor> geglu_backward_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
   no_cuda_kernels("geglu_backward_cuda");
 }
 at::Tensor swiglu_fused_forward_cuda(const at::Tensor&) { no_cuda_kernels("swiglu_fused_forward_cuda"); }
-at::Tensor swiglu_fused_backward_cuda(const at::Tensor&, const at::Tensor&, bool) { no_cuda_kernels("swiglu_fused_backward_cuda"); }
+at::Tensor swiglu_fused_backward_cuda(const at::Tensor&, const at::Tensor&) { no_cuda_kernels("swiglu_fused_backward_cuda"); }
 at::Tensor geglu_fused_forward_cuda(const at::Tensor&) { no_cuda_kernels("geglu_fused_forward_cuda"); }
-at::Tensor geglu_fused_backward_cuda(const at::Tensor&, const at::Tensor&, bool) { no_cuda_kernels("geglu_fused_backward_cuda"); }
+at::Tensor geglu_fused_backward_cuda(const at::Tensor&, const at::Tensor&) { no_cuda_kernels("geglu_fused_backward_cuda"); }
 
 }  // namespace qtrain::kernels
 

@@ -83,13 +83,11 @@ __global__ void gated_forward_kernel(const scalar_t* __restrict__ gate, const sc
   *reinterpret_cast<Values*>(out + first) = y;
 }
 
-// d up = dtype(dy * act_t), d act = dtype(dy * up), d gate = dtype(d act * act'(g)). grad_gate and
-// grad_up may be gate and up themselves (not __restrict__): each thread reads its values of both
-// before it writes either.
+// d up = dtype(dy * act_t), d act = dtype(dy * up), d gate = dtype(d act * act'(g)).
 template <typename scalar_t, int kVector, typename Activation>
-__global__ void gated_backward_kernel(const scalar_t* __restrict__ grad_output, const scalar_t* gate,
-                                       const scalar_t* up, int64_t n, int64_t width, int64_t row_stride,
-                                       scalar_t* grad_gate, scalar_t* grad_up) {
+__global__ void gated_backward_kernel(const scalar_t* __restrict__ grad_output, const scalar_t* __restrict__ gate,
+                                       const scalar_t* __restrict__ up, int64_t n, int64_t width, int64_t row_stride,
+                                       scalar_t* __restrict__ grad_gate, scalar_t* __restrict__ grad_up) {
   using Values = ValuePack<scalar_t, kVector>;  // kVector values per thread
   const int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kVector;
   if (first >= n) return;
@@ -180,14 +178,11 @@ at::Tensor pair_forward(const at::Tensor& gate, const at::Tensor& up) {
 
 template <typename Activation>
 std::pair<at::Tensor, at::Tensor> pair_backward(const at::Tensor& grad_output, const at::Tensor& gate,
-                                                const at::Tensor& up, bool over_inputs) {
+                                                const at::Tensor& up) {
   check_pair(gate, up, "gated activation backward: gate and up");
   check_pair(gate, grad_output, "gated activation backward: gate and grad_output");
-  if (over_inputs && (!gate.is_contiguous() || !up.is_contiguous())) {
-    throw Error(ErrorCode::kInternal, "gated activation backward over its inputs: gate and up must be contiguous");
-  }
-  auto grad_gate = over_inputs ? gate : at::empty_like(gate);
-  auto grad_up = over_inputs ? up : at::empty_like(up);
+  auto grad_gate = at::empty_like(gate);
+  auto grad_up = at::empty_like(up);
   const int64_t width = std::max<int64_t>(gate.numel(), 1);
   gated_backward<Activation>(grad_output, gate.data_ptr(), up.data_ptr(), width, width, grad_gate.data_ptr(),
                              grad_up.data_ptr());
@@ -215,7 +210,7 @@ at::Tensor fused_forward(const at::Tensor& gate_up) {
 }
 
 template <typename Activation>
-at::Tensor fused_backward(const at::Tensor& grad_output, const at::Tensor& gate_up, bool over_inputs) {
+at::Tensor fused_backward(const at::Tensor& grad_output, const at::Tensor& gate_up) {
   const int64_t width = half_width(gate_up, "gated activation backward: gate_up");
   check_cuda_tensor(grad_output, "gated activation backward: grad_output");
   check_same_device(grad_output, gate_up, "gated activation backward: grad_output");
@@ -223,10 +218,7 @@ at::Tensor fused_backward(const at::Tensor& grad_output, const at::Tensor& gate_
   if (grad_output.numel() * 2 != gate_up.numel()) {
     throw Error(ErrorCode::kInternal, "gated activation backward: grad_output must be half of gate_up");
   }
-  if (over_inputs && !gate_up.is_contiguous()) {
-    throw Error(ErrorCode::kInternal, "gated activation backward over its input: gate_up must be contiguous");
-  }
-  auto grad_gate_up = over_inputs ? gate_up : at::empty_like(gate_up);
+  auto grad_gate_up = at::empty_like(gate_up);
   const auto* base = static_cast<const char*>(gate_up.data_ptr());
   auto* grad_base = static_cast<char*>(grad_gate_up.data_ptr());
   const int64_t up_bytes = width * gate_up.element_size();
@@ -239,27 +231,27 @@ at::Tensor fused_backward(const at::Tensor& grad_output, const at::Tensor& gate_
 at::Tensor swiglu_forward_cuda(const at::Tensor& gate, const at::Tensor& up) { return pair_forward<Silu>(gate, up); }
 
 std::pair<at::Tensor, at::Tensor> swiglu_backward_cuda(const at::Tensor& grad_output, const at::Tensor& gate,
-                                                       const at::Tensor& up, bool over_inputs) {
-  return pair_backward<Silu>(grad_output, gate, up, over_inputs);
+                                                       const at::Tensor& up) {
+  return pair_backward<Silu>(grad_output, gate, up);
 }
 
 at::Tensor geglu_forward_cuda(const at::Tensor& gate, const at::Tensor& up) { return pair_forward<GeluTanh>(gate, up); }
 
 std::pair<at::Tensor, at::Tensor> geglu_backward_cuda(const at::Tensor& grad_output, const at::Tensor& gate,
-                                                      const at::Tensor& up, bool over_inputs) {
-  return pair_backward<GeluTanh>(grad_output, gate, up, over_inputs);
+                                                      const at::Tensor& up) {
+  return pair_backward<GeluTanh>(grad_output, gate, up);
 }
 
 at::Tensor swiglu_fused_forward_cuda(const at::Tensor& gate_up) { return fused_forward<Silu>(gate_up); }
 
-at::Tensor swiglu_fused_backward_cuda(const at::Tensor& grad_output, const at::Tensor& gate_up, bool over_inputs) {
-  return fused_backward<Silu>(grad_output, gate_up, over_inputs);
+at::Tensor swiglu_fused_backward_cuda(const at::Tensor& grad_output, const at::Tensor& gate_up) {
+  return fused_backward<Silu>(grad_output, gate_up);
 }
 
 at::Tensor geglu_fused_forward_cuda(const at::Tensor& gate_up) { return fused_forward<GeluTanh>(gate_up); }
 
-at::Tensor geglu_fused_backward_cuda(const at::Tensor& grad_output, const at::Tensor& gate_up, bool over_inputs) {
-  return fused_backward<GeluTanh>(grad_output, gate_up, over_inputs);
+at::Tensor geglu_fused_backward_cuda(const at::Tensor& grad_output, const at::Tensor& gate_up) {
+  return fused_backward<GeluTanh>(grad_output, gate_up);
 }
 
 }  // namespace qtrain::kernels

@@ -93,12 +93,8 @@ torch::Tensor DenseMlpImpl::run(const torch::Tensor& hidden, const qat::LinearLa
   };
   // Where down_proj's output is unread and it reads no value of its input either (it makes it
   // again for backward), the product's values are left unwritten too: only the activation's node.
-  // Nothing reads gate and up after the activation's backward (`rebuild` runs in down_proj's,
-  // before it), so that backward writes their gradients over them.
-  const auto inputs = GatedInputs::kFreeAfterBackward;
-  const auto product = for_graph && !down_proj->reads_input_for_graph()
-                           ? gated_activation_for_graph(gelu, gate, up, inputs)
-                           : gated_activation_of_mlp(gelu, gate, up, inputs);
+  const auto product = for_graph && !down_proj->reads_input_for_graph() ? gated_activation_for_graph(gelu, gate, up)
+                                                                        : gated_activation(gelu, gate, up);
   gate = up = torch::Tensor();
   return for_graph ? down_proj->forward_for_graph(product, rebuild) : down_proj->forward_rebuilding_input(product, rebuild);
 }

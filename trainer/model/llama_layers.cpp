@@ -128,25 +128,22 @@ struct GeluTanhKernels {
 };
 
 // `written` false: the output's place in autograd's graph, its values left unwritten
-// (gated_activation_for_graph). `over_inputs`: backward writes the gradients over the kept gate
-// and up (GatedInputs::kFreeAfterBackward).
+// (gated_activation_for_graph).
 template <typename Kernels>
 class GatedActivationFunction : public torch::autograd::Function<GatedActivationFunction<Kernels>> {
  public:
   static torch::Tensor forward(AutogradContext* context, const torch::Tensor& gate, const torch::Tensor& up,
-                               bool written, bool over_inputs) {
+                               bool written) {
     const auto gate_values = gate.contiguous();
     const auto up_values = up.contiguous();
     context->save_for_backward({gate_values, up_values});
-    context->saved_data["over_inputs"] = over_inputs;
     return written ? Kernels::forward(gate_values, up_values) : torch::empty_like(gate_values);
   }
 
   static variable_list backward(AutogradContext* context, variable_list grads) {
     const auto saved = context->get_saved_variables();
-    auto [grad_gate, grad_up] =
-        Kernels::backward(grads[0].contiguous(), saved[0], saved[1], context->saved_data["over_inputs"].toBool());
-    return {grad_gate, grad_up, torch::Tensor(), torch::Tensor()};
+    auto [grad_gate, grad_up] = Kernels::backward(grads[0].contiguous(), saved[0], saved[1]);
+    return {grad_gate, grad_up, torch::Tensor()};
   }
 };
 
@@ -154,10 +151,9 @@ class GatedActivationFunction : public torch::autograd::Function<GatedActivation
 template <typename Kernels>
 class FusedGatedActivationFunction : public torch::autograd::Function<FusedGatedActivationFunction<Kernels>> {
  public:
-  static torch::Tensor forward(AutogradContext* context, const torch::Tensor& gate_up, bool written, bool over_inputs) {
+  static torch::Tensor forward(AutogradContext* context, const torch::Tensor& gate_up, bool written) {
     const auto values = gate_up.contiguous();
     context->save_for_backward({values});
-    context->saved_data["over_inputs"] = over_inputs;
     if (written) return Kernels::fused_forward(values);
     auto sizes = values.sizes().vec();
     sizes.back() /= 2;
@@ -165,9 +161,7 @@ class FusedGatedActivationFunction : public torch::autograd::Function<FusedGated
   }
 
   static variable_list backward(AutogradContext* context, variable_list grads) {
-    return {Kernels::fused_backward(grads[0].contiguous(), context->get_saved_variables()[0],
-                                    context->saved_data["over_inputs"].toBool()),
-            torch::Tensor(), torch::Tensor()};
+    return {Kernels::fused_backward(grads[0].contiguous(), context->get_saved_variables()[0]), torch::Tensor()};
   }
 };
 
@@ -211,21 +205,18 @@ bool kernels_take_pair(const torch::Tensor& gate, const torch::Tensor& up) {
 // first half of each row). On the CUDA kernels where they take it, else torch's operations (on
 // the CPU, transformers' views of the halves). `written` false: only the output's place in
 // autograd's graph, its values unwritten, its gradients the written path's bit for bit.
-torch::Tensor gated_activation(bool gelu, const torch::Tensor& gate, const torch::Tensor& up, bool written,
-                               GatedInputs inputs = GatedInputs::kKept) {
-  // The kernels' backward writes over gate and up where `inputs` allows it; torch's operations never.
-  const bool over_inputs = inputs == GatedInputs::kFreeAfterBackward;
+torch::Tensor gated_activation(bool gelu, const torch::Tensor& gate, const torch::Tensor& up, bool written) {
   if (!up.defined()) {
     if (on_fused_kernels(gate)) {
-      return gelu ? FusedGatedActivationFunction<GeluTanhKernels>::apply(gate, written, over_inputs)
-                  : FusedGatedActivationFunction<SiluKernels>::apply(gate, written, over_inputs);
+      return gelu ? FusedGatedActivationFunction<GeluTanhKernels>::apply(gate, written)
+                  : FusedGatedActivationFunction<SiluKernels>::apply(gate, written);
     }
     const auto halves = gate.chunk(2, -1);
     return gated_activation(gelu, halves[0], halves[1], written);
   }
   if (kernels_take_pair(gate, up)) {
-    return gelu ? GatedActivationFunction<GeluTanhKernels>::apply(gate, up, written, over_inputs)
-                : GatedActivationFunction<SiluKernels>::apply(gate, up, written, over_inputs);
+    return gelu ? GatedActivationFunction<GeluTanhKernels>::apply(gate, up, written)
+                : GatedActivationFunction<SiluKernels>::apply(gate, up, written);
   }
   if (!written) return UnwrittenGatedReference::apply(gate, up, gelu);
   return gelu ? geglu_reference(gate, up) : swiglu_reference(gate, up);
@@ -324,13 +315,8 @@ torch::Tensor geglu_reference(const torch::Tensor& gate, const torch::Tensor& up
 
 torch::Tensor geglu(const torch::Tensor& gate, const torch::Tensor& up) { return gated_activation(true, gate, up, true); }
 
-torch::Tensor gated_activation_for_graph(bool gelu, const torch::Tensor& gate, const torch::Tensor& up,
-                                         GatedInputs inputs) {
-  return gated_activation(gelu, gate, up, false, inputs);
-}
-
-torch::Tensor gated_activation_of_mlp(bool gelu, const torch::Tensor& gate, const torch::Tensor& up, GatedInputs inputs) {
-  return gated_activation(gelu, gate, up, true, inputs);
+torch::Tensor gated_activation_for_graph(bool gelu, const torch::Tensor& gate, const torch::Tensor& up) {
+  return gated_activation(gelu, gate, up, false);
 }
 
 }  // namespace qtrain::trainer

@@ -58,23 +58,11 @@ torch::Tensor geglu_reference(const torch::Tensor& gate, const torch::Tensor& up
 torch::Tensor swiglu_of_fused(const torch::Tensor& gate_up);
 torch::Tensor geglu_of_fused(const torch::Tensor& gate_up);
 
-// Whether an activation's backward may write its gradients over the gate and up it kept, so that
-// they never need a second [tokens, 2 x intermediate] beside them (Unsloth's kernels do the same):
-// only where nothing reads gate or up after that backward, as in a decoder layer's MLP, whose
-// down_proj makes its input again from them in its own backward, which runs before. The CUDA
-// kernels' path; torch's operations keep them.
-enum class GatedInputs { kKept, kFreeAfterBackward };
-
 // act(gate) * up (GeGLU where `gelu`; `up` undefined: `gate` is a fused gate_up output) where
 // nothing reads the values, only their place in autograd's graph: they are left unwritten, and
 // backward gives the gradients of the computed product bit for bit. For the input of a projection
 // that does not read it (qat::LinearLayer::reads_input_for_graph) in a checkpointed layer's
 // recomputation.
-torch::Tensor gated_activation_for_graph(bool gelu, const torch::Tensor& gate, const torch::Tensor& up,
-                                         GatedInputs inputs = GatedInputs::kKept);
-
-// act(gate) * up as swiglu / geglu (or their fused forms, `up` undefined) compute it, for a
-// decoder layer's MLP, which says what the activation's backward may do with gate and up.
-torch::Tensor gated_activation_of_mlp(bool gelu, const torch::Tensor& gate, const torch::Tensor& up, GatedInputs inputs);
+torch::Tensor gated_activation_for_graph(bool gelu, const torch::Tensor& gate, const torch::Tensor& up);
 
 }  // namespace qtrain::trainer
