@@ -641,6 +641,7 @@ BenchMeasurement measure_bench(const BenchOptions& bench, BenchRun& run) {
     run.step->set_memory_phases(&phases);
     run.step->run(batches, next_step++);
     run.step->set_memory_phases(nullptr);
+    phases.finish();
     synchronize(device);
     measured.phases = phases.phases();
   }

@@ -196,13 +196,7 @@ StepResult TrainingStep::run(const std::vector<data::Batch>& micro_batches, int6
 }
 
 StepResult TrainingStep::apply_gradients(StepResult result, int64_t step, const AfterBackward& after_backward) {
-  mark_phase("update");
-  struct EndPhases {
-    MemoryPhases* phases;
-    ~EndPhases() {
-      if (phases) phases->finish();
-    }
-  } end_phases{phases_};
+  mark_phase("update");  // the caller finishes it
   if (after_backward) after_backward(step, trainable_);
 
   const bool loss_finite = std::isfinite(result.loss);

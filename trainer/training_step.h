@@ -92,8 +92,8 @@ class TrainingStep {
   // the end of a run): with train.optimizer_states_on_host, the update that waits for the next
   // forward is applied and the state's copies to the host are done. The state stays on the host.
   void settle_optimizer_state();
-  // bench --memory-phases: the steps mark their phases there (forward, loss, backward, update);
-  // nullptr: none.
+  // bench --memory-phases: the steps mark their phases there (forward, loss, backward, update;
+  // the caller finishes the last); nullptr: none.
   void set_memory_phases(MemoryPhases* phases) { phases_ = phases; }
 
  private:

@@ -79,6 +79,7 @@ TEST(MemoryPhases, ATrainingStepMarksForwardLossBackwardAndUpdate) {
   step.set_memory_phases(&phases);
   const auto result = step.run(window, 1);
   step.set_memory_phases(nullptr);
+  phases.finish();
   step.run(window, 2);
   ASSERT_FALSE(result.skipped) << result.skip_reason;
   EXPECT_EQ(names(phases), (std::vector<std::string>{"forward", "loss", "backward", "update"}));

@@ -26,21 +26,19 @@ void HostResidentWeight::prefetch(const torch::Device& device, int64_t pieces) {
   // Allocated on the current stream, so that the block returns to its pool once the consumers,
   // which run there, let go of it; the first piece's copy waits for the work that last used it.
   on_device_ = torch::empty_like(host_, host_.options().device(device));
-  const int64_t rows = host_.dim() == 0 ? 1 : host_.size(0);
-  piece_rows_ = host_.dim() == 0 ? 1 : (rows + std::max<int64_t>(pieces, 1) - 1) / std::max<int64_t>(pieces, 1);
+  piece_rows_ = (rows() + std::max<int64_t>(pieces, 1) - 1) / std::max<int64_t>(pieces, 1);
   queued_rows_ = 0;
   continue_prefetch();
 }
 
 void HostResidentWeight::continue_prefetch() {
-  const int64_t rows = host_.dim() == 0 ? 1 : host_.size(0);
-  if (!on_device_.defined() || queued_rows_ >= rows) return;
+  if (!on_device_.defined() || queued_rows_ >= rows()) return;
   const auto device = on_device_.device();
   if (host_.dim() == 0) {
     copy_after_compute(on_device_, host_, device, CopyLane::kPrefetch);
     queued_rows_ = 1;
   } else {
-    const int64_t end = std::min(rows, queued_rows_ + piece_rows_);
+    const int64_t end = std::min(rows(), queued_rows_ + piece_rows_);
     copy_after_compute(on_device_.slice(0, queued_rows_, end), host_.slice(0, queued_rows_, end), device, CopyLane::kPrefetch);
     queued_rows_ = end;
   }
@@ -89,8 +87,7 @@ torch::Tensor HostResidentWeight::take_rows(const torch::Device& device, int64_t
 torch::Tensor HostResidentWeight::take(const torch::Device& device) {
   tiles_.clear();  // taken whole: queued tiles will not be asked for
   prefetch(device);
-  const int64_t rows = host_.dim() == 0 ? 1 : host_.size(0);
-  while (queued_rows_ < rows) continue_prefetch();
+  while (queued_rows_ < rows()) continue_prefetch();
   arrived_.wait(device);
   auto taken = std::move(on_device_);
   on_device_ = torch::Tensor();

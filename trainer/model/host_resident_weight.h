@@ -62,6 +62,7 @@ class HostResidentWeight {
     CopyArrival arrived;
   };
   void queue_tile(const torch::Device& device, int64_t begin, int64_t end);
+  int64_t rows() const { return host_.dim() == 0 ? 1 : host_.size(0); }  // a scalar is one piece
 
   torch::Tensor host_;
   torch::Tensor on_device_;  // prefetched, not yet taken
