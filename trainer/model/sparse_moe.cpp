@@ -51,7 +51,6 @@ class SumTokenRows : public torch::autograd::Function<SumTokenRows> {
   }
 };
 
-
 std::vector<ProjectionShape> bank_projections(const LlamaOptions& options) {
   const int64_t experts = options.experts.num_experts;
   const int64_t hidden = options.hidden_size;
